@@ -1,0 +1,7 @@
+"""Clover's model: config-driven hybrid (Gated DeltaNet + gated attention + MoE) or dense Llama backbone."""
+
+from clover.model.cache import CloverCache
+from clover.model.layout import BlockLayout
+from clover.model.modeling import CloverForBlockDiffusion, CloverOutput
+
+__all__ = ["BlockLayout", "CloverCache", "CloverForBlockDiffusion", "CloverOutput"]

@@ -1,0 +1,254 @@
+"""The Clover model: decoder layers, backbone and LM head, in the order data flows.
+
+    h = embed(ids)
+    for each layer:  h += mixer(input_layernorm(h));  h += mlp(post_attention_layernorm(h))
+    logits = lm_head(norm(h))
+
+`mixer` is Gated DeltaNet (`linear_attention`) or softmax attention (`full_attention`); `mlp` is the sparse MoE
+or a dense SwiGLU. Every forward runs under a `BlockLayout` (clean tokens, query blocks); with `block_size=1`
+and no query blocks it is exactly the AR base's forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from clover.config import LINEAR_ATTENTION, CloverConfig
+from clover.model.attention import Attention
+from clover.model.cache import CloverCache
+from clover.model.deltanet import GatedDeltaNet
+from clover.model.layout import BlockLayout
+from clover.model.moe import Experts, SparseMoE, SwiGLU, TopKRouter
+from clover.model.norms import RMSNorm
+from clover.model.rope import RotaryEmbedding
+
+
+@dataclass
+class CloverOutput:
+    logits: torch.Tensor  # [N, kept clean positions, V]
+    query_logits: torch.Tensor | None = None  # [N, query tokens, V]
+    hidden_states: torch.Tensor | None = None  # final-norm hidden states of clean then query tokens
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: CloverConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_type = config.layer_types[layer_idx]
+        zc = config.norm_type == "zero_centered"
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, zero_centered=zc)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, zero_centered=zc)
+        if self.layer_type == LINEAR_ATTENTION:
+            self.linear_attn = GatedDeltaNet(config)
+        else:
+            self.self_attn = Attention(config)
+        if config.layer_uses_moe(layer_idx):
+            self.mlp: nn.Module = SparseMoE(config)
+        else:
+            self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
+
+    def forward(self, h: torch.Tensor, ctx: "_ForwardContext", cache_layer: Any) -> torch.Tensor:
+        x = self.input_layernorm(h)
+        if self.layer_type == LINEAR_ATTENTION:
+            x = self.linear_attn(x, ctx.layout, ctx.clean_valid, cache_layer)
+        else:
+            x = self.self_attn(x, ctx.rope, ctx.mask, ctx.is_causal, ctx.layout.clean_len, cache_layer)
+        h = h + x
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+@dataclass
+class _ForwardContext:
+    layout: BlockLayout
+    clean_valid: torch.Tensor | None
+    rope: tuple[torch.Tensor, torch.Tensor]
+    mask: torch.Tensor | None
+    is_causal: bool
+
+
+class CloverModel(nn.Module):
+    def __init__(self, config: CloverConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, zero_centered=config.norm_type == "zero_centered")
+        self.rotary = RotaryEmbedding(config.rotary_dim, config.rope_theta)
+
+
+class CloverForBlockDiffusion(nn.Module):
+    """A Clover model. `model(ids, block_size=1).logits` is the AR forward; `generate` decodes block by block."""
+
+    def __init__(self, config: CloverConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = CloverModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.gradient_checkpointing = False
+        self.apply(self._init_weights)
+
+    def _init_weights(self, module: nn.Module) -> None:
+        std = self.config.initializer_range
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=std)
+            if getattr(module, "bias", None) is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, Experts):
+            nn.init.normal_(module.gate_up_proj, std=std)
+            nn.init.normal_(module.down_proj, std=std)
+        elif isinstance(module, TopKRouter):
+            nn.init.normal_(module.weight, std=std)
+
+    # -- forward ------------------------------------------------------------------------------------------
+    def forward(
+        self,
+        input_ids: torch.Tensor | Sequence[Sequence[int]] | None = None,
+        block_size: int = 1,
+        *,
+        prefix_len: int = 0,
+        attention_mask: torch.Tensor | None = None,
+        cache: CloverCache | None = None,
+        query_ids: torch.Tensor | None = None,
+        query_start: int | None = None,
+        logits_to_keep: int | None = None,
+        output_hidden_states: bool = False,
+    ) -> CloverOutput:
+        """Run clean tokens `input_ids` `[N, T]` (and optional query blocks `query_ids` `[N, nq * block_size]`).
+
+        * `block_size`, `prefix_len`: clean tokens are a causal prefix of `prefix_len`, then blocks.
+        * `attention_mask` `[N, T]`: 1 for real clean tokens, 0 for left padding.
+        * `cache`: read, and extended by every clean token. Query tokens are never cached.
+        * `query_start`: clean offset of the first query block (default: right after the clean tokens,
+          for the last query block).
+        * `logits_to_keep`: compute clean logits only for the last this-many positions (0: none).
+        """
+        device = self.lm_head.weight.device
+        ids = self._as_ids(input_ids, device)
+        n = ids.shape[0] if ids is not None else (query_ids.shape[0] if query_ids is not None else 1)
+        if ids is None:
+            ids = torch.zeros(n, 0, dtype=torch.long, device=device)
+        lc = ids.shape[1]
+        nq = 0 if query_ids is None else query_ids.shape[1] // block_size
+        if query_ids is not None and query_ids.shape[1] != nq * block_size:
+            raise ValueError(f"query_ids length {query_ids.shape[1]} is not a multiple of block_size {block_size}")
+        if query_start is None:
+            query_start = lc - max(nq - 1, 0) * block_size
+        layout = BlockLayout(lc, block_size, prefix_len if block_size > 1 else lc, nq, query_start)
+        if lc + nq == 0:
+            raise ValueError("forward needs at least one clean token or one query block")
+
+        clean_valid = None
+        if attention_mask is not None:
+            if attention_mask.shape != ids.shape:
+                raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} != input_ids {tuple(ids.shape)}")
+            clean_valid = attention_mask.to(device=device, dtype=torch.bool)
+        all_ids = ids if query_ids is None else torch.cat([ids, query_ids.to(device)], dim=1)
+        self._check_ids(all_ids)
+
+        # positions: continue after the cache; padding does not advance them
+        start = cache.next_position if cache is not None else torch.zeros(n, dtype=torch.long, device=device)
+        valid_i = clean_valid.long() if clean_valid is not None else torch.ones_like(ids)
+        before = torch.cat([valid_i.new_zeros(n, 1), valid_i.cumsum(1)], dim=1)  # valid clean tokens before i
+        positions = [start[:, None] + (before[:, 1:] - 1).clamp(min=0)]
+        if nq:
+            qs = layout.query_block_starts(device)
+            in_block = torch.arange(layout.query_len, device=device) % block_size
+            positions.append(start[:, None] + before[:, qs] + in_block[None])
+        positions_t = torch.cat(positions, dim=1)
+        if cache is not None:
+            self._check_context(cache, positions_t)
+
+        h = self.model.embed_tokens(all_ids)
+        past_valid = cache.past_valid() if cache is not None else None
+        mask, is_causal = layout.attention_mask(past_valid, clean_valid, n, device)
+        ctx = _ForwardContext(layout, clean_valid, self.model.rotary(positions_t, h.dtype), mask, is_causal)
+        for i, layer in enumerate(self.model.layers):
+            cache_layer = cache.layers[i] if cache is not None else None
+            if self.gradient_checkpointing and self.training:
+                h = checkpoint(layer, h, ctx, cache_layer, use_reentrant=False)
+            else:
+                h = layer(h, ctx, cache_layer)
+        if cache is not None and lc:
+            cache.commit(clean_valid if clean_valid is not None else torch.ones_like(ids, dtype=torch.bool))
+
+        keep = lc if logits_to_keep is None else min(logits_to_keep, lc)
+        hidden = self.model.norm(torch.cat([h[:, lc - keep : lc], h[:, lc:]], dim=1))
+        logits = self.lm_head(hidden)
+        return CloverOutput(
+            logits=logits[:, :keep],
+            query_logits=logits[:, keep:] if nq else None,
+            hidden_states=hidden if output_hidden_states else None,
+        )
+
+    @staticmethod
+    def _as_ids(input_ids: Any, device: torch.device) -> torch.Tensor | None:
+        if input_ids is None:
+            return None
+        ids = torch.as_tensor(input_ids, dtype=torch.long, device=device) if not torch.is_tensor(input_ids) \
+            else input_ids.to(device=device, dtype=torch.long)
+        if ids.dim() == 1:
+            ids = ids[None]
+        if ids.dim() != 2:
+            raise ValueError(f"input_ids must be [batch, tokens], got shape {tuple(ids.shape)}")
+        return ids
+
+    def _check_ids(self, ids: torch.Tensor) -> None:
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size):
+            raise ValueError(f"token ids must be in [0, {self.config.vocab_size}), "
+                             f"got range [{int(ids.min())}, {int(ids.max())}]")
+
+    def _check_context(self, cache: CloverCache, positions: torch.Tensor) -> None:
+        limit = self.config.max_position_embeddings
+        if positions.numel() and int(positions.max()) >= limit:
+            raise ValueError(f"context of {int(positions.max()) + 1} tokens exceeds the model's "
+                             f"max_position_embeddings={limit}")
+
+    def new_cache(self, batch_size: int) -> CloverCache:
+        return CloverCache(self.config, batch_size, device=self.lm_head.weight.device)
+
+    # -- counting -----------------------------------------------------------------------------------------
+    def num_parameters(self) -> int:
+        """All parameters (a tied embedding / LM head matrix counted once)."""
+        return sum(p.numel() for p in self.parameters())
+
+    def num_active_parameters(self, include_embeddings: bool = True) -> int:
+        """Parameters that take part in computing one token's output.
+
+        Routed experts count `top_k / num_experts` of their weights; the input embedding table is a lookup,
+        not compute, so it is not counted (unless tied, when it is the LM head). With
+        `include_embeddings=False` the LM head is left out too.
+        """
+        total = self.num_parameters()
+        if not self.config.tie_word_embeddings:
+            total -= self.model.embed_tokens.weight.numel()
+        if not include_embeddings:
+            total -= self.lm_head.weight.numel()
+        for module in self.modules():
+            if isinstance(module, Experts):
+                routed = module.gate_up_proj.numel() + module.down_proj.numel()
+                total -= routed - routed * self.config.num_experts_per_tok // self.config.num_experts
+        return total
+
+    # -- checkpoints -------------------------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, directory: str | Path, dtype: torch.dtype | None = None,
+                        device: torch.device | str | None = None) -> "CloverForBlockDiffusion":
+        from clover.checkpoint import load_state_dict_strict
+
+        config = CloverConfig.from_file(directory)
+        model = cls(config)
+        load_state_dict_strict(model, directory)
+        if dtype is not None or device is not None:
+            model.to(device=device, dtype=dtype)
+        return model.eval()
+
+    def save_pretrained(self, directory: str | Path, tokenizer_dir: str | Path | None = None) -> None:
+        from clover.checkpoint import save_checkpoint
+
+        save_checkpoint(self, directory, tokenizer_dir=tokenizer_dir)
