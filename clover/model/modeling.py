@@ -212,6 +212,16 @@ class CloverForBlockDiffusion(nn.Module):
     def new_cache(self, batch_size: int) -> CloverCache:
         return CloverCache(self.config, batch_size, device=self.lm_head.weight.device)
 
+    # -- generation --------------------------------------------------------------------------------------
+    def generate(self, input_ids: torch.Tensor | Sequence[Sequence[int]], max_new_tokens: int = 128,
+                 block_size: int | None = None, threshold: float | None = None, **sampling: Any) -> Any:
+        """Block-diffusion decoding (DESIGN §3): a list of token-id lists or a 2-D tensor in; a `GenerationResult`
+        with `.sequences` (new ids, EOS excluded) and `.stats` out. `block_size` / `threshold` default to the
+        config's; other keywords go to `clover.engine.generate` (temperature, top_p, top_k, seed, rule, ...)."""
+        from clover.engine import generate
+
+        return generate(self, input_ids, max_new_tokens, block_size=block_size, threshold=threshold, **sampling)
+
     # -- counting -----------------------------------------------------------------------------------------
     def num_parameters(self) -> int:
         """All parameters (a tied embedding / LM head matrix counted once)."""
@@ -242,8 +252,10 @@ class CloverForBlockDiffusion(nn.Module):
         from clover.checkpoint import load_state_dict_strict
 
         config = CloverConfig.from_file(directory)
-        model = cls(config)
+        with torch.device("meta"):  # no random init, no second copy of the weights
+            model = cls(config)
         load_state_dict_strict(model, directory)
+        model.model.rotary = RotaryEmbedding(config.rotary_dim, config.rope_theta)  # non-persistent buffer
         if dtype is not None or device is not None:
             model.to(device=device, dtype=dtype)
         return model.eval()

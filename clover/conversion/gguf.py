@@ -1,0 +1,152 @@
+"""llama-architecture GGUF files (llama.cpp; e.g. SmolLM2-135M-Instruct.Q4_1.gguf) -> Clover's dense backbone.
+
+Tensors are read and dequantised to fp32 with the `gguf` package. GGUF stores a matrix with its dims
+reversed (`ne0` = input features), which `dequantize` already returns as PyTorch's `[out, in]`. Names map
+`token_embd` / `output_norm` / `output` and `blk.N.{attn_norm, attn_q, attn_k, attn_v, attn_output, ffn_norm,
+ffn_gate, ffn_up, ffn_down}` onto Clover's (= HF Llama's) names; a missing `output.weight` means tied
+embeddings.
+
+**Q/K row permutation.** HF's rotate-half RoPE pairs channel `c` of a head with `c + d/2`; ggml's "normal"
+RoPE pairs adjacent channels `(2c, 2c+1)`. llama.cpp's converter therefore reorders each head's rows of
+`q_proj` / `k_proj` as `w.reshape(heads, 2, d/2, H).swapaxes(1, 2)` (interleaving the two halves);
+`unpermute_qk` applies the inverse, `reshape(heads, d/2, 2, H).swapaxes(1, 2)`, with `heads` the query
+heads for Q and the key/value heads for K.
+
+Hyper-parameters come from the `llama.*` metadata; the tokenizer (with its chat template) is rebuilt by
+transformers from the GGUF's `tokenizer.ggml.*` metadata and saved as `tokenizer.json` +
+`tokenizer_config.json`, so the checkpoint never needs the GGUF again.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from clover.conversion.common import Source, SourceTensorError
+from clover.conversion.llama import llama_config
+
+_REQUIRED = object()
+
+# Clover name (with {i} for the layer) -> GGUF name
+_GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+           "lm_head.weight": "output.weight"}
+_LAYER = {
+    "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+_LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
+
+
+def unpermute_qk(weight: torch.Tensor, heads: int) -> torch.Tensor:
+    """Undo llama.cpp's per-head interleaving of Q/K rows (module docstring)."""
+    rows = weight.shape[0]
+    return weight.reshape(heads, rows // heads // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def find_gguf(src: Path) -> Path:
+    """`src` itself, or the single .gguf file inside directory `src`."""
+    if src.is_file():
+        return src
+    if src.is_dir():
+        found = sorted(src.glob("*.gguf"))
+        if len(found) == 1:
+            return found[0]
+        raise FileNotFoundError(f"{src} holds {len(found)} .gguf files; pass the file itself")
+    raise FileNotFoundError(f"GGUF source {src} not found")
+
+
+class GGUFSource(Source):
+    def __init__(self, src: Path) -> None:
+        import gguf
+        from transformers import LlamaConfig
+
+        self.path = find_gguf(src)
+        self.reader = gguf.GGUFReader(str(self.path))
+        arch = self._meta("general.architecture")
+        if arch != "llama":
+            raise ValueError(f"{self.path}: GGUF architecture is {arch!r}; --from gguf supports 'llama' only")
+        self._tensors = {t.name: t for t in self.reader.tensors}
+        self._used: set[str] = set()
+        scaling = self._meta("llama.rope.scaling.type", "none")
+        if scaling not in ("none", "") or "rope_freqs.weight" in self._tensors:
+            raise ValueError(f"{self.path}: RoPE scaling ({scaling!r}, or a rope_freqs tensor) is not supported: "
+                             "Clover implements plain RoPE only")
+        heads = int(self._meta("llama.attention.head_count"))
+        hidden = int(self._meta("llama.embedding_length"))
+        head_dim = int(self._meta("llama.attention.key_length", hidden // heads))
+        rot = int(self._meta("llama.rope.dimension_count", head_dim))
+        if rot != head_dim:
+            raise ValueError(f"{self.path}: rope.dimension_count {rot} != head_dim {head_dim}; partial RoPE in "
+                             "llama GGUFs is not supported")
+        embed = self._tensors["token_embd.weight"]
+        self.heads, self.kv_heads = heads, int(self._meta("llama.attention.head_count_kv", heads))
+        hf = LlamaConfig(
+            vocab_size=int(embed.shape[-1]),  # ggml dims are reversed: [hidden, vocab]
+            hidden_size=hidden,
+            intermediate_size=int(self._meta("llama.feed_forward_length")),
+            num_hidden_layers=int(self._meta("llama.block_count")),
+            num_attention_heads=heads,
+            num_key_value_heads=self.kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(self._meta("llama.attention.layer_norm_rms_epsilon")),
+            max_position_embeddings=int(self._meta("llama.context_length", 2048)),
+            rope_parameters={"rope_type": "default", "rope_theta": float(self._meta("llama.rope.freq_base", 10000.0))},
+            tie_word_embeddings="output.weight" not in self._tensors,
+        )
+        gguf_keys = {"bos_token_id": "bos_token_id", "eos_token_id": "eos_token_id", "pad_token_id": "padding_token_id"}
+        token_ids = {ours: self._meta(f"tokenizer.ggml.{theirs}", None) for ours, theirs in gguf_keys.items()}
+        token_ids = {k: (None if v is None else int(v)) for k, v in token_ids.items()}
+        self.config = llama_config(hf, token_ids)
+
+    def _meta(self, key: str, default: Any = _REQUIRED) -> Any:
+        field = self.reader.fields.get(key)
+        if field is None:
+            if default is _REQUIRED:
+                raise ValueError(f"{self.path}: GGUF metadata {key!r} missing")
+            return default
+        return field.contents()
+
+    def gguf_name(self, name: str) -> str:
+        if name in _GLOBAL:
+            return _GLOBAL[name]
+        match = _LAYER_RE.fullmatch(name)
+        if match and match.group(2) in _LAYER:
+            return f"blk.{match.group(1)}.{_LAYER[match.group(2)]}"
+        raise SourceTensorError(f"Clover tensor {name!r} has no counterpart in a llama GGUF")
+
+    def tensor(self, name: str) -> torch.Tensor:
+        from gguf.quants import dequantize
+
+        gname = self.gguf_name(name)
+        if gname not in self._tensors:
+            raise SourceTensorError(f"GGUF tensor {gname!r} (needed for Clover's {name!r}) not in {self.path}")
+        self._used.add(gname)
+        info = self._tensors[gname]
+        shape = tuple(int(d) for d in reversed(info.shape.tolist()))
+        weight = torch.from_numpy(np.array(dequantize(info.data, info.tensor_type), dtype=np.float32).reshape(shape))
+        if gname.endswith("attn_q.weight"):
+            weight = unpermute_qk(weight, self.heads)
+        elif gname.endswith("attn_k.weight"):
+            weight = unpermute_qk(weight, self.kv_heads)
+        return weight
+
+    def unused_tensors(self) -> list[str]:
+        return sorted(set(self._tensors) - self._used)
+
+    def tokenizer(self) -> Any:
+        if not hasattr(self, "_tokenizer"):
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(str(self.path.parent), gguf_file=self.path.name)
+        return self._tokenizer
+
+
+def open_source(src: Path) -> GGUFSource:
+    return GGUFSource(src)

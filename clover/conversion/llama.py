@@ -1,0 +1,64 @@
+"""Llama HF checkpoints (`LlamaForCausalLM`, e.g. the SmolLM2 family) -> Clover's dense backbone.
+
+Names are identical (`model.layers.N.self_attn.q_proj.weight`, `mlp.gate_proj.weight`, ...), so tensors are
+copied. The config maps to: plain RMSNorm (`y = norm(x) * w`), attention without output gate or q/k norm,
+full RoPE (`partial_rotary_factor` 1), dense SwiGLU of width `intermediate_size`, every layer full attention,
+embeddings tied as in the source. Llama's `attention_bias` also puts a bias on `o_proj`, and `mlp_bias` on the
+MLP, neither of which Clover has, so both are refused, as is any RoPE scaling (llama3, yarn, ...).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from clover.config import FULL_ATTENTION, CloverConfig
+from clover.conversion.common import HFSource, read_hf_dir, require_silu, rope_settings, special_token_ids
+
+
+def llama_config(hf, token_ids: dict, max_position_embeddings: int | None = None) -> CloverConfig:
+    """CloverConfig for a transformers `LlamaConfig` (also used for GGUF metadata mapped onto one)."""
+    require_silu(hf)
+    if hf.attention_bias or getattr(hf, "mlp_bias", False):
+        raise ValueError("attention_bias / mlp_bias are not supported: Clover's dense backbone has no o_proj "
+                         "or MLP biases")
+    theta, partial = rope_settings(hf)
+    return CloverConfig(
+        vocab_size=hf.vocab_size,
+        hidden_size=hf.hidden_size,
+        num_hidden_layers=hf.num_hidden_layers,
+        layer_types=[FULL_ATTENTION] * hf.num_hidden_layers,
+        max_position_embeddings=max_position_embeddings or hf.max_position_embeddings,
+        rms_norm_eps=hf.rms_norm_eps,
+        norm_type="plain",
+        tie_word_embeddings=bool(hf.tie_word_embeddings),
+        initializer_range=hf.initializer_range,
+        num_attention_heads=hf.num_attention_heads,
+        num_key_value_heads=hf.num_key_value_heads,
+        head_dim=hf.head_dim,
+        rope_theta=theta,
+        partial_rotary_factor=partial,
+        attention_bias=False,
+        attn_output_gate=False,
+        qk_norm=False,
+        mlp_type="dense",
+        intermediate_size=hf.intermediate_size,
+        mask_token_id=None,  # placed by the driver (plan_mask_token)
+        **token_ids,
+    )
+
+
+class LlamaSource(HFSource):
+    def __init__(self, src: Path) -> None:
+        from transformers import LlamaConfig
+
+        raw, generation = read_hf_dir(src)
+        if raw.get("model_type") != "llama":
+            raise ValueError(f"{src}/config.json has model_type {raw.get('model_type')!r}; --from llama expects "
+                             "'llama'")
+        hf = LlamaConfig.from_dict(raw)
+        self.config = llama_config(hf, special_token_ids(generation, raw))
+        super().__init__(src, "model.", tie_word_embeddings=bool(hf.tie_word_embeddings))
+
+
+def open_source(src: Path) -> LlamaSource:
+    return LlamaSource(src)
