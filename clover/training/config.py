@@ -1,0 +1,316 @@
+"""`TrainConfig`: every setting of a training run, in one dataclass (YAML file + `--key value` overrides).
+
+    init: clover-tiny                 # a checkpoint directory, or a preset name (random init)
+    train_data: data/train            # token shards (`clover data ...`), or chat/jsonl/text sources + data_kind
+    block_size: 4
+    lr: 3.0e-4
+    noise: {weighting: inverse_rate}  # nested sections: noise.*, lora.*
+    lora: {rank: 16}
+
+`load_train_config(path, overrides)` reads the YAML, applies `["--lr", "1e-4", "--noise.t_min", "0.1"]`-style
+overrides (values parsed as YAML scalars / lists), and checks every key and type: an unknown key, in the file or
+on the command line, is an error that names it. The semantics of each field are in docs/training.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+NOISE_SCHEDULES = ("linear", "cosine")
+NOISE_SAMPLING = ("bernoulli", "exact")
+LOSS_WEIGHTING = ("none", "inverse_rate")
+PAD_TARGETS = ("none", "eos")
+PRECISIONS = ("fp32", "bf16")
+PARALLEL = ("ddp", "fsdp")
+DATA_KINDS = ("shards", "chat", "jsonl", "text")
+RESUME = ("auto", "never")
+
+# Linear layers of the hybrid and dense families (attention, DeltaNet, shared expert / dense MLP).
+DEFAULT_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "out_proj",
+                        "gate_proj", "up_proj", "down_proj"]
+
+
+@dataclass
+class NoiseConfig:
+    """Masking of the noised copies (one mask rate per block)."""
+
+    schedule: str = "linear"  # rate r(t): "linear" r = t; "cosine" r = 1 - cos(pi t / 2)
+    t_min: float = 1e-3  # t ~ U(t_min, t_max), one draw per block
+    t_max: float = 1.0
+    sampling: str = "bernoulli"  # "bernoulli": each position masked with prob r; "exact": ceil(r n) positions
+    complementary: bool = True  # also train on the inverse mask (a second row per sample)
+    weighting: str = "none"  # "none": mean CE over masked tokens; "inverse_rate": BD3 NELBO, CE / r per token
+
+    def validate(self) -> None:
+        _choice("noise.schedule", self.schedule, NOISE_SCHEDULES)
+        _choice("noise.sampling", self.sampling, NOISE_SAMPLING)
+        _choice("noise.weighting", self.weighting, LOSS_WEIGHTING)
+        if not 0.0 <= self.t_min < self.t_max <= 1.0:
+            raise ValueError(f"noise: need 0 <= t_min < t_max <= 1, got t_min={self.t_min}, t_max={self.t_max}")
+
+
+@dataclass
+class LoraConfig:
+    """Low-rank adapters (off when rank is 0)."""
+
+    rank: int = 0
+    alpha: float = 16.0  # delta W = (alpha / rank) B A
+    dropout: float = 0.0
+    targets: list[str] = field(default_factory=lambda: list(DEFAULT_LORA_TARGETS))  # nn.Linear names
+    train_rows: list[str] = field(default_factory=lambda: ["mask"])  # embedding rows trained: ids or "mask"
+    extra_trainable: list[str] = field(default_factory=lambda: ["conv1d_right", "memory_calibration"])
+
+    def validate(self) -> None:
+        if self.rank < 0:
+            raise ValueError(f"lora.rank must be >= 0, got {self.rank}")
+        if self.rank and not self.targets:
+            raise ValueError("lora.targets is empty: name the nn.Linear modules to adapt")
+        for row in self.train_rows:
+            if row != "mask" and not str(row).isdigit():
+                raise ValueError(f"lora.train_rows: expected token ids or 'mask', got {row!r}")
+
+
+@dataclass
+class TrainConfig:
+    # -- model -------------------------------------------------------------------------------------------------
+    init: str = "clover-tiny"  # checkpoint directory (from_pretrained) or preset name (random init)
+    model_overrides: dict[str, Any] = field(default_factory=dict)  # CloverConfig fields, presets only
+    # -- data --------------------------------------------------------------------------------------------------
+    train_data: str = ""  # token-shard directory, or sources of `data_kind` (tokenized into output_dir/data)
+    eval_data: str = ""  # held-out data, same kind; empty: no evaluation
+    data_kind: str = "shards"  # "shards" | "chat" | "jsonl" | "text"
+    tokenizer: str = ""  # for chat/jsonl/text sources (default: the init checkpoint directory)
+    max_seq_len: int = 1024  # prompt + response tokens per document (longer responses are truncated)
+    shuffle: bool = True  # reshuffle the documents every epoch (seeded)
+    # -- objective ---------------------------------------------------------------------------------------------
+    block_size: int = 4
+    block_curriculum: list[list[int]] = field(default_factory=list)  # [[step, B], ...]: B from that step on
+    noise: NoiseConfig = field(default_factory=NoiseConfig)
+    pad_target: str = "none"  # "none": [MASK] padding is never trained; "eos": pad the last block with EOS, trained
+    ar_weight: float = 0.0  # + ar_weight * causal (block_size 1) next-token CE on the supervised tokens
+    kl_weight: float = 0.0  # + kl_weight * KL(base || model) of the causal predictions (LoRA: base = adapters off)
+    # -- optimisation ------------------------------------------------------------------------------------------
+    max_steps: int = 1000
+    batch_size: int = 8  # documents per optimizer step, all ranks together
+    micro_batch_size: int = 8  # documents per forward, per rank (gradient accumulation makes up the rest)
+    lr: float = 1e-4
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio at max_steps
+    warmup_steps: int = 100
+    weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.95
+    adam_eps: float = 1e-8
+    grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
+    precision: str = "bf16"  # "bf16": bf16 autocast with fp32 master weights; "fp32"
+    gradient_checkpointing: bool = False
+    seed: int = 0
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    # -- distributed / device ----------------------------------------------------------------------------------
+    parallel: str = "ddp"  # under torchrun (WORLD_SIZE > 1): "ddp" or "fsdp" (FSDP2 fully_shard per layer)
+    device: str = "auto"  # "auto" (cuda if available), "cpu", "cuda"
+    threads: int = 0  # torch.set_num_threads on CPU; 0 leaves torch's default
+    # -- output --------------------------------------------------------------------------------------------
+    output_dir: str = "runs/clover"
+    log_every: int = 1
+    eval_every: int = 0  # steps between held-out evaluations (0: only at the end)
+    eval_documents: int = 64  # documents of eval_data used (the first ones, fixed noise)
+    save_every: int = 0  # steps between checkpoints (0: only at the end / when stopping)
+    keep_checkpoints: int = 2  # newest complete checkpoints kept
+    max_minutes: float = 0.0  # wall-clock budget: stop cleanly (with a checkpoint) after this many minutes
+    resume: str = "auto"  # "auto": continue from output_dir's latest checkpoint; "never"; or a checkpoint dir
+    progress: bool = True  # progress bar (rank 0)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        self.noise.validate()
+        self.lora.validate()
+        _choice("pad_target", self.pad_target, PAD_TARGETS)
+        _choice("precision", self.precision, PRECISIONS)
+        _choice("parallel", self.parallel, PARALLEL)
+        _choice("data_kind", self.data_kind, DATA_KINDS)
+        _choice("device", self.device, ("auto", "cpu", "cuda"))
+        for name in ("block_size", "max_steps", "batch_size", "micro_batch_size", "max_seq_len", "log_every",
+                     "keep_checkpoints"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("warmup_steps", "eval_every", "save_every", "eval_documents", "threads"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("lr", "weight_decay", "grad_clip", "ar_weight", "kl_weight", "max_minutes", "min_lr_ratio"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for entry in self.block_curriculum:
+            if not (isinstance(entry, (list, tuple)) and len(entry) == 2 and all(isinstance(v, int) for v in entry)
+                    and entry[0] >= 0 and entry[1] >= 1):
+                raise ValueError(f"block_curriculum entries are [step, block_size] pairs of integers, got {entry!r}")
+        if self.batch_size % self.micro_batch_size:
+            raise ValueError(f"batch_size ({self.batch_size}) must be a multiple of micro_batch_size "
+                             f"({self.micro_batch_size}) times the number of processes")
+
+    # -- derived -------------------------------------------------------------------------------------------
+    def block_size_at(self, step: int) -> int:
+        """Block size used at optimizer step `step` (0-based): the last curriculum entry at or before it."""
+        size = self.block_size
+        for start, b in sorted(self.block_curriculum):
+            if step >= start:
+                size = b
+        return size
+
+    @property
+    def max_block_size(self) -> int:
+        return max([self.block_size] + [b for _, b in self.block_curriculum])
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+def _choice(name: str, value: Any, valid: tuple[str, ...]) -> None:
+    if value not in valid:
+        raise ValueError(f"{name} must be one of {list(valid)}, got {value!r}")
+
+
+# -- building from YAML / command line -------------------------------------------------------------------------
+def config_keys(cls: type = TrainConfig, prefix: str = "") -> list[str]:
+    """Every settable key, nested ones dotted (`noise.t_min`)."""
+    keys = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            keys += config_keys(hints[f.name], f"{prefix}{f.name}.")
+        else:
+            keys.append(prefix + f.name)
+    return keys
+
+
+def config_from_dict(data: dict[str, Any], cls: type = TrainConfig, prefix: str = "") -> Any:
+    """Build `cls` from a (nested) dict, refusing unknown keys and values of the wrong type."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        names = ", ".join(repr(prefix + k) for k in unknown)
+        raise ValueError(f"unknown config key{'s' if len(unknown) > 1 else ''} {names}; "
+                         f"valid keys: {', '.join(config_keys(cls, prefix))}")
+    kwargs = {name: _coerce(value, hints[name], prefix + name) for name, value in data.items()}
+    return cls(**kwargs)
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if dataclasses.is_dataclass(tp):
+        return config_from_dict(value, tp, key + ".")
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(value, inner[0], key)
+    if tp is Any:
+        return value
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ValueError(f"{key}: expected true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise ValueError(f"{key}: expected an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ValueError(f"{key}: expected a number, got {value!r}")
+    if tp is str:
+        if value is None:
+            return ""
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise ValueError(f"{key}: expected a string, got {value!r}")
+    if origin is list:
+        if isinstance(value, str):  # comma-separated on the command line
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        if not isinstance(value, (list, tuple)):
+            raise ValueError(f"{key}: expected a list, got {value!r}")
+        return [_coerce(v, args[0], f"{key}[{i}]") if args else v for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ValueError(f"{key}: expected a mapping, got {value!r}")
+        return dict(value)
+    raise TypeError(f"{key}: unsupported config type {tp!r}")
+
+
+def parse_overrides(args: list[str]) -> dict[str, Any]:
+    """`["--lr", "1e-4", "--noise.t_min=0.1", "--progress", "false"]` -> nested dict (values parsed as YAML)."""
+    out: dict[str, Any] = {}
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or arg == "--":
+            raise ValueError(f"expected --key value, got {arg!r}")
+        key, eq, raw = arg[2:].partition("=")
+        if not eq:
+            if i + 1 >= len(args) or args[i + 1].startswith("--"):
+                raise ValueError(f"--{key}: missing value")
+            raw = args[i + 1]
+            i += 1
+        i += 1
+        value = yaml.safe_load(raw) if raw.strip() else ""
+        if isinstance(value, str) and raw.strip() and _looks_numeric(raw):
+            value = float(raw)  # YAML 1.1 reads "1e-4" as a string
+        parts = key.replace("-", "_").split(".")
+        node = out
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ValueError(f"--{key}: {part} is not a section")
+        node[parts[-1]] = value
+    return out
+
+
+def _looks_numeric(raw: str) -> bool:
+    try:
+        float(raw)
+        return True
+    except ValueError:
+        return False
+
+
+def _merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in update.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def load_train_config(path: str | Path | None = None,
+                      overrides: list[str] | dict[str, Any] | None = None) -> TrainConfig:
+    """YAML file (optional) + overrides -> validated TrainConfig."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"no training config at {path}")
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ValueError(f"{path}: invalid YAML ({exc})") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: expected a mapping of config keys, got {type(data).__name__}")
+    if overrides:
+        update = parse_overrides(overrides) if isinstance(overrides, list) else overrides
+        data = _merge(data, update)
+    return config_from_dict(data)

@@ -1,0 +1,792 @@
+"""The training loop: BD3-LM objective, AdamW + warmup/cosine, accumulation, DDP / FSDP2, exact resume.
+
+    Trainer(config).train()            # or clover.training.train(config)
+
+One optimizer step consumes `batch_size` documents of a deterministic stream (a seeded permutation per epoch):
+step `s` takes stream positions `[s * batch_size, (s + 1) * batch_size)`; under `torchrun` rank `r` takes the
+`r`-th contiguous share and splits it into micro-batches of `micro_batch_size`. A document's noise is drawn from
+a seed derived from (seed, stream position), so it depends neither on the batch it lands in nor on the number of
+processes. The loss normalisers (masked / supervised tokens) are summed over all micro-batches and ranks before
+the first forward, so accumulation and data parallelism give exactly the gradient of one big batch.
+
+Checkpoints (`output_dir/checkpoints/step-XXXXXXXX/`): the model as an ordinary Clover checkpoint directory
+(safetensors; with LoRA: `adapter.safetensors` + `adapter_config.json` instead), and `trainer/` with the
+optimizer state flattened into `optimizer.safetensors` (+ `optimizer.json` for its scalars), the torch RNG state
+of every rank (`rng-rankN.safetensors`) and `state.json` (step, tokens, data position, config). No pickle.
+A save goes to a hidden temporary directory, is fsynced and renamed, and only then does `checkpoints/latest`
+(a one-line text file, replaced atomically) point to it: a failed save (disk full, a crash) leaves `latest` on the
+previous complete checkpoint. Resuming restores all of it, so a killed and resumed run has the same loss curve
+as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import math
+import os
+import shutil
+import signal
+import sys
+import time
+import uuid
+import warnings
+from collections.abc import Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from clover.checkpoint import TOKENIZER_FILES, load_state_dict_strict, write_checkpoint
+from clover.config import PRESETS, CloverConfig
+from clover.model import CloverForBlockDiffusion
+from clover.training.config import TrainConfig
+from clover.training.lora import adapters_disabled, apply_lora, load_adapter, save_adapter
+from clover.training.objective import Batch, Noise, bd3_loss, collate, loss_denominators, sample_noise
+
+logger = logging.getLogger(__name__)
+
+CHECKPOINTS = "checkpoints"
+LATEST = "latest"
+TRAINER_DIR = "trainer"
+LOG_FILE = "train_log.jsonl"
+STATE_VERSION = 1
+_MASK64 = (1 << 64) - 1
+# per-step sums reduced across micro-batches and ranks
+_SUM_KEYS = ("loss", "diffusion_sum", "ce_sum", "first_sum", "masked_tokens", "first_tokens", "correct",
+             "supervised_tokens", "ar_sum", "kl_sum", "tokens", "diffusion_den", "ar_den")
+
+
+def mix_seed(*values: int) -> int:
+    """A 63-bit seed from integers (splitmix64 over them): independent streams for (seed, position)."""
+    x = 0x9E3779B97F4A7C15
+    for v in values:
+        x = (x ^ (int(v) & _MASK64)) & _MASK64
+        x = (x + 0x9E3779B97F4A7C15) & _MASK64
+        z = x
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+        x = z ^ (z >> 31)
+    return x & ((1 << 63) - 1)
+
+
+# -- data ------------------------------------------------------------------------------------------------------
+class DocumentStream:
+    """An endless, deterministic stream over a random-access document collection (reshuffled every epoch)."""
+
+    def __init__(self, documents: Sequence[Any], seed: int, shuffle: bool = True) -> None:
+        if len(documents) == 0:
+            raise ValueError("the training data has no documents")
+        self.documents, self.seed, self.shuffle = documents, seed, shuffle
+        self._orders: dict[int, torch.Tensor] = {}
+
+    def _order(self, epoch: int) -> torch.Tensor:
+        if epoch not in self._orders:
+            n = len(self.documents)
+            if self.shuffle:
+                gen = torch.Generator().manual_seed(mix_seed(self.seed, 0xDA7A, epoch))
+                self._orders = {epoch: torch.randperm(n, generator=gen)}
+            else:
+                self._orders = {epoch: torch.arange(n)}
+        return self._orders[epoch]
+
+    def take(self, start: int, count: int) -> list[tuple[int, Any]]:
+        """`(stream position, document)` for positions `[start, start + count)`."""
+        n = len(self.documents)
+        return [(k, self.documents[int(self._order(k // n)[k % n])]) for k in range(start, start + count)]
+
+
+def load_documents(config: TrainConfig, which: str, dist_info: "DistInfo") -> Sequence[Any] | None:
+    """The `train_data` / `eval_data` documents: token shards, or sources tokenized once into output_dir/data."""
+    from clover.training.data import TokenShards, expand_sources, prepare_token_shards
+
+    source = config.train_data if which == "train" else config.eval_data
+    if not source:
+        if which == "train":
+            raise ValueError("train_data is empty: give a token-shard directory (clover data ...) or sources")
+        return None
+    if config.data_kind == "shards":
+        return TokenShards(source)
+    out = Path(config.output_dir) / "data" / which
+    tokenizer = config.tokenizer or config.init
+    if dist_info.rank == 0:
+        files = [str(f) for f in expand_sources([source])]
+        meta_path = out / "meta.json"
+        fresh = meta_path.is_file() and json.loads(meta_path.read_text()).get("sources") == files
+        if not fresh:
+            prepare_token_shards(config.data_kind, [source], tokenizer, out, max_len=config.max_seq_len,
+                                 overwrite=True)
+    dist_info.barrier()
+    return TokenShards(out)
+
+
+# -- distributed ---------------------------------------------------------------------------------------------
+@dataclass
+class DistInfo:
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    owns_group: bool = False
+
+    @property
+    def distributed(self) -> bool:
+        return self.world > 1
+
+    def barrier(self) -> None:
+        if self.distributed:
+            dist.barrier()
+
+    def all_sum(self, values: torch.Tensor) -> torch.Tensor:
+        if self.distributed:
+            values = values.to(self.device)
+            dist.all_reduce(values)
+        return values.cpu()
+
+    def broadcast(self, obj: Any) -> Any:
+        if not self.distributed:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+
+def init_distributed(config: TrainConfig) -> DistInfo:
+    """Read torchrun's environment; start the process group (nccl on GPU, gloo on CPU) if there are several."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    use_cuda = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
+    if use_cuda and not torch.cuda.is_available():
+        raise ValueError("device is 'cuda' but torch sees no CUDA device")
+    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    owns = False
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if use_cuda else "gloo")
+        owns = True
+    if dist.is_initialized():
+        rank, world = dist.get_rank(), dist.get_world_size()
+    return DistInfo(rank, world, local_rank, device, owns)
+
+
+# -- model -----------------------------------------------------------------------------------------------------
+def build_model(config: TrainConfig) -> CloverForBlockDiffusion:
+    """`init`: a checkpoint directory (weights loaded in fp32) or a preset name (random init from `seed`)."""
+    init = config.init
+    if Path(init).is_dir():
+        if config.model_overrides:
+            raise ValueError("model_overrides applies to presets only; init is a checkpoint directory")
+        model = CloverForBlockDiffusion.from_pretrained(init, dtype=torch.float32)
+    elif init in PRESETS:
+        torch.manual_seed(config.seed)
+        model = CloverForBlockDiffusion(CloverConfig.from_preset(init, **config.model_overrides))
+    else:
+        raise FileNotFoundError(f"init {init!r} is neither a checkpoint directory nor a preset "
+                                f"({', '.join(sorted(PRESETS))})")
+    if model.config.mask_token_id is None:
+        raise ValueError(f"the model at {init!r} has no mask_token_id; block diffusion needs a [MASK] token "
+                         "(set it in config.json / model_overrides, or convert with one)")
+    return model
+
+
+class ObjectiveModule(nn.Module):
+    """The whole per-micro-batch computation as one module, so DDP sees one forward per backward."""
+
+    def __init__(self, model: CloverForBlockDiffusion, config: TrainConfig,
+                 reference: nn.Module | None = None) -> None:
+        super().__init__()
+        self.model = model
+        self.cfg = config
+        self._reference = [reference]  # a list: not registered as a submodule (frozen, not trained or synced)
+
+    def reference_logits(self, ids: torch.Tensor, attention: torch.Tensor | None, keep: int) -> torch.Tensor:
+        ref = self._reference[0]
+        if ref is None:  # LoRA: the base model is the model with its adapters switched off
+            with adapters_disabled(self.model):
+                return self.model(ids, 1, attention_mask=attention, logits_to_keep=keep).logits
+        return ref(ids, 1, attention_mask=attention, logits_to_keep=keep).logits
+
+    def forward(self, batch: Batch, noise: Noise, block_size: int,
+                denominators: dict[str, float]) -> tuple[torch.Tensor, dict[str, float]]:
+        return bd3_loss(self.model, batch, block_size, noise, ar_weight=self.cfg.ar_weight,
+                        kl_weight=self.cfg.kl_weight, reference=self.reference_logits if self.cfg.kl_weight else None,
+                        denominators=denominators)
+
+
+def lr_at(config: TrainConfig, step: int) -> float:
+    """Linear warmup over `warmup_steps`, then cosine from `lr` to `lr * min_lr_ratio` at `max_steps`."""
+    if config.warmup_steps and step < config.warmup_steps:
+        return config.lr * (step + 1) / config.warmup_steps
+    progress = (step - config.warmup_steps) / max(1, config.max_steps - config.warmup_steps)
+    cosine = 0.5 * (1.0 + math.cos(math.pi * min(max(progress, 0.0), 1.0)))
+    return config.lr * (config.min_lr_ratio + (1.0 - config.min_lr_ratio) * cosine)
+
+
+# -- checkpoints ---------------------------------------------------------------------------------------------
+def _fsync_tree(root: Path) -> None:
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(Path(dirpath))
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(str(path), os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def latest_checkpoint(output_dir: str | Path) -> Path | None:
+    """The checkpoint `output_dir/checkpoints/latest` points to, or None."""
+    root = Path(output_dir) / CHECKPOINTS
+    pointer = root / LATEST
+    if not pointer.is_file():
+        return None
+    path = root / pointer.read_text().strip()
+    if not (path / TRAINER_DIR / "state.json").is_file():
+        raise FileNotFoundError(f"{pointer} points to {path}, which is not a complete checkpoint")
+    return path
+
+
+def _write_latest(root: Path, name: str) -> None:
+    tmp = root / f".{LATEST}.tmp-{uuid.uuid4().hex[:8]}"
+    with open(tmp, "w") as f:
+        f.write(name + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, root / LATEST)
+    _fsync_dir(root)
+
+
+def flatten_optimizer_state(state: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """`get_optimizer_state_dict` output -> (tensors for safetensors, JSON for everything else)."""
+    tensors: dict[str, torch.Tensor] = {}
+    scalars: dict[str, dict[str, Any]] = {}
+    for fqn, entry in state["state"].items():
+        for key, value in entry.items():
+            if torch.is_tensor(value):
+                tensors[f"{fqn}::{key}"] = value.detach().to("cpu").contiguous()
+            else:
+                scalars.setdefault(fqn, {})[key] = value
+    return tensors, {"scalars": scalars, "param_groups": state["param_groups"]}
+
+
+def unflatten_optimizer_state(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> dict[str, Any]:
+    state: dict[str, dict[str, Any]] = {}
+    for name, value in tensors.items():
+        fqn, _, key = name.rpartition("::")
+        state.setdefault(fqn, {})[key] = value
+    for fqn, entries in meta["scalars"].items():
+        state.setdefault(fqn, {}).update(entries)
+    return {"state": state, "param_groups": meta["param_groups"]}
+
+
+# -- the trainer ---------------------------------------------------------------------------------------------
+@dataclass
+class TrainResult:
+    step: int
+    losses: list[float]  # training loss of each step run by this call
+    eval_losses: list[tuple[int, float]]
+    checkpoint: Path | None
+    stopped_early: bool
+
+
+class Trainer:
+    """Builds model, data, optimizer and parallel wrappers from a TrainConfig; `train()` runs the loop.
+
+    `train_documents` / `eval_documents` (sequences of `(input_ids, loss_mask, prompt_len)`) replace
+    `train_data` / `eval_data` when given (tests, notebooks).
+    """
+
+    def __init__(self, config: TrainConfig, *, train_documents: Sequence[Any] | None = None,
+                 eval_documents: Sequence[Any] | None = None) -> None:
+        self.config = config
+        if config.threads:
+            torch.set_num_threads(config.threads)
+        self.dist = init_distributed(config)
+        d = self.dist
+        per_rank = config.batch_size // d.world
+        if config.batch_size % (d.world * config.micro_batch_size):
+            raise ValueError(f"batch_size {config.batch_size} must be a multiple of micro_batch_size "
+                             f"{config.micro_batch_size} x {d.world} processes")
+        self.accum = per_rank // config.micro_batch_size
+        self.output_dir = Path(config.output_dir)
+        self.ckpt_root = self.output_dir / CHECKPOINTS
+
+        train_docs = train_documents if train_documents is not None else load_documents(config, "train", d)
+        self.eval_docs = eval_documents if eval_documents is not None else load_documents(config, "eval", d)
+        self.stream = DocumentStream(train_docs, config.seed, config.shuffle)
+
+        resume_from = self._resume_path()
+        self.model = build_model(config)
+        mcfg = self.model.config
+        self.mask_id, self.eos_id = mcfg.mask_token_id, (mcfg.eos_token_ids[0] if mcfg.eos_token_ids else None)
+        if config.pad_target == "eos" and self.eos_id is None:
+            raise ValueError("pad_target is 'eos' but the model config has no eos_token_id")
+        shard_mask = getattr(train_docs, "mask_token_id", None)
+        if shard_mask is not None and shard_mask != self.mask_id:
+            logger.warning("the data was prepared with mask_token_id %s but the model's is %s",
+                           shard_mask, self.mask_id)
+        self.lora = config.lora.rank > 0
+        if self.lora:
+            apply_lora(self.model, config.lora)
+        self.state: dict[str, Any] = {"step": 0, "tokens": 0, "supervised_tokens": 0}
+        if resume_from is not None:
+            self._load_weights(resume_from)
+        self.model.to(d.device)
+        self.model.gradient_checkpointing = config.gradient_checkpointing
+        reference = None
+        if config.kl_weight and not self.lora:
+            reference = copy.deepcopy(self.model).eval().requires_grad_(False)
+        self.module = ObjectiveModule(self.model, config, reference)
+        self.wrapped: nn.Module = self._parallelize()
+        self.optimizer = self._build_optimizer()
+        if resume_from is not None:
+            self._load_training_state(resume_from)
+        else:
+            torch.manual_seed(mix_seed(config.seed, 0x7A1, d.rank))  # dropout etc.: distinct per rank
+        self.resumed_from = resume_from
+        self._stop_signal = False
+
+    # -- setup ---------------------------------------------------------------------------------------------
+    def _resume_path(self) -> Path | None:
+        mode = self.config.resume
+        if mode == "never":
+            return None
+        if mode == "auto":
+            return latest_checkpoint(self.output_dir)
+        path = Path(mode)
+        if not (path / TRAINER_DIR / "state.json").is_file():
+            raise FileNotFoundError(f"resume: {path} is not a training checkpoint (no {TRAINER_DIR}/state.json)")
+        return path
+
+    def _parallelize(self) -> nn.Module:
+        d = self.dist
+        if not d.distributed:
+            return self.module
+        if self.config.parallel == "ddp":
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            return DDP(self.module, device_ids=[d.device.index] if d.device.type == "cuda" else None)
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        # the logits are views (slices of one LM-head output); nothing here modifies them in place
+        warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+        mesh = init_device_mesh(d.device.type, (d.world,))
+        for layer in self.model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(self.model, mesh=mesh)
+        return self.module
+
+    def _build_optimizer(self) -> torch.optim.Optimizer:
+        decay, no_decay = [], []
+        for name, param in self.model.named_parameters():
+            if not param.requires_grad:
+                continue
+            plain = param.ndim < 2 or "embed_tokens" in name or "row_delta" in name
+            (no_decay if plain else decay).append(param)
+        if not decay and not no_decay:
+            raise ValueError("no trainable parameters")
+        c = self.config
+        groups = [{"params": decay, "weight_decay": c.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        return torch.optim.AdamW([g for g in groups if g["params"]], lr=c.lr, betas=(c.beta1, c.beta2),
+                                 eps=c.adam_eps)
+
+    @property
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    # -- batches -------------------------------------------------------------------------------------------
+    def _micro_batches(self, step: int, block_size: int) -> list[tuple[Batch, Noise]]:
+        c, d = self.config, self.dist
+        per_rank = c.batch_size // d.world
+        docs = self.stream.take(step * c.batch_size + d.rank * per_rank, per_rank)
+        out = []
+        for i in range(0, per_rank, c.micro_batch_size):
+            chunk = docs[i: i + c.micro_batch_size]
+            batch = collate([doc for _, doc in chunk], block_size, mask_token_id=self.mask_id,
+                            eos_token_id=self.eos_id, pad_target=c.pad_target, max_seq_len=c.max_seq_len,
+                            seeds=[mix_seed(c.seed, pos) for pos, _ in chunk])
+            out.append((batch, sample_noise(batch, block_size, c.noise)))
+        return out
+
+    def _autocast(self):
+        if self.config.precision == "bf16":
+            return torch.autocast(self.dist.device.type, dtype=torch.bfloat16)
+        return nullcontext()
+
+    def _no_sync(self, last: bool):
+        if last or not self.dist.distributed:
+            return nullcontext()
+        if hasattr(self.wrapped, "no_sync"):  # DDP
+            return self.wrapped.no_sync()
+        return nullcontext()
+
+    # -- one step ------------------------------------------------------------------------------------------
+    def train_step(self, step: int) -> dict[str, float]:
+        c, d = self.config, self.dist
+        block_size = c.block_size_at(step)
+        micro = self._micro_batches(step, block_size)
+        local_den = torch.zeros(2, dtype=torch.float64)
+        for batch, noise in micro:
+            den = loss_denominators(batch, noise)
+            local_den += torch.tensor([den["diffusion"], den["ar"]], dtype=torch.float64)
+        global_den = d.all_sum(local_den)
+        den = {"diffusion": float(global_den[0]), "ar": float(global_den[1])}
+        lr = lr_at(c, step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.wrapped.train()
+        sums = dict.fromkeys(_SUM_KEYS, 0.0)
+        fsdp = d.distributed and c.parallel == "fsdp"
+        for i, (batch, noise) in enumerate(micro):
+            last = i == len(micro) - 1
+            if fsdp:
+                self.model.set_requires_gradient_sync(last)
+            with self._no_sync(last):
+                with self._autocast():
+                    loss, metrics = self.wrapped(batch.to(d.device), noise, block_size, den)
+                (loss * d.world).backward()  # DDP / FSDP average gradients over ranks; the loss is a global sum
+            for key in _SUM_KEYS:
+                sums[key] += metrics.get(key, 0.0)
+            sums["tokens"] += batch.num_tokens
+        clip = c.grad_clip if c.grad_clip > 0 else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable_parameters, clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        total = d.all_sum(torch.tensor([sums[k] for k in _SUM_KEYS], dtype=torch.float64))
+        s = dict(zip(_SUM_KEYS, total.tolist()))
+        out = {
+            "loss": s["loss"],
+            "diffusion_loss": s["diffusion_sum"] / max(den["diffusion"], 1.0),
+            "masked_ce": s["ce_sum"] / max(s["masked_tokens"], 1.0),
+            "first_ce": s["first_sum"] / max(s["first_tokens"], 1.0),
+            "inner_ce": (s["ce_sum"] - s["first_sum"]) / max(s["masked_tokens"] - s["first_tokens"], 1.0),
+            "accuracy": s["correct"] / max(s["masked_tokens"], 1.0),
+            "step_tokens": s["tokens"],
+            "supervised_tokens": den["ar"],
+            "grad_norm": float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm),
+            "lr": lr,
+            "block_size": block_size,
+        }
+        if c.ar_weight or c.kl_weight:
+            out["ar_loss"] = s["ar_sum"] / max(den["ar"], 1.0)
+        if c.kl_weight:
+            out["kl"] = s["kl_sum"] / max(den["ar"], 1.0)
+        return out
+
+    # -- evaluation ----------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self, step: int) -> dict[str, float]:
+        """Held-out loss on the first `eval_documents` documents, with fixed noise (comparable across steps)."""
+        c, d = self.config, self.dist
+        docs = list(self.eval_docs[i] for i in range(min(c.eval_documents, len(self.eval_docs))))
+        docs = docs[: len(docs) - len(docs) % d.world]
+        if not docs:
+            return {}
+        block_size = c.block_size_at(step)
+        mine = list(range(d.rank, len(docs), d.world))
+        self.model.eval()
+        sums = torch.zeros(6, dtype=torch.float64)
+        for i in range(0, len(mine), c.micro_batch_size):
+            idx = mine[i: i + c.micro_batch_size]
+            batch = collate([docs[k] for k in idx], block_size, mask_token_id=self.mask_id, eos_token_id=self.eos_id,
+                            pad_target=c.pad_target, max_seq_len=c.max_seq_len,
+                            seeds=[mix_seed(c.seed, 0xE7A1, k) for k in idx])
+            noise = sample_noise(batch, block_size, c.noise)
+            den = loss_denominators(batch, noise)
+            with self._autocast():
+                _, m = bd3_loss(self.model, batch.to(d.device), block_size, noise, ar_weight=c.ar_weight)
+            sums += torch.tensor([m["diffusion_sum"], den["diffusion"], m.get("ar_sum", 0.0), den["ar"],
+                                  m["correct"], m["masked_tokens"]], dtype=torch.float64)
+        self.model.train()
+        s = d.all_sum(sums).tolist()
+        out = {"eval_diffusion_loss": s[0] / max(s[1], 1.0), "eval_accuracy": s[4] / max(s[5], 1.0)}
+        out["eval_loss"] = out["eval_diffusion_loss"]
+        if c.ar_weight:
+            out["eval_ar_loss"] = s[2] / max(s[3], 1.0)
+            out["eval_loss"] += c.ar_weight * out["eval_ar_loss"]
+        return out
+
+    # -- checkpoints ---------------------------------------------------------------------------------------
+    def save_checkpoint(self) -> Path:
+        """Write a complete checkpoint of the current state, atomically; then point `latest` at it."""
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                             get_optimizer_state_dict)
+
+        d = self.dist
+        step = self.state["step"]
+        name = f"step-{step:08d}"
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        model_state = get_model_state_dict(self.model, options=StateDictOptions(
+            full_state_dict=True, cpu_offload=True, ignore_frozen_params=self.lora))
+        optim_state = get_optimizer_state_dict(self.model, self.optimizer, options=options)
+        error: BaseException | None = None
+        tmp = self.ckpt_root / f".tmp-{name}-{uuid.uuid4().hex[:8]}"
+        tmp = Path(d.broadcast(str(tmp)))
+        try:
+            if d.rank == 0:
+                self._write_rank0(tmp, model_state, optim_state)
+        except Exception as exc:  # noqa: BLE001 - reported to every rank below
+            error = exc
+        failed = d.broadcast(error is not None)
+        if not failed:
+            try:
+                (tmp / TRAINER_DIR).mkdir(parents=True, exist_ok=True)
+                rng = {"torch_cpu": torch.get_rng_state()}
+                if torch.cuda.is_available():
+                    rng["torch_cuda"] = torch.cuda.get_rng_state(d.device if d.device.type == "cuda" else None)
+                save_file(rng, str(tmp / TRAINER_DIR / f"rng-rank{d.rank}.safetensors"))
+            except Exception as exc:  # noqa: BLE001
+                error = exc
+            failed = bool(d.all_sum(torch.tensor([float(error is not None)]))[0])
+        final = self.ckpt_root / name
+        if not failed and d.rank == 0:
+            try:
+                _fsync_tree(tmp)
+                if final.exists():
+                    old = self.ckpt_root / f".old-{name}-{uuid.uuid4().hex[:8]}"
+                    os.rename(final, old)
+                    shutil.rmtree(old, ignore_errors=True)
+                os.rename(tmp, final)
+                _fsync_dir(self.ckpt_root)
+                _write_latest(self.ckpt_root, name)
+                self._prune(name)
+            except Exception as exc:  # noqa: BLE001
+                error = exc
+        failed = d.broadcast(error is not None or failed)
+        if failed:
+            if d.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise RuntimeError(f"checkpoint at step {step} failed ({error!r}); "
+                               f"{self.ckpt_root / LATEST} still points to the previous complete checkpoint") from error
+        return final
+
+    def _write_rank0(self, tmp: Path, model_state: dict[str, torch.Tensor], optim_state: dict[str, Any]) -> None:
+        self.ckpt_root.mkdir(parents=True, exist_ok=True)
+        mcfg = self.model.config
+        if not self.lora:
+            tied = mcfg.tie_word_embeddings
+            tensors = ((k, v) for k, v in model_state.items() if not (tied and k == "lm_head.weight"))
+            write_checkpoint(tmp, mcfg, tensors, tokenizer_dir=self._tokenizer_dir())
+        else:  # trainable tensors only (frozen ones were left out of the state dict)
+            tmp.mkdir(parents=True)
+            trainable = {n for n, p in self.model.named_parameters() if p.requires_grad}
+            state = {k: v for k, v in model_state.items() if k in trainable}
+            save_adapter(self.model, tmp, self.config.lora, base=self.config.init, state=state)
+            mcfg.save(tmp)
+        trainer_dir = tmp / TRAINER_DIR
+        trainer_dir.mkdir()
+        tensors, meta = flatten_optimizer_state(optim_state)
+        self._write_tensors(tensors, trainer_dir / "optimizer.safetensors")
+        (trainer_dir / "optimizer.json").write_text(json.dumps(meta, indent=1) + "\n")
+        state = {"version": STATE_VERSION, **self.state, "data_position": self.state["step"] * self.config.batch_size,
+                 "world_size": self.dist.world, "lora": self.lora, "config": self.config.to_dict(),
+                 "saved_at": time.time()}
+        (trainer_dir / "state.json").write_text(json.dumps(state, indent=2) + "\n")
+
+    def _tokenizer_dir(self) -> Path | None:
+        """Where the tokenizer files are (copied into full checkpoints so `clover generate` can use them)."""
+        for candidate in (self.config.tokenizer, self.config.init):
+            if candidate and Path(candidate).is_dir() and any((Path(candidate) / n).is_file() for n in TOKENIZER_FILES):
+                return Path(candidate)
+        return None
+
+    @staticmethod
+    def _write_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
+        save_file(tensors, str(path)) if tensors else save_file({"_empty": torch.zeros(0)}, str(path))
+
+    def _prune(self, keep_name: str) -> None:
+        done = sorted(p for p in self.ckpt_root.glob("step-*") if (p / TRAINER_DIR / "state.json").is_file())
+        for path in done[: max(len(done) - self.config.keep_checkpoints, 0)]:
+            if path.name != keep_name:
+                shutil.rmtree(path, ignore_errors=True)
+
+    def _load_weights(self, path: Path) -> None:
+        if self.lora:
+            load_adapter(self.model, path, apply=False)
+        else:
+            load_state_dict_strict(self.model, path)
+
+    def _load_training_state(self, path: Path) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        trainer_dir = path / TRAINER_DIR
+        state = json.loads((trainer_dir / "state.json").read_text())
+        if state.get("lora") != self.lora:
+            raise ValueError(f"{path}: checkpoint lora={state.get('lora')} but this run has lora={self.lora}")
+        old = state.get("config", {})
+        for key in ("batch_size", "seed", "shuffle"):
+            if key in old and old[key] != getattr(self.config, key):
+                logger.warning("resuming with %s=%r (checkpoint: %r): the data order will differ",
+                               key, getattr(self.config, key), old[key])
+        tensors = load_file(str(trainer_dir / "optimizer.safetensors"))
+        tensors.pop("_empty", None)
+        meta = json.loads((trainer_dir / "optimizer.json").read_text())
+        optim_state = unflatten_optimizer_state(tensors, meta)
+        set_optimizer_state_dict(self.model, self.optimizer, optim_state,
+                                 options=StateDictOptions(full_state_dict=True))
+        rng_path = trainer_dir / f"rng-rank{self.dist.rank}.safetensors"
+        if not rng_path.is_file():
+            rng_path = trainer_dir / "rng-rank0.safetensors"
+        rng = load_file(str(rng_path))
+        torch.set_rng_state(rng["torch_cpu"])
+        if "torch_cuda" in rng and self.dist.device.type == "cuda":
+            torch.cuda.set_rng_state(rng["torch_cuda"], self.dist.device)
+        self.state = {k: state[k] for k in ("step", "tokens", "supervised_tokens")}
+        logger.info("resumed from %s at step %d", path, self.state["step"])
+
+    # -- logging -------------------------------------------------------------------------------------------
+    def _open_log(self) -> Any:
+        if self.dist.rank != 0:
+            return None
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        path = self.output_dir / LOG_FILE
+        kept = []
+        if self.resumed_from is not None and path.is_file():  # drop entries after the resumed step
+            for line in path.read_text().splitlines():
+                try:
+                    if json.loads(line).get("step", 0) <= self.state["step"]:
+                        kept.append(line)
+                except json.JSONDecodeError:
+                    continue
+        path.write_text("".join(line + "\n" for line in kept))
+        return open(path, "a", buffering=1)
+
+    # -- the loop ------------------------------------------------------------------------------------------
+    def train(self) -> TrainResult:
+        c, d = self.config, self.dist
+        start_time = time.monotonic()
+        if d.rank == 0:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            (self.output_dir / "config.yaml").write_text(c.to_yaml())
+            self.ckpt_root.mkdir(parents=True, exist_ok=True)
+            for stale in self.ckpt_root.glob(".tmp-*"):  # left by a save that was killed
+                shutil.rmtree(stale, ignore_errors=True)
+        log_file = self._open_log()
+        previous = signal.getsignal(signal.SIGTERM) if _main_thread() else None
+        if previous is not None:
+            signal.signal(signal.SIGTERM, self._on_sigterm)
+        bar = None
+        if d.rank == 0 and c.progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=c.max_steps, initial=self.state["step"], unit="step", dynamic_ncols=True,
+                       mininterval=1.0 if sys.stderr.isatty() else 30.0, desc="train")
+        losses: list[float] = []
+        eval_losses: list[tuple[int, float]] = []
+        last_saved = self.state["step"] if self.resumed_from is not None else -1
+        stopped_early = False
+        step_time = 0.0
+        try:
+            while self.state["step"] < c.max_steps:
+                t0 = time.monotonic()
+                metrics = self.train_step(self.state["step"])
+                step_time = time.monotonic() - t0
+                self.state["step"] += 1
+                self.state["tokens"] += int(metrics["step_tokens"])
+                self.state["supervised_tokens"] += int(metrics["supervised_tokens"])
+                step = self.state["step"]
+                losses.append(metrics["loss"])
+                record = {"step": step, "loss": metrics["loss"], "lr": metrics["lr"], "tokens": self.state["tokens"],
+                          "tokens_per_s": metrics["step_tokens"] / max(step_time, 1e-9),
+                          "grad_norm": metrics["grad_norm"], "block_size": metrics["block_size"],
+                          **{k: metrics[k] for k in ("diffusion_loss", "ar_loss", "kl", "masked_ce", "first_ce",
+                                                     "inner_ce", "accuracy") if k in metrics},
+                          "supervised_tokens": self.state["supervised_tokens"],
+                          "elapsed_s": time.monotonic() - start_time}
+                if not math.isfinite(metrics["loss"]):
+                    raise FloatingPointError(f"loss is {metrics['loss']} at step {step}; lower lr or check the data")
+                do_eval = self.eval_docs is not None and (
+                    (c.eval_every and step % c.eval_every == 0) or step == c.max_steps)
+                budget_hit = self._out_of_time(start_time, step_time)
+                if do_eval or (budget_hit and self.eval_docs is not None):
+                    ev = self.evaluate(step)
+                    record.update(ev)
+                    if "eval_loss" in ev:
+                        eval_losses.append((step, ev["eval_loss"]))
+                if log_file is not None and (step % c.log_every == 0 or "eval_loss" in record or step == c.max_steps):
+                    log_file.write(json.dumps(record) + "\n")
+                if bar is not None:
+                    bar.update(1)
+                    post = {"loss": f"{metrics['loss']:.4f}", "tok/s": f"{record['tokens_per_s']:.0f}"}
+                    if "eval_loss" in record:
+                        post["eval"] = f"{record['eval_loss']:.4f}"
+                    bar.set_postfix(post, refresh=False)
+                if budget_hit or self._stop_requested():
+                    stopped_early = step < c.max_steps
+                    break
+                if c.save_every and step % c.save_every == 0:
+                    try:
+                        self.save_checkpoint()
+                        last_saved = step
+                    except RuntimeError as exc:  # keep training; the next save may succeed
+                        logger.error("%s", exc)
+            if self.state["step"] != last_saved:
+                self.save_checkpoint()
+                last_saved = self.state["step"]
+        finally:
+            if bar is not None:
+                bar.close()
+            if log_file is not None:
+                log_file.close()
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
+        if stopped_early and d.rank == 0:
+            logger.info("stopped at step %d of %d (%s); resume with the same command", self.state["step"],
+                        c.max_steps, "time budget" if not self._stop_signal else "SIGTERM")
+        ckpt = self.ckpt_root / f"step-{last_saved:08d}" if last_saved >= 0 else None
+        return TrainResult(self.state["step"], losses, eval_losses, ckpt, stopped_early)
+
+    def _out_of_time(self, start: float, step_time: float) -> bool:
+        if not self.config.max_minutes:
+            return False
+        # stop when the next step would cross the budget (rank 0 decides, so every rank stops together)
+        hit = time.monotonic() - start + step_time >= self.config.max_minutes * 60.0
+        return bool(self.dist.broadcast(hit))
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        self._stop_signal = True
+
+    def _stop_requested(self) -> bool:
+        flag = torch.tensor([float(self._stop_signal)])
+        return bool(self.dist.all_sum(flag)[0] > 0)
+
+    def close(self) -> None:
+        if self.dist.owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
+
+
+def train(config: TrainConfig, **kwargs: Any) -> TrainResult:
+    """Build a Trainer and run it (`clover train` calls this)."""
+    trainer = Trainer(config, **kwargs)
+    try:
+        return trainer.train()
+    finally:
+        trainer.close()

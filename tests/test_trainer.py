@@ -1,0 +1,243 @@
+"""The trainer: config keys, exact resume, atomic checkpoints, time budget, LoRA, accumulation, CLI and plot."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from clover import CloverConfig, CloverForBlockDiffusion
+from clover.cli.main import main
+from clover.training import lora as lora_mod
+from clover.training import trainer as trainer_mod
+from clover.training.config import LoraConfig, TrainConfig, config_from_dict, load_train_config, parse_overrides
+from clover.training.trainer import Trainer, latest_checkpoint, train
+
+
+def documents(n: int = 32, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
+    g = torch.Generator().manual_seed(seed)
+    docs = []
+    for _ in range(n):
+        prompt_len = int(torch.randint(2, 6, (1,), generator=g))
+        response_len = int(torch.randint(3, 10, (1,), generator=g))
+        ids = torch.randint(0, 250, (prompt_len + response_len,), generator=g)
+        mask = torch.zeros(prompt_len + response_len, dtype=torch.bool)
+        mask[prompt_len:] = True
+        docs.append((ids, mask, prompt_len))
+    return docs
+
+
+def config(tmp_path: Path, **overrides) -> TrainConfig:
+    base = dict(init="clover-tiny-dense", output_dir=str(tmp_path / "run"), max_steps=6, batch_size=4,
+                micro_batch_size=2, lr=1e-3, warmup_steps=2, precision="fp32", progress=False, ar_weight=0.5)
+    return config_from_dict({**base, **overrides})
+
+
+# -- config ------------------------------------------------------------------------------------------------
+def test_unknown_config_keys_are_errors_naming_them(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("lr: 1.0e-4\nlearning_rate: 3\n")
+    with pytest.raises(ValueError, match="'learning_rate'"):
+        load_train_config(path)
+    path.write_text("noise: {t_mim: 0.1}\n")
+    with pytest.raises(ValueError, match="'noise.t_mim'"):
+        load_train_config(path)
+    path.write_text("lr: 1.0e-4\n")
+    with pytest.raises(ValueError, match="'lora.rnak'"):
+        load_train_config(path, ["--lora.rnak", "8"])
+    with pytest.raises(ValueError, match="max_steps: expected an integer"):
+        load_train_config(path, ["--max_steps", "many"])
+    with pytest.raises(ValueError, match="noise.weighting must be one of"):
+        load_train_config(path, ["--noise.weighting", "elbo"])
+
+
+def test_every_key_is_settable_from_the_command_line(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("lr: 1.0e-4\nnoise: {t_min: 0.2}\n")
+    cfg = load_train_config(path, ["--lr", "3e-4", "--noise.t_max=0.8", "--lora.targets", "q_proj,v_proj",
+                                   "--block_curriculum", "[[0, 2], [10, 4]]", "--model_overrides.hidden_size", "96",
+                                   "--gradient-checkpointing", "true"])
+    assert cfg.lr == 3e-4 and cfg.noise.t_min == 0.2 and cfg.noise.t_max == 0.8
+    assert cfg.lora.targets == ["q_proj", "v_proj"] and cfg.model_overrides == {"hidden_size": 96}
+    assert cfg.gradient_checkpointing is True
+    assert [cfg.block_size_at(s) for s in (0, 9, 10, 100)] == [2, 2, 4, 4]
+    assert parse_overrides(["--a.b", "1"]) == {"a": {"b": 1}}
+    again = config_from_dict(yaml.safe_load(cfg.to_yaml()))  # the resolved config round-trips
+    assert again == cfg
+
+
+# -- training ----------------------------------------------------------------------------------------------
+def test_killed_and_resumed_run_has_the_same_loss_curve(tmp_path):
+    docs = documents()
+    full = train(config(tmp_path / "a", max_steps=6, eval_every=3), train_documents=docs, eval_documents=docs[:8])
+    first = train(config(tmp_path / "b", max_steps=3), train_documents=docs)
+    assert latest_checkpoint(tmp_path / "b" / "run").name == "step-00000003"
+    second = train(config(tmp_path / "b", max_steps=6), train_documents=docs)  # resume="auto"
+    resumed = first.losses + second.losses
+    assert len(resumed) == 6 and second.step == 6
+    assert max(abs(a - b) for a, b in zip(full.losses, resumed)) < 1e-6
+    log = [json.loads(line) for line in (tmp_path / "b" / "run" / "train_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == [1, 2, 3, 4, 5, 6]
+    for key in ("step", "loss", "lr", "tokens", "tokens_per_s", "grad_norm", "ar_loss", "diffusion_loss"):
+        assert key in log[-1]
+    full_log = [json.loads(x) for x in (tmp_path / "a" / "run" / "train_log.jsonl").read_text().splitlines()]
+    assert "eval_loss" in full_log[2] and "eval_loss" in full_log[5]
+
+
+def test_gradient_accumulation_equals_one_big_batch(tmp_path):
+    docs = documents()
+    one = train(config(tmp_path / "one", max_steps=3, micro_batch_size=4), train_documents=docs)
+    acc = train(config(tmp_path / "acc", max_steps=3, micro_batch_size=1), train_documents=docs)
+    assert max(abs(a - b) for a, b in zip(one.losses, acc.losses)) < 1e-5
+
+
+def test_failed_save_leaves_latest_on_the_previous_complete_checkpoint(tmp_path, monkeypatch):
+    docs = documents()
+    trainer = Trainer(config(tmp_path, max_steps=2, save_every=1), train_documents=docs)
+    real = Trainer._write_tensors
+    calls = {"n": 0}
+
+    def flaky(tensors, path):
+        calls["n"] += 1
+        if calls["n"] >= 2:  # from the second checkpoint's optimizer state on, the disk is full
+            real(tensors, path)  # half a file gets written...
+            raise OSError(28, "No space left on device")
+        real(tensors, path)
+
+    monkeypatch.setattr(Trainer, "_write_tensors", staticmethod(flaky))
+    with pytest.raises(RuntimeError, match="still points to the previous complete checkpoint"):
+        trainer.train()  # the periodic save at step 2 fails (logged), then the final save fails (raised)
+    root = tmp_path / "run" / "checkpoints"
+    assert (root / "latest").read_text().strip() == "step-00000001"
+    assert latest_checkpoint(tmp_path / "run").name == "step-00000001"
+    assert not (root / "step-00000002").exists()
+    assert not list(root.glob(".tmp-*"))  # the temporary directory is cleaned up
+    model = CloverForBlockDiffusion.from_pretrained(root / "step-00000001")  # and the latest one loads
+    assert model.config.vocab_size == 256
+
+
+def test_time_budget_stops_cleanly_with_a_checkpoint_and_resumes(tmp_path):
+    docs = documents()
+    result = train(config(tmp_path, max_steps=50, max_minutes=1e-6), train_documents=docs)
+    assert result.stopped_early and result.step == 1
+    assert latest_checkpoint(tmp_path / "run").name == "step-00000001"
+    rest = train(config(tmp_path, max_steps=3), train_documents=docs)
+    assert rest.step == 3 and not rest.stopped_early and len(rest.losses) == 2
+
+
+def test_bf16_autocast_and_block_curriculum_train(tmp_path):
+    docs = documents()
+    result = train(config(tmp_path, init="clover-tiny", max_steps=3, precision="bf16",
+                          block_curriculum=[[0, 2], [2, 4]], gradient_checkpointing=True), train_documents=docs)
+    log = [json.loads(x) for x in (tmp_path / "run" / "train_log.jsonl").read_text().splitlines()]
+    assert [r["block_size"] for r in log] == [2, 2, 4]
+    assert all(torch.isfinite(torch.tensor(x)) for x in result.losses)
+
+
+# -- LoRA --------------------------------------------------------------------------------------------------
+def test_lora_trains_only_adapters_and_saves_only_them(tmp_path):
+    docs = documents()
+    cfg = config(tmp_path, init="clover-tiny", max_steps=3, lr=1e-2, kl_weight=0.1,
+                 lora={"rank": 4, "alpha": 8, "targets": ["q_proj", "v_proj", "in_proj_qkv", "out_proj"]})
+    trainer = Trainer(cfg, train_documents=docs)
+    base = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if not p.requires_grad}
+    trainer.train()
+    for name, param in trainer.model.named_parameters():
+        if name in base:
+            assert torch.equal(param, base[name]), name  # frozen weights untouched
+    ckpt = latest_checkpoint(tmp_path / "run")
+    stored = set(json.loads((ckpt / "adapter_config.json").read_text())["tensors"])
+    assert stored == {n for n, p in trainer.model.named_parameters() if p.requires_grad}
+    assert any("row_delta" in n for n in stored) and any("conv1d_right" in n for n in stored)
+    assert not (ckpt / "model.safetensors").exists()
+    row = trainer.model.model.embed_tokens.row_delta
+    assert row.abs().sum() > 0  # the [MASK] embedding learned something
+
+
+def test_lora_merge_unmerge_and_export(tmp_path):
+    torch.manual_seed(0)
+    model = CloverForBlockDiffusion(CloverConfig.from_preset("clover-tiny")).eval()
+    ids = torch.randint(0, 250, (2, 9))
+    before = model(ids, 4, prefix_len=1).logits
+    lora_mod.apply_lora(model, LoraConfig(rank=4, alpha=8))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name or "row_delta" in name:
+                param.normal_(0, 0.05)
+        ids[0, 3] = 255  # a [MASK] token, so the row delta matters
+        adapted = model(ids, 4, prefix_len=1).logits
+        with lora_mod.adapters_disabled(model):
+            assert torch.allclose(model(ids, 4, prefix_len=1).logits[1], before[1], atol=1e-5)
+        lora_mod.merge_lora(model)
+        assert torch.allclose(model(ids, 4, prefix_len=1).logits, adapted, atol=1e-5)
+        lora_mod.unmerge_lora(model)
+        assert torch.allclose(model(ids, 4, prefix_len=1).logits, adapted, atol=1e-5)
+        lora_mod.save_adapter(model, tmp_path / "adapter", LoraConfig(rank=4, alpha=8), base="clover-tiny")
+        fresh = CloverForBlockDiffusion(CloverConfig.from_preset("clover-tiny")).eval()
+        fresh.load_state_dict({k: v for k, v in model.state_dict().items()
+                               if "lora_" not in k and "row_delta" not in k})
+        lora_mod.load_adapter(fresh, tmp_path / "adapter")
+        assert torch.allclose(fresh(ids, 4, prefix_len=1).logits, adapted, atol=1e-5)
+        lora_mod.merge_and_unload(model)
+        model.save_pretrained(tmp_path / "merged")
+        merged = CloverForBlockDiffusion.from_pretrained(tmp_path / "merged")
+        assert torch.allclose(merged(ids, 4, prefix_len=1).logits, adapted, atol=1e-5)
+    with pytest.raises(ValueError, match="match no nn.Linear"):
+        lora_mod.apply_lora(CloverForBlockDiffusion(CloverConfig.from_preset("clover-tiny")),
+                            LoraConfig(rank=2, targets=["nope"]))
+
+
+# -- CLI ---------------------------------------------------------------------------------------------------
+def test_cli_train_on_token_shards_then_plot(tmp_path, capsys):
+    from clover.training.data import write_token_shards
+
+    docs = [(ids.tolist(), mask.int().tolist()) for ids, mask, _ in documents(16)]
+    write_token_shards(docs, tmp_path / "shards", max_len=None)
+    write_token_shards(docs[:4], tmp_path / "eval", max_len=None)
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(yaml.safe_dump({"init": "clover-tiny-dense", "train_data": str(tmp_path / "shards"),
+                                   "eval_data": str(tmp_path / "eval"), "output_dir": str(tmp_path / "out"),
+                                   "batch_size": 4, "micro_batch_size": 4, "precision": "fp32"}))
+    assert main(["train", str(cfg), "--max_steps", "2", "--eval_every", "1", "--progress", "false"]) == 0
+    assert "step 2/2" in capsys.readouterr().out
+    log = tmp_path / "out" / "train_log.jsonl"
+    assert len(log.read_text().splitlines()) == 2 and "eval_loss" in log.read_text()
+    assert main(["plot", str(log), "-o", str(tmp_path / "curve.png")]) == 0
+    assert (tmp_path / "curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert main(["train", str(cfg), "--lr", "1e-4", "--no_such_key", "1"]) == 2
+    assert "'no_such_key'" in capsys.readouterr().err
+
+
+def test_cli_reports_broken_jsonl_with_file_and_line(tmp_path, capsys):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate(["<unk>", "<eos>", "[MASK]", "hello", "world"])}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<eos>", mask_token="[MASK]",
+                            unk_token="<unk>").save_pretrained(tmp_path / "tok")
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"text": "hello world"}\n{"text": "hello" \n')
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(yaml.safe_dump({"init": "clover-tiny-dense", "train_data": str(data), "data_kind": "jsonl",
+                                   "tokenizer": str(tmp_path / "tok"), "output_dir": str(tmp_path / "out")}))
+    assert main(["train", str(cfg)]) == 2
+    assert f"{data}:2" in capsys.readouterr().err
+
+
+def test_init_must_be_a_checkpoint_or_preset(tmp_path):
+    with pytest.raises(FileNotFoundError, match="neither a checkpoint directory nor a preset"):
+        Trainer(config(tmp_path, init=str(tmp_path / "missing")), train_documents=documents())
+
+
+def test_checkpoint_init_and_full_checkpoint_is_a_loadable_model(tmp_path):
+    docs = documents()
+    train(config(tmp_path / "a", max_steps=1), train_documents=docs)
+    ckpt = latest_checkpoint(tmp_path / "a" / "run")
+    result = train(config(tmp_path / "b", init=str(ckpt), max_steps=1), train_documents=docs)
+    assert result.step == 1
+    assert trainer_mod.STATE_VERSION == json.loads((ckpt / "trainer" / "state.json").read_text())["version"]
