@@ -1,0 +1,136 @@
+"""clover-smol on held-out chat, code and tool-call prompts: speed and quality of block decoding.
+
+    python benchmarks/bench_smol.py [--model DIR] [--limit 20] [--threads 2] [--out results.json]
+
+Three decoding modes on the same prompts, one at a time (batch 1, greedy):
+  * `default`  — the model's block size at its default threshold,
+  * `exact`    — the same block size at threshold 1.0 (one position per step: the quality reference),
+  * `ar`       — block size 1 (one token per forward: the speed reference).
+Figures: tokens per forward (TPF) and tokens/s per mode; quality:
+  * tool calls — exact match (BFCL AST rules, `clover.training.bfcl.tool_call_matches`) on our held-out BFCL split
+    and on BFCL's untouched `live_simple` category;
+  * chat, code, structured — token agreement of the first 64 tokens with `exact` and with `ar` (how often block
+    decoding writes what one-at-a-time decoding writes), and the share of answers that end by themselves (EOS)
+    within the token budget; for code also the share whose Python code blocks parse (`ast.parse`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import re
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from clover.engine import generate
+from clover.model import CloverForBlockDiffusion
+from clover.tokenizer import load_tokenizer
+from clover.training.bfcl import bfcl_to_chats, load_bfcl, tool_call_matches
+from clover.training.chat_template import parse_assistant_output, render_chat
+
+HELDOUT = Path(__file__).resolve().parents[1] / "recipes" / "clover_smol" / "heldout.jsonl"
+CODE_BLOCK = re.compile(r"```(?:python|py)?\n(.*?)```", re.S)
+
+
+def agreement(a: list[int], b: list[int], n: int = 64) -> float:
+    a, b = a[:n], b[:n]
+    if not a and not b:
+        return 1.0
+    return sum(x == y for x, y in zip(a, b)) / max(len(a), len(b))
+
+
+def code_parses(text: str) -> bool:
+    blocks = CODE_BLOCK.findall(text) or [text]
+    try:
+        for block in blocks:
+            ast.parse(block)
+        return True
+    except SyntaxError:
+        return False
+
+
+def tool_sets(limit: int) -> dict[str, list[tuple[dict, dict]]]:
+    """(chat without the answer, accepted answers) for our BFCL eval split and for live_simple."""
+    out = {}
+    for name, split in (("tools_heldout", "eval"), ("tools_live_simple", "live_simple")):
+        chats = bfcl_to_chats(split)[:limit]
+        answers = {}
+        for category in {c["category"] for c in chats}:
+            answers.update({ex.id: ex.possible_answer for ex in load_bfcl(category)})
+        out[name] = [({"messages": c["messages"][:-1], "tools": c["tools"]}, answers[c["id"]]) for c in chats]
+    return out
+
+
+def text_sets(limit: int) -> dict[str, list[tuple[dict, None]]]:
+    rows = [json.loads(line) for line in HELDOUT.read_text().splitlines() if line.strip()]
+    return {cat: [({"messages": r["messages"], "tools": None}, None) for r in rows if r["category"] == cat][:limit]
+            for cat in ("chat", "code", "structured")}
+
+
+def run_mode(model, tokenizer, chats, block_size, threshold, max_new_tokens):
+    results = []
+    for chat, _ in chats:
+        text = render_chat(tokenizer, chat["messages"], chat["tools"], add_generation_prompt=True)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        t0 = time.perf_counter()
+        out = generate(model, [ids], max_new_tokens=max_new_tokens, block_size=block_size, threshold=threshold,
+                       vocab_limit=len(tokenizer))
+        results.append((out.sequences[0], out.stats[0], time.perf_counter() - t0))
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="checkpoint dir (default: clover-smol)")
+    parser.add_argument("--limit", type=int, default=20, help="prompts per set")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", default=None, help="write all figures as JSON here")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.model is None:
+        from clover.smol import clover_smol_dir
+        args.model = clover_smol_dir()
+    model = CloverForBlockDiffusion.from_pretrained(args.model)
+    tokenizer = load_tokenizer(args.model)
+    block, threshold = model.config.block_size, model.config.threshold
+    modes = {"default": (block, threshold), "exact": (block, 1.0), "ar": (1, 1.0)}
+    print(f"model={args.model} block_size={block} threshold={threshold} limit={args.limit} "
+          f"max_new_tokens={args.max_new_tokens} threads={args.threads}")
+    sets = {**text_sets(args.limit), **tool_sets(args.limit)}
+    report = {}
+    header = f"{'set':18} {'mode':8} {'TPF':>5} {'tok/s':>7}  quality"
+    print(header)
+    for name, chats in sets.items():
+        runs = {mode: run_mode(model, tokenizer, chats, b, t, args.max_new_tokens) for mode, (b, t) in modes.items()}
+        report[name] = {}
+        for mode, results in runs.items():
+            tokens = sum(len(r[0]) for r in results)
+            forwards = sum(r[1]["forward_passes"] for r in results)
+            seconds = sum(r[2] for r in results)
+            texts = [tokenizer.decode(r[0], skip_special_tokens=True) for r in results]
+            if name.startswith("tools"):
+                calls = [parse_assistant_output(t)[2] for t in texts]
+                score = statistics.mean(tool_call_matches(c, ans) for c, (_, ans) in zip(calls, chats))
+                quality = {"tool_call_exact_match": score}
+            else:
+                quality = {f"agree_{ref}": statistics.mean(agreement(r[0], e[0]) for r, e in zip(results, runs[ref]))
+                           for ref in ("exact", "ar")}
+                quality["ended_by_eos"] = statistics.mean(r[1]["finish_reason"] == "eos" for r in results)
+                if name == "code":
+                    quality["code_parses"] = statistics.mean(code_parses(t) for t in texts)
+            figures = {"tokens_per_forward": tokens / max(forwards, 1), "tokens_per_second": tokens / seconds,
+                       "tokens": tokens, "forward_passes": forwards, **quality}
+            report[name][mode] = figures
+            q = ", ".join(f"{k}={v:.2f}" for k, v in quality.items())
+            print(f"{name:18} {mode:8} {figures['tokens_per_forward']:5.2f} {figures['tokens_per_second']:7.1f}  {q}")
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
