@@ -1,0 +1,174 @@
+"""`clover generate [PROMPT] --model DIR`: decode one prompt block by block and print the text as blocks commit.
+
+`--json` prints one JSON object (text and the figures of DESIGN §5); `--show-steps` draws, on stderr, how each
+block fills in: still-masked positions as a placeholder, positions filled in this step highlighted, then the
+block as committed (stdout then gets the whole text at the end instead of streaming it, so the two do not
+interleave on a terminal). Thin over `clover.engine.stream`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from clover.engine import RULES, IncrementalDetokenizer, SamplingParams, StepSnapshot, StreamPiece, stream
+
+MASK_GLYPH = "░"
+
+
+def resolve_model_dir(arg: str | None) -> Path:
+    """The checkpoint directory to load. The default model (clover-smol) is not packaged yet, so `--model` is
+    required; this is the one place that will learn where the default lives."""
+    if arg is None:
+        raise ValueError("no model given: pass --model DIR, a Clover checkpoint directory "
+                         "(see `clover convert`); there is no default model yet")
+    path = Path(arg).expanduser()
+    if not path.is_dir():
+        raise FileNotFoundError(f"--model {arg}: not a directory")
+    return path
+
+
+def add_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser("generate", help="generate text from a prompt, block by block",
+                              description="Generate text with a Clover model (block diffusion decoding).")
+    p.add_argument("prompt", nargs="?", help="prompt text (default: read from stdin)")
+    p.add_argument("--model", help="Clover checkpoint directory")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt as a user turn with the chat template")
+    p.add_argument("--system", help="system message (with --chat)")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--block-size", type=int, default=None, help="default: the model's config")
+    p.add_argument("--threshold", type=float, default=None, help="confidence to unmask, in (0, 1]; default: config")
+    p.add_argument("--rule", default="threshold", choices=sorted(RULES), help="unmasking rule")
+    p.add_argument("--tokens-per-step", type=int, default=None, help="k of --rule top_k_per_step")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="cast the weights")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--json", action="store_true", help="print one JSON object with the text and figures")
+    p.add_argument("--show-steps", action="store_true", help="draw each block filling in, step by step (stderr)")
+    p.set_defaults(func=run)
+
+
+def _load_tokenizer(directory: Path) -> Any:
+    from clover.tokenizer import load_tokenizer
+
+    return load_tokenizer(directory)
+
+
+def _prompt_ids(tokenizer: Any, args: argparse.Namespace) -> list[int]:
+    text = args.prompt
+    if text is None:
+        if sys.stdin.isatty():
+            raise ValueError("no prompt: give it as an argument or on stdin")
+        text = sys.stdin.read()
+    if not text:
+        raise ValueError("the prompt is empty")
+    if args.chat:
+        messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
+            {"role": "user", "content": text}]
+        rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return tokenizer(rendered, add_special_tokens=False)["input_ids"]
+    return tokenizer(text)["input_ids"]
+
+
+def _trim_stop(text: str, stop: str | None) -> str:
+    if stop and stop in text:
+        return text[: text.index(stop)]
+    return text
+
+
+def run(args: argparse.Namespace) -> int:
+    from clover.model import CloverForBlockDiffusion
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    directory = resolve_model_dir(args.model)
+    tokenizer = _load_tokenizer(directory)
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(args.dtype or "")
+    model = CloverForBlockDiffusion.from_pretrained(directory, dtype=dtype)
+    ids = _prompt_ids(tokenizer, args)
+    eos = model.config.eos_token_ids or ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
+    decode = lambda t: tokenizer.decode(t, skip_special_tokens=True)  # noqa: E731
+    sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                              repetition_penalty=args.repetition_penalty, seed=args.seed, stop=tuple(args.stop))
+    rule_options = {"k": args.tokens_per_step} if args.tokens_per_step is not None else None
+    events = stream(model, ids, args.max_new_tokens, block_size=args.block_size, threshold=args.threshold,
+                    rule=args.rule, rule_options=rule_options, sampling=sampling, detokenize=decode,
+                    vocab_limit=len(tokenizer), eos_token_ids=eos, snapshots=args.show_steps)
+
+    steps = _StepPainter(tokenizer) if args.show_steps else None
+    detok = IncrementalDetokenizer(decode)
+    hold = max((len(s) for s in args.stop), default=1) - 1  # text that may still become a stop string
+    shown, token_ids, stats = 0, [], {}
+    for event in events:
+        if isinstance(event, StepSnapshot):
+            steps.draw(event)
+            continue
+        assert isinstance(event, StreamPiece)
+        token_ids += event.token_ids
+        detok.push(event.token_ids)
+        if event.finished:
+            stats = event.stats
+            detok.flush()
+        if steps is not None:
+            steps.commit(event)
+        elif not args.json:
+            text = _trim_stop(detok.text, stats.get("stop_string"))
+            upto = len(text) if event.finished else max(shown, len(text) - hold)
+            sys.stdout.write(text[shown:upto])
+            sys.stdout.flush()
+            shown = upto
+    text = _trim_stop(decode(token_ids), stats.get("stop_string"))
+    if steps is not None and not args.json:
+        sys.stdout.write(text)
+    if args.json:
+        print(json.dumps({"text": text, "token_ids": token_ids, "prompt_tokens": len(ids), **stats,
+                          "block_size": args.block_size or model.config.block_size,
+                          "threshold": args.threshold if args.threshold is not None else model.config.threshold,
+                          "rule": args.rule, "model": str(directory)}))
+    else:
+        sys.stdout.write("\n")
+    return 0
+
+
+class _StepPainter:
+    """Draws a block after each denoising step on stderr: `░` masked, new tokens highlighted."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        from rich.console import Console
+
+        self.console = Console(stderr=True, highlight=False)
+        self.tokenizer = tokenizer
+
+    def draw(self, snap: StepSnapshot) -> None:
+        from rich.text import Text
+
+        line = Text(f"block {snap.block:>3} step {snap.step:>2} │ ", style="dim")
+        for token, new in zip(snap.tokens, snap.new):
+            if token is None:
+                line.append(MASK_GLYPH, style="dim")
+            else:
+                line.append(self._show(token), style="bold black on green" if new else "")
+            line.append("·", style="dim")
+        self.console.print(line)
+
+    def commit(self, piece: StreamPiece) -> None:
+        from rich.text import Text
+
+        line = Text(f"block {piece.block:>3} final   │ ", style="dim")
+        line.append("".join(self._show(t) for t in piece.token_ids), style="bold")
+        if piece.finished:
+            line.append(f"  [{piece.finish_reason}]", style="dim")
+        self.console.print(line)
+
+    def _show(self, token: int) -> str:
+        return self.tokenizer.decode([token]).replace("\n", "⏎").replace("\t", "⇥") or "∅"

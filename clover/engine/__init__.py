@@ -1,0 +1,117 @@
+"""Clover's decoding engine: block-diffusion generation with a cache, batching and streaming.
+
+    from clover.engine import generate, stream
+    result = generate(model, [[1, 2, 3], [4, 5]], max_new_tokens=64, block_size=16, threshold=0.9)
+    result.sequences   # new token ids per prompt, EOS and what follows excluded
+    result.stats       # per prompt: tokens, forward_passes, tokens_per_forward, wall_time_s, ...
+    for piece in stream(model, [1, 2, 3], max_new_tokens=64):
+        print(piece.token_ids)  # one block's committed tokens at a time
+
+Roles: `sampling` (SamplingParams, logits -> candidates + confidence), `decoding` (unmasking rules, by name),
+`sequence` (one request's state and stats), `engine` (the loop), `detokenizer` (ids -> text, incrementally).
+Semantics and measured figures: docs/decoding.md.
+"""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass
+from typing import Any, Iterator, Sequence as Seq
+
+import torch
+
+from clover.engine.decoding import RULES, UnmaskingRule, make_rule, register_rule
+from clover.engine.detokenizer import IncrementalDetokenizer
+from clover.engine.engine import DEFAULT_PREFILL_CHUNK, Engine, Event, StepSnapshot, StreamPiece
+from clover.engine.sampling import SamplingParams
+from clover.engine.sequence import Detokenize
+
+__all__ = [
+    "DEFAULT_PREFILL_CHUNK", "Engine", "GenerationResult", "IncrementalDetokenizer", "RULES", "SamplingParams",
+    "StepSnapshot", "StreamPiece", "UnmaskingRule", "generate", "make_rule", "register_rule", "stream",
+]
+
+_SAMPLING_KEYS = {"temperature", "top_p", "top_k", "repetition_penalty", "seed", "stop"}
+
+
+@dataclass
+class GenerationResult:
+    sequences: list[list[int]]  # new token ids per prompt; EOS and anything after it excluded
+    stats: list[dict[str, Any]]  # per prompt (see `Sequence.stats`)
+
+
+def _sampling(sampling: SamplingParams | Seq[SamplingParams] | None,
+              kwargs: dict[str, Any]) -> SamplingParams | list[SamplingParams]:
+    unknown = sorted(set(kwargs) - _SAMPLING_KEYS)
+    if unknown:
+        raise TypeError(f"unknown generation arguments {unknown}; sampling takes {sorted(_SAMPLING_KEYS)}")
+    if sampling is not None:
+        if kwargs:
+            raise TypeError("pass sampling options either as `sampling=SamplingParams(...)` or as keywords, not both")
+        return sampling if isinstance(sampling, SamplingParams) else list(sampling)
+    return SamplingParams(**kwargs)
+
+
+def _prompts(prompts: Any, attention_mask: torch.Tensor | None) -> list[list[int]]:
+    """A list of token-id lists, one list of ids (one prompt), or a 2-D tensor (rows; `attention_mask` strips
+    left padding)."""
+    if torch.is_tensor(prompts):
+        if prompts.dim() == 1:
+            prompts = prompts[None]
+        if prompts.dim() != 2:
+            raise ValueError(f"input_ids must be a 2-D tensor [batch, tokens], got shape {tuple(prompts.shape)}")
+        rows = prompts.tolist()
+        if attention_mask is not None:
+            if attention_mask.shape != prompts.shape:
+                raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} != input_ids "
+                                 f"{tuple(prompts.shape)}")
+            keep = attention_mask.bool().tolist()
+            rows = [[t for t, k in zip(row, m) if k] for row, m in zip(rows, keep)]
+        return rows
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, numbers.Integral) for t in prompts):
+        return [prompts]
+    return [list(p) for p in prompts]
+
+
+def generate(model: torch.nn.Module, prompts: Any, max_new_tokens: int = 128, *, block_size: int | None = None,
+             threshold: float | None = None, rule: str | UnmaskingRule = "threshold",
+             rule_options: dict[str, Any] | None = None, sampling: SamplingParams | Seq[SamplingParams] | None = None,
+             attention_mask: torch.Tensor | None = None, detokenize: Detokenize | None = None,
+             vocab_limit: int | None = None, eos_token_ids: Seq[int] | None = None,
+             prefill_chunk: int = DEFAULT_PREFILL_CHUNK, **sampling_kwargs: Any) -> GenerationResult:
+    """Generate for a batch of prompts (decoded together, each getting what it would get alone).
+
+    `block_size` / `threshold` default to the model config's. Sampling: `sampling=SamplingParams(...)` (one, or
+    one per prompt) or keywords `temperature`, `top_p`, `top_k`, `repetition_penalty`, `seed`, `stop`.
+    """
+    rows = _prompts(prompts, attention_mask)
+    engine = Engine(model, block_size, threshold, rule, rule_options, eos_token_ids=eos_token_ids,
+                    vocab_limit=vocab_limit, detokenize=detokenize, prefill_chunk=prefill_chunk)
+    sequences: list[list[int]] = [[] for _ in rows]
+    stats: list[dict[str, Any]] = [{} for _ in rows]
+    for event in engine.run(rows, max_new_tokens, _sampling(sampling, sampling_kwargs)):
+        if isinstance(event, StreamPiece):
+            sequences[event.index].extend(event.token_ids)
+            if event.stats is not None:
+                stats[event.index] = event.stats
+    return GenerationResult(sequences, stats)
+
+
+def stream(model: torch.nn.Module, prompt_ids: Seq[int] | torch.Tensor, max_new_tokens: int = 128, *,
+           block_size: int | None = None, threshold: float | None = None, rule: str | UnmaskingRule = "threshold",
+           rule_options: dict[str, Any] | None = None, sampling: SamplingParams | None = None,
+           detokenize: Detokenize | None = None, vocab_limit: int | None = None,
+           eos_token_ids: Seq[int] | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+           snapshots: bool = False, **sampling_kwargs: Any) -> Iterator[Event]:
+    """Decode one prompt, yielding a `StreamPiece` (the block's committed ids) as each block is final; the last
+    piece has `finished=True` and the request's `stats`. With `snapshots=True`, also a `StepSnapshot` after every
+    denoising step. Detokenise in the caller (`IncrementalDetokenizer`)."""
+    ids = prompt_ids.tolist() if torch.is_tensor(prompt_ids) else list(prompt_ids)
+    if ids and isinstance(ids[0], list):
+        if len(ids) != 1:
+            raise ValueError(f"stream decodes one prompt, got {len(ids)}; use Engine.run for batches")
+        ids = ids[0]
+    engine = Engine(model, block_size, threshold, rule, rule_options, eos_token_ids=eos_token_ids,
+                    vocab_limit=vocab_limit, detokenize=detokenize, prefill_chunk=prefill_chunk)
+    return engine.run([ids], max_new_tokens, _sampling(sampling, sampling_kwargs), snapshots=snapshots)

@@ -1,0 +1,119 @@
+"""Unmasking rules: which masked positions of a block a denoising step fills in.
+
+Each rule is a small class with one method, `select(tokens, confidence, masked) -> accept`, on `[N, B]` tensors
+for the whole batch at once (SGLang's `dllm/algorithm` style). Contract, checked by the tests:
+
+* `accept` is a subset of `masked`;
+* every row with at least one masked position accepts at least one — so a block always finishes in at most
+  `B` steps and decoding never stalls;
+* rows with nothing masked accept nothing (the engine passes `masked & active` for rows that sit a step out).
+
+Rules are looked up by name in `RULES` (`make_rule("threshold", threshold=0.9)`); the engine never branches on
+the rule's name. To add one: subclass `UnmaskingRule`, decorate with `@register_rule`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+RULES: dict[str, type["UnmaskingRule"]] = {}
+
+
+def register_rule(cls: type["UnmaskingRule"]) -> type["UnmaskingRule"]:
+    RULES[cls.name] = cls
+    return cls
+
+
+def make_rule(name: "str | UnmaskingRule", threshold: float | None = None, **options: Any) -> "UnmaskingRule":
+    """Build a rule by name. `threshold` goes to rules that have one (others ignore it); other options must be
+    fields of the rule (e.g. `k` of `top_k_per_step`)."""
+    if isinstance(name, UnmaskingRule):
+        return name
+    if name not in RULES:
+        raise ValueError(f"unknown unmasking rule {name!r}; available: {sorted(RULES)}")
+    cls = RULES[name]
+    fields = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(options) - fields)
+    if unknown:
+        raise ValueError(f"rule {name!r} takes options {sorted(fields)}, got unknown {unknown}")
+    if threshold is not None and "threshold" in fields:
+        options["threshold"] = threshold
+    return cls(**options)
+
+
+@dataclass
+class UnmaskingRule:
+    name: ClassVar[str] = ""
+
+    def select(self, tokens: torch.Tensor, confidence: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
+        """`tokens`, `confidence`, `masked` `[N, B]` -> `accept` `[N, B]` bool (see the module contract)."""
+        raise NotImplementedError
+
+    @staticmethod
+    def most_confident(confidence: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
+        """One-hot `[N, B]` of each row's most confident masked position (all False where nothing is masked)."""
+        conf = confidence.masked_fill(~masked, -1.0)
+        best = torch.zeros_like(masked)
+        best.scatter_(1, conf.argmax(dim=1, keepdim=True), True)
+        return best & masked
+
+
+@register_rule
+@dataclass
+class ThresholdRule(UnmaskingRule):
+    """Fast-dLLM's parallel rule (DESIGN §3): fill every masked position whose confidence is >= `threshold`,
+    and always the single most confident one. `threshold=1.0` is one token per step, most confident first."""
+
+    name: ClassVar[str] = "threshold"
+    threshold: float = 0.9
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.threshold <= 1.0:
+            raise ValueError(f"threshold must be in (0, 1], got {self.threshold}")
+
+    def select(self, tokens: torch.Tensor, confidence: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
+        return (masked & (confidence >= self.threshold)) | self.most_confident(confidence, masked)
+
+
+@register_rule
+@dataclass
+class TopKPerStepRule(UnmaskingRule):
+    """A fixed budget: the `k` most confident masked positions per step (fewer if fewer are masked). Steps per
+    block are exactly `ceil(B / k)` — predictable latency, no dependence on calibration."""
+
+    name: ClassVar[str] = "top_k_per_step"
+    k: int = 2
+
+    def __post_init__(self) -> None:
+        if self.k < 1:
+            raise ValueError(f"k must be >= 1, got {self.k}")
+
+    def select(self, tokens: torch.Tensor, confidence: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
+        k = min(self.k, masked.shape[1])
+        conf = confidence.masked_fill(~masked, -1.0)
+        top = conf.topk(k, dim=1).indices
+        accept = torch.zeros_like(masked)
+        accept.scatter_(1, top, True)
+        return accept & masked
+
+
+@register_rule
+@dataclass
+class NoAdjacentRepeatRule(ThresholdRule):
+    """`threshold`, but a position is refused when its left neighbour is accepted in the same step with the same
+    token. At low thresholds the denoiser, seeing both positions masked, often proposes the same word for both
+    ("code code"); RECIPE-NOTES found these adjacent duplicates to be most of the damage. The refused position
+    stays masked and is re-predicted next step, now seeing its neighbour. The leftmost token of a run is kept,
+    so the step still makes progress (an AR-trained model is best at the left end)."""
+
+    name: ClassVar[str] = "no_adjacent_repeat"
+
+    def select(self, tokens: torch.Tensor, confidence: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
+        accept = super().select(tokens, confidence, masked)
+        repeat = accept[:, 1:] & accept[:, :-1] & (tokens[:, 1:] == tokens[:, :-1])
+        refuse = torch.cat([torch.zeros_like(repeat[:, :1]), repeat], dim=1)
+        return accept & ~refuse

@@ -1,0 +1,298 @@
+"""The block-diffusion decoding loop: prefill, denoising steps, block commit, batching, streaming.
+
+One request, block size `B` (docs/decoding.md has the full semantics):
+
+    prefill   forward(prompt as causal clean tokens, query = B masks)      -> logits for step 1 of block 1
+    step      fill positions chosen by the unmasking rule
+              block not done: forward(query = current block)               -> logits for the next step
+              block done:     emit it; forward(clean = block, query = B masks) -> commit + step 1 of the next block
+
+The prediction for block position `p` is the output one position to its left (token shift): for `p = 0` the
+clean logits of the last committed token, for `p >= 1` query output `p - 1`. So every step consumes exactly one
+forward, and a block decided in one step costs one forward. With `B = 1` no query block is needed at all and the
+loop is exactly AR decoding.
+
+Batches run in lockstep, block by block: prompts are left-padded into one prefill, every row's block is committed
+in the same forward, and a row whose block is already final sits out the remaining steps of the others (its
+outputs are ignored and it draws no random numbers), so each request gets exactly what it gets alone. A finished
+request leaves the batch (`cache.select`) at the next commit.
+
+Where things happen: `Engine._prefill` (prompt -> cache), `Engine._step` (one denoising step),
+`Engine._finish_block` (EOS / stop / length, emit), `Engine._commit` (the block joins the cache).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Sequence as Seq
+
+import torch
+
+from clover.engine.decoding import UnmaskingRule, make_rule
+from clover.engine.sampling import BatchSampler, SamplingParams
+from clover.engine.sequence import Detokenize, Sequence
+from clover.model.cache import CloverCache
+
+DEFAULT_PREFILL_CHUNK = 2048
+
+
+@dataclass
+class StreamPiece:
+    """The committed tokens of one block of one request (what a streaming client appends)."""
+
+    index: int  # the request's position in the prompts given to the engine
+    token_ids: list[int]
+    block: int
+    finished: bool = False
+    finish_reason: str | None = None
+    stats: dict[str, Any] | None = None  # on a request's last piece
+
+
+@dataclass
+class StepSnapshot:
+    """The state of a block after one denoising step (for visualisation)."""
+
+    index: int
+    block: int
+    step: int  # 1-based within the block
+    tokens: list[int | None]  # None: still masked
+    new: list[bool]  # filled in this step
+
+
+Event = StreamPiece | StepSnapshot
+
+
+@dataclass
+class _Batch:
+    """The tensors of the requests being decoded together (row r is `seqs[r]`)."""
+
+    seqs: list[Sequence]
+    cache: CloverCache
+    sampler: BatchSampler
+    block: torch.Tensor  # [N, B] current block, mask id where undecided
+    first_logits: torch.Tensor  # [N, V] clean logits of the last committed token: predicts block position 0
+    query_logits: torch.Tensor | None  # [N, B, V] outputs of the current block (None when B == 1)
+    steps: torch.Tensor  # [N] steps each row has taken in this block
+    limit: int  # positions of this block that can count: min(B, tokens still allowed)
+    block_index: int = 0
+    step_index: int = 0
+
+
+@dataclass
+class EngineCounters:
+    """Batch-level figures, for benchmarks: engine overhead = wall time - forward time."""
+
+    forwards: int = 0
+    forward_time_s: float = 0.0
+    steps: int = 0
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+class Engine:
+    """Decodes batches of prompts with one model, block size and unmasking rule.
+
+    `vocab_limit`: ids >= it are never emitted (a padded embedding matrix larger than the tokenizer);
+    `detokenize`: ids -> text, needed only for stop strings; `prefill_chunk`: prompt tokens per prefill forward,
+    which bounds the prefill's activation memory for long prompts.
+    """
+
+    def __init__(self, model: torch.nn.Module, block_size: int | None = None, threshold: float | None = None,
+                 rule: str | UnmaskingRule = "threshold", rule_options: dict[str, Any] | None = None, *,
+                 eos_token_ids: Seq[int] | None = None, vocab_limit: int | None = None,
+                 detokenize: Detokenize | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> None:
+        config = model.config
+        self.model = model
+        self.block_size = config.block_size if block_size is None else int(block_size)
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        threshold = config.threshold if threshold is None else threshold
+        if not 0.0 < threshold <= 1.0:
+            raise ValueError(f"threshold must be in (0, 1], got {threshold}")
+        self.rule = make_rule(rule, threshold=threshold, **(rule_options or {}))
+        if config.mask_token_id is None:
+            raise ValueError("the model's config has no mask_token_id; block decoding needs one "
+                             "(`clover convert` adds it)")
+        if prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+        self.mask_id = config.mask_token_id
+        self.eos_ids = list(config.eos_token_ids if eos_token_ids is None else eos_token_ids)
+        self.vocab_size = config.vocab_size
+        self.vocab_limit = self.vocab_size if vocab_limit is None else min(int(vocab_limit), self.vocab_size)
+        self.detokenize = detokenize
+        self.prefill_chunk = prefill_chunk
+        self.device = next(model.parameters()).device
+        self._eos = torch.tensor(self.eos_ids, dtype=torch.long, device=self.device)
+        self._positions = torch.arange(self.block_size, device=self.device)
+        self.counters = EngineCounters()
+
+    # -- public ---------------------------------------------------------------------------------------
+    def run(self, prompts: Seq[Seq[int]], max_new_tokens: int, sampling: SamplingParams | Seq[SamplingParams],
+            snapshots: bool = False) -> Iterator[Event]:
+        """Decode `prompts` together; yield a `StreamPiece` per request per block (and `StepSnapshot`s).
+
+        Inputs are validated here, before the first `next()`, so a bad request fails where it is made."""
+        return self._run(self._make_sequences(prompts, max_new_tokens, sampling), snapshots)
+
+    def _run(self, seqs: list[Sequence], snapshots: bool) -> Iterator[Event]:
+        with torch.inference_mode():
+            batch = self._prefill(seqs)
+        while batch is not None:
+            with torch.inference_mode():  # not around the yield: the caller's code must not run in this mode
+                events, batch = self._step(batch, snapshots)
+            yield from events
+
+    # -- setup ----------------------------------------------------------------------------------------
+    def _make_sequences(self, prompts: Seq[Seq[int]], max_new_tokens: int,
+                        sampling: SamplingParams | Seq[SamplingParams]) -> list[Sequence]:
+        if len(prompts) == 0:
+            raise ValueError("prompts is empty: give at least one prompt")
+        params = [sampling] * len(prompts) if isinstance(sampling, SamplingParams) else list(sampling)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        if not isinstance(max_new_tokens, numbers.Integral) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+        if self.detokenize is None and any(p.stop for p in params):
+            raise ValueError("stop strings need a detokenizer: pass detokenize=tokenizer.decode")
+        prompts = [list(map(int, p)) for p in prompts]
+        for i, p in enumerate(prompts):
+            if not p:
+                raise ValueError(f"prompt {i} is empty: a prompt needs at least one token")
+            bad = [t for t in p if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"prompt {i} has token ids outside [0, {self.vocab_size}): {bad[:5]}")
+        limit = self.model.config.max_position_embeddings
+        longest = max(len(p) for p in prompts)
+        reach = math.ceil(max_new_tokens / self.block_size) * self.block_size
+        if longest >= limit:
+            raise ValueError(f"a prompt of {longest} tokens leaves no room for max_new_tokens within the model's "
+                             f"max_position_embeddings={limit}")
+        if longest + reach > limit:
+            raise ValueError(
+                f"max_new_tokens={max_new_tokens} is too large: the prompt has {longest} tokens and generation "
+                f"needs {reach} more positions (max_new_tokens rounded up to whole blocks of {self.block_size}), "
+                f"beyond the model's max_position_embeddings={limit}; at most "
+                f"{(limit - longest) // self.block_size * self.block_size} new tokens fit")
+        now = time.perf_counter()
+        return [Sequence(i, p, params[i], int(max_new_tokens), start_time=now) for i, p in enumerate(prompts)]
+
+    def _forward(self, ids: torch.Tensor | None, cache: CloverCache, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        out = self.model(ids, self.block_size, cache=cache, **kwargs)
+        self.counters.forward_time_s += time.perf_counter() - start
+        self.counters.forwards += 1
+        return out
+
+    def _masks(self, n: int) -> torch.Tensor:
+        return torch.full((n, self.block_size), self.mask_id, dtype=torch.long, device=self.device)
+
+    # -- prefill --------------------------------------------------------------------------------------
+    def _prefill(self, seqs: list[Sequence]) -> _Batch:
+        """Prompts, left-padded, read causally in chunks of `prefill_chunk`; the last chunk carries block 1's masks
+        as a query block, so the prefill is also block 1's first step."""
+        n, longest = len(seqs), max(len(s.prompt) for s in seqs)
+        ids = torch.full((n, longest), self.mask_id, dtype=torch.long)
+        valid = torch.zeros(n, longest, dtype=torch.bool)
+        for r, s in enumerate(seqs):
+            ids[r, longest - len(s.prompt):] = torch.tensor(s.prompt)
+            valid[r, longest - len(s.prompt):] = True
+        ids, valid = ids.to(self.device), valid.to(self.device)
+        padded = not bool(valid.all())
+        cache = self.model.new_cache(n)
+        query = self._masks(n) if self.block_size > 1 else None
+        chunks = range(0, longest, self.prefill_chunk)
+        for start in chunks:
+            end = min(start + self.prefill_chunk, longest)
+            last = end == longest
+            out = self._forward(ids[:, start:end], cache, prefix_len=end - start,
+                                attention_mask=valid[:, start:end] if padded else None,
+                                query_ids=query if last else None, logits_to_keep=1 if last else 0)
+        for s in seqs:
+            s.prefill_forwards = len(chunks)
+        sampler = BatchSampler([s.params for s in seqs], self.vocab_size, self._banned(), self.device)
+        sampler.observe([s.prompt for s in seqs])
+        return _Batch(seqs, cache, sampler, self._masks(n), out.logits[:, -1], out.query_logits,
+                      torch.zeros(n, dtype=torch.long, device=self.device), min(self.block_size, seqs[0].remaining))
+
+    def _banned(self) -> list[int]:
+        return [self.mask_id] + list(range(self.vocab_limit, self.vocab_size))
+
+    # -- the block loop -------------------------------------------------------------------------------
+    def _needed(self, block: torch.Tensor, limit: int) -> torch.Tensor:
+        """`[N, B]`: masked positions that can still count — before `limit` (a block cut by `max_new_tokens`) and
+        before the first decided EOS (what follows an EOS is dropped). Only these are candidates for a step, so
+        no step is ever spent on a token that would be thrown away."""
+        masked = block == self.mask_id
+        need = torch.full((block.shape[0],), limit, dtype=torch.long, device=block.device)
+        if self.eos_ids:
+            eos = torch.isin(block, self._eos) & ~masked
+            need = torch.where(eos.any(1), (eos.int().argmax(1) + 1).clamp(max=limit), need)
+        return masked & (self._positions[None] < need[:, None])
+
+    def _step(self, b: _Batch, snapshots: bool) -> tuple[list[Event], _Batch | None]:
+        """One denoising step for every row that needs one, then the forward that feeds the next step."""
+        # token shift: output p-1 predicts position p; a fresh tensor, which the sampler may modify in place
+        if b.query_logits is None:
+            logits = b.first_logits[:, None].clone()
+        else:
+            logits = torch.cat([b.first_logits[:, None], b.query_logits[:, :-1]], dim=1)
+        candidates = self._needed(b.block, b.limit)
+        active = candidates.any(1)  # rows whose block is final sit this step out
+        tokens, confidence = b.sampler(logits, active)
+        accept = self.rule.select(tokens, confidence, candidates)
+        b.block = torch.where(accept, tokens, b.block)
+        b.sampler.observe_block(tokens, accept)
+        b.steps += active
+        b.step_index += 1
+        self.counters.steps += 1
+        events: list[Event] = self._snapshots(b, accept, active) if snapshots else []
+
+        if bool(self._needed(b.block, b.limit).any()):
+            b.query_logits = self._forward(None, b.cache, query_ids=b.block).query_logits
+            return events, b
+        events += self._finish_block(b)
+        if not b.seqs:
+            return events, None
+        self._commit(b)
+        return events, b
+
+    def _snapshots(self, b: _Batch, accept: torch.Tensor, active: torch.Tensor) -> list[Event]:
+        block, new, act = b.block.tolist(), accept.tolist(), active.tolist()
+        return [StepSnapshot(s.index, b.block_index, int(b.steps[r]),
+                             [None if t == self.mask_id else t for t in block[r]], new[r])
+                for r, s in enumerate(b.seqs) if act[r]]
+
+    def _finish_block(self, b: _Batch) -> list[Event]:
+        """Every row's block is final: apply EOS / stop / length, emit the pieces, drop finished rows."""
+        now = time.perf_counter()
+        rows, steps = b.block[:, : b.limit].tolist(), b.steps.tolist()
+        events: list[Event] = []
+        keep = []
+        for r, seq in enumerate(b.seqs):
+            piece = seq.append_block(rows[r], steps[r], self.eos_ids, self.detokenize, now)
+            events.append(StreamPiece(seq.index, piece, b.block_index, seq.finished, seq.finish_reason,
+                                      seq.stats() if seq.finished else None))
+            if not seq.finished:
+                keep.append(r)
+        if len(keep) < len(b.seqs):
+            b.seqs = [b.seqs[r] for r in keep]
+            if keep:
+                idx = torch.tensor(keep, dtype=torch.long, device=self.device)
+                b.cache.select(idx)
+                b.sampler.select(keep)
+                b.block, b.steps = b.block[idx], b.steps[idx]
+        return events
+
+    def _commit(self, b: _Batch) -> None:
+        """The finished block joins the cache, in the same forward as the next block's first step."""
+        n = len(b.seqs)
+        query = self._masks(n) if self.block_size > 1 else None
+        out = self._forward(b.block, b.cache, query_ids=query, logits_to_keep=1)
+        b.first_logits, b.query_logits = out.logits[:, -1], out.query_logits
+        b.block = self._masks(n)
+        b.steps = torch.zeros(n, dtype=torch.long, device=self.device)
+        b.limit = min(self.block_size, b.seqs[0].remaining)  # rows still running have produced the same count
+        b.block_index += 1
+        b.step_index = 0

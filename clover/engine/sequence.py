@@ -1,0 +1,114 @@
+"""`Sequence`: one request's state and bookkeeping — what it has produced, why it stopped, what it cost.
+
+The engine owns the tensors (cache, current block) of the whole batch; a `Sequence` owns the Python-side facts
+of one request: its prompt, sampling parameters, the tokens committed so far, the steps each block took, and the
+timestamps its stats are computed from. Appending a finished block is where EOS, `max_new_tokens` and stop strings
+are applied, so that "what counts as generated" is decided in exactly one place.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence as Seq
+
+from clover.engine.sampling import SamplingParams
+
+Detokenize = Callable[[list[int]], str]
+
+EOS, STOP, LENGTH = "eos", "stop", "length"
+
+
+@dataclass
+class Sequence:
+    index: int  # position of the request in the caller's list
+    prompt: list[int]
+    params: SamplingParams
+    max_new_tokens: int
+    generated: list[int] = field(default_factory=list)
+    steps_per_block: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # "eos" | "stop" | "length"
+    stop_string: str | None = None  # the stop string that ended it, if any
+    prefill_forwards: int = 0
+    start_time: float = 0.0
+    first_output_time: float | None = None
+    end_time: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def remaining(self) -> int:
+        return self.max_new_tokens - len(self.generated)
+
+    def append_block(self, block: Seq[int], steps: int, eos_ids: Seq[int], detokenize: Detokenize | None,
+                     now: float | None = None) -> list[int]:
+        """Take a finished block (already cut to at most `remaining` tokens); return the piece that counts.
+
+        EOS ends the request and is not part of the output, nor is anything after it; a stop string ends it after
+        the token that completes the string (the caller trims the text); reaching `max_new_tokens` ends it too.
+        """
+        now = time.perf_counter() if now is None else now
+        piece = list(block)
+        self.steps_per_block.append(steps)
+        eos = next((i for i, t in enumerate(piece) if t in eos_ids), None)
+        if eos is not None:
+            piece = piece[:eos]
+            self.finish_reason = EOS
+        if self.params.stop and piece:
+            cut, which = self._find_stop(piece, detokenize)
+            if which is not None:
+                piece, self.finish_reason, self.stop_string = piece[:cut], STOP, which
+        self.generated.extend(piece)
+        if self.finish_reason is None and self.remaining <= 0:
+            self.finish_reason = LENGTH
+        if self.first_output_time is None:
+            self.first_output_time = now
+        if self.finished:
+            self.end_time = now
+        return piece
+
+    def _find_stop(self, piece: list[int], detokenize: Detokenize | None) -> tuple[int, str | None]:
+        """Smallest `k` such that the text up to `piece[:k]` contains a stop string (decoding only a short tail:
+        earlier text was checked when its block was appended)."""
+        if detokenize is None:
+            raise ValueError("stop strings need a detokenizer (pass `detokenize=tokenizer.decode`)")
+        tail = self.generated[-(max(len(s) for s in self.params.stop) + 1):]
+        text = detokenize(tail + piece)
+        if not any(s in text for s in self.params.stop):
+            return len(piece), None
+        for k in range(1, len(piece) + 1):
+            text = detokenize(tail + piece[:k])
+            for s in self.params.stop:
+                if s in text:
+                    return k, s
+        return len(piece), None  # pragma: no cover - the full text contained it
+
+    def stats(self) -> dict[str, Any]:
+        """The figures of DESIGN §3 for this request.
+
+        `forward_passes` counts the forwards whose outputs decided this request's tokens: each denoising step
+        consumes exactly one (the prefill's last chunk, a step forward, or a commit+next-block forward), so it is
+        the total number of steps — the same whether the request ran alone or in a batch. Extra prefill chunks of
+        a long prompt are reported apart, as `prefill_forwards`.
+        """
+        end = self.end_time if self.end_time is not None else time.perf_counter()
+        wall = end - self.start_time
+        tokens = len(self.generated)
+        forwards = sum(self.steps_per_block)
+        return {
+            "prompt_tokens": len(self.prompt),
+            "tokens": tokens,
+            "forward_passes": forwards,
+            "tokens_per_forward": tokens / forwards if forwards else 0.0,
+            "wall_time_s": wall,
+            "tokens_per_second": tokens / wall if wall > 0 else 0.0,
+            "time_to_first_token_s": (self.first_output_time - self.start_time
+                                      if self.first_output_time is not None else None),
+            "steps_per_block": list(self.steps_per_block),
+            "blocks": len(self.steps_per_block),
+            "prefill_forwards": self.prefill_forwards,
+            "finish_reason": self.finish_reason,
+            "stop_string": self.stop_string,
+        }

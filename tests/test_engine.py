@@ -1,0 +1,382 @@
+"""The decoding engine against slow, obvious references: an uncached recompute decoder and `transformers`."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from clover import CloverConfig, CloverForBlockDiffusion
+from clover.engine import Engine, SamplingParams, StepSnapshot, StreamPiece, generate, make_rule, stream
+from clover.model.deltanet import GatedDeltaNet
+
+PROMPTS = [[5, 17, 3, 99, 42, 7, 11], [8, 120], [64, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]]
+
+
+def tiny_model(preset: str = "clover-tiny", seed: int = 0, logit_scale: float = 30.0,
+               **overrides) -> CloverForBlockDiffusion:
+    """A random tiny model that exercises what decoding depends on.
+
+    Clover-only parameters (right conv, memory calibration) are randomised so the block-bidirectional paths are
+    not identities, and the final norm is scaled up so random logits are peaked: thresholds < 1 then accept
+    several positions per step. The dense preset's embeddings are untied (tied random ones just repeat the input).
+    """
+    if preset == "clover-tiny-dense":
+        overrides.setdefault("tie_word_embeddings", False)
+    torch.manual_seed(seed)
+    model = CloverForBlockDiffusion(CloverConfig.from_preset(preset, **overrides)).eval()
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, GatedDeltaNet):
+                module.conv1d_right.weight.normal_(std=0.3)
+                module.memory_calibration.normal_(std=0.5)
+        norm = model.model.norm.weight
+        if model.config.norm_type == "plain":
+            norm.mul_(logit_scale)
+        else:
+            norm.copy_((1 + norm) * logit_scale - 1)
+    return model
+
+
+@pytest.fixture(scope="module")
+def hybrid() -> CloverForBlockDiffusion:
+    return tiny_model("clover-tiny")
+
+
+@pytest.fixture(scope="module")
+def dense() -> CloverForBlockDiffusion:
+    return tiny_model("clover-tiny-dense")
+
+
+@torch.inference_mode()
+def recompute_decode(model: CloverForBlockDiffusion, prompt: list[int], max_new_tokens: int, block_size: int,
+                     rule, eos_ids: list[int]) -> tuple[list[int], list[int]]:
+    """Greedy block decoding without a cache: every step runs the whole sequence (prompt causal, then blocks,
+    the current one with masks) and reads the current block's predictions from the positions before it."""
+    mask, n = model.config.mask_token_id, len(prompt)
+    generated: list[int] = []
+    steps_per_block: list[int] = []
+    while True:
+        limit = min(block_size, max_new_tokens - len(generated))
+        block = [mask] * block_size
+        steps = 0
+        while True:
+            need = limit
+            for i, t in enumerate(block):
+                if t != mask and t in eos_ids:
+                    need = min(need, i + 1)
+                    break
+            candidates = torch.tensor([[t == mask and i < need for i, t in enumerate(block)]])
+            if not candidates.any():
+                break
+            seq = torch.tensor([prompt + generated + block])
+            logits = model(seq, block_size=block_size, prefix_len=n).logits[0]
+            start = n + len(generated)
+            pred = logits[start - 1 : start + block_size - 1].float()
+            pred[:, mask] = float("-inf")
+            conf, tokens = pred.softmax(-1).max(-1)
+            accept = rule.select(tokens[None], conf[None], candidates)[0]
+            block = [int(tokens[i]) if accept[i] else block[i] for i in range(block_size)]
+            steps += 1
+        steps_per_block.append(steps)
+        piece = block[:limit]
+        eos = next((i for i, t in enumerate(piece) if t in eos_ids), None)
+        generated += piece if eos is None else piece[:eos]
+        if eos is not None or len(generated) >= max_new_tokens:
+            return generated, steps_per_block
+
+
+# -- exactness ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("preset", ["clover-tiny", "clover-tiny-dense"])
+@pytest.mark.parametrize("block_size,threshold,rule", [
+    (1, 1.0, "threshold"), (3, 1.0, "threshold"), (4, 0.5, "threshold"), (4, 0.2, "threshold"),
+    (5, 0.3, "no_adjacent_repeat"), (4, 1.0, "top_k_per_step"),
+])
+def test_cached_decoding_equals_recompute(preset: str, block_size: int, threshold: float, rule: str,
+                                          hybrid, dense) -> None:
+    model = hybrid if preset == "clover-tiny" else dense
+    eos = model.config.eos_token_ids
+    rule_obj = make_rule(rule, threshold=threshold)
+    result = generate(model, PROMPTS, max_new_tokens=18, block_size=block_size, threshold=threshold, rule=rule)
+    for prompt, got, stats in zip(PROMPTS, result.sequences, result.stats):
+        want, steps = recompute_decode(model, prompt, 18, block_size, rule_obj, eos)
+        assert got == want
+        assert stats["steps_per_block"] == steps
+        assert stats["forward_passes"] == sum(steps)
+        assert stats["tokens"] == len(got)
+        if block_size == 1 or (threshold == 1.0 and rule == "threshold"):
+            assert stats["tokens_per_forward"] <= 1.0
+
+
+def test_low_thresholds_decode_several_tokens_per_forward(hybrid, dense) -> None:
+    """The parallel path is really exercised: a block decided in one step costs one forward."""
+    for model in (hybrid, dense):
+        result = generate(model, PROMPTS, max_new_tokens=24, block_size=4, threshold=0.2, eos_token_ids=[])
+        assert max(s["tokens_per_forward"] for s in result.stats) > 1.5
+        assert any(1 in s["steps_per_block"] for s in result.stats)
+        for s in result.stats:  # never more forwards than AR would take: at least one token per step
+            assert s["tokens_per_forward"] >= 1.0
+
+
+def _llama_pair(seed: int = 0):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=512, rms_norm_eps=1e-5, rope_theta=10000.0,
+        tie_word_embeddings=True, initializer_range=0.2, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    reference = transformers.LlamaForCausalLM(config).eval()
+    clover_config = CloverConfig.from_preset("clover-tiny-dense", max_position_embeddings=512, eos_token_id=None,
+                                             norm_type="plain", attn_output_gate=False, qk_norm=False,
+                                             partial_rotary_factor=1.0, mlp_type="dense", mask_token_id=255)
+    model = CloverForBlockDiffusion(clover_config).eval()
+    model.load_state_dict(reference.state_dict(), strict=True)
+    return reference, model
+
+
+def test_block1_greedy_reproduces_transformers_generate() -> None:
+    """B = 1, threshold 1.0 is AR decoding: token for token what `transformers` generates greedily."""
+    reference, model = _llama_pair()
+    for prompt in PROMPTS:
+        ids = torch.tensor([prompt])
+        want = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, do_sample=False,
+                                  eos_token_id=None, pad_token_id=0,
+                                  suppress_tokens=[255])[0, len(prompt):].tolist()  # Clover never emits [MASK]
+        result = generate(model, [prompt], max_new_tokens=40, block_size=1, threshold=1.0)
+        assert result.sequences[0] == want
+        assert result.stats[0]["forward_passes"] == 40 and result.stats[0]["tokens_per_forward"] == 1.0
+
+
+@pytest.mark.parametrize("preset", ["clover-tiny", "clover-tiny-dense"])
+def test_batch_equals_single(preset: str, hybrid, dense) -> None:
+    """Left-padded prompts in lockstep, rows leaving early, greedy and seeded sampling: each row as alone."""
+    model = hybrid if preset == "clover-tiny" else dense
+    alone = generate(model, PROMPTS, max_new_tokens=20, threshold=0.5, eos_token_ids=[]).sequences
+    others = set(alone[1] + alone[2])
+    eos = next(t for i, t in enumerate(alone[0]) if i >= 5 and t not in alone[0][:i] and t not in others)
+    for kwargs in ({}, {"temperature": 0.8, "top_p": 0.9, "seed": 3}):
+        kw = dict(max_new_tokens=20, block_size=4, threshold=0.5, eos_token_ids=[eos], **kwargs)
+        batch = generate(model, PROMPTS, **kw)
+        for prompt, got, stats in zip(PROMPTS, batch.sequences, batch.stats):
+            single = generate(model, [prompt], **kw)
+            assert got == single.sequences[0]
+            assert stats["steps_per_block"] == single.stats[0]["steps_per_block"]
+        if not kwargs:
+            assert batch.stats[0]["finish_reason"] == "eos" and len(batch.sequences[0]) < 20
+            assert batch.stats[1]["finish_reason"] == batch.stats[2]["finish_reason"] == "length"
+
+
+def test_tensor_input_with_attention_mask_and_model_generate(hybrid) -> None:
+    ids = torch.tensor([[0, 0, 5, 6, 7], [1, 2, 3, 4, 5]])
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    result = generate(hybrid, ids, attention_mask=mask, max_new_tokens=6)
+    assert result.sequences == generate(hybrid, [[5, 6, 7], [1, 2, 3, 4, 5]], max_new_tokens=6).sequences
+    via_model = hybrid.generate([[5, 6, 7]], max_new_tokens=6)  # block_size/threshold from the config
+    assert via_model.sequences[0] == result.sequences[0]
+    assert set(via_model.stats[0]) >= {"tokens", "forward_passes", "tokens_per_forward", "wall_time_s",
+                                       "tokens_per_second", "time_to_first_token_s", "steps_per_block"}
+    assert hybrid.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=6, block_size=4,
+                           threshold=hybrid.config.threshold).sequences == via_model.sequences
+
+
+# -- block structure (model level) --------------------------------------------------------------------------
+@pytest.mark.parametrize("preset", ["clover-tiny", "clover-tiny-dense"])
+def test_bidirectional_inside_a_block_causal_between_blocks(preset: str, hybrid, dense) -> None:
+    model = hybrid if preset == "clover-tiny" else dense
+    prompt, b = 5, 4
+    ids = torch.randint(0, 250, (1, prompt + 3 * b), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        base = model(ids, block_size=b, prefix_len=prompt).logits
+        end_of_block = ids.clone()
+        end_of_block[0, prompt + 2 * b - 1] = (end_of_block[0, prompt + 2 * b - 1] + 1) % 250  # last of block 1
+        changed = model(end_of_block, block_size=b, prefix_len=prompt).logits
+        later = ids.clone()
+        later[0, prompt + 2 * b] = (later[0, prompt + 2 * b] + 1) % 250  # first of block 2
+        unchanged = model(later, block_size=b, prefix_len=prompt).logits
+    start = prompt + b
+    # logits are ~30x a plain model's here (peaked on purpose): "unchanged" means fp32 round-off, "changed" is O(1)
+    assert (changed[0, start] - base[0, start]).abs().max() > 0.1, "the block's start must see its end"
+    torch.testing.assert_close(changed[0, :start], base[0, :start], atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(unchanged[0, : prompt + 2 * b], base[0, : prompt + 2 * b], atol=1e-4, rtol=1e-5)
+
+
+def test_deltanet_history_memory_is_constant(hybrid) -> None:
+    cache = hybrid.new_cache(1)
+    b, seen = hybrid.config.block_size, []
+    with torch.inference_mode():
+        hybrid(torch.randint(0, 250, (1, 16)), block_size=b, prefix_len=16, cache=cache)
+        for _ in range(3):
+            for _ in range(32):
+                hybrid(torch.randint(0, 250, (1, b)), block_size=b, cache=cache, logits_to_keep=0)
+            seen.append(cache.memory_bytes())
+    assert len({m["recurrent_state"] for m in seen}) == 1 and seen[0]["recurrent_state"] > 0
+    assert seen[0]["attention_kv"] < seen[1]["attention_kv"] < seen[2]["attention_kv"]
+
+
+# -- stopping -----------------------------------------------------------------------------------------------
+def test_eos_in_the_middle_of_a_block_ends_the_request(hybrid) -> None:
+    full = generate(hybrid, PROMPTS[:1], max_new_tokens=24, block_size=4, threshold=0.5, eos_token_ids=[])
+    tokens = full.sequences[0]
+    k = next(i for i, t in enumerate(tokens) if i >= 4 and i % 4 in (1, 2) and t not in tokens[:i])
+    result = generate(hybrid, PROMPTS[:1], max_new_tokens=24, block_size=4, threshold=0.5, eos_token_ids=[tokens[k]])
+    assert result.sequences[0] == tokens[:k]  # EOS and everything after it excluded
+    stats = result.stats[0]
+    assert stats["finish_reason"] == "eos" and stats["tokens"] == k
+    assert stats["blocks"] == k // 4 + 1
+    assert stats["steps_per_block"][-1] <= k % 4 + 1  # positions after EOS are never decided
+    assert stats["forward_passes"] <= sum(full.stats[0]["steps_per_block"][: k // 4 + 1])
+
+
+def test_max_new_tokens_cuts_the_last_block(hybrid) -> None:
+    result = generate(hybrid, PROMPTS[:1], max_new_tokens=6, block_size=4, threshold=1.0, eos_token_ids=[])
+    assert len(result.sequences[0]) == 6 and result.stats[0]["finish_reason"] == "length"
+    assert result.stats[0]["steps_per_block"] == [4, 2]  # the cut block decides only the 2 positions that count
+
+
+def test_stop_string_ends_the_request(hybrid) -> None:
+    detok = lambda ids: "".join(chr(ord("a") + t % 26) for t in ids)  # noqa: E731
+    full = generate(hybrid, PROMPTS[:1], max_new_tokens=16, eos_token_ids=[]).sequences[0]
+    text = detok(full)
+    stop = text[6:8]
+    cut = text.index(stop) + len(stop)
+    result = generate(hybrid, PROMPTS[:1], max_new_tokens=16, eos_token_ids=[], stop=[stop], detokenize=detok)
+    assert result.sequences[0] == full[:cut]
+    assert result.stats[0]["finish_reason"] == "stop" and result.stats[0]["stop_string"] == stop
+
+
+# -- streaming ----------------------------------------------------------------------------------------------
+def test_stream_pieces_and_snapshots(hybrid) -> None:
+    kw = dict(max_new_tokens=10, block_size=4, threshold=0.5, eos_token_ids=[])
+    events = list(stream(hybrid, PROMPTS[0], snapshots=True, **kw))
+    pieces = [e for e in events if isinstance(e, StreamPiece)]
+    assert [len(p.token_ids) for p in pieces] == [4, 4, 2]
+    assert pieces[-1].finished and pieces[-1].stats["tokens"] == 10 and not pieces[0].finished
+    assert sum((p.token_ids for p in pieces), []) == generate(hybrid, PROMPTS[:1], **kw).sequences[0]
+    snaps = [e for e in events if isinstance(e, StepSnapshot)]
+    assert len(snaps) == pieces[-1].stats["forward_passes"]
+    for block, piece in enumerate(pieces):
+        mine = [s for s in snaps if s.block == block]
+        assert [s.step for s in mine] == list(range(1, len(mine) + 1))
+        assert mine[-1].tokens[: len(piece.token_ids)] == piece.token_ids
+        assert sum(sum(s.new) for s in mine) >= len(piece.token_ids)
+        for s in mine:  # a newly filled position was masked before and is filled now
+            assert all(t is not None for t, new in zip(s.tokens, s.new) if new)
+
+
+# -- errors and long prompts ---------------------------------------------------------------------------------
+def test_bad_inputs_name_the_parameter(hybrid) -> None:
+    cases = [
+        (dict(prompts=[[]]), "prompt 0 is empty"),
+        (dict(prompts=[]), "prompts is empty"),
+        (dict(block_size=0), "block_size"),
+        (dict(threshold=0.0), "threshold"),
+        (dict(threshold=1.5), "threshold"),
+        (dict(max_new_tokens=0), "max_new_tokens"),
+        (dict(prompts=[[1, 999]]), "token ids"),
+        (dict(stop=["x"]), "detokeniz"),
+        (dict(rule="nope"), "unknown unmasking rule"),
+        (dict(prefill_chunk=0), "prefill_chunk"),
+    ]
+    for kwargs, match in cases:
+        kwargs = {"prompts": [[1, 2]], **kwargs}
+        with pytest.raises(ValueError, match=match):
+            generate(hybrid, kwargs.pop("prompts"), **kwargs)
+    with pytest.raises(TypeError, match="unknown generation arguments"):
+        generate(hybrid, [[1, 2]], temprature=0.5)
+    with pytest.raises(ValueError, match="mask_token_id"):
+        generate(tiny_model("clover-tiny-dense", mask_token_id=None), [[1, 2]])
+    with pytest.raises(ValueError, match="max_new_tokens"):  # raised when stream is called, not at first next()
+        stream(hybrid, [[1, 2]], max_new_tokens=-1)
+
+
+def test_context_limit_names_max_new_tokens() -> None:
+    model = tiny_model("clover-tiny", max_position_embeddings=64)
+    with pytest.raises(ValueError, match=r"max_new_tokens=40.*max_position_embeddings=64"):
+        generate(model, [list(range(30))], max_new_tokens=40)
+    with pytest.raises(ValueError, match="max_new_tokens=33"):  # 30 + 33 fits, but not rounded to blocks of 4
+        generate(model, [list(range(30))], max_new_tokens=33)
+    assert len(generate(model, [list(range(30))], max_new_tokens=32, eos_token_ids=[]).sequences[0]) == 32
+
+
+@pytest.mark.parametrize("preset", ["clover-tiny", "clover-tiny-dense"])
+def test_chunked_prefill_equals_unchunked(preset: str, hybrid, dense) -> None:
+    model = hybrid if preset == "clover-tiny" else dense
+    prompts = [torch.randint(0, 250, (300,), generator=torch.Generator().manual_seed(1)).tolist(), list(range(70))]
+    batches = []
+    for chunk in (64, 4096):
+        engine = Engine(model, 4, 0.5, prefill_chunk=chunk)
+        with torch.inference_mode():
+            batches.append(engine._prefill(engine._make_sequences(prompts, 8, SamplingParams())))
+        assert engine.counters.forwards == math.ceil(300 / chunk)
+    chunked, whole = batches
+    torch.testing.assert_close(chunked.first_logits, whole.first_logits, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(chunked.query_logits, whole.query_logits, atol=1e-4, rtol=1e-4)
+    a = generate(model, prompts, max_new_tokens=12, threshold=0.5, prefill_chunk=64)
+    b = generate(model, prompts, max_new_tokens=12, threshold=0.5)
+    assert a.sequences == b.sequences and a.stats[0]["prefill_forwards"] == 5
+
+
+@pytest.mark.slow
+def test_32k_prompt_prefills_in_chunks() -> None:
+    model = tiny_model("clover-tiny")
+    prompt = torch.randint(0, 250, (32768,), generator=torch.Generator().manual_seed(0)).tolist()
+    result = generate(model, [prompt], max_new_tokens=8, prefill_chunk=2048)
+    assert result.stats[0]["prefill_forwards"] == 16 and len(result.sequences[0]) <= 8
+
+
+# -- the CLI ------------------------------------------------------------------------------------------------
+def _char_tokenizer(directory: Path) -> None:
+    """A 256-id character tokenizer (ids 0-252 are printable characters; 253 <eos>... 255 <mask>)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = [chr(c) for c in range(0x21, 0x7F)] + [chr(c) for c in range(0xA1, 0xA1 + 253 - 94)]
+    vocab = {c: i for i, c in enumerate(chars)}
+    vocab.update({"<pad>": 253, "<eos>": 254, "<mask>": 255})
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>",
+                                   additional_special_tokens=["<mask>"])
+    fast.chat_template = "{% for m in messages %}<{{ m['content'] }}>{% endfor %}"
+    fast.save_pretrained(str(directory))
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("ckpt")
+    _char_tokenizer(root / "tok")
+    tiny_model("clover-tiny").save_pretrained(root / "model", tokenizer_dir=root / "tok")
+    return root / "model"
+
+
+def test_cli_generate_json(checkpoint: Path, capsys) -> None:
+    from clover.cli.main import main
+
+    assert main(["generate", "hello", "--model", str(checkpoint), "--max-new-tokens", "9", "--json",
+                 "--threshold", "0.5", "--block-size", "4", "--threads", "1"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert {"text", "tokens", "forward_passes", "tokens_per_forward", "tokens_per_second"} <= set(out)
+    assert out["tokens"] == len(out["token_ids"]) <= 9 and out["forward_passes"] >= 1
+    assert main(["generate", "hello", "--model", str(checkpoint), "--max-new-tokens", "9",
+                 "--threshold", "0.5", "--block-size", "4", "--chat", "--show-steps", "--seed", "1",
+                 "--temperature", "0.7", "--rule", "no_adjacent_repeat"]) == 0
+    assert "step" in capsys.readouterr().err
+
+
+def test_cli_generate_streams_text_and_requires_a_model(checkpoint: Path, capsys, monkeypatch) -> None:
+    import io
+
+    from clover.cli.main import main
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("from stdin"))
+    assert main(["generate", "--model", str(checkpoint), "--max-new-tokens", "8", "--threshold", "1.0"]) == 0
+    text = capsys.readouterr().out
+    assert main(["generate", "from stdin", "--model", str(checkpoint), "--max-new-tokens", "8", "--threshold", "1.0",
+                 "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["text"] == text.rstrip("\n")
+    assert main(["generate", "hi"]) == 2
+    assert "--model" in capsys.readouterr().err
