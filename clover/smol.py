@@ -47,8 +47,8 @@ def cache_root() -> Path:
     return Path(os.environ.get("CLOVER_CACHE", Path.home() / ".cache" / "clover")).expanduser()
 
 
-def manifest(asset_dir: Path = ASSET_DIR) -> dict:
-    path = asset_dir / MANIFEST
+def manifest(asset_dir: Path | None = None) -> dict:
+    path = (asset_dir or ASSET_DIR) / MANIFEST
     if not path.is_file():
         raise FileNotFoundError(f"clover-smol's adapter is missing: {path} (a broken install or checkout)")
     return json.loads(path.read_text())
@@ -75,8 +75,9 @@ def base_dir() -> Path:
     return target
 
 
-def build(asset_dir: Path = ASSET_DIR, out_dir: Path | None = None) -> Path:
+def build(asset_dir: Path | None = None, out_dir: Path | None = None) -> Path:
     """Base + adapter -> a complete clover-smol checkpoint directory; verifies the merged weights' checksum."""
+    asset_dir = asset_dir or ASSET_DIR
     from clover.training.chat_template import CLOVER_CHAT_TEMPLATE
     from clover.training.lora import load_adapter, merge_and_unload
     from clover.tokenizer import load_tokenizer

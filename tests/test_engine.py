@@ -367,7 +367,7 @@ def test_cli_generate_json(checkpoint: Path, capsys) -> None:
     assert "step" in capsys.readouterr().err
 
 
-def test_cli_generate_streams_text_and_requires_a_model(checkpoint: Path, capsys, monkeypatch) -> None:
+def test_cli_generate_streams_text_and_reports_a_missing_default_model(checkpoint: Path, capsys, monkeypatch) -> None:
     import io
 
     from clover.cli.main import main
@@ -378,5 +378,6 @@ def test_cli_generate_streams_text_and_requires_a_model(checkpoint: Path, capsys
     assert main(["generate", "from stdin", "--model", str(checkpoint), "--max-new-tokens", "8", "--threshold", "1.0",
                  "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["text"] == text.rstrip("\n")
+    monkeypatch.setattr("clover.smol.ASSET_DIR", checkpoint / "no-such-adapter")  # the default model, unavailable
     assert main(["generate", "hi"]) == 2
-    assert "--model" in capsys.readouterr().err
+    assert "clover-smol" in capsys.readouterr().err

