@@ -309,7 +309,7 @@ def test_chunked_prefill_equals_unchunked(preset: str, hybrid, dense) -> None:
     for chunk in (64, 4096):
         engine = Engine(model, 4, 0.5, prefill_chunk=chunk)
         with torch.inference_mode():
-            batches.append(engine._prefill(engine._make_sequences(prompts, 8, SamplingParams())))
+            batches.append(engine._prefill(engine.make_sequences(prompts, 8, SamplingParams())))
         assert engine.counters.forwards == math.ceil(300 / chunk)
     chunked, whole = batches
     torch.testing.assert_close(chunked.first_logits, whole.first_logits, atol=1e-4, rtol=1e-4)

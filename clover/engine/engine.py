@@ -17,6 +17,12 @@ in the same forward, and a row whose block is already final sits out the remaini
 outputs are ignored and it draws no random numbers), so each request gets exactly what it gets alone. A finished
 request leaves the batch (`cache.select`) at the next commit.
 
+Continuous batching (the server's scheduler) uses the same loop one request at a time: `begin_prefill` +
+`prefill_step` prefill a request alone, chunk by chunk on the absolute grid of `prefill_chunk` (optionally from a
+cache that already holds a prefix of its prompt: prefix reuse), `join` adds it to a running batch at a block
+boundary (`CloverCache.concat` left-pads the shorter KV), `step` advances the batch by one denoising step, and
+`drop` removes cancelled requests at any step.
+
 Where things happen: `Engine._prefill` (prompt -> cache), `Engine._step` (one denoising step),
 `Engine._finish_block` (EOS / stop / length, emit), `Engine._commit` (the block joins the cache).
 """
@@ -76,9 +82,21 @@ class _Batch:
     first_logits: torch.Tensor  # [N, V] clean logits of the last committed token: predicts block position 0
     query_logits: torch.Tensor | None  # [N, B, V] outputs of the current block (None when B == 1)
     steps: torch.Tensor  # [N] steps each row has taken in this block
-    limit: int  # positions of this block that can count: min(B, tokens still allowed)
+    limit: torch.Tensor  # [N] positions of this block that can count: min(B, tokens the row may still produce)
     block_index: int = 0
     step_index: int = 0
+
+
+Batch = _Batch  # the running batch, opaque outside the engine (the scheduler holds it between steps)
+
+
+@dataclass
+class Prefill:
+    """A request being prefilled on its own, one chunk per `Engine.prefill_step`, before it joins a batch."""
+
+    seq: Sequence
+    cache: CloverCache  # one row; holds `done` prompt tokens
+    done: int = 0
 
 
 @dataclass
@@ -134,7 +152,7 @@ class Engine:
         """Decode `prompts` together; yield a `StreamPiece` per request per block (and `StepSnapshot`s).
 
         Inputs are validated here, before the first `next()`, so a bad request fails where it is made."""
-        return self._run(self._make_sequences(prompts, max_new_tokens, sampling), snapshots)
+        return self._run(self.make_sequences(prompts, max_new_tokens, sampling), snapshots)
 
     def _run(self, seqs: list[Sequence], snapshots: bool) -> Iterator[Event]:
         with torch.inference_mode():
@@ -145,8 +163,9 @@ class Engine:
             yield from events
 
     # -- setup ----------------------------------------------------------------------------------------
-    def _make_sequences(self, prompts: Seq[Seq[int]], max_new_tokens: int,
-                        sampling: SamplingParams | Seq[SamplingParams]) -> list[Sequence]:
+    def make_sequences(self, prompts: Seq[Seq[int]], max_new_tokens: int,
+                       sampling: SamplingParams | Seq[SamplingParams]) -> list[Sequence]:
+        """Validated requests (`ValueError` naming the parameter otherwise), timed from now."""
         if len(prompts) == 0:
             raise ValueError("prompts is empty: give at least one prompt")
         params = [sampling] * len(prompts) if isinstance(sampling, SamplingParams) else list(sampling)
@@ -177,6 +196,7 @@ class Engine:
                 f"{(limit - longest) // self.block_size * self.block_size} new tokens fit")
         now = time.perf_counter()
         return [Sequence(i, p, params[i], int(max_new_tokens), start_time=now) for i, p in enumerate(prompts)]
+
 
     def _forward(self, ids: torch.Tensor | None, cache: CloverCache, **kwargs: Any) -> Any:
         start = time.perf_counter()
@@ -214,21 +234,96 @@ class Engine:
         sampler = BatchSampler([s.params for s in seqs], self.vocab_size, self._banned(), self.device)
         sampler.observe([s.prompt for s in seqs])
         return _Batch(seqs, cache, sampler, self._masks(n), out.logits[:, -1], out.query_logits,
-                      torch.zeros(n, dtype=torch.long, device=self.device), min(self.block_size, seqs[0].remaining))
+                      torch.zeros(n, dtype=torch.long, device=self.device), self._limits(seqs))
+
+    def _limits(self, seqs: list[Sequence]) -> torch.Tensor:
+        return torch.tensor([min(self.block_size, s.remaining) for s in seqs], dtype=torch.long, device=self.device)
+
+    # -- continuous batching: one request at a time -------------------------------------------------------
+    def begin_prefill(self, seq: Sequence, cache: CloverCache | None = None) -> Prefill:
+        """Start prefilling `seq` alone. `cache` (one row) may already hold a prefix of its prompt (prefix reuse);
+        it must end on the chunk grid and leave at least one prompt token, whose logits start decoding."""
+        cache = cache if cache is not None else self.model.new_cache(1)
+        done = cache.length
+        if cache.batch_size != 1 or done % self.prefill_chunk or done >= len(seq.prompt):
+            raise ValueError(f"a reused prefix must be one row ending on the {self.prefill_chunk}-token grid before "
+                             f"the prompt's end; got {cache.batch_size} rows, {done} of {len(seq.prompt)} tokens")
+        seq.prefill_forwards = 0
+        return Prefill(seq, cache, done)
+
+    def prefill_step(self, p: Prefill) -> _Batch | None:
+        """One prefill chunk, ending on the absolute grid of `prefill_chunk` tokens — so a prefill resumed from a
+        reused prefix runs exactly the forwards of a cold one, and gives the same bits. The last chunk carries the
+        first block's masks (as `_prefill` does); it returns the request as a one-row batch, else None."""
+        prompt = p.seq.prompt
+        end = min((p.done // self.prefill_chunk + 1) * self.prefill_chunk, len(prompt))
+        last = end == len(prompt)
+        ids = torch.tensor([prompt[p.done:end]], dtype=torch.long, device=self.device)
+        with torch.inference_mode():
+            out = self._forward(ids, p.cache, prefix_len=end - p.done,
+                                query_ids=self._masks(1) if last and self.block_size > 1 else None,
+                                logits_to_keep=1 if last else 0)
+        p.done = end
+        p.seq.prefill_forwards += 1
+        if not last:
+            return None
+        sampler = BatchSampler([p.seq.params], self.vocab_size, self._banned(), self.device)
+        sampler.observe([prompt])
+        return _Batch([p.seq], p.cache, sampler, self._masks(1), out.logits[:, -1], out.query_logits,
+                      torch.zeros(1, dtype=torch.long, device=self.device), self._limits([p.seq]))
+
+    def at_block_boundary(self, b: _Batch) -> bool:
+        """No step of the current block taken yet: rows can join."""
+        return b.step_index == 0
+
+    def join(self, b: _Batch | None, new: _Batch) -> _Batch:
+        """`new` (prefilled, at the start of its first block) joins the running batch `b` at a block boundary.
+        Each row keeps exactly what it would get alone: its cache rows, logits and random stream are its own."""
+        if b is None:
+            return new
+        if not (self.at_block_boundary(b) and self.at_block_boundary(new)):
+            raise ValueError("requests join a batch only at a block boundary")
+        query = None if b.query_logits is None else torch.cat([b.query_logits, new.query_logits])
+        return _Batch(b.seqs + new.seqs, CloverCache.concat([b.cache, new.cache]),
+                      BatchSampler.concat([b.sampler, new.sampler]), torch.cat([b.block, new.block]),
+                      torch.cat([b.first_logits, new.first_logits]), query, torch.cat([b.steps, new.steps]),
+                      torch.cat([b.limit, new.limit]), b.block_index, 0)
+
+    def step(self, b: _Batch, snapshots: bool = False) -> tuple[list[Event], _Batch | None]:
+        """One denoising step of the whole batch (and the commit when every row's block is final): the events
+        of blocks committed, and the batch (None when every request finished)."""
+        with torch.inference_mode():
+            return self._step(b, snapshots)
+
+    def drop(self, b: _Batch, indices: set[int]) -> _Batch | None:
+        """Remove the requests whose `Sequence.index` is in `indices` (cancelled), at any step."""
+        keep = [r for r, s in enumerate(b.seqs) if s.index not in indices]
+        if len(keep) == len(b.seqs):
+            return b
+        if not keep:
+            return None
+        idx = torch.tensor(keep, dtype=torch.long, device=self.device)
+        b.seqs = [b.seqs[r] for r in keep]
+        b.cache.select(idx)
+        b.sampler.select(keep)
+        b.block, b.steps, b.limit, b.first_logits = b.block[idx], b.steps[idx], b.limit[idx], b.first_logits[idx]
+        if b.query_logits is not None:
+            b.query_logits = b.query_logits[idx]
+        return b
 
     def _banned(self) -> list[int]:
         return [self.mask_id] + list(range(self.vocab_limit, self.vocab_size))
 
     # -- the block loop -------------------------------------------------------------------------------
-    def _needed(self, block: torch.Tensor, limit: int) -> torch.Tensor:
-        """`[N, B]`: masked positions that can still count — before `limit` (a block cut by `max_new_tokens`) and
-        before the first decided EOS (what follows an EOS is dropped). Only these are candidates for a step, so
-        no step is ever spent on a token that would be thrown away."""
+    def _needed(self, block: torch.Tensor, limit: torch.Tensor) -> torch.Tensor:
+        """`[N, B]`: masked positions that can still count — before the row's `limit` (a block cut by
+        `max_new_tokens`) and before the first decided EOS (what follows an EOS is dropped). Only these are
+        candidates for a step, so no step is ever spent on a token that would be thrown away."""
         masked = block == self.mask_id
-        need = torch.full((block.shape[0],), limit, dtype=torch.long, device=block.device)
+        need = limit
         if self.eos_ids:
             eos = torch.isin(block, self._eos) & ~masked
-            need = torch.where(eos.any(1), (eos.int().argmax(1) + 1).clamp(max=limit), need)
+            need = torch.where(eos.any(1), torch.minimum(eos.int().argmax(1) + 1, limit), need)
         return masked & (self._positions[None] < need[:, None])
 
     def _step(self, b: _Batch, snapshots: bool) -> tuple[list[Event], _Batch | None]:
@@ -260,19 +355,19 @@ class Engine:
 
     def _snapshots(self, b: _Batch, accept: torch.Tensor, active: torch.Tensor) -> list[Event]:
         block, new, act = b.block.tolist(), accept.tolist(), active.tolist()
-        return [StepSnapshot(s.index, b.block_index, int(b.steps[r]),
+        return [StepSnapshot(s.index, len(s.steps_per_block), int(b.steps[r]),
                              [None if t == self.mask_id else t for t in block[r]], new[r])
                 for r, s in enumerate(b.seqs) if act[r]]
 
     def _finish_block(self, b: _Batch) -> list[Event]:
         """Every row's block is final: apply EOS / stop / length, emit the pieces, drop finished rows."""
         now = time.perf_counter()
-        rows, steps = b.block[:, : b.limit].tolist(), b.steps.tolist()
+        rows, steps, limits = b.block.tolist(), b.steps.tolist(), b.limit.tolist()
         events: list[Event] = []
         keep = []
         for r, seq in enumerate(b.seqs):
-            piece = seq.append_block(rows[r], steps[r], self.eos_ids, self.detokenize, now)
-            events.append(StreamPiece(seq.index, piece, b.block_index, seq.finished, seq.finish_reason,
+            piece = seq.append_block(rows[r][: limits[r]], steps[r], self.eos_ids, self.detokenize, now)
+            events.append(StreamPiece(seq.index, piece, len(seq.steps_per_block) - 1, seq.finished, seq.finish_reason,
                                       seq.stats() if seq.finished else None))
             if not seq.finished:
                 keep.append(r)
@@ -282,7 +377,7 @@ class Engine:
                 idx = torch.tensor(keep, dtype=torch.long, device=self.device)
                 b.cache.select(idx)
                 b.sampler.select(keep)
-                b.block, b.steps = b.block[idx], b.steps[idx]
+                b.block, b.steps, b.limit = b.block[idx], b.steps[idx], b.limit[idx]
         return events
 
     def _commit(self, b: _Batch) -> None:
@@ -293,6 +388,6 @@ class Engine:
         b.first_logits, b.query_logits = out.logits[:, -1], out.query_logits
         b.block = self._masks(n)
         b.steps = torch.zeros(n, dtype=torch.long, device=self.device)
-        b.limit = min(self.block_size, b.seqs[0].remaining)  # rows still running have produced the same count
+        b.limit = self._limits(b.seqs)
         b.block_index += 1
         b.step_index = 0

@@ -108,6 +108,29 @@ class BatchSampler:
             self.presence = self.presence[idx]
         self._update_flags()
 
+    @classmethod
+    def concat(cls, samplers: Sequence["BatchSampler"]) -> "BatchSampler":
+        """The rows of several samplers in one (a request joins a running batch). Generators are moved, not
+        copied, so each request's random stream continues where it was."""
+        new = cls.__new__(cls)
+        new.params = [p for s in samplers for p in s.params]
+        new.generators = [g for s in samplers for g in s.generators]
+        new.temperature = torch.cat([s.temperature for s in samplers])
+        new.top_p = torch.cat([s.top_p for s in samplers])
+        new.top_k = torch.cat([s.top_k for s in samplers])
+        new.penalty = torch.cat([s.penalty for s in samplers])
+        new.banned_ids = samplers[0].banned_ids
+        if any(s.presence is not None for s in samplers):  # rows without a penalty never read theirs
+            vocab = next(s.presence.shape[1] for s in samplers if s.presence is not None)
+            device = new.temperature.device
+            new.presence = torch.cat([s.presence if s.presence is not None else
+                                      torch.zeros(len(s.params), vocab, dtype=torch.bool, device=device)
+                                      for s in samplers])
+        else:
+            new.presence = None
+        new._update_flags()
+        return new
+
     def observe(self, row_tokens: Sequence[Sequence[int]]) -> None:
         """Mark prompt tokens as seen (repetition penalty)."""
         if self.presence is None:

@@ -6,8 +6,14 @@
 * per sequence: which cached positions are real tokens (left padding of batched prompts is not) and the next
   position id.
 
-Rows are sequences; `select` keeps a subset (finished requests leave a batch), `clone` snapshots a cache
-(prefix reuse), `memory_bytes` reports what it holds.
+Rows are sequences; `select` keeps a subset (finished requests leave a batch), `concat` stacks caches of
+different lengths into one batch (a request joins a running batch: the shorter attention KV is left-padded
+and the padding marked invalid), `prefix` cuts a cache back to its first positions and `snapshot_recurrent`
+copies the DeltaNet states (prefix reuse), `clone` copies a cache, `memory_bytes` reports what it holds.
+
+Invariant that makes sharing safe: a cache never writes inside positions it already holds — attention layers
+only append past `length` (an exact-size buffer reallocates), DeltaNet layers replace their tensors — so a
+`prefix` may share tensors with the cache it was cut from.
 """
 
 from __future__ import annotations
@@ -15,6 +21,9 @@ from __future__ import annotations
 import torch
 
 from clover.config import FULL_ATTENTION, CloverConfig
+
+# per layer: (state, conv) of a DeltaNet layer, None for an attention layer (or an empty DeltaNet layer)
+RecurrentSnapshot = list["tuple[torch.Tensor, torch.Tensor] | None"]
 
 
 class AttentionLayerCache:
@@ -48,6 +57,21 @@ class AttentionLayerCache:
         if self.k is not None:
             self.k, self.v = self.k[rows], self.v[rows]
 
+    def drop_front(self, n: int) -> None:
+        """Forget the first `n` positions (columns of left padding no row needs any more)."""
+        if self.k is not None and n:
+            self.k, self.v = self.k[:, :, n:], self.v[:, :, n:]
+            self.length -= n
+
+    def prefix(self, length: int, copy: bool = False) -> "AttentionLayerCache":
+        """The first `length` positions, exact size (appending to it reallocates): a view, or a copy."""
+        new = AttentionLayerCache()
+        if self.k is not None and length:
+            k, v = self.k[:, :, :length], self.v[:, :, :length]
+            new.k, new.v = (k.clone(), v.clone()) if copy else (k, v)
+            new.length = length
+        return new
+
     def clone(self) -> "AttentionLayerCache":
         new = AttentionLayerCache()
         kv = self.keys_values()
@@ -55,9 +79,26 @@ class AttentionLayerCache:
             new.append(kv[0].clone(), kv[1].clone())
         return new
 
+    def tensors(self) -> list[torch.Tensor]:
+        return [] if self.k is None else [self.k, self.v]
+
     def memory_bytes(self) -> int:
         kv = self.keys_values()
         return 0 if kv is None else sum(t.numel() * t.element_size() for t in kv)
+
+    @staticmethod
+    def concat(layers: list["AttentionLayerCache"], lengths: list[int]) -> "AttentionLayerCache":
+        """Rows of several caches, each left-padded with zeros to the longest (`lengths`: each cache's length)."""
+        longest = max(lengths)
+        ks, vs = [], []
+        for layer, length in zip(layers, lengths):
+            k, v = layer.keys_values()  # every cache being joined holds at least one position
+            pad = longest - length
+            ks.append(torch.nn.functional.pad(k, (0, 0, pad, 0)) if pad else k)
+            vs.append(torch.nn.functional.pad(v, (0, 0, pad, 0)) if pad else v)
+        new = AttentionLayerCache()
+        new.k, new.v, new.length = torch.cat(ks), torch.cat(vs), longest
+        return new
 
 
 class DeltaNetLayerCache:
@@ -77,10 +118,22 @@ class DeltaNetLayerCache:
             new.state, new.conv = self.state.clone(), self.conv.clone()
         return new
 
+    def tensors(self) -> list[torch.Tensor]:
+        return [] if self.state is None else [self.state, self.conv]
+
     def memory_bytes(self) -> int:
         if self.state is None:
             return 0
         return sum(t.numel() * t.element_size() for t in (self.state, self.conv))
+
+    @staticmethod
+    def concat(layers: list["DeltaNetLayerCache"]) -> "DeltaNetLayerCache":
+        if any(layer.state is None for layer in layers):
+            raise ValueError("cannot join a DeltaNet cache without history (an empty cache) into a batch")
+        new = DeltaNetLayerCache()
+        new.state = torch.cat([layer.state for layer in layers])
+        new.conv = torch.cat([layer.conv for layer in layers])
+        return new
 
 
 class CloverCache:
@@ -105,11 +158,83 @@ class CloverCache:
         self.next_position = self.next_position + clean_valid.sum(1)
 
     def select(self, rows: torch.Tensor | list[int]) -> None:
+        """Keep `rows` (in this order). Leading columns that are padding in every kept row are dropped, so the
+        KV does not keep the padding of requests that have left."""
         rows = torch.as_tensor(rows, dtype=torch.long, device=self.valid.device)
         for layer in self.layers:
             layer.select(rows)
         self.valid, self.next_position = self.valid[rows], self.next_position[rows]
         self.batch_size = len(rows)
+        if self.length and len(rows):
+            unused = int(self.valid.any(0).int().argmax()) if bool(self.valid.any()) else self.length
+            if unused:
+                for layer in self.layers:
+                    if isinstance(layer, AttentionLayerCache):
+                        layer.drop_front(unused)
+                self.valid = self.valid[:, unused:]
+
+    @classmethod
+    def concat(cls, caches: list["CloverCache"]) -> "CloverCache":
+        """One batch with the rows of `caches`, in order. Histories of different lengths are aligned on the right:
+        the shorter attention KV is left-padded (zeros, marked invalid in `valid`, so never attended to); DeltaNet
+        states are per row and need no padding. Positions stay per row (`next_position`)."""
+        if not caches:
+            raise ValueError("concat needs at least one cache")
+        lengths = [c.length for c in caches]
+        longest = max(lengths)
+        new = cls.__new__(cls)
+        new.layers = []
+        for i, layer in enumerate(caches[0].layers):
+            group = [c.layers[i] for c in caches]
+            if isinstance(layer, AttentionLayerCache):
+                new.layers.append(AttentionLayerCache.concat(group, lengths))
+            else:
+                new.layers.append(DeltaNetLayerCache.concat(group))
+        new.valid = torch.cat([torch.nn.functional.pad(c.valid, (longest - c.length, 0), value=False)
+                               for c in caches])
+        new.next_position = torch.cat([c.next_position for c in caches])
+        new.batch_size = sum(c.batch_size for c in caches)
+        return new
+
+    @property
+    def has_recurrent(self) -> bool:
+        return any(isinstance(layer, DeltaNetLayerCache) for layer in self.layers)
+
+    def snapshot_recurrent(self) -> RecurrentSnapshot:
+        """Copies of every DeltaNet layer's state and conv window now (to resume from this point later)."""
+        return [(layer.state.clone(), layer.conv.clone())
+                if isinstance(layer, DeltaNetLayerCache) and layer.state is not None else None
+                for layer in self.layers]
+
+    def prefix(self, length: int, recurrent: RecurrentSnapshot | None = None, copy: bool = False) -> "CloverCache":
+        """A cache holding the first `length` cached positions of every row.
+
+        Attention KV is sliced: views sharing memory with this cache, or exact-size copies (`copy`, to keep them
+        apart from buffers this cache will grow in). A DeltaNet layer summarises its whole history in one state,
+        which cannot be cut: give the states at `length` as `recurrent` (a `snapshot_recurrent()` taken when the
+        cache held `length` positions; used as given, not copied), or cut nothing (`length == self.length`, the
+        current states are shared)."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"prefix length must be in [0, {self.length}], got {length}")
+        if self.has_recurrent and recurrent is None and length != self.length:
+            raise ValueError(f"cutting a cache with DeltaNet layers to {length} of {self.length} positions needs "
+                             "their recurrent states at that point (`recurrent=`)")
+        new = CloverCache.__new__(CloverCache)
+        new.layers = []
+        for i, layer in enumerate(self.layers):
+            if isinstance(layer, AttentionLayerCache):
+                new.layers.append(layer.prefix(length, copy))
+                continue
+            cut = DeltaNetLayerCache()
+            state = recurrent[i] if recurrent is not None else (
+                (layer.state, layer.conv) if layer.state is not None else None)
+            if state is not None:
+                cut.state, cut.conv = state
+            new.layers.append(cut)
+        new.batch_size = self.batch_size
+        new.valid = self.valid[:, :length]
+        new.next_position = new.valid.sum(1)
+        return new
 
     def clone(self) -> "CloverCache":
         new = CloverCache.__new__(CloverCache)

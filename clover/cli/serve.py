@@ -1,0 +1,79 @@
+"""`clover serve [--model DIR]`: the OpenAI-compatible HTTP server (docs/serving.md). Thin over
+`clover.serving.create_app` + uvicorn.
+
+Binds to 127.0.0.1 by default; with `--api-key` (or `$CLOVER_API_KEY`) every route but `/health` needs
+`Authorization: Bearer KEY`. Binding to another address without a key is allowed but logged as a warning.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from typing import Any
+
+from clover.cli.generate import resolve_model_dir
+from clover.engine import RULES
+
+logger = logging.getLogger(__name__)
+
+
+def add_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser("serve", help="serve a model over the OpenAI HTTP API",
+                              description="OpenAI-compatible server: /v1/chat/completions, /v1/completions, "
+                                          "/v1/models, /health, /metrics.")
+    p.add_argument("--model", help="Clover checkpoint directory (default: clover-smol)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: localhost only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=os.environ.get("CLOVER_API_KEY"),
+                   help="require `Authorization: Bearer KEY` (default: $CLOVER_API_KEY)")
+    p.add_argument("--served-model-name", default=None, help="model id clients send (default: the directory name)")
+    p.add_argument("--max-num-seqs", type=int, default=32, help="sequences decoded together")
+    p.add_argument("--max-queue", type=int, default=256, help="sequences waiting before the server answers 429")
+    p.add_argument("--max-model-len", type=int, default=None, help="context served (default: the model's)")
+    p.add_argument("--block-size", type=int, default=None, help="default block size (default: the model's config)")
+    p.add_argument("--threshold", type=float, default=None, help="default unmasking threshold (default: config)")
+    p.add_argument("--rule", default="threshold", choices=sorted(RULES), help="unmasking rule")
+    p.add_argument("--prefill-chunk", type=int, default=256,
+                   help="prompt tokens per prefill forward; also the prefix cache's grid")
+    p.add_argument("--prefix-cache-mb", type=float, default=2048.0, help="prefix cache budget in MiB (0: off)")
+    p.add_argument("--prefix-snapshot-interval", type=int, default=None,
+                   help="hybrid models: recurrent-state snapshots every this many tokens (a multiple of the chunk)")
+    p.add_argument("--max-body-mb", type=float, default=4.0, help="largest request body accepted")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="cast the weights")
+    p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+    import uvicorn
+
+    from clover.model import CloverForBlockDiffusion
+    from clover.serving import ServerOptions, create_app
+    from clover.serving.app import read_generation_defaults
+    from clover.tokenizer import load_tokenizer
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    directory = resolve_model_dir(args.model)
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(args.dtype or "")
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model = CloverForBlockDiffusion.from_pretrained(directory, dtype=dtype, device=device)
+    tokenizer = load_tokenizer(directory)
+    options = ServerOptions(
+        served_model_name=args.served_model_name or directory.name, api_key=args.api_key or None,
+        max_running=args.max_num_seqs, max_waiting=args.max_queue, max_body_bytes=int(args.max_body_mb * 2**20),
+        max_model_len=args.max_model_len, block_size=args.block_size, threshold=args.threshold, rule=args.rule,
+        prefill_chunk=args.prefill_chunk, prefix_cache_bytes=int(args.prefix_cache_mb * 2**20),
+        prefix_snapshot_interval=args.prefix_snapshot_interval)
+    app = create_app(model, tokenizer, options, generation_defaults=read_generation_defaults(directory))
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not options.api_key:
+        logger.warning("serving on %s without --api-key: anyone who can reach this address can use the model",
+                       args.host)
+    logger.info("serving %s as %r on http://%s:%d (%s)", directory, options.served_model_name, args.host, args.port,
+                device)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    return 0

@@ -1,0 +1,21 @@
+"""Clover's OpenAI-compatible server: continuous batching at block granularity, prefix reuse, tool calls.
+
+    from clover.serving import create_app, ServerOptions
+    app = create_app("checkpoints/clover-smol", options=ServerOptions(api_key="secret"))
+
+Roles: `protocol` (request models, error format), `app` (routes, streaming), `scheduler` (the batch, in a
+background thread), `prefix_cache` (reused prompt prefixes), `output_parser` (reasoning / tool calls),
+`metrics` (Prometheus). Semantics and measured figures: docs/serving.md.
+"""
+
+from typing import Any
+
+__all__ = ["ServerOptions", "create_app"]
+
+
+def __getattr__(name: str) -> Any:  # lazy: the parser and protocol modules do not need FastAPI or the engine
+    if name in __all__:
+        from clover.serving import app
+
+        return getattr(app, name)
+    raise AttributeError(f"module 'clover.serving' has no attribute {name!r}")

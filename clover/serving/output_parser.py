@@ -1,0 +1,146 @@
+"""Assistant text -> content, reasoning and tool calls, incrementally, for streamed and whole responses alike.
+
+`clover.training.chat_template.parse_assistant_output` splits a *finished* text. A stream cannot wait for the
+end: reasoning must flow as `reasoning_content` deltas before `</think>` arrives, content must never include the
+start of a tag that later turns out to open a tool call, and a tool call can only be emitted once its JSON is
+complete. `OutputParser` is a small state machine fed with text deltas that holds back only what it must (a
+suffix that may be the start of a tag, trailing whitespace, an unfinished tool call). The server uses it for
+non-streamed responses too (one `feed` + `finish`), so streamed and whole responses agree by construction.
+
+It agrees with `parse_assistant_output(("<think>" if thinking else "") + text)` on every text the chat template
+can produce (tested on random splits): reasoning and content are stripped, well-formed `<tool_call>` blocks
+become calls (their JSON is parsed by `parse_assistant_output` itself), malformed or unclosed ones stay in the
+content verbatim. One deliberate difference: without thinking, a stray `</think>` is content, because a stream
+cannot reclassify text it has already sent.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from clover.training.chat_template import parse_assistant_output
+
+THINK, END_THINK, CALL, END_CALL = "<think>", "</think>", "<tool_call>", "</tool_call>"
+_CONTENT, _REASONING, _CALL = "content", "reasoning", "call"
+
+
+@dataclass
+class OutputDelta:
+    content: str = ""
+    reasoning: str = ""
+    tool_calls: list[dict[str, str]] = field(default_factory=list)  # {"name": ..., "arguments": "<json>"}
+
+    def __bool__(self) -> bool:
+        return bool(self.content or self.reasoning or self.tool_calls)
+
+
+class _Trimmed:
+    """Emits a section's text with leading and trailing whitespace removed, as `str.strip` on the whole would:
+    leading whitespace is dropped, trailing whitespace is held until non-whitespace follows."""
+
+    def __init__(self) -> None:
+        self.started = False
+        self.held = ""
+
+    def push(self, text: str) -> str:
+        if not self.started:
+            text = text.lstrip()
+            if not text:
+                return ""
+            self.started = True
+        text = self.held + text
+        body = text.rstrip()
+        self.held = text[len(body):]
+        return body
+
+
+def parse_tool_call(body: str) -> dict[str, str] | None:
+    """`{"name", "arguments"}` from the text inside one `<tool_call>` block, or None when it is malformed."""
+    calls = parse_assistant_output(f"{CALL}{body}{END_CALL}")[2]
+    return dict(calls[0]["function"]) if calls else None
+
+
+def _partial_tag(text: str, tags: list[str]) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of one of `tags`."""
+    best = 0
+    for tag in tags:
+        for n in range(min(len(tag) - 1, len(text)), best, -1):
+            if text.endswith(tag[:n]):
+                best = n
+                break
+    return best
+
+
+class OutputParser:
+    """Feed text deltas; get `OutputDelta`s. `thinking`: the prompt opened `<think>` (the output starts as
+    reasoning); `tools`: `<tool_call>` blocks become tool calls (else they are plain content)."""
+
+    def __init__(self, thinking: bool = False, tools: bool = False) -> None:
+        self.mode = _REASONING if thinking else _CONTENT
+        self.reasoning_seen = thinking
+        self.tools = tools
+        self.buf = ""
+        self.content = _Trimmed()
+        self.reasoning = _Trimmed()
+
+    def _tags(self) -> list[str]:
+        if self.mode == _REASONING:
+            return [END_THINK]
+        return ([] if self.reasoning_seen else [THINK]) + ([CALL] if self.tools else [])
+
+    def _emit(self, text: str, out: OutputDelta) -> None:
+        if self.mode == _REASONING:
+            out.reasoning += self.reasoning.push(text)
+        else:
+            out.content += self.content.push(text)
+
+    def feed(self, text: str) -> OutputDelta:
+        out = OutputDelta()
+        self.buf += text
+        while True:
+            if self.mode == _CALL:
+                end = self.buf.find(END_CALL)
+                if end < 0:
+                    return out
+                body, self.buf = self.buf[:end], self.buf[end + len(END_CALL):]
+                self.mode = _CONTENT
+                call = parse_tool_call(body)
+                if call is not None:
+                    out.tool_calls.append(call)
+                else:
+                    self._emit(CALL + body + END_CALL, out)
+                continue
+            tags = self._tags()
+            found = [(self.buf.find(t), t) for t in tags if t in self.buf]
+            if not found:
+                keep = _partial_tag(self.buf, tags)
+                self._emit(self.buf[: len(self.buf) - keep], out)
+                self.buf = self.buf[len(self.buf) - keep:]
+                return out
+            pos, tag = min(found)
+            self._emit(self.buf[:pos], out)
+            self.buf = self.buf[pos + len(tag):]
+            if tag == THINK:
+                self.mode, self.reasoning_seen = _REASONING, True
+            elif tag == END_THINK:
+                self.mode = _CONTENT
+            else:
+                self.mode = _CALL
+
+    def finish(self) -> OutputDelta:
+        """The end of the text: an unclosed tool call is content; held partial tags are text."""
+        out = OutputDelta()
+        rest, self.buf = self.buf, ""
+        if self.mode == _CALL:
+            self.mode = _CONTENT
+            rest = CALL + rest
+        self._emit(rest, out)
+        return out
+
+
+def parse_output(text: str, thinking: bool = False,
+                 tools: bool = False) -> tuple[str, str | None, list[dict[str, str]]]:
+    """The whole text at once: `(content, reasoning or None, tool calls)`."""
+    parser = OutputParser(thinking, tools)
+    a, b = parser.feed(text), parser.finish()
+    return a.content + b.content, (a.reasoning + b.reasoning) or None, a.tool_calls + b.tool_calls

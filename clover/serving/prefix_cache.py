@@ -1,0 +1,184 @@
+"""Prefix reuse for agent loops: caches of recent prompts, cut on a fixed token grid, with a byte budget.
+
+An agent re-sends its whole conversation every turn with a few new messages at the end, so most of each prompt
+was already prefilled one turn earlier. The store keeps, per recent conversation, the model cache of its prompt
+up to a grid point, and a new request starts its prefill from the longest stored prefix it matches.
+
+**Why a grid.** Attention KV can be cut anywhere, but a Gated DeltaNet layer summarises its whole history in
+one recurrent state that cannot be rewound: a prefix is only reusable where a snapshot of that state was taken.
+And reuse must give *exactly* the cold-start tokens, bit for bit: so every prefill (cold or warm) runs in
+chunks that end on the same absolute grid (multiples of `grid` tokens), and snapshots are taken only at grid
+points of such prefills — never from decode-time commits, whose floating-point path differs (batched, padded).
+A warm start at grid point `g` then runs exactly the forwards the cold start ran after `g`, on identical inputs.
+
+**What is kept.** An entry holds one row of KV for its prompt up to its last grid point `L` (and the recurrent
+state there), plus recurrent snapshots at earlier grid points every `snapshot_interval` tokens (hybrid models:
+branches of a conversation, e.g. the same system prompt and tools with different user turns, resume there).
+Dense models resume at any grid point of an entry (KV is sliced). An entry whose tokens a newer prompt extends
+is superseded by the newer one (which inherits its snapshots), so an agent's conversation is one growing entry.
+
+**Lookup** hashes the prompt chunk by chunk (a hash chain, as in vLLM's block hashes) and probes grid points
+from the longest down; a hit is verified token by token. The returned cache is a copy: the request mutates it.
+At least one prompt token is always left to prefill (its logits start decoding).
+
+**Budget.** `budget_bytes` of KV and snapshots (tensors shared between entries counted once); least recently
+used entries are evicted first. One scheduler thread owns the store: it is not thread-safe.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from clover.model.cache import CloverCache, RecurrentSnapshot
+
+logger = logging.getLogger(__name__)
+
+
+def chain_hashes(tokens: list[int], grid: int, upto: int) -> list[int]:
+    """`h[k]` identifies `tokens[:(k + 1) * grid]`, for every grid point `<= upto`."""
+    out, h = [], 0
+    for end in range(grid, upto + 1, grid):
+        h = hash((h, tuple(tokens[end - grid : end])))
+        out.append(h)
+    return out
+
+
+@dataclass
+class _Entry:
+    tokens: list[int]  # the cached prefix; len == cache.length == a grid multiple
+    cache: CloverCache  # one row
+    states: dict[int, RecurrentSnapshot]  # grid point -> DeltaNet snapshot (hybrid models; includes len(tokens))
+    hashes: list[int]
+    points: list[int] = field(default_factory=list)  # grid points this entry can resume at
+
+
+@dataclass
+class Reuse:
+    """A prefix found in the store: `length` prompt tokens already in `cache` (a fresh copy)."""
+
+    length: int
+    cache: CloverCache
+    states: dict[int, RecurrentSnapshot]  # snapshots at grid points <= length (inherited by the next entry)
+
+
+@dataclass
+class PrefixCacheStats:
+    queries: int = 0
+    hits: int = 0
+    queried_tokens: int = 0
+    hit_tokens: int = 0
+    inserts: int = 0
+    evictions: int = 0
+
+
+class PrefixCache:
+    def __init__(self, grid: int, budget_bytes: int, recurrent: bool, snapshot_interval: int | None = None) -> None:
+        if grid < 1:
+            raise ValueError(f"prefix cache grid must be >= 1 token, got {grid}")
+        interval = grid if snapshot_interval is None else snapshot_interval
+        if interval < grid or interval % grid:
+            raise ValueError(f"snapshot_interval must be a multiple of the grid ({grid}), got {interval}")
+        self.grid, self.budget_bytes, self.recurrent, self.snapshot_interval = grid, budget_bytes, recurrent, interval
+        self.entries: OrderedDict[int, _Entry] = OrderedDict()  # LRU order: oldest first
+        self.index: dict[int, dict[int, _Entry]] = {}  # chain hash at a resumable point -> entries
+        self.stats = PrefixCacheStats()
+        self.memory_bytes = 0
+
+    # -- what to snapshot while prefilling --------------------------------------------------------------------
+    def last_point(self, prompt_len: int) -> int:
+        """The grid point an entry for this prompt ends at (its KV and state there are stored)."""
+        return prompt_len // self.grid * self.grid
+
+    def wants_snapshot(self, position: int, prompt_len: int) -> bool:
+        """Whether the prefill should snapshot the recurrent state after the chunk ending at `position`."""
+        return self.recurrent and position > 0 and position % self.grid == 0 and (
+            position % self.snapshot_interval == 0 or position == self.last_point(prompt_len))
+
+    # -- lookup -----------------------------------------------------------------------------------------------
+    def lookup(self, tokens: list[int]) -> Reuse | None:
+        self.stats.queries += 1
+        self.stats.queried_tokens += len(tokens)
+        hashes = chain_hashes(tokens, self.grid, (len(tokens) - 1) // self.grid * self.grid)
+        for k in range(len(hashes) - 1, -1, -1):
+            g = (k + 1) * self.grid
+            for entry in reversed(list(self.index.get(hashes[k], {}).values())):
+                if entry.tokens[:g] != tokens[:g]:  # a hash collision: never trust a hash alone
+                    continue
+                self.entries.move_to_end(id(entry))
+                self.stats.hits += 1
+                self.stats.hit_tokens += g
+                snapshot = entry.states.get(g)
+                cache = entry.cache.prefix(g, recurrent=snapshot)
+                return Reuse(g, cache, {p: s for p, s in entry.states.items() if p <= g})
+        return None
+
+    # -- insert / evict ---------------------------------------------------------------------------------------
+    def insert(self, tokens: list[int], cache: CloverCache, states: dict[int, RecurrentSnapshot]) -> None:
+        """Store the prompt `tokens` whose prefill left `cache` (one row, `len(tokens)` positions, not stored:
+        the KV up to the last grid point is copied out) and the snapshots `states` taken on the way (and
+        inherited from the entry it resumed from)."""
+        end = self.last_point(len(tokens))
+        if end == 0 or cache.batch_size != 1 or cache.length != len(tokens):
+            return
+        if self.recurrent and end not in states:
+            if end != len(tokens):
+                logger.warning("prefix cache: no recurrent snapshot at %d; prompt not stored", end)
+                return
+            states = {**states, end: cache.snapshot_recurrent()}
+        kept = {p: s for p, s in states.items() if p <= end}
+        # KV: an exact-size copy, apart from the request's growing buffers; the state at `end` is the snapshot itself
+        stored = cache.prefix(end, recurrent=kept.get(end), copy=True)
+        entry = _Entry(tokens[:end], stored, kept, chain_hashes(tokens, self.grid, end))
+        # entries that this one extends are superseded: inherit their snapshots, drop them
+        for k, h in enumerate(entry.hashes):
+            for old in list(self.index.get(h, {}).values()):
+                if len(old.tokens) == (k + 1) * self.grid and old.tokens == entry.tokens[: len(old.tokens)]:
+                    for p, s in old.states.items():
+                        entry.states.setdefault(p, s)
+                    self._remove(old)
+        grid_points = [(k + 1) * self.grid for k in range(len(entry.hashes))]
+        entry.points = sorted(entry.states) if self.recurrent else grid_points
+        for p in entry.points:
+            self.index.setdefault(entry.hashes[p // self.grid - 1], {})[id(entry)] = entry
+        self.entries[id(entry)] = entry
+        self.stats.inserts += 1
+        self._recount()
+        while self.memory_bytes > self.budget_bytes and self.entries:
+            self._remove(next(iter(self.entries.values())))
+            self.stats.evictions += 1
+            self._recount()
+
+    def _remove(self, entry: _Entry) -> None:
+        self.entries.pop(id(entry), None)
+        for p in entry.points:
+            h = entry.hashes[p // self.grid - 1]
+            bucket = self.index.get(h)
+            if bucket is not None:
+                bucket.pop(id(entry), None)
+                if not bucket:
+                    del self.index[h]
+
+    def _recount(self) -> None:
+        """Bytes of every tensor held, each storage once (snapshots are shared between entries)."""
+        seen: dict[int, int] = {}
+        for entry in self.entries.values():
+            for t in _tensors(entry):
+                seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        self.memory_bytes = sum(seen.values())
+
+    def clear(self) -> None:
+        self.entries.clear()
+        self.index.clear()
+        self.memory_bytes = 0
+
+
+def _tensors(entry: _Entry) -> list[torch.Tensor]:
+    out: list[Any] = [t for layer in entry.cache.layers for t in layer.tensors()]
+    for snap in entry.states.values():
+        out += [t for pair in snap if pair is not None for t in pair]
+    return out

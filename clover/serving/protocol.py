@@ -1,0 +1,228 @@
+"""The OpenAI HTTP API as pydantic models: what a request may contain, and the error format.
+
+Only the fields that change what Clover does are declared; unknown fields are ignored (as vLLM and SGLang do:
+agent frameworks send many optional fields). Declared fields are typed strictly — a string where a number
+belongs is a 400, not a silent coercion — and their bounds appear in the OpenAPI schema that the fuzz test reads.
+Clover's own options ride along as extra body fields (`block_size`, `threshold`; and vLLM's `ignore_eos`,
+`top_k`, `repetition_penalty`), as in the `extra_body` of the official client;
+`chat_template_kwargs.enable_thinking` switches the `<think>` block on.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator, model_validator
+
+# -- errors ------------------------------------------------------------------------------------------------------
+
+
+class APIError(Exception):
+    """An error the client caused (4xx) or the server reports, rendered as OpenAI's `{"error": {...}}`."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+# -- shared pieces -----------------------------------------------------------------------------------------------
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+UnitFloat = Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)]
+PositiveInt = Annotated[StrictInt, Field(ge=1)]
+ToolName = Annotated[StrictStr, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+Stop = StrictStr | Annotated[list[Annotated[StrictStr, Field(min_length=1)]], Field(max_length=16)] | None
+
+
+class StreamOptions(_Model):
+    include_usage: StrictBool = False
+
+
+class SamplingFields(_Model):
+    """Fields shared by chat and text completions."""
+
+    model: StrictStr
+    temperature: Annotated[float, Field(ge=0.0, le=2.0, allow_inf_nan=False)] | None = None
+    top_p: UnitFloat | None = None
+    top_k: Annotated[StrictInt, Field(ge=0)] | None = None  # vLLM extension; 0 = off
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0, allow_inf_nan=False)] | None = None
+    seed: Annotated[StrictInt, Field(ge=-(2**63), le=2**64 - 1)] | None = None  # what torch.manual_seed takes
+    stop: Stop = None
+    n: Annotated[StrictInt, Field(ge=1, le=16)] = 1
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: PositiveInt | None = None
+    # Clover's own options (extra body fields)
+    block_size: Annotated[StrictInt, Field(ge=1, le=256)] | None = None
+    threshold: UnitFloat | None = None
+    ignore_eos: StrictBool = False  # vLLM's extension: always generate max_tokens (benchmarks)
+    # accepted for compatibility, ignored: they have no meaning for this server
+    user: StrictStr | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+
+    def stop_strings(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        if isinstance(self.stop, str):
+            if not self.stop:
+                raise APIError(400, "stop strings must be non-empty", param="stop")
+            return (self.stop,)
+        return tuple(self.stop)
+
+
+# -- chat --------------------------------------------------------------------------------------------------------
+class TextPart(_Model):
+    type: Literal["text"]
+    text: StrictStr
+
+
+class FunctionCall(_Model):
+    name: StrictStr
+    arguments: StrictStr | dict[str, Any] = "{}"  # OpenAI sends a JSON string; an object is accepted too
+
+
+class ToolCall(_Model):
+    id: StrictStr | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(_Model):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: StrictStr | list[TextPart] | None = None
+    name: StrictStr | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: StrictStr | None = None
+    reasoning_content: StrictStr | None = None
+
+    @model_validator(mode="after")
+    def _content_present(self) -> "ChatMessage":
+        if self.role != "assistant" and self.content is None:
+            raise ValueError(f"a {self.role} message needs content")
+        if self.role == "assistant" and self.content is None and not self.tool_calls:
+            raise ValueError("an assistant message needs content or tool_calls")
+        return self
+
+    def to_template(self) -> dict[str, Any]:
+        """The message as the chat template reads it (`developer` is OpenAI's new name for `system`)."""
+        msg: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role,
+                               "content": self.content if isinstance(self.content, (str, type(None)))
+                               else [p.model_dump() for p in self.content]}
+        if self.tool_calls:
+            msg["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.reasoning_content is not None:
+            msg["reasoning_content"] = self.reasoning_content
+        return msg
+
+
+class FunctionDefinition(_Model):
+    name: ToolName
+    description: StrictStr | None = None
+    parameters: dict[str, Any] | None = None
+    strict: StrictBool | None = None
+
+    @field_validator("parameters")
+    @classmethod
+    def _json_schema_object(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        """OpenAI requires the parameters to be a JSON Schema of an object; check the parts the model reads."""
+        if value is None:
+            return value
+        if value.get("type", "object") != "object":
+            raise ValueError(f"parameters must be a JSON Schema with type 'object', got type {value.get('type')!r}")
+        props = value.get("properties", {})
+        if not isinstance(props, dict) or not all(isinstance(p, dict) for p in props.values()):
+            raise ValueError("parameters.properties must be an object mapping names to schemas")
+        required = value.get("required", [])
+        if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
+            raise ValueError("parameters.required must be a list of property names")
+        return value
+
+
+class Tool(_Model):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Model):
+    name: StrictStr
+
+
+class NamedToolChoice(_Model):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class ChatTemplateKwargs(_Model):
+    enable_thinking: StrictBool = False
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    max_completion_tokens: PositiveInt | None = None
+    chat_template_kwargs: ChatTemplateKwargs | None = None
+    logprobs: StrictBool | None = None
+    parallel_tool_calls: StrictBool | None = None
+
+    @model_validator(mode="after")
+    def _tool_choice_names_a_tool(self) -> "ChatCompletionRequest":
+        if isinstance(self.tool_choice, NamedToolChoice):
+            names = {t.function.name for t in self.tools or []}
+            if self.tool_choice.function.name not in names:
+                raise ValueError(f"tool_choice names function {self.tool_choice.function.name!r}, "
+                                 f"which is not among the tools {sorted(names)}")
+        elif self.tool_choice == "required" and not self.tools:
+            raise ValueError("tool_choice 'required' needs tools")
+        return self
+
+    @property
+    def enable_thinking(self) -> bool:
+        return bool(self.chat_template_kwargs and self.chat_template_kwargs.enable_thinking)
+
+    def max_new_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+# -- text completions --------------------------------------------------------------------------------------------
+TokenIds = Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(min_length=1)]
+
+
+class CompletionRequest(SamplingFields):
+    prompt: (Annotated[StrictStr, Field(min_length=1)]
+             | Annotated[list[Annotated[StrictStr, Field(min_length=1)]], Field(min_length=1, max_length=16)]
+             | TokenIds
+             | Annotated[list[TokenIds], Field(min_length=1, max_length=16)])
+    echo: StrictBool = False
+    logprobs: Annotated[StrictInt, Field(ge=0)] | None = None
+    suffix: StrictStr | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        """One entry per prompt: a string or a list of token ids."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if all(isinstance(x, int) for x in p):
+            return [list(p)]
+        return list(p)
+
+    def max_new_tokens(self) -> int:
+        return 16 if self.max_tokens is None else self.max_tokens  # OpenAI's default for completions

@@ -1,0 +1,181 @@
+"""Test helpers for the server: tiny checkpoints, a real server process, an in-thread server, a scripted model."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, Callable, Iterator
+
+import httpx
+import torch
+from torch import nn
+
+from clover import CloverConfig
+from clover.config import FULL_ATTENTION
+from clover.model.cache import CloverCache
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def build_checkpoint(directory: Path, tokenizer: Any, preset: str = "clover-tiny-dense", seed: int = 0,
+                     **overrides: Any) -> Path:
+    """A random tiny model (peaked logits, so decoding fills several positions per step) with `tokenizer`."""
+    from test_engine import tiny_model
+
+    tok_dir = directory.parent / f"{directory.name}-tokenizer"
+    tokenizer.save_pretrained(tok_dir)
+    overrides = {"vocab_size": len(tokenizer), "mask_token_id": tokenizer.mask_token_id,
+                 "eos_token_id": tokenizer.eos_token_id, **overrides}
+    model = tiny_model(preset, seed=seed, **overrides)
+    model.save_pretrained(directory, tokenizer_dir=tok_dir)
+    return directory
+
+
+@contextmanager
+def server_process(model_dir: Path, *args: str, name: str = "clover-test", timeout: float = 120.0,
+                   log: Path | None = None) -> Iterator[tuple[str, subprocess.Popen]]:
+    """`clover serve` in a subprocess on a free localhost port; waits (bounded) for /health; always killed."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "clover.cli.main", "serve", "--model", str(model_dir), "--port", str(port),
+           "--served-model-name", name, "--log-level", "warning", "--threads", "1", *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    log = log or model_dir.parent / f"server-{port}.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+            try:
+                if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"server not healthy after {timeout} s:\n{log.read_text()[-3000:]}")
+            time.sleep(0.2)
+        yield url, proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
+@contextmanager
+def server_thread(app: Any, timeout: float = 30.0) -> Iterator[str]:
+    """An ASGI app on uvicorn in a background thread (real HTTP on localhost, same process)."""
+    import uvicorn
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + timeout
+        while not server.started:
+            if not thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("in-thread server did not start")
+            time.sleep(0.05)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(15)
+
+
+class ScriptedLM(nn.Module):
+    """A stand-in model that writes a scripted answer, so tool-call and reasoning round trips are deterministic.
+
+    It has the model's interface as the engine uses it (forward with clean / query tokens and a `CloverCache`).
+    The cache is real: its one attention layer stores each token id as its "key" and whether it was generated
+    as its "value", so batching, joins, cancellation and prefix reuse all run the real cache code. The answer
+    to a prompt is `script(prompt text)` followed by EOS; the next token of a history is the answer's token at
+    the number of tokens generated so far. A position whose left neighbour is still masked gets flat logits, so
+    decoding fills one position per step, left to right.
+    """
+
+    def __init__(self, tokenizer: Any, script: Callable[[str], str], context: int = 4096, block_size: int = 4) -> None:
+        super().__init__()
+        self.anchor = nn.Parameter(torch.zeros(1))  # gives the engine a device
+        self.tokenizer, self.script = tokenizer, script
+        self.config = CloverConfig.from_preset(
+            "clover-tiny-dense", vocab_size=len(tokenizer), num_hidden_layers=1, layer_types=[FULL_ATTENTION],
+            mask_token_id=tokenizer.mask_token_id, eos_token_id=tokenizer.eos_token_id,
+            max_position_embeddings=context, block_size=block_size, threshold=0.9)
+        self._answers: dict[tuple[int, ...], list[int]] = {}
+
+    def new_cache(self, batch_size: int) -> CloverCache:
+        return CloverCache(self.config, batch_size)
+
+    def _answer(self, prompt: list[int]) -> list[int]:
+        key = tuple(prompt)
+        if key not in self._answers:
+            text = self.script(self.tokenizer.decode(prompt))
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            self._answers[key] = ids + [self.config.eos_token_ids[0]]
+        return self._answers[key]
+
+    def _predict(self, prompt: list[int], generated: list[int]) -> torch.Tensor:
+        logits = torch.zeros(self.config.vocab_size)
+        answer = self._answer(prompt)
+        logits[answer[min(len(generated), len(answer) - 1)]] = 30.0
+        return logits
+
+    def forward(self, input_ids: torch.Tensor | None = None, block_size: int = 1, *, prefix_len: int = 0,
+                attention_mask: torch.Tensor | None = None, cache: CloverCache | None = None,
+                query_ids: torch.Tensor | None = None, logits_to_keep: int | None = None, **_: Any) -> Any:
+        assert cache is not None, "the scripted model only decodes with a cache"
+        n = cache.batch_size
+        ids = input_ids if input_ids is not None else torch.zeros(n, 0, dtype=torch.long)
+        valid = attention_mask.bool() if attention_mask is not None else torch.ones_like(ids, dtype=torch.bool)
+        layer = cache.layers[0]
+        past = layer.keys_values()
+        past_ids = past[0][:, 0, :, 0].long() if past is not None else torch.zeros(n, 0, dtype=torch.long)
+        past_gen = past[1][:, 0, :, 0].bool() if past is not None else torch.zeros(n, 0, dtype=torch.bool)
+        past_valid = cache.valid
+        generated_now = prefix_len == 0  # the engine's prefill chunks pass prefix_len; commits do not
+        if ids.shape[1]:
+            flags = torch.full_like(ids, int(generated_now))
+            layer.append(ids[:, None, :, None].float(), flags[:, None, :, None].float())
+            cache.commit(valid)
+        keep = ids.shape[1] if logits_to_keep is None else min(logits_to_keep, ids.shape[1])
+        mask_id = self.config.mask_token_id
+        clean_logits, query_logits = [], []
+        for r in range(n):
+            hist = [(int(t), bool(g)) for t, g, v in zip(past_ids[r], past_gen[r], past_valid[r]) if v]
+            hist += [(int(t), generated_now) for t, v in zip(ids[r], valid[r]) if v]
+            prompt = [t for t, g in hist if not g]
+            gen = [t for t, g in hist if g]
+            row = []
+            for i in range(ids.shape[1] - keep, ids.shape[1]):  # kept clean positions (the last ones)
+                cut = len(hist) - (ids.shape[1] - 1 - i)
+                row.append(self._predict([t for t, g in hist[:cut] if not g], [t for t, g in hist[:cut] if g]))
+            clean_logits.append(torch.stack(row) if row else torch.zeros(0, self.config.vocab_size))
+            if query_ids is not None:
+                q = query_ids[r].tolist()
+                qrow = []
+                for j in range(len(q)):
+                    if mask_id in q[: j + 1]:
+                        qrow.append(torch.zeros(self.config.vocab_size))
+                    else:
+                        qrow.append(self._predict(prompt, gen + q[: j + 1]))
+                query_logits.append(torch.stack(qrow))
+        return SimpleNamespace(logits=torch.stack(clean_logits),
+                               query_logits=torch.stack(query_logits) if query_ids is not None else None)

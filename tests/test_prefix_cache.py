@@ -1,0 +1,159 @@
+"""Prefix reuse: a request started from a stored prefix gives exactly (bit for bit) what a cold start gives."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from clover.engine import Engine, SamplingParams
+from clover.model.cache import CloverCache
+from clover.serving.prefix_cache import PrefixCache, chain_hashes
+from test_engine import tiny_model
+
+GRID = 8
+
+
+@pytest.fixture(scope="module")
+def models():
+    return {"clover-tiny": tiny_model("clover-tiny"), "clover-tiny-dense": tiny_model("clover-tiny-dense")}
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(0, 250, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _decode(engine: Engine, prompt: list[int], store: PrefixCache | None, max_new: int = 12,
+            sampling: SamplingParams = SamplingParams()):
+    """Prefill alone on the grid (from the longest stored prefix), snapshot and store, then decode — what the
+    scheduler does for one request. Returns (tokens, first-step logits, reused length)."""
+    seq = engine.make_sequences([prompt], max_new, sampling)[0]
+    reuse = store.lookup(prompt) if store is not None else None
+    states = dict(reuse.states) if reuse is not None else {}
+    prefill = engine.begin_prefill(seq, reuse.cache if reuse is not None else None)
+    batch = None
+    while batch is None:
+        batch = engine.prefill_step(prefill)
+        if store is not None and store.wants_snapshot(prefill.done, len(prompt)):
+            states[prefill.done] = prefill.cache.snapshot_recurrent()
+    if store is not None:
+        store.insert(prompt, prefill.cache, states)
+    first = (batch.first_logits.clone(), None if batch.query_logits is None else batch.query_logits.clone())
+    tokens = []
+    while batch is not None:
+        events, batch = engine.step(batch)
+        tokens += [t for e in events for t in e.token_ids]
+    return tokens, first, (reuse.length if reuse is not None else 0)
+
+
+@pytest.mark.parametrize("preset", ["clover-tiny", "clover-tiny-dense"])
+@pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=0.8, top_p=0.9, seed=5)])
+def test_reused_prefix_gives_exactly_the_cold_start_tokens(models, preset, sampling):
+    model = models[preset]
+    engine = Engine(model, 4, 0.5, prefill_chunk=GRID)
+    store = PrefixCache(GRID, 1 << 30, recurrent=model.config.has_linear_attention)
+    turn1 = _prompt(37, 0)
+    turn2 = turn1 + _prompt(15, 1)  # an agent's next turn: the same conversation and a few new messages
+    branch = turn1[:21] + _prompt(9, 2)  # same start, different continuation
+    _decode(engine, turn1, store, sampling=sampling)
+    for prompt, reused in ((turn2, 32), (turn2, 48), (branch, 16)):
+        cold_tokens, cold_first, _ = _decode(engine, prompt, None, sampling=sampling)
+        warm_tokens, warm_first, got = _decode(engine, prompt, store, sampling=sampling)
+        assert got == reused
+        assert warm_tokens == cold_tokens
+        assert torch.equal(warm_first[0], cold_first[0])  # bit for bit, not merely close
+        assert torch.equal(warm_first[1], cold_first[1])
+
+
+def test_an_agent_conversation_is_one_growing_entry(models):
+    model = models["clover-tiny"]
+    engine = Engine(model, 4, 0.5, prefill_chunk=GRID)
+    store = PrefixCache(GRID, 1 << 30, recurrent=True, snapshot_interval=2 * GRID)
+    prompt = _prompt(20, 3)
+    for turn in range(4):
+        _, _, reused = _decode(engine, prompt, store)
+        assert reused == (0 if turn == 0 else (len(prompt) - 13) // GRID * GRID)
+        prompt = prompt + _prompt(13, 10 + turn)
+    assert len(store.entries) == 1  # each turn's entry superseded the previous one
+    entry = next(iter(store.entries.values()))
+    assert sorted(entry.states) == [16, 32, 40, 48, 56]  # every 2nd grid point, plus each turn's last one
+    assert store.stats.hits == 3
+
+
+def test_lookup_leaves_a_token_to_prefill_and_verifies_tokens(models):
+    model = models["clover-tiny-dense"]
+    store = PrefixCache(GRID, 1 << 30, recurrent=False)
+    prompt = _prompt(32, 4)
+    cache = model.new_cache(1)
+    with torch.inference_mode():
+        model(torch.tensor([prompt]), cache=cache, logits_to_keep=0)
+    store.insert(prompt, cache, {})
+    assert store.memory_bytes == cache.memory_bytes()["total"]  # an exact-size copy, not the request's buffers
+    assert store.lookup(prompt).length == 24  # the whole prompt is stored, but its last token must run
+    assert store.lookup(prompt + [1]).length == 32
+    assert store.lookup(prompt[:17]).length == 16  # dense: any grid point of an entry
+    other = list(prompt)
+    other[3] = (other[3] + 1) % 250
+    assert store.lookup(other + [1]) is None
+    hit = store.lookup(prompt + [1])
+    assert hit.cache.length == 32 and hit.cache.next_position.tolist() == [32]
+    torch.testing.assert_close(hit.cache.layers[0].keys_values()[0], cache.layers[0].keys_values()[0][:, :, :32])
+
+
+def test_byte_budget_evicts_least_recently_used(models):
+    model = models["clover-tiny-dense"]
+    caches = {}
+    for seed in range(3):
+        prompt = _prompt(16, 20 + seed)
+        cache = model.new_cache(1)
+        with torch.inference_mode():
+            model(torch.tensor([prompt]), cache=cache, logits_to_keep=0)
+        caches[seed] = (prompt, cache)
+    one = PrefixCache(GRID, 1 << 30, recurrent=False)
+    one.insert(*caches[0], {})
+    size = one.memory_bytes
+    store = PrefixCache(GRID, 2 * size, recurrent=False)
+    store.insert(*caches[0], {})
+    store.insert(*caches[1], {})
+    assert store.lookup(caches[0][0] + [1]) is not None  # 0 is now the most recently used
+    store.insert(*caches[2], {})
+    assert store.stats.evictions == 1 and store.memory_bytes <= 2 * size
+    assert store.lookup(caches[1][0] + [1]) is None
+    assert store.lookup(caches[0][0] + [1]) is not None and store.lookup(caches[2][0] + [1]) is not None
+    tiny = PrefixCache(GRID, size - 1, recurrent=False)
+    tiny.insert(*caches[0], {})
+    assert not tiny.entries and tiny.memory_bytes == 0
+
+
+def test_hybrid_cache_cannot_be_cut_without_a_snapshot(models):
+    model = models["clover-tiny"]
+    cache = model.new_cache(1)
+    with torch.inference_mode():
+        model(torch.tensor([_prompt(16, 5)]), cache=cache, logits_to_keep=0)
+    with pytest.raises(ValueError, match="recurrent"):
+        cache.prefix(8)
+    assert cache.prefix(16).length == 16
+
+
+def test_chain_hashes_identify_whole_prefixes():
+    a = list(range(40))
+    b = list(range(40))
+    b[3] = 99
+    ha, hb = chain_hashes(a, GRID, 40), chain_hashes(b, GRID, 40)
+    assert len(ha) == 5 and all(x != y for x, y in zip(ha, hb))  # a change early changes every later hash
+    assert chain_hashes(a[:24], GRID, 24) == ha[:3]
+
+
+def test_concat_left_pads_and_select_drops_shared_padding(models):
+    model = models["clover-tiny"]
+    caches = []
+    for n in (5, 9):
+        cache = model.new_cache(1)
+        with torch.inference_mode():
+            model(torch.tensor([_prompt(n, n)]), cache=cache, logits_to_keep=0)
+        caches.append(cache)
+    both = CloverCache.concat(caches)
+    assert both.batch_size == 2 and both.length == 9
+    assert both.valid.tolist() == [[False] * 4 + [True] * 5, [True] * 9]
+    assert both.next_position.tolist() == [5, 9]
+    both.select([0])
+    assert both.length == 5 and bool(both.valid.all())  # the short row's padding is gone with the long row

@@ -1,0 +1,167 @@
+"""Continuous batching: requests that join a running batch at block boundaries, or leave it at any step, get
+exactly what they get alone; the scheduler thread keeps that under concurrency, backpressure and cancellation."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from clover.engine import Engine, SamplingParams, generate
+from clover.serving.prefix_cache import PrefixCache
+from clover.serving.scheduler import QueueFull, Scheduler
+from test_engine import PROMPTS, tiny_model
+
+PROMPTS = PROMPTS + [list(range(30, 57))]
+MAX_NEW = [18, 9, 14, 11]
+
+
+@pytest.fixture(scope="module")
+def models():
+    return {"clover-tiny": tiny_model("clover-tiny"), "clover-tiny-dense": tiny_model("clover-tiny-dense")}
+
+
+def _alone(model, prompt, max_new, sampling, eos):
+    return generate(model, [prompt], max_new, block_size=4, threshold=0.5, sampling=sampling,
+                    eos_token_ids=eos).sequences[0]
+
+
+def _continuous(engine: Engine, arrivals: list[int], sampling: list[SamplingParams], drop: dict[int, int]):
+    """Request i arrives at step `arrivals[i]` and joins at the next block boundary; request j leaves at step
+    `drop[j]` (cancelled). Returns the tokens each request received."""
+    seqs = [engine.make_sequences([p], m, s)[0] for p, m, s in zip(PROMPTS, MAX_NEW, sampling)]
+    for i, s in enumerate(seqs):
+        s.index = i
+    out = {i: [] for i in range(len(seqs))}
+    batch, step, waiting = None, 0, list(range(len(seqs)))
+    joined_mid_run = 0
+    while waiting or batch is not None:
+        if batch is None or engine.at_block_boundary(batch):
+            for i in [i for i in waiting if arrivals[i] <= step]:
+                prefill, new = engine.begin_prefill(seqs[i]), None
+                while new is None:
+                    new = engine.prefill_step(prefill)
+                joined_mid_run += batch is not None
+                batch = engine.join(batch, new)
+                waiting.remove(i)
+        gone = {j for j, at in drop.items() if at == step}
+        if batch is not None and gone:
+            batch = engine.drop(batch, gone)
+        if batch is not None:
+            events, batch = engine.step(batch)
+            for e in events:
+                out[e.index] += e.token_ids
+        step += 1
+    assert joined_mid_run >= 2  # the test really exercises joins into a running batch
+    return out
+
+
+@pytest.mark.parametrize("preset", ["clover-tiny", "clover-tiny-dense"])
+@pytest.mark.parametrize("sampled", [False, True])
+def test_rows_joining_a_running_batch_get_what_they_get_alone(models, preset, sampled):
+    model = models[preset]
+    base = [generate(model, [p], 20, block_size=4, threshold=0.5, eos_token_ids=[]).sequences[0] for p in PROMPTS]
+    others = {t for i, seq in enumerate(base) if i != 1 for t in seq}
+    # request 1 ends early on EOS (and leaves the batch); the others run to their limits
+    eos = [next(t for i, t in enumerate(base[1]) if i >= 2 and t not in others and t not in base[1][:i])]
+    engine = Engine(model, 4, 0.5, eos_token_ids=eos, prefill_chunk=8)
+    sampling = [SamplingParams(temperature=0.9, top_p=0.95, seed=i) if sampled else SamplingParams()
+                for i in range(len(PROMPTS))]
+    got = _continuous(engine, arrivals=[0, 0, 2, 3], sampling=sampling, drop={})
+    for i, prompt in enumerate(PROMPTS):
+        assert got[i] == _alone(model, prompt, MAX_NEW[i], sampling[i], eos), i
+
+
+def test_a_dropped_row_leaves_the_others_untouched(models):
+    model = models["clover-tiny"]
+    engine = Engine(model, 4, 0.5, eos_token_ids=[], prefill_chunk=8)
+    sampling = [SamplingParams()] * len(PROMPTS)
+    got = _continuous(engine, arrivals=[0, 0, 2, 5], sampling=sampling, drop={1: 6})  # 6: mid-block
+    for i in (0, 2, 3):
+        assert got[i] == _alone(model, PROMPTS[i], MAX_NEW[i], sampling[i], [])
+    assert len(got[1]) < MAX_NEW[1]
+
+
+# -- the scheduler thread ------------------------------------------------------------------------------------------
+async def _collect(handle):
+    tokens = [[] for _ in range(handle.n)]
+    async for out in handle:
+        tokens[out.choice] += out.token_ids
+    return tokens
+
+
+def _scheduler(model, **kw):
+    kw.setdefault("prefill_chunk", 8)
+    return Scheduler(model, block_size=4, threshold=0.5, eos_token_ids=[], **kw)
+
+
+@pytest.mark.parametrize("prefix_cache", [False, True])
+def test_scheduler_serves_concurrent_requests_exactly(models, prefix_cache):
+    model = models["clover-tiny"]
+    store = PrefixCache(8, 1 << 30, recurrent=True) if prefix_cache else None
+    sched = _scheduler(model, prefix_cache=store, max_running=3)
+    sched.start()
+    prompts = PROMPTS + [PROMPTS[3] + [7, 7, 7]]  # the last one shares a prefix with the one before
+
+    async def run():
+        handles = [sched.submit(p, 10, [SamplingParams(), SamplingParams(temperature=0.7, seed=1)])
+                   for p in prompts]
+        return await asyncio.gather(*(_collect(h) for h in handles)), handles
+
+    try:
+        results, handles = asyncio.run(run())
+    finally:
+        sched.stop()
+    for prompt, tokens in zip(prompts, results):
+        assert tokens[0] == _alone(model, prompt, 10, SamplingParams(), [])
+        assert tokens[1] == _alone(model, prompt, 10, SamplingParams(temperature=0.7, seed=1), [])
+    if prefix_cache:
+        assert max(handles[-1].cached_tokens) == 24 and store.stats.hits >= 1
+    assert sched._outstanding == 0 and not sched.jobs
+
+
+def test_scheduler_backpressure_and_cancellation_free_slots(models):
+    model = models["clover-tiny-dense"]
+    sched = _scheduler(model, max_running=1, max_waiting=1)
+    sched.start()
+
+    async def run():
+        long = sched.submit(PROMPTS[0], 2000, [SamplingParams()])
+        queued = sched.submit(PROMPTS[1], 2000, [SamplingParams()])
+        with pytest.raises(QueueFull):
+            sched.submit(PROMPTS[2], 4, [SamplingParams()])
+        first = await long.__aiter__().__anext__()
+        assert first.token_ids
+        long.cancel()
+        queued.cancel()
+        for _ in range(200):
+            if sched._outstanding == 0:
+                break
+            await asyncio.sleep(0.02)
+        assert sched._outstanding == 0 and sched.load["running"] == 0
+        return await _collect(sched.submit(PROMPTS[2], 4, [SamplingParams()]))
+
+    try:
+        tokens = asyncio.run(run())
+    finally:
+        sched.stop()
+    assert tokens[0] == _alone(model, PROMPTS[2], 4, SamplingParams(), [])
+
+
+def test_requests_with_other_block_sizes_run_in_their_own_batch(models):
+    model = models["clover-tiny"]
+    sched = _scheduler(model)
+    sched.start()
+
+    async def run():
+        a = sched.submit(PROMPTS[0], 12, [SamplingParams()])
+        b = sched.submit(PROMPTS[1], 12, [SamplingParams()], block_size=2, threshold=0.3)
+        return await asyncio.gather(_collect(a), _collect(b))
+
+    try:
+        (a,), (b,) = asyncio.run(run())
+    finally:
+        sched.stop()
+    assert a == _alone(model, PROMPTS[0], 12, SamplingParams(), [])
+    assert b == generate(model, [PROMPTS[1]], 12, block_size=2, threshold=0.3, eos_token_ids=[]).sequences[0]
+    assert len(sched.engines) == 2

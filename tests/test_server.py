@@ -1,0 +1,322 @@
+"""`clover serve` as a real process on localhost, driven by the official `openai` client and raw HTTP.
+
+One random tiny model (dense, peaked logits: several tokens per step) behind two server processes: the main one
+(API key, small context so bad `max_tokens` are easy to make) and a one-slot one (backpressure, disconnects).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import openai
+import pytest
+
+from clover.engine import generate
+from clover.model import CloverForBlockDiffusion
+from clover.training.chat_template import render_chat
+from server_helpers import build_checkpoint, server_process
+
+KEY = "test-key-123"
+CONTEXT = 256
+NAME = "clover-test"
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory, chat_tokenizer):
+    return build_checkpoint(tmp_path_factory.mktemp("server") / "tiny", chat_tokenizer,
+                            max_position_embeddings=CONTEXT)
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint):
+    with server_process(checkpoint, "--api-key", KEY, "--prefill-chunk", "16", "--max-body-mb", "0.25") as (url, _):
+        yield url
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server}/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint, chat_tokenizer):
+    """What the model gives a chat alone, decoded offline with the engine (greedy): the server must match it."""
+    model = CloverForBlockDiffusion.from_pretrained(checkpoint)
+    eos = [chat_tokenizer.eos_token_id]
+
+    def answer(messages, max_tokens):
+        prompt = render_chat(chat_tokenizer, messages, add_generation_prompt=True)
+        ids = chat_tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        out = generate(model, [ids], max_tokens, eos_token_ids=eos, vocab_limit=len(chat_tokenizer))
+        return chat_tokenizer.decode(out.sequences[0], skip_special_tokens=True), len(ids), out.stats[0]
+    return answer
+
+
+def _user(text):
+    return [{"role": "user", "content": text}]
+
+
+def _strip(text):
+    return text.strip()
+
+
+# -- the happy paths ------------------------------------------------------------------------------------------
+def test_models_and_health(client, server):
+    assert [m.id for m in client.models.list().data] == [NAME]
+    assert client.models.retrieve(NAME).id == NAME
+    assert httpx.get(f"{server}/health").json()["status"] == "ok"  # no key needed
+
+
+def test_chat_matches_the_engine_alone_with_usage(client, reference):
+    msgs = _user("Hello world. What is the weather?")
+    r = client.chat.completions.create(model=NAME, messages=msgs, max_tokens=24)
+    text, prompt_len, stats = reference(msgs, 24)
+    choice = r.choices[0]
+    assert choice.message.role == "assistant" and choice.message.content == text.strip()
+    assert choice.finish_reason == ("length" if stats["finish_reason"] == "length" else "stop")
+    assert r.usage.prompt_tokens == prompt_len and r.usage.completion_tokens == stats["tokens"]
+    assert r.usage.total_tokens == prompt_len + stats["tokens"]
+    assert r.object == "chat.completion" and r.model == NAME and r.id.startswith("chatcmpl-")
+
+
+def test_chat_streaming_equals_non_streaming(client):
+    msgs = _user("def add(x, y):")
+    whole = client.chat.completions.create(model=NAME, messages=msgs, max_tokens=20)
+    chunks = list(client.chat.completions.create(model=NAME, messages=msgs, max_tokens=20, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finals == [whole.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert sum(1 for c in chunks if c.choices and c.choices[0].delta.content) > 1  # streamed as blocks commit
+
+
+def test_completion_and_streamed_completion(client, checkpoint, chat_tokenizer):
+    r = client.completions.create(model=NAME, prompt="The weather is", max_tokens=12)
+    assert r.object == "text_completion" and r.usage.completion_tokens == 12 and r.choices[0].finish_reason == "length"
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=NAME, prompt="The weather is", max_tokens=12, stream=True) if c.choices)
+    assert streamed == r.choices[0].text
+    ids = chat_tokenizer("The weather is", add_special_tokens=False)["input_ids"]
+    by_ids = client.completions.create(model=NAME, prompt=ids, max_tokens=12, echo=True)
+    assert by_ids.choices[0].text == "The weather is" + r.choices[0].text
+
+
+def test_n_choices_stop_and_seed(client):
+    r = client.chat.completions.create(model=NAME, messages=_user("Hello"), max_tokens=16, n=3,
+                                       temperature=0.9, seed=7)
+    assert [c.index for c in r.choices] == [0, 1, 2] and r.usage.completion_tokens > 0
+    again = client.chat.completions.create(model=NAME, messages=_user("Hello"), max_tokens=16, n=3,
+                                           temperature=0.9, seed=7)
+    assert [c.message.content for c in again.choices] == [c.message.content for c in r.choices]
+    full = client.completions.create(model=NAME, prompt="Hello world", max_tokens=16).choices[0].text
+    stop = full[5:7]
+    if stop.strip():
+        cut = client.completions.create(model=NAME, prompt="Hello world", max_tokens=16, stop=[stop])
+        assert cut.choices[0].text == full[: full.index(stop)] and cut.choices[0].finish_reason == "stop"
+
+
+def test_sixteen_concurrent_streaming_clients_get_complete_correct_answers(server, reference):
+    prompts = [_user(f"Client {i}: def f{i}(x): return x + {i}") for i in range(16)]
+    expected = [reference(m, 20) for m in prompts]
+
+    async def one(client, msgs):
+        text, usage, finish = "", None, None
+        stream = await client.chat.completions.create(model=NAME, messages=msgs, max_tokens=20, stream=True,
+                                                      stream_options={"include_usage": True})
+        async for chunk in stream:
+            if chunk.usage:
+                usage = chunk.usage
+            for c in chunk.choices:
+                text += c.delta.content or ""
+                finish = c.finish_reason or finish
+        return text, usage, finish
+
+    async def run():
+        client = openai.AsyncOpenAI(base_url=f"{server}/v1", api_key=KEY, max_retries=0, timeout=120)
+        return await asyncio.gather(*(one(client, m) for m in prompts))
+
+    wide_before = _wide_steps(server)
+    results = asyncio.run(run())
+    assert _wide_steps(server) > wide_before  # they really were decoded together, not one after another
+    for (text, usage, finish), (want, prompt_len, stats) in zip(results, expected):
+        assert text == want.strip()
+        assert usage.completion_tokens == stats["tokens"] and usage.prompt_tokens == prompt_len
+        assert finish in ("stop", "length")
+    metrics = httpx.get(f"{server}/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+    assert "clover_tokens_per_forward_bucket" in metrics and "clover_queue_depth" in metrics
+
+
+def _wide_steps(url, rows=4):
+    """Denoising steps so far whose batch had more than `rows` sequences (from /metrics)."""
+    metrics = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+    total = narrow = 0.0
+    for line in metrics.splitlines():
+        if line.startswith("clover_batch_size_count"):
+            total = float(line.split()[1])
+        elif line.startswith(f'clover_batch_size_bucket{{le="{float(rows)}"}}'):
+            narrow = float(line.split()[1])
+    return total - narrow
+
+
+def test_prefix_reuse_reports_cached_tokens_and_keeps_the_answer(client):
+    msgs = [{"role": "system", "content": "You are a helpful assistant. " * 6}] + _user("Hello world.")
+    first = client.chat.completions.create(model=NAME, messages=msgs, max_tokens=8)
+    second = client.chat.completions.create(model=NAME, messages=msgs, max_tokens=8)
+    assert second.usage.prompt_tokens_details.cached_tokens >= 16
+    assert second.choices[0].message.content == first.choices[0].message.content
+
+
+# -- bad input: OpenAI error JSON, 4xx, and the server keeps serving ---------------------------------------------
+def _post(server, path, body, key=KEY, raw=None):
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    if raw is not None:
+        return httpx.post(f"{server}{path}", content=raw, headers={**headers, "Content-Type": "application/json"},
+                          timeout=30)
+    return httpx.post(f"{server}{path}", json=body, headers=headers, timeout=30)
+
+
+BAD = [
+    ("malformed json", dict(raw=b'{"model": "clover-test", "messages": [')),
+    ("wrong type", dict(body={"model": NAME, "messages": _user("hi"), "max_tokens": "ten"})),
+    ("messages not a list", dict(body={"model": NAME, "messages": "hi"})),
+    ("unknown model", dict(body={"model": "gpt-4", "messages": _user("hi")}), 404),
+    ("empty messages", dict(body={"model": NAME, "messages": []})),
+    ("negative max_tokens", dict(body={"model": NAME, "messages": _user("hi"), "max_tokens": -1})),
+    ("huge max_tokens", dict(body={"model": NAME, "messages": _user("hi"), "max_tokens": 10**12})),
+    ("prompt beyond context", dict(body={"model": NAME, "messages": _user("weather " * 400), "max_tokens": 4})),
+    ("invalid tool schema", dict(body={"model": NAME, "messages": _user("hi"), "tools": [
+        {"type": "function", "function": {"name": "bad name!", "parameters": {"type": "string"}}}]})),
+    ("tool parameters not an object", dict(body={"model": NAME, "messages": _user("hi"), "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}]})),
+    ("tool_choice unknown function", dict(body={"model": NAME, "messages": _user("hi"), "tools": [
+        {"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function",
+                                                                          "function": {"name": "g"}}})),
+    ("unknown role", dict(body={"model": NAME, "messages": [{"role": "wizard", "content": "hi"}]})),
+    ("image content", dict(body={"model": NAME, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x"}}]}]})),
+    ("temperature out of range", dict(body={"model": NAME, "messages": _user("hi"), "temperature": -0.5})),
+    ("n zero", dict(body={"model": NAME, "messages": _user("hi"), "n": 0})),
+    ("bad block_size", dict(body={"model": NAME, "messages": _user("hi"), "block_size": 0})),
+    ("logprobs", dict(body={"model": NAME, "messages": _user("hi"), "logprobs": True})),
+    ("wrong api key", dict(body={"model": NAME, "messages": _user("hi")}, key="nope"), 401),
+    ("no api key", dict(body={"model": NAME, "messages": _user("hi")}, key=None), 401),
+    ("body too large", dict(body={"model": NAME, "messages": _user("x" * 400_000)}), 413),
+    ("completion empty prompt", dict(path="/v1/completions", body={"model": NAME, "prompt": ""})),
+    ("completion token out of vocab", dict(path="/v1/completions", body={"model": NAME, "prompt": [10**6]})),
+    ("completion huge max_tokens", dict(path="/v1/completions", body={"model": NAME, "prompt": "hi",
+                                                                     "max_tokens": 100000})),
+]
+
+
+@pytest.mark.parametrize("case", BAD, ids=[c[0] for c in BAD])
+def test_bad_input_is_an_openai_error_and_the_server_keeps_serving(server, client, case):
+    name, kwargs, *status = case
+    path = kwargs.pop("path", "/v1/chat/completions")
+    r = _post(server, path, kwargs.get("body"), key=kwargs.get("key", KEY), raw=kwargs.get("raw"))
+    want = status[0] if status else 400
+    assert r.status_code == want, r.text
+    error = r.json()["error"]
+    assert isinstance(error["message"], str) and error["message"] and "type" in error
+    if name in ("huge max_tokens", "prompt beyond context", "completion huge max_tokens"):
+        assert error["code"] == "context_length_exceeded"
+    assert client.chat.completions.create(model=NAME, messages=_user("still there?"), max_tokens=4).choices
+
+
+def test_openai_client_raises_typed_errors(client, server):
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=_user("hi"))
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=NAME, messages=_user("hi"), max_tokens=CONTEXT * 4)
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{server}/v1", api_key="wrong", max_retries=0).models.list()
+
+
+# -- backpressure and disconnects (a one-slot server) --------------------------------------------------------------
+@pytest.fixture(scope="module")
+def small_server(tmp_path_factory, chat_tokenizer):
+    """One running sequence, one waiting; a long context, so requests can be made to run for many seconds."""
+    long = build_checkpoint(tmp_path_factory.mktemp("small") / "tiny-long", chat_tokenizer,
+                            max_position_embeddings=8192)
+    with server_process(long, "--max-num-seqs", "1", "--max-queue", "1") as (url, _):
+        yield url
+
+
+def _running(url):
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        if line.startswith("clover_running_requests "):
+            return float(line.split()[1])
+    raise AssertionError("no clover_running_requests metric")
+
+
+def test_full_queue_answers_429_and_a_disconnecting_client_frees_its_slot(small_server):
+    # one token per forward, no EOS: each of these would run for seconds if nothing stopped it
+    body = {"model": NAME, "messages": _user("Tell me a long story."), "max_tokens": 8000, "stream": True,
+            "block_size": 1, "ignore_eos": True}
+    with httpx.Client(timeout=60) as a, httpx.Client(timeout=60) as b:
+        with a.stream("POST", f"{small_server}/v1/chat/completions", json=body) as ra, \
+                b.stream("POST", f"{small_server}/v1/chat/completions", json=body) as rb:
+            assert ra.status_code == rb.status_code == 200
+            lines = ra.iter_lines()  # kept: dropping a half-read iterator closes the connection
+            assert next(lines).startswith("data: ")
+            assert _running(small_server) == 1
+            full = httpx.post(f"{small_server}/v1/chat/completions", json={**body, "stream": False}, timeout=30)
+            assert full.status_code == 429 and full.json()["error"]["type"] == "rate_limit_error"
+        # both clients closed their streams mid-generation: their slots must be freed
+    deadline = time.monotonic() + 5
+    while _running(small_server) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _running(small_server) == 0
+    r = httpx.post(f"{small_server}/v1/chat/completions",
+                   json={"model": NAME, "messages": _user("hi"), "max_tokens": 4}, timeout=30)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+
+
+def test_a_non_streaming_client_that_gives_up_frees_its_slot(small_server):
+    body = {"model": NAME, "messages": _user("Tell me a long story."), "max_tokens": 8000, "block_size": 1,
+            "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{small_server}/v1/chat/completions", json=body, timeout=1.0)
+    deadline = time.monotonic() + 5
+    while _running(small_server) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _running(small_server) == 0
+
+
+# -- fuzzing the OpenAPI schema ------------------------------------------------------------------------------------
+def test_fuzz_openapi_schema_no_server_errors(server):
+    """schemathesis generates valid and invalid requests for every route of the server's OpenAPI schema, for a
+    bounded number of examples: no 5xx, and the server stays healthy."""
+    schemathesis = pytest.importorskip("schemathesis")
+    from hypothesis import HealthCheck, given, settings
+
+    headers = {"Authorization": f"Bearer {KEY}"}
+    spec = httpx.get(f"{server}/openapi.json", headers=headers).json()
+    schema = schemathesis.openapi.from_dict(spec)
+    failures, statuses = [], {}
+    for result in schema.get_all_operations():
+        operation = result.ok()
+
+        @settings(max_examples=60 if operation.method.upper() == "POST" else 5, deadline=None, database=None,
+                  suppress_health_check=list(HealthCheck), derandomize=True)
+        @given(case=operation.as_strategy(generation_mode=schemathesis.GenerationMode.POSITIVE)
+               | operation.as_strategy(generation_mode=schemathesis.GenerationMode.NEGATIVE))
+        def check(case):
+            if isinstance(case.body, dict):
+                if isinstance(case.body.get("model"), str):
+                    case.body["model"] = NAME  # else nearly every request stops at "unknown model"
+                if case.body.get("stream") is True:
+                    case.body["stream"] = False  # a stream would only be read to its end
+            response = case.call(base_url=server, headers=headers, timeout=60)
+            statuses[response.status_code] = statuses.get(response.status_code, 0) + 1
+            if response.status_code >= 500:
+                failures.append((operation.label, case.body, response.status_code, response.text[:300]))
+
+        check()
+    assert not failures, failures[:3]
+    assert statuses.get(200, 0) >= 5 and statuses.get(400, 0) >= 5, statuses  # both paths were exercised
+    assert httpx.get(f"{server}/health").status_code == 200

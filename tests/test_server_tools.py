@@ -1,0 +1,128 @@
+"""Tool calls and reasoning through the real server stack (HTTP, scheduler, engine, cache), with a scripted model
+that writes what a trained model would, so the round trips are deterministic."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+
+from clover.serving import ServerOptions, create_app
+from server_helpers import ScriptedLM, server_thread
+
+NAME = "scripted"
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather of a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+REASONING = "The user wants the weather. I should call get_weather."
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+ANSWER = "It is 21 degrees in Paris."
+
+
+def script(prompt: str) -> str:
+    """What a trained model writes after this prompt (the prompt is the rendered chat template)."""
+    thinking = prompt.endswith("<think>\n")
+    last_turn = prompt[prompt.rindex("<|im_start|>user"):]
+    if prompt.endswith('"arguments": '):  # a forced call (tool_choice names the function)
+        return '{"city": "Paris"}}\n</tool_call>'
+    if "<tool_response>" in last_turn and "21" in last_turn:
+        return ("The tool says 21.\n</think>\n\n" if thinking else "") + ANSWER
+    if "<tools>" in prompt:
+        return (REASONING + "\n</think>\n\n" if thinking else "") + CALL
+    return "Hello world."
+
+
+@pytest.fixture(scope="module")
+def client(chat_tokenizer):
+    model = ScriptedLM(chat_tokenizer, script)
+    app = create_app(model, chat_tokenizer, ServerOptions(served_model_name=NAME, prefill_chunk=16))
+    with server_thread(app) as url:
+        yield openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
+
+
+USER = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def _stream(client, **kwargs):
+    """Accumulate a streamed chat completion the way agent frameworks do."""
+    content, reasoning, calls, finish, order = "", "", {}, None, []
+    for chunk in client.chat.completions.create(model=NAME, stream=True, **kwargs):
+        for c in chunk.choices:
+            d = c.delta
+            if getattr(d, "reasoning_content", None):
+                reasoning += d.reasoning_content
+                order.append("reasoning")
+            if d.content:
+                content += d.content
+                order.append("content")
+            for tc in d.tool_calls or []:
+                slot = calls.setdefault(tc.index, {"id": None, "name": "", "arguments": ""})
+                slot["id"] = tc.id or slot["id"]
+                slot["name"] += tc.function.name or ""
+                slot["arguments"] += tc.function.arguments or ""
+                order.append("tool_call")
+            finish = c.finish_reason or finish
+    return content, reasoning, [calls[i] for i in sorted(calls)], finish, order
+
+
+def test_tool_call_round_trip(client):
+    first = client.chat.completions.create(model=NAME, messages=USER, tools=TOOLS, max_tokens=64)
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_")
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
+    history = USER + [choice.message.model_dump(exclude_none=True),
+                      {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temp_c": 21})}]
+    second = client.chat.completions.create(model=NAME, messages=history, tools=TOOLS, max_tokens=64)
+    assert second.choices[0].message.content == ANSWER and second.choices[0].finish_reason == "stop"
+    assert not second.choices[0].message.tool_calls
+    assert second.usage.prompt_tokens > first.usage.prompt_tokens
+
+
+def test_streamed_tool_call(client):
+    content, reasoning, calls, finish, _ = _stream(client, messages=USER, tools=TOOLS, max_tokens=64)
+    assert (content, reasoning, finish) == ("", "", "tool_calls")
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [("get_weather", {"city": "Paris"})]
+    assert calls[0]["id"].startswith("call_")
+
+
+def test_reasoning_content_streamed_and_whole(client):
+    thinking = {"chat_template_kwargs": {"enable_thinking": True}}
+    whole = client.chat.completions.create(model=NAME, messages=USER, tools=TOOLS, max_tokens=96, extra_body=thinking)
+    message = whole.choices[0].message
+    assert message.reasoning_content == REASONING and message.tool_calls[0].function.name == "get_weather"
+    content, reasoning, calls, finish, order = _stream(client, messages=USER, tools=TOOLS, max_tokens=96,
+                                                       extra_body=thinking)
+    assert reasoning == REASONING and calls[0]["name"] == "get_weather" and finish == "tool_calls"
+    assert order.index("tool_call") > max(i for i, kind in enumerate(order) if kind == "reasoning")
+    assert order.count("reasoning") > 1  # reasoning flows as it is written, not at the end
+    # with the tool result: reasoning, then the answer
+    history = USER + [{"role": "assistant", "content": None, "reasoning_content": REASONING, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"temp_c": 21}'}]
+    final = client.chat.completions.create(model=NAME, messages=history, tools=TOOLS, max_tokens=96,
+                                           extra_body=thinking)
+    assert final.choices[0].message.content == ANSWER
+    assert final.choices[0].message.reasoning_content == "The tool says 21."
+
+
+def test_named_tool_choice_forces_the_call(client):
+    r = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "Hi"}], tools=TOOLS,
+                                       tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                                       max_tokens=64)
+    (call,) = r.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
+
+
+def test_tool_choice_none_leaves_the_text_as_content(client):
+    r = client.chat.completions.create(model=NAME, messages=USER, tools=TOOLS, tool_choice="none", max_tokens=64)
+    assert r.choices[0].message.content == CALL and not r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "stop"
+
+
+def test_plain_chat_without_tools(client):
+    r = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=32, n=2)
+    assert [c.message.content for c in r.choices] == ["Hello world.", "Hello world."]
+    assert _stream(client, messages=[{"role": "user", "content": "Hi"}], max_tokens=32)[0] == "Hello world."
