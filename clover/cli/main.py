@@ -20,13 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in SUBCOMMANDS:
-        try:
-            module = importlib.import_module(f"clover.cli.{name}")
-        except ModuleNotFoundError as exc:  # a subcommand whose module is not written yet
-            if exc.name != f"clover.cli.{name}":
-                raise
-            continue
-        module.add_parser(sub)
+        importlib.import_module(f"clover.cli.{name}").add_parser(sub)
     return parser
 
 
