@@ -77,11 +77,12 @@ def test_cached_steps_equal_uncached_forward(preset):
 
 @pytest.mark.parametrize("preset", ["clover-tiny", "clover-tiny-dense"])
 @pytest.mark.parametrize("block_size", [2, 4, 7])
+@pytest.mark.parametrize("tail", [0, 1, -1])  # the last block whole, with one token, or one token short
 @torch.no_grad()
-def test_cached_blocks_equal_block_causal_forward(preset, block_size):
+def test_cached_blocks_equal_block_causal_forward(preset, block_size, tail):
     model = tiny(preset)
     prompt, blocks = 9, 4
-    ids = torch.randint(0, 250, (2, prompt + blocks * block_size))
+    ids = torch.randint(0, 250, (2, prompt + blocks * block_size + tail))
     full = model(ids, block_size=block_size, prefix_len=prompt).logits
     cache = model.new_cache(2)
     pieces = [model(ids[:, :prompt], cache=cache).logits]

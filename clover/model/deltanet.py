@@ -143,7 +143,7 @@ class GatedDeltaNet(nn.Module):
             nb = block_states.shape[2]
             sizes = torch.full((nb,), float(bsz), device=x.device)
             sizes[-1] = layout.blocked_len - (nb - 1) * bsz
-            o = self._read(q[:, :, sl], k[:, :, sl], v[:, :, sl], g[:, :, sl], beta[:, :, sl], block_states, sizes)
+            o = self._read(q[:, :, sl], k[:, :, sl], v[:, :, sl], g[:, :, sl], beta[:, :, sl], block_states, sizes, bsz)
             outs.append(o[:, :, : layout.blocked_len])
             starts = torch.cat([block_states, final[:, :, None]], dim=2)
             state = final
@@ -154,7 +154,7 @@ class GatedDeltaNet(nn.Module):
             idx[torch.arange(layout.query_blocks, device=x.device) * bsz + layout.query_start >= lc] = starts.shape[2] - 1
             sizes = torch.full((layout.query_blocks,), float(bsz), device=x.device)
             outs.append(self._read(q[:, :, sl], k[:, :, sl], v[:, :, sl], g[:, :, sl], beta[:, :, sl],
-                                   starts[:, :, idx], sizes))
+                                   starts[:, :, idx], sizes, bsz))
 
         if cache is not None and lc:
             cache.state = state
@@ -165,11 +165,11 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(self.norm(o, z).reshape(n, t, self.value_dim))
 
     def _read(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-              states: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
-        """Block-bidirectional outputs of consecutive blocks `[N, H, L, d]` (last may be short) -> `[N, H, nb*n, dv]`."""
+              states: torch.Tensor, sizes: torch.Tensor, bsz: int) -> torch.Tensor:
+        """Block-bidirectional outputs of consecutive blocks of `bsz` `[N, H, L, d]` (the last may be short)
+        -> `[N, H, nb * bsz, dv]`."""
         n, h, length, _ = q.shape
         nb = states.shape[2]
-        bsz = -(-length // nb)
         pad = nb * bsz - length
         blocks = [F.pad(x, (0, 0, 0, pad)).view(n, h, nb, bsz, -1) for x in (q, k, v)]
         g, beta = (F.pad(x, (0, pad)).view(n, h, nb, bsz) for x in (g, beta))

@@ -67,7 +67,9 @@ class LoRALinear(nn.Linear):
         return y + F.linear(F.linear(self.lora_dropout(x), self.lora_A), self.lora_B) * self.scaling
 
     def delta_weight(self) -> torch.Tensor:
-        return (self.lora_B.float() @ self.lora_A.float()) * self.scaling
+        """`scaling * B A`, in float64: rounded to the weight's dtype it does not depend on how many threads or
+        which kernels summed the rank-r products, so merged weights (and their checksum) are reproducible."""
+        return (self.lora_B.double() @ self.lora_A.double()) * self.scaling
 
     @torch.no_grad()
     def merge(self) -> None:

