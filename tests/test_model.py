@@ -185,10 +185,11 @@ def test_bad_inputs_name_the_problem():
         model(torch.tensor([[1, 2]]), block_size=0)
     with pytest.raises(ValueError, match="multiple of block_size"):
         model(torch.tensor([[1, 2]]), block_size=4, query_ids=torch.tensor([[1, 2, 3]]))
-    cache = model.new_cache(1)
     model.config.max_position_embeddings = 8
     with pytest.raises(ValueError, match="max_position_embeddings"):
-        model(torch.arange(10)[None], cache=cache)
+        model(torch.arange(10)[None], cache=model.new_cache(1))
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        model(torch.arange(10)[None])
 
 
 def test_config_rejects_what_it_does_not_know():

@@ -33,7 +33,8 @@ def add_parser(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from clover.model import CloverForBlockDiffusion
-    from clover.tokenizer import load_tokenizer
+    from clover.tokenizer import eos_token_ids, load_tokenizer
+    from clover.training.chat_template import render_chat
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -41,6 +42,7 @@ def run(args: argparse.Namespace) -> int:
     tokenizer = load_tokenizer(directory)
     model = CloverForBlockDiffusion.from_pretrained(directory)
     decode = lambda t: tokenizer.decode(t, skip_special_tokens=True)  # noqa: E731
+    eos = eos_token_ids(model.config, tokenizer)
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
     system = [{"role": "system", "content": args.system}] if args.system else []
     messages: list[dict[str, str]] = list(system)
@@ -59,14 +61,13 @@ def run(args: argparse.Namespace) -> int:
         if not line.strip():
             continue
         messages.append({"role": "user", "content": line})
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
-                                             enable_thinking=args.think)
+        text = render_chat(tokenizer, messages, add_generation_prompt=True, enable_thinking=args.think)
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         detok = IncrementalDetokenizer(decode)
         sys.stdout.write("clover> ")
         stats: dict[str, Any] = {}
         for event in stream(model, ids, args.max_new_tokens, block_size=args.block_size, threshold=args.threshold,
-                            sampling=sampling, vocab_limit=len(tokenizer)):
+                            sampling=sampling, vocab_limit=len(tokenizer), eos_token_ids=eos):
             if isinstance(event, StreamPiece):
                 sys.stdout.write(detok.push(event.token_ids))
                 if event.finished:

@@ -17,6 +17,8 @@ from typing import Any
 import torch
 
 from clover.engine import RULES, IncrementalDetokenizer, SamplingParams, StepSnapshot, StreamPiece, stream
+from clover.tokenizer import eos_token_ids, load_tokenizer
+from clover.training.chat_template import render_chat
 
 MASK_GLYPH = "░"
 
@@ -41,6 +43,7 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--model", help="Clover checkpoint directory (default: clover-smol)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user turn with the chat template")
     p.add_argument("--system", help="system message (with --chat)")
+    p.add_argument("--think", action="store_true", help="with --chat: let the model reason in <think>…</think> first")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--block-size", type=int, default=None, help="default: the model's config")
     p.add_argument("--threshold", type=float, default=None, help="confidence to unmask, in (0, 1]; default: config")
@@ -59,12 +62,6 @@ def add_parser(subparsers: Any) -> None:
     p.set_defaults(func=run)
 
 
-def _load_tokenizer(directory: Path) -> Any:
-    from clover.tokenizer import load_tokenizer
-
-    return load_tokenizer(directory)
-
-
 def _prompt_ids(tokenizer: Any, args: argparse.Namespace) -> list[int]:
     text = args.prompt
     if text is None:
@@ -76,7 +73,7 @@ def _prompt_ids(tokenizer: Any, args: argparse.Namespace) -> list[int]:
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
             {"role": "user", "content": text}]
-        rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        rendered = render_chat(tokenizer, messages, add_generation_prompt=True, enable_thinking=args.think)
         return tokenizer(rendered, add_special_tokens=False)["input_ids"]
     return tokenizer(text)["input_ids"]
 
@@ -93,11 +90,11 @@ def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     directory = resolve_model_dir(args.model)
-    tokenizer = _load_tokenizer(directory)
+    tokenizer = load_tokenizer(directory)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(args.dtype or "")
     model = CloverForBlockDiffusion.from_pretrained(directory, dtype=dtype)
     ids = _prompt_ids(tokenizer, args)
-    eos = model.config.eos_token_ids or ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
+    eos = eos_token_ids(model.config, tokenizer)
     decode = lambda t: tokenizer.decode(t, skip_special_tokens=True)  # noqa: E731
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                               repetition_penalty=args.repetition_penalty, seed=args.seed, stop=tuple(args.stop))

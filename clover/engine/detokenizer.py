@@ -35,7 +35,10 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """Whatever is still held back (at the end of a request)."""
-        rest = self.decode(self.ids)[len(self.text) :] if self.read_offset < len(self.ids) else ""
+        rest = ""
+        if self.read_offset < len(self.ids):  # decode the held-back ids in their window, as push does
+            prefix = self.decode(self.ids[self.prefix_offset : self.read_offset])
+            rest = self.decode(self.ids[self.prefix_offset :])[len(prefix) :]
         self.read_offset = len(self.ids)
         self.text += rest
         return rest

@@ -32,7 +32,7 @@ from __future__ import annotations
 import math
 import numbers
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Iterator, Sequence as Seq
 
 import torch
@@ -83,7 +83,6 @@ class _Batch:
     query_logits: torch.Tensor | None  # [N, B, V] outputs of the current block (None when B == 1)
     steps: torch.Tensor  # [N] steps each row has taken in this block
     limit: torch.Tensor  # [N] positions of this block that can count: min(B, tokens the row may still produce)
-    block_index: int = 0
     step_index: int = 0
 
 
@@ -106,7 +105,6 @@ class EngineCounters:
     forwards: int = 0
     forward_time_s: float = 0.0
     steps: int = 0
-    extra: dict[str, float] = field(default_factory=dict)
 
 
 class Engine:
@@ -287,7 +285,7 @@ class Engine:
         return _Batch(b.seqs + new.seqs, CloverCache.concat([b.cache, new.cache]),
                       BatchSampler.concat([b.sampler, new.sampler]), torch.cat([b.block, new.block]),
                       torch.cat([b.first_logits, new.first_logits]), query, torch.cat([b.steps, new.steps]),
-                      torch.cat([b.limit, new.limit]), b.block_index, 0)
+                      torch.cat([b.limit, new.limit]), 0)
 
     def step(self, b: _Batch, snapshots: bool = False) -> tuple[list[Event], _Batch | None]:
         """One denoising step of the whole batch (and the commit when every row's block is final): the events
@@ -389,5 +387,4 @@ class Engine:
         b.block = self._masks(n)
         b.steps = torch.zeros(n, dtype=torch.long, device=self.device)
         b.limit = self._limits(b.seqs)
-        b.block_index += 1
         b.step_index = 0

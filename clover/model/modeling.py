@@ -161,8 +161,7 @@ class CloverForBlockDiffusion(nn.Module):
             in_block = torch.arange(layout.query_len, device=device) % block_size
             positions.append(start[:, None] + before[:, qs] + in_block[None])
         positions_t = torch.cat(positions, dim=1)
-        if cache is not None:
-            self._check_context(cache, positions_t)
+        self._check_context(positions_t)
 
         h = self.model.embed_tokens(all_ids)
         past_valid = cache.past_valid() if cache is not None else None
@@ -203,7 +202,7 @@ class CloverForBlockDiffusion(nn.Module):
             raise ValueError(f"token ids must be in [0, {self.config.vocab_size}), "
                              f"got range [{int(ids.min())}, {int(ids.max())}]")
 
-    def _check_context(self, cache: CloverCache, positions: torch.Tensor) -> None:
+    def _check_context(self, positions: torch.Tensor) -> None:
         limit = self.config.max_position_embeddings
         if positions.numel() and int(positions.max()) >= limit:
             raise ValueError(f"context of {int(positions.max()) + 1} tokens exceeds the model's "

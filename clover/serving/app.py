@@ -94,11 +94,14 @@ class _Tokenizer:
 
     def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                     thinking: bool) -> str:
-        return render_chat(self.tokenizer, messages, tools, add_generation_prompt=True, enable_thinking=thinking)
+        with self.lock:
+            return render_chat(self.tokenizer, messages, tools, add_generation_prompt=True,
+                               enable_thinking=thinking)
 
     def token_id(self, token: str) -> int | None:
-        tid = self.tokenizer.convert_tokens_to_ids(token)
-        return tid if isinstance(tid, int) and tid != self.tokenizer.unk_token_id else None
+        with self.lock:
+            tid = self.tokenizer.convert_tokens_to_ids(token)
+            return tid if isinstance(tid, int) and tid != self.tokenizer.unk_token_id else None
 
     def __len__(self) -> int:
         return len(self.tokenizer)
@@ -544,17 +547,25 @@ class _Guard:
             return
         path = scope["path"]
         route = path if path in ROUTES else ("/v1/models/{model}" if path.startswith("/v1/models/") else "other")
-        status = {"code": 500}
+        status: dict[str, int | None] = {"code": None, "left": None}
 
         async def send_counted(message: dict[str, Any]) -> None:
             if message["type"] == "http.response.start":
                 status["code"] = message["status"]
             await send(message)
 
+        async def receive_watched() -> dict[str, Any]:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                status["left"] = 499
+            return message
+
         try:
-            await self._guarded(scope, receive, send_counted, path)
+            await self._guarded(scope, receive_watched, send_counted, path)
         finally:
-            self.server.metrics.requests.labels(route, str(status["code"])).inc()
+            # no response started: the client closed the request (499, nginx's code), or the server failed (500)
+            code = status["code"] or status["left"] or 500
+            self.server.metrics.requests.labels(route, str(code)).inc()
 
     async def _guarded(self, scope: dict[str, Any], receive: Callable, send: Callable, path: str) -> None:
         key = self.server.options.api_key

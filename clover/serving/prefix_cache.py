@@ -18,7 +18,9 @@ Dense models resume at any grid point of an entry (KV is sliced). An entry whose
 is superseded by the newer one (which inherits its snapshots), so an agent's conversation is one growing entry.
 
 **Lookup** hashes the prompt chunk by chunk (a hash chain, as in vLLM's block hashes) and probes grid points
-from the longest down; a hit is verified token by token. The returned cache is a copy: the request mutates it.
+from the longest down; a hit is verified token by token. The returned cache shares the entry's tensors (no copy):
+safe because a cache never writes inside positions it holds (the `CloverCache` invariant: attention KV is cut to
+exact size, so the request's first append reallocates, and DeltaNet states are replaced, not updated in place).
 At least one prompt token is always left to prefill (its logits start decoding).
 
 **Budget.** `budget_bytes` of KV and snapshots (tensors shared between entries counted once); least recently
@@ -59,7 +61,8 @@ class _Entry:
 
 @dataclass
 class Reuse:
-    """A prefix found in the store: `length` prompt tokens already in `cache` (a fresh copy)."""
+    """A prefix found in the store: `length` prompt tokens already in `cache` (sharing the entry's tensors,
+    which the request never writes into: see the module docstring)."""
 
     length: int
     cache: CloverCache
@@ -148,10 +151,24 @@ class PrefixCache:
         self.entries[id(entry)] = entry
         self.stats.inserts += 1
         self._recount()
+        if self.memory_bytes > self.budget_bytes:
+            self._evict()
+
+    def _evict(self) -> None:
+        """Drop least recently used entries until within budget. One pass counts each storage's holders; an
+        eviction then subtracts the storages only it held (a recount per eviction would be quadratic)."""
+        holders: dict[int, int] = {}
+        for entry in self.entries.values():
+            for ptr in _storages(entry):
+                holders[ptr] = holders.get(ptr, 0) + 1
         while self.memory_bytes > self.budget_bytes and self.entries:
-            self._remove(next(iter(self.entries.values())))
+            entry = next(iter(self.entries.values()))
+            self._remove(entry)
             self.stats.evictions += 1
-            self._recount()
+            for ptr, nbytes in _storages(entry).items():
+                holders[ptr] -= 1
+                if not holders[ptr]:
+                    self.memory_bytes -= nbytes
 
     def _remove(self, entry: _Entry) -> None:
         self.entries.pop(id(entry), None)
@@ -167,8 +184,7 @@ class PrefixCache:
         """Bytes of every tensor held, each storage once (snapshots are shared between entries)."""
         seen: dict[int, int] = {}
         for entry in self.entries.values():
-            for t in _tensors(entry):
-                seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            seen.update(_storages(entry))
         self.memory_bytes = sum(seen.values())
 
     def clear(self) -> None:
@@ -177,8 +193,9 @@ class PrefixCache:
         self.memory_bytes = 0
 
 
-def _tensors(entry: _Entry) -> list[torch.Tensor]:
+def _storages(entry: _Entry) -> dict[int, int]:
+    """The storages an entry's tensors live in (data pointer -> bytes), each once."""
     out: list[Any] = [t for layer in entry.cache.layers for t in layer.tensors()]
     for snap in entry.states.values():
         out += [t for pair in snap if pair is not None for t in pair]
-    return out
+    return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in out}

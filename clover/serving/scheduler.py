@@ -159,14 +159,15 @@ class Scheduler:
                block_size: int | None = None, threshold: float | None = None,
                ignore_eos: bool = False) -> RequestHandle:
         """Queue one prompt with one `SamplingParams` per choice. Raises `ValueError` for a request the engine
-        refuses (it names the parameter) and `QueueFull` when the server is at capacity. `ignore_eos`: generate
-        exactly `max_new_tokens` (benchmarks)."""
+        refuses (it names the parameter), `QueueFull` when the server is at capacity and `RuntimeError` when no
+        loop will take it (not started, stopped or died: it would wait forever). `ignore_eos`: generate exactly
+        `max_new_tokens` (benchmarks)."""
         key, engine = self.engine(block_size, threshold, ignore_eos)
         seqs = engine.make_sequences([prompt] * len(sampling), max_new_tokens, list(sampling))
         handle = RequestHandle(self, next(self._ids), len(seqs), asyncio.get_running_loop())
         now = time.perf_counter()
         with self._lock:
-            if self.error is not None or self._thread is None:
+            if self.error is not None or self._thread is None or self._stop:
                 raise RuntimeError("the scheduler is not running")
             if self._outstanding + len(seqs) > self.max_running + self.max_waiting:
                 raise QueueFull(f"server at capacity ({self.max_running} running + {self.max_waiting} waiting)")
@@ -235,8 +236,12 @@ class Scheduler:
             logger.exception("scheduler loop died")
             self.error = exc
         finally:
+            # under the lock, so every submit either lands in the inbox taken here or sees `_stop` and raises
+            with self._lock:
+                self._stop = True
+                pending, self._inbox = self._inbox, []
             failure = self.error or RuntimeError("the server is shutting down")
-            for job in list(self.jobs.values()):
+            for job in list(self.jobs.values()) + pending:
                 self._fail(job, failure)
 
     def _running_count(self) -> int:
@@ -246,15 +251,16 @@ class Scheduler:
         if self.prefilling is None:
             if not self.waiting or self._running_count() >= self.max_running:
                 return
-            job = self.prefilling = self.waiting.popleft()
-            reuse = self.prefix_cache.lookup(job.seq.prompt) if self.prefix_cache is not None else None
-            if reuse is not None:
-                job.handle.cached_tokens[job.choice] = reuse.length
-                job.states = dict(reuse.states)
-            job.prefill = self.engines[job.key].begin_prefill(job.seq, reuse.cache if reuse else None)
+            self.prefilling = self.waiting.popleft()
         job = self.prefilling
         engine = self.engines[job.key]
-        try:
+        try:  # lookup and begin_prefill too: what one request makes them raise must not kill the loop
+            if job.prefill is None:
+                reuse = self.prefix_cache.lookup(job.seq.prompt) if self.prefix_cache is not None else None
+                if reuse is not None:
+                    job.handle.cached_tokens[job.choice] = reuse.length
+                    job.states = dict(reuse.states)
+                job.prefill = engine.begin_prefill(job.seq, reuse.cache if reuse else None)
             batch = engine.prefill_step(job.prefill)
         except Exception as exc:  # noqa: BLE001 - this request's failure, not the server's
             logger.exception("prefill failed")
@@ -290,12 +296,15 @@ class Scheduler:
             engine, batch = self.engines[key], self.batches[key]
             forwards = engine.counters.forwards
             self.metrics.batch_size.observe(len(batch.seqs))
+            seqs = list(batch.seqs)  # the step drops finished rows before its commit forward, which may raise
             try:
                 events, batch = engine.step(batch)
             except Exception as exc:  # noqa: BLE001 - fail this batch's requests, keep serving the rest
                 logger.exception("decode step failed")
-                for seq in self.batches.pop(key).seqs:
-                    self._fail(self.jobs[seq.index], exc)
+                del self.batches[key]
+                for seq in seqs:
+                    if seq.index in self.jobs:
+                        self._fail(self.jobs[seq.index], exc)
                 continue
             self.metrics.engine_forwards.inc(engine.counters.forwards - forwards)
             if batch is None:
