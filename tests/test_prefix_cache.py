@@ -117,6 +117,9 @@ def test_byte_budget_evicts_least_recently_used(models):
     assert store.lookup(caches[0][0] + [1]) is not None  # 0 is now the most recently used
     store.insert(*caches[2], {})
     assert store.stats.evictions == 1 and store.memory_bytes <= 2 * size
+    counted = store.memory_bytes  # eviction subtracts what the evicted entry held alone: the same as a recount
+    store._recount()
+    assert store.memory_bytes == counted
     assert store.lookup(caches[1][0] + [1]) is None
     assert store.lookup(caches[0][0] + [1]) is not None and store.lookup(caches[2][0] + [1]) is not None
     tiny = PrefixCache(GRID, size - 1, recurrent=False)

@@ -4,6 +4,7 @@ exactly what they get alone; the scheduler thread keeps that under concurrency, 
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
@@ -165,3 +166,119 @@ def test_requests_with_other_block_sizes_run_in_their_own_batch(models):
     assert a == _alone(model, PROMPTS[0], 12, SamplingParams(), [])
     assert b == generate(model, [PROMPTS[1]], 12, block_size=2, threshold=0.3, eos_token_ids=[]).sequences[0]
     assert len(sched.engines) == 2
+
+
+# -- failures: every request gets an answer, and the loop keeps serving ---------------------------------------------
+async def _error(handle):
+    """The exception a request ends with (a timeout here means a request was left hanging)."""
+    with pytest.raises(Exception) as info:
+        await asyncio.wait_for(_collect(handle), 30)
+    assert not isinstance(info.value, asyncio.TimeoutError), "the request was left hanging"
+    return info.value
+
+
+def test_a_commit_failing_after_rows_finished_fails_them_too(models):
+    """`Engine.step` drops finished rows before its commit forward: if that forward raises, the rows that had just
+    finished must be failed as well (they are no longer in the batch)."""
+    model = models["clover-tiny-dense"]
+    sched = _scheduler(model)
+    _, engine = sched.engine()
+    finish, commit, raised = engine._finish_block, engine._commit, []
+
+    def finish_block(b):
+        events = finish(b)
+        engine.dropped = any(e.finished for e in events) and bool(b.seqs)
+        return events
+
+    def failing_commit(b):
+        if getattr(engine, "dropped", False) and not raised:
+            raised.append(True)
+            raise RuntimeError("out of memory")
+        commit(b)
+
+    engine._finish_block, engine._commit = finish_block, failing_commit
+    sched.start()
+
+    async def run():
+        long = sched.submit(PROMPTS[0], 40, [SamplingParams()])
+        short = sched.submit(PROMPTS[1], 4, [SamplingParams()])  # finishes in its first block, next to `long`
+        errors = await asyncio.gather(_error(long), _error(short))
+        return errors, await _collect(sched.submit(PROMPTS[2], 8, [SamplingParams()]))
+
+    try:
+        errors, tokens = asyncio.run(run())
+    finally:
+        sched.stop()
+    assert raised and all("out of memory" in str(e) for e in errors)
+    assert tokens[0] == _alone(model, PROMPTS[2], 8, SamplingParams(), [])
+    assert sched._outstanding == 0 and not sched.jobs
+
+
+def test_a_prefix_lookup_error_fails_one_request_not_the_loop(models):
+    model = models["clover-tiny"]
+    store = PrefixCache(8, 1 << 30, recurrent=True)
+    lookup = store.lookup
+
+    def picky_lookup(tokens):
+        if tokens == PROMPTS[1]:
+            raise ValueError("bad prompt")
+        return lookup(tokens)
+
+    store.lookup = picky_lookup
+    sched = _scheduler(model, prefix_cache=store)
+    sched.start()
+
+    async def run():
+        bad = sched.submit(PROMPTS[1], 8, [SamplingParams()])
+        good = sched.submit(PROMPTS[0], 8, [SamplingParams()])
+        error = await _error(bad)
+        assert sched.alive  # one request failed; the loop lives on
+        return error, await _collect(good)
+
+    try:
+        error, tokens = asyncio.run(run())
+    finally:
+        sched.stop()
+    assert isinstance(error, ValueError) and sched.error is None
+    assert tokens[0] == _alone(model, PROMPTS[0], 8, SamplingParams(), [])
+    assert sched._outstanding == 0 and not sched.jobs
+
+
+def test_stop_fails_requests_still_in_the_inbox_and_submit_refuses_after(models):
+    sched = _scheduler(models["clover-tiny-dense"])
+    with pytest.raises(RuntimeError):  # not started: nothing would ever take it
+        asyncio.run(_submit_now(sched))
+    busy, release = threading.Event(), threading.Event()
+    step = sched._step_batches
+
+    def held_step():  # holds the loop inside an iteration, so a new request stays in the inbox
+        busy.set()
+        release.wait(30)
+        step()
+
+    sched._step_batches = held_step
+    sched.start()
+
+    async def run():
+        running = sched.submit(PROMPTS[0], 400, [SamplingParams()])
+        await asyncio.to_thread(busy.wait, 30)
+        queued = sched.submit(PROMPTS[1], 8, [SamplingParams()])
+        stopper = threading.Thread(target=sched.stop)
+        stopper.start()
+        while not sched._stop:
+            await asyncio.sleep(0.01)
+        with pytest.raises(RuntimeError):  # stopping: refused at once
+            sched.submit(PROMPTS[2], 8, [SamplingParams()])
+        release.set()
+        await asyncio.to_thread(stopper.join)
+        return await _error(running), await _error(queued)
+
+    errors = asyncio.run(run())
+    assert all("shutting down" in str(e) for e in errors)
+    assert sched._outstanding == 0 and not sched._inbox
+    with pytest.raises(RuntimeError):
+        asyncio.run(_submit_now(sched))
+
+
+async def _submit_now(sched):
+    return sched.submit(PROMPTS[0], 4, [SamplingParams()])

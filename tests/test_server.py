@@ -320,3 +320,38 @@ def test_fuzz_openapi_schema_no_server_errors(server):
     assert not failures, failures[:3]
     assert statuses.get(200, 0) >= 5 and statuses.get(400, 0) >= 5, statuses  # both paths were exercised
     assert httpx.get(f"{server}/health").status_code == 200
+
+
+# -- request metrics, in process -------------------------------------------------------------------------------------
+def test_a_client_gone_before_the_response_counts_as_499_not_500():
+    from types import SimpleNamespace
+
+    from clover.serving.app import ServerOptions, _Guard
+    from clover.serving.metrics import ServerMetrics
+
+    async def never_called(scope, receive, send):
+        raise AssertionError("the app runs only once the body is read")
+
+    async def failing(scope, receive, send):
+        raise RuntimeError("bug")
+
+    async def left():
+        return {"type": "http.disconnect"}
+
+    async def body():
+        return {"type": "http.request", "body": b"{}", "more_body": False}
+
+    async def send(message):
+        pass
+
+    metrics = ServerMetrics()
+    server = SimpleNamespace(options=ServerOptions(), metrics=metrics)
+    scope = {"type": "http", "path": "/v1/completions", "headers": []}
+    asyncio.run(_Guard(never_called, server)(scope, left, send))
+    with pytest.raises(RuntimeError):
+        asyncio.run(_Guard(failing, server)(scope, body, send))
+
+    def count(status):
+        return metrics.registry.get_sample_value("clover_requests_total",
+                                                 {"route": "/v1/completions", "status": status})
+    assert count("499") == 1 and count("500") == 1

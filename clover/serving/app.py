@@ -41,6 +41,7 @@ from clover.serving.prefix_cache import PrefixCache
 from clover.serving.protocol import (APIError, ChatCompletionRequest, CompletionRequest, ErrorResponse,
                                      NamedToolChoice, SamplingFields)
 from clover.serving.scheduler import Output, QueueFull, RequestHandle, Scheduler
+from clover.tokenizer import eos_token_ids
 from clover.training.chat_template import render_chat
 
 logger = logging.getLogger(__name__)
@@ -97,11 +98,6 @@ class _Tokenizer:
         with self.lock:
             return render_chat(self.tokenizer, messages, tools, add_generation_prompt=True,
                                enable_thinking=thinking)
-
-    def token_id(self, token: str) -> int | None:
-        with self.lock:
-            tid = self.tokenizer.convert_tokens_to_ids(token)
-            return tid if isinstance(tid, int) and tid != self.tokenizer.unk_token_id else None
 
     def __len__(self) -> int:
         return len(self.tokenizer)
@@ -239,11 +235,7 @@ class _Server:
         self.temperature = options.temperature if options.temperature is not None else \
             float(generation_defaults.get("temperature") or 0.0)
         self.top_p = options.top_p if options.top_p is not None else float(generation_defaults.get("top_p") or 1.0)
-        eos = set(config.eos_token_ids)
-        for token in (tokenizer.eos_token, "<|im_end|>"):
-            tid = self.tokenizer.token_id(token) if token else None
-            if tid is not None:
-                eos.add(tid)
+        eos = eos_token_ids(config, tokenizer)
         self.metrics = ServerMetrics()
         prefix_cache = None
         if options.prefix_cache_bytes > 0:
@@ -252,7 +244,7 @@ class _Server:
                                        snapshot_interval=options.prefix_snapshot_interval)
         self.scheduler = Scheduler(
             model, block_size=self.block_size, threshold=self.threshold, rule=options.rule,
-            eos_token_ids=sorted(eos), vocab_limit=len(self.tokenizer), detokenize=self.tokenizer.decode,
+            eos_token_ids=eos, vocab_limit=len(self.tokenizer), detokenize=self.tokenizer.decode,
             prefill_chunk=options.prefill_chunk, prefix_cache=prefix_cache, max_running=options.max_running,
             max_waiting=options.max_waiting, metrics=self.metrics)
         self.scheduler.engine()  # validate the defaults (block size, threshold, rule) now, not at a request
