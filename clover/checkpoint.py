@@ -98,7 +98,7 @@ def write_checkpoint(directory: str | Path, config: CloverConfig,
             raise FileExistsError(f"refusing to replace {directory}: it is not a checkpoint directory "
                                   "(no config.json) and not empty")
     items = tensors.items() if isinstance(tensors, Mapping) else tensors
-    with _atomic_directory(directory) as tmp:
+    with atomic_directory(directory) as tmp:
         config.save(tmp)
         _write_generation_config(tmp, config)
         _write_shards(tmp, items, max_shard_bytes)
@@ -108,7 +108,7 @@ def write_checkpoint(directory: str | Path, config: CloverConfig,
 
 
 @contextmanager
-def _atomic_directory(directory: Path) -> Iterator[Path]:
+def atomic_directory(directory: Path) -> Iterator[Path]:
     """Yield a fresh hidden sibling of `directory`; on success move it onto `directory`, on any error
     (KeyboardInterrupt included) delete it. An existing `directory` is swapped out, then removed."""
     directory.parent.mkdir(parents=True, exist_ok=True)

@@ -36,10 +36,7 @@ import itertools
 import json
 import logging
 import os
-import shutil
-import tempfile
 from collections.abc import Iterable, Iterator, Sequence
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -50,6 +47,7 @@ from safetensors.numpy import save_file
 from tqdm import tqdm
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from clover.checkpoint import atomic_directory
 from clover.tokenizer import load_tokenizer
 from clover.training.chat_template import tokenize_chat_for_training
 
@@ -211,34 +209,6 @@ def chat_documents(paths: Sequence[Path], tokenizer: PreTrainedTokenizerBase) ->
 
 
 # -- writing ---------------------------------------------------------------------------------------------------------
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-@contextmanager
-def _atomic_directory(out: Path, overwrite: bool) -> Iterator[Path]:
-    """A temporary directory next to `out`, renamed to `out` when the block succeeds, removed when it fails."""
-    if out.exists() and not overwrite:
-        raise FileExistsError(f"{out} exists; pass overwrite=True (--overwrite) to replace it")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it private; the result should be like any new directory
-    try:
-        yield tmp
-        if out.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent)) / out.name
-            os.rename(out, old)
-            os.rename(tmp, out)
-            shutil.rmtree(old.parent)
-        else:
-            os.rename(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
 class _ShardWriter:
     """Buffers documents and writes a shard whenever `shard_tokens` tokens are buffered."""
 
@@ -295,7 +265,9 @@ def write_token_shards(documents: Iterable[tuple[Sequence[int], Sequence[int]]],
     out = Path(out_dir)
     counts = dict(num_source_documents=0, num_documents=0, num_tokens=0, num_loss_tokens=0, num_split=0,
                   num_truncated=0, num_truncated_tokens=0, num_dropped=0)
-    with (_atomic_directory(out, overwrite) as tmp,
+    if out.exists() and not overwrite:
+        raise FileExistsError(f"{out} exists; pass overwrite=True (--overwrite) to replace it")
+    with (atomic_directory(out) as tmp,
           tqdm(total=total, desc=f"shards -> {out.name}", unit="doc", dynamic_ncols=True) as bar):
         writer = _ShardWriter(tmp, shard_tokens)
         for input_ids, loss_mask in documents:
