@@ -35,7 +35,6 @@ import glob
 import itertools
 import json
 import logging
-import os
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
