@@ -34,8 +34,6 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from clover.model.cache import CloverCache, RecurrentSnapshot
 
 logger = logging.getLogger(__name__)

@@ -340,7 +340,7 @@ def bd3_loss(model: torch.nn.Module, batch: Batch, block_size: int, noise: Noise
 
 def _causal_terms(model: torch.nn.Module, batch: Batch, kl_weight: float,
                   reference: ReferenceFn | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    p, r = batch.prompt_len, batch.response_len
+    r = batch.response_len
     attention = batch.attention_mask if batch.padded else None
     logits = model(batch.input_ids, 1, attention_mask=attention, logits_to_keep=r + 1).logits[:, :r]
     sel = batch.loss_mask

@@ -978,7 +978,7 @@ def structured_prompts(rng: random.Random) -> Iterator[Prompt]:
         yield Prompt("structured.convert", s,
                      f"Turn this CSV into JSON, one object per row, and output only the JSON:\n\n{csv_text}")
     for i in range(120):
-        (name, pro), age, job, city = _pick(rng, NAMES), rng.randint(19, 70), _pick(rng, JOBS), _pick(rng, CITIES)
+        (name, _pronoun), age, job, city = _pick(rng, NAMES), rng.randint(19, 70), _pick(rng, JOBS), _pick(rng, CITIES)
         text = rng.choice([f"{name} is a {age}-year-old {job} who lives in {city}.",
                            f"Meet {name}: {age} years old, working as a {job} in {city}.",
                            f"After years abroad, {name} ({age}) now works as a {job} in {city}."])
