@@ -29,6 +29,8 @@ def main() -> None:
     parser.add_argument("--log", type=Path, default=None, help="train_log.jsonl (default: next to checkpoints/)")
     args = parser.parse_args()
     src = args.checkpoint.resolve()
+    if src.is_file():  # the trainer's `latest` pointer: a file naming the newest complete checkpoint
+        src = src.parent / src.read_text().strip()
     size = (src / ADAPTER_FILE).stat().st_size
     if size > MAX_BYTES:
         raise SystemExit(f"{src / ADAPTER_FILE} is {size / 2**20:.1f} MiB; the repository takes at most 25 MiB")
