@@ -20,21 +20,9 @@ import torch.multiprocessing as mp
 
 from clover.training.config import config_from_dict
 from clover.training.trainer import latest_checkpoint, train
+from training_helpers import documents
 
 TOLERANCE = 1e-5
-
-
-def documents() -> list[tuple[torch.Tensor, torch.Tensor, int]]:
-    g = torch.Generator().manual_seed(0)
-    docs = []
-    for _ in range(32):
-        prompt_len = int(torch.randint(2, 6, (1,), generator=g))
-        response_len = int(torch.randint(3, 10, (1,), generator=g))
-        ids = torch.randint(0, 250, (prompt_len + response_len,), generator=g)
-        mask = torch.zeros(prompt_len + response_len, dtype=torch.bool)
-        mask[prompt_len:] = True
-        docs.append((ids, mask, prompt_len))
-    return docs
 
 
 def settings(out: str, parallel: str, preset: str) -> dict:

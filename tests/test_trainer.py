@@ -15,19 +15,7 @@ from clover.training import lora as lora_mod
 from clover.training import trainer as trainer_mod
 from clover.training.config import LoraConfig, TrainConfig, config_from_dict, load_train_config, parse_overrides
 from clover.training.trainer import Trainer, latest_checkpoint, train
-
-
-def documents(n: int = 32, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
-    g = torch.Generator().manual_seed(seed)
-    docs = []
-    for _ in range(n):
-        prompt_len = int(torch.randint(2, 6, (1,), generator=g))
-        response_len = int(torch.randint(3, 10, (1,), generator=g))
-        ids = torch.randint(0, 250, (prompt_len + response_len,), generator=g)
-        mask = torch.zeros(prompt_len + response_len, dtype=torch.bool)
-        mask[prompt_len:] = True
-        docs.append((ids, mask, prompt_len))
-    return docs
+from training_helpers import documents
 
 
 def config(tmp_path: Path, **overrides) -> TrainConfig:
