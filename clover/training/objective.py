@@ -112,8 +112,9 @@ def collate(documents: Sequence[Any], block_size: int, *, mask_token_id: int, eo
 
     * The prompt is the first `max(prompt_len, 1)` tokens (a document with no prompt still needs one token of
       context to predict the first response token from); its loss mask is ignored.
-    * `max_seq_len` bounds prompt + response: the response is truncated; a prompt that leaves no room for a
-      block keeps only its last `max_seq_len - 1` tokens.
+    * `max_seq_len` bounds prompt + response before block padding (so a row may exceed it by up to
+      `block_size - 1` pad positions): the response is truncated; a prompt that leaves no room for a block keeps
+      only its last `max_seq_len - 1` tokens.
     * Each response is padded to a multiple of `block_size`: with `[MASK]`, never trained (`pad_target="none"`),
       or with EOS, trained (`"eos"`: the model learns to fill a finished block with EOS). Rows are then padded
       with `[MASK]` blocks (never trained, and invisible to earlier blocks) to the longest response.
