@@ -300,6 +300,11 @@ class Engine:
             return b
         if not keep:
             return None
+        self._keep_rows(b, keep)
+        return b
+
+    def _keep_rows(self, b: _Batch, keep: list[int]) -> None:
+        """Keep rows `keep` of every per-row part of the batch (requests that finished or were cancelled leave)."""
         idx = torch.tensor(keep, dtype=torch.long, device=self.device)
         b.seqs = [b.seqs[r] for r in keep]
         b.cache.select(idx)
@@ -307,7 +312,6 @@ class Engine:
         b.block, b.steps, b.limit, b.first_logits = b.block[idx], b.steps[idx], b.limit[idx], b.first_logits[idx]
         if b.query_logits is not None:
             b.query_logits = b.query_logits[idx]
-        return b
 
     def _banned(self) -> list[int]:
         return [self.mask_id] + list(range(self.vocab_limit, self.vocab_size))
@@ -369,13 +373,10 @@ class Engine:
                                       seq.stats() if seq.finished else None))
             if not seq.finished:
                 keep.append(r)
-        if len(keep) < len(b.seqs):
-            b.seqs = [b.seqs[r] for r in keep]
-            if keep:
-                idx = torch.tensor(keep, dtype=torch.long, device=self.device)
-                b.cache.select(idx)
-                b.sampler.select(keep)
-                b.block, b.steps, b.limit = b.block[idx], b.steps[idx], b.limit[idx]
+        if not keep:
+            b.seqs = []
+        elif len(keep) < len(b.seqs):
+            self._keep_rows(b, keep)
         return events
 
     def _commit(self, b: _Batch) -> None:

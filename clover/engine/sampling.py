@@ -95,6 +95,7 @@ class BatchSampler:
 
     def _update_flags(self) -> None:
         self.greedy_rows = [p.greedy for p in self.params]
+        self.greedy_mask = torch.tensor(self.greedy_rows, device=self.temperature.device)  # built once, not per step
         self.all_greedy = all(self.greedy_rows)
         self.filtering = any(not p.greedy and (p.top_k > 0 or p.top_p < 1.0) for p in self.params)
 
@@ -164,7 +165,7 @@ class BatchSampler:
             best, tokens = x.max(dim=-1)
             return tokens, torch.exp(best - torch.logsumexp(x, dim=-1))
 
-        greedy = torch.tensor(self.greedy_rows, device=x.device)
+        greedy = self.greedy_mask
         temp = torch.where(greedy, torch.ones_like(self.temperature), self.temperature)
         x = x / temp[:, None, None]
         if self.filtering:
