@@ -113,6 +113,23 @@ def test_query_blocks_read_like_the_clean_block_they_copy(preset):
 
 
 @torch.no_grad()
+def test_logits_at_selects_positions_of_clean_and_query_streams():
+    model, b, p = tiny("clover-tiny"), 4, 5
+    ids = torch.randint(0, 250, (2, p + 2 * b))
+    out = model(ids, block_size=b, prefix_len=p, query_ids=ids[:, p:], query_start=p)
+    every = torch.cat([out.logits, out.query_logits], dim=1)
+    at = torch.rand(every.shape[:2]) < 0.4
+    at[0, 0] = at[1, -1] = True
+    sel = model(ids, block_size=b, prefix_len=p, query_ids=ids[:, p:], query_start=p, logits_at=at)
+    assert sel.query_logits is None and sel.logits.shape == (int(at.sum()), every.shape[-1])
+    assert _max_diff(sel.logits, every[at]) < 1e-5
+    with pytest.raises(ValueError, match="logits_at must be a bool tensor of shape"):
+        model(ids, block_size=b, prefix_len=p, logits_at=at)  # no query stream: wrong shape
+    with pytest.raises(ValueError, match="not both"):
+        model(ids, logits_to_keep=1, logits_at=at[:, : ids.shape[1]])
+
+
+@torch.no_grad()
 def test_in_block_tokens_read_both_ways_and_blocks_stay_causal():
     model, b = tiny("clover-tiny"), 4
     ids = torch.randint(0, 250, (1, 12))

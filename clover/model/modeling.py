@@ -31,9 +31,9 @@ from clover.model.rope import RotaryEmbedding
 
 @dataclass
 class CloverOutput:
-    logits: torch.Tensor  # [N, kept clean positions, V]
+    logits: torch.Tensor  # [N, kept clean positions, V]; with `logits_at`: [selected positions, V]
     query_logits: torch.Tensor | None = None  # [N, query tokens, V]
-    hidden_states: torch.Tensor | None = None  # final-norm hidden states of clean then query tokens
+    hidden_states: torch.Tensor | None = None  # final-norm hidden states of the positions logits are computed for
 
 
 class DecoderLayer(nn.Module):
@@ -117,6 +117,7 @@ class CloverForBlockDiffusion(nn.Module):
         query_ids: torch.Tensor | None = None,
         query_start: int | None = None,
         logits_to_keep: int | None = None,
+        logits_at: torch.Tensor | None = None,
         output_hidden_states: bool = False,
     ) -> CloverOutput:
         """Run clean tokens `input_ids` `[N, T]` (and optional query blocks `query_ids` `[N, nq * block_size]`).
@@ -127,6 +128,9 @@ class CloverForBlockDiffusion(nn.Module):
         * `query_start`: clean offset of the first query block (default: right after the clean tokens,
           for the last query block).
         * `logits_to_keep`: compute clean logits only for the last this-many positions (0: none).
+        * `logits_at` `[N, T + query tokens]` bool: compute logits only where True (clean then query positions);
+          `logits` is then `[selected, V]` in row-major order and `query_logits` is None. Training selects the
+          few positions it supervises: the LM head is ~20 % of a small model's FLOPs per position.
         """
         device = self.lm_head.weight.device
         ids = self._as_ids(input_ids, device)
@@ -142,6 +146,12 @@ class CloverForBlockDiffusion(nn.Module):
         layout = BlockLayout(lc, block_size, prefix_len if block_size > 1 else lc, nq, query_start)
         if lc + nq == 0:
             raise ValueError("forward needs at least one clean token or one query block")
+        if logits_at is not None:
+            if logits_to_keep is not None:
+                raise ValueError("pass logits_to_keep or logits_at, not both")
+            if tuple(logits_at.shape) != (n, lc + nq * block_size) or logits_at.dtype != torch.bool:
+                raise ValueError(f"logits_at must be a bool tensor of shape {(n, lc + nq * block_size)} "
+                                 f"(clean then query positions), got {logits_at.dtype} {tuple(logits_at.shape)}")
 
         clean_valid = None
         if attention_mask is not None:
@@ -176,6 +186,9 @@ class CloverForBlockDiffusion(nn.Module):
         if cache is not None and lc:
             cache.commit(clean_valid if clean_valid is not None else torch.ones_like(ids, dtype=torch.bool))
 
+        if logits_at is not None:
+            hidden = self.model.norm(h[logits_at.to(device)])
+            return CloverOutput(logits=self.lm_head(hidden), hidden_states=hidden if output_hidden_states else None)
         keep = lc if logits_to_keep is None else min(logits_to_keep, lc)
         hidden = self.model.norm(torch.cat([h[:, lc - keep : lc], h[:, lc:]], dim=1))
         logits = self.lm_head(hidden)

@@ -324,13 +324,18 @@ def bd3_loss(model: torch.nn.Module, batch: Batch, block_size: int, noise: Noise
     mask = noise.mask.to(device)
     response = ids[:, p:]
     query = torch.where(mask, torch.full_like(response, mask_id), response)
-    out = model(ids, block_size, prefix_len=p, attention_mask=attention, query_ids=query, query_start=p,
-                logits_to_keep=r + 1)
+    # Logits only where a masked token is predicted: a block's first position from the clean output at
+    # P + pos - 1, the others from the noised block's output at pos - 1 (query stream, after the L clean tokens).
     rows, pos = mask.nonzero(as_tuple=True)
     first = pos % block_size == 0
-    clean = out.logits[rows, pos]  # clean output at P + pos - 1
-    noised = out.query_logits[rows, (pos - 1).clamp(min=0)]
-    logits = torch.where(first[:, None], clean, noised)
+    length = ids.shape[1]
+    column = torch.where(first, p + pos - 1, length + pos - 1)
+    order = (rows * (length + r) + column).argsort()  # the model returns selected logits in row-major order
+    rows, pos, first, column = rows[order], pos[order], first[order], column[order]
+    at = torch.zeros(ids.shape[0], length + r, dtype=torch.bool, device=device)
+    at[rows, column] = True
+    logits = model(ids, block_size, prefix_len=p, attention_mask=attention, query_ids=query, query_start=p,
+                   logits_at=at).logits
     terms = _masked_terms(logits, response[rows, pos], first, _token_weights(noise, rows, pos, block_size))
 
     ar_sum = kl_sum = None
@@ -341,11 +346,12 @@ def bd3_loss(model: torch.nn.Module, batch: Batch, block_size: int, noise: Noise
 
 def _causal_terms(model: torch.nn.Module, batch: Batch, kl_weight: float,
                   reference: ReferenceFn | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    r = batch.response_len
+    p, r = batch.prompt_len, batch.response_len
     attention = batch.attention_mask if batch.padded else None
-    logits = model(batch.input_ids, 1, attention_mask=attention, logits_to_keep=r + 1).logits[:, :r]
     sel = batch.loss_mask
-    chosen = logits[sel].float()
+    at = torch.zeros_like(batch.input_ids, dtype=torch.bool)
+    at[:, p - 1: p - 1 + r] = sel  # response token i is predicted at P - 1 + i
+    chosen = model(batch.input_ids, 1, attention_mask=attention, logits_at=at).logits.float()
     ar_sum = F.cross_entropy(chosen, batch.response[sel], reduction="sum")
     kl_sum = None
     if kl_weight:
