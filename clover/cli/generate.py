@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from clover.engine import RULES, IncrementalDetokenizer, SamplingParams, StepSnapshot, StreamPiece, stream
+from clover.engine import RULES, SamplingParams, StepSnapshot, StopAwareDetokenizer, StreamPiece, stream
 from clover.tokenizer import eos_token_ids, load_tokenizer
 from clover.training.chat_template import render_chat
 
@@ -78,12 +78,6 @@ def _prompt_ids(tokenizer: Any, args: argparse.Namespace) -> list[int]:
     return tokenizer(text)["input_ids"]
 
 
-def _trim_stop(text: str, stop: str | None) -> str:
-    if stop and stop in text:
-        return text[: text.index(stop)]
-    return text
-
-
 def run(args: argparse.Namespace) -> int:
     from clover.model import CloverForBlockDiffusion
 
@@ -104,28 +98,23 @@ def run(args: argparse.Namespace) -> int:
                     vocab_limit=len(tokenizer), eos_token_ids=eos, snapshots=args.show_steps)
 
     steps = _StepPainter(tokenizer) if args.show_steps else None
-    detok = IncrementalDetokenizer(decode)
-    hold = max((len(s) for s in args.stop), default=1) - 1  # text that may still become a stop string
-    shown, token_ids, stats = 0, [], {}
+    detok = StopAwareDetokenizer(decode, args.stop)
+    token_ids, stats = [], {}
     for event in events:
         if isinstance(event, StepSnapshot):
             steps.draw(event)
             continue
         assert isinstance(event, StreamPiece)
         token_ids += event.token_ids
-        detok.push(event.token_ids)
         if event.finished:
             stats = event.stats
-            detok.flush()
+        delta = detok.push(event.token_ids, event.finished, stats.get("stop_string"))
         if steps is not None:
             steps.commit(event)
         elif not args.json:
-            text = _trim_stop(detok.text, stats.get("stop_string"))
-            upto = len(text) if event.finished else max(shown, len(text) - hold)
-            sys.stdout.write(text[shown:upto])
+            sys.stdout.write(delta)
             sys.stdout.flush()
-            shown = upto
-    text = _trim_stop(decode(token_ids), stats.get("stop_string"))
+    text = detok.text
     if steps is not None and not args.json:
         sys.stdout.write(text)
     if args.json:

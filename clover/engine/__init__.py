@@ -21,14 +21,15 @@ from typing import Any, Iterator, Sequence as Seq
 import torch
 
 from clover.engine.decoding import RULES, UnmaskingRule, make_rule, register_rule
-from clover.engine.detokenizer import IncrementalDetokenizer
+from clover.engine.detokenizer import IncrementalDetokenizer, StopAwareDetokenizer
 from clover.engine.engine import DEFAULT_PREFILL_CHUNK, Engine, Event, StepSnapshot, StreamPiece
 from clover.engine.sampling import SamplingParams
 from clover.engine.sequence import Detokenize
 
 __all__ = [
     "DEFAULT_PREFILL_CHUNK", "Engine", "GenerationResult", "IncrementalDetokenizer", "RULES", "SamplingParams",
-    "StepSnapshot", "StreamPiece", "UnmaskingRule", "generate", "make_rule", "register_rule", "stream",
+    "StepSnapshot", "StopAwareDetokenizer", "StreamPiece", "UnmaskingRule", "generate", "make_rule",
+    "register_rule", "stream",
 ]
 
 _SAMPLING_KEYS = {"temperature", "top_p", "top_k", "repetition_penalty", "seed", "stop"}

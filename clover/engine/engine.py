@@ -84,6 +84,7 @@ class _Batch:
     steps: torch.Tensor  # [N] steps each row has taken in this block
     limit: torch.Tensor  # [N] positions of this block that can count: min(B, tokens the row may still produce)
     step_index: int = 0
+    needed: torch.Tensor | None = None  # [N, B] `Engine._needed` as the last step left it; None on a fresh block
 
 
 Batch = _Batch  # the running batch, opaque outside the engine (the scheduler holds it between steps)
@@ -312,6 +313,8 @@ class Engine:
         b.block, b.steps, b.limit, b.first_logits = b.block[idx], b.steps[idx], b.limit[idx], b.first_logits[idx]
         if b.query_logits is not None:
             b.query_logits = b.query_logits[idx]
+        if b.needed is not None:
+            b.needed = b.needed[idx]
 
     def _banned(self) -> list[int]:
         return [self.mask_id] + list(range(self.vocab_limit, self.vocab_size))
@@ -335,7 +338,8 @@ class Engine:
             logits = b.first_logits[:, None].clone()
         else:
             logits = torch.cat([b.first_logits[:, None], b.query_logits[:, :-1]], dim=1)
-        candidates = self._needed(b.block, b.limit)
+        # the previous step's check of what is still needed is this step's candidates: one `_needed` per step
+        candidates = b.needed if b.needed is not None else self._needed(b.block, b.limit)
         active = candidates.any(1)  # rows whose block is final sit this step out
         tokens, confidence = b.sampler(logits, active)
         accept = self.rule.select(tokens, confidence, candidates)
@@ -346,7 +350,8 @@ class Engine:
         self.counters.steps += 1
         events: list[Event] = self._snapshots(b, accept, active) if snapshots else []
 
-        if bool(self._needed(b.block, b.limit).any()):
+        b.needed = self._needed(b.block, b.limit)
+        if bool(b.needed.any()):
             b.query_logits = self._forward(None, b.cache, query_ids=b.block).query_logits
             return events, b
         events += self._finish_block(b)
@@ -389,3 +394,4 @@ class Engine:
         b.steps = torch.zeros(n, dtype=torch.long, device=self.device)
         b.limit = self._limits(b.seqs)
         b.step_index = 0
+        b.needed = None

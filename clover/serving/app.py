@@ -34,7 +34,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from clover.engine import IncrementalDetokenizer, SamplingParams
+from clover.engine import SamplingParams, StopAwareDetokenizer
 from clover.serving.metrics import ServerMetrics
 from clover.serving.output_parser import CALL, OutputDelta, OutputParser
 from clover.serving.prefix_cache import PrefixCache
@@ -105,34 +105,21 @@ class _Tokenizer:
 
 # -- per-choice text assembly ----------------------------------------------------------------------------------
 class _ChoiceText:
-    """One choice's text as its blocks arrive: detokenised incrementally, holding back the tail that may still
-    become a stop string, cut before the stop string at the end (OpenAI excludes it)."""
+    """One choice's text as its blocks arrive (stop strings held back and cut, see `StopAwareDetokenizer`), with
+    its token count and finish reason."""
 
     def __init__(self, decode: Callable[[list[int]], str], stops: tuple[str, ...]) -> None:
-        self.detok = IncrementalDetokenizer(decode)
-        self.hold = max((len(s) for s in stops), default=1) - 1
-        self.sent = 0
+        self.detok = StopAwareDetokenizer(decode, stops)
         self.tokens = 0
         self.finished = False
         self.finish_reason: str | None = None
 
     def push(self, out: Output) -> str:
-        self.detok.push(out.token_ids)
         self.tokens += len(out.token_ids)
-        text = self.detok.text
         if out.finished:
             self.finished = True
-            text += self.detok.flush()
-            stop = (out.stats or {}).get("stop_string")
-            if stop and stop in text:
-                text = text[: text.index(stop)]
             self.finish_reason = "length" if out.finish_reason == "length" else "stop"
-            upto = max(self.sent, len(text))
-        else:
-            upto = max(self.sent, len(text) - self.hold)
-        delta = text[self.sent : upto]
-        self.sent = upto
-        return delta
+        return self.detok.push(out.token_ids, out.finished, (out.stats or {}).get("stop_string"))
 
 
 class _ChatChoice(_ChoiceText):
