@@ -94,6 +94,9 @@ class Batch:
 
 
 def _as_document(doc: Any) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """`(input_ids, loss_mask, prompt tokens)`: the prompt is the first `max(prompt_len, 1)` tokens (a document with
+    no prompt still needs one token of context to predict the first response token from), and a 1-token
+    document has no response."""
     if isinstance(doc, dict):
         ids, mask, prompt_len = doc["input_ids"], doc.get("loss_mask"), doc.get("prompt_len", 0)
     else:
@@ -102,7 +105,13 @@ def _as_document(doc: Any) -> tuple[torch.Tensor, torch.Tensor, int]:
     mask = torch.ones_like(ids, dtype=torch.bool) if mask is None else torch.as_tensor(mask).flatten().bool()
     if mask.shape != ids.shape:
         raise ValueError(f"document has {ids.numel()} tokens but {mask.numel()} loss-mask entries")
-    return ids, mask, int(prompt_len)
+    return ids, mask, min(max(int(prompt_len), 1), max(ids.numel() - 1, 1))
+
+
+def document_shape(doc: Any) -> tuple[int, int]:
+    """(prompt, response) tokens of a document as `collate` splits it, before `max_seq_len` truncation."""
+    ids, _, prompt_len = _as_document(doc)
+    return prompt_len, ids.numel() - prompt_len
 
 
 def collate(documents: Sequence[Any], block_size: int, *, mask_token_id: int, eos_token_id: int | None = None,
@@ -110,8 +119,7 @@ def collate(documents: Sequence[Any], block_size: int, *, mask_token_id: int, eo
             seeds: Sequence[int | None] | None = None) -> Batch:
     """Lay out `(input_ids, loss_mask, prompt_len)` documents (e.g. `clover.training.data.Document`) as a Batch.
 
-    * The prompt is the first `max(prompt_len, 1)` tokens (a document with no prompt still needs one token of
-      context to predict the first response token from); its loss mask is ignored.
+    * The prompt is split off as `_as_document` says; its loss mask is ignored.
     * `max_seq_len` bounds prompt + response before block padding (so a row may exceed it by up to
       `block_size - 1` pad positions): the response is truncated; a prompt that leaves no room for a block keeps
       only its last `max_seq_len - 1` tokens.
@@ -126,10 +134,9 @@ def collate(documents: Sequence[Any], block_size: int, *, mask_token_id: int, eo
     prompts, responses, masks, nbs = [], [], [], []
     real = 0
     for doc in documents:
-        ids, mask, prompt_len = _as_document(doc)
+        ids, mask, pl = _as_document(doc)
         if ids.numel() == 0:
             raise ValueError("empty document")
-        pl = min(max(prompt_len, 1), max(ids.numel() - 1, 1))  # a 1-token document has no response
         prompt, response, rmask = ids[:pl], ids[pl:], mask[pl:]
         if max_seq_len is not None:
             if pl > max_seq_len - 1:
