@@ -1,9 +1,10 @@
 """clover-smol on held-out chat, code and tool-call prompts: speed and quality of block decoding.
 
-    python benchmarks/bench_smol.py [--model DIR] [--limit 20] [--threads 2] [--out results.json]
+    python benchmarks/bench_smol.py [--model DIR] [--limit 20] [--threads 2] [--dtype bfloat16] \
+        [--threshold 0.9[,0.8,...]] [--modes default,exact,ar] [--out results.json]
 
 Three decoding modes on the same prompts, one at a time (batch 1, greedy):
-  * `default`  — the model's block size at its default threshold,
+  * `default`  — the model's block size at its default threshold (several thresholds: one mode `tX` each),
   * `exact`    — the same block size at threshold 1.0 (one position per step: the quality reference),
   * `ar`       — block size 1 (one token per forward: the speed reference).
 Figures: tokens per forward (TPF) and tokens/s per mode; quality:
@@ -120,18 +121,35 @@ def main() -> None:
     parser.add_argument("--limit", type=int, default=20, help="prompts per set")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="weights and compute (bfloat16: fast on CPUs with AVX512-BF16 / AMX)")
+    parser.add_argument("--threshold", default=None, help="the default mode's threshold (default: the model's); "
+                        "several, comma-separated, run one mode each (`t0.8`, ...)")
+    parser.add_argument("--modes", default="default,exact,ar", help="comma-separated subset of default,exact,ar")
     parser.add_argument("--out", default=None, help="write all figures as JSON here")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.model is None:
         from clover.smol import clover_smol_dir
         args.model = clover_smol_dir()
-    model = CloverForBlockDiffusion.from_pretrained(args.model)
+    model = CloverForBlockDiffusion.from_pretrained(args.model, dtype=getattr(torch, args.dtype))
     tokenizer = load_tokenizer(args.model)
-    block, threshold = model.config.block_size, model.config.threshold
-    modes = {"default": (block, threshold), "exact": (block, 1.0), "ar": (1, 1.0)}
-    print(f"model={args.model} block_size={block} threshold={threshold} limit={args.limit} "
-          f"max_new_tokens={args.max_new_tokens} threads={args.threads}")
+    block = model.config.block_size
+    thresholds = [model.config.threshold] if args.threshold is None else [float(t) for t in args.threshold.split(",")]
+    known = {"default", "exact", "ar"}
+    chosen = args.modes.split(",")
+    if not chosen or set(chosen) - known:
+        parser.error(f"--modes takes a comma-separated subset of {','.join(sorted(known))}, got {args.modes!r}")
+    modes: dict[str, tuple[int, float]] = {}
+    if "default" in chosen:
+        modes.update({"default": (block, thresholds[0])} if len(thresholds) == 1 else
+                     {f"t{t:g}": (block, t) for t in thresholds})
+    if "exact" in chosen:
+        modes["exact"] = (block, 1.0)
+    if "ar" in chosen:
+        modes["ar"] = (1, 1.0)
+    print(f"model={args.model} block_size={block} threshold={','.join(map(str, thresholds))} limit={args.limit} "
+          f"max_new_tokens={args.max_new_tokens} threads={args.threads} dtype={args.dtype}")
     print(f"{'set':18} {'mode':8} {'TPF':>5} {'tok/s':>7}  quality")
     report = measure(model, tokenizer, {**text_sets(args.limit), **tool_sets(args.limit)}, modes, args.max_new_tokens)
     if args.out:
