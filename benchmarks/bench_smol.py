@@ -1,7 +1,7 @@
 """clover-smol on held-out chat, code and tool-call prompts: speed and quality of block decoding.
 
     python benchmarks/bench_smol.py [--model DIR] [--limit 20] [--threads 2] [--dtype bfloat16] \
-        [--threshold 0.9[,0.8,...]] [--modes default,exact,ar] [--out results.json]
+        [--threshold 0.9[,0.8,...]] [--rule threshold] [--modes default,exact,ar] [--tool-limit N] [--out FILE]
 
 Three decoding modes on the same prompts, one at a time (batch 1, greedy):
   * `default`  — the model's block size at its default threshold (several thresholds: one mode `tX` each),
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from clover.engine import generate
+from clover.engine import RULES, generate
 from clover.model import CloverForBlockDiffusion
 from clover.tokenizer import load_tokenizer
 from clover.training.bfcl import bfcl_to_chats, load_bfcl, tool_call_matches
@@ -72,25 +72,25 @@ def text_sets(limit: int) -> dict[str, list[tuple[dict, None]]]:
             for cat in ("chat", "code", "structured")}
 
 
-def run_mode(model, tokenizer, chats, block_size, threshold, max_new_tokens):
+def run_mode(model, tokenizer, chats, block_size, threshold, max_new_tokens, rule="threshold"):
     results = []
     for chat, _ in chats:
         text = render_chat(tokenizer, chat["messages"], chat["tools"], add_generation_prompt=True)
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         t0 = time.perf_counter()
         out = generate(model, [ids], max_new_tokens=max_new_tokens, block_size=block_size, threshold=threshold,
-                       vocab_limit=len(tokenizer))
+                       rule=rule, vocab_limit=len(tokenizer))
         results.append((out.sequences[0], out.stats[0], time.perf_counter() - t0))
     return results
 
 
 def measure(model, tokenizer, sets: dict, modes: dict[str, tuple[int, float]], max_new_tokens: int,
-            log=print) -> dict[str, dict[str, dict[str, float]]]:
+            rule: str = "threshold", log=print) -> dict[str, dict[str, dict[str, float]]]:
     """Figures per set and mode (`{mode: (block_size, threshold)}`); agreement is measured against the
     `exact` and `ar` modes where they are among `modes`."""
     report: dict[str, dict[str, dict[str, float]]] = {}
     for name, chats in sets.items():
-        runs = {mode: run_mode(model, tokenizer, chats, b, t, max_new_tokens) for mode, (b, t) in modes.items()}
+        runs = {mode: run_mode(model, tokenizer, chats, b, t, max_new_tokens, rule) for mode, (b, t) in modes.items()}
         report[name] = {}
         for mode, results in runs.items():
             tokens = sum(len(r[0]) for r in results)
@@ -119,12 +119,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="checkpoint dir (default: clover-smol)")
     parser.add_argument("--limit", type=int, default=20, help="prompts per set")
+    parser.add_argument("--tool-limit", type=int, default=None, help="prompts per tool-call set (default: --limit)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                         help="weights and compute (bfloat16: fast on CPUs with AVX512-BF16 / AMX)")
     parser.add_argument("--threshold", default=None, help="the default mode's threshold (default: the model's); "
                         "several, comma-separated, run one mode each (`t0.8`, ...)")
+    parser.add_argument("--rule", default="threshold", choices=sorted(RULES), help="unmasking rule")
     parser.add_argument("--modes", default="default,exact,ar", help="comma-separated subset of default,exact,ar")
     parser.add_argument("--out", default=None, help="write all figures as JSON here")
     args = parser.parse_args()
@@ -149,9 +151,11 @@ def main() -> None:
     if "ar" in chosen:
         modes["ar"] = (1, 1.0)
     print(f"model={args.model} block_size={block} threshold={','.join(map(str, thresholds))} limit={args.limit} "
-          f"max_new_tokens={args.max_new_tokens} threads={args.threads} dtype={args.dtype}")
+          f"max_new_tokens={args.max_new_tokens} threads={args.threads} dtype={args.dtype} "
+          f"rule={args.rule} tool_limit={args.tool_limit or args.limit}")
     print(f"{'set':18} {'mode':8} {'TPF':>5} {'tok/s':>7}  quality")
-    report = measure(model, tokenizer, {**text_sets(args.limit), **tool_sets(args.limit)}, modes, args.max_new_tokens)
+    sets = {**text_sets(args.limit), **tool_sets(args.tool_limit or args.limit)}
+    report = measure(model, tokenizer, sets, modes, args.max_new_tokens, args.rule)
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
 
