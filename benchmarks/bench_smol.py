@@ -7,7 +7,8 @@ Three decoding modes on the same prompts, one at a time (batch 1, greedy):
   * `default`  — the model's block size at its default threshold (several thresholds: one mode `tX` each),
   * `exact`    — the same block size at threshold 1.0 (one position per step: the quality reference),
   * `ar`       — block size 1 (one token per forward: the speed reference).
-Figures: tokens per forward (TPF) and tokens/s per mode; quality:
+Figures: tokens per forward (TPF), tokens/s end to end (prefill included) and decoding alone (after the first
+block: what a long answer streams at) per mode; quality:
   * tool calls — exact match (BFCL AST rules, `clover.training.bfcl.tool_call_matches`) on our held-out BFCL split
     and on BFCL's untouched `live_simple` category;
   * chat, code, structured — token agreement of the first 64 tokens with `exact` and with `ar` (how often block
@@ -96,6 +97,9 @@ def measure(model, tokenizer, sets: dict, modes: dict[str, tuple[int, float]], m
             tokens = sum(len(r[0]) for r in results)
             forwards = sum(r[1]["forward_passes"] for r in results)
             seconds = sum(r[2] for r in results)
+            # decoding alone: after the first output (prefill + first block), as an agent's long answer sees it
+            after_first = sum(len(r[0]) - min(modes[mode][0], len(r[0])) for r in results)
+            decode_s = sum(r[1]["wall_time_s"] - (r[1]["time_to_first_token_s"] or 0.0) for r in results)
             texts = [tokenizer.decode(r[0], skip_special_tokens=True) for r in results]
             if name.startswith("tools"):
                 calls = [parse_assistant_output(t)[2] for t in texts]
@@ -108,10 +112,12 @@ def measure(model, tokenizer, sets: dict, modes: dict[str, tuple[int, float]], m
                 if name == "code":
                     quality["code_parses"] = statistics.mean(code_parses(t) for t in texts)
             figures = {"tokens_per_forward": tokens / max(forwards, 1), "tokens_per_second": tokens / seconds,
+                       "decode_tokens_per_second": after_first / decode_s if decode_s > 0 else 0.0,
                        "tokens": tokens, "forward_passes": forwards, **quality}
             report[name][mode] = figures
             q = ", ".join(f"{k}={v:.2f}" for k, v in quality.items())
-            log(f"{name:18} {mode:8} {figures['tokens_per_forward']:5.2f} {figures['tokens_per_second']:7.1f}  {q}")
+            log(f"{name:18} {mode:8} {figures['tokens_per_forward']:5.2f} {figures['tokens_per_second']:7.1f} "
+                f"{figures['decode_tokens_per_second']:8.1f}  {q}")
     return report
 
 
@@ -153,7 +159,7 @@ def main() -> None:
     print(f"model={args.model} block_size={block} threshold={','.join(map(str, thresholds))} limit={args.limit} "
           f"max_new_tokens={args.max_new_tokens} threads={args.threads} dtype={args.dtype} "
           f"rule={args.rule} tool_limit={args.tool_limit or args.limit}")
-    print(f"{'set':18} {'mode':8} {'TPF':>5} {'tok/s':>7}  quality")
+    print(f"{'set':18} {'mode':8} {'TPF':>5} {'tok/s':>7} {'decode/s':>8}  quality")
     sets = {**text_sets(args.limit), **tool_sets(args.tool_limit or args.limit)}
     report = measure(model, tokenizer, sets, modes, args.max_new_tokens, args.rule)
     if args.out:
