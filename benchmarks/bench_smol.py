@@ -20,11 +20,14 @@ from __future__ import annotations
 
 import argparse
 import ast
+import dataclasses
 import json
 import re
 import statistics
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -55,10 +58,14 @@ def code_parses(text: str) -> bool:
         return False
 
 
-def tool_sets(limit: int) -> dict[str, list[tuple[dict, dict]]]:
+TOOL_SPLITS = {"tools_heldout": "eval", "tools_live_simple": "live_simple"}
+
+
+def tool_sets(limit: int, names: Sequence[str] = tuple(TOOL_SPLITS)) -> dict[str, list[tuple[dict, dict]]]:
     """(chat without the answer, accepted answers) for our BFCL eval split and for live_simple."""
     out = {}
-    for name, split in (("tools_heldout", "eval"), ("tools_live_simple", "live_simple")):
+    for name in names:
+        split = TOOL_SPLITS[name]
         chats = bfcl_to_chats(split)[:limit]
         answers = {}
         for category in {c["category"] for c in chats}:
@@ -73,7 +80,12 @@ def text_sets(limit: int) -> dict[str, list[tuple[dict, None]]]:
             for cat in ("chat", "code", "structured")}
 
 
-def run_mode(model, tokenizer, chats, block_size, threshold, max_new_tokens, rule="threshold"):
+Chats = list[tuple[dict, Any]]  # (chat to answer, reference answer or None)
+
+
+def run_mode(model: CloverForBlockDiffusion, tokenizer: Any, chats: Chats, block_size: int, threshold: float,
+             max_new_tokens: int, rule: str = "threshold") -> list[tuple[list[int], dict, float]]:
+    """(new ids, engine stats, wall seconds) per chat, one at a time."""
     results = []
     for chat, _ in chats:
         text = render_chat(tokenizer, chat["messages"], chat["tools"], add_generation_prompt=True)
@@ -85,13 +97,18 @@ def run_mode(model, tokenizer, chats, block_size, threshold, max_new_tokens, rul
     return results
 
 
-def measure(model, tokenizer, sets: dict, modes: dict[str, tuple[int, float]], max_new_tokens: int,
-            rule: str = "threshold", log=print) -> dict[str, dict[str, dict[str, float]]]:
+def measure(model: CloverForBlockDiffusion, tokenizer: Any, sets: dict[str, Chats],
+            modes: dict[str, tuple[int, float]], max_new_tokens: int, rule: str = "threshold",
+            log: Callable[[str], Any] = print) -> dict[str, dict[str, dict[str, float | None]]]:
     """Figures per set and mode (`{mode: (block_size, threshold)}`); agreement is measured against the
-    `exact` and `ar` modes where they are among `modes`."""
-    report: dict[str, dict[str, dict[str, float]]] = {}
+    `exact` and `ar` modes where they are among `modes`. `rule` decodes the block modes below threshold 1.0;
+    `exact` and `ar` always use the plain threshold rule (one most confident position per step)."""
+    report: dict[str, dict[str, dict[str, float | None]]] = {}
     for name, chats in sets.items():
-        runs = {mode: run_mode(model, tokenizer, chats, b, t, max_new_tokens, rule) for mode, (b, t) in modes.items()}
+        if not chats:
+            continue
+        runs = {mode: run_mode(model, tokenizer, chats, b, t, max_new_tokens, rule if t < 1.0 else "threshold")
+                for mode, (b, t) in modes.items()}
         report[name] = {}
         for mode, results in runs.items():
             tokens = sum(len(r[0]) for r in results)
@@ -99,7 +116,7 @@ def measure(model, tokenizer, sets: dict, modes: dict[str, tuple[int, float]], m
             seconds = sum(r[2] for r in results)
             # decoding alone: after the first output (prefill + first block), as an agent's long answer sees it
             after_first = sum(len(r[0]) - min(modes[mode][0], len(r[0])) for r in results)
-            decode_s = sum(r[1]["wall_time_s"] - (r[1]["time_to_first_token_s"] or 0.0) for r in results)
+            decode_s = sum(r[1]["wall_time_s"] - r[1]["time_to_first_token_s"] for r in results)
             texts = [tokenizer.decode(r[0], skip_special_tokens=True) for r in results]
             if name.startswith("tools"):
                 calls = [parse_assistant_output(t)[2] for t in texts]
@@ -112,12 +129,13 @@ def measure(model, tokenizer, sets: dict, modes: dict[str, tuple[int, float]], m
                 if name == "code":
                     quality["code_parses"] = statistics.mean(code_parses(t) for t in texts)
             figures = {"tokens_per_forward": tokens / max(forwards, 1), "tokens_per_second": tokens / seconds,
-                       "decode_tokens_per_second": after_first / decode_s if decode_s > 0 else 0.0,
+                       "decode_tokens_per_second": after_first / decode_s if after_first else None,
                        "tokens": tokens, "forward_passes": forwards, **quality}
             report[name][mode] = figures
             q = ", ".join(f"{k}={v:.2f}" for k, v in quality.items())
+            decode = figures["decode_tokens_per_second"]
             log(f"{name:18} {mode:8} {figures['tokens_per_forward']:5.2f} {figures['tokens_per_second']:7.1f} "
-                f"{figures['decode_tokens_per_second']:8.1f}  {q}")
+                f"{'-' if decode is None else f'{decode:.1f}':>8}  {q}")
     return report
 
 
@@ -136,6 +154,20 @@ def main() -> None:
     parser.add_argument("--modes", default="default,exact,ar", help="comma-separated subset of default,exact,ar")
     parser.add_argument("--out", default=None, help="write all figures as JSON here")
     args = parser.parse_args()
+    try:
+        thresholds = None if args.threshold is None else [float(t) for t in args.threshold.split(",")]
+    except ValueError:
+        parser.error(f"--threshold takes numbers separated by commas, got {args.threshold!r}")
+    if thresholds is not None and (len(set(thresholds)) != len(thresholds) or
+                                   not all(0.0 < t <= 1.0 for t in thresholds)):
+        parser.error(f"--threshold values must be distinct and in (0, 1], got {args.threshold!r}")
+    if thresholds is not None and "threshold" not in {f.name for f in dataclasses.fields(RULES[args.rule])}:
+        parser.error(f"--rule {args.rule} has no threshold: leave --threshold out")
+    known = {"default", "exact", "ar"}
+    chosen = args.modes.split(",")
+    if set(chosen) - known:
+        parser.error(f"--modes takes a comma-separated subset of {','.join(sorted(known))}, got {args.modes!r}")
+    tool_limit = args.limit if args.tool_limit is None else args.tool_limit
     torch.set_num_threads(args.threads)
     if args.model is None:
         from clover.smol import clover_smol_dir
@@ -143,11 +175,7 @@ def main() -> None:
     model = CloverForBlockDiffusion.from_pretrained(args.model, dtype=getattr(torch, args.dtype))
     tokenizer = load_tokenizer(args.model)
     block = model.config.block_size
-    thresholds = [model.config.threshold] if args.threshold is None else [float(t) for t in args.threshold.split(",")]
-    known = {"default", "exact", "ar"}
-    chosen = args.modes.split(",")
-    if not chosen or set(chosen) - known:
-        parser.error(f"--modes takes a comma-separated subset of {','.join(sorted(known))}, got {args.modes!r}")
+    thresholds = thresholds or [model.config.threshold]
     modes: dict[str, tuple[int, float]] = {}
     if "default" in chosen:
         modes.update({"default": (block, thresholds[0])} if len(thresholds) == 1 else
@@ -158,9 +186,9 @@ def main() -> None:
         modes["ar"] = (1, 1.0)
     print(f"model={args.model} block_size={block} threshold={','.join(map(str, thresholds))} limit={args.limit} "
           f"max_new_tokens={args.max_new_tokens} threads={args.threads} dtype={args.dtype} "
-          f"rule={args.rule} tool_limit={args.tool_limit or args.limit}")
+          f"rule={args.rule} tool_limit={tool_limit}")
     print(f"{'set':18} {'mode':8} {'TPF':>5} {'tok/s':>7} {'decode/s':>8}  quality")
-    sets = {**text_sets(args.limit), **tool_sets(args.tool_limit or args.limit)}
+    sets = {**text_sets(args.limit), **tool_sets(tool_limit)}
     report = measure(model, tokenizer, sets, modes, args.max_new_tokens, args.rule)
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2) + "\n")

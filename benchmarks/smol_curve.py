@@ -7,32 +7,43 @@ Evaluates step 0 (the converted base with its `[MASK]` row: no adapter) and ever
 adaptation run whose step is a multiple of `--every` (and the newest one), with `bench_smol.py`'s prompt sets and
 figures: tokens per forward at the run's block size and threshold, agreement with threshold 1.0 (chat, code,
 structured), tool-call exact match at both thresholds (our BFCL eval split). Tokens seen and supervised come from
-the run's `train_log.jsonl`. Rows are appended to `--out` as each step finishes; steps already there are skipped,
-so the script resumes and can be re-run as training goes on. `--plot` draws the curve from `--out`.
+the run's `train_log.jsonl`. Rows are appended to `--out` as each step finishes; a step already measured with the
+same settings is skipped, so the script resumes and can be re-run as training goes on. `--plot` draws the curve
+from `--out`. Run it as a script from the repository (it imports `bench_smol` from its own folder).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
+import re
 import statistics
 from pathlib import Path
 
 import torch
-from bench_smol import measure, text_sets, tool_sets
 from tqdm import tqdm
 
 from clover.model import CloverForBlockDiffusion
 from clover.smol import base_dir, manifest, merged_model
 from clover.tokenizer import load_tokenizer
 
+from bench_smol import measure, text_sets, tool_sets  # benchmarks/, next to this script
+
+logger = logging.getLogger("smol_curve")
+STEP_DIR = re.compile(r"step-(\d+)")
+SETTINGS = ("run", "block_size", "threshold", "limit", "max_new_tokens")
+
 TEXT_SETS = ("chat", "code", "structured")
 
 
 def checkpoints(run: Path, every: int) -> dict[int, Path]:
     """step -> checkpoint directory, for the steps to evaluate (0 is the base)."""
-    found = {int(p.name.split("-")[1]): p for p in (run / "checkpoints").glob("step-*")
-             if (p / "adapter.safetensors").is_file()}
+    found = {int(m.group(1)): p for p in (run / "checkpoints").glob("step-*")
+             if (m := STEP_DIR.fullmatch(p.name)) and (p / "adapter.safetensors").is_file()}
+    if not found:
+        logger.warning("no adapter checkpoints (step-N/adapter.safetensors) in %s: only step 0 is measured",
+                       run / "checkpoints")
     chosen = {s: p for s, p in found.items() if s % every == 0}
     if found:
         newest = max(found)
@@ -61,23 +72,37 @@ def summarize(report: dict) -> dict[str, float]:
     return row
 
 
+def read_rows(path: Path) -> list[dict]:
+    """The rows of `--out`; a line cut short by a killed run is skipped (and measured again)."""
+    rows = []
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            logger.warning("skipping an unreadable line of %s: %.60s", path, line)
+    return rows
+
+
 def plot(rows: list[dict], output: Path) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    if not rows:
+        raise ValueError("no measured rows with training tokens to plot")
     rows = sorted(rows, key=lambda r: r["supervised_tokens"])
     xs = [r["supervised_tokens"] for r in rows]
+    keys = sorted(set().union(*rows))
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2), dpi=110)
-    for key in sorted(k for k in rows[0] if k.startswith("tpf_")):
-        left.plot(xs, [r[key] for r in rows], "o-", label=key[4:], markersize=3)
+    for key in (k for k in keys if k.startswith("tpf_")):
+        left.plot(xs, [r.get(key) for r in rows], "o-", label=key[4:], markersize=3)
     left.axhline(2.0, color="grey", linestyle=":", linewidth=1)
     left.set(xlabel="supervised training tokens", ylabel="tokens per forward", title="parallelism (default threshold)")
     right.plot(xs, [r["agree_exact"] for r in rows], "o-", label="agreement with threshold 1.0 (text)", markersize=3)
-    for key in sorted(k for k in rows[0] if k.endswith("_match")):
-        right.plot(xs, [r[key] for r in rows], "o-", label=f"{key} (default)", markersize=3)
-        right.plot(xs, [r[f"{key}_exact"] for r in rows], "x--", label=f"{key} (threshold 1.0)", markersize=4)
+    for key in (k for k in keys if k.endswith("_match")):
+        right.plot(xs, [r.get(key) for r in rows], "o-", label=f"{key} (default)", markersize=3)
+        right.plot(xs, [r.get(f"{key}_exact") for r in rows], "x--", label=f"{key} (threshold 1.0)", markersize=4)
     right.set(xlabel="supervised training tokens", ylabel="score", title="quality", ylim=(-0.02, 1.02))
     for ax in (left, right):
         ax.grid(alpha=0.3)
@@ -105,12 +130,13 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     block = args.block_size or manifest()["block_size"]
     threshold = args.threshold if args.threshold is not None else manifest()["threshold"]
-    done = {json.loads(line)["step"] for line in args.out.read_text().splitlines() if line.strip()} \
-        if args.out.is_file() else set()
+    settings = {"run": str(args.run.resolve()), "block_size": block, "threshold": threshold, "limit": args.limit,
+                "max_new_tokens": args.max_new_tokens}
+    done = {r["step"] for r in read_rows(args.out) if all(r.get(k) == v for k, v in settings.items())}
     todo = {s: p for s, p in checkpoints(args.run, args.every).items() if s not in done}
     tokens = training_tokens(args.run)
     tokenizer = load_tokenizer(base_dir())
-    sets = {**text_sets(args.limit), **{k: v for k, v in tool_sets(args.limit).items() if k == "tools_heldout"}}
+    sets = {**text_sets(args.limit), **tool_sets(args.limit, ["tools_heldout"])}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     for step, path in tqdm(todo.items(), desc="checkpoints"):
         if step == 0:
@@ -120,13 +146,13 @@ def main() -> None:
         report = measure(model, tokenizer, sets, {"default": (block, threshold), "exact": (block, 1.0)},
                          args.max_new_tokens, log=tqdm.write)
         seen, supervised = tokens.get(step, (None, None))
-        row = {"step": step, "tokens": seen, "supervised_tokens": supervised, "block_size": block,
-               "threshold": threshold, **summarize(report)}
+        row = {"step": step, "tokens": seen, "supervised_tokens": supervised, **settings, **summarize(report)}
         with args.out.open("a") as f:
             f.write(json.dumps(row) + "\n")
+            f.flush()
         tqdm.write(json.dumps(row))
     if args.plot:
-        rows = [json.loads(line) for line in args.out.read_text().splitlines() if line.strip()]
+        rows = [r for r in read_rows(args.out) if all(r.get(k) == v for k, v in settings.items())]
         print(plot([r for r in rows if r["supervised_tokens"] is not None], args.plot))
 
 

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from clover.cli.generate import resolve_model_dir
-from clover.engine import IncrementalDetokenizer, SamplingParams, StreamPiece, stream
+from clover.engine import SamplingParams, StopAwareDetokenizer, StreamPiece, stream
 
 
 def add_parser(subparsers: Any) -> None:
@@ -63,15 +63,14 @@ def run(args: argparse.Namespace) -> int:
         messages.append({"role": "user", "content": line})
         text = render_chat(tokenizer, messages, add_generation_prompt=True, enable_thinking=args.think)
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        detok = IncrementalDetokenizer(decode)
+        detok = StopAwareDetokenizer(decode)
         sys.stdout.write("clover> ")
         stats: dict[str, Any] = {}
         for event in stream(model, ids, args.max_new_tokens, block_size=args.block_size, threshold=args.threshold,
                             sampling=sampling, vocab_limit=len(tokenizer), eos_token_ids=eos):
             if isinstance(event, StreamPiece):
-                sys.stdout.write(detok.push(event.token_ids))
+                sys.stdout.write(detok.push(event.token_ids, event.finished))
                 if event.finished:
-                    sys.stdout.write(detok.flush())
                     stats = event.stats or {}
                 sys.stdout.flush()
         sys.stdout.write("\n")

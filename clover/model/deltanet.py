@@ -72,7 +72,8 @@ class GatedDeltaNet(nn.Module):
         c, block = x.shape[1], x.shape[2]
         return x.view(n, -1, c, block).permute(0, 2, 1, 3).reshape(n, c, -1)[:, :, :length]
 
-    def _conv(self, mixed: torch.Tensor, layout: BlockLayout, history: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _conv(self, mixed: torch.Tensor, layout: BlockLayout,
+              history: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Causal conv (+ right-context conv inside blocks) over clean then query tokens, before the SiLU.
 
         `mixed` `[N, C, T]`, `history` `[N, C, K-1]`: the committed inputs before this pass. Returns the conv
@@ -151,7 +152,8 @@ class GatedDeltaNet(nn.Module):
             sl = slice(lc, t)
             first = (layout.query_start - p) // bsz if layout.query_start < lc else starts.shape[2] - 1
             idx = torch.arange(first, first + layout.query_blocks, device=x.device)
-            idx[torch.arange(layout.query_blocks, device=x.device) * bsz + layout.query_start >= lc] = starts.shape[2] - 1
+            past_clean = torch.arange(layout.query_blocks, device=x.device) * bsz + layout.query_start >= lc
+            idx[past_clean] = starts.shape[2] - 1
             sizes = torch.full((layout.query_blocks,), float(bsz), device=x.device)
             outs.append(self._read(q[:, :, sl], k[:, :, sl], v[:, :, sl], g[:, :, sl], beta[:, :, sl],
                                    starts[:, :, idx], sizes, bsz))

@@ -332,7 +332,8 @@ def bd3_loss(model: torch.nn.Module, batch: Batch, block_size: int, noise: Noise
     response = ids[:, p:]
     query = torch.where(mask, torch.full_like(response, mask_id), response)
     # Logits only where a masked token is predicted: a block's first position from the clean output at
-    # P + pos - 1, the others from the noised block's output at pos - 1 (query stream, after the L clean tokens).
+    # P + pos - 1, the others from the noised block's output at pos - 1 (the query stream, which follows the
+    # P + R clean positions).
     rows, pos = mask.nonzero(as_tuple=True)
     first = pos % block_size == 0
     length = ids.shape[1]
