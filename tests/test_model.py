@@ -192,6 +192,7 @@ def test_bf16_forward_tracks_fp32():
         ref = model(ids, block_size=4).logits
         low = model.to(torch.bfloat16)(ids, block_size=4).logits.float()
     assert _max_diff(low, ref) < 0.1
+    assert model.model.rotary.inv_freq.dtype == torch.float32  # rotary angles stay exact in a bf16 model
 
 
 def test_bad_inputs_name_the_problem():

@@ -266,10 +266,12 @@ class CloverForBlockDiffusion(nn.Module):
         config = CloverConfig.from_file(directory)
         with torch.device("meta"):  # no random init, no second copy of the weights
             model = cls(config)
+        if dtype is not None:
+            model.to(dtype=dtype)  # free on meta; loading then casts tensor by tensor (no full-precision copy)
         load_state_dict_strict(model, directory)
-        model.model.rotary = RotaryEmbedding(config.rotary_dim, config.rope_theta)  # non-persistent buffer
-        if dtype is not None or device is not None:
-            model.to(device=device, dtype=dtype)
+        model.model.rotary = RotaryEmbedding(config.rotary_dim, config.rope_theta)  # not stored in checkpoints
+        if device is not None:
+            model.to(device=device)
         return model.eval()
 
     def save_pretrained(self, directory: str | Path, tokenizer_dir: str | Path | None = None) -> None:

@@ -10,11 +10,14 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, rotary_dim: int, theta: float) -> None:
         super().__init__()
         self.rotary_dim = rotary_dim
-        inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        # A plain fp32 tensor, not a buffer: `model.to(torch.bfloat16)` must not round it — the angle p * f of
+        # position p would be off by ~p * f / 256 radians (radians wrong at a few hundred tokens).
+        self.inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim))
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions `[N, T]` -> (cos, sin) `[N, 1, T, rotary_dim]`, ready to broadcast over heads."""
+        if self.inv_freq.device != positions.device:
+            self.inv_freq = self.inv_freq.to(positions.device)
         freqs = positions[..., None].float() * self.inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)[:, None]
         return emb.cos().to(dtype), emb.sin().to(dtype)
