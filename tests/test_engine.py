@@ -367,6 +367,17 @@ def test_cli_generate_json(checkpoint: Path, capsys) -> None:
     assert "step" in capsys.readouterr().err
 
 
+def test_cli_generate_uses_the_chat_template_unless_told_not_to(checkpoint: Path, capsys) -> None:
+    from clover.cli.main import main
+
+    def prompt_tokens(*flags: str) -> int:
+        assert main(["generate", "hello", "--model", str(checkpoint), "--max-new-tokens", "4", "--json",
+                     "--threads", "1", *flags]) == 0
+        return json.loads(capsys.readouterr().out)["prompt_tokens"]
+
+    assert prompt_tokens() == prompt_tokens("--chat") > prompt_tokens("--no-chat") == len("hello")
+
+
 def test_cli_generate_streams_text_and_reports_a_missing_default_model(checkpoint: Path, capsys, monkeypatch) -> None:
     import io
 

@@ -41,9 +41,11 @@ def add_parser(subparsers: Any) -> None:
                               description="Generate text with a Clover model (block diffusion decoding).")
     p.add_argument("prompt", nargs="?", help="prompt text (default: read from stdin)")
     p.add_argument("--model", help="Clover checkpoint directory (default: clover-smol)")
-    p.add_argument("--chat", action="store_true", help="wrap the prompt as a user turn with the chat template")
-    p.add_argument("--system", help="system message (with --chat)")
-    p.add_argument("--think", action="store_true", help="with --chat: let the model reason in <think>…</think> first")
+    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                   help="wrap the prompt as a user turn with the chat template (default: when the model has one; "
+                        "--no-chat continues the raw text)")
+    p.add_argument("--system", help="system message (chat prompts)")
+    p.add_argument("--think", action="store_true", help="chat prompts: let the model reason in <think>…</think> first")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--block-size", type=int, default=None, help="default: the model's config")
     p.add_argument("--threshold", type=float, default=None, help="confidence to unmask, in (0, 1]; default: config")
@@ -70,7 +72,8 @@ def _prompt_ids(tokenizer: Any, args: argparse.Namespace) -> list[int]:
         text = sys.stdin.read()
     if not text:
         raise ValueError("the prompt is empty")
-    if args.chat:
+    chat = args.chat if args.chat is not None else bool(getattr(tokenizer, "chat_template", None))
+    if chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
             {"role": "user", "content": text}]
         rendered = render_chat(tokenizer, messages, add_generation_prompt=True, enable_thinking=args.think)
