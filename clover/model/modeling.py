@@ -269,7 +269,6 @@ class CloverForBlockDiffusion(nn.Module):
         if dtype is not None:
             model.to(dtype=dtype)  # free on meta; loading then casts tensor by tensor (no full-precision copy)
         load_state_dict_strict(model, directory)
-        model.model.rotary = RotaryEmbedding(config.rotary_dim, config.rope_theta)  # not stored in checkpoints
         if device is not None:
             model.to(device=device)
         return model.eval()

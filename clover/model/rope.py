@@ -11,8 +11,10 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.rotary_dim = rotary_dim
         # A plain fp32 tensor, not a buffer: `model.to(torch.bfloat16)` must not round it — the angle p * f of
-        # position p would be off by ~p * f / 256 radians (radians wrong at a few hundred tokens).
-        self.inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim))
+        # position p would be off by ~p * f / 256 radians (radians wrong at a few hundred tokens). Made on the CPU
+        # (also when the model is built on the meta device) and moved to the positions' device on first use.
+        steps = torch.arange(0, rotary_dim, 2, dtype=torch.float, device="cpu")
+        self.inv_freq = 1.0 / (theta ** (steps / rotary_dim))
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions `[N, T]` -> (cos, sin) `[N, 1, T, rotary_dim]`, ready to broadcast over heads."""
