@@ -329,16 +329,19 @@ class _Server:
             "usage": self.usage(len(ids), sum(c.tokens for c in choices), max(handle.cached_tokens)),
         })
 
+    def _chunk(self, rid: str, obj: str, created: int, include_usage: bool, choice: dict[str, Any]) -> str:
+        """One SSE chunk of a streamed response (chat or completion: they differ in `object` and the choice)."""
+        body: dict[str, Any] = {"id": rid, "object": obj, "created": created, "model": self.options.served_model_name,
+                                "choices": [{**choice, "logprobs": None}]}
+        if include_usage:
+            body["usage"] = None  # OpenAI: usage is null on every chunk but the final one
+        return _sse(body)
+
     async def _chat_stream(self, handle: RequestHandle, choices: list[_ChatChoice], rid: str, created: int,
                            prompt_tokens: int, include_usage: bool) -> AsyncIterator[str]:
         def chunk(index: int, delta: dict[str, Any], finish: str | None = None) -> str:
-            body: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk", "created": created,
-                                    "model": self.options.served_model_name,
-                                    "choices": [{"index": index, "delta": delta, "finish_reason": finish,
-                                                 "logprobs": None}]}
-            if include_usage:
-                body["usage"] = None
-            return _sse(body)
+            return self._chunk(rid, "chat.completion.chunk", created, include_usage,
+                               {"index": index, "delta": delta, "finish_reason": finish})
 
         try:
             for i in range(len(choices)):
@@ -430,13 +433,8 @@ class _Server:
                                  n: int, rid: str, created: int, prompt_tokens: int,
                                  include_usage: bool) -> AsyncIterator[str]:
         def chunk(index: int, text: str, finish: str | None = None) -> str:
-            body: dict[str, Any] = {"id": rid, "object": "text_completion", "created": created,
-                                    "model": self.options.served_model_name,
-                                    "choices": [{"index": index, "text": text, "finish_reason": finish,
-                                                 "logprobs": None}]}
-            if include_usage:
-                body["usage"] = None
-            return _sse(body)
+            return self._chunk(rid, "text_completion", created, include_usage,
+                               {"index": index, "text": text, "finish_reason": finish})
 
         try:
             for k, text in enumerate(echo):
