@@ -140,7 +140,8 @@ class ScriptedLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor | None = None, block_size: int = 1, *, prefix_len: int = 0,
                 attention_mask: torch.Tensor | None = None, cache: CloverCache | None = None,
-                query_ids: torch.Tensor | None = None, logits_to_keep: int | None = None, **_: Any) -> Any:
+                query_ids: torch.Tensor | None = None, logits_to_keep: int | None = None,
+                logits_at: torch.Tensor | None = None, **_: Any) -> Any:
         assert cache is not None, "the scripted model only decodes with a cache"
         n = cache.batch_size
         ids = input_ids if input_ids is not None else torch.zeros(n, 0, dtype=torch.long)
@@ -155,7 +156,7 @@ class ScriptedLM(nn.Module):
             flags = torch.full_like(ids, int(generated_now))
             layer.append(ids[:, None, :, None].float(), flags[:, None, :, None].float())
             cache.commit(valid)
-        keep = ids.shape[1] if logits_to_keep is None else min(logits_to_keep, ids.shape[1])
+        keep = ids.shape[1] if logits_to_keep is None or logits_at is not None else min(logits_to_keep, ids.shape[1])
         mask_id = self.config.mask_token_id
         clean_logits, query_logits = [], []
         for r in range(n):
@@ -177,5 +178,8 @@ class ScriptedLM(nn.Module):
                     else:
                         qrow.append(self._predict(prompt, gen + q[: j + 1]))
                 query_logits.append(torch.stack(qrow))
-        return SimpleNamespace(logits=torch.stack(clean_logits),
-                               query_logits=torch.stack(query_logits) if query_ids is not None else None)
+        clean, query = torch.stack(clean_logits), torch.stack(query_logits) if query_ids is not None else None
+        if logits_at is not None:
+            every = clean if query is None else torch.cat([clean, query], dim=1)
+            return SimpleNamespace(logits=every[logits_at], query_logits=None)
+        return SimpleNamespace(logits=clean, query_logits=query)

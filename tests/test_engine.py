@@ -121,6 +121,24 @@ def test_low_thresholds_decode_several_tokens_per_forward(hybrid, dense) -> None
             assert s["tokens_per_forward"] >= 1.0
 
 
+def test_lm_head_runs_only_where_a_position_is_still_needed(hybrid, monkeypatch) -> None:
+    """Each forward computes logits for the block positions that can still be filled, no more; a step left with
+    only position 0 (predicted from committed tokens) runs no forward. Tokens stay those of the recompute
+    decoder (`test_cached_decoding_equals_recompute` covers this configuration)."""
+    forward, rows = hybrid.forward, []
+
+    def spy(*args, **kwargs):
+        rows.append(int(kwargs["logits_at"].sum()))
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(hybrid, "forward", spy)
+    engine = Engine(hybrid, 3, 1.0)
+    list(engine.run(PROMPTS, 18, SamplingParams()))
+    assert engine.counters.forwards == len(rows) < engine.counters.steps
+    assert all(1 <= n <= len(PROMPTS) * 3 for n in rows)
+    assert sum(rows) < len(rows) * len(PROMPTS) * 3
+
+
 def _llama_pair(seed: int = 0):
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(seed)
@@ -312,8 +330,7 @@ def test_chunked_prefill_equals_unchunked(preset: str, hybrid, dense) -> None:
             batches.append(engine._prefill(engine.make_sequences(prompts, 8, SamplingParams())))
         assert engine.counters.forwards == math.ceil(300 / chunk)
     chunked, whole = batches
-    torch.testing.assert_close(chunked.first_logits, whole.first_logits, atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(chunked.query_logits, whole.query_logits, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(chunked.logits, whole.logits, atol=1e-4, rtol=1e-4)
     a = generate(model, prompts, max_new_tokens=12, threshold=0.5, prefill_chunk=64)
     b = generate(model, prompts, max_new_tokens=12, threshold=0.5)
     assert a.sequences == b.sequences and a.stats[0]["prefill_forwards"] == 5

@@ -10,7 +10,10 @@ One request, block size `B` (docs/decoding.md has the full semantics):
 The prediction for block position `p` is the output one position to its left (token shift): for `p = 0` the
 clean logits of the last committed token, for `p >= 1` query output `p - 1`. So every step consumes exactly one
 forward, and a block decided in one step costs one forward. With `B = 1` no query block is needed at all and the
-loop is exactly AR decoding.
+loop is exactly AR decoding. The LM head runs only for positions that can still be filled (`logits_at`): on a
+small model with a large vocabulary it is a fifth of a token's compute, and after the first step of a block
+most positions are decided. When only position 0 is left, whose prediction does not depend on the block, the
+step needs no forward at all.
 
 Batches run in lockstep, block by block: prompts are left-padded into one prefill, every row's block is committed
 in the same forward, and a row whose block is already final sits out the remaining steps of the others (its
@@ -79,8 +82,8 @@ class _Batch:
     cache: CloverCache
     sampler: BatchSampler
     block: torch.Tensor  # [N, B] current block, mask id where undecided
-    first_logits: torch.Tensor  # [N, V] clean logits of the last committed token: predicts block position 0
-    query_logits: torch.Tensor | None  # [N, B, V] outputs of the current block (None when B == 1)
+    logits: torch.Tensor  # [N, B, V] the prediction for each block position (token shift applied); current
+    # where the position is still needed, stale or zero elsewhere
     steps: torch.Tensor  # [N] steps each row has taken in this block
     limit: torch.Tensor  # [N] positions of this block that can count: min(B, tokens the row may still produce)
     step_index: int = 0
@@ -220,20 +223,36 @@ class Engine:
         ids, valid = ids.to(self.device), valid.to(self.device)
         padded = not bool(valid.all())
         cache = self.model.new_cache(n)
-        query = self._masks(n) if self.block_size > 1 else None
+        limit = self._limits(seqs)
         chunks = range(0, longest, self.prefill_chunk)
         for start in chunks:
             end = min(start + self.prefill_chunk, longest)
-            last = end == longest
-            out = self._forward(ids[:, start:end], cache, prefix_len=end - start,
-                                attention_mask=valid[:, start:end] if padded else None,
-                                query_ids=query if last else None, logits_to_keep=1 if last else 0)
+            kwargs = dict(prefix_len=end - start, attention_mask=valid[:, start:end] if padded else None)
+            if end < longest:
+                self._forward(ids[:, start:end], cache, logits_to_keep=0, **kwargs)
+            else:
+                logits = self._open_block(ids[:, start:end], cache, limit, **kwargs)
         for s in seqs:
             s.prefill_forwards = len(chunks)
         sampler = BatchSampler([s.params for s in seqs], self.vocab_size, self._banned(), self.device)
         sampler.observe([s.prompt for s in seqs])
-        return _Batch(seqs, cache, sampler, self._masks(n), out.logits[:, -1], out.query_logits,
-                      torch.zeros(n, dtype=torch.long, device=self.device), self._limits(seqs))
+        return _Batch(seqs, cache, sampler, self._masks(n), logits, torch.zeros(n, dtype=torch.long,
+                                                                               device=self.device), limit)
+
+    def _open_block(self, ids: torch.Tensor, cache: CloverCache, limit: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        """Forward clean `ids` `[N, T]` with a fresh block of masks as the query: `[N, B, V]` predictions for the
+        block's positions (0 from the last clean token, `p >= 1` from query output `p - 1`), computed only
+        before each row's `limit` (zeros beyond it)."""
+        n, t = ids.shape
+        b = self.block_size
+        wanted = self._positions[None] < limit[:, None]  # [N, B]
+        at = torch.zeros(n, t + (b if b > 1 else 0), dtype=torch.bool, device=self.device)
+        at[:, t - 1] = wanted[:, 0]
+        at[:, t:t + b - 1] = wanted[:, 1:]
+        out = self._forward(ids, cache, query_ids=self._masks(n) if b > 1 else None, logits_at=at, **kwargs)
+        logits = out.logits.new_zeros(n, b, out.logits.shape[-1])
+        logits[wanted] = out.logits
+        return logits
 
     def _limits(self, seqs: list[Sequence]) -> torch.Tensor:
         return torch.tensor([min(self.block_size, s.remaining) for s in seqs], dtype=torch.long, device=self.device)
@@ -258,18 +277,20 @@ class Engine:
         end = min((p.done // self.prefill_chunk + 1) * self.prefill_chunk, len(prompt))
         last = end == len(prompt)
         ids = torch.tensor([prompt[p.done:end]], dtype=torch.long, device=self.device)
+        limit = self._limits([p.seq])
         with torch.inference_mode():
-            out = self._forward(ids, p.cache, prefix_len=end - p.done,
-                                query_ids=self._masks(1) if last and self.block_size > 1 else None,
-                                logits_to_keep=1 if last else 0)
+            if last:
+                logits = self._open_block(ids, p.cache, limit, prefix_len=end - p.done)
+            else:
+                self._forward(ids, p.cache, prefix_len=end - p.done, logits_to_keep=0)
         p.done = end
         p.seq.prefill_forwards += 1
         if not last:
             return None
         sampler = BatchSampler([p.seq.params], self.vocab_size, self._banned(), self.device)
         sampler.observe([prompt])
-        return _Batch([p.seq], p.cache, sampler, self._masks(1), out.logits[:, -1], out.query_logits,
-                      torch.zeros(1, dtype=torch.long, device=self.device), self._limits([p.seq]))
+        return _Batch([p.seq], p.cache, sampler, self._masks(1), logits,
+                      torch.zeros(1, dtype=torch.long, device=self.device), limit)
 
     def at_block_boundary(self, b: _Batch) -> bool:
         """No step of the current block taken yet: rows can join."""
@@ -282,10 +303,9 @@ class Engine:
             return new
         if not (self.at_block_boundary(b) and self.at_block_boundary(new)):
             raise ValueError("requests join a batch only at a block boundary")
-        query = None if b.query_logits is None else torch.cat([b.query_logits, new.query_logits])
         return _Batch(b.seqs + new.seqs, CloverCache.concat([b.cache, new.cache]),
                       BatchSampler.concat([b.sampler, new.sampler]), torch.cat([b.block, new.block]),
-                      torch.cat([b.first_logits, new.first_logits]), query, torch.cat([b.steps, new.steps]),
+                      torch.cat([b.logits, new.logits]), torch.cat([b.steps, new.steps]),
                       torch.cat([b.limit, new.limit]), 0)
 
     def step(self, b: _Batch, snapshots: bool = False) -> tuple[list[Event], _Batch | None]:
@@ -310,9 +330,7 @@ class Engine:
         b.seqs = [b.seqs[r] for r in keep]
         b.cache.select(idx)
         b.sampler.select(keep)
-        b.block, b.steps, b.limit, b.first_logits = b.block[idx], b.steps[idx], b.limit[idx], b.first_logits[idx]
-        if b.query_logits is not None:
-            b.query_logits = b.query_logits[idx]
+        b.block, b.steps, b.limit, b.logits = b.block[idx], b.steps[idx], b.limit[idx], b.logits[idx]
         if b.needed is not None:
             b.needed = b.needed[idx]
 
@@ -333,11 +351,7 @@ class Engine:
 
     def _step(self, b: _Batch, snapshots: bool) -> tuple[list[Event], _Batch | None]:
         """One denoising step for every row that needs one, then the forward that feeds the next step."""
-        # token shift: output p-1 predicts position p; a fresh tensor, which the sampler may modify in place
-        if b.query_logits is None:
-            logits = b.first_logits[:, None].clone()
-        else:
-            logits = torch.cat([b.first_logits[:, None], b.query_logits[:, :-1]], dim=1)
+        logits = b.logits.clone()  # the sampler consumes its input
         # the previous step's check of what is still needed is this step's candidates: one `_needed` per step
         candidates = b.needed if b.needed is not None else self._needed(b.block, b.limit)
         active = candidates.any(1)  # rows whose block is final sit this step out
@@ -352,7 +366,12 @@ class Engine:
 
         b.needed = self._needed(b.block, b.limit)
         if bool(b.needed.any()):
-            b.query_logits = self._forward(None, b.cache, query_ids=b.block).query_logits
+            # query output p - 1 predicts position p: recompute it only where p is still needed. Position 0's
+            # prediction comes from the committed tokens and stays valid, so it alone needs no forward.
+            wanted = b.needed[:, 1:]
+            if bool(wanted.any()):
+                at = torch.cat([wanted, torch.zeros_like(wanted[:, :1])], dim=1)
+                b.logits[:, 1:][wanted] = self._forward(None, b.cache, query_ids=b.block, logits_at=at).logits
             return events, b
         events += self._finish_block(b)
         if not b.seqs:
@@ -387,11 +406,9 @@ class Engine:
     def _commit(self, b: _Batch) -> None:
         """The finished block joins the cache, in the same forward as the next block's first step."""
         n = len(b.seqs)
-        query = self._masks(n) if self.block_size > 1 else None
-        out = self._forward(b.block, b.cache, query_ids=query, logits_to_keep=1)
-        b.first_logits, b.query_logits = out.logits[:, -1], out.query_logits
+        b.limit = self._limits(b.seqs)
+        b.logits = self._open_block(b.block, b.cache, b.limit)
         b.block = self._masks(n)
         b.steps = torch.zeros(n, dtype=torch.long, device=self.device)
-        b.limit = self._limits(b.seqs)
         b.step_index = 0
         b.needed = None

@@ -88,10 +88,10 @@ class Sequence:
     def stats(self) -> dict[str, Any]:
         """The figures of DESIGN §3 for this request.
 
-        `forward_passes` counts the forwards whose outputs decided this request's tokens: each denoising step
-        consumes exactly one (the prefill's last chunk, a step forward, or a commit+next-block forward), so it is
-        the total number of steps — the same whether the request ran alone or in a batch. Extra prefill chunks of
-        a long prompt are reported apart, as `prefill_forwards`.
+        `forward_passes` counts the denoising steps: each is fed by one forward (the prefill's last chunk, a step
+        forward, or a commit+next-block forward) — the same whether the request ran alone or in a batch. A step
+        left with only block position 0 reuses the outputs it already has, so the engine may run fewer forwards
+        than this, never more. Extra prefill chunks of a long prompt are reported apart, as `prefill_forwards`.
         """
         end = self.end_time if self.end_time is not None else time.perf_counter()
         wall = end - self.start_time
