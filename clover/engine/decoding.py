@@ -117,3 +117,21 @@ class NoAdjacentRepeatRule(ThresholdRule):
         repeat = accept[:, 1:] & accept[:, :-1] & (tokens[:, 1:] == tokens[:, :-1])
         refuse = torch.cat([torch.zeros_like(repeat[:, :1]), repeat], dim=1)
         return accept & ~refuse
+
+
+@register_rule
+@dataclass
+class JointThresholdRule(ThresholdRule):
+    """Fill the most confident masked positions, best first, while the product of their confidences stays
+    `>= threshold` (always at least the best one). The per-position rule bounds each token's error; this one
+    bounds the step's: if the positions' predictions were independent, the product is the probability that
+    every token filled in this step is the model's choice, so `k` tokens at 0.9 each (0.9^k) are not accepted
+    together at threshold 0.9 — only as many as keep the joint above it. `threshold=1.0` is one token per step."""
+
+    name: ClassVar[str] = "joint_threshold"
+
+    def select(self, tokens: torch.Tensor, confidence: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
+        conf, order = confidence.masked_fill(~masked, 0.0).sort(dim=1, descending=True)
+        keep = conf.cumprod(dim=1) >= self.threshold  # a prefix of the sorted positions; unmasked ones weigh 0
+        accept = torch.zeros_like(masked).scatter(1, order, keep)
+        return (accept & masked) | self.most_confident(confidence, masked)
