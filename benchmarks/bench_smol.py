@@ -5,7 +5,7 @@
 
 Three decoding modes on the same prompts, one at a time (batch 1, greedy):
   * `default`  — the model's block size at its default threshold (several thresholds: one mode `tX` each),
-  * `exact`    — the same block size at threshold 1.0 (one position per step: the quality reference),
+  * `exact`    — the same block size and rule at threshold 1.0 (one position per step: the quality reference),
   * `ar`       — block size 1 (one token per forward: the speed reference).
 Figures: tokens per forward (TPF), tokens/s end to end (prefill included) and decoding alone (after the first
 block: what a long answer streams at) per mode; quality:
@@ -101,13 +101,15 @@ def measure(model: CloverForBlockDiffusion, tokenizer: Any, sets: dict[str, Chat
             modes: dict[str, tuple[int, float]], max_new_tokens: int, rule: str = "threshold",
             log: Callable[[str], Any] = print) -> dict[str, dict[str, dict[str, float | None]]]:
     """Figures per set and mode (`{mode: (block_size, threshold)}`); agreement is measured against the
-    `exact` and `ar` modes where they are among `modes`. `rule` decodes the block modes below threshold 1.0;
-    `exact` and `ar` always use the plain threshold rule (one most confident position per step)."""
+    `exact` and `ar` modes where they are among `modes`. `rule` decodes every mode; at threshold 1.0 a rule with
+    a threshold fills one position per step (most confident first; reading order for `left_to_right`), and a
+    rule without one (`top_k_per_step`) is replaced there by the plain threshold rule."""
+    exact_rule = rule if "threshold" in {f.name for f in dataclasses.fields(RULES[rule])} else "threshold"
     report: dict[str, dict[str, dict[str, float | None]]] = {}
     for name, chats in sets.items():
         if not chats:
             continue
-        runs = {mode: run_mode(model, tokenizer, chats, b, t, max_new_tokens, rule if t < 1.0 else "threshold")
+        runs = {mode: run_mode(model, tokenizer, chats, b, t, max_new_tokens, rule if t < 1.0 else exact_rule)
                 for mode, (b, t) in modes.items()}
         report[name] = {}
         for mode, results in runs.items():

@@ -55,6 +55,16 @@ def test_joint_threshold_bounds_the_product_of_a_steps_confidences() -> None:
     assert plain[0].sum() == 3
 
 
+def test_left_to_right_fills_a_run_from_the_leftmost_masked_position() -> None:
+    confidence = torch.tensor([[0.30, 0.95, 0.50, 0.99], [0.99, 0.95, 0.97, 0.20], [0.99, 0.92, 0.91, 0.93]])
+    masked = torch.tensor([[True, True, True, True], [False, True, False, True], [False, False, True, True]])
+    accept = make_rule("left_to_right", threshold=0.9).select(torch.zeros(3, 4, dtype=torch.long), confidence,
+                                                                masked)
+    # row 0: the leftmost always, then 0.95; 0.50 waits, so 0.99 right of it waits too;
+    # row 1: the run passes over decided position 2 and stops at 0.20; row 2: the run reaches the end
+    assert accept.tolist() == [[True, True, False, False], [False, True, False, False], [False, False, True, True]]
+
+
 def test_top_k_per_step_fills_exactly_k() -> None:
     tokens, confidence, masked = _random_case(0)
     accept = make_rule("top_k_per_step", k=3).select(tokens, confidence, masked)

@@ -135,3 +135,22 @@ class JointThresholdRule(ThresholdRule):
         keep = conf.cumprod(dim=1) >= self.threshold  # a prefix of the sorted positions; unmasked ones weigh 0
         accept = torch.zeros_like(masked).scatter(1, order, keep)
         return (accept & masked) | self.most_confident(confidence, masked)
+
+
+@register_rule
+@dataclass
+class LeftToRightRule(ThresholdRule):
+    """The leftmost masked position, and the masked positions after it while each is `>= threshold`; nothing
+    right of a masked position that waits. Filling a right position first fixes the text on both sides of a
+    gap, and the gap's later fill must fit it: a token the model chose while imagining "Sydney" as one piece
+    forces "Syd" into a one-token gap (seen on clover-smol's tool calls). Decided left to right, every
+    accepted token has its whole left context decided or decided in the same step. `threshold=1.0` is one token
+    per step in reading order."""
+
+    name: ClassVar[str] = "left_to_right"
+
+    def select(self, tokens: torch.Tensor, confidence: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
+        rank = masked.int().cumsum(dim=1)  # 1 at the leftmost masked position
+        first = masked & (rank == 1)
+        waits = masked & ~first & (confidence < self.threshold)
+        return first | (masked & (waits.int().cumsum(dim=1) == 0))
