@@ -10,7 +10,7 @@ Three decoding modes on the same prompts, one at a time (batch 1, greedy):
 Figures: tokens per forward (TPF), tokens/s end to end (prefill included) and decoding alone (after the first
 block: what a long answer streams at) per mode; quality:
   * tool calls — exact match (BFCL AST rules, `clover.training.bfcl.tool_call_matches`) on our held-out BFCL split
-    and on BFCL's untouched `live_simple` category;
+    and on BFCL's untouched `live_simple` category, and the share of answers with a well-formed tool call;
   * chat, code, structured — token agreement of the first 64 tokens with `exact` and with `ar` (how often block
     decoding writes what one-at-a-time decoding writes), and the share of answers that end by themselves (EOS)
     within the token budget; for code also the share whose Python code blocks parse (`ast.parse`).
@@ -123,7 +123,9 @@ def measure(model: CloverForBlockDiffusion, tokenizer: Any, sets: dict[str, Chat
             if name.startswith("tools"):
                 calls = [parse_assistant_output(t)[2] for t in texts]
                 score = statistics.mean(tool_call_matches(c, ans) for c, (_, ans) in zip(calls, chats))
-                quality = {"tool_call_exact_match": score}
+                # well-formed: at least one <tool_call> block that parses (a JSON object with name and arguments)
+                quality = {"tool_call_exact_match": score,
+                           "tool_call_well_formed": statistics.mean(bool(c) for c in calls)}
             else:
                 quality = {f"agree_{ref}": statistics.mean(agreement(r[0], e[0]) for r, e in zip(results, runs[ref]))
                            for ref in ("exact", "ar") if ref in runs}
