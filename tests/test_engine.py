@@ -396,6 +396,18 @@ def test_cli_generate_uses_the_chat_template_unless_told_not_to(checkpoint: Path
     assert prompt_tokens() == prompt_tokens("--chat") > prompt_tokens("--no-chat") == len("hello")
 
 
+def test_cli_chat_answers_each_turn(checkpoint: Path, capsys, monkeypatch) -> None:
+    import io
+
+    from clover.cli.main import main
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("hello\n/reset\nagain\n/exit\nnever read\n"))
+    assert main(["chat", "--model", str(checkpoint), "--max-new-tokens", "6", "--rule", "left_to_right",
+                 "--dtype", "bfloat16", "--threads", "1"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.count("clover> ") == 2 and captured.err.count("tokens/forward") == 2
+
+
 def test_cli_generate_streams_text_and_reports_a_missing_default_model(checkpoint: Path, capsys, monkeypatch) -> None:
     import io
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from clover.cli.generate import resolve_model_dir
+from clover.cli.generate import DTYPES, add_decoding_options, resolve_model_dir
 from clover.engine import SamplingParams, StopAwareDetokenizer, StreamPiece, stream
 
 
@@ -21,12 +21,10 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--system", help="system message")
     p.add_argument("--think", action="store_true", help="let the model reason in <think>…</think> first")
     p.add_argument("--max-new-tokens", type=int, default=512)
-    p.add_argument("--block-size", type=int, default=None, help="default: the model's config")
-    p.add_argument("--threshold", type=float, default=None, help="default: the model's config")
+    add_decoding_options(p)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--no-stats", action="store_true", help="do not print tokens/forward and tokens/s per reply")
     p.set_defaults(func=run)
 
@@ -40,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     directory = resolve_model_dir(args.model)
     tokenizer = load_tokenizer(directory)
-    model = CloverForBlockDiffusion.from_pretrained(directory)
+    model = CloverForBlockDiffusion.from_pretrained(directory, dtype=DTYPES.get(args.dtype or ""))
     decode = lambda t: tokenizer.decode(t, skip_special_tokens=True)  # noqa: E731
     eos = eos_token_ids(model.config, tokenizer)
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
@@ -67,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write("clover> ")
         stats: dict[str, Any] = {}
         for event in stream(model, ids, args.max_new_tokens, block_size=args.block_size, threshold=args.threshold,
-                            sampling=sampling, vocab_limit=len(tokenizer), eos_token_ids=eos):
+                            rule=args.rule, sampling=sampling, vocab_limit=len(tokenizer), eos_token_ids=eos):
             if isinstance(event, StreamPiece):
                 sys.stdout.write(detok.push(event.token_ids, event.finished))
                 if event.finished:

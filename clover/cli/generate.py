@@ -36,6 +36,20 @@ def resolve_model_dir(arg: str | None) -> Path:
     return path
 
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def add_decoding_options(p: argparse.ArgumentParser) -> None:
+    """Options `generate`, `chat` and `serve` share: how the weights are held and how blocks are decoded."""
+    p.add_argument("--block-size", type=int, default=None, help="default: the model's config")
+    p.add_argument("--threshold", type=float, default=None, help="confidence to unmask, in (0, 1]; default: config")
+    p.add_argument("--rule", default="threshold", choices=sorted(RULES),
+                   help="unmasking rule (left_to_right: best quality on tool calls, docs/clover-smol.md)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                   help="cast the weights (bfloat16: faster on CPUs with AVX512-BF16 / AMX)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+
+
 def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser("generate", help="generate text from a prompt, block by block",
                               description="Generate text with a Clover model (block diffusion decoding).")
@@ -47,9 +61,7 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--system", help="system message (chat prompts)")
     p.add_argument("--think", action="store_true", help="chat prompts: let the model reason in <think>…</think> first")
     p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--block-size", type=int, default=None, help="default: the model's config")
-    p.add_argument("--threshold", type=float, default=None, help="confidence to unmask, in (0, 1]; default: config")
-    p.add_argument("--rule", default="threshold", choices=sorted(RULES), help="unmasking rule")
+    add_decoding_options(p)
     p.add_argument("--tokens-per-step", type=int, default=None, help="k of --rule top_k_per_step")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -57,8 +69,6 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--repetition-penalty", type=float, default=1.0)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="cast the weights")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--json", action="store_true", help="print one JSON object with the text and figures")
     p.add_argument("--show-steps", action="store_true", help="draw each block filling in, step by step (stderr)")
     p.set_defaults(func=run)
@@ -88,8 +98,7 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     directory = resolve_model_dir(args.model)
     tokenizer = load_tokenizer(directory)
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(args.dtype or "")
-    model = CloverForBlockDiffusion.from_pretrained(directory, dtype=dtype)
+    model = CloverForBlockDiffusion.from_pretrained(directory, dtype=DTYPES.get(args.dtype or ""))
     ids = _prompt_ids(tokenizer, args)
     eos = eos_token_ids(model.config, tokenizer)
     decode = lambda t: tokenizer.decode(t, skip_special_tokens=True)  # noqa: E731

@@ -12,8 +12,7 @@ import logging
 import os
 from typing import Any
 
-from clover.cli.generate import resolve_model_dir
-from clover.engine import RULES
+from clover.cli.generate import DTYPES, add_decoding_options, resolve_model_dir
 
 logger = logging.getLogger(__name__)
 
@@ -31,18 +30,14 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--max-num-seqs", type=int, default=32, help="sequences decoded together")
     p.add_argument("--max-queue", type=int, default=256, help="sequences waiting before the server answers 429")
     p.add_argument("--max-model-len", type=int, default=None, help="context served (default: the model's)")
-    p.add_argument("--block-size", type=int, default=None, help="default block size (default: the model's config)")
-    p.add_argument("--threshold", type=float, default=None, help="default unmasking threshold (default: config)")
-    p.add_argument("--rule", default="threshold", choices=sorted(RULES), help="unmasking rule")
+    add_decoding_options(p)  # --block-size / --threshold: defaults for requests that do not set them
     p.add_argument("--prefill-chunk", type=int, default=256,
                    help="prompt tokens per prefill forward; also the prefix cache's grid")
     p.add_argument("--prefix-cache-mb", type=float, default=2048.0, help="prefix cache budget in MiB (0: off)")
     p.add_argument("--prefix-snapshot-interval", type=int, default=None,
                    help="hybrid models: recurrent-state snapshots every this many tokens (a multiple of the chunk)")
     p.add_argument("--max-body-mb", type=float, default=4.0, help="largest request body accepted")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="cast the weights")
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=run)
 
@@ -59,9 +54,8 @@ def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     directory = resolve_model_dir(args.model)
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(args.dtype or "")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model = CloverForBlockDiffusion.from_pretrained(directory, dtype=dtype, device=device)
+    model = CloverForBlockDiffusion.from_pretrained(directory, dtype=DTYPES.get(args.dtype or ""), device=device)
     tokenizer = load_tokenizer(directory)
     options = ServerOptions(
         served_model_name=args.served_model_name or directory.name, api_key=args.api_key or None,
