@@ -149,7 +149,7 @@ def test_scheduler_backpressure_and_cancellation_free_slots(models):
     assert tokens[0] == _alone(model, PROMPTS[2], 4, SamplingParams(), [])
 
 
-def test_requests_with_other_block_sizes_run_in_their_own_batch(models):
+def test_requests_with_other_decoding_options_run_in_their_own_batch(models):
     model = models["clover-tiny"]
     sched = _scheduler(model)
     sched.start()
@@ -157,15 +157,18 @@ def test_requests_with_other_block_sizes_run_in_their_own_batch(models):
     async def run():
         a = sched.submit(PROMPTS[0], 12, [SamplingParams()])
         b = sched.submit(PROMPTS[1], 12, [SamplingParams()], block_size=2, threshold=0.3)
-        return await asyncio.gather(_collect(a), _collect(b))
+        c = sched.submit(PROMPTS[1], 12, [SamplingParams()], rule="left_to_right")
+        return await asyncio.gather(_collect(a), _collect(b), _collect(c))
 
     try:
-        (a,), (b,) = asyncio.run(run())
+        (a,), (b,), (c,) = asyncio.run(run())
     finally:
         sched.stop()
     assert a == _alone(model, PROMPTS[0], 12, SamplingParams(), [])
     assert b == generate(model, [PROMPTS[1]], 12, block_size=2, threshold=0.3, eos_token_ids=[]).sequences[0]
-    assert len(sched.engines) == 2
+    assert c == generate(model, [PROMPTS[1]], 12, block_size=4, threshold=0.5, rule="left_to_right",
+                         eos_token_ids=[]).sequences[0]
+    assert len(sched.engines) == 3
 
 
 # -- failures: every request gets an answer, and the loop keeps serving ---------------------------------------------

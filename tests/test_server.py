@@ -46,10 +46,10 @@ def reference(checkpoint, chat_tokenizer):
     model = CloverForBlockDiffusion.from_pretrained(checkpoint)
     eos = [chat_tokenizer.eos_token_id]
 
-    def answer(messages, max_tokens):
+    def answer(messages, max_tokens, **decoding):
         prompt = render_chat(chat_tokenizer, messages, add_generation_prompt=True)
         ids = chat_tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        out = generate(model, [ids], max_tokens, eos_token_ids=eos, vocab_limit=len(chat_tokenizer))
+        out = generate(model, [ids], max_tokens, eos_token_ids=eos, vocab_limit=len(chat_tokenizer), **decoding)
         return chat_tokenizer.decode(out.sequences[0], skip_special_tokens=True), len(ids), out.stats[0]
     return answer
 
@@ -79,6 +79,13 @@ def test_chat_matches_the_engine_alone_with_usage(client, reference):
     assert r.usage.prompt_tokens == prompt_len and r.usage.completion_tokens == stats["tokens"]
     assert r.usage.total_tokens == prompt_len + stats["tokens"]
     assert r.object == "chat.completion" and r.model == NAME and r.id.startswith("chatcmpl-")
+
+
+def test_decoding_options_per_request(client, reference):
+    msgs = _user("List three colours.")
+    for decoding in ({"rule": "left_to_right"}, {"rule": "joint_threshold", "threshold": 0.3, "block_size": 2}):
+        r = client.chat.completions.create(model=NAME, messages=msgs, max_tokens=16, extra_body=decoding)
+        assert r.choices[0].message.content == reference(msgs, 16, **decoding)[0].strip()
 
 
 def test_chat_streaming_equals_non_streaming(client):
@@ -202,6 +209,7 @@ BAD = [
     ("temperature out of range", dict(body={"model": NAME, "messages": _user("hi"), "temperature": -0.5})),
     ("n zero", dict(body={"model": NAME, "messages": _user("hi"), "n": 0})),
     ("bad block_size", dict(body={"model": NAME, "messages": _user("hi"), "block_size": 0})),
+    ("unknown rule", dict(body={"model": NAME, "messages": _user("hi"), "rule": "fastest"})),
     ("logprobs", dict(body={"model": NAME, "messages": _user("hi"), "logprobs": True})),
     ("wrong api key", dict(body={"model": NAME, "messages": _user("hi")}, key="nope"), 401),
     ("no api key", dict(body={"model": NAME, "messages": _user("hi")}, key=None), 401),

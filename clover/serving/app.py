@@ -276,7 +276,7 @@ class _Server:
                req: SamplingFields) -> RequestHandle:
         try:
             return self.scheduler.submit(prompt, max_new, sampling, block_size=req.block_size,
-                                         threshold=req.threshold, ignore_eos=req.ignore_eos)
+                                         threshold=req.threshold, rule=req.rule, ignore_eos=req.ignore_eos)
         except QueueFull as exc:
             raise APIError(429, f"{exc}; retry later", type="rate_limit_error", code="server_busy") from exc
         except ValueError as exc:

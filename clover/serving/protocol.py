@@ -3,7 +3,7 @@
 Only the fields that change what Clover does are declared; unknown fields are ignored (as vLLM and SGLang do:
 agent frameworks send many optional fields). Declared fields are typed strictly — a string where a number
 belongs is a 400, not a silent coercion — and their bounds appear in the OpenAPI schema that the fuzz test reads.
-Clover's own options ride along as extra body fields (`block_size`, `threshold`; and vLLM's `ignore_eos`,
+Clover's own options ride along as extra body fields (`block_size`, `threshold`, `rule`; and vLLM's `ignore_eos`,
 `top_k`, `repetition_penalty`), as in the `extra_body` of the official client;
 `chat_template_kwargs.enable_thinking` switches the `<think>` block on.
 """
@@ -13,6 +13,8 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator, model_validator
+
+from clover.engine.decoding import RULES
 
 # -- errors ------------------------------------------------------------------------------------------------------
 
@@ -72,6 +74,7 @@ class SamplingFields(_Model):
     # Clover's own options (extra body fields)
     block_size: Annotated[StrictInt, Field(ge=1, le=256)] | None = None
     threshold: UnitFloat | None = None
+    rule: Literal[tuple(sorted(RULES))] | None = None  # type: ignore[valid-type]  # an unmasking rule's name
     ignore_eos: StrictBool = False  # vLLM's extension: always generate max_tokens (benchmarks)
     # accepted for compatibility, ignored: they have no meaning for this server
     user: StrictStr | None = None

@@ -13,9 +13,9 @@ running while requests come and go:
         cancel:  a client that went away leaves the batch at once (`Engine.drop`), freeing its slot
 
 Prefill runs one chunk per iteration, between decode steps, so a long prompt never stalls the streams that
-are already running (chunked prefill, as in vLLM / SGLang). Requests with different `block_size`, `threshold`
-or `ignore_eos` cannot share a lockstep batch: each combination has its own engine and batch, and an iteration
-steps all of them.
+are already running (chunked prefill, as in vLLM / SGLang). Requests with different `block_size`, `threshold`,
+`rule` or `ignore_eos` cannot share a lockstep batch: each combination has its own engine and batch, and an
+iteration steps all of them.
 
 Backpressure: at most `max_running` sequences decode at once and at most `max_waiting` more wait; `submit`
 raises `QueueFull` beyond that (the server answers 429). Results cross to asyncio through
@@ -45,7 +45,7 @@ from clover.serving.prefix_cache import PrefixCache
 logger = logging.getLogger(__name__)
 
 
-EngineKey = tuple[int, float, bool]  # (block_size, threshold, ignore_eos)
+EngineKey = tuple[int, float, str, bool]  # (block_size, threshold, rule, ignore_eos)
 
 
 class QueueFull(Exception):
@@ -122,8 +122,8 @@ class Scheduler:
             raise ValueError(f"the prefix cache grid ({prefix_cache.grid}) must equal the prefill chunk "
                              f"({prefill_chunk}): reuse is exact only on the chunk grid")
         self.model = model
-        self.defaults = (block_size, threshold)
-        self.engine_options = dict(rule=rule, eos_token_ids=eos_token_ids, vocab_limit=vocab_limit,
+        self.defaults = (block_size, threshold, rule)
+        self.engine_options = dict(eos_token_ids=eos_token_ids, vocab_limit=vocab_limit,
                                    detokenize=detokenize, prefill_chunk=prefill_chunk)
         self.prefix_cache = prefix_cache
         self.max_running, self.max_waiting = max_running, max_waiting
@@ -144,25 +144,27 @@ class Scheduler:
         self.error: BaseException | None = None  # set if the loop itself died
 
     # -- called from the event loop --------------------------------------------------------------------------
-    def engine(self, block_size: int | None = None, threshold: float | None = None,
+    def engine(self, block_size: int | None = None, threshold: float | None = None, rule: str | None = None,
                ignore_eos: bool = False) -> tuple[EngineKey, Engine]:
-        """The engine (and its key) decoding with these options; created on first use."""
+        """The engine (and its key) decoding with these options (None: the server's default); created on first
+        use."""
         key = (self.defaults[0] if block_size is None else int(block_size),
-               self.defaults[1] if threshold is None else float(threshold), bool(ignore_eos))
+               self.defaults[1] if threshold is None else float(threshold),
+               self.defaults[2] if rule is None else str(rule), bool(ignore_eos))
         with self._lock:
             if key not in self.engines:
                 options = {**self.engine_options, **({"eos_token_ids": []} if ignore_eos else {})}
-                self.engines[key] = Engine(self.model, key[0], key[1], **options)
+                self.engines[key] = Engine(self.model, key[0], key[1], key[2], **options)
             return key, self.engines[key]
 
     def submit(self, prompt: list[int], max_new_tokens: int, sampling: Seq[SamplingParams], *,
-               block_size: int | None = None, threshold: float | None = None,
+               block_size: int | None = None, threshold: float | None = None, rule: str | None = None,
                ignore_eos: bool = False) -> RequestHandle:
         """Queue one prompt with one `SamplingParams` per choice. Raises `ValueError` for a request the engine
         refuses (it names the parameter), `QueueFull` when the server is at capacity and `RuntimeError` when no
         loop will take it (not started, stopped or died: it would wait forever). `ignore_eos`: generate exactly
         `max_new_tokens` (benchmarks)."""
-        key, engine = self.engine(block_size, threshold, ignore_eos)
+        key, engine = self.engine(block_size, threshold, rule, ignore_eos)
         seqs = engine.make_sequences([prompt] * len(sampling), max_new_tokens, list(sampling))
         handle = RequestHandle(self, next(self._ids), len(seqs), asyncio.get_running_loop())
         now = time.perf_counter()
