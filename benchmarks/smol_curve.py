@@ -105,6 +105,7 @@ def plot(rows: list[dict], output: Path) -> Path:
         right.plot(xs, [r.get(f"{key}_exact") for r in rows], "x--", label=f"{key} (threshold 1.0)", markersize=4)
     right.set(xlabel="supervised training tokens", ylabel="score", title="quality", ylim=(-0.02, 1.02))
     for ax in (left, right):
+        ax.xaxis.set_major_formatter(lambda x, _: f"{x / 1000:.0f}k")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()
