@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from clover.cli.generate import DTYPES
 from clover.engine import RULES, generate
 from clover.model import CloverForBlockDiffusion
 from clover.tokenizer import load_tokenizer
@@ -83,6 +84,10 @@ def text_sets(limit: int) -> dict[str, list[tuple[dict, None]]]:
 Chats = list[tuple[dict, Any]]  # (chat to answer, reference answer or None)
 
 
+def has_threshold(rule: str) -> bool:
+    return "threshold" in {f.name for f in dataclasses.fields(RULES[rule])}
+
+
 def run_mode(model: CloverForBlockDiffusion, tokenizer: Any, chats: Chats, block_size: int, threshold: float,
              max_new_tokens: int, rule: str = "threshold") -> list[tuple[list[int], dict, float]]:
     """(new ids, engine stats, wall seconds) per chat, one at a time."""
@@ -104,7 +109,7 @@ def measure(model: CloverForBlockDiffusion, tokenizer: Any, sets: dict[str, Chat
     `exact` and `ar` modes where they are among `modes`. `rule` decodes every mode; at threshold 1.0 a rule with
     a threshold fills one position per step (most confident first; reading order for `left_to_right`), and a
     rule without one (`top_k_per_step`) is replaced there by the plain threshold rule."""
-    exact_rule = rule if "threshold" in {f.name for f in dataclasses.fields(RULES[rule])} else "threshold"
+    exact_rule = rule if has_threshold(rule) else "threshold"
     report: dict[str, dict[str, dict[str, float | None]]] = {}
     for name, chats in sets.items():
         if not chats:
@@ -150,7 +155,7 @@ def main() -> None:
     parser.add_argument("--tool-limit", type=int, default=None, help="prompts per tool-call set (default: --limit)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
                         help="weights and compute (bfloat16: fast on CPUs with AVX512-BF16 / AMX)")
     parser.add_argument("--threshold", default=None, help="the default mode's threshold (default: the model's); "
                         "several, comma-separated, run one mode each (`t0.8`, ...)")
@@ -165,7 +170,7 @@ def main() -> None:
     if thresholds is not None and (len(set(thresholds)) != len(thresholds) or
                                    not all(0.0 < t <= 1.0 for t in thresholds)):
         parser.error(f"--threshold values must be distinct and in (0, 1], got {args.threshold!r}")
-    if thresholds is not None and "threshold" not in {f.name for f in dataclasses.fields(RULES[args.rule])}:
+    if thresholds is not None and not has_threshold(args.rule):
         parser.error(f"--rule {args.rule} has no threshold: leave --threshold out")
     known = {"default", "exact", "ar"}
     chosen = args.modes.split(",")
@@ -176,7 +181,7 @@ def main() -> None:
     if args.model is None:
         from clover.smol import clover_smol_dir
         args.model = clover_smol_dir()
-    model = CloverForBlockDiffusion.from_pretrained(args.model, dtype=getattr(torch, args.dtype))
+    model = CloverForBlockDiffusion.from_pretrained(args.model, dtype=DTYPES[args.dtype])
     tokenizer = load_tokenizer(args.model)
     block = model.config.block_size
     thresholds = thresholds or [model.config.threshold]
