@@ -17,6 +17,7 @@ from typing import Any
 LINEAR_ATTENTION = "linear_attention"
 FULL_ATTENTION = "full_attention"
 LAYER_TYPES = (LINEAR_ATTENTION, FULL_ATTENTION)
+CONTEXT_READINGS = ("block_causal", "causal")
 
 
 def _hybrid_layer_types(num_layers: int, interval: int = 4) -> list[str]:
@@ -69,6 +70,10 @@ class CloverConfig:
     # -- block diffusion defaults (generation) --------------------------------------------------------
     block_size: int = 16
     threshold: float = 0.9
+    # How committed context is read: "block_causal" (a committed block reads itself in both directions, as the
+    # BD3-LM clean stream is trained) or "causal" (committed tokens are read exactly as the AR base reads them;
+    # only the block being decoded is bidirectional). Exact mode's verification reads drafts causally either way.
+    context_reading: str = "block_causal"
 
     model_type: str = "clover"
 
@@ -122,6 +127,8 @@ class CloverConfig:
             raise bad("block_size", "must be >= 1")
         if not 0.0 < self.threshold <= 1.0:
             raise bad("threshold", "must be in (0, 1]")
+        if self.context_reading not in CONTEXT_READINGS:
+            raise bad("context_reading", f"must be one of {list(CONTEXT_READINGS)}")
 
     # -- (de)serialisation --------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
