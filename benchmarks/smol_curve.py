@@ -25,7 +25,7 @@ import torch
 from tqdm import tqdm
 
 from clover.model import CloverForBlockDiffusion
-from clover.smol import base_dir, manifest, merged_model
+from clover.smol import adapted_model, base_dir, manifest
 from clover.tokenizer import load_tokenizer
 
 from bench_smol import measure, text_sets, tool_sets  # benchmarks/, next to this script
@@ -143,7 +143,7 @@ def main() -> None:
         if step == 0:
             model = CloverForBlockDiffusion.from_pretrained(path)
         else:
-            model = merged_model(path, block, threshold)
+            model = adapted_model(path, block, threshold)
         report = measure(model, tokenizer, sets, {"default": (block, threshold), "exact": (block, 1.0)},
                          args.max_new_tokens, log=tqdm.write)
         seen, supervised = tokens.get(step, (None, None))

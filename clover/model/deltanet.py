@@ -84,7 +84,7 @@ class GatedDeltaNet(nn.Module):
         full = torch.cat([history, clean], dim=2)
         out = []
         if lc:
-            p = layout.prefix_len
+            p = layout.causal_len
             right = [clean[:, :, :p] * self.conv1d_right.weight[:, 0, :1]]  # blocks of one token: tap 0 only
             if layout.blocked_len:
                 blocks, _ = self._blocked(clean[:, :, p:], bsz)
@@ -103,7 +103,12 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, layout: BlockLayout, clean_valid: torch.Tensor | None,
                 cache: DeltaNetLayerCache | None) -> torch.Tensor:
         n, t, _ = x.shape
-        lc, p, bsz = layout.clean_len, layout.prefix_len, layout.block_size
+        lc, p, bsz = layout.clean_len, layout.causal_len, layout.block_size
+        if layout.causal_clean and layout.query_blocks and layout.query_start < lc:
+            # the query blocks would need the causal recurrence's state at each block start of the clean stream
+            raise ValueError("Gated DeltaNet reads committed context block-causally: context_reading='causal' "
+                             "with query blocks inside the clean stream (the training layout) is supported for "
+                             "attention layers only")
         mixed = self.in_proj_qkv(x)
         beta = torch.sigmoid(self.in_proj_b(x).float())
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())

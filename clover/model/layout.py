@@ -11,6 +11,9 @@ A forward pass sees two streams of new tokens after whatever the cache holds:
 
 This one description covers the AR forward (`block_size=1`), prefill + first denoising step, a denoising step
 (no clean tokens), commit + next block in one pass, and BD3-LM's vectorised training layout.
+
+`causal_clean` (a model whose `context_reading` is "causal"): every clean token is read causally, as the AR base
+reads it, whatever the block grid; `prefix_len` and `block_size` then only place the query blocks.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ class BlockLayout:
     prefix_len: int = 0
     query_blocks: int = 0
     query_start: int = 0
+    causal_clean: bool = False
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -49,8 +53,13 @@ class BlockLayout:
         return self.query_blocks * self.block_size
 
     @property
+    def causal_len(self) -> int:
+        """Clean tokens read causally (each its own block): the prefix, or all of them with `causal_clean`."""
+        return self.clean_len if self.causal_clean else self.prefix_len
+
+    @property
     def blocked_len(self) -> int:
-        return self.clean_len - self.prefix_len
+        return self.clean_len - self.causal_len
 
     @property
     def num_clean_blocks(self) -> int:
@@ -58,8 +67,8 @@ class BlockLayout:
 
     def clean_block_ids(self, device: torch.device | None = None) -> torch.Tensor:
         idx = torch.arange(self.clean_len, device=device)
-        return torch.where(idx < self.prefix_len, idx,
-                           self.prefix_len + torch.div(idx - self.prefix_len, self.block_size, rounding_mode="floor"))
+        c = self.causal_len
+        return torch.where(idx < c, idx, c + torch.div(idx - c, self.block_size, rounding_mode="floor"))
 
     def query_block_starts(self, device: torch.device | None = None) -> torch.Tensor:
         """Clean offset at which each query token's block starts, `[query_len]`."""
@@ -77,10 +86,10 @@ class BlockLayout:
         lc, lq = self.clean_len, self.query_len
         padded = (past_valid is not None and not bool(past_valid.all())) or (
             clean_valid is not None and not bool(clean_valid.all()))
-        causal_only = lq == 0 and self.prefix_len == lc
+        causal_only = lq == 0 and self.causal_len == lc
         if not padded and causal_only and (past == 0 or lc == 1):
             return None, past == 0 and lc > 1
-        one_block = (lq == 0 and self.prefix_len == 0 and self.num_clean_blocks == 1) or (
+        one_block = (lq == 0 and self.causal_len == 0 and self.num_clean_blocks == 1) or (
             lc == 0 and self.query_blocks == 1)
         if not padded and one_block:
             return None, False  # a single block against the cache: every key is visible

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from clover.config import LINEAR_ATTENTION, CloverConfig
+from clover.config import CONTEXT_READINGS, LINEAR_ATTENTION, CloverConfig
 from clover.model.attention import Attention
 from clover.model.cache import CloverCache
 from clover.model.deltanet import GatedDeltaNet
@@ -53,6 +53,12 @@ class DecoderLayer(nn.Module):
             self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
 
     def forward(self, h: torch.Tensor, ctx: "_ForwardContext", cache_layer: Any) -> torch.Tensor:
+        if ctx.gate is not None:  # re-opened per layer: checkpointing recomputes a layer after later forwards
+            lc = ctx.layout.clean_len
+            ctx.gate.open(h.shape[0], h.shape[1], lc)
+            if lc < h.shape[1] and h.requires_grad:
+                # the clean stream is the frozen base: no gradient flows into it from the query stream's reads
+                h = torch.cat([h[:, :lc].detach(), h[:, lc:]], dim=1)
         x = self.input_layernorm(h)
         if self.layer_type == LINEAR_ATTENTION:
             x = self.linear_attn(x, ctx.layout, ctx.clean_valid, cache_layer)
@@ -69,6 +75,7 @@ class _ForwardContext:
     rope: tuple[torch.Tensor, torch.Tensor]
     mask: torch.Tensor | None
     is_causal: bool
+    gate: Any = None  # a gated adapter's `AdapterGate` (clover.training.lora), or None
 
 
 class CloverModel(nn.Module):
@@ -91,6 +98,7 @@ class CloverForBlockDiffusion(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.gradient_checkpointing = False
+        self.adapter_gate: Any = None  # set by `apply_lora` for a gated adapter (query positions only)
         self.apply(self._init_weights)
 
     def _init_weights(self, module: nn.Module) -> None:
@@ -119,10 +127,13 @@ class CloverForBlockDiffusion(nn.Module):
         logits_to_keep: int | None = None,
         logits_at: torch.Tensor | None = None,
         output_hidden_states: bool = False,
+        context_reading: str | None = None,
     ) -> CloverOutput:
         """Run clean tokens `input_ids` `[N, T]` (and optional query blocks `query_ids` `[N, nq * block_size]`).
 
         * `block_size`, `prefix_len`: clean tokens are a causal prefix of `prefix_len`, then blocks.
+        * `context_reading` (default: the config's): "causal" reads every clean token causally, as the AR base
+          does; `prefix_len` and `block_size` then only place the query blocks.
         * `attention_mask` `[N, T]`: 1 for real clean tokens, 0 for left padding.
         * `cache`: read, and extended by every clean token. Query tokens are never cached.
         * `query_start`: clean offset of the first query block (default: right after the clean tokens,
@@ -143,7 +154,11 @@ class CloverForBlockDiffusion(nn.Module):
             raise ValueError(f"query_ids length {query_ids.shape[1]} is not a multiple of block_size {block_size}")
         if query_start is None:
             query_start = lc - max(nq - 1, 0) * block_size
-        layout = BlockLayout(lc, block_size, prefix_len if block_size > 1 else lc, nq, query_start)
+        reading = context_reading or self.config.context_reading
+        if reading not in CONTEXT_READINGS:
+            raise ValueError(f"context_reading must be one of {list(CONTEXT_READINGS)}, got {reading!r}")
+        layout = BlockLayout(lc, block_size, prefix_len if block_size > 1 else lc, nq, query_start,
+                             causal_clean=reading == "causal")
         if lc + nq == 0:
             raise ValueError("forward needs at least one clean token or one query block")
         if logits_at is not None:
@@ -173,10 +188,13 @@ class CloverForBlockDiffusion(nn.Module):
         positions_t = torch.cat(positions, dim=1)
         self._check_context(positions_t)
 
+        gate = self.adapter_gate
+        if gate is not None:
+            gate.open(n, all_ids.shape[1], lc)
         h = self.model.embed_tokens(all_ids)
         past_valid = cache.past_valid() if cache is not None else None
         mask, is_causal = layout.attention_mask(past_valid, clean_valid, n, device)
-        ctx = _ForwardContext(layout, clean_valid, self.model.rotary(positions_t, h.dtype), mask, is_causal)
+        ctx = _ForwardContext(layout, clean_valid, self.model.rotary(positions_t, h.dtype), mask, is_causal, gate)
         for i, layer in enumerate(self.model.layers):
             cache_layer = cache.layers[i] if cache is not None else None
             if self.gradient_checkpointing and self.training:
@@ -261,7 +279,10 @@ class CloverForBlockDiffusion(nn.Module):
     @classmethod
     def from_pretrained(cls, directory: str | Path, dtype: torch.dtype | None = None,
                         device: torch.device | str | None = None) -> "CloverForBlockDiffusion":
+        """Load a checkpoint directory; an adapter stored next to the weights (`adapter_config.json`, as
+        `save_pretrained` writes for a model with an unmerged, e.g. gated, adapter) is applied and loaded."""
         from clover.checkpoint import load_state_dict_strict
+        from clover.training.lora import ADAPTER_CONFIG, load_adapter
 
         config = CloverConfig.from_file(directory)
         with torch.device("meta"):  # no random init, no second copy of the weights
@@ -269,11 +290,21 @@ class CloverForBlockDiffusion(nn.Module):
         if dtype is not None:
             model.to(dtype=dtype)  # free on meta; loading then casts tensor by tensor (no full-precision copy)
         load_state_dict_strict(model, directory)
+        if (Path(directory) / ADAPTER_CONFIG).is_file():
+            load_adapter(model, directory)
         if device is not None:
             model.to(device=device)
         return model.eval()
 
     def save_pretrained(self, directory: str | Path, tokenizer_dir: str | Path | None = None) -> None:
+        """Save as a checkpoint directory; an unmerged adapter goes next to the base weights
+        (`adapter.safetensors` + `adapter_config.json`), which `from_pretrained` restores."""
         from clover.checkpoint import save_checkpoint
+        from clover.training.lora import adapter_tensor_names, has_lora, save_adapter
 
-        save_checkpoint(self, directory, tokenizer_dir=tokenizer_dir)
+        if not has_lora(self):
+            save_checkpoint(self, directory, tokenizer_dir=tokenizer_dir)
+            return
+        adapter = adapter_tensor_names(self)
+        save_checkpoint(self, directory, tokenizer_dir=tokenizer_dir, exclude=adapter,
+                        extra=lambda tmp: save_adapter(self, tmp, self.lora_config))

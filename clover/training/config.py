@@ -66,6 +66,9 @@ class LoraConfig:
     targets: list[str] = field(default_factory=lambda: list(DEFAULT_LORA_TARGETS))  # nn.Linear names
     train_rows: list[str] = field(default_factory=lambda: ["mask"])  # embedding rows trained: ids or "mask"
     extra_trainable: list[str] = field(default_factory=lambda: ["conv1d_right", "memory_calibration"])
+    # gated: adapters act only at query (masked / drafted) positions; committed context is read causally by the
+    # unchanged base, so the causal path is the base model itself (and exact decoding reproduces it)
+    gated: bool = False
 
     def validate(self) -> None:
         if self.rank < 0:
@@ -96,6 +99,8 @@ class TrainConfig:
     pad_target: str = "none"  # "none": [MASK] padding is never trained; "eos": pad the last block with EOS, trained
     ar_weight: float = 0.0  # + ar_weight * causal (block_size 1) next-token CE on the supervised tokens
     kl_weight: float = 0.0  # + kl_weight * KL(base || model) of the causal predictions (LoRA: base = adapters off)
+    # + confidence_weight * entropy at masked positions already predicted right (CAP / certainty forcing)
+    confidence_weight: float = 0.0
     # -- optimisation ------------------------------------------------------------------------------------------
     max_steps: int = 1000
     batch_size: int = 8  # documents per optimizer step, all ranks together
@@ -145,7 +150,8 @@ class TrainConfig:
         for name in ("warmup_steps", "eval_every", "save_every", "eval_documents", "threads"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        for name in ("lr", "weight_decay", "grad_clip", "ar_weight", "kl_weight", "max_minutes", "min_lr_ratio"):
+        for name in ("lr", "weight_decay", "grad_clip", "ar_weight", "kl_weight", "confidence_weight", "max_minutes",
+                     "min_lr_ratio"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         for entry in self.block_curriculum:

@@ -11,6 +11,13 @@
   for good and restores plain modules, so `model.save_pretrained(dir)` writes an ordinary checkpoint.
 * `adapters_disabled(model)` runs the base model (for the KL term against it).
 
+**Gated adapters** (`config.gated`): the LoRA updates and the row deltas act only at *query* positions (masked
+or drafted tokens); committed (clean) tokens are read by the unchanged base weights, so the model's causal path
+is exactly the base model and its context is read causally (`apply_lora` sets `context_reading="causal"`). The
+model's forward tells the shared `AdapterGate` where the query stream starts (every decoder layer re-opens it,
+so gradient checkpointing's recomputation sees the right split). A gated adapter cannot be merged into the
+weights: it is stored next to them (`save_pretrained` / `from_pretrained` keep it).
+
 Routed experts are fused 3-D parameters, not `nn.Linear`: they are not LoRA targets (the shared expert is).
 With tied embeddings the `row_delta` changes the input embedding only; merging writes it into the shared
 matrix, so the tied LM head's row for that token (the `[MASK]` logit, never a target) moves with it.
@@ -21,7 +28,7 @@ from __future__ import annotations
 import json
 import logging
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -39,10 +46,36 @@ ADAPTER_FILE = "adapter.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
 
 
+class AdapterGate:
+    """Where a gated adapter acts: the forward's `[N, T]` token grid, adapted from position `start` on (the
+    query stream). Set by the model's forward before each layer; read by the gated modules, whose inputs are
+    `[N, T, F]` or flattened `[N * T, F]` (the MoE)."""
+
+    def __init__(self) -> None:
+        self.shape: tuple[int, int] | None = None
+        self.start = 0
+
+    def open(self, batch: int, tokens: int, start: int) -> None:
+        self.shape, self.start = (batch, tokens), start
+
+    def apply(self, base: torch.Tensor, x: torch.Tensor, delta: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """`base` (the base module's output for input `x`) plus `delta(x)` at query positions only."""
+        if self.shape is None:
+            raise RuntimeError("a gated adapter runs only inside a CloverForBlockDiffusion forward, which tells it "
+                               "where the query tokens are")
+        n, t = self.shape
+        if self.start >= t:  # no query tokens: the base model, untouched
+            return base
+        x3, y3 = x.reshape(n, t, x.shape[-1]), base.reshape(n, t, base.shape[-1])
+        out = torch.cat([y3[:, : self.start], y3[:, self.start:] + delta(x3[:, self.start:])], dim=1)
+        return out.reshape(base.shape)
+
+
 class LoRALinear(nn.Linear):
     """An `nn.Linear` plus a low-rank update; `weight` and `bias` are the base layer's own parameters."""
 
-    def __init__(self, base: nn.Linear, rank: int, alpha: float, dropout: float = 0.0) -> None:
+    def __init__(self, base: nn.Linear, rank: int, alpha: float, dropout: float = 0.0,
+                 gate: AdapterGate | None = None) -> None:
         nn.Module.__init__(self)
         self.in_features, self.out_features = base.in_features, base.out_features
         self.weight = base.weight
@@ -55,6 +88,7 @@ class LoRALinear(nn.Linear):
         self.lora_dropout = nn.Dropout(dropout) if dropout else nn.Identity()
         self.merged = False
         self.enabled = True
+        self.gate = gate
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight, self.bias)
@@ -64,7 +98,12 @@ class LoRALinear(nn.Linear):
             return y
         if not self.enabled:
             return y
-        return y + F.linear(F.linear(self.lora_dropout(x), self.lora_A), self.lora_B) * self.scaling
+        if self.gate is not None:
+            return self.gate.apply(y, x, self._delta)
+        return y + self._delta(x)
+
+    def _delta(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(F.linear(self.lora_dropout(x), self.lora_A), self.lora_B) * self.scaling
 
     def delta_weight(self) -> torch.Tensor:
         """`scaling * B A`, in float64: rounded to the weight's dtype it does not depend on how many threads or
@@ -73,6 +112,7 @@ class LoRALinear(nn.Linear):
 
     @torch.no_grad()
     def merge(self) -> None:
+        _refuse_gated_merge(self.gate)
         if not self.merged:
             self.weight.add_(self.delta_weight().to(self.weight.dtype))
             self.merged = True
@@ -90,7 +130,7 @@ class LoRALinear(nn.Linear):
 class TrainableRowsEmbedding(nn.Embedding):
     """An `nn.Embedding` whose rows `rows` get a trainable additive `row_delta` (the base matrix stays frozen)."""
 
-    def __init__(self, base: nn.Embedding, rows: list[int]) -> None:
+    def __init__(self, base: nn.Embedding, rows: list[int], gate: AdapterGate | None = None) -> None:
         nn.Module.__init__(self)
         for name in ("num_embeddings", "embedding_dim", "padding_idx", "max_norm", "norm_type",
                      "scale_grad_by_freq", "sparse"):
@@ -102,16 +142,23 @@ class TrainableRowsEmbedding(nn.Embedding):
                                                   dtype=base.weight.dtype))
         self.merged = False
         self.enabled = True
+        self.gate = gate
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         out = super().forward(ids)
         if self.merged or not self.enabled:
             return out
-        hit = (ids[..., None] == self.rows).to(out.dtype)
-        return out + hit @ self.row_delta.to(out.dtype)
+        if self.gate is not None:
+            return self.gate.apply(out, ids[..., None], lambda query_ids: self._delta(query_ids[..., 0], out.dtype))
+        return out + self._delta(ids, out.dtype)
+
+    def _delta(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        hit = (ids[..., None] == self.rows).to(dtype)
+        return hit @ self.row_delta.to(dtype)
 
     @torch.no_grad()
     def merge(self) -> None:
+        _refuse_gated_merge(self.gate)
         if not self.merged:
             self.weight[self.rows] += self.row_delta.to(self.weight.dtype)
             self.merged = True
@@ -121,6 +168,13 @@ class TrainableRowsEmbedding(nn.Embedding):
         if self.merged:
             self.weight[self.rows] -= self.row_delta.to(self.weight.dtype)
             self.merged = False
+
+
+def _refuse_gated_merge(gate: AdapterGate | None) -> None:
+    if gate is not None:
+        raise ValueError("a gated adapter acts only at query positions and cannot be merged into the weights "
+                         "(the merged model would read committed context with the adapter too); keep it unmerged: "
+                         "save_pretrained stores it next to the base weights and from_pretrained restores it")
 
 
 def _adapted(model: nn.Module) -> Iterator[nn.Module]:
@@ -157,6 +211,20 @@ def apply_lora(model: nn.Module, config: LoraConfig) -> dict[str, Any]:
         raise ValueError("apply_lora needs lora.rank >= 1")
     if any(True for _ in _adapted(model)):
         raise ValueError("the model already has LoRA adapters")
+    gate = None
+    if config.gated:
+        model_config = getattr(model, "config", None)
+        if not hasattr(model, "adapter_gate") or model_config is None:
+            raise ValueError("lora.gated needs a CloverForBlockDiffusion (its forward places the query stream)")
+        extras = sorted(n for n, _ in model.named_parameters() if any(p in n for p in config.extra_trainable))
+        if extras:
+            raise ValueError(f"lora.gated: lora.extra_trainable matches base parameters {extras[:4]}..., which act "
+                             "at every position (committed context too); set lora.extra_trainable: [] for a "
+                             "gated adapter")
+        gate = AdapterGate()
+        model.adapter_gate = gate
+        model_config.context_reading = "causal"  # the causal path is the base: committed tokens read causally
+    model.lora_config = config  # what save_pretrained writes next to the weights
     model.requires_grad_(False)
     linear = [(n, m) for n, m in model.named_modules() if type(m) is nn.Linear]
     chosen = [(n, m) for n, m in linear if _matches(n, config.targets)]
@@ -165,11 +233,11 @@ def apply_lora(model: nn.Module, config: LoraConfig) -> dict[str, Any]:
         raise ValueError(f"lora.targets {config.targets} match no nn.Linear of the model; its linear layers are "
                          f"named {names}")
     for name, module in chosen:
-        _set_child(model, name, LoRALinear(module, config.rank, config.alpha, config.dropout))
+        _set_child(model, name, LoRALinear(module, config.rank, config.alpha, config.dropout, gate))
     rows = resolve_rows(model, config.train_rows) if config.train_rows else []
     if rows:
         embed_name = next(n for n, m in model.named_modules() if type(m) is nn.Embedding)
-        _set_child(model, embed_name, TrainableRowsEmbedding(model.get_submodule(embed_name), rows))
+        _set_child(model, embed_name, TrainableRowsEmbedding(model.get_submodule(embed_name), rows, gate))
     extras = []
     for name, param in model.named_parameters():
         if any(pattern in name for pattern in config.extra_trainable) and "lora_" not in name:
@@ -184,8 +252,9 @@ def apply_lora(model: nn.Module, config: LoraConfig) -> dict[str, Any]:
                 param.requires_grad_(True)
     info = {"adapted": [n for n, _ in chosen], "rows": rows, "extra_trainable": extras,
             "trainable_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad)}
-    logger.info("LoRA rank %d on %d linear layers, %d embedding rows, %d extra tensors: %d trainable parameters",
-                config.rank, len(chosen), len(rows), len(extras), info["trainable_parameters"])
+    logger.info("LoRA rank %d%s on %d linear layers, %d embedding rows, %d extra tensors: %d trainable parameters",
+                config.rank, " (gated: query positions only)" if gate else "", len(chosen), len(rows), len(extras),
+                info["trainable_parameters"])
     return info
 
 
@@ -208,8 +277,20 @@ def unmerge_lora(model: nn.Module) -> None:
         module.unmerge()
 
 
+def is_gated(model: nn.Module) -> bool:
+    """Whether `model` carries a gated adapter (which acts at query positions only and cannot be merged)."""
+    return getattr(model, "adapter_gate", None) is not None
+
+
+def adapter_tensor_names(model: nn.Module) -> set[str]:
+    """Names of the adapter's own tensors (LoRA factors, row deltas): not part of the base weights."""
+    return {n for n, _ in model.named_parameters() if n.rpartition(".")[2] in ("lora_A", "lora_B", "row_delta")}
+
+
 def merge_and_unload(model: nn.Module) -> nn.Module:
     """Fold every adapter into its weights and put plain `nn.Linear` / `nn.Embedding` modules back."""
+    if is_gated(model):
+        _refuse_gated_merge(model.adapter_gate)
     for name, module in list(model.named_modules()):
         if isinstance(module, LoRALinear):
             module.merge()
@@ -250,7 +331,7 @@ def save_adapter(model: nn.Module, directory: str | Path, config: LoraConfig, ba
     save_file({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, str(directory / ADAPTER_FILE),
               metadata={"format": "pt"})
     meta = {"lora": {k: getattr(config, k) for k in ("rank", "alpha", "dropout", "targets", "train_rows",
-                                                      "extra_trainable")},
+                                                      "extra_trainable", "gated")},
             "base": base, "tensors": sorted(tensors)}
     (directory / ADAPTER_CONFIG).write_text(json.dumps(meta, indent=2) + "\n")
 

@@ -32,8 +32,17 @@ supervised tokens: the model's own AR loss, to keep AR quality. (Inside the bloc
 non-final position sees its successor, so it cannot serve as an AR loss.) The optional KL term is
 KL(base || model) of the same causal predictions against a frozen reference (LoRA: the adapters switched off).
 
+The optional confidence term (`confidence_weight`; dParallel's certainty forcing, LLaDA2.0's CAP) is the mean
+entropy of the predicted distribution at masked positions whose argmax is already the target: it sharpens
+predictions that are right but not yet confident enough to pass a decoding threshold, and leaves wrong ones to
+the cross-entropy. Normalised by the masked tokens (known before the forward).
+
+With a model whose `context_reading` is "causal" (a gated adapter), the clean stream is read causally rather than
+block-causally: a block's first position is then the base's own next-token prediction.
+
 `reference_block_loss` computes the diffusion term the obvious way, one forward per block
-(`model(clean[:start] + noised block, B, prefix_len=P)`); the tests prove the vectorised form equals it.
+(`model(clean[:start], B, prefix_len=P, query_ids=noised block)`, as decoding runs it); the tests prove the
+vectorised form equals it.
 """
 
 from __future__ import annotations
@@ -238,7 +247,7 @@ def loss_denominators(batch: Batch, noise: Noise) -> dict[str, float]:
         diffusion = supervised * noise.copies
     else:
         diffusion = float(noise.mask.sum())
-    return {"diffusion": diffusion, "ar": supervised}
+    return {"diffusion": diffusion, "ar": supervised, "masked": float(noise.mask.sum())}
 
 
 # -- the loss --------------------------------------------------------------------------------------------------
@@ -252,12 +261,16 @@ def _token_weights(noise: Noise, rows: torch.Tensor, pos: torch.Tensor, block_si
 
 
 def _masked_terms(logits: torch.Tensor, targets: torch.Tensor, first: torch.Tensor,
-                  weights: torch.Tensor | None) -> dict[str, torch.Tensor]:
-    ce = F.cross_entropy(logits.float(), targets, reduction="none")
+                  weights: torch.Tensor | None, confidence: bool = False) -> dict[str, torch.Tensor]:
+    logp = logits.float().log_softmax(-1)
+    ce = F.nll_loss(logp, targets, reduction="none")
     weighted = ce if weights is None else ce * weights
-    with torch.no_grad():
-        correct = (logits.argmax(-1) == targets).sum()
-    return {
+    right = logits.detach().argmax(-1) == targets
+    correct = right.sum()
+    terms = {}
+    if confidence:  # entropy -sum p log p where the argmax is already right (CAP / certainty forcing)
+        terms["confidence_sum"] = -(logp[right].exp() * logp[right]).sum()
+    return terms | {
         "diffusion_sum": weighted.sum(),
         "ce_sum": ce.detach().sum(),
         "first_sum": ce.detach()[first].sum(),
@@ -268,8 +281,11 @@ def _masked_terms(logits: torch.Tensor, targets: torch.Tensor, first: torch.Tens
 
 
 def _finish(terms: dict[str, torch.Tensor], den: dict[str, float], ar_weight: float, kl_weight: float,
-            ar_sum: torch.Tensor | None, kl_sum: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, float]]:
+            ar_sum: torch.Tensor | None, kl_sum: torch.Tensor | None,
+            confidence_weight: float = 0.0) -> tuple[torch.Tensor, dict[str, float]]:
     loss = terms["diffusion_sum"] / max(den["diffusion"], 1.0)
+    if "confidence_sum" in terms:
+        loss = loss + confidence_weight * terms["confidence_sum"] / max(den["masked"], 1.0)
     masked = float(terms["masked"])
     first = float(terms["first_count"])
     metrics = {
@@ -286,6 +302,9 @@ def _finish(terms: dict[str, torch.Tensor], den: dict[str, float], ar_weight: fl
         "first_sum": float(terms["first_sum"]),
         "correct": float(terms["correct"]),
     }
+    if "confidence_sum" in terms:  # mean entropy over the correctly predicted masked tokens
+        metrics["confidence_sum"] = float(terms["confidence_sum"].detach())
+        metrics["confident_entropy"] = metrics["confidence_sum"] / max(float(terms["correct"]), 1.0)
     if ar_sum is not None:
         ar = ar_sum / max(den["ar"], 1.0)
         metrics["ar_loss"] = float(ar.detach())
@@ -303,7 +322,7 @@ def _finish(terms: dict[str, torch.Tensor], den: dict[str, float], ar_weight: fl
 
 def bd3_loss(model: torch.nn.Module, batch: Batch, block_size: int, noise: Noise | NoiseConfig, *,
              mask_token_id: int | None = None, ar_weight: float = 0.0, kl_weight: float = 0.0,
-             reference: ReferenceFn | None = None,
+             confidence_weight: float = 0.0, reference: ReferenceFn | None = None,
              denominators: dict[str, float] | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """BD3-LM loss of `batch` in one vectorised forward (+ one causal forward for the AR / KL terms).
 
@@ -344,12 +363,13 @@ def bd3_loss(model: torch.nn.Module, batch: Batch, block_size: int, noise: Noise
     at[rows, column] = True
     logits = model(ids, block_size, prefix_len=p, attention_mask=attention, query_ids=query, query_start=p,
                    logits_at=at).logits
-    terms = _masked_terms(logits, response[rows, pos], first, _token_weights(noise, rows, pos, block_size))
+    terms = _masked_terms(logits, response[rows, pos], first, _token_weights(noise, rows, pos, block_size),
+                          confidence=confidence_weight > 0)
 
     ar_sum = kl_sum = None
     if ar_weight or kl_weight:
         ar_sum, kl_sum = _causal_terms(model, batch, kl_weight, reference)
-    return _finish(terms, den, ar_weight, kl_weight, ar_sum, kl_sum)
+    return _finish(terms, den, ar_weight, kl_weight, ar_sum, kl_sum, confidence_weight)
 
 
 def _causal_terms(model: torch.nn.Module, batch: Batch, kl_weight: float,
@@ -372,10 +392,12 @@ def _causal_terms(model: torch.nn.Module, batch: Batch, kl_weight: float,
 
 
 def reference_block_loss(model: torch.nn.Module, batch: Batch, block_size: int, noise: Noise, *,
-                         mask_token_id: int | None = None) -> tuple[torch.Tensor, dict[str, float]]:
-    """The diffusion term of `bd3_loss`, computed block by block: for each noised block `j`, one forward of
-    `clean[:P + jB] + noised block j` with `prefix_len=P`; block `j`'s first position is predicted by the
-    output at `P + jB - 1`, the others by the noised block's outputs one position to their left."""
+                         mask_token_id: int | None = None,
+                         confidence_weight: float = 0.0) -> tuple[torch.Tensor, dict[str, float]]:
+    """The diffusion (and confidence) terms of `bd3_loss`, computed block by block: for each noised block `j`,
+    one forward of `clean[:P + jB]` with `prefix_len=P` and the noised block `j` as the query block (as decoding
+    runs it); block `j`'s first position is predicted by the clean output at `P + jB - 1`, the others by the
+    noised block's outputs one position to their left."""
     mask_id = mask_token_id if mask_token_id is not None else model.config.mask_token_id
     p, r, n = batch.prompt_len, batch.response_len, batch.rows
     b = block_size
@@ -385,19 +407,20 @@ def reference_block_loss(model: torch.nn.Module, batch: Batch, block_size: int, 
         mask_c = noise.mask[rows_c].to(batch.input_ids.device)
         for j in range(r // b):
             start = p + j * b
-            ids = batch.input_ids[:, : start + b].clone()
             block_mask = mask_c[:, j * b: (j + 1) * b]
-            ids[:, start:] = torch.where(block_mask, torch.full_like(ids[:, start:], mask_id), ids[:, start:])
-            attention = batch.attention_mask[:, : start + b] if batch.padded else None
-            out = model(ids, b, prefix_len=p, attention_mask=attention)
+            block = batch.input_ids[:, start: start + b]
+            noised = torch.where(block_mask, torch.full_like(block, mask_id), block)
+            attention = batch.attention_mask[:, :start] if batch.padded else None
+            out = model(batch.input_ids[:, :start], b, prefix_len=p, attention_mask=attention, query_ids=noised)
+            shifted = torch.cat([out.logits[:, -1:], out.query_logits[:, :-1]], dim=1)  # position i from i - 1
             rows, off = block_mask.nonzero(as_tuple=True)
-            logits = out.logits[rows, start + off - 1]
+            logits = shifted[rows, off]
             targets = batch.input_ids[rows, start + off]
             pos = j * b + off
             weights = _token_weights(noise, rows + c * n, pos, b)
-            terms = _masked_terms(logits, targets, off == 0, weights)
+            terms = _masked_terms(logits, targets, off == 0, weights, confidence=confidence_weight > 0)
             for k, v in terms.items():
                 pieces.setdefault(k, []).append(v)
     total = {k: torch.stack([torch.as_tensor(x, dtype=torch.float, device=v[0].device) for x in v]).sum()
              for k, v in pieces.items()}
-    return _finish(total, loss_denominators(batch, noise), 0.0, 0.0, None, None)
+    return _finish(total, loss_denominators(batch, noise), 0.0, 0.0, None, None, confidence_weight)

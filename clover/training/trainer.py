@@ -61,7 +61,7 @@ STATE_VERSION = 1
 _MASK64 = (1 << 64) - 1
 # per-step sums reduced across micro-batches and ranks
 _SUM_KEYS = ("loss", "diffusion_sum", "ce_sum", "first_sum", "masked_tokens", "first_tokens", "correct",
-             "supervised_tokens", "ar_sum", "kl_sum", "tokens", "diffusion_den", "ar_den")
+             "supervised_tokens", "ar_sum", "kl_sum", "confidence_sum", "tokens", "diffusion_den", "ar_den")
 
 
 def mix_seed(*values: int) -> int:
@@ -218,7 +218,7 @@ class ObjectiveModule(nn.Module):
     def forward(self, batch: Batch, noise: Noise, block_size: int,
                 denominators: dict[str, float]) -> tuple[torch.Tensor, dict[str, float]]:
         return bd3_loss(self.model, batch, block_size, noise, ar_weight=self.cfg.ar_weight,
-                        kl_weight=self.cfg.kl_weight, reference=self.reference_logits if self.cfg.kl_weight else None,
+                        kl_weight=self.cfg.kl_weight, confidence_weight=self.cfg.confidence_weight, reference=self.reference_logits if self.cfg.kl_weight else None,
                         denominators=denominators)
 
 
@@ -452,12 +452,12 @@ class Trainer:
         c, d = self.config, self.dist
         block_size = c.block_size_at(step)
         micro = self._micro_batches(step, block_size)
-        local_den = torch.zeros(2, dtype=torch.float64)
+        keys = ("diffusion", "ar", "masked")
+        local_den = torch.zeros(len(keys), dtype=torch.float64)
         for batch, noise in micro:
             den = loss_denominators(batch, noise)
-            local_den += torch.tensor([den["diffusion"], den["ar"]], dtype=torch.float64)
-        global_den = d.all_sum(local_den)
-        den = {"diffusion": float(global_den[0]), "ar": float(global_den[1])}
+            local_den += torch.tensor([den[k] for k in keys], dtype=torch.float64)
+        den = dict(zip(keys, d.all_sum(local_den).tolist()))
         lr = lr_at(c, step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -498,6 +498,8 @@ class Trainer:
             out["ar_loss"] = s["ar_sum"] / max(den["ar"], 1.0)
         if c.kl_weight:
             out["kl"] = s["kl_sum"] / max(den["ar"], 1.0)
+        if c.confidence_weight:
+            out["confident_entropy"] = s["confidence_sum"] / max(s["correct"], 1.0)
         return out
 
     # -- evaluation ----------------------------------------------------------------------------------------

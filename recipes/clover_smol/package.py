@@ -14,7 +14,7 @@ import json
 import shutil
 from pathlib import Path
 
-from clover.smol import ASSET_DIR, MANIFEST, merged_model, weights_checksum
+from clover.smol import ASSET_DIR, MANIFEST, adapted_model, weights_checksum
 from clover.training.lora import ADAPTER_CONFIG, ADAPTER_FILE
 
 MAX_BYTES = 25 * 2**20
@@ -37,7 +37,7 @@ def main() -> None:
     for name in (ADAPTER_FILE, ADAPTER_CONFIG):
         shutil.copy(src / name, ASSET_DIR / name)
 
-    model = merged_model(ASSET_DIR, args.block_size, args.threshold)
+    model = adapted_model(ASSET_DIR, args.block_size, args.threshold)
     log = args.log or src.parent.parent / "train_log.jsonl"
     records = [json.loads(line) for line in log.read_text().splitlines() if line.strip()] if log.is_file() else []
     last = next((r for r in reversed(records) if "loss" in r), {})
