@@ -179,6 +179,32 @@ def test_lora_merge_unmerge_and_export(tmp_path):
                             LoraConfig(rank=2, targets=["nope"]))
 
 
+
+def test_gated_lora_training_keeps_the_causal_path_the_base_and_resumes_gated(tmp_path):
+    docs = documents()
+    cfg = config(tmp_path, max_steps=3, lr=1e-2, confidence_weight=0.1, pad_target="eos",
+                 lora={"rank": 4, "alpha": 8, "gated": True, "extra_trainable": []})
+    trainer = Trainer(cfg, train_documents=docs)
+    assert trainer.model.config.context_reading == "causal"
+    trainer.train()
+    ckpt = latest_checkpoint(tmp_path / "run")
+    assert json.loads((ckpt / "adapter_config.json").read_text())["lora"]["gated"] is True
+    fresh = CloverForBlockDiffusion(CloverConfig.from_preset("clover-tiny-dense")).eval()
+    adapter = lora_mod.adapter_tensor_names(trainer.model)
+    fresh.load_state_dict({k: v for k, v in trainer.model.state_dict().items() if k not in adapter})
+    lora_mod.load_adapter(fresh, ckpt)  # the adapter directory alone restores the gating
+    ids = torch.randint(0, 250, (2, 9))
+    with torch.no_grad():
+        with lora_mod.adapters_disabled(trainer.model):
+            base = trainer.model(ids, 1).logits
+        assert torch.equal(trainer.model(ids, 1).logits, base)  # trained, yet the causal path is the base
+        query = torch.full((2, 4), 255)
+        trained = trainer.model(ids, 4, prefix_len=2, query_ids=query).query_logits
+        assert torch.equal(fresh(ids, 4, prefix_len=2, query_ids=query).query_logits, trained)
+        with lora_mod.adapters_disabled(trainer.model):
+            assert not torch.allclose(trainer.model(ids, 4, prefix_len=2, query_ids=query).query_logits, trained)
+
+
 # -- CLI ---------------------------------------------------------------------------------------------------
 def test_cli_train_on_token_shards_then_plot(tmp_path, capsys):
     from clover.training.data import write_token_shards
