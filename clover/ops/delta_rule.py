@@ -8,7 +8,7 @@ Causal recurrence (the AR base), per head:
 
     S_t = exp(g_t) S_{t-1} + k_t (beta_t (v_t - exp(g_t) S_{t-1}^T k_t))^T,     o_t = S_t^T q_t
 
-Block-bidirectional read (Clover, DESIGN §2), for the `n` tokens of one block with history state `S_h` and
+Block-bidirectional read (Clover, docs/design.md §4), for the `n` tokens of one block with history state `S_h` and
 in-block cumulative log-decay `G_i = sum_{t <= i} g_t`:
 
     o_i = lambda(n) exp(G_i) S_h^T q_i + sum_j exp(-|G_i - G_j|) (q_i . k_j) u_j,
@@ -112,7 +112,7 @@ def block_bidirectional_read(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     states: torch.Tensor, memory_scale: torch.Tensor,
 ) -> torch.Tensor:
-    """Outputs of many blocks at once, each reading its own history state (DESIGN §2).
+    """Outputs of many blocks at once, each reading its own history state (docs/design.md §4).
 
     Shapes: q, k `[N, H, nb, n, dk]`, v `[N, H, nb, n, dv]`, g, beta `[N, H, nb, n]`, states
     `[N, H, nb, dk, dv]` (the state before each block), memory_scale `lambda(n)` broadcastable to `[N, H, nb]`.
