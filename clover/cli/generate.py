@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
+from clover.chat_template import render_chat
 from clover.engine import RULES, SamplingParams, StepSnapshot, StopAwareDetokenizer, StreamPiece, stream
 from clover.tokenizer import eos_token_ids, load_tokenizer
-from clover.training.chat_template import render_chat
 
 MASK_GLYPH = "░"
 
