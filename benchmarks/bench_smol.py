@@ -31,12 +31,12 @@ from typing import Any
 
 import torch
 
+from clover.chat_template import parse_assistant_output, render_chat
 from clover.cli.generate import DTYPES
 from clover.engine import RULES, generate
 from clover.model import CloverForBlockDiffusion
 from clover.tokenizer import load_tokenizer
 from clover.training.bfcl import bfcl_to_chats, load_bfcl, tool_call_matches
-from clover.training.chat_template import parse_assistant_output, render_chat
 
 HELDOUT = Path(__file__).resolve().parents[1] / "recipes" / "clover_smol" / "heldout.jsonl"
 CODE_BLOCK = re.compile(r"```(?:python|py)?\n(.*?)```", re.S)

@@ -92,7 +92,7 @@ def adapted_model(adapter_dir: Path, block_size: int, threshold: float) -> Clove
 def build(asset_dir: Path | None = None, out_dir: Path | None = None) -> Path:
     """Base + adapter -> a complete clover-smol checkpoint directory; verifies the merged weights' checksum."""
     asset_dir = asset_dir or ASSET_DIR
-    from clover.training.chat_template import CLOVER_CHAT_TEMPLATE
+    from clover.chat_template import CLOVER_CHAT_TEMPLATE
     from clover.tokenizer import load_tokenizer
 
     info = manifest(asset_dir)

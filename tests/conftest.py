@@ -12,7 +12,7 @@ def build_chat_tokenizer():
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from clover.training.chat_template import CLOVER_CHAT_TEMPLATE
+    from clover.chat_template import CLOVER_CHAT_TEMPLATE
 
     tk = Tokenizer(models.BPE())
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

@@ -10,7 +10,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from clover.training.chat_template import (
+from clover.chat_template import (
     CLOVER_CHAT_TEMPLATE,
     parse_assistant_output,
     render_chat,

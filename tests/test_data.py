@@ -13,6 +13,7 @@ from safetensors import safe_open
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
+from clover.chat_template import render_chat, tokenize_chat_for_training
 from clover.cli.main import main
 from clover.training.bfcl import (
     TRAIN_CATEGORIES,
@@ -22,7 +23,6 @@ from clover.training.bfcl import (
     split_of,
     tool_call_matches,
 )
-from clover.training.chat_template import render_chat, tokenize_chat_for_training
 from clover.tokenizer import load_tokenizer
 from clover.training.data import TokenShards, prepare_token_shards, resolve_tokenizer
 

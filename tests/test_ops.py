@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from clover.ops.delta_rule import (block_bidirectional_read, chunk_gated_delta_rule, l2norm,
-                                   naive_block_bidirectional_read, recurrent_gated_delta_rule)
+from clover.ops.delta_rule import block_bidirectional_read, chunk_gated_delta_rule, l2norm, recurrent_gated_delta_rule
+from clover.ops.delta_rule_naive import naive_block_bidirectional_read
 
 
 def _inputs(n=2, h=3, t=37, dk=8, dv=6, seed=0):

@@ -13,9 +13,9 @@ import httpx
 import openai
 import pytest
 
+from clover.chat_template import render_chat
 from clover.engine import generate
 from clover.model import CloverForBlockDiffusion
-from clover.training.chat_template import render_chat
 from server_helpers import build_checkpoint, server_process
 
 KEY = "test-key-123"

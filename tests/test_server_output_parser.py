@@ -7,8 +7,8 @@ import random
 
 import pytest
 
+from clover.chat_template import parse_assistant_output, render_chat
 from clover.serving.output_parser import OutputParser, parse_output
-from clover.training.chat_template import parse_assistant_output, render_chat
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]

@@ -141,7 +141,7 @@ def test_distillation_prompt_is_rendered_exactly_as_training_renders_it():
     the training document's ids before its first supervised token."""
     from test_chat_template import build_tiny_tokenizer
 
-    from clover.training.chat_template import tokenize_chat_for_training
+    from clover.chat_template import tokenize_chat_for_training
 
     tokenizer = build_tiny_tokenizer()
     user = [{"role": "user", "content": "Write a haiku about the weather."}]

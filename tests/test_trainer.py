@@ -36,7 +36,7 @@ def test_unknown_config_keys_are_errors_naming_them(tmp_path):
     path.write_text("lr: 1.0e-4\n")
     with pytest.raises(ValueError, match="'lora.rnak'"):
         load_train_config(path, ["--lora.rnak", "8"])
-    with pytest.raises(ValueError, match="max_steps: expected an integer"):
+    with pytest.raises(ValueError, match="max_steps: input should be a valid integer"):
         load_train_config(path, ["--max_steps", "many"])
     with pytest.raises(ValueError, match="noise.weighting must be one of"):
         load_train_config(path, ["--noise.weighting", "elbo"])

@@ -32,7 +32,7 @@ def add_parser(subparsers: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from clover.model import CloverForBlockDiffusion
     from clover.tokenizer import eos_token_ids, load_tokenizer
-    from clover.training.chat_template import render_chat
+    from clover.chat_template import render_chat
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -1,6 +1,6 @@
 """`clover generate [PROMPT] --model DIR`: decode one prompt block by block and print the text as blocks commit.
 
-`--json` prints one JSON object (text and the figures of DESIGN §5); `--show-steps` draws, on stderr, how each
+`--json` prints one JSON object (text and the figures of docs/design.md §6); `--show-steps` draws, on stderr, how each
 block fills in: still-masked positions as a placeholder, positions filled in this step highlighted, then the
 block as committed (stdout then gets the whole text at the end instead of streaming it, so the two do not
 interleave on a terminal). Thin over `clover.engine.stream`.
@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
+from clover.chat_template import render_chat
 from clover.engine import RULES, SamplingParams, StepSnapshot, StopAwareDetokenizer, StreamPiece, stream
 from clover.tokenizer import eos_token_ids, load_tokenizer
-from clover.training.chat_template import render_chat
 
 MASK_GLYPH = "░"
 

@@ -40,7 +40,7 @@ EMBED = "model.embed_tokens.weight"
 MASK_TOKEN = "<|mask|>"
 
 # Clover-only parameters (no AR source has them) and the value that makes each an identity: with these, a
-# converted model's `block_size=1` forward is exactly the AR reference's (DESIGN §2).
+# converted model's `block_size=1` forward is exactly the AR reference's (docs/design.md §1).
 CLOVER_ONLY_INIT: dict[str, Callable[[torch.Size, torch.dtype], torch.Tensor]] = {
     "linear_attn.conv1d_right.weight": lambda shape, dtype: torch.zeros(shape, dtype=dtype),  # no right context
     "linear_attn.memory_calibration": lambda shape, dtype: torch.zeros(shape, dtype=dtype),  # lambda(n) = 1

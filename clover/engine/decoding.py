@@ -65,7 +65,7 @@ class UnmaskingRule:
 @register_rule
 @dataclass
 class ThresholdRule(UnmaskingRule):
-    """Fast-dLLM's parallel rule (DESIGN §3): fill every masked position whose confidence is >= `threshold`,
+    """Fast-dLLM's parallel rule (docs/design.md §6): fill every masked position whose confidence is >= `threshold`,
     and always the single most confident one. `threshold=1.0` is one token per step, most confident first."""
 
     name: ClassVar[str] = "threshold"
@@ -106,7 +106,7 @@ class TopKPerStepRule(UnmaskingRule):
 class NoAdjacentRepeatRule(ThresholdRule):
     """`threshold`, but a position is refused when its left neighbour is accepted in the same step with the same
     token. At low thresholds the denoiser, seeing both positions masked, often proposes the same word for both
-    ("code code"); RECIPE-NOTES found these adjacent duplicates to be most of the damage. The refused position
+    ("code code"); a feasibility run found them most of the damage (docs/clover-smol.md). The refused position
     stays masked and is re-predicted next step, now seeing its neighbour. The leftmost token of a run is kept,
     so the step still makes progress (an AR-trained model is best at the left end)."""
 

@@ -86,7 +86,7 @@ class Sequence:
         return len(piece), None  # pragma: no cover - the full text contained it
 
     def stats(self) -> dict[str, Any]:
-        """The figures of DESIGN §3 for this request.
+        """The figures of docs/design.md §6 for this request.
 
         `forward_passes` counts the denoising steps: each is fed by one forward (the prefill's last chunk, a step
         forward, or a commit+next-block forward) — the same whether the request ran alone or in a batch. A step

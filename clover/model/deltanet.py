@@ -6,7 +6,7 @@ The AR base (Qwen3.5):
     q, k L2-normalised, q scaled by dk^-0.5, q/k heads shared by Hv/Hk consecutive value heads (GVA)
     o = gated_delta_rule(q, k, v, g, beta);  y = out_proj(w * norm(o) * silu(in_proj_z(x)))
 
-What Clover adds, inside a block of n tokens (DESIGN §2; all identities at initialisation):
+What Clover adds, inside a block of n tokens (docs/design.md §4; all identities at initialisation):
     * a right-context depthwise conv `conv1d_right` over positions i..i+K-1 of the block, zero-padded at the
       block's end, added to the causal conv before the SiLU (weights start at 0);
     * the block-bidirectional read of `clover.ops.delta_rule.block_bidirectional_read`, whose memory term is

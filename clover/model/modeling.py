@@ -245,7 +245,7 @@ class CloverForBlockDiffusion(nn.Module):
     # -- generation --------------------------------------------------------------------------------------
     def generate(self, input_ids: torch.Tensor | Sequence[Sequence[int]], max_new_tokens: int = 128,
                  block_size: int | None = None, threshold: float | None = None, **sampling: Any) -> Any:
-        """Block-diffusion decoding (DESIGN §3): a list of token-id lists or a 2-D tensor in; a `GenerationResult`
+        """Block-diffusion decoding (docs/design.md §6): token-id lists or a 2-D tensor in; a `GenerationResult`
         with `.sequences` (new ids, EOS excluded) and `.stats` out. `block_size` / `threshold` default to the
         config's; other keywords go to `clover.engine.generate` (temperature, top_p, top_k, seed, rule, ...)."""
         from clover.engine import generate

@@ -8,7 +8,7 @@ Causal recurrence (the AR base), per head:
 
     S_t = exp(g_t) S_{t-1} + k_t (beta_t (v_t - exp(g_t) S_{t-1}^T k_t))^T,     o_t = S_t^T q_t
 
-Block-bidirectional read (Clover, DESIGN §2), for the `n` tokens of one block with history state `S_h` and
+Block-bidirectional read (Clover, docs/design.md §4), for the `n` tokens of one block with history state `S_h` and
 in-block cumulative log-decay `G_i = sum_{t <= i} g_t`:
 
     o_i = lambda(n) exp(G_i) S_h^T q_i + sum_j exp(-|G_i - G_j|) (q_i . k_j) u_j,
@@ -16,7 +16,9 @@ in-block cumulative log-decay `G_i = sum_{t <= i} g_t`:
 
 With n = 1 both give the same output; a block's commit advances `S_h` by the causal recurrence.
 
-`recurrent_*` / `naive_*` are slow, obvious references used by the tests; the chunked forms are the ones used.
+`recurrent_gated_delta_rule` is the token-by-token recurrence: the single-token decoding step, and the reference the
+chunked form is tested against. `clover.ops.delta_rule_naive` writes the block read token by token, as the formula
+reads (the tests' reference); the batched forms here are the ones the model runs.
 """
 
 from __future__ import annotations
@@ -112,7 +114,7 @@ def block_bidirectional_read(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     states: torch.Tensor, memory_scale: torch.Tensor,
 ) -> torch.Tensor:
-    """Outputs of many blocks at once, each reading its own history state (DESIGN §2).
+    """Outputs of many blocks at once, each reading its own history state (docs/design.md §4).
 
     Shapes: q, k `[N, H, nb, n, dk]`, v `[N, H, nb, n, dv]`, g, beta `[N, H, nb, n]`, states
     `[N, H, nb, dk, dv]` (the state before each block), memory_scale `lambda(n)` broadcastable to `[N, H, nb]`.
@@ -124,22 +126,3 @@ def block_bidirectional_read(
     u = beta[..., None] * (v - (k @ states) * eG)
     decay = torch.exp(-(G[..., :, None] - G[..., None, :]).abs())
     return memory + ((q @ k.transpose(-1, -2)) * decay) @ u
-
-
-def naive_block_bidirectional_read(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-    state: torch.Tensor, memory_scale: torch.Tensor,
-) -> torch.Tensor:
-    """One block, written as the formula reads, token by token (reference). Shapes `[N, H, n, d]`."""
-    n_tok = q.shape[2]
-    G = g.cumsum(-1)
-    out = torch.zeros_like(v)
-    for i in range(n_tok):
-        read = torch.einsum("nhkv,nhk->nhv", state, q[:, :, i])
-        out[:, :, i] = memory_scale[..., None] * G[:, :, i, None].exp() * read
-        for j in range(n_tok):
-            hist = torch.einsum("nhkv,nhk->nhv", state, k[:, :, j]) * G[:, :, j, None].exp()
-            u_j = beta[:, :, j, None] * (v[:, :, j] - hist)
-            weight = (q[:, :, i] * k[:, :, j]).sum(-1) * torch.exp(-(G[:, :, i] - G[:, :, j]).abs())
-            out[:, :, i] += weight[..., None] * u_j
-    return out

@@ -42,7 +42,7 @@ from clover.serving.protocol import (APIError, ChatCompletionRequest, Completion
                                      NamedToolChoice, SamplingFields)
 from clover.serving.scheduler import Output, QueueFull, RequestHandle, Scheduler
 from clover.tokenizer import eos_token_ids
-from clover.training.chat_template import render_chat
+from clover.chat_template import render_chat
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Assistant text -> content, reasoning and tool calls, incrementally, for streamed and whole responses alike.
 
-`clover.training.chat_template.parse_assistant_output` splits a *finished* text. A stream cannot wait for the
+`clover.chat_template.parse_assistant_output` splits a *finished* text. A stream cannot wait for the
 end: reasoning must flow as `reasoning_content` deltas before `</think>` arrives, content must never include the
 start of a tag that later turns out to open a tool call, and a tool call can only be emitted once its JSON is
 complete. `OutputParser` is a small state machine fed with text deltas that holds back only what it must (a
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from clover.training.chat_template import parse_assistant_output
+from clover.chat_template import parse_assistant_output
 
 THINK, END_THINK, CALL, END_CALL = "<think>", "</think>", "<tool_call>", "</tool_call>"
 _CONTENT, _REASONING, _CALL = "content", "reasoning", "call"

@@ -1,4 +1,4 @@
-"""Training: offline data preparation (`data`, `chat_template`, `bfcl`) and the block-diffusion trainer."""
+"""Training: offline data preparation (`data`, `bfcl`) and the block-diffusion trainer."""
 
 from clover.training.config import LoraConfig, NoiseConfig, TrainConfig, load_train_config
 from clover.training.objective import Batch, Noise, bd3_loss, collate, reference_block_loss, sample_noise

@@ -15,13 +15,13 @@ on the command line, is an error that names it. The semantics of each field are 
 from __future__ import annotations
 
 import dataclasses
-import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
+from pydantic import ConfigDict, TypeAdapter, ValidationError
 
 NOISE_SCHEDULES = ("linear", "cosine")
 NOISE_SAMPLING = ("bernoulli", "exact")
@@ -32,6 +32,10 @@ PARALLEL = ("ddp", "fsdp")
 DATA_KINDS = ("shards", "chat", "jsonl", "text")
 RESUME = ("auto", "never")
 
+# How pydantic reads the config dataclasses (`config_from_dict`): unknown keys are errors; numbers given for a
+# string field (a YAML `tokenizer: 123`) are read as text.
+PYDANTIC_CONFIG = ConfigDict(extra="forbid", coerce_numbers_to_str=True)
+
 # Linear layers of the hybrid and dense families (attention, DeltaNet, shared expert / dense MLP).
 DEFAULT_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "out_proj",
                         "gate_proj", "up_proj", "down_proj"]
@@ -40,6 +44,8 @@ DEFAULT_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "
 @dataclass
 class NoiseConfig:
     """Masking of the noised copies (one mask rate per block)."""
+
+    __pydantic_config__ = PYDANTIC_CONFIG
 
     schedule: str = "linear"  # rate r(t): "linear" r = t; "cosine" r = 1 - cos(pi t / 2)
     t_min: float = 1e-3  # t ~ U(t_min, t_max), one draw per block
@@ -59,6 +65,8 @@ class NoiseConfig:
 @dataclass
 class LoraConfig:
     """Low-rank adapters (off when rank is 0)."""
+
+    __pydantic_config__ = PYDANTIC_CONFIG
 
     rank: int = 0
     alpha: float = 16.0  # delta W = (alpha / rank) B A
@@ -82,6 +90,8 @@ class LoraConfig:
 
 @dataclass
 class TrainConfig:
+    __pydantic_config__ = PYDANTIC_CONFIG
+
     # -- model -------------------------------------------------------------------------------------------------
     init: str = "clover-tiny"  # checkpoint directory (from_pretrained) or preset name (random init)
     model_overrides: dict[str, Any] = field(default_factory=dict)  # CloverConfig fields, presets only
@@ -200,63 +210,53 @@ def config_keys(cls: type = TrainConfig, prefix: str = "") -> list[str]:
     return keys
 
 
-def config_from_dict(data: dict[str, Any], cls: type = TrainConfig, prefix: str = "") -> Any:
-    """Build `cls` from a (nested) dict, refusing unknown keys and values of the wrong type."""
+def config_from_dict(data: dict[str, Any], cls: type = TrainConfig) -> Any:
+    """Build `cls` from a (nested) dict: pydantic checks every key and type, then the dataclasses' `validate`.
+
+    Unknown keys and values of the wrong type are errors that name the (dotted) key."""
+    try:
+        return TypeAdapter(cls).validate_python(_shorthands(data, cls))
+    except ValidationError as exc:
+        raise _config_error(exc, cls) from None
+
+
+def _shorthands(data: Any, cls: type) -> Any:
+    """The two forms pydantic does not read itself: an empty YAML value for a string field (""), and a
+    comma-separated string for a list field (`--lora.targets q_proj,v_proj` on the command line)."""
     if not isinstance(data, dict):
-        raise ValueError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {type(data).__name__}")
+        return data
     hints = typing.get_type_hints(cls)
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - known)
-    if unknown:
-        names = ", ".join(repr(prefix + k) for k in unknown)
-        raise ValueError(f"unknown config key{'s' if len(unknown) > 1 else ''} {names}; "
-                         f"valid keys: {', '.join(config_keys(cls, prefix))}")
-    kwargs = {name: _coerce(value, hints[name], prefix + name) for name, value in data.items()}
-    return cls(**kwargs)
-
-
-def _coerce(value: Any, tp: Any, key: str) -> Any:
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if dataclasses.is_dataclass(tp):
-        return config_from_dict(value, tp, key + ".")
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        inner = [a for a in args if a is not type(None)]
-        return _coerce(value, inner[0], key)
-    if tp is Any:
-        return value
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        raise ValueError(f"{key}: expected true or false, got {value!r}")
-    if tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        raise ValueError(f"{key}: expected an integer, got {value!r}")
-    if tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        raise ValueError(f"{key}: expected a number, got {value!r}")
-    if tp is str:
-        if value is None:
-            return ""
-        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
-            return str(value)
-        raise ValueError(f"{key}: expected a string, got {value!r}")
-    if origin is list:
-        if isinstance(value, str):  # comma-separated on the command line
+    out = {}
+    for key, value in data.items():
+        tp = hints.get(key)
+        if dataclasses.is_dataclass(tp):
+            value = _shorthands(value, tp)
+        elif tp is str and value is None:
+            value = ""
+        elif typing.get_origin(tp) is list and isinstance(value, str):
             value = [v.strip() for v in value.split(",") if v.strip()]
-        if not isinstance(value, (list, tuple)):
-            raise ValueError(f"{key}: expected a list, got {value!r}")
-        return [_coerce(v, args[0], f"{key}[{i}]") if args else v for i, v in enumerate(value)]
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise ValueError(f"{key}: expected a mapping, got {value!r}")
-        return dict(value)
-    raise TypeError(f"{key}: unsupported config type {tp!r}")
+        out[key] = value
+    return out
+
+
+def _config_error(exc: ValidationError, cls: type) -> ValueError:
+    """pydantic's errors as one message per key: `max_steps: input should be a valid integer, got 'many'`."""
+    def key(loc: tuple[Any, ...]) -> str:
+        return "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".") or "config"
+
+    errors = exc.errors()
+    unknown = [key(e["loc"]) for e in errors if e["type"] == "unexpected_keyword_argument"]
+    if unknown:
+        names = ", ".join(repr(k) for k in unknown)
+        return ValueError(f"unknown config key{'s' if len(unknown) > 1 else ''} {names}; "
+                          f"valid keys: {', '.join(config_keys(cls))}")
+    messages = []
+    for e in errors:
+        if e["type"] == "value_error":  # raised by a `validate` method, whose message names the key itself
+            messages.append(str(e["ctx"]["error"]))
+        else:
+            messages.append(f"{key(e['loc'])}: {e['msg'][:1].lower()}{e['msg'][1:]}, got {e['input']!r}")
+    return ValueError("; ".join(messages))
 
 
 def parse_overrides(args: list[str]) -> dict[str, Any]:

@@ -13,7 +13,7 @@ Sources (`prepare_token_shards(kind, ...)`):
   else is an error naming the file). Loss on every token; the tokenizer's EOS is appended (`append_eos`).
 - ``jsonl``: JSON lines ``{"text": ...}`` (`field` names the key), one document per line; same loss and EOS.
 - ``chat``: JSON lines ``{"messages": [...], "tools": [...]?}`` (other keys are ignored), rendered with
-  Clover's chat template; loss on the assistant answers only (`clover.training.chat_template`).
+  Clover's chat template; loss on the assistant answers only (`clover.chat_template`).
 
 A JSON line that does not parse, or lacks what its kind needs, is an error naming the file and line number;
 blank lines are allowed. Documents longer than `max_len` tokens are, by default, **split** into consecutive
@@ -46,9 +46,9 @@ from safetensors.numpy import save_file
 from tqdm import tqdm
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from clover.chat_template import tokenize_chat_for_training
 from clover.checkpoint import atomic_directory
 from clover.tokenizer import load_tokenizer
-from clover.training.chat_template import tokenize_chat_for_training
 
 log = logging.getLogger(__name__)
 

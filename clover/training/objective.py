@@ -15,7 +15,7 @@ position is replaced by `[MASK]` with the block's mask rate `r_j`. One forward r
 (`both`: bidirectional inside the block; the clean stream's DeltaNet state at a block start feeds the noised
 block, exactly as the cache does at decoding time.)
 
-Token shift (DESIGN §2): the prediction for response position `p` comes from the output at `p - 1`. For the first
+Token shift (docs/design.md §2): the prediction for response position `p` is the output at `p - 1`. For the first
 position of block `j` that is the clean stream's output at `P + jB - 1` (the commit forward of block `j - 1` at
 decoding time); for the others it is the noised block's output at `p - 1`. The loss is cross-entropy on masked
 supervised positions only; `[MASK]` padding is never a target (or, with `pad_target="eos"`, EOS padding is).

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
@@ -57,24 +58,18 @@ CHECKPOINTS = "checkpoints"
 LATEST = "latest"
 TRAINER_DIR = "trainer"
 LOG_FILE = "train_log.jsonl"
-STATE_VERSION = 1
-_MASK64 = (1 << 64) - 1
+STATE_VERSION = 2  # 2: seeds mixed by numpy's SeedSequence (version 1: splitmix64), so streams differ
 # per-step sums reduced across micro-batches and ranks
 _SUM_KEYS = ("loss", "diffusion_sum", "ce_sum", "first_sum", "masked_tokens", "first_tokens", "correct",
              "supervised_tokens", "ar_sum", "kl_sum", "confidence_sum", "tokens", "diffusion_den", "ar_den")
 
 
 def mix_seed(*values: int) -> int:
-    """A 63-bit seed from integers (splitmix64 over them): independent streams for (seed, position)."""
-    x = 0x9E3779B97F4A7C15
-    for v in values:
-        x = (x ^ (int(v) & _MASK64)) & _MASK64
-        x = (x + 0x9E3779B97F4A7C15) & _MASK64
-        z = x
-        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-        x = z ^ (z >> 31)
-    return x & ((1 << 63) - 1)
+    """A 63-bit seed from integers, hashed by numpy's `SeedSequence`: independent streams for (seed, position).
+
+    Each value (taken mod 2^64) enters as two 32-bit words, so different tuples never share an entropy pool."""
+    words = [w for v in values for w in (int(v) & 0xFFFFFFFF, (int(v) >> 32) & 0xFFFFFFFF)]
+    return int(np.random.SeedSequence(words).generate_state(1, np.uint64)[0] >> np.uint64(1))
 
 
 # -- data ------------------------------------------------------------------------------------------------------
@@ -642,6 +637,10 @@ class Trainer:
         state = json.loads((trainer_dir / "state.json").read_text())
         if state.get("lora") != self.lora:
             raise ValueError(f"{path}: checkpoint lora={state.get('lora')} but this run has lora={self.lora}")
+        if state.get("version", 1) != STATE_VERSION:
+            logger.warning("%s: trainer state version %s, this trainer writes %s: the data order and noise masks "
+                           "of the resumed run differ from an uninterrupted one", path, state.get("version", 1),
+                           STATE_VERSION)
         old = state.get("config", {})
         for key in ("batch_size", "seed", "shuffle"):
             if key in old and old[key] != getattr(self.config, key):

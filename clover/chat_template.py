@@ -1,5 +1,10 @@
 """Clover's chat template: ChatML turns, Hermes/Qwen tool calls and an optional `<think>` block.
 
+One module for every part that speaks chat — training data, engine, server, CLI: the template (the Jinja asset
+`clover/assets/chat_template.jinja`, also written into every checkpoint's tokenizer), message normalisation,
+rendering, training loss masks, and parsing the model's output back. Rendering goes through `transformers`'
+chat-template renderer, the one that renders the template from a saved checkpoint, so both agree byte for byte.
+
 Format (every line break shown is a literal ``\\n``)::
 
     <|im_start|>system
@@ -63,6 +68,7 @@ from __future__ import annotations
 
 import json
 import re
+from importlib import resources
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
@@ -72,56 +78,8 @@ IM_END = "<|im_end|>"
 ROLES = ("system", "user", "assistant", "tool")
 _REASONING_KEYS = ("reasoning_content", "reasoning", "thinking")  # names other APIs use for the same field
 
-CLOVER_CHAT_TEMPLATE = (
-    "{%- macro text(content) -%}"
-    "{%- if content is none -%}"
-    "{%- elif content is string -%}{{- content -}}"
-    "{%- elif content is mapping -%}{{- content | tojson -}}"
-    "{%- else -%}{%- for part in content -%}{%- if part.type == 'text' -%}{{- part.text -}}{%- endif -%}"
-    "{%- endfor -%}{%- endif -%}"
-    "{%- endmacro -%}"
-    "{%- set msgs = messages -%}"
-    "{%- if tools -%}"
-    "{{- '<|im_start|>system\\n' -}}"
-    "{%- if messages and messages[0].role == 'system' -%}"
-    "{{- text(messages[0].content) + '\\n\\n' -}}{%- set msgs = messages[1:] -%}"
-    "{%- endif -%}"
-    "{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
-    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' -}}"
-    "{%- for tool in tools -%}{{- '\\n' + (tool | tojson) -}}{%- endfor -%}"
-    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments "
-    "within <tool_call></tool_call> XML tags:\\n<tool_call>\\n"
-    "{\"name\": <function-name>, \"arguments\": <args-json-object>}\\n</tool_call><|im_end|>\\n' -}}"
-    "{%- endif -%}"
-    "{%- for message in msgs -%}"
-    "{%- if message.role == 'system' or message.role == 'user' -%}"
-    "{{- '<|im_start|>' + message.role + '\\n' + text(message.content) + '<|im_end|>\\n' -}}"
-    "{%- elif message.role == 'assistant' -%}"
-    "{%- set content = text(message.content) | trim -%}"
-    "{{- '<|im_start|>assistant\\n<think>\\n' + (text(message.reasoning_content) | trim) + '\\n</think>\\n\\n' -}}"
-    "{{- content -}}"
-    "{%- for tc in message.tool_calls or [] -%}"
-    "{%- if tc.function is defined -%}{%- set tc = tc.function -%}{%- endif -%}"
-    "{%- if content or not loop.first -%}{{- '\\n' -}}{%- endif -%}"
-    "{{- '<tool_call>\\n{\"name\": ' + (tc.name | tojson) + ', \"arguments\": ' -}}"
-    "{%- if tc.arguments is string -%}{{- tc.arguments -}}{%- else -%}{{- (tc.arguments or {}) | tojson -}}"
-    "{%- endif -%}"
-    "{{- '}\\n</tool_call>' -}}"
-    "{%- endfor -%}"
-    "{{- '<|im_end|>\\n' -}}"
-    "{%- elif message.role == 'tool' -%}"
-    "{%- if loop.first or msgs[loop.index0 - 1].role != 'tool' -%}{{- '<|im_start|>user' -}}{%- endif -%}"
-    "{{- '\\n<tool_response>\\n' + text(message.content) + '\\n</tool_response>' -}}"
-    "{%- if loop.last or msgs[loop.index0 + 1].role != 'tool' -%}{{- '<|im_end|>\\n' -}}{%- endif -%}"
-    "{%- else -%}"
-    "{{- raise_exception('unknown chat role ' + message.role) -}}"
-    "{%- endif -%}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}"
-    "{{- '<|im_start|>assistant\\n<think>\\n' -}}"
-    "{%- if not enable_thinking -%}{{- '\\n</think>\\n\\n' -}}{%- endif -%}"
-    "{%- endif -%}"
-)
+TEMPLATE_PATH = resources.files("clover") / "assets" / "chat_template.jinja"
+CLOVER_CHAT_TEMPLATE = TEMPLATE_PATH.read_text(encoding="utf-8")  # the Jinja source; checkpoints carry it too
 
 
 # -- inputs ---------------------------------------------------------------------------------------------------------
