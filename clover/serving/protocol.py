@@ -67,7 +67,8 @@ def _well_formed(value: Any) -> Any:
     while stack:
         where, item, depth = stack.pop()
         if depth > MAX_NESTING:
-            raise PydanticCustomError("nesting_too_deep", "nested more than {limit} levels deep", {"limit": MAX_NESTING})
+            raise PydanticCustomError("nesting_too_deep", "nested more than {limit} levels deep",
+                                      {"limit": MAX_NESTING})
         if isinstance(item, str):
             try:
                 item.encode("utf-8")

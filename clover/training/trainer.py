@@ -270,7 +270,8 @@ def latest_checkpoint(output_dir: str | Path) -> Path | None:
 
 # What a save writes under a temporary name in `checkpoints/`, any of which a kill can leave behind: the step
 # directory being written (`.tmp-step-…`) and the one it replaces (`.old-step-…`), `write_checkpoint`'s own
-# temporaries beside it (`..tmp-step-….tmp-…`, `….old-…`), and the `latest` pointer's (`.latest.tmp-…`, a file).
+# temporaries beside it (`..tmp-step-….tmp-…`, `….old-…`), and the `latest` pointer's (`.latest.tmp-…`, a
+# file).
 STALE_PATTERNS = (".tmp-*", ".old-*", ".*.tmp-*", ".*.old-*")
 
 
