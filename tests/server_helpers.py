@@ -45,12 +45,14 @@ def build_checkpoint(directory: Path, tokenizer: Any, preset: str = "clover-tiny
 
 
 @contextmanager
-def server_process(model_dir: Path, *args: str, name: str = "clover-test", timeout: float = 120.0,
+def server_process(model_dir: Path, *args: str, name: str | tuple[str, ...] = "clover-test", timeout: float = 120.0,
                    log: Path | None = None) -> Iterator[tuple[str, subprocess.Popen]]:
-    """`clover serve` in a subprocess on a free localhost port; waits (bounded) for /health; always killed."""
+    """`clover serve` in a subprocess on a free localhost port; waits (bounded) for /health; always killed.
+    `name`: the served model id, or several (the first canonical, the others aliases)."""
     port = free_port()
+    names = [name] if isinstance(name, str) else list(name)
     cmd = [sys.executable, "-m", "clover.cli.main", "serve", "--model", str(model_dir), "--port", str(port),
-           "--served-model-name", name, "--log-level", "warning", "--threads", "1", *args]
+           "--served-model-name", *names, "--log-level", "warning", "--threads", "1", *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     log = log or model_dir.parent / f"server-{port}.log"
     with open(log, "wb") as out:

@@ -7,7 +7,9 @@ One random tiny model (dense, peaked logits: several tokens per step) behind two
 from __future__ import annotations
 
 import asyncio
+import json
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -16,11 +18,13 @@ import pytest
 from clover.chat_template import render_chat
 from clover.engine import generate
 from clover.model import CloverForBlockDiffusion
-from server_helpers import build_checkpoint, server_process
+from clover.serving import create_app
+from server_helpers import build_checkpoint, server_process, server_thread
 
 KEY = "test-key-123"
 CONTEXT = 256
 NAME = "clover-test"
+ALIAS = "clover-test-0123abcd"  # a second model id (as the default model's versioned id)
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +35,8 @@ def checkpoint(tmp_path_factory, chat_tokenizer):
 
 @pytest.fixture(scope="module")
 def server(checkpoint):
-    with server_process(checkpoint, "--api-key", KEY, "--prefill-chunk", "16", "--max-body-mb", "0.25") as (url, _):
+    with server_process(checkpoint, "--api-key", KEY, "--prefill-chunk", "16", "--max-body-mb", "0.25",
+                        name=(NAME, ALIAS)) as (url, _):
         yield url
 
 
@@ -64,7 +69,7 @@ def _strip(text):
 
 # -- the happy paths ------------------------------------------------------------------------------------------
 def test_models_and_health(client, server):
-    assert [m.id for m in client.models.list().data] == [NAME]
+    assert [m.id for m in client.models.list().data] == [NAME, ALIAS]
     assert client.models.retrieve(NAME).id == NAME
     assert httpx.get(f"{server}/health").json()["status"] == "ok"  # no key needed
 
@@ -179,60 +184,203 @@ def test_prefix_reuse_reports_cached_tokens_and_keeps_the_answer(client):
 
 
 # -- bad input: OpenAI error JSON, 4xx, and the server keeps serving ---------------------------------------------
-def _post(server, path, body, key=KEY, raw=None):
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
-    if raw is not None:
-        return httpx.post(f"{server}{path}", content=raw, headers={**headers, "Content-Type": "application/json"},
-                          timeout=30)
-    return httpx.post(f"{server}{path}", json=body, headers=headers, timeout=30)
+def _raw(fields: bytes) -> bytes:
+    """A chat body with `fields` spliced in as raw JSON text (for what `json.dumps` cannot write)."""
+    return b'{"model": "clover-test", "messages": [{"role": "user", "content": "hi"}], ' + fields + b"}"
 
 
+def _tool(function: dict) -> list[dict]:
+    return [{"type": "function", "function": function}]
+
+
+def _nested(depth: int) -> dict:
+    value: dict = {"type": "string"}
+    for _ in range(depth):
+        value = {"type": "object", "properties": {"a": value}}
+    return value
+
+
+ARGS_DEEP = json.dumps(_nested(100))  # call arguments as OpenAI sends them: a JSON string
+# (name, request, status, code): every error has a code
 BAD = [
-    ("malformed json", dict(raw=b'{"model": "clover-test", "messages": [')),
-    ("wrong type", dict(body={"model": NAME, "messages": _user("hi"), "max_tokens": "ten"})),
-    ("messages not a list", dict(body={"model": NAME, "messages": "hi"})),
-    ("unknown model", dict(body={"model": "gpt-4", "messages": _user("hi")}), 404),
-    ("empty messages", dict(body={"model": NAME, "messages": []})),
-    ("negative max_tokens", dict(body={"model": NAME, "messages": _user("hi"), "max_tokens": -1})),
-    ("huge max_tokens", dict(body={"model": NAME, "messages": _user("hi"), "max_tokens": 10**12})),
-    ("prompt beyond context", dict(body={"model": NAME, "messages": _user("weather " * 400), "max_tokens": 4})),
-    ("invalid tool schema", dict(body={"model": NAME, "messages": _user("hi"), "tools": [
-        {"type": "function", "function": {"name": "bad name!", "parameters": {"type": "string"}}}]})),
-    ("tool parameters not an object", dict(body={"model": NAME, "messages": _user("hi"), "tools": [
-        {"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}]})),
-    ("tool_choice unknown function", dict(body={"model": NAME, "messages": _user("hi"), "tools": [
-        {"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function",
-                                                                          "function": {"name": "g"}}})),
-    ("unknown role", dict(body={"model": NAME, "messages": [{"role": "wizard", "content": "hi"}]})),
+    ("malformed json", dict(raw=b'{"model": "clover-test", "messages": ['), 400, "invalid_json"),
+    ("wrong type", dict(body={"model": NAME, "messages": _user("hi"), "max_tokens": "ten"}), 400, "invalid_type"),
+    ("messages not a list", dict(body={"model": NAME, "messages": "hi"}), 400, "invalid_type"),
+    ("missing messages", dict(body={"model": NAME}), 400, "missing_required_parameter"),
+    ("body not an object", dict(raw=b"[1, 2]"), 400, "invalid_type"),
+    ("unknown model", dict(body={"model": "gpt-4", "messages": _user("hi")}), 404, "model_not_found"),
+    ("empty messages", dict(body={"model": NAME, "messages": []}), 400, "invalid_value"),
+    ("negative max_tokens", dict(body={"model": NAME, "messages": _user("hi"), "max_tokens": -1}), 400,
+     "invalid_value"),
+    ("huge max_tokens", dict(body={"model": NAME, "messages": _user("hi"), "max_tokens": 10**12}), 400,
+     "context_length_exceeded"),
+    ("prompt beyond context", dict(body={"model": NAME, "messages": _user("weather " * 400), "max_tokens": 4}), 400,
+     "context_length_exceeded"),
+    ("invalid tool schema", dict(body={"model": NAME, "messages": _user("hi"), "tools": _tool(
+        {"name": "bad name!", "parameters": {"type": "string"}})}), 400, "invalid_value"),
+    ("tool parameters not an object", dict(body={"model": NAME, "messages": _user("hi"), "tools": _tool(
+        {"name": "f", "parameters": {"type": "array"}})}), 400, "invalid_value"),
+    ("tool required not a list", dict(body={"model": NAME, "messages": _user("hi"), "tools": _tool(
+        {"name": "f", "parameters": {"type": "object", "required": "a"}})}), 400, "invalid_value"),
+    ("tool without a function", dict(body={"model": NAME, "messages": _user("hi"), "tools": [{"type": "function"}]}),
+     400, "missing_required_parameter"),
+    ("tools not a list", dict(body={"model": NAME, "messages": _user("hi"), "tools": {"name": "f"}}), 400,
+     "invalid_type"),
+    ("tool_choice unknown function", dict(body={"model": NAME, "messages": _user("hi"), "tools": _tool({"name": "f"}),
+                                                "tool_choice": {"type": "function", "function": {"name": "g"}}}),
+     400, "invalid_value"),
+    ("unknown role", dict(body={"model": NAME, "messages": [{"role": "wizard", "content": "hi"}]}), 400,
+     "invalid_value"),
     ("image content", dict(body={"model": NAME, "messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "http://x"}}]}]})),
-    ("temperature out of range", dict(body={"model": NAME, "messages": _user("hi"), "temperature": -0.5})),
-    ("n zero", dict(body={"model": NAME, "messages": _user("hi"), "n": 0})),
-    ("bad block_size", dict(body={"model": NAME, "messages": _user("hi"), "block_size": 0})),
-    ("unknown rule", dict(body={"model": NAME, "messages": _user("hi"), "rule": "fastest"})),
-    ("logprobs", dict(body={"model": NAME, "messages": _user("hi"), "logprobs": True})),
-    ("wrong api key", dict(body={"model": NAME, "messages": _user("hi")}, key="nope"), 401),
-    ("no api key", dict(body={"model": NAME, "messages": _user("hi")}, key=None), 401),
-    ("body too large", dict(body={"model": NAME, "messages": _user("x" * 400_000)}), 413),
-    ("completion empty prompt", dict(path="/v1/completions", body={"model": NAME, "prompt": ""})),
-    ("completion token out of vocab", dict(path="/v1/completions", body={"model": NAME, "prompt": [10**6]})),
+        {"type": "image_url", "image_url": {"url": "http://x"}}]}]}), 400, "invalid_type"),
+    ("image part after text", dict(body={"model": NAME, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "what is this?"}, {"type": "image_url", "image_url": {"url": "data:,"}}]}]}),
+     400, "invalid_type"),
+    ("temperature out of range", dict(body={"model": NAME, "messages": _user("hi"), "temperature": -0.5}), 400,
+     "invalid_value"),
+    ("n zero", dict(body={"model": NAME, "messages": _user("hi"), "n": 0}), 400, "invalid_value"),
+    ("bad block_size", dict(body={"model": NAME, "messages": _user("hi"), "block_size": 0}), 400, "invalid_value"),
+    ("unknown rule", dict(body={"model": NAME, "messages": _user("hi"), "rule": "fastest"}), 400, "invalid_value"),
+    ("logprobs", dict(body={"model": NAME, "messages": _user("hi"), "logprobs": True}), 400, "unsupported_parameter"),
+    ("wrong api key", dict(body={"model": NAME, "messages": _user("hi")}, key="nope"), 401, "invalid_api_key"),
+    ("no api key", dict(body={"model": NAME, "messages": _user("hi")}, key=None), 401, "invalid_api_key"),
+    ("body too large", dict(body={"model": NAME, "messages": _user("x" * 400_000)}), 413, "request_too_large"),
+    ("10 MB body", dict(body={"model": NAME, "messages": _user("x" * 10 * 2**20)}), 413, "request_too_large"),
+    # text that is not Unicode: JSON escapes of lone UTF-16 surrogates, and bytes that are not UTF-8
+    ("lone surrogate in chat content", dict(raw=_raw(b'"max_tokens": 4').replace(b'"hi"', b'"\\ud800"')), 400,
+     "invalid_unicode"),
+    ("lone surrogate in a text part", dict(raw=_raw(b'"max_tokens": 4').replace(
+        b'"hi"', b'[{"type": "text", "text": "ok \\udfff"}]')), 400, "invalid_unicode"),
+    ("lone surrogate in a tool description", dict(raw=_raw(
+        b'"tools": [{"type": "function", "function": {"name": "f", "description": "\\ud83d"}}]')), 400,
+     "invalid_unicode"),
+    ("lone surrogate in a tool schema key", dict(raw=_raw(
+        b'"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", '
+        b'"properties": {"\\udc00": {"type": "string"}}}}}]')), 400, "invalid_unicode"),
+    ("lone surrogate in stop", dict(raw=_raw(b'"stop": ["\\ud800"]')), 400, "invalid_unicode"),
+    ("lone surrogate in a prompt", dict(path="/v1/completions", raw=b'{"model": "clover-test", "prompt": "a\\ud800"}'),
+     400, "invalid_unicode"),
+    ("invalid utf-8", dict(raw=_raw(b'"user": "\xff\xfe"')), 400, "invalid_json"),
+    # numbers JSON does not have, or Python will not parse
+    ("NaN temperature", dict(raw=_raw(b'"temperature": NaN')), 400, "invalid_value"),
+    ("infinite top_p", dict(raw=_raw(b'"top_p": Infinity')), 400, "invalid_value"),
+    ("negative infinite penalty", dict(raw=_raw(b'"presence_penalty": -Infinity')), 400, "invalid_value"),
+    ("integer of 5000 digits", dict(raw=_raw(b'"max_tokens": ' + b"9" * 5000)), 400, "invalid_json"),
+    ("seed beyond 64 bits", dict(body={"model": NAME, "messages": _user("hi"), "seed": 2**70}), 400,
+     "invalid_value"),
+    # nesting: beyond the parser's recursion limit, and parseable but too deep to render
+    ("100000 nested arrays", dict(raw=_raw(b'"metadata": ' + b"[" * 100_000 + b"]" * 100_000)), 400,
+     "invalid_json"),
+    ("deeply nested tool schema", dict(body={"model": NAME, "messages": _user("hi"), "tools": _tool(
+        {"name": "f", "parameters": _nested(100)})}), 400, "nesting_too_deep"),
+    ("deeply nested call arguments", dict(body={"model": NAME, "messages": [
+        {"role": "assistant", "tool_calls": [{"id": "c", "type": "function",
+                                              "function": {"name": "f", "arguments": ARGS_DEEP}}]},
+        *_user("hi")]}), 400, "nesting_too_deep"),
+    ("completion empty prompt", dict(path="/v1/completions", body={"model": NAME, "prompt": ""}), 400,
+     "invalid_value"),
+    ("completion token out of vocab", dict(path="/v1/completions", body={"model": NAME, "prompt": [10**6]}), 400,
+     "invalid_value"),
     ("completion huge max_tokens", dict(path="/v1/completions", body={"model": NAME, "prompt": "hi",
-                                                                     "max_tokens": 100000})),
+                                                                     "max_tokens": 100000}), 400,
+     "context_length_exceeded"),
+    ("completion suffix", dict(path="/v1/completions", body={"model": NAME, "prompt": "hi", "suffix": "x"}), 400,
+     "unsupported_parameter"),
+    ("unknown route", dict(path="/v1/embeddings", body={"model": NAME, "input": "hi"}), 404, "not_found"),
 ]
 
 
+@pytest.fixture(scope="module")
+def one_connection(server):
+    """A client with a single keep-alive connection: every request of a test goes over the same socket."""
+    with httpx.Client(base_url=server, timeout=60, limits=httpx.Limits(max_connections=1)) as http:
+        yield http
+
+
+def _local_port(response: httpx.Response) -> int:
+    return response.extensions["network_stream"].get_extra_info("client_addr")[1]
+
+
 @pytest.mark.parametrize("case", BAD, ids=[c[0] for c in BAD])
-def test_bad_input_is_an_openai_error_and_the_server_keeps_serving(server, client, case):
-    name, kwargs, *status = case
-    path = kwargs.pop("path", "/v1/chat/completions")
-    r = _post(server, path, kwargs.get("body"), key=kwargs.get("key", KEY), raw=kwargs.get("raw"))
-    want = status[0] if status else 400
-    assert r.status_code == want, r.text
+def test_bad_input_is_an_openai_error_and_the_connection_keeps_serving(one_connection, case):
+    """Each malformed request over real HTTP: its status, OpenAI's error JSON with a code, and then a valid request
+    answered on the same keep-alive connection."""
+    name, request, status, code = case
+    key = request.get("key", KEY)
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    path = request.get("path", "/v1/chat/completions")
+    if "raw" in request:
+        r = one_connection.post(path, content=request["raw"], headers={**headers, "Content-Type": "application/json"})
+    else:
+        r = one_connection.post(path, json=request["body"], headers=headers)
+    assert r.status_code == status, r.text
     error = r.json()["error"]
-    assert isinstance(error["message"], str) and error["message"] and "type" in error
-    if name in ("huge max_tokens", "prompt beyond context", "completion huge max_tokens"):
-        assert error["code"] == "context_length_exceeded"
-    assert client.chat.completions.create(model=NAME, messages=_user("still there?"), max_tokens=4).choices
+    assert isinstance(error["message"], str) and error["message"] and error["type"]
+    assert error["code"] == code, error
+    if "unicode" in code:
+        assert "surrogate" in error["message"] and error["param"]  # names the field
+    assert r.headers["x-request-id"].startswith("req_")
+    ok = one_connection.post("/v1/completions", json={"model": NAME, "prompt": "still there?", "max_tokens": 4},
+                             headers={"Authorization": f"Bearer {KEY}"})
+    assert ok.status_code == 200 and _local_port(ok) == _local_port(r)
+
+
+def test_a_server_error_is_a_500_with_a_request_id_and_the_connection_keeps_serving(checkpoint, caplog):
+    """A bug inside a handler (here: the tokenizer raising TypeError, as it did on a lone surrogate) is a 500
+    naming the request id, and the next request on the same keep-alive connection is answered."""
+    app = create_app(checkpoint)
+    tokenizer = app.state.server.tokenizer
+    encode = tokenizer.encode
+
+    def broken(text):
+        if "BOOM" in text:
+            raise TypeError("TextEncodeInput must be Union[TextInputSequence, Tuple[InputSequence, InputSequence]]")
+        return encode(text)
+
+    tokenizer.encode = broken
+    with server_thread(app) as url, httpx.Client(base_url=url, timeout=60,
+                                                 limits=httpx.Limits(max_connections=1)) as http:
+        for path, body in (("/v1/chat/completions", {"model": "clover", "messages": _user("BOOM")}),
+                           ("/v1/completions", {"model": "clover", "prompt": "BOOM", "stream": True})):
+            bad = http.post(path, json=body)
+            assert bad.status_code == 500, bad.text
+            error, request_id = bad.json()["error"], bad.headers["x-request-id"]
+            assert error["code"] == "internal_error" and error["type"] == "server_error"
+            assert request_id in error["message"] and "TextEncodeInput" not in error["message"]
+            assert any(request_id in r.getMessage() and r.exc_info for r in caplog.records)  # logged with traceback
+            ok = http.post("/v1/chat/completions", json={"model": "clover", "messages": _user("hi"), "max_tokens": 4})
+            assert ok.status_code == 200 and _local_port(ok) == _local_port(bad)
+
+
+def test_a_lone_surrogate_in_chat_content_is_a_400_naming_the_field(server):
+    r = httpx.post(f"{server}/v1/chat/completions", content=_raw(b'"max_tokens": 4').replace(b'"hi"', b'"\\ud800"'),
+                   headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages.0.content", r.text
+
+
+def test_bearer_scheme_is_case_insensitive(server):
+    for scheme in ("bearer", "BEARER", "Bearer", "bEaReR"):
+        r = httpx.get(f"{server}/v1/models", headers={"Authorization": f"{scheme} {KEY}"})
+        assert r.status_code == 200, (scheme, r.text)
+    for header in (f"Basic {KEY}", "Bearer", f"Bearer{KEY}", f"Bearer {KEY}x", KEY):
+        r = httpx.get(f"{server}/v1/models", headers={"Authorization": header})
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", header
+
+
+def test_the_model_answers_to_its_aliases(client):
+    for name in (NAME, ALIAS):
+        assert client.models.retrieve(name).id == name
+        r = client.chat.completions.create(model=name, messages=_user("hi"), max_tokens=4)
+        assert r.model == NAME  # responses carry the canonical id
+
+
+def test_the_default_model_is_served_as_clover_smol_and_its_full_id():
+    from clover.cli.serve import served_model_names
+
+    cached = Path("/cache/clover/clover-smol-0123456789ab")
+    assert served_model_names(None, None, cached) == ["clover-smol", "clover-smol-0123456789ab"]
+    assert served_model_names(None, str(cached), cached) == ["clover-smol-0123456789ab"]  # --model: its own name
+    assert served_model_names(["a", "b", "a"], None, cached) == ["a", "b"]
 
 
 def test_openai_client_raises_typed_errors(client, server):
@@ -298,7 +446,7 @@ def test_a_non_streaming_client_that_gives_up_frees_its_slot(small_server):
 # -- fuzzing the OpenAPI schema ------------------------------------------------------------------------------------
 def test_fuzz_openapi_schema_no_server_errors(server):
     """schemathesis generates valid and invalid requests for every route of the server's OpenAPI schema, for a
-    bounded number of examples: no 5xx, and the server stays healthy."""
+    bounded number of examples: no 5xx, every error with a code, and the server stays healthy."""
     schemathesis = pytest.importorskip("schemathesis")
     from hypothesis import HealthCheck, given, settings
 
@@ -321,7 +469,7 @@ def test_fuzz_openapi_schema_no_server_errors(server):
                     case.body["stream"] = False  # a stream would only be read to its end
             response = case.call(base_url=server, headers=headers, timeout=60)
             statuses[response.status_code] = statuses.get(response.status_code, 0) + 1
-            if response.status_code >= 500:
+            if response.status_code >= 500 or (response.status_code >= 400 and not response.json()["error"]["code"]):
                 failures.append((operation.label, case.body, response.status_code, response.text[:300]))
 
         check()
@@ -349,15 +497,18 @@ def test_a_client_gone_before_the_response_counts_as_499_not_500():
     async def body():
         return {"type": "http.request", "body": b"{}", "more_body": False}
 
+    sent = []
+
     async def send(message):
-        pass
+        sent.append(message)
 
     metrics = ServerMetrics()
     server = SimpleNamespace(options=ServerOptions(), metrics=metrics)
     scope = {"type": "http", "path": "/v1/completions", "headers": []}
     asyncio.run(_Guard(never_called, server)(scope, left, send))
-    with pytest.raises(RuntimeError):
-        asyncio.run(_Guard(failing, server)(scope, body, send))
+    assert sent == []
+    asyncio.run(_Guard(failing, server)(scope, body, send))  # a bug is answered, not raised to the ASGI server
+    assert sent[0]["status"] == 500 and json.loads(sent[1]["body"])["error"]["code"] == "internal_error"
 
     def count(status):
         return metrics.registry.get_sample_value("clover_requests_total",

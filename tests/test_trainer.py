@@ -108,6 +108,36 @@ def test_failed_save_leaves_latest_on_the_previous_complete_checkpoint(tmp_path,
     assert model.config.vocab_size == 256
 
 
+def test_a_save_killed_before_latest_moves_leaves_no_temporaries_after_the_resume(tmp_path, monkeypatch):
+    """A kill between renaming the step directory and replacing `latest` (simulated: `os.replace` onto `latest`
+    never returns, as under `kill -9`) leaves `.latest.tmp-*`; temporaries of every kind a save writes are gone
+    once the run resumes, and it resumes from the complete checkpoint `latest` still names."""
+    docs = documents()
+    real_replace = trainer_mod.os.replace
+
+    def killed(src, dst):
+        if Path(dst).name == "latest" and Path(src).read_text().strip() == "step-00000002":
+            raise KeyboardInterrupt  # a BaseException: no `except Exception` cleans up, as after SIGKILL
+        real_replace(src, dst)
+
+    monkeypatch.setattr(trainer_mod.os, "replace", killed)
+    with pytest.raises(KeyboardInterrupt):
+        train(config(tmp_path, max_steps=2, save_every=1), train_documents=docs)
+    monkeypatch.setattr(trainer_mod.os, "replace", real_replace)
+    root = tmp_path / "run" / "checkpoints"
+    assert (root / "step-00000002").is_dir() and len(list(root.glob(".latest.tmp-*"))) == 1
+    assert latest_checkpoint(tmp_path / "run").name == "step-00000001"
+    # what kills at the other points of a save leave (a directory being written, replaced, or written inside)
+    for name in (".tmp-step-00000003-0badc0de", ".old-step-00000002-0badc0de",
+                 "..tmp-step-00000003-0badc0de.tmp-feedf00d", "..tmp-step-00000003-0badc0de.old-feedf00d"):
+        (root / name / "trainer").mkdir(parents=True)
+        (root / name / "trainer" / "state.json").write_text("{}")
+    result = train(config(tmp_path, max_steps=3, save_every=1), train_documents=docs)
+    assert result.step == 3 and len(result.losses) == 2  # resumed at step 1
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step-00000002", "step-00000003"]  # keep 2
+    assert latest_checkpoint(tmp_path / "run").name == "step-00000003"
+
+
 def test_time_budget_stops_cleanly_with_a_checkpoint_and_resumes(tmp_path):
     docs = documents()
     result = train(config(tmp_path, max_steps=50, max_minutes=1e-6), train_documents=docs)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+from pathlib import Path
 from typing import Any
 
 from clover.cli.generate import DTYPES, add_decoding_options, resolve_model_dir
@@ -26,7 +27,9 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=os.environ.get("CLOVER_API_KEY"),
                    help="require `Authorization: Bearer KEY` (default: $CLOVER_API_KEY)")
-    p.add_argument("--served-model-name", default=None, help="model id clients send (default: the directory name)")
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="model ids clients may send; the first is the one responses carry (default: the directory "
+                        "name; the default model: clover-smol and its directory name)")
     p.add_argument("--max-num-seqs", type=int, default=32, help="sequences decoded together")
     p.add_argument("--max-queue", type=int, default=256, help="sequences waiting before the server answers 429")
     p.add_argument("--max-model-len", type=int, default=None, help="context served (default: the model's)")
@@ -40,6 +43,19 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=run)
+
+
+def served_model_names(given: list[str] | None, model_arg: str | None, directory: Path) -> list[str]:
+    """The model ids a server answers to, the first one canonical: `--served-model-name`, else the checkpoint
+    directory's name; the default model (no `--model`) also answers to `clover-smol`, its name in the docs,
+    and that one comes first (its directory is `clover-smol-<checksum>` in the cache)."""
+    if given:
+        return list(dict.fromkeys(given))
+    if model_arg is None:
+        from clover.smol import NAME
+
+        return list(dict.fromkeys([NAME, directory.name]))
+    return [directory.name]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -57,8 +73,9 @@ def run(args: argparse.Namespace) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model = CloverForBlockDiffusion.from_pretrained(directory, dtype=DTYPES.get(args.dtype or ""), device=device)
     tokenizer = load_tokenizer(directory)
+    names = served_model_names(args.served_model_name, args.model, directory)
     options = ServerOptions(
-        served_model_name=args.served_model_name or directory.name, api_key=args.api_key or None,
+        served_model_name=names[0], model_aliases=tuple(names[1:]), api_key=args.api_key or None,
         max_running=args.max_num_seqs, max_waiting=args.max_queue, max_body_bytes=int(args.max_body_mb * 2**20),
         max_model_len=args.max_model_len, block_size=args.block_size, threshold=args.threshold, rule=args.rule,
         prefill_chunk=args.prefill_chunk, prefix_cache_bytes=int(args.prefix_cache_mb * 2**20),
@@ -67,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
     if args.host not in ("127.0.0.1", "localhost", "::1") and not options.api_key:
         logger.warning("serving on %s without --api-key: anyone who can reach this address can use the model",
                        args.host)
-    logger.info("serving %s as %r on http://%s:%d (%s)", directory, options.served_model_name, args.host, args.port,
+    logger.info("serving %s as %s on http://%s:%d (%s)", directory, " or ".join(map(repr, names)), args.host, args.port,
                 device)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
     return 0

@@ -8,9 +8,11 @@ the `Scheduler` (one background thread owns the model), then turn committed bloc
 chunks. Text is detokenised incrementally per choice; stop strings are held back until they cannot match;
 `OutputParser` splits reasoning, content and tool calls the same way for streamed and whole responses.
 
-Every error is OpenAI's `{"error": {"message", "type", "param", "code"}}` with a 4xx status for what the client
-got wrong: malformed JSON / wrong types (400), bad API key (401), unknown model or route (404), body too large
-(413), prompt or `max_tokens` beyond the context (400, `context_length_exceeded`), full queue (429).
+Every error is OpenAI's `{"error": {"message", "type", "param", "code"}}`, always with a code, and a 4xx status for
+what the client got wrong: malformed JSON / wrong types / text that is not Unicode (400), bad API key (401),
+unknown model or route (404), body too large (413), prompt or `max_tokens` beyond the context (400,
+`context_length_exceeded`), full queue (429). Anything else is a bug, answered as a 500 naming the request id;
+no error drops the client's keep-alive connection (see `_Guard`).
 """
 
 from __future__ import annotations
@@ -52,7 +54,8 @@ ROUTES = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/
 
 @dataclass
 class ServerOptions:
-    served_model_name: str = "clover"
+    served_model_name: str = "clover"  # the model id of responses and /v1/models
+    model_aliases: tuple[str, ...] = ()  # other ids requests may name (the default model: its versioned id)
     api_key: str | None = None  # every route but /health then needs `Authorization: Bearer <key>`
     max_running: int = 32  # sequences decoded together
     max_waiting: int = 256  # more sequences queued before 429
@@ -238,10 +241,14 @@ class _Server:
         self.created = int(time.time())
 
     # -- request -> engine ---------------------------------------------------------------------------------
+    @property
+    def model_names(self) -> list[str]:
+        return [self.options.served_model_name, *self.options.model_aliases]
+
     def check_model(self, name: str) -> None:
-        if name != self.options.served_model_name:
+        if name not in self.model_names:
             raise APIError(404, f"the model {name!r} does not exist; this server serves "
-                                f"{self.options.served_model_name!r}", param="model", code="model_not_found")
+                                f"{' or '.join(map(repr, self.model_names))}", param="model", code="model_not_found")
 
     def max_new_tokens(self, requested: int | None, prompt_len: int, block_size: int, param: str,
                        prompt_param: str) -> int:
@@ -261,7 +268,8 @@ class _Server:
 
     def sampling(self, req: SamplingFields) -> list[SamplingParams]:
         if getattr(req, "logprobs", None):
-            raise APIError(400, "logprobs are not supported by this server", param="logprobs")
+            raise APIError(400, "logprobs are not supported by this server", param="logprobs",
+                           code="unsupported_parameter")
         stops = req.stop_strings()
         try:
             return [SamplingParams(
@@ -270,7 +278,7 @@ class _Server:
                 repetition_penalty=req.repetition_penalty or 1.0,
                 seed=None if req.seed is None else (req.seed + i) % 2**64, stop=stops) for i in range(req.n)]
         except ValueError as exc:
-            raise APIError(400, str(exc)) from exc
+            raise APIError(400, str(exc), code="invalid_value") from exc
 
     def submit(self, prompt: list[int], max_new: int, sampling: list[SamplingParams],
                req: SamplingFields) -> RequestHandle:
@@ -280,7 +288,7 @@ class _Server:
         except QueueFull as exc:
             raise APIError(429, f"{exc}; retry later", type="rate_limit_error", code="server_busy") from exc
         except ValueError as exc:
-            raise APIError(400, str(exc)) from exc
+            raise APIError(400, str(exc), code="invalid_value") from exc
         except RuntimeError as exc:
             raise APIError(503, str(exc), type="server_error", code="unavailable") from exc
 
@@ -302,7 +310,7 @@ class _Server:
         try:
             text = self.tokenizer.render_chat([m.to_template() for m in req.messages], tools, thinking)
         except ValueError as exc:
-            raise APIError(400, str(exc), param="messages") from exc
+            raise APIError(400, str(exc), param="messages", code="invalid_value") from exc
         ids = self.tokenizer.encode(text + forced)
         return ids, forced, thinking, bool(tools) and req.tool_choice != "none"
 
@@ -368,7 +376,7 @@ class _Server:
                                                 max(handle.cached_tokens))})
         except Exception as exc:  # noqa: BLE001 - the stream has started: report in-band
             logger.exception("generation failed")
-            yield _sse(APIError(500, f"generation failed: {exc}", type="server_error").body())
+            yield _sse(APIError(500, f"generation failed: {exc}", type="server_error", code="internal_error").body())
         finally:
             handle.cancel()  # no-op when finished; frees the slots when the client went away
         yield "data: [DONE]\n\n"
@@ -383,16 +391,18 @@ class _Server:
                 bad = [t for t in p if t >= len(self.tokenizer)]
                 if bad:
                     raise APIError(400, f"prompt token ids must be < {len(self.tokenizer)}, got {bad[:5]}",
-                                   param="prompt")
+                                   param="prompt", code="invalid_value")
                 out.append((list(p), self.tokenizer.decode(list(p)) if req.echo else ""))
         return out
 
     async def completion(self, req: CompletionRequest, request: Request) -> Response:
         self.check_model(req.model)
         if req.suffix:
-            raise APIError(400, "suffix is not supported by this server", param="suffix")
+            raise APIError(400, "suffix is not supported by this server", param="suffix",
+                           code="unsupported_parameter")
         if req.logprobs is not None:
-            raise APIError(400, "logprobs are not supported by this server", param="logprobs")
+            raise APIError(400, "logprobs are not supported by this server", param="logprobs",
+                           code="unsupported_parameter")
         sampling = self.sampling(req)
         prompts = await run_in_threadpool(self.completion_prompts, req)
         block = req.block_size or self.block_size
@@ -454,7 +464,7 @@ class _Server:
                                                 sum(max(h.cached_tokens) for h in handles))})
         except Exception as exc:  # noqa: BLE001
             logger.exception("generation failed")
-            yield _sse(APIError(500, f"generation failed: {exc}", type="server_error").body())
+            yield _sse(APIError(500, f"generation failed: {exc}", type="server_error", code="internal_error").body())
         finally:
             for h in handles:
                 h.cancel()
@@ -481,11 +491,11 @@ class _Server:
                 for h in handles:
                     h.cancel()
         if work not in done:
-            raise APIError(499, "client disconnected", type="client_closed_request")
+            raise APIError(499, "client disconnected", type="client_closed_request", code="client_closed_request")
         exc = work.exception()
         if exc is not None:
             logger.error("generation failed: %s", exc)
-            raise APIError(500, f"generation failed: {exc}", type="server_error")
+            raise APIError(500, f"generation failed: {exc}", type="server_error", code="internal_error")
 
 
 # -- app factory ---------------------------------------------------------------------------------------------------
@@ -510,10 +520,17 @@ def read_generation_defaults(directory: Path | None) -> dict[str, Any]:
 
 
 class _Guard:
-    """Pure ASGI middleware in front of every route: API key, body size limit, request metrics.
+    """Pure ASGI middleware in front of every route: request id, API key, body size limit, the last stop for
+    exceptions, request metrics.
 
     The body is read here (up to the limit) and replayed to the app, so an oversized body is refused before any
-    parsing, whether or not the client sent a Content-Length."""
+    parsing, whether or not the client sent a Content-Length. Every response carries an `x-request-id` header.
+
+    An exception that no route turned into an error response becomes a 500 here, naming the request id (the log
+    line with the traceback has it too), and the middleware returns normally. It must not reach the ASGI server:
+    Starlette's `ServerErrorMiddleware` sends its 500 and then re-raises, and uvicorn answers a raise by dropping
+    the connection without `Connection: close`, so a client reusing the keep-alive connection (httpx, the
+    `openai` client) would fail on its next, valid request."""
 
     def __init__(self, app: Any, server: _Server) -> None:
         self.app, self.server = app, server
@@ -524,11 +541,13 @@ class _Guard:
             return
         path = scope["path"]
         route = path if path in ROUTES else ("/v1/models/{model}" if path.startswith("/v1/models/") else "other")
+        request_id = f"req_{uuid.uuid4().hex}"
         status: dict[str, int | None] = {"code": None, "left": None}
 
         async def send_counted(message: dict[str, Any]) -> None:
             if message["type"] == "http.response.start":
                 status["code"] = message["status"]
+                message = {**message, "headers": [*message.get("headers", ()), (b"x-request-id", request_id.encode())]}
             await send(message)
 
         async def receive_watched() -> dict[str, Any]:
@@ -539,8 +558,15 @@ class _Guard:
 
         try:
             await self._guarded(scope, receive_watched, send_counted, path)
+        except Exception:  # noqa: BLE001 - a bug: answered as a 500, the connection kept
+            logger.exception("request %s: %s %s failed", request_id, scope.get("method"), path)
+            if status["code"] is None:
+                await _send_error(send_counted, APIError(
+                    500, f"internal server error (request id {request_id})", type="server_error",
+                    code="internal_error"))
+            # else the response had started: it stays incomplete, and the ASGI server closes the connection
         finally:
-            # no response started: the client closed the request (499, nginx's code), or the server failed (500)
+            # no response started: the client closed the request (499, nginx's code), or sending the 500 failed
             code = status["code"] or status["left"] or 500
             self.server.metrics.requests.labels(route, str(code)).inc()
 
@@ -548,8 +574,9 @@ class _Guard:
         key = self.server.options.api_key
         if key and path != "/health":
             headers = dict(scope.get("headers") or [])
-            given = headers.get(b"authorization", b"").decode("latin-1")
-            if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+            scheme, _, token = headers.get(b"authorization", b"").strip().partition(b" ")
+            # the scheme name is case-insensitive (RFC 7235 §2.1); the token is compared in constant time
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), key.encode()):
                 await _send_error(send, APIError(401, "invalid or missing API key (Authorization: Bearer <key>)",
                                                  type="invalid_request_error", code="invalid_api_key"))
                 return
@@ -584,17 +611,37 @@ async def _send_error(send: Callable, error: APIError) -> None:
     await send({"type": "http.response.body", "body": payload})
 
 
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+def _validation_error(exc: RequestValidationError) -> APIError:
+    """The first of pydantic's errors as a 400 naming the field, with an OpenAI-style code: `invalid_json`,
+    `missing_required_parameter`, `invalid_type` (a string where a number belongs, ...), `invalid_unicode`
+    (lone surrogates), `nesting_too_deep` (JSON values), else `invalid_value` (out of range, unknown role, ...)."""
     errors = exc.errors()
     if not errors:
-        return "invalid request", None
+        return APIError(400, "invalid request", code="invalid_request")
     first = errors[0]
+    kind = first.get("type", "")
+    if kind == "json_invalid":
+        reason = first.get("ctx", {}).get("error", first.get("msg"))
+        return APIError(400, f"the request body is not valid JSON: {reason}", code="invalid_json")
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    if first.get("type") == "json_invalid":
-        return f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}", None
     where = ".".join(loc) or "body"
     more = f" (and {len(errors) - 1} more errors)" if len(errors) > 1 else ""
-    return f"{where}: {first.get('msg')}{more}", where if loc else None
+    code = ("missing_required_parameter" if kind == "missing"
+            else kind if kind in ("invalid_unicode", "nesting_too_deep")  # protocol.py's own checks
+            else "invalid_type" if kind.endswith(("_type", "_parsing")) else "invalid_value")
+    return APIError(400, f"{where}: {first.get('msg')}{more}", param=where if loc else None, code=code)
+
+
+def _http_error(exc: StarletteHTTPException) -> APIError:
+    """Starlette's and FastAPI's own errors (unknown route, wrong method, a body the JSON parser refused)."""
+    if exc.status_code == 400 and exc.__cause__ is not None:
+        # FastAPI's "There was an error parsing the body": invalid UTF-8, an integer of more than 4300 digits,
+        # nesting deeper than the parser's recursion limit. The cause says which.
+        return APIError(400, f"the request body is not valid JSON: {exc.__cause__}", code="invalid_json")
+    code = {404: "not_found", 405: "method_not_allowed"}.get(
+        exc.status_code, "internal_error" if exc.status_code >= 500 else "invalid_request")
+    return APIError(exc.status_code, str(exc.detail), code=code,
+                    type="server_error" if exc.status_code >= 500 else "invalid_request_error")
 
 
 def create_app(model: torch.nn.Module | str | Path, tokenizer: Any = None, options: ServerOptions | None = None,
@@ -631,19 +678,14 @@ def create_app(model: torch.nn.Module | str | Path, tokenizer: Any = None, optio
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        message, param = _validation_message(exc)
-        return JSONResponse(APIError(400, message, param=param).body(), status_code=400)
+        return JSONResponse(_validation_error(exc).body(), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-        return JSONResponse(APIError(exc.status_code, str(exc.detail), code=code).body(),
-                            status_code=exc.status_code, headers=getattr(exc, "headers", None))
+        error = _http_error(exc)
+        return JSONResponse(error.body(), status_code=error.status, headers=getattr(exc, "headers", None))
 
-    @app.exception_handler(Exception)
-    async def server_error(_: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unhandled error")
-        return JSONResponse(APIError(500, "internal server error", type="server_error").body(), status_code=500)
+    # any other exception: a 500 from `_Guard`, which keeps the connection (no handler for Exception here)
 
     @app.post("/v1/chat/completions", responses=ERRORS)
     async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
@@ -653,18 +695,18 @@ def create_app(model: torch.nn.Module | str | Path, tokenizer: Any = None, optio
     async def completions(req: CompletionRequest, request: Request) -> Response:
         return await server.completion(req, request)
 
-    def model_card() -> dict[str, Any]:
-        return {"id": options.served_model_name, "object": "model", "created": server.created, "owned_by": "clover",
+    def model_card(name: str) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": server.created, "owned_by": "clover",
                 "max_model_len": server.context}
 
     @app.get("/v1/models", responses=ERRORS)
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [model_card()]}
+        return {"object": "list", "data": [model_card(name) for name in server.model_names]}
 
     @app.get("/v1/models/{model_id}", responses=ERRORS)
     async def model_info(model_id: str) -> dict[str, Any]:
         server.check_model(model_id)
-        return model_card()
+        return model_card(model_id)
 
     @app.get("/health")
     async def health() -> JSONResponse:

@@ -10,9 +10,12 @@ Clover's own options ride along as extra body fields (`block_size`, `threshold`,
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator, model_validator
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator,
+                      model_validator)
+from pydantic_core import PydanticCustomError
 
 from clover.engine.decoding import RULES
 
@@ -20,10 +23,13 @@ from clover.engine.decoding import RULES
 
 
 class APIError(Exception):
-    """An error the client caused (4xx) or the server reports, rendered as OpenAI's `{"error": {...}}`."""
+    """An error the client caused (4xx) or the server reports, rendered as OpenAI's `{"error": {...}}`.
 
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
+    `code` is required: every error a client gets has a machine-readable code (OpenAI's, where it has one:
+    `invalid_value`, `invalid_type`, `model_not_found`, ...), so clients branch on it rather than on the message."""
+
+    def __init__(self, status: int, message: str, *, code: str, type: str = "invalid_request_error",
+                 param: str | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
 
@@ -35,7 +41,7 @@ class ErrorDetail(BaseModel):
     message: str
     type: str
     param: str | None = None
-    code: str | None = None
+    code: str
 
 
 class ErrorResponse(BaseModel):
@@ -47,10 +53,48 @@ class _Model(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
+MAX_NESTING = 64  # JSON values (tool schemas, call arguments): deeper ones would overflow the template's recursion
+
+
+def _well_formed(value: Any) -> Any:
+    """`value` (any JSON value) unchanged, or a validation error naming where it holds text that is not Unicode or
+    nesting deeper than `MAX_NESTING`.
+
+    JSON's `\\uXXXX` escapes can spell a lone UTF-16 surrogate (`"\\ud800"`), which Python's parser accepts but
+    no tokenizer can encode and UTF-8 cannot represent. The parser accepts nesting up to Python's recursion limit,
+    which rendering the chat template (`tojson`) then exceeds. Walked iteratively, so the check itself cannot."""
+    stack: list[tuple[str, Any, int]] = [("", value, 0)]
+    while stack:
+        where, item, depth = stack.pop()
+        if depth > MAX_NESTING:
+            raise PydanticCustomError("nesting_too_deep", "nested more than {limit} levels deep",
+                                      {"limit": MAX_NESTING})
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise PydanticCustomError(
+                    "invalid_unicode", "{where}text is not valid Unicode: a lone UTF-16 surrogate {char} at "
+                    "character {index} (surrogate escapes must come in high-low pairs)",
+                    {"where": f"{where.lstrip('.')}: " if where else "", "char": ascii(item[exc.start]),
+                     "index": exc.start}) from None
+        elif isinstance(item, dict):
+            for key, sub in item.items():  # a key is checked before its value, so no path holds a bad key
+                stack += [(f"{where}.{key:.40}", sub, depth + 1), (f"{where} (a key)", key, depth)]
+        elif isinstance(item, list):
+            stack += [(f"{where}[{i}]", sub, depth + 1) for i, sub in enumerate(item)]
+    return value
+
+
+# on every field that carries text or JSON (outside a union: one error, not one per member of the union)
+WellFormed = BeforeValidator(_well_formed)
+Text = Annotated[StrictStr, WellFormed]
 UnitFloat = Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)]
 PositiveInt = Annotated[StrictInt, Field(ge=1)]
-ToolName = Annotated[StrictStr, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
-Stop = StrictStr | Annotated[list[Annotated[StrictStr, Field(min_length=1)]], Field(max_length=16)] | None
+ToolName = Annotated[StrictStr, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$"), WellFormed]
+Stop = Annotated[StrictStr | Annotated[list[Annotated[StrictStr, Field(min_length=1)]], Field(max_length=16)] | None,
+                 WellFormed]
+JSONObject = Annotated[dict[str, Any], WellFormed]
 
 
 class StreamOptions(_Model):
@@ -60,7 +104,7 @@ class StreamOptions(_Model):
 class SamplingFields(_Model):
     """Fields shared by chat and text completions."""
 
-    model: StrictStr
+    model: Text
     temperature: Annotated[float, Field(ge=0.0, le=2.0, allow_inf_nan=False)] | None = None
     top_p: UnitFloat | None = None
     top_k: Annotated[StrictInt, Field(ge=0)] | None = None  # vLLM extension; 0 = off
@@ -77,7 +121,7 @@ class SamplingFields(_Model):
     rule: Literal[tuple(sorted(RULES))] | None = None  # type: ignore[valid-type]  # an unmasking rule's name
     ignore_eos: StrictBool = False  # vLLM's extension: always generate max_tokens (benchmarks)
     # accepted for compatibility, ignored: they have no meaning for this server
-    user: StrictStr | None = None
+    user: Text | None = None
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
 
@@ -86,7 +130,7 @@ class SamplingFields(_Model):
             return ()
         if isinstance(self.stop, str):
             if not self.stop:
-                raise APIError(400, "stop strings must be non-empty", param="stop")
+                raise APIError(400, "stop strings must be non-empty", param="stop", code="invalid_value")
             return (self.stop,)
         return tuple(self.stop)
 
@@ -94,27 +138,41 @@ class SamplingFields(_Model):
 # -- chat --------------------------------------------------------------------------------------------------------
 class TextPart(_Model):
     type: Literal["text"]
-    text: StrictStr
+    text: Text
 
 
 class FunctionCall(_Model):
-    name: StrictStr
-    arguments: StrictStr | dict[str, Any] = "{}"  # OpenAI sends a JSON string; an object is accepted too
+    name: Text
+    arguments: Annotated[StrictStr | dict[str, Any], WellFormed] = "{}"  # OpenAI: a JSON string; an object is accepted
+
+    @field_validator("arguments")
+    @classmethod
+    def _arguments_nesting(cls, value: str | dict[str, Any]) -> str | dict[str, Any]:
+        """A JSON string is parsed and rendered as an object by the chat template: bound its nesting too."""
+        if isinstance(value, str):
+            try:
+                _well_formed(json.loads(value))
+            except json.JSONDecodeError:
+                pass  # not JSON: the template renders it verbatim
+            except RecursionError:
+                raise PydanticCustomError("nesting_too_deep", "nested more than {limit} levels deep",
+                                          {"limit": MAX_NESTING}) from None
+        return value
 
 
 class ToolCall(_Model):
-    id: StrictStr | None = None
+    id: Text | None = None
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
 class ChatMessage(_Model):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: StrictStr | list[TextPart] | None = None
-    name: StrictStr | None = None
+    content: Annotated[StrictStr | list[TextPart] | None, WellFormed] = None
+    name: Text | None = None
     tool_calls: list[ToolCall] | None = None
-    tool_call_id: StrictStr | None = None
-    reasoning_content: StrictStr | None = None
+    tool_call_id: Text | None = None
+    reasoning_content: Text | None = None
 
     @model_validator(mode="after")
     def _content_present(self) -> "ChatMessage":
@@ -138,8 +196,8 @@ class ChatMessage(_Model):
 
 class FunctionDefinition(_Model):
     name: ToolName
-    description: StrictStr | None = None
-    parameters: dict[str, Any] | None = None
+    description: Text | None = None
+    parameters: JSONObject | None = None
     strict: StrictBool | None = None
 
     @field_validator("parameters")
@@ -165,7 +223,7 @@ class Tool(_Model):
 
 
 class NamedFunction(_Model):
-    name: StrictStr
+    name: Text
 
 
 class NamedToolChoice(_Model):
@@ -210,13 +268,13 @@ TokenIds = Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(min_length=1
 
 
 class CompletionRequest(SamplingFields):
-    prompt: (Annotated[StrictStr, Field(min_length=1)]
-             | Annotated[list[Annotated[StrictStr, Field(min_length=1)]], Field(min_length=1, max_length=16)]
-             | TokenIds
-             | Annotated[list[TokenIds], Field(min_length=1, max_length=16)])
+    prompt: Annotated[Annotated[StrictStr, Field(min_length=1)]
+                      | Annotated[list[Annotated[StrictStr, Field(min_length=1)]], Field(min_length=1, max_length=16)]
+                      | TokenIds
+                      | Annotated[list[TokenIds], Field(min_length=1, max_length=16)], WellFormed]
     echo: StrictBool = False
     logprobs: Annotated[StrictInt, Field(ge=0)] | None = None
-    suffix: StrictStr | None = None
+    suffix: Text | None = None
 
     def prompts(self) -> list[str | list[int]]:
         """One entry per prompt: a string or a list of token ids."""

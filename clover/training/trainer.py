@@ -263,6 +263,27 @@ def latest_checkpoint(output_dir: str | Path) -> Path | None:
     return path
 
 
+# What a save writes under a temporary name in `checkpoints/`, any of which a kill can leave behind: the step
+# directory being written (`.tmp-step-…`) and the one it replaces (`.old-step-…`), `write_checkpoint`'s own
+# temporaries beside it (`..tmp-step-….tmp-…`, `….old-…`), and the `latest` pointer's (`.latest.tmp-…`, a
+# file).
+STALE_PATTERNS = (".tmp-*", ".old-*", ".*.tmp-*", ".*.old-*")
+
+
+def remove_stale_temporaries(root: Path) -> list[Path]:
+    """Delete every temporary a killed save left in `root` (files and directories); returns what was removed."""
+    stale = sorted({path for pattern in STALE_PATTERNS for path in root.glob(pattern)})
+    for path in stale:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+    if stale:
+        logger.info("removed %d temporaries left by an interrupted save: %s", len(stale),
+                    ", ".join(p.name for p in stale))
+    return stale
+
+
 def _write_latest(root: Path, name: str) -> None:
     tmp = root / f".{LATEST}.tmp-{uuid.uuid4().hex[:8]}"
     with open(tmp, "w") as f:
@@ -687,8 +708,7 @@ class Trainer:
             self.output_dir.mkdir(parents=True, exist_ok=True)
             (self.output_dir / "config.yaml").write_text(c.to_yaml())
             self.ckpt_root.mkdir(parents=True, exist_ok=True)
-            for stale in self.ckpt_root.glob(".tmp-*"):  # left by a save that was killed
-                shutil.rmtree(stale, ignore_errors=True)
+            remove_stale_temporaries(self.ckpt_root)
         log_file = self._open_log()
         previous = signal.getsignal(signal.SIGTERM) if _main_thread() else None
         if previous is not None:
