@@ -80,7 +80,7 @@ def base_dir() -> Path:
 def adapted_model(adapter_dir: Path, block_size: int, threshold: float) -> CloverForBlockDiffusion:
     """The base with an adapter (a trainer checkpoint or the shipped one), with its decoding defaults: merged
     into the weights, or, for a gated adapter (query positions only), kept next to them unmerged."""
-    from clover.training.lora import is_gated, load_adapter, merge_and_unload
+    from clover.model.lora import is_gated, load_adapter, merge_and_unload
 
     model = CloverForBlockDiffusion.from_pretrained(base_dir())
     load_adapter(model, adapter_dir)

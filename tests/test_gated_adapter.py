@@ -11,7 +11,7 @@ import torch
 from clover import CloverConfig, CloverForBlockDiffusion
 from clover.model.layout import BlockLayout
 from clover.training.config import LoraConfig, NoiseConfig
-from clover.training.lora import (adapters_disabled, apply_lora, is_gated, merge_and_unload, merge_lora,
+from clover.model.lora import (adapters_disabled, apply_lora, is_gated, merge_and_unload, merge_lora,
                                   save_adapter, load_adapter)
 from clover.training.objective import bd3_loss, collate, reference_block_loss, sample_noise
 from clover.smol import adapted_model, weights_checksum

@@ -14,7 +14,7 @@ import torch
 
 from clover import CloverForBlockDiffusion
 from clover import smol
-from clover.training.lora import is_gated
+from clover.model.lora import is_gated
 
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "clover_smol" / "v2.py"
 

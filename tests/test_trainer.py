@@ -11,7 +11,7 @@ import yaml
 
 from clover import CloverConfig, CloverForBlockDiffusion
 from clover.cli.main import main
-from clover.training import lora as lora_mod
+from clover.model import lora as lora_mod
 from clover.training import trainer as trainer_mod
 from clover.training.config import LoraConfig, TrainConfig, config_from_dict, load_train_config, parse_overrides
 from clover.training.trainer import Trainer, latest_checkpoint, train

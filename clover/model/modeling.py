@@ -75,7 +75,7 @@ class _ForwardContext:
     rope: tuple[torch.Tensor, torch.Tensor]
     mask: torch.Tensor | None
     is_causal: bool
-    gate: Any = None  # a gated adapter's `AdapterGate` (clover.training.lora), or None
+    gate: Any = None  # a gated adapter's `AdapterGate` (clover.model.lora), or None
 
 
 class CloverModel(nn.Module):
@@ -282,7 +282,7 @@ class CloverForBlockDiffusion(nn.Module):
         """Load a checkpoint directory; an adapter stored next to the weights (`adapter_config.json`, as
         `save_pretrained` writes for a model with an unmerged, e.g. gated, adapter) is applied and loaded."""
         from clover.checkpoint import load_state_dict_strict
-        from clover.training.lora import ADAPTER_CONFIG, load_adapter
+        from clover.model.lora import ADAPTER_CONFIG, load_adapter
 
         config = CloverConfig.from_file(directory)
         with torch.device("meta"):  # no random init, no second copy of the weights
@@ -300,7 +300,7 @@ class CloverForBlockDiffusion(nn.Module):
         """Save as a checkpoint directory; an unmerged adapter goes next to the base weights
         (`adapter.safetensors` + `adapter_config.json`), which `from_pretrained` restores."""
         from clover.checkpoint import save_checkpoint
-        from clover.training.lora import adapter_tensor_names, has_lora, save_adapter
+        from clover.model.lora import adapter_tensor_names, has_lora, save_adapter
 
         if not has_lora(self):
             save_checkpoint(self, directory, tokenizer_dir=tokenizer_dir)

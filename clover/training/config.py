@@ -23,6 +23,8 @@ from typing import Any
 import yaml
 from pydantic import ConfigDict, TypeAdapter, ValidationError
 
+from clover.model.lora import LoraConfig
+
 NOISE_SCHEDULES = ("linear", "cosine")
 NOISE_SAMPLING = ("bernoulli", "exact")
 LOSS_WEIGHTING = ("none", "inverse_rate")
@@ -35,10 +37,6 @@ RESUME = ("auto", "never")
 # How pydantic reads the config dataclasses (`config_from_dict`): unknown keys are errors; numbers given for a
 # string field (a YAML `tokenizer: 123`) are read as text.
 PYDANTIC_CONFIG = ConfigDict(extra="forbid", coerce_numbers_to_str=True)
-
-# Linear layers of the hybrid and dense families (attention, DeltaNet, shared expert / dense MLP).
-DEFAULT_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "out_proj",
-                        "gate_proj", "up_proj", "down_proj"]
 
 
 @dataclass
@@ -60,32 +58,6 @@ class NoiseConfig:
         _choice("noise.weighting", self.weighting, LOSS_WEIGHTING)
         if not 0.0 <= self.t_min < self.t_max <= 1.0:
             raise ValueError(f"noise: need 0 <= t_min < t_max <= 1, got t_min={self.t_min}, t_max={self.t_max}")
-
-
-@dataclass
-class LoraConfig:
-    """Low-rank adapters (off when rank is 0)."""
-
-    __pydantic_config__ = PYDANTIC_CONFIG
-
-    rank: int = 0
-    alpha: float = 16.0  # delta W = (alpha / rank) B A
-    dropout: float = 0.0
-    targets: list[str] = field(default_factory=lambda: list(DEFAULT_LORA_TARGETS))  # nn.Linear names
-    train_rows: list[str] = field(default_factory=lambda: ["mask"])  # embedding rows trained: ids or "mask"
-    extra_trainable: list[str] = field(default_factory=lambda: ["conv1d_right", "memory_calibration"])
-    # gated: adapters act only at query (masked / drafted) positions; committed context is read causally by the
-    # unchanged base, so the causal path is the base model itself (and exact decoding reproduces it)
-    gated: bool = False
-
-    def validate(self) -> None:
-        if self.rank < 0:
-            raise ValueError(f"lora.rank must be >= 0, got {self.rank}")
-        if self.rank and not self.targets:
-            raise ValueError("lora.targets is empty: name the nn.Linear modules to adapt")
-        for row in self.train_rows:
-            if row != "mask" and not str(row).isdigit():
-                raise ValueError(f"lora.train_rows: expected token ids or 'mask', got {row!r}")
 
 
 @dataclass

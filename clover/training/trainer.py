@@ -48,7 +48,7 @@ from clover.checkpoint import TOKENIZER_FILES, load_state_dict_strict, write_che
 from clover.config import PRESETS, CloverConfig
 from clover.model import CloverForBlockDiffusion
 from clover.training.config import TrainConfig
-from clover.training.lora import adapters_disabled, apply_lora, load_adapter, save_adapter
+from clover.model.lora import adapters_disabled, apply_lora, load_adapter, save_adapter
 from clover.training.objective import (Batch, Noise, bd3_loss, collate, document_shape, loss_denominators,
                                        sample_noise)
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from clover.smol import ASSET_DIR, MANIFEST, adapted_model, weights_checksum
-from clover.training.lora import ADAPTER_CONFIG, ADAPTER_FILE, is_gated
+from clover.model.lora import ADAPTER_CONFIG, ADAPTER_FILE, is_gated
 
 MAX_BYTES = 25 * 2**20
 

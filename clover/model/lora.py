@@ -30,15 +30,46 @@ import logging
 import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from pydantic import ConfigDict
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from clover.training.config import LoraConfig
+# Linear layers of the hybrid and dense families (attention, DeltaNet, shared expert / dense MLP).
+DEFAULT_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "out_proj",
+                        "gate_proj", "up_proj", "down_proj"]
+
+
+@dataclass
+class LoraConfig:
+    """Low-rank adapters (off when rank is 0)."""
+
+    __pydantic_config__ = ConfigDict(extra="forbid", coerce_numbers_to_str=True)  # as the training config
+
+    rank: int = 0
+    alpha: float = 16.0  # delta W = (alpha / rank) B A
+    dropout: float = 0.0
+    targets: list[str] = field(default_factory=lambda: list(DEFAULT_LORA_TARGETS))  # nn.Linear names
+    train_rows: list[str] = field(default_factory=lambda: ["mask"])  # embedding rows trained: ids or "mask"
+    extra_trainable: list[str] = field(default_factory=lambda: ["conv1d_right", "memory_calibration"])
+    # gated: adapters act only at query (masked / drafted) positions; committed context is read causally by the
+    # unchanged base, so the causal path is the base model itself (and exact decoding reproduces it)
+    gated: bool = False
+
+    def validate(self) -> None:
+        if self.rank < 0:
+            raise ValueError(f"lora.rank must be >= 0, got {self.rank}")
+        if self.rank and not self.targets:
+            raise ValueError("lora.targets is empty: name the nn.Linear modules to adapt")
+        for row in self.train_rows:
+            if row != "mask" and not str(row).isdigit():
+                raise ValueError(f"lora.train_rows: expected token ids or 'mask', got {row!r}")
+
 
 logger = logging.getLogger(__name__)
 
