@@ -59,6 +59,8 @@ class Decision:
     forward_passes: int
     order: list[list[str]] = field(default_factory=list)  # fields completed at each step (AR: one per step)
     wall_time_s: float = 0.0
+    prompt_tokens: int = 0
+    answer_tokens: int = 0  # the answer's tokens: the form's text and its slots
 
     def to_json(self) -> dict[str, Any]:
         return {"values": self.values, "probabilities": self.probabilities, "forward_passes": self.forward_passes}
@@ -74,6 +76,7 @@ class Layout:
     choice_ids: list[torch.Tensor | None]  # per field: [values, L] token ids of each padded value (None: text)
     pad_id: int
     mask_id: int
+    answer_len: int  # tokens before the mask padding: the answer and its EOS
 
     def fill(self, values: dict[str, Any], tokenize: Any) -> list[int]:
         """The answer block with `values` written into the slots (training targets; `tokenize`: text -> ids).
@@ -120,8 +123,9 @@ def render_layout(form: Form, tokenizer: Any, config: Any) -> Layout:
         tables.append(table)
         ids += [mask_id] * length
     ids += _tokenize(tokenizer, "}") + [eos]
+    answer_len = len(ids)
     ids += [mask_id] * max(0, config.block_size - len(ids))  # as in training: a response block padded with masks
-    return Layout(form, ids, slots, tables, pad[0], mask_id)
+    return Layout(form, ids, slots, tables, pad[0], mask_id, answer_len)
 
 
 def render_prompt(tokenizer: Any, context: Context, form: Form) -> list[int]:
@@ -241,6 +245,8 @@ class _DecisionRun:
                     results[r] = self._result(block[r], logp[r], text_lp[r], forwards[r], order[r], start)
                     done_now.append(k)
             if done_now:
+                for k in done_now:
+                    results[rows[k]].prompt_tokens = len(prompts[rows[k]])
                 keep = [k for k in range(len(rows)) if k not in done_now]
                 rows = [rows[k] for k in keep]
                 if rows:
@@ -314,7 +320,8 @@ class _DecisionRun:
             else:
                 values[f.name] = f.choices[_match(self.layout.choice_ids[i], block[s:s + length])]
                 probs[f.name] = math.exp(float(logp[i]))
-        return Decision(values, probs, forwards, order, time.perf_counter() - start)
+        return Decision(values, probs, forwards, order, time.perf_counter() - start,
+                        answer_tokens=self.layout.answer_len)
 
 
 def _match(table: torch.Tensor, tokens: torch.Tensor) -> int:
@@ -378,4 +385,4 @@ def decide_autoregressive(model: torch.nn.Module, tokenizer: Any, context: Conte
             order.append([f.name])
             end = layout.slots[i + 1][0] if i + 1 < len(layout.slots) else s + length
             pending += layout.ids[s + length:end]
-    return Decision(values, probs, forwards, order, time.perf_counter() - start)
+    return Decision(values, probs, forwards, order, time.perf_counter() - start, len(prompt), layout.answer_len)

@@ -39,7 +39,8 @@ class FormError(ValueError):
     """A schema outside the subset; `path` is where (e.g. `properties.urgency`), `keyword` what (may be None)."""
 
     def __init__(self, message: str, path: str = "", keyword: str | None = None) -> None:
-        super().__init__(f"{path}: {message}" if path else message)
+        where = path if not keyword or path.endswith(keyword) else f"{path}.{keyword}".lstrip(".")
+        super().__init__(f"{where}: {message}" if where else message)
         self.path, self.keyword = path, keyword
 
 
