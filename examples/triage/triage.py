@@ -9,8 +9,8 @@ judgments are tied by rules (`violations`): the team follows from the category, 
 feature request is low, and a human is needed exactly when the urgency is high or critical. Some tickets state
 their urgency only through those rules (an outage or a feature request without an urgency cue).
 
-The model is the `clover-tiny` preset with a wider hidden size and a byte-level BPE trained on the generated
-text, trained from scratch with the project's trainer on the block-diffusion objective (one 32-token block holds
+The model is the `clover-tiny-dense` preset (2 attention layers) with a wider hidden size and a byte-level BPE
+trained on the generated text, trained from scratch with the project's trainer on the block-diffusion objective (one 32-token block holds
 the whole answer) plus the causal AR term, so the same weights decode both ways. The comparison decodes the
 held-out tickets one at a time with `clover.engine.decision.decide` (threshold 0.9 and 1.0) and with
 `decide_autoregressive` (block size 1, field by field), and prints per-field and whole-form accuracy, forms that
@@ -236,8 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     results = compare(checkpoint, root, args.eval_tickets)
     text = table(results)
     machine = f"{platform.machine()}, {torch.get_num_threads()} thread(s), torch {torch.__version__}"
-    print(f"{checkpoint} on {len(json.loads(json.dumps(results)))} methods, {args.eval_tickets} held-out tickets, "
-          f"{machine}\n\n{text}")
+    print(f"{checkpoint}, {args.eval_tickets} held-out tickets, {machine}\n\n{text}")
     (root / "table.md").write_text(text + "\n")
     (root / "triage_eval.json").write_text(json.dumps({"checkpoint": str(checkpoint), "machine": machine,
                                                        "tickets": args.eval_tickets, **results}, indent=2) + "\n")
