@@ -270,7 +270,6 @@ class _DecisionRun:
         """Commit this step's units of one row in place; returns the fields it completed."""
         lp = torch.log_softmax(logits, dim=-1)  # [positions, V]
         units: list[tuple[float, int, int, int, float]] = []  # (confidence, field, position or -1, token, logp)
-        choice_scores = {}
         for i, (f, table) in enumerate(zip(self.layout.form.fields, self.layout.choice_ids)):
             if decided[i]:
                 continue
@@ -279,7 +278,6 @@ class _DecisionRun:
                 score = part.gather(1, table.T).sum(0)  # [values]: sum_l log p_l(v_l)
                 probs = torch.softmax(score, dim=0)
                 conf, best = probs.max(0)
-                choice_scores[i] = float(torch.log(conf))
                 units.append((float(conf), i, -1, int(best), float(torch.log(conf))))
                 continue
             start = int(self.slot_pos[i][0])

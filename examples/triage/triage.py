@@ -10,8 +10,8 @@ feature request is low, and a human is needed exactly when the urgency is high o
 their urgency only through those rules (an outage or a feature request without an urgency cue).
 
 The model is the `clover-tiny-dense` preset (2 attention layers) with a wider hidden size and a byte-level BPE
-trained on the generated text, trained from scratch with the project's trainer on the block-diffusion objective (one 32-token block holds
-the whole answer) plus the causal AR term, so the same weights decode both ways. The comparison decodes the
+trained on the generated text, trained from scratch with the project's trainer on the block-diffusion objective
+(one 32-token block holds the whole answer) plus the causal AR term, so the same weights decode both ways. The comparison decodes the
 held-out tickets one at a time with `clover.engine.decision.decide` (threshold 0.9 and 1.0) and with
 `decide_autoregressive` (block size 1, field by field), and prints per-field and whole-form accuracy, forms that
 break a rule, forward passes and latency as a markdown table (also written to `runs/triage/table.md`). A run
