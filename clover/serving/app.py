@@ -43,6 +43,7 @@ from clover.serving.prefix_cache import PrefixCache
 from clover.serving.protocol import (APIError, ChatCompletionRequest, CompletionRequest, ErrorResponse,
                                      NamedToolChoice, SamplingFields)
 from clover.serving.scheduler import Output, QueueFull, RequestHandle, Scheduler
+from clover.serving.structured import decision_response, wants_decision
 from clover.tokenizer import eos_token_ids
 from clover.chat_template import render_chat
 
@@ -316,6 +317,8 @@ class _Server:
 
     async def chat(self, req: ChatCompletionRequest, request: Request) -> Response:
         self.check_model(req.model)
+        if wants_decision(req):  # structured outputs: decision decoding (structured.py)
+            return await decision_response(self, req)
         sampling = self.sampling(req)
         ids, forced, thinking, tools = await run_in_threadpool(self.chat_prompt, req)
         block = req.block_size or self.block_size

@@ -235,8 +235,29 @@ class ChatTemplateKwargs(_Model):
     enable_thinking: StrictBool = False
 
 
+class JSONSchemaFormat(_Model):
+    """OpenAI structured outputs: `response_format.json_schema` (`schema` is checked by `clover.engine.form`)."""
+
+    name: Annotated[StrictStr, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+    description: StrictStr | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(_Model):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> "ResponseFormat":
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type 'json_schema' needs a json_schema object with name and schema")
+        return self
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    response_format: ResponseFormat | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     max_completion_tokens: PositiveInt | None = None

@@ -1,0 +1,100 @@
+"""OpenAI structured outputs (`response_format`) on chat completions, served by decision decoding.
+
+`response_format: {"type": "json_schema", "json_schema": {"name", "schema"}}` with a schema inside the decision
+subset (`clover.engine.form`: a flat object of enum / boolean / bounded integer / bounded string fields) is
+answered by `clover.engine.decision.decide` on the chat messages: the message content is the JSON object,
+valid against the schema, and the response carries a `decision` object (each field's probability, forward
+passes, the order the fields were decided in). A schema outside the subset, `json_object`, or options that do
+not apply (`n > 1`, tools) are a 400 naming the parameter — for a schema, the field and the keyword.
+
+Decisions run on a worker thread next to the scheduler's (model forwards only read the weights), one at a time,
+holding the tokenizer's lock. Greedy: sampling fields are ignored; `threshold` (extra body field) applies.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import uuid
+from typing import Any
+
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+
+from clover.engine.decision import Decision, decide
+from clover.engine.form import Form, FormError, parse_form
+from clover.serving.protocol import APIError, ChatCompletionRequest
+
+_DECIDING = threading.Lock()  # one decision at a time: each is a few forwards of the whole answer block
+SCHEMA_PARAM = "response_format.json_schema.schema"
+
+
+def wants_decision(req: ChatCompletionRequest) -> bool:
+    return req.response_format is not None and req.response_format.type != "text"
+
+
+def check_form(req: ChatCompletionRequest) -> Form:
+    """The request's form, or the 400 that names what cannot be served."""
+    fmt = req.response_format
+    assert fmt is not None
+    if fmt.type == "json_object":
+        raise APIError(400, "response_format type 'json_object' is not supported: give type 'json_schema' with a "
+                            "schema (flat object of enum, boolean, bounded integer or bounded string fields)",
+                       param="response_format.type")
+    try:
+        form = parse_form(fmt.json_schema.schema_)
+    except FormError as exc:
+        param = f"{SCHEMA_PARAM}.{exc.path}" if exc.path else SCHEMA_PARAM
+        raise APIError(400, f"{SCHEMA_PARAM}: {exc}", param=param, code="unsupported_schema") from exc
+    if req.n != 1:
+        raise APIError(400, "n must be 1 with response_format (decisions are greedy)", param="n")
+    if req.tools and req.tool_choice != "none":
+        raise APIError(400, "tools and response_format cannot be combined", param="response_format")
+    return form
+
+
+async def decision_response(server: Any, req: ChatCompletionRequest) -> Response:
+    """The chat completion for a request with `response_format` (`server`: the app's `_Server`)."""
+    form = check_form(req)
+    messages = [m.to_template() for m in req.messages]
+    threshold = req.threshold if req.threshold is not None else server.threshold
+
+    def run() -> Decision:
+        with _DECIDING, server.tokenizer.lock:
+            return decide(server.model, server.tokenizer.tokenizer, messages, form, threshold=threshold)
+
+    try:
+        result = await run_in_threadpool(run)
+    except ValueError as exc:  # e.g. the prompt and the answer block beyond the context
+        raise APIError(400, str(exc), param="messages") from exc
+    content = json.dumps(result.values, ensure_ascii=False)
+    rid, created, name = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), server.options.served_model_name
+    usage = server.usage(result.prompt_tokens, result.answer_tokens, 0)
+    extra = {"decision": {"probabilities": result.probabilities, "forward_passes": result.forward_passes,
+                          "order": result.order}}
+    if not req.stream:
+        return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": name,
+                             "choices": [{"index": 0, "message": {"role": "assistant", "content": content},
+                                          "finish_reason": "stop", "logprobs": None}],
+                             "usage": usage, **extra})
+
+    def chunk(delta: dict[str, Any], finish: str | None = None, **more: Any) -> str:
+        body = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": name,
+                "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}], **more}
+        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    pieces = [chunk({"role": "assistant", "content": ""}), chunk({"content": content}),
+              chunk({}, "stop", **extra)]
+    if include_usage:
+        final = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": name, "choices": [],
+                 "usage": usage}
+        pieces.append(f"data: {json.dumps(final)}\n\n")
+
+    async def events() -> Any:
+        for piece in pieces:
+            yield piece
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream")
