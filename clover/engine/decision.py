@@ -44,7 +44,7 @@ from typing import Any, Sequence
 import torch
 
 from clover.engine.form import Field, Form, parse_form, value_text
-from clover.training.chat_template import render_chat
+from clover.chat_template import render_chat
 
 Context = str | Sequence[dict[str, Any]]
 INSTRUCTION = "Fill in this form as a JSON object with exactly these fields and allowed values: "

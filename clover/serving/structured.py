@@ -41,16 +41,17 @@ def check_form(req: ChatCompletionRequest) -> Form:
     if fmt.type == "json_object":
         raise APIError(400, "response_format type 'json_object' is not supported: give type 'json_schema' with a "
                             "schema (flat object of enum, boolean, bounded integer or bounded string fields)",
-                       param="response_format.type")
+                       param="response_format.type", code="invalid_value")
     try:
         form = parse_form(fmt.json_schema.schema_)
     except FormError as exc:
         param = f"{SCHEMA_PARAM}.{exc.path}" if exc.path else SCHEMA_PARAM
         raise APIError(400, f"{SCHEMA_PARAM}: {exc}", param=param, code="unsupported_schema") from exc
     if req.n != 1:
-        raise APIError(400, "n must be 1 with response_format (decisions are greedy)", param="n")
+        raise APIError(400, "n must be 1 with response_format (decisions are greedy)", param="n", code="invalid_value")
     if req.tools and req.tool_choice != "none":
-        raise APIError(400, "tools and response_format cannot be combined", param="response_format")
+        raise APIError(400, "tools and response_format cannot be combined", param="response_format",
+                       code="invalid_value")
     return form
 
 
@@ -67,7 +68,7 @@ async def decision_response(server: Any, req: ChatCompletionRequest) -> Response
     try:
         result = await run_in_threadpool(run)
     except ValueError as exc:  # e.g. the prompt and the answer block beyond the context
-        raise APIError(400, str(exc), param="messages") from exc
+        raise APIError(400, str(exc), param="messages", code="invalid_value") from exc
     content = json.dumps(result.values, ensure_ascii=False)
     rid, created, name = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), server.options.served_model_name
     usage = server.usage(result.prompt_tokens, result.answer_tokens, 0)
