@@ -204,3 +204,26 @@ def test_exact_through_the_scheduler_with_prefix_reuse(models, preset):
     results, handles = _scheduler_outputs(sched, prompts, 12)
     assert results == _greedy_b1(model, prompts, 12)
     assert max(handles[-1].cached_tokens) == 24 and store.stats.hits >= 1
+
+
+# -- context_reading: how committed blocks are written ---------------------------------------------------------------
+@pytest.mark.parametrize("preset", PRESETS)
+def test_causal_context_reading_commits_blocks_causally(preset):
+    """With `context_reading="causal"` a threshold-mode commit leaves the cache a causal prefill of the same tokens
+    would; with the default `block_causal` it does not (the committed block read itself both ways)."""
+    differs = {}
+    for reading in ("causal", "block_causal"):
+        model = tiny_model(preset, context_reading=reading)
+        engine = Engine(model, 4, 0.5, eos_token_ids=[])
+        seq = engine.make_sequences([PROMPTS[0]], 12, SamplingParams())[0]
+        b = engine.prefill_step(engine.begin_prefill(seq))
+        while len(seq.generated) < 4:
+            _, b = engine.step(b)
+        masks = torch.full((1, 4), model.config.mask_token_id)
+        with torch.inference_mode():
+            fresh = model.new_cache(1)
+            model([seq.prompt + seq.generated[:4]], 1, cache=fresh)
+            want = model(None, 4, cache=fresh, query_ids=masks).query_logits
+            got = model(None, 4, cache=b.cache, query_ids=masks).query_logits
+        differs[reading] = float((want - got).abs().max())
+    assert differs["causal"] < 1e-4 < differs["block_causal"], differs

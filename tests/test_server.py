@@ -86,6 +86,9 @@ def test_decoding_options_per_request(client, reference):
     for decoding in ({"rule": "left_to_right"}, {"rule": "joint_threshold", "threshold": 0.3, "block_size": 2}):
         r = client.chat.completions.create(model=NAME, messages=msgs, max_tokens=16, extra_body=decoding)
         assert r.choices[0].message.content == reference(msgs, 16, **decoding)[0].strip()
+    # exact mode: the model's block-size-1 greedy output
+    r = client.chat.completions.create(model=NAME, messages=msgs, max_tokens=16, extra_body={"rule": "exact"})
+    assert r.choices[0].message.content == reference(msgs, 16, block_size=1)[0].strip()
 
 
 def test_chat_streaming_equals_non_streaming(client):
@@ -210,6 +213,7 @@ BAD = [
     ("n zero", dict(body={"model": NAME, "messages": _user("hi"), "n": 0})),
     ("bad block_size", dict(body={"model": NAME, "messages": _user("hi"), "block_size": 0})),
     ("unknown rule", dict(body={"model": NAME, "messages": _user("hi"), "rule": "fastest"})),
+    ("exact rule sampled", dict(body={"model": NAME, "messages": _user("hi"), "rule": "exact", "temperature": 0.7})),
     ("logprobs", dict(body={"model": NAME, "messages": _user("hi"), "logprobs": True})),
     ("wrong api key", dict(body={"model": NAME, "messages": _user("hi")}, key="nope"), 401),
     ("no api key", dict(body={"model": NAME, "messages": _user("hi")}, key=None), 401),
