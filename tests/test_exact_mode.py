@@ -91,7 +91,7 @@ def test_accepted_drafts_commit_several_tokens_per_forward(models, preset, block
     assert out == ref
     assert engine.counters.forwards - forwards_before == 1 + -(-39 // block_size)
     # drafts wrong at random: rows accept different counts in the same forward, the output stays exact
-    for seed in range(3):
+    for seed in range(2):
         engine = OracleDrafts(model, block_size, reference, wrong=0.25, seed=seed, eos_token_ids=[])
         got = [[] for _ in PROMPTS]
         stats = {}
