@@ -9,7 +9,8 @@ for the whole batch at once (SGLang's `dllm/algorithm` style). Contract, checked
 * rows with nothing masked accept nothing (the engine passes `masked & active` for rows that sit a step out).
 
 Rules are looked up by name in `RULES` (`make_rule("threshold", threshold=0.9)`); the engine never branches on
-the rule's name (a rule that `verifies`, `exact`, switches it to its exact-mode loop). To add one: subclass `UnmaskingRule`, decorate with `@register_rule`.
+the rule's name (a rule that `verifies`, `exact`, switches it to its exact-mode loop). To add one: subclass
+`UnmaskingRule`, decorate with `@register_rule`.
 """
 
 from __future__ import annotations

@@ -26,6 +26,11 @@ cache that already holds a prefix of its prompt: prefix reuse), `join` adds it t
 boundary (`CloverCache.concat` left-pads the shorter KV), `step` advances the batch by one denoising step, and
 `drop` removes cancelled requests at any step.
 
+Exact mode (a rule that `verifies`: `exact`) runs its own step, `Engine._exact_step`: each forward reads the
+last decided token and its drafts causally, commits the drafts the causal greedy path agrees with plus that
+path's next token, rewinds the cache over the rest (`CloverCache.mark` / `rewind`) and drafts the next ones from a
+query block of masks. Its output is block-size-1 greedy decoding, token for token.
+
 Where things happen: `Engine._prefill` (prompt -> cache), `Engine._step` (one denoising step),
 `Engine._finish_block` (EOS / stop / length, emit), `Engine._commit` (the block joins the cache).
 """
