@@ -123,6 +123,21 @@ def test_exact_with_eos_and_streaming(models, preset):
     assert sum((p.token_ids for p in streamed), []) == want and streamed[-1].finish_reason == "eos"
 
 
+def test_exact_with_a_stop_string(models):
+    model = models["clover-tiny-dense"]
+    ref = _greedy_b1(model, [PROMPTS[2]], 24)[0]
+
+    def decode(ids):
+        return " ".join(map(str, ids))
+
+    stop = decode(ref[9:11])
+    want = generate(model, [PROMPTS[2]], 24, block_size=1, eos_token_ids=[], detokenize=decode, stop=[stop])
+    engine = OracleDrafts(model, 8, {0: ref}, wrong=0.0, eos_token_ids=[], detokenize=decode)
+    got = list(engine.run([PROMPTS[2]], 24, SamplingParams(stop=[stop])))
+    assert sum((e.token_ids for e in got), []) == want.sequences[0] and got[-1].finish_reason == "stop"
+    assert len(want.sequences[0]) < 24
+
+
 def test_exact_mode_validation(models):
     model = models["clover-tiny"]
     with pytest.raises(ValueError, match="rule 'exact' is greedy.*temperature=0.7"):
