@@ -91,6 +91,9 @@ def test_decoding_options_per_request(client, reference):
     for decoding in ({"rule": "left_to_right"}, {"rule": "joint_threshold", "threshold": 0.3, "block_size": 2}):
         r = client.chat.completions.create(model=NAME, messages=msgs, max_tokens=16, extra_body=decoding)
         assert r.choices[0].message.content == reference(msgs, 16, **decoding)[0].strip()
+    # exact mode: the model's block-size-1 greedy output
+    r = client.chat.completions.create(model=NAME, messages=msgs, max_tokens=16, extra_body={"rule": "exact"})
+    assert r.choices[0].message.content == reference(msgs, 16, block_size=1)[0].strip()
 
 
 def test_chat_streaming_equals_non_streaming(client):
@@ -241,6 +244,8 @@ BAD = [
     ("n zero", dict(body={"model": NAME, "messages": _user("hi"), "n": 0}), 400, "invalid_value"),
     ("bad block_size", dict(body={"model": NAME, "messages": _user("hi"), "block_size": 0}), 400, "invalid_value"),
     ("unknown rule", dict(body={"model": NAME, "messages": _user("hi"), "rule": "fastest"}), 400, "invalid_value"),
+    ("exact rule sampled", dict(body={"model": NAME, "messages": _user("hi"), "rule": "exact", "temperature": 0.7}),
+     400, "invalid_value"),
     ("logprobs", dict(body={"model": NAME, "messages": _user("hi"), "logprobs": True}), 400, "unsupported_parameter"),
     ("wrong api key", dict(body={"model": NAME, "messages": _user("hi")}, key="nope"), 401, "invalid_api_key"),
     ("no api key", dict(body={"model": NAME, "messages": _user("hi")}, key=None), 401, "invalid_api_key"),

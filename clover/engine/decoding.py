@@ -9,7 +9,8 @@ for the whole batch at once (SGLang's `dllm/algorithm` style). Contract, checked
 * rows with nothing masked accept nothing (the engine passes `masked & active` for rows that sit a step out).
 
 Rules are looked up by name in `RULES` (`make_rule("threshold", threshold=0.9)`); the engine never branches on
-the rule's name. To add one: subclass `UnmaskingRule`, decorate with `@register_rule`.
+the rule's name (a rule that `verifies`, `exact`, switches it to its exact-mode loop). To add one: subclass
+`UnmaskingRule`, decorate with `@register_rule`.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ def make_rule(name: "str | UnmaskingRule", threshold: float | None = None, **opt
 @dataclass
 class UnmaskingRule:
     name: ClassVar[str] = ""
+    verifies: ClassVar[bool] = False  # True: the engine decodes in exact mode (drafts verified causally)
 
     def select(self, tokens: torch.Tensor, confidence: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
         """`tokens`, `confidence`, `masked` `[N, B]` -> `accept` `[N, B]` bool (see the module contract)."""
@@ -154,3 +156,20 @@ class LeftToRightRule(ThresholdRule):
         first = masked & (rank == 1)
         waits = masked & ~first & (confidence < self.threshold)
         return first | (masked & (waits.int().cumsum(dim=1) == 0))
+
+
+@register_rule
+@dataclass
+class ExactRule(UnmaskingRule):
+    """Exact mode: the output is the model's causal greedy output (block size 1), token for token, at fewer
+    forwards. The engine runs it as its own loop (`verifies`): every forward reads the block's drafted tokens
+    causally, commits the longest prefix of drafts that equals the causal greedy choice plus that choice at the
+    first difference, undoes the cache state of the rest, and drafts the next block from a query block of masks
+    (docs/decoding.md, "Exact mode"). As a plain rule inside a denoising step it fills the leftmost masked
+    position: one token per step in reading order."""
+
+    name: ClassVar[str] = "exact"
+    verifies: ClassVar[bool] = True
+
+    def select(self, tokens: torch.Tensor, confidence: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
+        return masked & (masked.int().cumsum(dim=1) == 1)

@@ -26,6 +26,11 @@ cache that already holds a prefix of its prompt: prefix reuse), `join` adds it t
 boundary (`CloverCache.concat` left-pads the shorter KV), `step` advances the batch by one denoising step, and
 `drop` removes cancelled requests at any step.
 
+Exact mode (a rule that `verifies`: `exact`) runs its own step, `Engine._exact_step`: each forward reads the
+last decided token and its drafts causally, commits the drafts the causal greedy path agrees with plus that
+path's next token, rewinds the cache over the rest (`CloverCache.mark` / `rewind`) and drafts the next ones from a
+query block of masks. Its output is block-size-1 greedy decoding, token for token.
+
 Where things happen: `Engine._prefill` (prompt -> cache), `Engine._step` (one denoising step),
 `Engine._finish_block` (EOS / stop / length, emit), `Engine._commit` (the block joins the cache).
 """
@@ -90,7 +95,21 @@ class _Batch:
     needed: torch.Tensor | None = None  # [N, B] `Engine._needed` as the last step left it; None on a fresh block
 
 
-Batch = _Batch  # the running batch, opaque outside the engine (the scheduler holds it between steps)
+@dataclass
+class _ExactBatch:
+    """Exact mode's running batch. Between steps, per row: the tokens the last forward decided (the causal
+    greedy tokens; emitted at the next step; all but the last already in the cache) and the drafts for the next
+    forward (from that forward's query block; usable only where it accepted every draft it verified)."""
+
+    seqs: list[Sequence]
+    cache: CloverCache
+    decided: torch.Tensor  # [N, B]: the first `n_decided` columns count
+    n_decided: torch.Tensor  # [N], >= 1
+    drafts: torch.Tensor  # [N, B - 1]: the tokens after the last decided one, as the query block predicted them
+    n_drafts: torch.Tensor  # [N]: B - 1, or 0 where the drafts were made after a rejected token
+
+
+Batch = _Batch | _ExactBatch  # the running batch, opaque outside the engine (the scheduler holds it between steps)
 
 
 @dataclass
@@ -138,6 +157,9 @@ class Engine:
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
         self.mask_id = config.mask_token_id
+        self.exact = self.rule.verifies
+        # committed blocks read causally (each token its own block) instead of bidirectionally inside the block
+        self.causal_context = config.context_reading == "causal"
         self.eos_ids = list(config.eos_token_ids if eos_token_ids is None else eos_token_ids)
         self.vocab_size = config.vocab_size
         self.vocab_limit = self.vocab_size if vocab_limit is None else min(int(vocab_limit), self.vocab_size)
@@ -145,6 +167,7 @@ class Engine:
         self.prefill_chunk = prefill_chunk
         self.device = next(model.parameters()).device
         self._eos = torch.tensor(self.eos_ids, dtype=torch.long, device=self.device)
+        self._banned_ids = torch.tensor(self._banned(), dtype=torch.long, device=self.device)
         self._positions = torch.arange(self.block_size, device=self.device)
         self.counters = EngineCounters()
 
@@ -177,6 +200,13 @@ class Engine:
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
         if self.detokenize is None and any(p.stop for p in params):
             raise ValueError("stop strings need a detokenizer: pass detokenize=tokenizer.decode")
+        if self.exact:
+            for i, p in enumerate(params):
+                if not p.greedy or p.repetition_penalty != 1.0:
+                    raise ValueError(
+                        f"rule {self.rule.name!r} is greedy decoding (its output is the model's own greedy output): "
+                        f"request {i} has temperature={p.temperature}, repetition_penalty={p.repetition_penalty}; "
+                        "use temperature=0 and repetition_penalty=1, or another rule")
         prompts = [list(map(int, p)) for p in prompts]
         for i, p in enumerate(prompts):
             if not p:
@@ -186,16 +216,21 @@ class Engine:
                 raise ValueError(f"prompt {i} has token ids outside [0, {self.vocab_size}): {bad[:5]}")
         limit = self.model.config.max_position_embeddings
         longest = max(len(p) for p in prompts)
-        reach = math.ceil(max_new_tokens / self.block_size) * self.block_size
+        if self.exact:  # the last forward still carries a query block of B masks after at most B - 1 drafts
+            reach, why = max_new_tokens + self.block_size - 1, f"max_new_tokens plus {self.block_size - 1} for drafting"
+            fits = limit - longest - (self.block_size - 1)
+        else:  # the last block occupies B positions
+            reach = math.ceil(max_new_tokens / self.block_size) * self.block_size
+            why = f"max_new_tokens rounded up to whole blocks of {self.block_size}"
+            fits = (limit - longest) // self.block_size * self.block_size
         if longest >= limit:
             raise ValueError(f"a prompt of {longest} tokens leaves no room for max_new_tokens within the model's "
                              f"max_position_embeddings={limit}")
         if longest + reach > limit:
             raise ValueError(
                 f"max_new_tokens={max_new_tokens} is too large: the prompt has {longest} tokens and generation "
-                f"needs {reach} more positions (max_new_tokens rounded up to whole blocks of {self.block_size}), "
-                f"beyond the model's max_position_embeddings={limit}; at most "
-                f"{(limit - longest) // self.block_size * self.block_size} new tokens fit")
+                f"needs {reach} more positions ({why}), beyond the model's max_position_embeddings={limit}; at most "
+                f"{max(fits, 0)} new tokens fit")
         now = time.perf_counter()
         return [Sequence(i, p, params[i], int(max_new_tokens), start_time=now) for i, p in enumerate(prompts)]
 
@@ -211,7 +246,7 @@ class Engine:
         return torch.full((n, self.block_size), self.mask_id, dtype=torch.long, device=self.device)
 
     # -- prefill --------------------------------------------------------------------------------------
-    def _prefill(self, seqs: list[Sequence]) -> _Batch:
+    def _prefill(self, seqs: list[Sequence]) -> Batch:
         """Prompts, left-padded, read causally in chunks of `prefill_chunk`; the last chunk carries block 1's masks
         as a query block, so the prefill is also block 1's first step."""
         n, longest = len(seqs), max(len(s.prompt) for s in seqs)
@@ -225,15 +260,17 @@ class Engine:
         cache = self.model.new_cache(n)
         limit = self._limits(seqs)
         chunks = range(0, longest, self.prefill_chunk)
+        for s in seqs:
+            s.prefill_forwards = len(chunks)
         for start in chunks:
             end = min(start + self.prefill_chunk, longest)
             kwargs = dict(prefix_len=end - start, attention_mask=valid[:, start:end] if padded else None)
             if end < longest:
                 self._forward(ids[:, start:end], cache, logits_to_keep=0, **kwargs)
+            elif self.exact:
+                return self._exact_open(seqs, ids[:, start:end], cache, **kwargs)
             else:
                 logits = self._open_block(ids[:, start:end], cache, limit, **kwargs)
-        for s in seqs:
-            s.prefill_forwards = len(chunks)
         sampler = BatchSampler([s.params for s in seqs], self.vocab_size, self._banned(), self.device)
         sampler.observe([s.prompt for s in seqs])
         return _Batch(seqs, cache, sampler, self._masks(n), logits, torch.zeros(n, dtype=torch.long,
@@ -269,7 +306,7 @@ class Engine:
         seq.prefill_forwards = 0
         return Prefill(seq, cache, done)
 
-    def prefill_step(self, p: Prefill) -> _Batch | None:
+    def prefill_step(self, p: Prefill) -> Batch | None:
         """One prefill chunk, ending on the absolute grid of `prefill_chunk` tokens — so a prefill resumed from a
         reused prefix runs exactly the forwards of a cold one, and gives the same bits. The last chunk carries the
         first block's masks (as `_prefill` does); it returns the request as a one-row batch, else None."""
@@ -278,43 +315,51 @@ class Engine:
         last = end == len(prompt)
         ids = torch.tensor([prompt[p.done:end]], dtype=torch.long, device=self.device)
         limit = self._limits([p.seq])
-        with torch.inference_mode():
-            if last:
-                logits = self._open_block(ids, p.cache, limit, prefix_len=end - p.done)
-            else:
-                self._forward(ids, p.cache, prefix_len=end - p.done, logits_to_keep=0)
-        p.done = end
         p.seq.prefill_forwards += 1
+        with torch.inference_mode():
+            if not last:
+                self._forward(ids, p.cache, prefix_len=end - p.done, logits_to_keep=0)
+            elif self.exact:
+                opened = self._exact_open([p.seq], ids, p.cache, prefix_len=end - p.done)
+            else:
+                logits = self._open_block(ids, p.cache, limit, prefix_len=end - p.done)
+        p.done = end
         if not last:
             return None
+        if self.exact:
+            return opened
         sampler = BatchSampler([p.seq.params], self.vocab_size, self._banned(), self.device)
         sampler.observe([prompt])
         return _Batch([p.seq], p.cache, sampler, self._masks(1), logits,
                       torch.zeros(1, dtype=torch.long, device=self.device), limit)
 
-    def at_block_boundary(self, b: _Batch) -> bool:
-        """No step of the current block taken yet: rows can join."""
-        return b.step_index == 0
+    def at_block_boundary(self, b: Batch) -> bool:
+        """No step of the current block taken yet: rows can join. In exact mode every step ends one."""
+        return isinstance(b, _ExactBatch) or b.step_index == 0
 
-    def join(self, b: _Batch | None, new: _Batch) -> _Batch:
+    def join(self, b: Batch | None, new: Batch) -> Batch:
         """`new` (prefilled, at the start of its first block) joins the running batch `b` at a block boundary.
         Each row keeps exactly what it would get alone: its cache rows, logits and random stream are its own."""
         if b is None:
             return new
         if not (self.at_block_boundary(b) and self.at_block_boundary(new)):
             raise ValueError("requests join a batch only at a block boundary")
+        if isinstance(b, _ExactBatch):
+            return _ExactBatch(b.seqs + new.seqs, CloverCache.concat([b.cache, new.cache]),
+                               torch.cat([b.decided, new.decided]), torch.cat([b.n_decided, new.n_decided]),
+                               torch.cat([b.drafts, new.drafts]), torch.cat([b.n_drafts, new.n_drafts]))
         return _Batch(b.seqs + new.seqs, CloverCache.concat([b.cache, new.cache]),
                       BatchSampler.concat([b.sampler, new.sampler]), torch.cat([b.block, new.block]),
                       torch.cat([b.logits, new.logits]), torch.cat([b.steps, new.steps]),
                       torch.cat([b.limit, new.limit]), 0)
 
-    def step(self, b: _Batch, snapshots: bool = False) -> tuple[list[Event], _Batch | None]:
+    def step(self, b: Batch, snapshots: bool = False) -> tuple[list[Event], Batch | None]:
         """One denoising step of the whole batch (and the commit when every row's block is final): the events
         of blocks committed, and the batch (None when every request finished)."""
         with torch.inference_mode():
             return self._step(b, snapshots)
 
-    def drop(self, b: _Batch, indices: set[int]) -> _Batch | None:
+    def drop(self, b: Batch, indices: set[int]) -> Batch | None:
         """Remove the requests whose `Sequence.index` is in `indices` (cancelled), at any step."""
         keep = [r for r, s in enumerate(b.seqs) if s.index not in indices]
         if len(keep) == len(b.seqs):
@@ -324,11 +369,15 @@ class Engine:
         self._keep_rows(b, keep)
         return b
 
-    def _keep_rows(self, b: _Batch, keep: list[int]) -> None:
+    def _keep_rows(self, b: Batch, keep: list[int]) -> None:
         """Keep rows `keep` of every per-row part of the batch (requests that finished or were cancelled leave)."""
         idx = torch.tensor(keep, dtype=torch.long, device=self.device)
         b.seqs = [b.seqs[r] for r in keep]
         b.cache.select(idx)
+        if isinstance(b, _ExactBatch):
+            b.decided, b.n_decided = b.decided[idx], b.n_decided[idx]
+            b.drafts, b.n_drafts = b.drafts[idx], b.n_drafts[idx]
+            return
         b.sampler.select(keep)
         b.block, b.steps, b.limit, b.logits = b.block[idx], b.steps[idx], b.limit[idx], b.logits[idx]
         if b.needed is not None:
@@ -349,8 +398,10 @@ class Engine:
             need = torch.where(eos.any(1), torch.minimum(eos.int().argmax(1) + 1, limit), need)
         return masked & (self._positions[None] < need[:, None])
 
-    def _step(self, b: _Batch, snapshots: bool) -> tuple[list[Event], _Batch | None]:
+    def _step(self, b: Batch, snapshots: bool) -> tuple[list[Event], Batch | None]:
         """One denoising step for every row that needs one, then the forward that feeds the next step."""
+        if isinstance(b, _ExactBatch):
+            return self._exact_step(b)
         logits = b.logits.clone()  # the sampler consumes its input
         # the previous step's check of what is still needed is this step's candidates: one `_needed` per step
         candidates = b.needed if b.needed is not None else self._needed(b.block, b.limit)
@@ -407,8 +458,91 @@ class Engine:
         """The finished block joins the cache, in the same forward as the next block's first step."""
         n = len(b.seqs)
         b.limit = self._limits(b.seqs)
-        b.logits = self._open_block(b.block, b.cache, b.limit)
+        b.logits = self._open_block(b.block, b.cache, b.limit, prefix_len=self.block_size if self.causal_context else 0)
         b.block = self._masks(n)
         b.steps = torch.zeros(n, dtype=torch.long, device=self.device)
         b.step_index = 0
         b.needed = None
+
+    # -- exact mode ---------------------------------------------------------------------------------------
+    def _greedy(self, logits: torch.Tensor) -> torch.Tensor:
+        """The greedy choice `BatchSampler` makes for a greedy request without repetition penalty: argmax over
+        the ids that may be emitted."""
+        x = logits.float()
+        x[..., self._banned_ids] = float("-inf")
+        return x.max(dim=-1).indices
+
+    def _exact_forward(self, ids: torch.Tensor, cache: CloverCache, want: torch.Tensor,
+                       **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward `ids` `[N, T]` as causal clean tokens (written to the cache), with a query block of `B` masks
+        after each row's last real one. Returns the causal greedy choice after each clean position where `want`
+        `[N, T]` (-1 elsewhere) and `[N, B - 1]` drafts: query output `j` predicts the token two positions after
+        the last clean one plus `j` (the mask at query position 0 stands for the token the clean logits decide)."""
+        n, t = ids.shape
+        drafting = self.block_size > 1
+        at = torch.cat([want, self._positions[None].expand(n, -1) < self.block_size - 1], dim=1) if drafting else want
+        out = self._forward(ids, cache, query_ids=self._masks(n) if drafting else None, logits_at=at, **kwargs)
+        tokens = torch.full(at.shape, -1, dtype=torch.long, device=self.device)
+        tokens[at] = self._greedy(out.logits)
+        return tokens[:, :t], tokens[:, t:t + self.block_size - 1]
+
+    def _exact_open(self, seqs: list[Sequence], ids: torch.Tensor, cache: CloverCache, **kwargs: Any) -> _ExactBatch:
+        """The prefill's last chunk in exact mode: it decides the first token (from the last prompt token) and
+        drafts the `B - 1` after it."""
+        n, t = ids.shape
+        want = torch.zeros(n, t, dtype=torch.bool, device=self.device)
+        want[:, -1] = True
+        tokens, drafts = self._exact_forward(ids, cache, want, **kwargs)
+        decided = torch.nn.functional.pad(tokens[:, -1:], (0, self.block_size - 1), value=-1)
+        ones = torch.ones(n, dtype=torch.long, device=self.device)
+        return _ExactBatch(seqs, cache, decided, ones, drafts, ones * (self.block_size - 1))
+
+    def _exact_step(self, b: _ExactBatch) -> tuple[list[Event], _ExactBatch | None]:
+        """Emit what the last forward decided; then one forward verifies the drafts and drafts anew.
+
+        The forward's clean tokens are, per row, the last decided token (not yet in the cache) and the drafts
+        `d_1..d_k`, read causally and right-padded to the batch's widest row. The causal choice after clean
+        column `i` is `c_i`; draft `d_i` is accepted while `d_1..d_i == c_0..c_{i-1}`, so with `a` drafts
+        accepted the row decides `c_0..c_a` (the drafts it confirmed plus the causal token at the first
+        difference, or the bonus token after the last draft): at least one token per forward, each the model's
+        causal greedy token given everything before it, i.e. block-size-1 greedy decoding. The cache then
+        forgets the rejected drafts (`CloverCache.rewind` keeps each row's first `1 + a` clean tokens). The
+        query block's drafts were made after the last draft, so they are used only where all drafts were
+        accepted; elsewhere the next forward verifies nothing and drafts anew."""
+        now = time.perf_counter()
+        decided, counts = b.decided.tolist(), b.n_decided.tolist()
+        events: list[Event] = []
+        keep = []
+        for r, seq in enumerate(b.seqs):
+            piece = seq.append_block(decided[r][: min(counts[r], seq.remaining)], 1, self.eos_ids, self.detokenize,
+                                     now)
+            events.append(StreamPiece(seq.index, piece, len(seq.steps_per_block) - 1, seq.finished, seq.finish_reason,
+                                      seq.stats() if seq.finished else None))
+            if not seq.finished:
+                keep.append(r)
+        self.counters.steps += 1
+        if not keep:
+            return events, None
+        if len(keep) < len(b.seqs):
+            self._keep_rows(b, keep)
+
+        # drafts worth verifying: none past the row's last token (the decided token adds one), none after an EOS
+        remaining = torch.tensor([s.remaining for s in b.seqs], dtype=torch.long, device=self.device)
+        k = torch.minimum(b.n_drafts, remaining - 1)
+        if self.eos_ids and b.drafts.shape[1]:
+            eos = torch.isin(b.drafts, self._eos)
+            k = torch.where(eos.any(1), torch.minimum(k, eos.int().argmax(1) + 1), k)
+        width = 1 + int(k.max())
+        last = b.decided.gather(1, (b.n_decided - 1)[:, None])
+        real = self._positions[None, :width] < (1 + k)[:, None]  # [N, width]: the row's tokens, then padding
+        ids = torch.cat([last, b.drafts[:, : width - 1]], dim=1).masked_fill(~real, self.mask_id)
+        b.cache.mark()
+        tokens, b.drafts = self._exact_forward(ids, b.cache, real, prefix_len=width,
+                                               attention_mask=None if bool(real.all()) else real)
+        agree = (ids[:, 1:] == tokens[:, :-1]) & real[:, 1:]
+        accepted = agree.int().cumprod(dim=1).sum(dim=1)
+        b.cache.rewind(1 + accepted)
+        b.decided = torch.nn.functional.pad(tokens, (0, self.block_size - width), value=-1)
+        b.n_decided = 1 + accepted
+        b.n_drafts = torch.where(accepted == k, self.block_size - 1, 0)
+        return events, b

@@ -10,10 +10,13 @@ Rows are sequences; `select` keeps a subset (finished requests leave a batch), `
 different lengths into one batch (a request joins a running batch: the shorter attention KV is left-padded
 and the padding marked invalid), `prefix` cuts a cache back to its first positions and `snapshot_recurrent`
 copies the DeltaNet states (prefix reuse), `clone` copies a cache, `memory_bytes` reports what it holds.
+`mark` + `rewind` undo part of one forward's clean tokens (exact mode's rejected drafts), `compact` squeezes out
+the holes rewinding leaves in a batch.
 
 Invariant that makes sharing safe: a cache never writes inside positions it already holds — attention layers
 only append past `length` (an exact-size buffer reallocates), DeltaNet layers replace their tensors — so a
-`prefix` may share tensors with the cache it was cut from.
+`prefix` may share tensors with the cache it was cut from. The one exception is `rewind`, which gives back
+positions written by the forward since `mark` (no `prefix` is ever cut from those).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from clover.config import FULL_ATTENTION, CloverConfig
+from clover.ops.delta_rule import chunk_gated_delta_rule
 
 # per layer: (state, conv) of a DeltaNet layer, None for an attention layer (or an empty DeltaNet layer)
 RecurrentSnapshot = list["tuple[torch.Tensor, torch.Tensor] | None"]
@@ -56,6 +60,18 @@ class AttentionLayerCache:
     def select(self, rows: torch.Tensor) -> None:
         if self.k is not None:
             self.k, self.v = self.k[rows], self.v[rows]
+
+    def truncate(self, length: int) -> None:
+        """Forget positions `>= length` (the buffer keeps its capacity: the next append overwrites them)."""
+        self.length = min(self.length, length)
+
+    def gather(self, columns: torch.Tensor) -> None:
+        """Keep, per row, the positions `columns` `[N, L]` (in that order): exact-size new buffers."""
+        if self.k is not None:
+            index = columns[:, None, :, None]
+            self.k = self.k.gather(2, index.expand(-1, self.k.shape[1], -1, self.k.shape[3]))
+            self.v = self.v.gather(2, index.expand(-1, self.v.shape[1], -1, self.v.shape[3]))
+            self.length = columns.shape[1]
 
     def drop_front(self, n: int) -> None:
         """Forget the first `n` positions (columns of left padding no row needs any more)."""
@@ -102,11 +118,47 @@ class AttentionLayerCache:
 
 
 class DeltaNetLayerCache:
-    """Recurrent state and conv window of one Gated DeltaNet layer (zeros = empty history)."""
+    """Recurrent state and conv window of one Gated DeltaNet layer (zeros = empty history).
+
+    While `recording` (between `CloverCache.mark` and `rewind`), the layer keeps in `undo` what the forward's
+    clean tokens did to it: the state before them, their conv inputs, and their `k, v, g, beta` — enough to
+    recompute the state over any prefix of them without running the model again."""
 
     def __init__(self) -> None:
         self.state: torch.Tensor | None = None  # [N, Hv, dk, dv], fp32
         self.conv: torch.Tensor | None = None  # [N, C, K-1], the last K-1 inputs of the causal conv
+        self.recording = False
+        # (state before, conv inputs [N, C, K-1 + T] history first, k [N, H, T, dk], v, g [N, H, T], beta)
+        self.undo: tuple[torch.Tensor, ...] | None = None
+
+    def record(self, state: torch.Tensor, full: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+               beta: torch.Tensor) -> None:
+        """Called by the layer for a forward's clean tokens (a no-op unless recording)."""
+        if not self.recording:
+            return
+        if self.undo is not None:
+            raise RuntimeError("only one forward can run between CloverCache.mark and rewind")
+        self.undo = (state, full, k, v, g, beta)
+
+    def rewind(self, keep: torch.Tensor, fed: torch.Tensor) -> None:
+        """Keep each row's first `keep[r]` of the `fed[r]` clean tokens of the recorded forward.
+
+        The state is recomputed from the state before the forward by the chunked causal rule over the recorded
+        `k, v, g, beta`, with `g = beta = 0` from `keep[r]` on (exactly the identity step: `S * exp(0) + k * 0`).
+        That costs one state-only pass of the rule over at most `T` tokens per layer — no projections, no
+        other layer — and needs only `O(T)` extra memory, where per-token states would need `T` states of
+        `dk x dv` per head. Rows that keep everything get, bit for bit, the state the forward computed (the same
+        call on the same inputs). The conv window is the `K-1` inputs that end at the last kept token."""
+        state0, full, k, v, g, beta = self.undo
+        t = k.shape[2]
+        if bool((keep < fed).any()):
+            kept = (torch.arange(t, device=keep.device)[None] < keep[:, None])[:, None].to(g.dtype)  # [N, 1, T]
+            _, self.state, _ = chunk_gated_delta_rule(None, k, v, g * kept, beta * kept, state0,
+                                                      chunk_size=min(t, 64))
+        k1 = full.shape[2] - t
+        index = (keep[:, None] + torch.arange(k1, device=keep.device)[None])[:, None].expand(-1, full.shape[1], -1)
+        self.conv = full.gather(2, index)
+        self.recording, self.undo = False, None
 
     def select(self, rows: torch.Tensor) -> None:
         if self.state is not None:
@@ -143,6 +195,7 @@ class CloverCache:
         self.batch_size = batch_size
         self.valid = torch.ones(batch_size, 0, dtype=torch.bool, device=device)  # [N, length]
         self.next_position = torch.zeros(batch_size, dtype=torch.long, device=device)
+        self.marked: int | None = None  # `length` at `mark()`, until `rewind`
 
     @property
     def length(self) -> int:
@@ -173,6 +226,55 @@ class CloverCache:
                         layer.drop_front(unused)
                 self.valid = self.valid[:, unused:]
 
+    def mark(self) -> None:
+        """Remember this point: the clean tokens of the next forward (one forward) can be partly undone by
+        `rewind`. DeltaNet layers start recording what that forward does to them."""
+        self.marked = self.length
+        for layer in self.layers:
+            if isinstance(layer, DeltaNetLayerCache):
+                layer.recording, layer.undo = True, None
+
+    def rewind(self, keep: torch.Tensor) -> None:
+        """Undo the forward since `mark` except each row's first `keep[r]` clean tokens (`[N]`, at most the row's
+        real tokens of that forward, which must come first in it: right padding, if any). Afterwards the cache
+        is what a forward of only the kept tokens would have left: attention positions beyond them are marked
+        invalid and the common tail cut (the buffer is reused), positions continue after them, DeltaNet states
+        are recomputed (`DeltaNetLayerCache.rewind`). Rows that keep different counts leave holes (invalid
+        columns, never attended to); `compact` removes them once they are a quarter of the cache."""
+        if self.marked is None:
+            raise RuntimeError("rewind needs a mark() before the forward it undoes")
+        start, keep = self.marked, keep.to(self.valid.device)
+        tail = self.valid[:, start:]
+        kept = tail & (torch.arange(tail.shape[1], device=keep.device)[None] < keep[:, None])
+        fed = tail.sum(1)
+        self.next_position = self.next_position - (fed - kept.sum(1))
+        length = start + int(keep.max()) if len(keep) else start
+        self.valid = torch.cat([self.valid[:, :start], kept], dim=1)[:, :length]
+        for layer in self.layers:
+            if isinstance(layer, AttentionLayerCache):
+                layer.truncate(length)
+            elif layer.undo is not None:
+                layer.rewind(keep, fed)
+            else:
+                layer.recording = False
+        self.marked = None
+        holes = self.length - int(self.valid.sum(1).max()) if self.length else 0
+        if 4 * holes > self.length:
+            self.compact()
+
+    def compact(self) -> None:
+        """Move each row's valid positions to the right end of the shortest rectangle that holds them (order kept),
+        so invalid columns in the middle (holes left by `rewind`) stop costing memory and attention. Attention
+        reads a set of keys whose positions are baked in by RoPE, so this changes no result. Costs one copy of
+        the KV: `rewind` calls it only when holes exceed a quarter of the length, so it is amortised."""
+        width = int(self.valid.sum(1).max())
+        # a stable sort of valid (False first) lists each row's invalid columns, then its valid ones in order
+        columns = torch.sort(self.valid.int(), dim=1, stable=True).indices[:, self.length - width:]
+        for layer in self.layers:
+            if isinstance(layer, AttentionLayerCache):
+                layer.gather(columns)
+        self.valid = self.valid.gather(1, columns)
+
     @classmethod
     def concat(cls, caches: list["CloverCache"]) -> "CloverCache":
         """One batch with the rows of `caches`, in order. Histories of different lengths are aligned on the right:
@@ -194,6 +296,7 @@ class CloverCache:
                                for c in caches])
         new.next_position = torch.cat([c.next_position for c in caches])
         new.batch_size = sum(c.batch_size for c in caches)
+        new.marked = None
         return new
 
     @property
@@ -234,6 +337,7 @@ class CloverCache:
         new.batch_size = self.batch_size
         new.valid = self.valid[:, :length]
         new.next_position = new.valid.sum(1)
+        new.marked = None
         return new
 
     def clone(self) -> "CloverCache":
@@ -241,6 +345,7 @@ class CloverCache:
         new.layers = [layer.clone() for layer in self.layers]
         new.batch_size = self.batch_size
         new.valid, new.next_position = self.valid.clone(), self.next_position.clone()
+        new.marked = None
         return new
 
     def memory_bytes(self) -> dict[str, int]:

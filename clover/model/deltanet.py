@@ -72,12 +72,24 @@ class GatedDeltaNet(nn.Module):
         c, block = x.shape[1], x.shape[2]
         return x.view(n, -1, c, block).permute(0, 2, 1, 3).reshape(n, c, -1)[:, :, :length]
 
-    def _conv(self, mixed: torch.Tensor, layout: BlockLayout,
-              history: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _tail(self, full: torch.Tensor, clean_valid: torch.Tensor | None) -> torch.Tensor:
+        """The last `K-1` real inputs of each row of `full` `[N, C, K-1 + clean]` (history first): the conv
+        window of whatever comes next. Padding (input zero, marked in `clean_valid`) is skipped, so a row whose
+        clean tokens are right-padded in a batch gets the window it would get alone."""
+        k1 = self.kernel - 1
+        if clean_valid is None or bool(clean_valid[:, -k1:].all()):
+            return full[:, :, full.shape[2] - k1:]
+        real = torch.cat([clean_valid.new_ones(full.shape[0], k1), clean_valid], dim=1)
+        # a stable sort of `real` (False first) lists each row's padding, then its real columns in order
+        index = torch.sort(real.int(), dim=1, stable=True).indices[:, -k1:]
+        return full.gather(2, index[:, None].expand(-1, full.shape[1], -1))
+
+    def _conv(self, mixed: torch.Tensor, layout: BlockLayout, history: torch.Tensor,
+              clean_valid: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Causal conv (+ right-context conv inside blocks) over clean then query tokens, before the SiLU.
 
         `mixed` `[N, C, T]`, `history` `[N, C, K-1]`: the committed inputs before this pass. Returns the conv
-        output `[N, C, T]` and the padded clean input `[N, C, K-1 + clean]` (its tail is the next history).
+        output `[N, C, T]` and the padded clean input `[N, C, K-1 + clean]` (`_tail` of it is the next history).
         """
         n, lc, bsz, k1 = mixed.shape[0], layout.clean_len, layout.block_size, self.kernel - 1
         clean = mixed[:, :, :lc]
@@ -92,7 +104,8 @@ class GatedDeltaNet(nn.Module):
             out.append(F.conv1d(full, self.conv1d.weight, groups=self.conv_dim) + torch.cat(right, dim=2))
         if layout.query_blocks:
             starts = range(layout.query_start, layout.query_start + layout.query_len, bsz)
-            windows = torch.stack([full[:, :, s : s + k1] for s in starts], dim=1)  # [N, nq, C, K-1]
+            windows = torch.stack([self._tail(full, clean_valid) if s == lc else full[:, :, s : s + k1]
+                                   for s in starts], dim=1)  # [N, nq, C, K-1]
             query, nq = self._blocked(mixed[:, :, lc:], bsz)
             query_in = torch.cat([windows.reshape(n * nq, self.conv_dim, k1), query], dim=2)
             query_out = F.conv1d(query_in, self.conv1d.weight, groups=self.conv_dim) + self._right_conv(query)
@@ -119,7 +132,7 @@ class GatedDeltaNet(nn.Module):
 
         has_history = cache is not None and cache.state is not None
         history = cache.conv if has_history else mixed.new_zeros(n, self.conv_dim, self.kernel - 1)
-        conv_out, full = self._conv(mixed.transpose(1, 2), layout, history)
+        conv_out, full = self._conv(mixed.transpose(1, 2), layout, history, clean_valid)
         q, k, v = F.silu(conv_out).transpose(1, 2).split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         rep = self.num_v_heads // self.num_k_heads
         q = q.reshape(n, t, self.num_k_heads, self.head_k_dim).repeat_interleave(rep, dim=2)
@@ -131,6 +144,8 @@ class GatedDeltaNet(nn.Module):
         g, beta = g.transpose(1, 2), beta.transpose(1, 2)  # [N, Hv, T]
 
         state = cache.state if has_history else q.new_zeros(n, self.num_v_heads, self.head_k_dim, self.head_v_dim)
+        if cache is not None and lc:
+            cache.record(state, full, k[:, :, :lc], v[:, :, :lc], g[:, :, :lc], beta[:, :, :lc])
         outs = []
         if p:  # causal prefix: the AR recurrence
             sl = slice(0, p)
@@ -165,7 +180,7 @@ class GatedDeltaNet(nn.Module):
 
         if cache is not None and lc:
             cache.state = state
-            cache.conv = full[:, :, -(self.kernel - 1):].clone()
+            cache.conv = self._tail(full, clean_valid).clone()
 
         o = torch.cat(outs, dim=2).transpose(1, 2).to(x.dtype)  # [N, T, Hv, dv]
         z = self.in_proj_z(x).view(n, t, self.num_v_heads, self.head_v_dim)

@@ -36,7 +36,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from clover.engine import SamplingParams, StopAwareDetokenizer
+from clover.engine import RULES, SamplingParams, StopAwareDetokenizer
 from clover.serving.metrics import ServerMetrics
 from clover.serving.output_parser import CALL, OutputDelta, OutputParser
 from clover.serving.prefix_cache import PrefixCache
@@ -251,20 +251,24 @@ class _Server:
             raise APIError(404, f"the model {name!r} does not exist; this server serves "
                                 f"{' or '.join(map(repr, self.model_names))}", param="model", code="model_not_found")
 
-    def max_new_tokens(self, requested: int | None, prompt_len: int, block_size: int, param: str,
+    def max_new_tokens(self, requested: int | None, prompt_len: int, block_size: int, rule: str | None, param: str,
                        prompt_param: str) -> int:
-        """`max_tokens` checked against the context (or, when not given, all the room the context leaves)."""
-        room = (self.context - prompt_len) // block_size * block_size
+        """`max_tokens` checked against the context (or, when not given, all the room the context leaves): whole
+        blocks, or in exact mode all but the `block_size - 1` positions its last forward drafts."""
+        if RULES[rule or self.options.rule].verifies:
+            room, unit = self.context - prompt_len - (block_size - 1), f"{block_size - 1} positions for drafting"
+        else:
+            room, unit = (self.context - prompt_len) // block_size * block_size, f"whole blocks of {block_size}"
         if room < 1:
             raise APIError(400, f"the prompt has {prompt_len} tokens; this model's context is {self.context} tokens "
-                                f"and generation needs room for at least one block of {block_size}",
+                                f"and generation needs room for at least one token ({unit})",
                            param=prompt_param, code="context_length_exceeded")
         if requested is None:
             return room
         if requested > room:
             raise APIError(400, f"{param}={requested} is too large: this model's context is {self.context} tokens "
                                 f"and the prompt has {prompt_len}; at most {room} new tokens fit "
-                                f"(whole blocks of {block_size})", param=param, code="context_length_exceeded")
+                                f"({unit})", param=param, code="context_length_exceeded")
         return requested
 
     def sampling(self, req: SamplingFields) -> list[SamplingParams]:
@@ -323,7 +327,7 @@ class _Server:
         ids, forced, thinking, tools = await run_in_threadpool(self.chat_prompt, req)
         block = req.block_size or self.block_size
         param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
-        max_new = self.max_new_tokens(req.max_new_tokens(), len(ids), block, param, "messages")
+        max_new = self.max_new_tokens(req.max_new_tokens(), len(ids), block, req.rule, param, "messages")
         handle = self.submit(ids, max_new, sampling, req)
         stops = req.stop_strings()
         choices = [_ChatChoice(self.tokenizer.decode, stops, thinking, tools, forced) for _ in range(req.n)]
@@ -409,7 +413,7 @@ class _Server:
         sampling = self.sampling(req)
         prompts = await run_in_threadpool(self.completion_prompts, req)
         block = req.block_size or self.block_size
-        max_news = [self.max_new_tokens(req.max_new_tokens(), len(ids), block, "max_tokens", "prompt")
+        max_news = [self.max_new_tokens(req.max_new_tokens(), len(ids), block, req.rule, "max_tokens", "prompt")
                     for ids, _ in prompts]
         handles: list[RequestHandle] = []
         try:

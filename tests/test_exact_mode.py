@@ -1,0 +1,244 @@
+"""Exact mode (rule `exact`): drafts verified by the causal path, rejected ones undone in the cache. Its output is
+block-size-1 greedy decoding token for token — alone, in batches, streamed, through the server's scheduler with
+prefix reuse — and a cache that rejected drafts is the cache of the accepted tokens alone."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+import torch
+
+from clover.engine import Engine, SamplingParams, StreamPiece, generate, stream
+from clover.engine.engine import _ExactBatch
+from clover.serving.prefix_cache import PrefixCache
+from clover.serving.scheduler import Scheduler
+from test_engine import PROMPTS, tiny_model
+
+PRESETS = ["clover-tiny", "clover-tiny-dense"]
+MAX_NEW = 20
+
+
+@pytest.fixture(scope="module")
+def models():
+    return {p: tiny_model(p) for p in PRESETS}
+
+
+def _greedy_b1(model, prompts, max_new=MAX_NEW, eos=()):
+    return generate(model, prompts, max_new, block_size=1, eos_token_ids=list(eos)).sequences
+
+
+class OracleDrafts(Engine):
+    """An exact-mode engine whose drafts come from a reference continuation, each draft wrong with probability
+    `wrong`: a random tiny model almost never drafts its own next tokens, so this is how the tests exercise
+    acceptance of several tokens per forward, partial acceptance and rows accepting different counts."""
+
+    def __init__(self, model, block_size, reference: dict[int, list[int]], wrong: float, seed: int = 0, **kw):
+        super().__init__(model, block_size, rule="exact", **kw)
+        self.reference, self.wrong, self.random = reference, wrong, random.Random(seed)
+
+    def _oracle(self, b: _ExactBatch | None) -> _ExactBatch | None:
+        if b is None:
+            return b
+        width = self.block_size - 1
+        for r, seq in enumerate(b.seqs):
+            done = len(seq.generated) + int(b.n_decided[r])  # what will be emitted before the next forward
+            drafts = (self.reference[seq.index][done:] + [0] * width)[:width]
+            drafts = [(t + 1) % 200 if self.random.random() < self.wrong else t for t in drafts]
+            b.drafts[r] = torch.tensor(drafts)
+            b.n_drafts[r] = width
+        return b
+
+    def _exact_open(self, *args, **kwargs):
+        return self._oracle(super()._exact_open(*args, **kwargs))
+
+    def _exact_step(self, b):
+        events, b = super()._exact_step(b)
+        return events, self._oracle(b)
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("block_size", [4, 8])
+def test_exact_equals_block1_greedy_alone_and_in_a_batch(models, preset, block_size):
+    model = models[preset]
+    ref = _greedy_b1(model, PROMPTS)
+    batch = generate(model, PROMPTS, MAX_NEW, block_size=block_size, rule="exact", eos_token_ids=[])
+    assert batch.sequences == ref
+    for i, prompt in enumerate(PROMPTS):
+        alone = generate(model, [prompt], MAX_NEW, block_size=block_size, rule="exact", eos_token_ids=[])
+        assert alone.sequences[0] == ref[i]
+        # a batch gives each request what it gets alone: the same drafts, hence the same forwards
+        assert alone.stats[0]["forward_passes"] == batch.stats[i]["forward_passes"]
+    for s in batch.stats:  # every forward commits at least one token
+        assert s["tokens"] == MAX_NEW and 1 <= s["forward_passes"] <= MAX_NEW and s["tokens_per_forward"] >= 1
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("block_size", [4, 8])
+def test_accepted_drafts_commit_several_tokens_per_forward(models, preset, block_size):
+    model = models[preset]
+    ref = _greedy_b1(model, PROMPTS, 40)
+    reference = dict(enumerate(ref))
+    # right drafts: every forward after the prefill commits B tokens (B - 1 drafts and the bonus token)
+    engine = OracleDrafts(model, block_size, reference, wrong=0.0, eos_token_ids=[])
+    out = [[] for _ in PROMPTS]
+    forwards_before = engine.counters.forwards
+    for e in engine.run(PROMPTS, 40, SamplingParams()):
+        out[e.index] += e.token_ids
+        if e.finished:
+            assert e.stats["forward_passes"] == 1 + -(-39 // block_size)
+    assert out == ref
+    assert engine.counters.forwards - forwards_before == 1 + -(-39 // block_size)
+    # drafts wrong at random: rows accept different counts in the same forward, the output stays exact
+    for seed in range(2):
+        engine = OracleDrafts(model, block_size, reference, wrong=0.25, seed=seed, eos_token_ids=[])
+        got = [[] for _ in PROMPTS]
+        stats = {}
+        for e in engine.run(PROMPTS, 40, SamplingParams()):
+            got[e.index] += e.token_ids
+            stats[e.index] = e.stats or stats.get(e.index)
+        assert got == ref
+        tpf = [stats[i]["tokens_per_forward"] for i in range(len(PROMPTS))]
+        assert all(1 < t < block_size for t in tpf), tpf
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_exact_with_eos_and_streaming(models, preset):
+    model = models[preset]
+    prompt = PROMPTS[0]
+    ref = _greedy_b1(model, [prompt], 30)[0]
+    eos = ref[11]
+    want = ref[: ref.index(eos)]
+    assert _greedy_b1(model, [prompt], 30, eos=[eos])[0] == want
+    # drafts right, EOS drafted in the middle of a block: it ends the request there
+    engine = OracleDrafts(model, 4, {0: ref}, wrong=0.0, eos_token_ids=[eos])
+    pieces = [e for e in engine.run([prompt], 30, SamplingParams()) if isinstance(e, StreamPiece)]
+    assert sum((p.token_ids for p in pieces), []) == want
+    assert pieces[-1].finished and pieces[-1].finish_reason == "eos" and not any(p.finished for p in pieces[:-1])
+    assert [p.block for p in pieces] == list(range(len(pieces)))  # one piece per forward's committed chunk
+    assert pieces[-1].stats["forward_passes"] == len(pieces)
+    # streaming with the model's own drafts
+    streamed = list(stream(model, prompt, 30, block_size=8, rule="exact", eos_token_ids=[eos]))
+    assert sum((p.token_ids for p in streamed), []) == want and streamed[-1].finish_reason == "eos"
+
+
+def test_exact_with_a_stop_string(models):
+    model = models["clover-tiny-dense"]
+    ref = _greedy_b1(model, [PROMPTS[2]], 24)[0]
+
+    def decode(ids):
+        return " ".join(map(str, ids))
+
+    stop = decode(ref[9:11])
+    want = generate(model, [PROMPTS[2]], 24, block_size=1, eos_token_ids=[], detokenize=decode, stop=[stop])
+    engine = OracleDrafts(model, 8, {0: ref}, wrong=0.0, eos_token_ids=[], detokenize=decode)
+    got = list(engine.run([PROMPTS[2]], 24, SamplingParams(stop=[stop])))
+    assert sum((e.token_ids for e in got), []) == want.sequences[0] and got[-1].finish_reason == "stop"
+    assert len(want.sequences[0]) < 24
+
+
+def test_exact_mode_validation(models):
+    model = models["clover-tiny"]
+    with pytest.raises(ValueError, match="rule 'exact' is greedy.*temperature=0.7"):
+        generate(model, [[1, 2]], 8, block_size=4, rule="exact", temperature=0.7)
+    with pytest.raises(ValueError, match="repetition_penalty=1.3"):
+        generate(model, [[1, 2]], 8, block_size=4, rule="exact", repetition_penalty=1.3)
+    small = tiny_model("clover-tiny", max_position_embeddings=64)
+    # 30 + 32 fits in blocks of 4, but exact mode's last forward drafts 3 more positions
+    with pytest.raises(ValueError, match=r"max_new_tokens=32.*at most 31 new tokens fit"):
+        generate(small, [list(range(30))], 32, block_size=4, rule="exact")
+    assert len(generate(small, [list(range(30))], 31, block_size=4, rule="exact",
+                        eos_token_ids=[]).sequences[0]) == 31
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_rewind_leaves_no_trace_in_the_cache(models, preset):
+    """Rows of a batch verify drafts of different lengths (right-padded), keep different counts, and do it again
+    until `compact` has squeezed the holes out; each row's cache then answers a next forward exactly as a cache
+    filled with its accepted tokens alone, from scratch."""
+    model = models[preset]
+    torch.manual_seed(1)
+    prompts = [PROMPTS[0], PROMPTS[1]]
+    lengths = [len(p) for p in prompts]
+    longest = max(lengths)
+    ids = torch.tensor([[0] * (longest - len(p)) + p for p in prompts])
+    valid = torch.tensor([[False] * (longest - len(p)) + [True] * len(p) for p in prompts])
+    kept = [list(p) for p in prompts]
+    compacted = False
+    with torch.inference_mode():
+        cache = model.new_cache(2)
+        model(ids, 1, cache=cache, attention_mask=valid)
+        for fed, keep in [([5, 3], [2, 3]), ([4, 4], [1, 4]), ([2, 5], [2, 1]), ([5, 1], [5, 1]), ([3, 5], [1, 2])]:
+            width = max(fed)
+            drafts = torch.randint(0, 200, (2, width))
+            real = torch.arange(width)[None] < torch.tensor(fed)[:, None]
+            cache.mark()
+            model(drafts, 4, prefix_len=width, cache=cache, attention_mask=real, query_ids=torch.full((2, 4), 255))
+            before = cache.length
+            cache.rewind(torch.tensor(keep))
+            compacted |= cache.length < before - width + max(keep)
+            for r in range(2):
+                kept[r] += drafts[r, : keep[r]].tolist()
+        assert compacted and 4 * (cache.length - max(len(k) for k in kept)) <= cache.length
+        batched = model([[7], [7]], 4, prefix_len=1, cache=cache, query_ids=torch.full((2, 4), 255))
+        for r in range(2):
+            fresh = model.new_cache(1)
+            model([kept[r]], 1, cache=fresh)
+            alone = model([[7]], 4, prefix_len=1, cache=fresh, query_ids=torch.full((1, 4), 255))
+            torch.testing.assert_close(batched.logits[r], alone.logits[0], atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(batched.query_logits[r], alone.query_logits[0], atol=1e-4, rtol=1e-4)
+
+
+def _scheduler_outputs(sched, prompts, max_new):
+    async def collect(handle):
+        tokens = []
+        async for out in handle:
+            tokens += out.token_ids
+        return tokens
+
+    async def run():
+        handles = [sched.submit(p, max_new, [SamplingParams()]) for p in prompts]
+        return await asyncio.gather(*(collect(h) for h in handles)), handles
+
+    sched.start()
+    try:
+        return asyncio.run(run())
+    finally:
+        sched.stop()
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_exact_through_the_scheduler_with_prefix_reuse(models, preset):
+    """Continuous batching (requests join a running exact batch at any step) and prefix reuse."""
+    model = models[preset]
+    prompts = PROMPTS + [list(range(30, 57)), list(range(30, 57)) + [7, 7, 7]]  # the last two share 24 tokens
+    store = PrefixCache(8, 1 << 30, recurrent=model.config.has_linear_attention)
+    sched = Scheduler(model, block_size=4, threshold=0.9, rule="exact", eos_token_ids=[], prefill_chunk=8,
+                      prefix_cache=store, max_running=3)
+    results, handles = _scheduler_outputs(sched, prompts, 12)
+    assert results == _greedy_b1(model, prompts, 12)
+    assert max(handles[-1].cached_tokens) == 24 and store.stats.hits >= 1
+
+
+# -- context_reading: how committed blocks are written ---------------------------------------------------------------
+@pytest.mark.parametrize("preset", PRESETS)
+def test_causal_context_reading_commits_blocks_causally(preset):
+    """With `context_reading="causal"` a threshold-mode commit leaves the cache a causal prefill of the same tokens
+    would; with the default `block_causal` it does not (the committed block read itself both ways)."""
+    differs = {}
+    for reading in ("causal", "block_causal"):
+        model = tiny_model(preset, context_reading=reading)
+        engine = Engine(model, 4, 0.5, eos_token_ids=[])
+        seq = engine.make_sequences([PROMPTS[0]], 12, SamplingParams())[0]
+        b = engine.prefill_step(engine.begin_prefill(seq))
+        while len(seq.generated) < 4:
+            _, b = engine.step(b)
+        masks = torch.full((1, 4), model.config.mask_token_id)
+        with torch.inference_mode():
+            fresh = model.new_cache(1)
+            model([seq.prompt + seq.generated[:4]], 1, cache=fresh)
+            want = model(None, 4, cache=fresh, query_ids=masks).query_logits
+            got = model(None, 4, cache=b.cache, query_ids=masks).query_logits
+        differs[reading] = float((want - got).abs().max())
+    assert differs["causal"] < 1e-4 < differs["block_causal"], differs
