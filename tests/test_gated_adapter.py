@@ -174,3 +174,17 @@ def test_one_token_per_forward_decoding_of_a_gated_model_is_the_bases_greedy_out
     want = generate(base, prompts, max_new_tokens=12, block_size=1, threshold=1.0).sequences
     got = generate(model, prompts, max_new_tokens=12, block_size=1, threshold=1.0).sequences
     assert got == want and all(len(s) for s in want)
+
+
+@pytest.mark.parametrize("block_size", [4, 8])
+def test_exact_mode_of_a_gated_model_is_the_bases_greedy_output(block_size):
+    """Exact mode verifies drafts with the causal path, which a gated model reads with the base weights: at any
+    block size its output is the base model's own greedy output (the adapter changes only the drafts)."""
+    from clover.engine import generate
+
+    base, model = base_and_gated()
+    prompts = [[5, 17, 33, 2], [9, 101, 7, 44, 60, 3]]
+    want = generate(base, prompts, max_new_tokens=20, block_size=1, threshold=1.0).sequences
+    got = generate(model, prompts, max_new_tokens=20, block_size=block_size, rule="exact")
+    assert got.sequences == want and all(len(s) >= 10 for s in want)
+    assert all(s["forward_passes"] <= len(seq) + 1 for s, seq in zip(got.stats, want))
