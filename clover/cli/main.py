@@ -12,7 +12,7 @@ import logging
 import sys
 
 # subcommand name -> module under clover.cli
-SUBCOMMANDS = ["convert", "info", "generate", "decide", "chat", "data", "train", "plot", "serve"]
+SUBCOMMANDS = ["convert", "export", "info", "generate", "decide", "chat", "data", "train", "plot", "serve"]
 
 
 def build_parser() -> argparse.ArgumentParser:

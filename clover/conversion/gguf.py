@@ -19,6 +19,7 @@ transformers from the GGUF's `tokenizer.ggml.*` metadata and saved as `tokenizer
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,9 @@ _LAYER = {
     "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
 }
+# Clover's decoding defaults in a GGUF written by `clover export` (GGUF key -> config field)
+CLOVER_KEYS = {"clover.block_size": "block_size", "clover.threshold": "threshold",
+               "clover.mask_token_id": "mask_token_id", "clover.context_reading": "context_reading"}
 _LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
 
 
@@ -48,6 +52,22 @@ def unpermute_qk(weight: torch.Tensor, heads: int) -> torch.Tensor:
     """Undo llama.cpp's per-head interleaving of Q/K rows (module docstring)."""
     rows = weight.shape[0]
     return weight.reshape(heads, rows // heads // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def permute_qk(weight: torch.Tensor, heads: int) -> torch.Tensor:
+    """llama.cpp's per-head interleaving of Q/K rows, the inverse of `unpermute_qk` (for export)."""
+    rows = weight.shape[0]
+    return weight.reshape(heads, 2, rows // heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def gguf_name(name: str) -> str:
+    """The llama GGUF name of a Clover (= HF Llama) state-dict name."""
+    if name in _GLOBAL:
+        return _GLOBAL[name]
+    match = _LAYER_RE.fullmatch(name)
+    if match and match.group(2) in _LAYER:
+        return f"blk.{match.group(1)}.{_LAYER[match.group(2)]}"
+    raise SourceTensorError(f"Clover tensor {name!r} has no counterpart in a llama GGUF")
 
 
 def find_gguf(src: Path) -> Path:
@@ -103,7 +123,12 @@ class GGUFSource(Source):
         gguf_keys = {"bos_token_id": "bos_token_id", "eos_token_id": "eos_token_id", "pad_token_id": "padding_token_id"}
         token_ids = {ours: self._meta(f"tokenizer.ggml.{theirs}", None) for ours, theirs in gguf_keys.items()}
         token_ids = {k: (None if v is None else int(v)) for k, v in token_ids.items()}
-        self.config = llama_config(hf, token_ids)
+        config = llama_config(hf, token_ids)
+        # A GGUF written by `clover export` carries Clover's decoding defaults (and its mask token: `tokenizer`)
+        defaults = {field: self._meta(key) for key, field in CLOVER_KEYS.items()
+                    if key in self.reader.fields and field != "mask_token_id"}
+        self.mask_token_id = self._meta("clover.mask_token_id", None)
+        self.config = dataclasses.replace(config, **defaults)
 
     def _meta(self, key: str, default: Any = _REQUIRED) -> Any:
         field = self.reader.fields.get(key)
@@ -113,18 +138,10 @@ class GGUFSource(Source):
             return default
         return field.contents()
 
-    def gguf_name(self, name: str) -> str:
-        if name in _GLOBAL:
-            return _GLOBAL[name]
-        match = _LAYER_RE.fullmatch(name)
-        if match and match.group(2) in _LAYER:
-            return f"blk.{match.group(1)}.{_LAYER[match.group(2)]}"
-        raise SourceTensorError(f"Clover tensor {name!r} has no counterpart in a llama GGUF")
-
     def tensor(self, name: str) -> torch.Tensor:
         from gguf.quants import dequantize
 
-        gname = self.gguf_name(name)
+        gname = gguf_name(name)
         if gname not in self._tensors:
             raise SourceTensorError(f"GGUF tensor {gname!r} (needed for Clover's {name!r}) not in {self.path}")
         self._used.add(gname)
@@ -145,6 +162,8 @@ class GGUFSource(Source):
             from transformers import AutoTokenizer
 
             self._tokenizer = AutoTokenizer.from_pretrained(str(self.path.parent), gguf_file=self.path.name)
+            if self.mask_token_id is not None:  # Clover's own mask token: kept with its trained row
+                self._tokenizer.mask_token = self._tokenizer.convert_ids_to_tokens(int(self.mask_token_id))
         return self._tokenizer
 
 

@@ -1,0 +1,35 @@
+"""`clover export --to gguf SRC OUT.gguf --quant Q`: write a Clover checkpoint as a llama.cpp GGUF file."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from clover.conversion.gguf_export import QUANTS, export_gguf
+
+
+def add_parser(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "export", help="export a dense Clover checkpoint as a GGUF file for llama.cpp",
+        description="Write a dense Llama-family Clover checkpoint as a llama GGUF file: merged weights (optionally "
+                    "quantised), tokenizer with the mask token, chat template, and Clover's decoding defaults as "
+                    "clover.* metadata. Plain llama.cpp runs it autoregressively; `clover convert --from gguf` "
+                    "reads it back.")
+    parser.add_argument("--to", dest="target_format", choices=["gguf"], default="gguf", help="target format")
+    parser.add_argument("src", help="a Clover checkpoint directory, or clover-smol for the default model")
+    parser.add_argument("out", help="the .gguf file to write (must not exist unless --force)")
+    parser.add_argument("--quant", choices=QUANTS, default="f16",
+                        help="weight format: f32 (exact), f16, q8_0, q4_0 (blocks of 32; default f16)")
+    parser.add_argument("--tokenizer-pre", default=None,
+                        help="llama.cpp pre-tokenizer name, when it cannot be told from tokenizer.json")
+    parser.add_argument("--force", action="store_true", help="replace an existing file")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from clover.cli.generate import resolve_model_dir
+
+    src = resolve_model_dir(None if args.src == "clover-smol" else args.src)
+    print(export_gguf(src, args.out, args.quant, tokenizer_pre=args.tokenizer_pre, force=args.force,
+                      progress=True))
+    return 0

@@ -1,0 +1,216 @@
+"""Clover checkpoint -> a llama-architecture GGUF file (`clover export --to gguf`), the inverse of `gguf.py`.
+
+The file is an ordinary llama.cpp `llama` model, so plain llama.cpp decodes it autoregressively unchanged,
+and it carries what block decoding needs:
+
+* the weights, already merged (a Clover checkpoint stores no separate adapter), Q/K rows permuted to ggml's
+  RoPE layout (`permute_qk`, the inverse of `gguf.unpermute_qk`);
+* the tokenizer as `tokenizer.ggml.*` (byte-level BPE: tokens, token types, merges, special ids), the mask
+  token included as a control token, and the checkpoint's chat template;
+* Clover's decoding defaults under the `clover.` namespace (`CLOVER_KEYS`), which `clover convert --from gguf`
+  reads back.
+
+Quantisation (`QUANTS`): `f32` keeps every tensor at fp32 (a round trip through `convert --from gguf` is then
+bit-exact); `f16` stores the matrices at fp16; `q8_0` / `q4_0` quantise each matrix row in blocks of 32 (one
+fp16 scale per block: `w = d * q`). Norm weights stay fp32 in every mode, and with `q4_0` the token embedding
+(which is also the output layer when tied) is kept at `q8_0`, as llama.cpp's own quantiser keeps the output
+layer at higher precision. Only dense Llama-family checkpoints can be exported: llama.cpp's DeltaNet is
+causal, so hybrid models have no faithful GGUF form here.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from clover.config import FULL_ATTENTION, CloverConfig
+from clover.conversion.gguf import CLOVER_KEYS, gguf_name, permute_qk
+
+logger = logging.getLogger(__name__)
+
+QUANTS = ("f32", "f16", "q8_0", "q4_0")
+
+# llama.cpp's token types (llama_token_type) and file types (llama_ftype)
+_NORMAL, _CONTROL, _USER_DEFINED, _UNUSED = 1, 3, 4, 5
+
+
+def check_exportable(config: CloverConfig) -> None:
+    """Refuse what a llama GGUF cannot express, naming the first offending setting."""
+    why = None
+    if config.layer_types != [FULL_ATTENTION] * config.num_hidden_layers:
+        why = "it has Gated DeltaNet layers (llama.cpp's DeltaNet is causal; hybrid models stay on the torch runner)"
+    elif config.mlp_type != "dense":
+        why = "it has a sparse MoE feed-forward"
+    elif config.norm_type != "plain" or config.attn_output_gate or config.qk_norm:
+        why = "it uses Qwen-style zero-centred norms, q/k norms or an attention output gate"
+    elif config.partial_rotary_factor != 1.0:
+        why = "it uses partial RoPE"
+    elif config.mask_token_id is None:
+        why = "it has no mask token (convert it with `clover convert` first)"
+    if why:
+        raise ValueError(f"cannot export to GGUF: only dense Llama-family Clover checkpoints can be, and {why}")
+
+
+def _ggml_type(quant: str, name: str, tensor: torch.Tensor) -> Any:
+    import gguf
+
+    t = gguf.GGMLQuantizationType
+    if tensor.dim() == 1 or quant == "f32":
+        return t.F32
+    if quant == "f16":
+        return t.F16
+    if quant == "q4_0" and name == "token_embd.weight":
+        return t.Q8_0
+    qtype = t.Q8_0 if quant == "q8_0" else t.Q4_0
+    block = gguf.GGML_QUANT_SIZES[qtype][0]
+    if tensor.shape[-1] % block:
+        raise ValueError(f"cannot quantise {name} to {quant}: its row length {tensor.shape[-1]} is not a multiple "
+                         f"of the block size {block}; use --quant f16 or f32")
+    return qtype
+
+
+def _encode(tensor: torch.Tensor, qtype: Any) -> np.ndarray:
+    import gguf
+    from gguf.quants import quantize
+
+    data = tensor.detach().float().cpu().numpy()
+    if qtype == gguf.GGMLQuantizationType.F32:
+        return data
+    if qtype == gguf.GGMLQuantizationType.F16:
+        return data.astype(np.float16)
+    return quantize(data, qtype)
+
+
+def _tokenizer_metadata(writer: Any, directory: Path, config: CloverConfig, tokenizer_pre: str | None) -> None:
+    """`tokenizer.ggml.*` from the checkpoint's tokenizer.json (byte-level BPE only) and its chat template."""
+    from clover.tokenizer import load_tokenizer
+
+    path = directory / "tokenizer.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{directory} has no tokenizer.json: a GGUF needs the tokenizer inside it")
+    spec = json.loads(path.read_text())
+    model = spec.get("model", {})
+    if model.get("type") != "BPE":
+        raise ValueError(f"{path}: GGUF export supports byte-level BPE tokenizers, got {model.get('type')!r}")
+    pre = tokenizer_pre or _pre_tokenizer_name(spec.get("pre_tokenizer"))
+    tokens = [f"[PAD{i}]" for i in range(config.vocab_size)]
+    types = [_UNUSED] * config.vocab_size
+    for token, i in model["vocab"].items():
+        if i < config.vocab_size:
+            tokens[i], types[i] = token, _NORMAL
+    for added in spec.get("added_tokens", []):
+        i = added["id"]
+        if i >= config.vocab_size:
+            raise ValueError(f"{path}: token {added['content']!r} has id {i}, beyond the model's "
+                             f"{config.vocab_size} embedding rows")
+        tokens[i], types[i] = added["content"], _CONTROL if added.get("special") else _USER_DEFINED
+    if types[config.mask_token_id] != _CONTROL:
+        raise ValueError(f"{path}: the mask token id {config.mask_token_id} is not a special token of the tokenizer")
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
+
+    tokenizer = load_tokenizer(directory)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    # the config's ids (what `convert --from gguf` reads back); EOS falls back to the tokenizer's, which plain
+    # llama.cpp needs to stop
+    special = {"bos": config.bos_token_id, "pad": config.pad_token_id, "unk": tokenizer.unk_token_id,
+               "eos": config.eos_token_ids[0] if config.eos_token_ids else tokenizer.eos_token_id}
+    for kind, token_id in special.items():
+        if token_id is not None:
+            getattr(writer, f"add_{kind}_token_id")(int(token_id))
+    writer.add_add_bos_token(bool(getattr(tokenizer, "add_bos_token", False)))
+    writer.add_add_space_prefix(False)
+    if tokenizer.chat_template:
+        writer.add_chat_template(tokenizer.chat_template)
+
+
+def _pre_tokenizer_name(pre: dict | None) -> str:
+    """llama.cpp's name for a tokenizer.json pre-tokenizer it implements identically: plain byte-level with the
+    GPT-2 regex is `gpt2`. Anything else must be named with `tokenizer_pre` (`--tokenizer-pre`)."""
+    if pre and pre.get("type") == "ByteLevel" and pre.get("use_regex", True) and not pre.get("add_prefix_space"):
+        return "gpt2"
+    raise ValueError("cannot tell which llama.cpp pre-tokenizer matches this tokenizer.json's pre_tokenizer "
+                     f"{json.dumps(pre)[:200]}; name it with --tokenizer-pre (e.g. gpt2, smollm, qwen2)")
+
+
+def export_gguf(src: str | Path, out: str | Path, quant: str = "f16", *, tokenizer_pre: str | None = None,
+                force: bool = False, progress: bool = False) -> Path:
+    """Write the Clover checkpoint directory `src` as a llama GGUF file `out` (see the module docstring).
+
+    The file is written to a temporary name beside `out` and renamed when complete: a failure leaves nothing.
+    """
+    import gguf
+
+    from clover.model import CloverForBlockDiffusion
+
+    if quant not in QUANTS:
+        raise ValueError(f"unknown quantisation {quant!r}; choose one of {', '.join(QUANTS)}")
+    src, out = Path(src), Path(out)
+    if out.exists() and not force:
+        raise FileExistsError(f"{out} already exists; pass force=True (--force) to replace it")
+    config = CloverConfig.from_file(src)
+    check_exportable(config)
+    model = CloverForBlockDiffusion.from_pretrained(src, dtype=torch.float32)
+    state = model.state_dict()
+
+    tmp = tempfile.NamedTemporaryFile(dir=out.parent if str(out.parent) else ".", prefix=f".{out.name}.tmp-",
+                                      delete=False)
+    tmp.close()
+    try:
+        writer = gguf.GGUFWriter(tmp.name, "llama")
+        writer.add_name(src.resolve().name)
+        writer.add_context_length(config.max_position_embeddings)
+        writer.add_embedding_length(config.hidden_size)
+        writer.add_block_count(config.num_hidden_layers)
+        writer.add_feed_forward_length(config.intermediate_size)
+        writer.add_head_count(config.num_attention_heads)
+        writer.add_head_count_kv(config.num_key_value_heads)
+        writer.add_key_length(config.head_dim)
+        writer.add_value_length(config.head_dim)
+        writer.add_rope_dimension_count(config.head_dim)
+        writer.add_rope_freq_base(config.rope_theta)
+        writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+        writer.add_vocab_size(config.vocab_size)
+        ftype = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
+                 "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0}[quant]
+        writer.add_file_type(ftype)
+        writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+        for key, field in CLOVER_KEYS.items():
+            value = getattr(config, field)
+            {int: writer.add_uint32, float: writer.add_float64, str: writer.add_string}[type(value)](key, value)
+        _tokenizer_metadata(writer, src, config, tokenizer_pre)
+
+        names = [n for n in state if not (config.tie_word_embeddings and n == "lm_head.weight")]
+        for name in tqdm(names, desc=f"exporting ({quant})", unit="tensor", disable=not progress):
+            tensor = state[name]
+            gname = gguf_name(name)
+            if gname.endswith("attn_q.weight"):
+                tensor = permute_qk(tensor, config.num_attention_heads)
+            elif gname.endswith("attn_k.weight"):
+                tensor = permute_qk(tensor, config.num_key_value_heads)
+            qtype = _ggml_type(quant, gname, tensor)
+            writer.add_tensor(gname, _encode(tensor, qtype), raw_dtype=qtype)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file(progress=False)
+        writer.close()
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp.name, 0o666 & ~umask)  # a temporary file is private; the export is an ordinary file
+        os.replace(tmp.name, out)
+    except BaseException:
+        Path(tmp.name).unlink(missing_ok=True)
+        raise
+    logger.info("wrote %s (%s, vocab %d, mask token id %d)", out, quant, config.vocab_size, config.mask_token_id)
+    return out

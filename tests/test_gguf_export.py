@@ -1,0 +1,93 @@
+"""`clover export --to gguf`: a dense Clover checkpoint -> llama GGUF -> `clover convert --from gguf` round trip.
+
+At f32 the round trip is exact (weights, config, tokenizer, chat template, Clover's decoding defaults); quantised
+exports come back within their format's error. What is not a dense Llama-family checkpoint is refused by name.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from server_helpers import build_checkpoint
+
+from clover.cli.main import main
+from clover.conversion import convert
+from clover.conversion.gguf_export import export_gguf
+from clover.tokenizer import load_tokenizer
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory, chat_tokenizer) -> Path:
+    # threshold 0.7 / block 8: not the defaults, so the round trip must carry them
+    return build_checkpoint(tmp_path_factory.mktemp("export") / "model", chat_tokenizer, threshold=0.7, block_size=8)
+
+
+def _weights(directory: Path) -> dict[str, torch.Tensor]:
+    return {k: v for f in sorted(directory.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+def test_f32_export_round_trips_exactly(checkpoint: Path, tmp_path: Path) -> None:
+    gguf_path = export_gguf(checkpoint, tmp_path / "model.gguf", "f32")
+    back = convert("gguf", gguf_path, tmp_path / "back")
+    original, restored = _weights(checkpoint), _weights(back)
+    assert set(original) == set(restored)
+    for name in original:
+        assert torch.equal(original[name], restored[name]), name
+    a, b = (json.loads((d / "config.json").read_text()) for d in (checkpoint, back))
+    differing = {k for k in a if a[k] != b.get(k)}
+    assert differing <= {"rms_norm_eps"}  # GGUF stores it as float32
+    assert b["threshold"] == 0.7 and b["block_size"] == 8 and b["mask_token_id"] == a["mask_token_id"]
+    ta, tb = load_tokenizer(checkpoint), load_tokenizer(back)
+    text = "<|im_start|>user\nWhat is the weather in Paris? def add(x, y): 21<|im_end|><|mask|>"
+    assert ta(text).input_ids == tb(text).input_ids
+    assert tb.mask_token_id == ta.mask_token_id and tb.chat_template == ta.chat_template
+
+
+@pytest.mark.parametrize("quant, rel_error", [("f16", 1e-3), ("q8_0", 1e-2), ("q4_0", 0.2)])
+def test_quantised_export_is_within_its_formats_error(checkpoint: Path, tmp_path: Path, quant: str,
+                                                      rel_error: float) -> None:
+    back = convert("gguf", export_gguf(checkpoint, tmp_path / f"{quant}.gguf", quant), tmp_path / "back")
+    original, restored = _weights(checkpoint), _weights(back)
+    for name, w in original.items():
+        error = (restored[name] - w).norm() / w.norm()
+        assert error <= rel_error, f"{name}: relative error {error:.2e} > {rel_error}"
+        if w.dim() == 1:  # norms stay fp32
+            assert torch.equal(restored[name], w), name
+
+
+def test_cli_exports_and_refuses_to_overwrite(checkpoint: Path, tmp_path: Path,
+                                              capsys: pytest.CaptureFixture) -> None:
+    out = tmp_path / "m.gguf"
+    assert main(["export", "--to", "gguf", str(checkpoint), str(out), "--quant", "q8_0"]) == 0
+    assert out.is_file() and not list(tmp_path.glob(".m.gguf.tmp-*"))
+    assert main(["export", str(checkpoint), str(out)]) == 2
+    assert "already exists" in capsys.readouterr().err
+
+
+def test_hybrid_model_is_refused_by_name(tmp_path: Path, chat_tokenizer) -> None:
+    hybrid = build_checkpoint(tmp_path / "hybrid", chat_tokenizer, preset="clover-tiny")
+    with pytest.raises(ValueError, match="Gated DeltaNet layers .* torch runner"):
+        export_gguf(hybrid, tmp_path / "h.gguf")
+    assert not list(tmp_path.glob("*.gguf")) and not list(tmp_path.glob(".h.gguf*"))
+
+
+def test_unknown_quantisation_is_refused(checkpoint: Path, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="unknown quantisation 'q3'"):
+        export_gguf(checkpoint, tmp_path / "m.gguf", "q3")
+
+
+def test_unrecognised_pre_tokenizer_asks_for_a_name(checkpoint: Path, tmp_path: Path) -> None:
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(checkpoint, copy)
+    spec = json.loads((copy / "tokenizer.json").read_text())
+    spec["pre_tokenizer"] = {"type": "Whitespace"}
+    (copy / "tokenizer.json").write_text(json.dumps(spec))
+    with pytest.raises(ValueError, match="--tokenizer-pre"):
+        export_gguf(copy, tmp_path / "m.gguf")
+    assert export_gguf(copy, tmp_path / "m.gguf", tokenizer_pre="gpt2").is_file()
