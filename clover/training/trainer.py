@@ -31,16 +31,14 @@ import signal
 import sys
 import time
 import uuid
-import warnings
 from collections.abc import Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -48,6 +46,7 @@ from clover.checkpoint import TOKENIZER_FILES, load_state_dict_strict, write_che
 from clover.config import PRESETS, CloverConfig
 from clover.model import CloverForBlockDiffusion
 from clover.training.config import TrainConfig
+from clover.training.distributed import DistInfo, close_distributed, init_distributed, parallelize
 from clover.training.lora import adapters_disabled, apply_lora, load_adapter, save_adapter
 from clover.training.objective import (Batch, Noise, bd3_loss, collate, document_shape, loss_denominators,
                                        sample_noise)
@@ -98,7 +97,7 @@ class DocumentStream:
         return [(k, self.documents[int(self._order(k // n)[k % n])]) for k in range(start, start + count)]
 
 
-def load_documents(config: TrainConfig, which: str, dist_info: "DistInfo") -> Sequence[Any] | None:
+def load_documents(config: TrainConfig, which: str, dist_info: DistInfo) -> Sequence[Any] | None:
     """The `train_data` / `eval_data` documents: token shards, or sources tokenized once into output_dir/data."""
     from clover.training.data import TokenShards, expand_sources, prepare_token_shards
 
@@ -120,57 +119,6 @@ def load_documents(config: TrainConfig, which: str, dist_info: "DistInfo") -> Se
                                  overwrite=True)
     dist_info.barrier()
     return TokenShards(out)
-
-
-# -- distributed ---------------------------------------------------------------------------------------------
-@dataclass
-class DistInfo:
-    rank: int = 0
-    world: int = 1
-    local_rank: int = 0
-    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-    owns_group: bool = False
-
-    @property
-    def distributed(self) -> bool:
-        return self.world > 1
-
-    def barrier(self) -> None:
-        if self.distributed:
-            dist.barrier()
-
-    def all_sum(self, values: torch.Tensor) -> torch.Tensor:
-        if self.distributed:
-            values = values.to(self.device)
-            dist.all_reduce(values)
-        return values.cpu()
-
-    def broadcast(self, obj: Any) -> Any:
-        if not self.distributed:
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
-
-
-def init_distributed(config: TrainConfig) -> DistInfo:
-    """Read torchrun's environment; start the process group (nccl on GPU, gloo on CPU) if there are several."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    use_cuda = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
-    if use_cuda and not torch.cuda.is_available():
-        raise ValueError("device is 'cuda' but torch sees no CUDA device")
-    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
-    if use_cuda:
-        torch.cuda.set_device(device)
-    owns = False
-    if world > 1 and not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if use_cuda else "gloo")
-        owns = True
-    if dist.is_initialized():
-        rank, world = dist.get_rank(), dist.get_world_size()
-    return DistInfo(rank, world, local_rank, device, owns)
 
 
 # -- model -----------------------------------------------------------------------------------------------------
@@ -354,7 +302,7 @@ class Trainer:
         if config.kl_weight and not self.lora:
             reference = copy.deepcopy(self.model).eval().requires_grad_(False)
         self.module = ObjectiveModule(self.model, config, reference)
-        self.wrapped: nn.Module = self._parallelize()
+        self.wrapped: nn.Module = parallelize(self.module, self.model, d, config.parallel)
         self.optimizer = self._build_optimizer()
         if resume_from is not None:
             self._load_training_state(resume_from)
@@ -374,25 +322,6 @@ class Trainer:
         if not (path / TRAINER_DIR / "state.json").is_file():
             raise FileNotFoundError(f"resume: {path} is not a training checkpoint (no {TRAINER_DIR}/state.json)")
         return path
-
-    def _parallelize(self) -> nn.Module:
-        d = self.dist
-        if not d.distributed:
-            return self.module
-        if self.config.parallel == "ddp":
-            from torch.nn.parallel import DistributedDataParallel as DDP
-
-            return DDP(self.module, device_ids=[d.device.index] if d.device.type == "cuda" else None)
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-
-        # the logits are views (slices of one LM-head output); nothing here modifies them in place
-        warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
-        mesh = init_device_mesh(d.device.type, (d.world,))
-        for layer in self.model.model.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(self.model, mesh=mesh)
-        return self.module
 
     def _build_optimizer(self) -> torch.optim.Optimizer:
         decay, no_decay = [], []
@@ -779,8 +708,7 @@ class Trainer:
         return bool(self.dist.all_sum(flag)[0] > 0)
 
     def close(self) -> None:
-        if self.dist.owns_group and dist.is_initialized():
-            dist.destroy_process_group()
+        close_distributed(self.dist)
 
 
 def _main_thread() -> bool:
