@@ -57,6 +57,13 @@ def test_every_key_is_settable_from_the_command_line(tmp_path):
     assert again == cfg
 
 
+def test_lr_warms_up_linearly_then_decays_by_cosine_to_its_floor():
+    cfg = TrainConfig(lr=1.0, warmup_steps=4, max_steps=12, min_lr_ratio=0.1)
+    assert [cfg.lr_at(s) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert cfg.lr_at(4) == 1.0 and cfg.lr_at(8) == pytest.approx(0.55)  # half-way through the cosine
+    assert cfg.lr_at(12) == pytest.approx(0.1) and cfg.lr_at(50) == pytest.approx(0.1)
+
+
 # -- training ----------------------------------------------------------------------------------------------
 def test_killed_and_resumed_run_has_the_same_loss_curve(tmp_path):
     docs = documents()

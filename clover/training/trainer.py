@@ -107,15 +107,6 @@ class ObjectiveModule(nn.Module):
                         denominators=denominators)
 
 
-def lr_at(config: TrainConfig, step: int) -> float:
-    """Linear warmup over `warmup_steps`, then cosine from `lr` to `lr * min_lr_ratio` at `max_steps`."""
-    if config.warmup_steps and step < config.warmup_steps:
-        return config.lr * (step + 1) / config.warmup_steps
-    progress = (step - config.warmup_steps) / max(1, config.max_steps - config.warmup_steps)
-    cosine = 0.5 * (1.0 + math.cos(math.pi * min(max(progress, 0.0), 1.0)))
-    return config.lr * (config.min_lr_ratio + (1.0 - config.min_lr_ratio) * cosine)
-
-
 # -- checkpoints ---------------------------------------------------------------------------------------------
 def _fsync_tree(root: Path) -> None:
     for dirpath, _, files in os.walk(root):
@@ -324,7 +315,7 @@ class Trainer:
             den = loss_denominators(batch, noise)
             local_den += torch.tensor([den[k] for k in keys], dtype=torch.float64)
         den = dict(zip(keys, d.all_sum(local_den).tolist()))
-        lr = lr_at(c, step)
+        lr = c.lr_at(step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.wrapped.train()
