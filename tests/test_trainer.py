@@ -11,10 +11,11 @@ import yaml
 
 from clover import CloverConfig, CloverForBlockDiffusion
 from clover.cli.main import main
+from clover.training import checkpointing
 from clover.training import lora as lora_mod
-from clover.training import trainer as trainer_mod
+from clover.training.checkpointing import latest_checkpoint
 from clover.training.config import LoraConfig, TrainConfig, config_from_dict, load_train_config, parse_overrides
-from clover.training.trainer import Trainer, latest_checkpoint, train
+from clover.training.trainer import Trainer, train
 from training_helpers import documents
 
 
@@ -93,7 +94,7 @@ def test_gradient_accumulation_equals_one_big_batch(tmp_path):
 def test_failed_save_leaves_latest_on_the_previous_complete_checkpoint(tmp_path, monkeypatch):
     docs = documents()
     trainer = Trainer(config(tmp_path, max_steps=2, save_every=1), train_documents=docs)
-    real = Trainer._write_tensors
+    real = checkpointing._write_tensors
     calls = {"n": 0}
 
     def flaky(tensors, path):
@@ -103,16 +104,30 @@ def test_failed_save_leaves_latest_on_the_previous_complete_checkpoint(tmp_path,
             raise OSError(28, "No space left on device")
         real(tensors, path)
 
-    monkeypatch.setattr(Trainer, "_write_tensors", staticmethod(flaky))
+    monkeypatch.setattr(checkpointing, "_write_tensors", flaky)
     with pytest.raises(RuntimeError, match="still points to the previous complete checkpoint"):
         trainer.train()  # the periodic save at step 2 fails (logged), then the final save fails (raised)
     root = tmp_path / "run" / "checkpoints"
     assert (root / "latest").read_text().strip() == "step-00000001"
     assert latest_checkpoint(tmp_path / "run").name == "step-00000001"
     assert not (root / "step-00000002").exists()
-    assert not list(root.glob(".tmp-*"))  # the temporary directory is cleaned up
+    assert not [p.name for p in root.iterdir() if p.name.startswith(".")]  # the temporary directory is cleaned up
     model = CloverForBlockDiffusion.from_pretrained(root / "step-00000001")  # and the latest one loads
     assert model.config.vocab_size == 256
+
+
+def test_stale_temporaries_of_this_and_the_previous_save_layout_are_removed(tmp_path):
+    root = tmp_path / "checkpoints"
+    kept = ["latest", "step-00000001", "step-00000002"]
+    stale = [".step-00000003.tmp-0badc0de", ".step-00000002.old-0badc0de",  # atomic_directory's
+             ".tmp-step-00000003-0badc0de", ".old-step-00000002-0badc0de"]  # the trainer's own, before it
+    for name in kept[1:] + stale:
+        (root / name / "trainer").mkdir(parents=True)
+    (root / "latest").write_text("step-00000002\n")
+    (root / ".latest.tmp-0badc0de").write_text("step-00000003\n")  # a file, from the pointer's replacement
+    removed = checkpointing.remove_stale_temporaries(root)
+    assert sorted(p.name for p in removed) == sorted(stale + [".latest.tmp-0badc0de"])
+    assert sorted(p.name for p in root.iterdir()) == kept
 
 
 def test_time_budget_stops_cleanly_with_a_checkpoint_and_resumes(tmp_path):
@@ -262,4 +277,4 @@ def test_checkpoint_init_and_full_checkpoint_is_a_loadable_model(tmp_path):
     ckpt = latest_checkpoint(tmp_path / "a" / "run")
     result = train(config(tmp_path / "b", init=str(ckpt), max_steps=1), train_documents=docs)
     assert result.step == 1
-    assert trainer_mod.STATE_VERSION == json.loads((ckpt / "trainer" / "state.json").read_text())["version"]
+    assert checkpointing.STATE_VERSION == json.loads((ckpt / "trainer" / "state.json").read_text())["version"]

@@ -52,6 +52,14 @@ class DistInfo:
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
+    def gather(self, obj: Any) -> list[Any] | None:
+        """`obj` of every rank, in rank order, on rank 0; None on the other ranks."""
+        if not self.distributed:
+            return [obj]
+        out = [None] * self.world if self.rank == 0 else None
+        dist.gather_object(obj, out, dst=0)
+        return out
+
 
 def init_distributed(config: TrainConfig) -> DistInfo:
     """Read torchrun's environment; start the process group (nccl on GPU, gloo on CPU) if there are several."""
