@@ -11,7 +11,8 @@ A checkpoint directory holds::
 
 Writes are atomic: everything goes into a hidden sibling directory which is renamed onto the destination
 only once complete, so an interrupted save leaves either the old checkpoint or the new one, never half of
-one (`atomic_directory`; the trainer writes its step directories through it too, `durable`, i.e. fsynced). Tensors are streamed shard by shard, so a converter can write a checkpoint far larger than memory.
+one (`atomic_directory`; the trainer writes its step directories through it too, `durable`: fsynced). Tensors
+are streamed shard by shard, so a converter can write a checkpoint far larger than memory.
 
 When `tie_word_embeddings` is set, `lm_head.weight` is the embedding matrix and is not stored.
 """
@@ -158,7 +159,8 @@ def atomic_directory(directory: Path, *, durable: bool = False) -> Iterator[Path
 
 def atomic_write_text(path: Path, text: str) -> None:
     """Replace the file `path` by one holding `text`, atomically and durably: written to a hidden sibling,
-    fsynced, renamed onto `path`, and the directory fsynced (a kill leaves the old file or the new one)."""
+    fsynced, renamed onto `path`, and the directory fsynced. A kill leaves the old file or the new one (and at
+    worst the hidden temporary, for the next start to remove)."""
     tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
     with open(tmp, "w") as f:
         f.write(text)

@@ -93,7 +93,8 @@ class ObjectiveModule(nn.Module):
     def forward(self, batch: Batch, noise: Noise, block_size: int,
                 denominators: dict[str, float]) -> tuple[torch.Tensor, dict[str, float]]:
         return bd3_loss(self.model, batch, block_size, noise, ar_weight=self.cfg.ar_weight,
-                        kl_weight=self.cfg.kl_weight, confidence_weight=self.cfg.confidence_weight, reference=self.reference_logits if self.cfg.kl_weight else None,
+                        kl_weight=self.cfg.kl_weight, confidence_weight=self.cfg.confidence_weight,
+                        reference=self.reference_logits if self.cfg.kl_weight else None,
                         denominators=denominators)
 
 
