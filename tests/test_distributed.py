@@ -19,7 +19,8 @@ import torch
 import torch.multiprocessing as mp
 
 from clover.training.config import config_from_dict
-from clover.training.trainer import latest_checkpoint, train
+from clover.training.checkpointing import latest_checkpoint
+from clover.training.trainer import train
 from training_helpers import documents
 
 TOLERANCE = 1e-5

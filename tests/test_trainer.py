@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -12,9 +13,10 @@ import yaml
 from clover import CloverConfig, CloverForBlockDiffusion
 from clover.cli.main import main
 from clover.model import lora as lora_mod
-from clover.training import trainer as trainer_mod
+from clover.training import checkpointing
+from clover.training.checkpointing import latest_checkpoint
 from clover.training.config import LoraConfig, TrainConfig, config_from_dict, load_train_config, parse_overrides
-from clover.training.trainer import Trainer, latest_checkpoint, train
+from clover.training.trainer import Trainer, train
 from training_helpers import documents
 
 
@@ -57,6 +59,13 @@ def test_every_key_is_settable_from_the_command_line(tmp_path):
     assert again == cfg
 
 
+def test_lr_warms_up_linearly_then_decays_by_cosine_to_its_floor():
+    cfg = TrainConfig(lr=1.0, warmup_steps=4, max_steps=12, min_lr_ratio=0.1)
+    assert [cfg.lr_at(s) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert cfg.lr_at(4) == 1.0 and cfg.lr_at(8) == pytest.approx(0.55)  # half-way through the cosine
+    assert cfg.lr_at(12) == pytest.approx(0.1) and cfg.lr_at(50) == pytest.approx(0.1)
+
+
 # -- training ----------------------------------------------------------------------------------------------
 def test_killed_and_resumed_run_has_the_same_loss_curve(tmp_path):
     docs = documents()
@@ -86,7 +95,7 @@ def test_gradient_accumulation_equals_one_big_batch(tmp_path):
 def test_failed_save_leaves_latest_on_the_previous_complete_checkpoint(tmp_path, monkeypatch):
     docs = documents()
     trainer = Trainer(config(tmp_path, max_steps=2, save_every=1), train_documents=docs)
-    real = Trainer._write_tensors
+    real = checkpointing._write_tensors
     calls = {"n": 0}
 
     def flaky(tensors, path):
@@ -96,14 +105,14 @@ def test_failed_save_leaves_latest_on_the_previous_complete_checkpoint(tmp_path,
             raise OSError(28, "No space left on device")
         real(tensors, path)
 
-    monkeypatch.setattr(Trainer, "_write_tensors", staticmethod(flaky))
+    monkeypatch.setattr(checkpointing, "_write_tensors", flaky)
     with pytest.raises(RuntimeError, match="still points to the previous complete checkpoint"):
         trainer.train()  # the periodic save at step 2 fails (logged), then the final save fails (raised)
     root = tmp_path / "run" / "checkpoints"
     assert (root / "latest").read_text().strip() == "step-00000001"
     assert latest_checkpoint(tmp_path / "run").name == "step-00000001"
     assert not (root / "step-00000002").exists()
-    assert not list(root.glob(".tmp-*"))  # the temporary directory is cleaned up
+    assert not [p.name for p in root.iterdir() if p.name.startswith(".")]  # the temporary directory is cleaned up
     model = CloverForBlockDiffusion.from_pretrained(root / "step-00000001")  # and the latest one loads
     assert model.config.vocab_size == 256
 
@@ -113,17 +122,17 @@ def test_a_save_killed_before_latest_moves_leaves_no_temporaries_after_the_resum
     never returns, as under `kill -9`) leaves `.latest.tmp-*`; temporaries of every kind a save writes are gone
     once the run resumes, and it resumes from the complete checkpoint `latest` still names."""
     docs = documents()
-    real_replace = trainer_mod.os.replace
+    real_replace = os.replace
 
     def killed(src, dst):
         if Path(dst).name == "latest" and Path(src).read_text().strip() == "step-00000002":
             raise KeyboardInterrupt  # a BaseException: no `except Exception` cleans up, as after SIGKILL
         real_replace(src, dst)
 
-    monkeypatch.setattr(trainer_mod.os, "replace", killed)
+    monkeypatch.setattr(os, "replace", killed)
     with pytest.raises(KeyboardInterrupt):
         train(config(tmp_path, max_steps=2, save_every=1), train_documents=docs)
-    monkeypatch.setattr(trainer_mod.os, "replace", real_replace)
+    monkeypatch.setattr(os, "replace", real_replace)
     root = tmp_path / "run" / "checkpoints"
     assert (root / "step-00000002").is_dir() and len(list(root.glob(".latest.tmp-*"))) == 1
     assert latest_checkpoint(tmp_path / "run").name == "step-00000001"
@@ -136,6 +145,20 @@ def test_a_save_killed_before_latest_moves_leaves_no_temporaries_after_the_resum
     assert result.step == 3 and len(result.losses) == 2  # resumed at step 1
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step-00000002", "step-00000003"]  # keep 2
     assert latest_checkpoint(tmp_path / "run").name == "step-00000003"
+
+
+def test_stale_temporaries_of_this_and_the_previous_save_layout_are_removed(tmp_path):
+    root = tmp_path / "checkpoints"
+    kept = ["latest", "step-00000001", "step-00000002"]
+    stale = [".step-00000003.tmp-0badc0de", ".step-00000002.old-0badc0de",  # atomic_directory's
+             ".tmp-step-00000003-0badc0de", ".old-step-00000002-0badc0de"]  # the trainer's own, before it
+    for name in kept[1:] + stale:
+        (root / name / "trainer").mkdir(parents=True)
+    (root / "latest").write_text("step-00000002\n")
+    (root / ".latest.tmp-0badc0de").write_text("step-00000003\n")  # a file, from the pointer's replacement
+    removed = checkpointing.remove_stale_temporaries(root)
+    assert sorted(p.name for p in removed) == sorted(stale + [".latest.tmp-0badc0de"])
+    assert sorted(p.name for p in root.iterdir()) == kept
 
 
 def test_time_budget_stops_cleanly_with_a_checkpoint_and_resumes(tmp_path):
@@ -285,4 +308,4 @@ def test_checkpoint_init_and_full_checkpoint_is_a_loadable_model(tmp_path):
     ckpt = latest_checkpoint(tmp_path / "a" / "run")
     result = train(config(tmp_path / "b", init=str(ckpt), max_steps=1), train_documents=docs)
     assert result.step == 1
-    assert trainer_mod.STATE_VERSION == json.loads((ckpt / "trainer" / "state.json").read_text())["version"]
+    assert checkpointing.STATE_VERSION == json.loads((ckpt / "trainer" / "state.json").read_text())["version"]

@@ -15,6 +15,7 @@ on the command line, is an error that names it. The semantics of each field are 
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -152,6 +153,15 @@ class TrainConfig:
             if step >= start:
                 size = b
         return size
+
+    def lr_at(self, step: int) -> float:
+        """Learning rate at optimizer step `step` (0-based): linear warmup over `warmup_steps`, then cosine
+        from `lr` to `lr * min_lr_ratio` at `max_steps`."""
+        if self.warmup_steps and step < self.warmup_steps:
+            return self.lr * (step + 1) / self.warmup_steps
+        progress = (step - self.warmup_steps) / max(1, self.max_steps - self.warmup_steps)
+        cosine = 0.5 * (1.0 + math.cos(math.pi * min(max(progress, 0.0), 1.0)))
+        return self.lr * (self.min_lr_ratio + (1.0 - self.min_lr_ratio) * cosine)
 
     @property
     def max_block_size(self) -> int:

@@ -9,14 +9,10 @@ a seed derived from (seed, stream position), so it depends neither on the batch 
 processes. The loss normalisers (masked / supervised tokens) are summed over all micro-batches and ranks before
 the first forward, so accumulation and data parallelism give exactly the gradient of one big batch.
 
-Checkpoints (`output_dir/checkpoints/step-XXXXXXXX/`): the model as an ordinary Clover checkpoint directory
-(safetensors; with LoRA: `adapter.safetensors` + `adapter_config.json` instead), and `trainer/` with the
-optimizer state flattened into `optimizer.safetensors` (+ `optimizer.json` for its scalars), the torch RNG state
-of every rank (`rng-rankN.safetensors`) and `state.json` (step, tokens, data position, config). No pickle.
-A save goes to a hidden temporary directory, is fsynced and renamed, and only then does `checkpoints/latest`
-(a one-line text file, replaced atomically) point to it: a failed save (disk full, a crash) leaves `latest` on the
-previous complete checkpoint. Resuming restores all of it, so a killed and resumed run has the same loss curve
-as an uninterrupted one.
+Every `save_every` steps and at the end the state goes to `output_dir/checkpoints/step-XXXXXXXX/` (what a
+checkpoint holds, how it is written atomically and resumed: `checkpointing`); resuming restores all of it, so a
+killed and resumed run has the same loss curve as an uninterrupted one. The data order is `stream`, process groups
+and DDP / FSDP2 wrapping `distributed`; this module is the loop: set-up, one step, evaluation, logging, signals.
 """
 
 from __future__ import annotations
@@ -25,152 +21,36 @@ import copy
 import json
 import logging
 import math
-import os
-import shutil
 import signal
 import sys
 import time
-import uuid
-import warnings
 from collections.abc import Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
-import torch.distributed as dist
-from safetensors.torch import load_file, save_file
 from torch import nn
 
-from clover.checkpoint import TOKENIZER_FILES, load_state_dict_strict, write_checkpoint
 from clover.config import PRESETS, CloverConfig
 from clover.model import CloverForBlockDiffusion
+from clover.model.lora import adapters_disabled, apply_lora
+from clover.training.checkpointing import (CHECKPOINTS, TRAINER_DIR, checkpoint_name, latest_checkpoint,
+                                           load_training_state, load_weights, remove_stale_temporaries,
+                                           save_training_checkpoint)
 from clover.training.config import TrainConfig
-from clover.model.lora import adapters_disabled, apply_lora, load_adapter, save_adapter
+from clover.training.distributed import close_distributed, init_distributed, parallelize
 from clover.training.objective import (Batch, Noise, bd3_loss, collate, document_shape, loss_denominators,
                                        sample_noise)
+from clover.training.stream import DocumentStream, load_documents, mix_seed
 
 logger = logging.getLogger(__name__)
 
-CHECKPOINTS = "checkpoints"
-LATEST = "latest"
-TRAINER_DIR = "trainer"
 LOG_FILE = "train_log.jsonl"
-STATE_VERSION = 2  # 2: seeds mixed by numpy's SeedSequence (version 1: splitmix64), so streams differ
 # per-step sums reduced across micro-batches and ranks
 _SUM_KEYS = ("loss", "diffusion_sum", "ce_sum", "first_sum", "masked_tokens", "first_tokens", "correct",
              "supervised_tokens", "ar_sum", "kl_sum", "confidence_sum", "tokens", "diffusion_den", "ar_den")
-
-
-def mix_seed(*values: int) -> int:
-    """A 63-bit seed from integers, hashed by numpy's `SeedSequence`: independent streams for (seed, position).
-
-    Each value (taken mod 2^64) enters as two 32-bit words, so different tuples never share an entropy pool."""
-    words = [w for v in values for w in (int(v) & 0xFFFFFFFF, (int(v) >> 32) & 0xFFFFFFFF)]
-    return int(np.random.SeedSequence(words).generate_state(1, np.uint64)[0] >> np.uint64(1))
-
-
-# -- data ------------------------------------------------------------------------------------------------------
-class DocumentStream:
-    """An endless, deterministic stream over a random-access document collection (reshuffled every epoch)."""
-
-    def __init__(self, documents: Sequence[Any], seed: int, shuffle: bool = True) -> None:
-        if len(documents) == 0:
-            raise ValueError("the training data has no documents")
-        self.documents, self.seed, self.shuffle = documents, seed, shuffle
-        self._orders: dict[int, torch.Tensor] = {}
-
-    def _order(self, epoch: int) -> torch.Tensor:
-        if epoch not in self._orders:
-            n = len(self.documents)
-            if self.shuffle:
-                gen = torch.Generator().manual_seed(mix_seed(self.seed, 0xDA7A, epoch))
-                self._orders = {epoch: torch.randperm(n, generator=gen)}
-            else:
-                self._orders = {epoch: torch.arange(n)}
-        return self._orders[epoch]
-
-    def take(self, start: int, count: int) -> list[tuple[int, Any]]:
-        """`(stream position, document)` for positions `[start, start + count)`."""
-        n = len(self.documents)
-        return [(k, self.documents[int(self._order(k // n)[k % n])]) for k in range(start, start + count)]
-
-
-def load_documents(config: TrainConfig, which: str, dist_info: "DistInfo") -> Sequence[Any] | None:
-    """The `train_data` / `eval_data` documents: token shards, or sources tokenized once into output_dir/data."""
-    from clover.training.data import TokenShards, expand_sources, prepare_token_shards
-
-    source = config.train_data if which == "train" else config.eval_data
-    if not source:
-        if which == "train":
-            raise ValueError("train_data is empty: give a token-shard directory (clover data ...) or sources")
-        return None
-    if config.data_kind == "shards":
-        return TokenShards(source)
-    out = Path(config.output_dir) / "data" / which
-    tokenizer = config.tokenizer or config.init
-    if dist_info.rank == 0:
-        files = [str(f) for f in expand_sources([source])]
-        meta_path = out / "meta.json"
-        fresh = meta_path.is_file() and json.loads(meta_path.read_text()).get("sources") == files
-        if not fresh:
-            prepare_token_shards(config.data_kind, [source], tokenizer, out, max_len=config.max_seq_len,
-                                 overwrite=True)
-    dist_info.barrier()
-    return TokenShards(out)
-
-
-# -- distributed ---------------------------------------------------------------------------------------------
-@dataclass
-class DistInfo:
-    rank: int = 0
-    world: int = 1
-    local_rank: int = 0
-    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-    owns_group: bool = False
-
-    @property
-    def distributed(self) -> bool:
-        return self.world > 1
-
-    def barrier(self) -> None:
-        if self.distributed:
-            dist.barrier()
-
-    def all_sum(self, values: torch.Tensor) -> torch.Tensor:
-        if self.distributed:
-            values = values.to(self.device)
-            dist.all_reduce(values)
-        return values.cpu()
-
-    def broadcast(self, obj: Any) -> Any:
-        if not self.distributed:
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
-
-
-def init_distributed(config: TrainConfig) -> DistInfo:
-    """Read torchrun's environment; start the process group (nccl on GPU, gloo on CPU) if there are several."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    use_cuda = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
-    if use_cuda and not torch.cuda.is_available():
-        raise ValueError("device is 'cuda' but torch sees no CUDA device")
-    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
-    if use_cuda:
-        torch.cuda.set_device(device)
-    owns = False
-    if world > 1 and not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if use_cuda else "gloo")
-        owns = True
-    if dist.is_initialized():
-        rank, world = dist.get_rank(), dist.get_world_size()
-    return DistInfo(rank, world, local_rank, device, owns)
 
 
 # -- model -----------------------------------------------------------------------------------------------------
@@ -213,108 +93,9 @@ class ObjectiveModule(nn.Module):
     def forward(self, batch: Batch, noise: Noise, block_size: int,
                 denominators: dict[str, float]) -> tuple[torch.Tensor, dict[str, float]]:
         return bd3_loss(self.model, batch, block_size, noise, ar_weight=self.cfg.ar_weight,
-                        kl_weight=self.cfg.kl_weight, confidence_weight=self.cfg.confidence_weight, reference=self.reference_logits if self.cfg.kl_weight else None,
+                        kl_weight=self.cfg.kl_weight, confidence_weight=self.cfg.confidence_weight,
+                        reference=self.reference_logits if self.cfg.kl_weight else None,
                         denominators=denominators)
-
-
-def lr_at(config: TrainConfig, step: int) -> float:
-    """Linear warmup over `warmup_steps`, then cosine from `lr` to `lr * min_lr_ratio` at `max_steps`."""
-    if config.warmup_steps and step < config.warmup_steps:
-        return config.lr * (step + 1) / config.warmup_steps
-    progress = (step - config.warmup_steps) / max(1, config.max_steps - config.warmup_steps)
-    cosine = 0.5 * (1.0 + math.cos(math.pi * min(max(progress, 0.0), 1.0)))
-    return config.lr * (config.min_lr_ratio + (1.0 - config.min_lr_ratio) * cosine)
-
-
-# -- checkpoints ---------------------------------------------------------------------------------------------
-def _fsync_tree(root: Path) -> None:
-    for dirpath, _, files in os.walk(root):
-        for name in files:
-            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        _fsync_dir(Path(dirpath))
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(str(path), os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def latest_checkpoint(output_dir: str | Path) -> Path | None:
-    """The checkpoint `output_dir/checkpoints/latest` points to, or None."""
-    root = Path(output_dir) / CHECKPOINTS
-    pointer = root / LATEST
-    if not pointer.is_file():
-        return None
-    path = root / pointer.read_text().strip()
-    if not (path / TRAINER_DIR / "state.json").is_file():
-        raise FileNotFoundError(f"{pointer} points to {path}, which is not a complete checkpoint")
-    return path
-
-
-# What a save writes under a temporary name in `checkpoints/`, any of which a kill can leave behind: the step
-# directory being written (`.tmp-step-…`) and the one it replaces (`.old-step-…`), `write_checkpoint`'s own
-# temporaries beside it (`..tmp-step-….tmp-…`, `….old-…`), and the `latest` pointer's (`.latest.tmp-…`, a
-# file).
-STALE_PATTERNS = (".tmp-*", ".old-*", ".*.tmp-*", ".*.old-*")
-
-
-def remove_stale_temporaries(root: Path) -> list[Path]:
-    """Delete every temporary a killed save left in `root` (files and directories); returns what was removed."""
-    stale = sorted({path for pattern in STALE_PATTERNS for path in root.glob(pattern)})
-    for path in stale:
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            path.unlink(missing_ok=True)
-    if stale:
-        logger.info("removed %d temporaries left by an interrupted save: %s", len(stale),
-                    ", ".join(p.name for p in stale))
-    return stale
-
-
-def _write_latest(root: Path, name: str) -> None:
-    tmp = root / f".{LATEST}.tmp-{uuid.uuid4().hex[:8]}"
-    with open(tmp, "w") as f:
-        f.write(name + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, root / LATEST)
-    _fsync_dir(root)
-
-
-def flatten_optimizer_state(state: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """`get_optimizer_state_dict` output -> (tensors for safetensors, JSON for everything else)."""
-    tensors: dict[str, torch.Tensor] = {}
-    scalars: dict[str, dict[str, Any]] = {}
-    for fqn, entry in state["state"].items():
-        for key, value in entry.items():
-            if torch.is_tensor(value):
-                tensors[f"{fqn}::{key}"] = value.detach().to("cpu").contiguous()
-            else:
-                scalars.setdefault(fqn, {})[key] = value
-    return tensors, {"scalars": scalars, "param_groups": state["param_groups"]}
-
-
-def unflatten_optimizer_state(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> dict[str, Any]:
-    state: dict[str, dict[str, Any]] = {}
-    for name, value in tensors.items():
-        fqn, _, key = name.rpartition("::")
-        state.setdefault(fqn, {})[key] = value
-    for fqn, entries in meta["scalars"].items():
-        state.setdefault(fqn, {}).update(entries)
-    return {"state": state, "param_groups": meta["param_groups"]}
 
 
 # -- the trainer ---------------------------------------------------------------------------------------------
@@ -368,17 +149,18 @@ class Trainer:
             apply_lora(self.model, config.lora)
         self.state: dict[str, Any] = {"step": 0, "tokens": 0, "supervised_tokens": 0}
         if resume_from is not None:
-            self._load_weights(resume_from)
+            load_weights(self.model, resume_from, self.lora)
         self.model.to(d.device)
         self.model.gradient_checkpointing = config.gradient_checkpointing
         reference = None
         if config.kl_weight and not self.lora:
             reference = copy.deepcopy(self.model).eval().requires_grad_(False)
         self.module = ObjectiveModule(self.model, config, reference)
-        self.wrapped: nn.Module = self._parallelize()
+        self.wrapped: nn.Module = parallelize(self.module, self.model, d, config.parallel)
         self.optimizer = self._build_optimizer()
         if resume_from is not None:
-            self._load_training_state(resume_from)
+            self.state = load_training_state(resume_from, self.model, self.optimizer, config, d)
+            logger.info("resumed from %s at step %d", resume_from, self.state["step"])
         else:
             torch.manual_seed(mix_seed(config.seed, 0x7A1, d.rank))  # dropout etc.: distinct per rank
         self.resumed_from = resume_from
@@ -395,25 +177,6 @@ class Trainer:
         if not (path / TRAINER_DIR / "state.json").is_file():
             raise FileNotFoundError(f"resume: {path} is not a training checkpoint (no {TRAINER_DIR}/state.json)")
         return path
-
-    def _parallelize(self) -> nn.Module:
-        d = self.dist
-        if not d.distributed:
-            return self.module
-        if self.config.parallel == "ddp":
-            from torch.nn.parallel import DistributedDataParallel as DDP
-
-            return DDP(self.module, device_ids=[d.device.index] if d.device.type == "cuda" else None)
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-
-        # the logits are views (slices of one LM-head output); nothing here modifies them in place
-        warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
-        mesh = init_device_mesh(d.device.type, (d.world,))
-        for layer in self.model.model.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(self.model, mesh=mesh)
-        return self.module
 
     def _build_optimizer(self) -> torch.optim.Optimizer:
         decay, no_decay = [], []
@@ -474,7 +237,7 @@ class Trainer:
             den = loss_denominators(batch, noise)
             local_den += torch.tensor([den[k] for k in keys], dtype=torch.float64)
         den = dict(zip(keys, d.all_sum(local_den).tolist()))
-        lr = lr_at(c, step)
+        lr = c.lr_at(step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.wrapped.train()
@@ -554,134 +317,8 @@ class Trainer:
     # -- checkpoints ---------------------------------------------------------------------------------------
     def save_checkpoint(self) -> Path:
         """Write a complete checkpoint of the current state, atomically; then point `latest` at it."""
-        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                             get_optimizer_state_dict)
-
-        d = self.dist
-        step = self.state["step"]
-        name = f"step-{step:08d}"
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        model_state = get_model_state_dict(self.model, options=StateDictOptions(
-            full_state_dict=True, cpu_offload=True, ignore_frozen_params=self.lora))
-        optim_state = get_optimizer_state_dict(self.model, self.optimizer, options=options)
-        error: BaseException | None = None
-        tmp = self.ckpt_root / f".tmp-{name}-{uuid.uuid4().hex[:8]}"
-        tmp = Path(d.broadcast(str(tmp)))
-        try:
-            if d.rank == 0:
-                self._write_rank0(tmp, model_state, optim_state)
-        except Exception as exc:  # noqa: BLE001 - reported to every rank below
-            error = exc
-        failed = d.broadcast(error is not None)
-        if not failed:
-            try:
-                (tmp / TRAINER_DIR).mkdir(parents=True, exist_ok=True)
-                rng = {"torch_cpu": torch.get_rng_state()}
-                if torch.cuda.is_available():
-                    rng["torch_cuda"] = torch.cuda.get_rng_state(d.device if d.device.type == "cuda" else None)
-                save_file(rng, str(tmp / TRAINER_DIR / f"rng-rank{d.rank}.safetensors"))
-            except Exception as exc:  # noqa: BLE001
-                error = exc
-            failed = bool(d.all_sum(torch.tensor([float(error is not None)]))[0])
-        final = self.ckpt_root / name
-        if not failed and d.rank == 0:
-            try:
-                _fsync_tree(tmp)
-                if final.exists():
-                    old = self.ckpt_root / f".old-{name}-{uuid.uuid4().hex[:8]}"
-                    os.rename(final, old)
-                    shutil.rmtree(old, ignore_errors=True)
-                os.rename(tmp, final)
-                _fsync_dir(self.ckpt_root)
-                _write_latest(self.ckpt_root, name)
-                self._prune(name)
-            except Exception as exc:  # noqa: BLE001
-                error = exc
-        failed = d.broadcast(error is not None or failed)
-        if failed:
-            if d.rank == 0:
-                shutil.rmtree(tmp, ignore_errors=True)
-            raise RuntimeError(f"checkpoint at step {step} failed ({error!r}); "
-                               f"{self.ckpt_root / LATEST} still points to the previous complete checkpoint") from error
-        return final
-
-    def _write_rank0(self, tmp: Path, model_state: dict[str, torch.Tensor], optim_state: dict[str, Any]) -> None:
-        self.ckpt_root.mkdir(parents=True, exist_ok=True)
-        mcfg = self.model.config
-        if not self.lora:
-            tied = mcfg.tie_word_embeddings
-            tensors = ((k, v) for k, v in model_state.items() if not (tied and k == "lm_head.weight"))
-            write_checkpoint(tmp, mcfg, tensors, tokenizer_dir=self._tokenizer_dir())
-        else:  # trainable tensors only (frozen ones were left out of the state dict)
-            tmp.mkdir(parents=True)
-            trainable = {n for n, p in self.model.named_parameters() if p.requires_grad}
-            state = {k: v for k, v in model_state.items() if k in trainable}
-            save_adapter(self.model, tmp, self.config.lora, base=self.config.init, state=state)
-            mcfg.save(tmp)
-        trainer_dir = tmp / TRAINER_DIR
-        trainer_dir.mkdir()
-        tensors, meta = flatten_optimizer_state(optim_state)
-        self._write_tensors(tensors, trainer_dir / "optimizer.safetensors")
-        (trainer_dir / "optimizer.json").write_text(json.dumps(meta, indent=1) + "\n")
-        state = {"version": STATE_VERSION, **self.state, "data_position": self.state["step"] * self.config.batch_size,
-                 "world_size": self.dist.world, "lora": self.lora, "config": self.config.to_dict(),
-                 "saved_at": time.time()}
-        (trainer_dir / "state.json").write_text(json.dumps(state, indent=2) + "\n")
-
-    def _tokenizer_dir(self) -> Path | None:
-        """Where the tokenizer files are (copied into full checkpoints so `clover generate` can use them)."""
-        for candidate in (self.config.tokenizer, self.config.init):
-            if candidate and Path(candidate).is_dir() and any((Path(candidate) / n).is_file() for n in TOKENIZER_FILES):
-                return Path(candidate)
-        return None
-
-    @staticmethod
-    def _write_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
-        save_file(tensors, str(path)) if tensors else save_file({"_empty": torch.zeros(0)}, str(path))
-
-    def _prune(self, keep_name: str) -> None:
-        done = sorted(p for p in self.ckpt_root.glob("step-*") if (p / TRAINER_DIR / "state.json").is_file())
-        for path in done[: max(len(done) - self.config.keep_checkpoints, 0)]:
-            if path.name != keep_name:
-                shutil.rmtree(path, ignore_errors=True)
-
-    def _load_weights(self, path: Path) -> None:
-        if self.lora:
-            load_adapter(self.model, path, apply=False)
-        else:
-            load_state_dict_strict(self.model, path)
-
-    def _load_training_state(self, path: Path) -> None:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
-        trainer_dir = path / TRAINER_DIR
-        state = json.loads((trainer_dir / "state.json").read_text())
-        if state.get("lora") != self.lora:
-            raise ValueError(f"{path}: checkpoint lora={state.get('lora')} but this run has lora={self.lora}")
-        if state.get("version", 1) != STATE_VERSION:
-            logger.warning("%s: trainer state version %s, this trainer writes %s: the data order and noise masks "
-                           "of the resumed run differ from an uninterrupted one", path, state.get("version", 1),
-                           STATE_VERSION)
-        old = state.get("config", {})
-        for key in ("batch_size", "seed", "shuffle"):
-            if key in old and old[key] != getattr(self.config, key):
-                logger.warning("resuming with %s=%r (checkpoint: %r): the data order will differ",
-                               key, getattr(self.config, key), old[key])
-        tensors = load_file(str(trainer_dir / "optimizer.safetensors"))
-        tensors.pop("_empty", None)
-        meta = json.loads((trainer_dir / "optimizer.json").read_text())
-        optim_state = unflatten_optimizer_state(tensors, meta)
-        set_optimizer_state_dict(self.model, self.optimizer, optim_state,
-                                 options=StateDictOptions(full_state_dict=True))
-        rng_path = trainer_dir / f"rng-rank{self.dist.rank}.safetensors"
-        if not rng_path.is_file():
-            rng_path = trainer_dir / "rng-rank0.safetensors"
-        rng = load_file(str(rng_path))
-        torch.set_rng_state(rng["torch_cpu"])
-        if "torch_cuda" in rng and self.dist.device.type == "cuda":
-            torch.cuda.set_rng_state(rng["torch_cuda"], self.dist.device)
-        self.state = {k: state[k] for k in ("step", "tokens", "supervised_tokens")}
-        logger.info("resumed from %s at step %d", path, self.state["step"])
+        return save_training_checkpoint(self.ckpt_root, self.model, self.optimizer, self.state, self.config,
+                                        self.dist)
 
     # -- logging -------------------------------------------------------------------------------------------
     def _open_log(self) -> Any:
@@ -781,7 +418,7 @@ class Trainer:
         if stopped_early and d.rank == 0:
             logger.info("stopped at step %d of %d (%s); resume with the same command", self.state["step"],
                         c.max_steps, "time budget" if not self._stop_signal else "SIGTERM")
-        ckpt = self.ckpt_root / f"step-{last_saved:08d}" if last_saved >= 0 else None
+        ckpt = self.ckpt_root / checkpoint_name(last_saved) if last_saved >= 0 else None
         return TrainResult(self.state["step"], losses, eval_losses, ckpt, stopped_early)
 
     def _out_of_time(self, start: float, step_time: float) -> bool:
@@ -799,8 +436,7 @@ class Trainer:
         return bool(self.dist.all_sum(flag)[0] > 0)
 
     def close(self) -> None:
-        if self.dist.owns_group and dist.is_initialized():
-            dist.destroy_process_group()
+        close_distributed(self.dist)
 
 
 def _main_thread() -> bool:

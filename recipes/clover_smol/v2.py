@@ -90,7 +90,8 @@ def check_record(key: str, checksums: dict[str, str], record: bool) -> None:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from clover.training.config import load_train_config
     from clover.training.data import prepare_token_shards
-    from clover.training.trainer import latest_checkpoint, train
+    from clover.training.checkpointing import latest_checkpoint
+    from clover.training.trainer import train
 
     start = time.monotonic()
     prompts, distill, packaging = _load("prompts"), _load("distill"), _load("package")
