@@ -31,7 +31,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, Sequence as Seq
+from typing import Any, Callable, Sequence as Seq
 
 import torch
 
@@ -39,6 +39,7 @@ from clover.engine import Engine, SamplingParams
 from clover.engine.engine import Batch, Prefill
 from clover.engine.sequence import Sequence
 from clover.model.cache import RecurrentSnapshot
+from clover.serving.handles import Output, RequestHandle
 from clover.serving.metrics import ServerMetrics
 from clover.serving.prefix_cache import PrefixCache
 
@@ -50,53 +51,6 @@ EngineKey = tuple[int, float, str, bool]  # (block_size, threshold, rule, ignore
 
 class QueueFull(Exception):
     """The server is at capacity (running + waiting); retry later."""
-
-
-@dataclass
-class Output:
-    """What one sequence (`choice`) produced when one of its blocks was committed."""
-
-    choice: int
-    token_ids: list[int]
-    finished: bool = False
-    finish_reason: str | None = None
-    stats: dict[str, Any] | None = None
-
-
-class RequestHandle:
-    """The asyncio side of a submitted request: iterate it for `Output`s of all its choices, in commit order.
-
-    An engine failure arrives as the exception itself. `cancel()` (e.g. when the client disconnects) frees the
-    request's slots at the scheduler's next iteration."""
-
-    def __init__(self, scheduler: "Scheduler", request_id: int, n: int, loop: asyncio.AbstractEventLoop) -> None:
-        self.scheduler, self.id, self.n, self.loop = scheduler, request_id, n, loop
-        self.queue: asyncio.Queue[Output | BaseException] = asyncio.Queue()
-        self.cached_tokens = [0] * n  # prompt tokens each choice took from the prefix cache
-        self.remaining = n
-        self.done = False
-
-    def _deliver(self, item: Output | BaseException) -> None:  # scheduler thread
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        except RuntimeError:  # the event loop is gone (shutdown)
-            pass
-
-    def cancel(self) -> None:
-        if not self.done:
-            self.done = True
-            self.scheduler.cancel(self)
-
-    async def __aiter__(self) -> AsyncIterator[Output]:
-        while self.remaining:
-            item = await self.queue.get()
-            if isinstance(item, BaseException):
-                self.done = True
-                raise item
-            if item.finished:
-                self.remaining -= 1
-            yield item
-        self.done = True
 
 
 @dataclass
