@@ -92,6 +92,7 @@ class LockedTokenizer:
     def __len__(self) -> int:
         return len(self.tokenizer)
 
+
 async def _wait_for_disconnect(request: Request) -> None:
     while True:
         message = await request.receive()
