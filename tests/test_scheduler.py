@@ -7,10 +7,13 @@ import asyncio
 import threading
 
 import pytest
+import torch
 
 from clover.engine import Engine, SamplingParams, generate
+from clover.serving.metrics import ServerMetrics
 from clover.serving.prefix_cache import PrefixCache
 from clover.serving.scheduler import QueueFull, Scheduler
+from clover.serving.scheduler_policy import Job, SchedulePolicy
 from test_engine import PROMPTS, tiny_model
 
 PROMPTS = PROMPTS + [list(range(30, 57))]
@@ -118,7 +121,7 @@ def test_scheduler_serves_concurrent_requests_exactly(models, prefix_cache):
         assert tokens[1] == _alone(model, prompt, 10, SamplingParams(temperature=0.7, seed=1), [])
     if prefix_cache:
         assert max(handles[-1].cached_tokens) == 24 and store.stats.hits >= 1
-    assert sched._outstanding == 0 and not sched.jobs
+    assert sched._outstanding == 0 and not sched.policy.jobs
 
 
 def test_scheduler_backpressure_and_cancellation_free_slots(models):
@@ -214,7 +217,7 @@ def test_a_commit_failing_after_rows_finished_fails_them_too(models):
         sched.stop()
     assert raised and all("out of memory" in str(e) for e in errors)
     assert tokens[0] == _alone(model, PROMPTS[2], 8, SamplingParams(), [])
-    assert sched._outstanding == 0 and not sched.jobs
+    assert sched._outstanding == 0 and not sched.policy.jobs
 
 
 def test_a_prefix_lookup_error_fails_one_request_not_the_loop(models):
@@ -244,7 +247,7 @@ def test_a_prefix_lookup_error_fails_one_request_not_the_loop(models):
         sched.stop()
     assert isinstance(error, ValueError) and sched.error is None
     assert tokens[0] == _alone(model, PROMPTS[0], 8, SamplingParams(), [])
-    assert sched._outstanding == 0 and not sched.jobs
+    assert sched._outstanding == 0 and not sched.policy.jobs
 
 
 def test_stop_fails_requests_still_in_the_inbox_and_submit_refuses_after(models):
@@ -252,14 +255,14 @@ def test_stop_fails_requests_still_in_the_inbox_and_submit_refuses_after(models)
     with pytest.raises(RuntimeError):  # not started: nothing would ever take it
         asyncio.run(_submit_now(sched))
     busy, release = threading.Event(), threading.Event()
-    step = sched._step_batches
+    step = sched.policy.step_batches
 
     def held_step():  # holds the loop inside an iteration, so a new request stays in the inbox
         busy.set()
         release.wait(30)
         step()
 
-    sched._step_batches = held_step
+    sched.policy.step_batches = held_step
     sched.start()
 
     async def run():
@@ -285,3 +288,69 @@ def test_stop_fails_requests_still_in_the_inbox_and_submit_refuses_after(models)
 
 async def _submit_now(sched):
     return sched.submit(PROMPTS[0], 4, [SamplingParams()])
+
+
+# -- the policy, without threads -------------------------------------------------------------------------------------
+class _Handle:
+    """What the policy needs of a request's handle: an id, per-choice cached counts, a place for outputs."""
+
+    def __init__(self, request_id: int) -> None:
+        self.id, self.cached_tokens, self.items = request_id, [0], []
+
+    def _deliver(self, item) -> None:
+        self.items.append(item)
+
+
+def _policy(model, max_running: int):
+    engine = Engine(model, 4, 0.5, eos_token_ids=[], prefill_chunk=8)
+    key = (4, 0.5, "threshold", False)
+    released = []
+    policy = SchedulePolicy({key: engine}, None, max_running, ServerMetrics(), released.append)
+    jobs = []
+    for i, (prompt, max_new) in enumerate(zip(PROMPTS, MAX_NEW)):
+        seq = engine.make_sequences([prompt], max_new, [SamplingParams()])[0]
+        seq.index = i
+        jobs.append(Job(_Handle(i), 0, seq, key, 0.0))
+    return policy, engine, jobs, released
+
+
+def test_policy_admits_up_to_max_running_and_joins_only_at_block_boundaries(models):
+    model = models["clover-tiny"]
+    policy, engine, jobs, released = _policy(model, max_running=2)
+    policy.add(jobs)
+    joined_mid_run, iterations = 0, 0
+    with torch.inference_mode():
+        while policy.busy():
+            policy.prefill_once()
+            assert policy.running_count() <= 2  # admission never exceeds max_running
+            before = {j.seq.index for j, _ in policy.ready}
+            had_batch = bool(policy.batches)
+            policy.join_ready()
+            for job, _ in policy.ready:  # what stays ready waits for its batch's block boundary
+                assert not engine.at_block_boundary(policy.batches[job.key])
+            joined_mid_run += had_batch and len(before) > len(policy.ready)
+            policy.step_batches()
+            iterations += 1
+            assert iterations < 1000
+    assert joined_mid_run >= 1  # requests 2 and 3 joined a running batch once a slot was free
+    assert sorted(j.seq.index for j in released) == [0, 1, 2, 3] and not policy.jobs
+    for job, prompt, max_new in zip(jobs, PROMPTS, MAX_NEW):
+        out = job.handle.items
+        assert out[-1].finished and not any(o.finished for o in out[:-1])
+        assert [t for o in out for t in o.token_ids] == _alone(model, prompt, max_new, SamplingParams(), [])
+
+
+def test_policy_cancellation_drops_waiting_and_running_requests(models):
+    policy, _, jobs, released = _policy(models["clover-tiny"], max_running=1)
+    policy.add(jobs[:2])
+    with torch.inference_mode():
+        while not policy.batches:
+            policy.prefill_once()
+            policy.join_ready()
+        policy.step_batches()
+        assert [j.seq.index for j in policy.waiting] == [1]  # max_running=1: request 1 still waits
+        delivered = len(jobs[0].handle.items)
+        policy.cancel({0, 1})
+        assert not policy.busy() and not policy.jobs and sorted(j.seq.index for j in released) == [0, 1]
+        policy.step_batches()  # nothing left to step: no more outputs
+    assert len(jobs[0].handle.items) == delivered and jobs[1].handle.items == []

@@ -487,8 +487,9 @@ def test_fuzz_openapi_schema_no_server_errors(server):
 def test_a_client_gone_before_the_response_counts_as_499_not_500():
     from types import SimpleNamespace
 
-    from clover.serving.app import ServerOptions, _Guard
     from clover.serving.metrics import ServerMetrics
+    from clover.serving.middleware import RequestGuard
+    from clover.serving.served_model import ServerOptions
 
     async def never_called(scope, receive, send):
         raise AssertionError("the app runs only once the body is read")
@@ -510,9 +511,9 @@ def test_a_client_gone_before_the_response_counts_as_499_not_500():
     metrics = ServerMetrics()
     server = SimpleNamespace(options=ServerOptions(), metrics=metrics)
     scope = {"type": "http", "path": "/v1/completions", "headers": []}
-    asyncio.run(_Guard(never_called, server)(scope, left, send))
+    asyncio.run(RequestGuard(never_called, server)(scope, left, send))
     assert sent == []
-    asyncio.run(_Guard(failing, server)(scope, body, send))  # a bug is answered, not raised to the ASGI server
+    asyncio.run(RequestGuard(failing, server)(scope, body, send))  # a bug is answered, not raised to the ASGI server
     assert sent[0]["status"] == 500 and json.loads(sent[1]["body"])["error"]["code"] == "internal_error"
 
     def count(status):

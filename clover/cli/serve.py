@@ -64,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
 
     from clover.model import CloverForBlockDiffusion
     from clover.serving import ServerOptions, create_app
-    from clover.serving.app import read_generation_defaults
+    from clover.serving.served_model import read_generation_defaults
     from clover.tokenizer import load_tokenizer
 
     if args.threads:

@@ -3,8 +3,10 @@
     from clover.serving import create_app, ServerOptions
     app = create_app("checkpoints/clover-smol", options=ServerOptions(api_key="secret"))
 
-Roles: `protocol` (request models, error format), `app` (routes, streaming), `scheduler` (the batch, in a
-background thread), `prefix_cache` (reused prompt prefixes), `output_parser` (reasoning / tool calls),
+Roles: `protocol` (request models, error format), `app` (routes), `served_model` (options, model and tokenizer,
+request flow), `openai_format` (response bodies, SSE), `middleware` (request ids, auth, errors), `scheduler` (the
+batch's background thread), `scheduler_policy` (admit / join / step / drop), `handles` (asyncio side),
+`prefix_cache` (reused prompt prefixes), `output_parser` (reasoning / tool calls), `structured` (response_format),
 `metrics` (Prometheus). Semantics and measured figures: docs/serving.md.
 """
 

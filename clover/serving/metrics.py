@@ -7,8 +7,13 @@ forward (how much parallel decoding buys), queue depth (backpressure), latencies
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+if TYPE_CHECKING:
+    from clover.serving.prefix_cache import PrefixCache
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 TPF_BUCKETS = (1.0, 1.25, 1.5, 2.0, 2.5, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 32.0)
@@ -51,3 +56,26 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+    def record_finished(self, prompt_tokens: int, cached_tokens: int, stats: dict[str, Any], *, latency: float,
+                        ttft: float | None) -> None:
+        """One finished sequence: its tokens, forwards and finish reason (`stats`: the engine's), its latency from
+        arrival to the last token and to the first committed block (None: it committed none)."""
+        self.prompt_tokens.inc(prompt_tokens)
+        self.cached_prompt_tokens.inc(cached_tokens)
+        self.generation_tokens.inc(stats.get("tokens", 0))
+        self.forward_passes.inc(stats.get("forward_passes", 0))
+        if stats.get("forward_passes"):
+            self.tokens_per_forward.observe(stats["tokens_per_forward"])
+        self.finished.labels(stats.get("finish_reason") or "unknown").inc()
+        self.latency.observe(latency)
+        if ttft is not None:
+            self.ttft.observe(ttft)
+
+    def record_load(self, load: dict[str, int], prefix_cache: PrefixCache | None) -> None:
+        """The gauges, once per scheduler iteration (`load`: sequences per stage, `Scheduler.load`)."""
+        self.running.set(load["running"])
+        self.queue_depth.set(load["waiting"] + load["ready"] + load["prefilling"])
+        if prefix_cache is not None:
+            self.prefix_cache_bytes.set(prefix_cache.memory_bytes)
+            self.prefix_cache_entries.set(len(prefix_cache.entries))

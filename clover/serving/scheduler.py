@@ -19,7 +19,10 @@ iteration steps all of them.
 
 Backpressure: at most `max_running` sequences decode at once and at most `max_waiting` more wait; `submit`
 raises `QueueFull` beyond that (the server answers 429). Results cross to asyncio through
-`loop.call_soon_threadsafe` into a per-request queue.
+`loop.call_soon_threadsafe` into a per-request queue (`handles.py`).
+
+This module is the thread and its inbox; what each iteration does with the queues and batches is the policy,
+`scheduler_policy.py`, plain code testable without threads. Metrics are recorded through `metrics.py`.
 """
 
 from __future__ import annotations
@@ -29,90 +32,27 @@ import itertools
 import logging
 import threading
 import time
-from collections import deque
-from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, Sequence as Seq
+from typing import Callable, Sequence as Seq
 
 import torch
 
 from clover.engine import Engine, SamplingParams
-from clover.engine.engine import Batch, Prefill
-from clover.engine.sequence import Sequence
-from clover.model.cache import RecurrentSnapshot
+from clover.serving.handles import RequestHandle
 from clover.serving.metrics import ServerMetrics
 from clover.serving.prefix_cache import PrefixCache
+from clover.serving.scheduler_policy import EngineKey, Job, SchedulePolicy
 
 logger = logging.getLogger(__name__)
-
-
-EngineKey = tuple[int, float, str, bool]  # (block_size, threshold, rule, ignore_eos)
 
 
 class QueueFull(Exception):
     """The server is at capacity (running + waiting); retry later."""
 
 
-@dataclass
-class Output:
-    """What one sequence (`choice`) produced when one of its blocks was committed."""
-
-    choice: int
-    token_ids: list[int]
-    finished: bool = False
-    finish_reason: str | None = None
-    stats: dict[str, Any] | None = None
-
-
-class RequestHandle:
-    """The asyncio side of a submitted request: iterate it for `Output`s of all its choices, in commit order.
-
-    An engine failure arrives as the exception itself. `cancel()` (e.g. when the client disconnects) frees the
-    request's slots at the scheduler's next iteration."""
-
-    def __init__(self, scheduler: "Scheduler", request_id: int, n: int, loop: asyncio.AbstractEventLoop) -> None:
-        self.scheduler, self.id, self.n, self.loop = scheduler, request_id, n, loop
-        self.queue: asyncio.Queue[Output | BaseException] = asyncio.Queue()
-        self.cached_tokens = [0] * n  # prompt tokens each choice took from the prefix cache
-        self.remaining = n
-        self.done = False
-
-    def _deliver(self, item: Output | BaseException) -> None:  # scheduler thread
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        except RuntimeError:  # the event loop is gone (shutdown)
-            pass
-
-    def cancel(self) -> None:
-        if not self.done:
-            self.done = True
-            self.scheduler.cancel(self)
-
-    async def __aiter__(self) -> AsyncIterator[Output]:
-        while self.remaining:
-            item = await self.queue.get()
-            if isinstance(item, BaseException):
-                self.done = True
-                raise item
-            if item.finished:
-                self.remaining -= 1
-            yield item
-        self.done = True
-
-
-@dataclass
-class _Job:
-    """One sequence (one choice of one request) on its way through the scheduler."""
-
-    handle: RequestHandle
-    choice: int
-    seq: Sequence
-    key: "EngineKey"  # which engine / batch
-    arrival: float
-    prefill: Prefill | None = None
-    states: dict[int, RecurrentSnapshot] = field(default_factory=dict)  # prefix-cache snapshots taken so far
-
-
 class Scheduler:
+    """The model's one thread: requests arrive through `submit` (any thread) into an inbox; each iteration hands
+    them to the `SchedulePolicy` and runs its admit / join / step once."""
+
     def __init__(self, model: torch.nn.Module, *, block_size: int, threshold: float, rule: str = "threshold",
                  eos_token_ids: Seq[int] | None = None, vocab_limit: int | None = None,
                  detokenize: Callable[[list[int]], str] | None = None, prefill_chunk: int = 256,
@@ -129,14 +69,10 @@ class Scheduler:
         self.max_running, self.max_waiting = max_running, max_waiting
         self.metrics = metrics or ServerMetrics()
         self.engines: dict[EngineKey, Engine] = {}
-        self.batches: dict[EngineKey, Batch] = {}
-        self.ready: list[tuple[_Job, Batch]] = []  # prefilled, waiting for their batch's next block boundary
-        self.waiting: deque[_Job] = deque()
-        self.prefilling: _Job | None = None
-        self.jobs: dict[int, _Job] = {}  # by Sequence.index, every job not finished
+        self.policy = SchedulePolicy(self.engines, prefix_cache, max_running, self.metrics, self._release)
         self._ids = itertools.count()
         self._lock = threading.Condition()
-        self._inbox: list[_Job] = []
+        self._inbox: list[Job] = []
         self._cancelled: set[int] = set()
         self._outstanding = 0  # sequences submitted and not finished (under _lock)
         self._stop = False
@@ -176,7 +112,7 @@ class Scheduler:
             self._outstanding += len(seqs)
             for choice, seq in enumerate(seqs):
                 seq.index = next(self._ids)
-                self._inbox.append(_Job(handle, choice, seq, key, now))
+                self._inbox.append(Job(handle, choice, seq, key, now))
             self._lock.notify()
         return handle
 
@@ -187,11 +123,9 @@ class Scheduler:
 
     @property
     def load(self) -> dict[str, int]:
-        """Sequences per stage (read from any thread: containers are copied by C calls, never iterated in Python
-        while the scheduler thread may change them)."""
-        running = sum(len(b.seqs) for b in list(self.batches.values()))
-        return {"running": running, "waiting": len(self.waiting) + len(self._inbox),
-                "prefilling": int(self.prefilling is not None), "ready": len(self.ready)}
+        """Sequences per stage: the policy's, the inbox counted as waiting (read from any thread)."""
+        load = self.policy.load
+        return {**load, "waiting": load["waiting"] + len(self._inbox)}
 
     # -- lifecycle ----------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -211,29 +145,24 @@ class Scheduler:
         return self._thread is not None and self._thread.is_alive() and self.error is None
 
     # -- the loop (scheduler thread) --------------------------------------------------------------------------
-    def _busy(self) -> bool:
-        return bool(self.waiting or self.prefilling or self.ready or self.batches)
-
     def _loop(self) -> None:
         try:
             while True:
                 with self._lock:
-                    while not (self._stop or self._inbox or self._cancelled or self._busy()):
+                    while not (self._stop or self._inbox or self._cancelled or self.policy.busy()):
                         self._lock.wait()
                     if self._stop:
                         break
                     new, self._inbox = self._inbox, []
                     cancelled, self._cancelled = self._cancelled, set()
-                for job in new:
-                    self.jobs[job.seq.index] = job
-                    self.waiting.append(job)
+                self.policy.add(new)
                 if cancelled:
-                    self._cancel(cancelled)
+                    self.policy.cancel(cancelled)
                 with torch.inference_mode():
-                    self._prefill_once()
-                    self._join_ready()
-                    self._step_batches()
-                self._gauges()
+                    self.policy.prefill_once()
+                    self.policy.join_ready()
+                    self.policy.step_batches()
+                self.metrics.record_load(self.load, self.prefix_cache)
         except BaseException as exc:  # a bug: fail every request rather than hang them
             logger.exception("scheduler loop died")
             self.error = exc
@@ -243,130 +172,12 @@ class Scheduler:
                 self._stop = True
                 pending, self._inbox = self._inbox, []
             failure = self.error or RuntimeError("the server is shutting down")
-            for job in list(self.jobs.values()) + pending:
-                self._fail(job, failure)
+            for job in list(self.policy.jobs.values()):
+                self.policy.fail(job, failure)
+            for job in pending:  # never reached the policy
+                job.handle._deliver(failure)
+                self._release(job)
 
-    def _running_count(self) -> int:
-        return sum(len(b.seqs) for b in self.batches.values()) + len(self.ready) + (self.prefilling is not None)
-
-    def _prefill_once(self) -> None:
-        if self.prefilling is None:
-            if not self.waiting or self._running_count() >= self.max_running:
-                return
-            self.prefilling = self.waiting.popleft()
-        job = self.prefilling
-        engine = self.engines[job.key]
-        try:  # lookup and begin_prefill too: what one request makes them raise must not kill the loop
-            if job.prefill is None:
-                reuse = self.prefix_cache.lookup(job.seq.prompt) if self.prefix_cache is not None else None
-                if reuse is not None:
-                    job.handle.cached_tokens[job.choice] = reuse.length
-                    job.states = dict(reuse.states)
-                job.prefill = engine.begin_prefill(job.seq, reuse.cache if reuse else None)
-            batch = engine.prefill_step(job.prefill)
-        except Exception as exc:  # noqa: BLE001 - this request's failure, not the server's
-            logger.exception("prefill failed")
-            self.prefilling = None
-            self._fail(job, exc)
-            return
-        done, total = job.prefill.done, len(job.seq.prompt)
-        if self.prefix_cache is not None and self.prefix_cache.wants_snapshot(done, total):
-            job.states[done] = job.prefill.cache.snapshot_recurrent()
-        if batch is None:
-            return
-        self.prefilling = None
-        if self.prefix_cache is not None:
-            before = self.prefix_cache.stats.evictions
-            self.prefix_cache.insert(job.seq.prompt, job.prefill.cache, job.states)
-            self.metrics.prefix_cache_evictions.inc(self.prefix_cache.stats.evictions - before)
-        job.prefill, job.states = None, {}
-        self.ready.append((job, batch))
-
-    def _join_ready(self) -> None:
-        keep = []
-        for job, new in self.ready:
-            engine = self.engines[job.key]
-            current = self.batches.get(job.key)
-            if current is None or engine.at_block_boundary(current):
-                self.batches[job.key] = engine.join(current, new)
-            else:
-                keep.append((job, new))
-        self.ready = keep
-
-    def _step_batches(self) -> None:
-        for key in list(self.batches):
-            engine, batch = self.engines[key], self.batches[key]
-            forwards = engine.counters.forwards
-            self.metrics.batch_size.observe(len(batch.seqs))
-            seqs = list(batch.seqs)  # the step drops finished rows before its commit forward, which may raise
-            try:
-                events, batch = engine.step(batch)
-            except Exception as exc:  # noqa: BLE001 - fail this batch's requests, keep serving the rest
-                logger.exception("decode step failed")
-                del self.batches[key]
-                for seq in seqs:
-                    if seq.index in self.jobs:
-                        self._fail(self.jobs[seq.index], exc)
-                continue
-            self.metrics.engine_forwards.inc(engine.counters.forwards - forwards)
-            if batch is None:
-                del self.batches[key]
-            else:
-                self.batches[key] = batch
-            for piece in events:
-                job = self.jobs.get(piece.index)
-                if job is None:
-                    continue
-                job.handle._deliver(Output(job.choice, piece.token_ids, piece.finished, piece.finish_reason,
-                                           piece.stats))
-                if piece.finished:
-                    self._finished(job, piece.stats or {})
-
-    def _cancel(self, request_ids: set[int]) -> None:
-        gone = {i for i, job in self.jobs.items() if job.handle.id in request_ids}
-        if not gone:
-            return
-        self.waiting = deque(j for j in self.waiting if j.seq.index not in gone)
-        if self.prefilling is not None and self.prefilling.seq.index in gone:
-            self.prefilling = None
-        self.ready = [(j, b) for j, b in self.ready if j.seq.index not in gone]
-        for key in list(self.batches):
-            batch = self.engines[key].drop(self.batches[key], gone)
-            if batch is None:
-                del self.batches[key]
-            else:
-                self.batches[key] = batch
-        for i in gone:
-            self._forget(self.jobs[i])
-
-    def _forget(self, job: _Job) -> None:
-        self.jobs.pop(job.seq.index, None)
+    def _release(self, job: Job) -> None:  # a sequence left the policy (finished, failed or cancelled)
         with self._lock:
             self._outstanding -= 1
-
-    def _fail(self, job: _Job, exc: BaseException) -> None:
-        job.handle._deliver(exc)
-        self._forget(job)
-
-    def _finished(self, job: _Job, stats: dict[str, Any]) -> None:
-        self._forget(job)
-        m = self.metrics
-        m.prompt_tokens.inc(len(job.seq.prompt))
-        m.cached_prompt_tokens.inc(job.handle.cached_tokens[job.choice])
-        m.generation_tokens.inc(stats.get("tokens", 0))
-        m.forward_passes.inc(stats.get("forward_passes", 0))
-        if stats.get("forward_passes"):
-            m.tokens_per_forward.observe(stats["tokens_per_forward"])
-        m.finished.labels(stats.get("finish_reason") or "unknown").inc()
-        end = job.seq.end_time or time.perf_counter()
-        m.latency.observe(end - job.arrival)
-        if job.seq.first_output_time is not None:
-            m.ttft.observe(job.seq.first_output_time - job.arrival)
-
-    def _gauges(self) -> None:
-        load = self.load
-        self.metrics.running.set(load["running"])
-        self.metrics.queue_depth.set(load["waiting"] + load["ready"] + load["prefilling"])
-        if self.prefix_cache is not None:
-            self.metrics.prefix_cache_bytes.set(self.prefix_cache.memory_bytes)
-            self.metrics.prefix_cache_entries.set(len(self.prefix_cache.entries))

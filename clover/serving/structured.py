@@ -24,6 +24,7 @@ from starlette.concurrency import run_in_threadpool
 
 from clover.engine.decision import Decision, decide
 from clover.engine.form import Form, FormError, parse_form
+from clover.serving.openai_format import usage as usage_of
 from clover.serving.protocol import APIError, ChatCompletionRequest
 
 _DECIDING = threading.Lock()  # one decision at a time: each is a few forwards of the whole answer block
@@ -56,7 +57,7 @@ def check_form(req: ChatCompletionRequest) -> Form:
 
 
 async def decision_response(server: Any, req: ChatCompletionRequest) -> Response:
-    """The chat completion for a request with `response_format` (`server`: the app's `_Server`)."""
+    """The chat completion for a request with `response_format` (`server`: the app's `ServedModel`)."""
     form = check_form(req)
     messages = [m.to_template() for m in req.messages]
     threshold = req.threshold if req.threshold is not None else server.threshold
@@ -71,7 +72,7 @@ async def decision_response(server: Any, req: ChatCompletionRequest) -> Response
         raise APIError(400, str(exc), param="messages", code="invalid_value") from exc
     content = json.dumps(result.values, ensure_ascii=False)
     rid, created, name = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), server.options.served_model_name
-    usage = server.usage(result.prompt_tokens, result.answer_tokens, 0)
+    usage = usage_of(result.prompt_tokens, result.answer_tokens, 0)
     extra = {"decision": {"probabilities": result.probabilities, "forward_passes": result.forward_passes,
                           "order": result.order}}
     if not req.stream:

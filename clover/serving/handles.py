@@ -1,0 +1,92 @@
+"""The asyncio side of a request: the scheduler thread delivers each committed block to its request's handle
+through `loop.call_soon_threadsafe`, and the event loop iterates the handle (or several, `merge`)."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, AsyncIterator
+
+if TYPE_CHECKING:
+    from clover.serving.scheduler import Scheduler
+
+
+@dataclass
+class Output:
+    """What one sequence (`choice`) produced when one of its blocks was committed."""
+
+    choice: int
+    token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None
+    stats: dict[str, Any] | None = None
+
+
+class RequestHandle:
+    """The asyncio side of a submitted request: iterate it for `Output`s of all its choices, in commit order.
+
+    An engine failure arrives as the exception itself. `cancel()` (e.g. when the client disconnects) frees the
+    request's slots at the scheduler's next iteration."""
+
+    def __init__(self, scheduler: "Scheduler", request_id: int, n: int, loop: asyncio.AbstractEventLoop) -> None:
+        self.scheduler, self.id, self.n, self.loop = scheduler, request_id, n, loop
+        self.queue: asyncio.Queue[Output | BaseException] = asyncio.Queue()
+        self.cached_tokens = [0] * n  # prompt tokens each choice took from the prefix cache
+        self.remaining = n
+        self.done = False
+
+    def _deliver(self, item: Output | BaseException) -> None:  # scheduler thread
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the event loop is gone (shutdown)
+            pass
+
+    def cancel(self) -> None:
+        if not self.done:
+            self.done = True
+            self.scheduler.cancel(self)
+
+    async def __aiter__(self) -> AsyncIterator[Output]:
+        while self.remaining:
+            item = await self.queue.get()
+            if isinstance(item, BaseException):
+                self.done = True
+                raise item
+            if item.finished:
+                self.remaining -= 1
+            yield item
+        self.done = True
+
+
+
+async def merge(handles: list[RequestHandle]) -> AsyncIterator[tuple[int, Output]]:
+    """Outputs of several requests as they come (one completion request with several prompts)."""
+    if len(handles) == 1:
+        async for out in handles[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue[tuple[int, Output | BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, handle: RequestHandle) -> None:
+        try:
+            async for out in handle:
+                await queue.put((i, out))
+        except BaseException as exc:  # noqa: BLE001 - forwarded to the consumer
+            await queue.put((i, exc))
+        await queue.put((i, None))
+
+    tasks = [asyncio.create_task(pump(i, h)) for i, h in enumerate(handles)]
+    try:
+        open_ = len(handles)
+        while open_:
+            i, item = await queue.get()
+            if item is None:
+                open_ -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+

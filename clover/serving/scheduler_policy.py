@@ -1,0 +1,185 @@
+"""The scheduling policy of continuous batching, without threads: which request prefills next, when prefilled
+requests join their batch, what a step commits, what a cancellation drops.
+
+    admit:   the oldest waiting request starts prefilling once fewer than `max_running` sequences run
+             (prefilling and prefilled-but-not-joined ones count); one prefill at a time, one chunk per call
+    join:    a prefilled request joins its batch only at a block boundary (every row then starts a fresh block)
+    step:    one denoising step of every batch; committed blocks go to their requests' handles
+    drop:    cancelled requests leave the queue, the prefill, the ready list and their batch at once
+
+`Scheduler` (`scheduler.py`) calls these from its thread, in that order, once per iteration; the capacity bound
+(`max_running` + `max_waiting`) is checked there, where requests arrive. A failure of one request (its prefill, or
+its batch's step) fails that request or batch only.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from clover.engine import Engine
+from clover.engine.engine import Batch, Prefill
+from clover.engine.sequence import Sequence
+from clover.model.cache import RecurrentSnapshot
+from clover.serving.handles import Output, RequestHandle
+from clover.serving.metrics import ServerMetrics
+from clover.serving.prefix_cache import PrefixCache
+
+logger = logging.getLogger(__name__)
+
+EngineKey = tuple[int, float, str, bool]  # (block_size, threshold, rule, ignore_eos)
+
+
+@dataclass
+class Job:
+    """One sequence (one choice of one request) on its way through the scheduler."""
+
+    handle: RequestHandle
+    choice: int
+    seq: Sequence
+    key: EngineKey  # which engine / batch
+    arrival: float
+    prefill: Prefill | None = None
+    states: dict[int, RecurrentSnapshot] = field(default_factory=dict)  # prefix-cache snapshots taken so far
+
+
+class SchedulePolicy:
+    """The queues and batches of one scheduler. `engines`: the engine of each key (shared with the scheduler,
+    which creates them); `released(job)`: called once per sequence that leaves (finished, failed, cancelled)."""
+
+    def __init__(self, engines: dict[EngineKey, Engine], prefix_cache: PrefixCache | None, max_running: int,
+                 metrics: ServerMetrics, released: Callable[[Job], None]) -> None:
+        self.engines, self.prefix_cache, self.max_running = engines, prefix_cache, max_running
+        self.metrics, self.released = metrics, released
+        self.batches: dict[EngineKey, Batch] = {}
+        self.ready: list[tuple[Job, Batch]] = []  # prefilled, waiting for their batch's next block boundary
+        self.waiting: deque[Job] = deque()
+        self.prefilling: Job | None = None
+        self.jobs: dict[int, Job] = {}  # by Sequence.index, every job not finished
+
+    def add(self, jobs: list[Job]) -> None:
+        for job in jobs:
+            self.jobs[job.seq.index] = job
+            self.waiting.append(job)
+
+    @property
+    def load(self) -> dict[str, int]:
+        """Sequences per stage (read from any thread: containers are copied by C calls, never iterated in Python
+        while the scheduler thread may change them)."""
+        running = sum(len(b.seqs) for b in list(self.batches.values()))
+        return {"running": running, "waiting": len(self.waiting), "prefilling": int(self.prefilling is not None),
+                "ready": len(self.ready)}
+
+    def busy(self) -> bool:
+        return bool(self.waiting or self.prefilling or self.ready or self.batches)
+
+    def running_count(self) -> int:
+        return sum(len(b.seqs) for b in self.batches.values()) + len(self.ready) + (self.prefilling is not None)
+
+    def prefill_once(self) -> None:
+        if self.prefilling is None:
+            if not self.waiting or self.running_count() >= self.max_running:
+                return
+            self.prefilling = self.waiting.popleft()
+        job = self.prefilling
+        engine = self.engines[job.key]
+        try:  # lookup and begin_prefill too: what one request makes them raise must not kill the loop
+            if job.prefill is None:
+                reuse = self.prefix_cache.lookup(job.seq.prompt) if self.prefix_cache is not None else None
+                if reuse is not None:
+                    job.handle.cached_tokens[job.choice] = reuse.length
+                    job.states = dict(reuse.states)
+                job.prefill = engine.begin_prefill(job.seq, reuse.cache if reuse else None)
+            batch = engine.prefill_step(job.prefill)
+        except Exception as exc:  # noqa: BLE001 - this request's failure, not the server's
+            logger.exception("prefill failed")
+            self.prefilling = None
+            self.fail(job, exc)
+            return
+        done, total = job.prefill.done, len(job.seq.prompt)
+        if self.prefix_cache is not None and self.prefix_cache.wants_snapshot(done, total):
+            job.states[done] = job.prefill.cache.snapshot_recurrent()
+        if batch is None:
+            return
+        self.prefilling = None
+        if self.prefix_cache is not None:
+            before = self.prefix_cache.stats.evictions
+            self.prefix_cache.insert(job.seq.prompt, job.prefill.cache, job.states)
+            self.metrics.prefix_cache_evictions.inc(self.prefix_cache.stats.evictions - before)
+        job.prefill, job.states = None, {}
+        self.ready.append((job, batch))
+
+    def join_ready(self) -> None:
+        keep = []
+        for job, new in self.ready:
+            engine = self.engines[job.key]
+            current = self.batches.get(job.key)
+            if current is None or engine.at_block_boundary(current):
+                self.batches[job.key] = engine.join(current, new)
+            else:
+                keep.append((job, new))
+        self.ready = keep
+
+    def step_batches(self) -> None:
+        for key in list(self.batches):
+            engine, batch = self.engines[key], self.batches[key]
+            forwards = engine.counters.forwards
+            self.metrics.batch_size.observe(len(batch.seqs))
+            seqs = list(batch.seqs)  # the step drops finished rows before its commit forward, which may raise
+            try:
+                events, batch = engine.step(batch)
+            except Exception as exc:  # noqa: BLE001 - fail this batch's requests, keep serving the rest
+                logger.exception("decode step failed")
+                del self.batches[key]
+                for seq in seqs:
+                    if seq.index in self.jobs:
+                        self.fail(self.jobs[seq.index], exc)
+                continue
+            self.metrics.engine_forwards.inc(engine.counters.forwards - forwards)
+            if batch is None:
+                del self.batches[key]
+            else:
+                self.batches[key] = batch
+            for piece in events:
+                job = self.jobs.get(piece.index)
+                if job is None:
+                    continue
+                job.handle._deliver(Output(job.choice, piece.token_ids, piece.finished, piece.finish_reason,
+                                           piece.stats))
+                if piece.finished:
+                    self._finished(job, piece.stats or {})
+
+    def cancel(self, request_ids: set[int]) -> None:
+        gone = {i for i, job in self.jobs.items() if job.handle.id in request_ids}
+        if not gone:
+            return
+        self.waiting = deque(j for j in self.waiting if j.seq.index not in gone)
+        if self.prefilling is not None and self.prefilling.seq.index in gone:
+            self.prefilling = None
+        self.ready = [(j, b) for j, b in self.ready if j.seq.index not in gone]
+        for key in list(self.batches):
+            batch = self.engines[key].drop(self.batches[key], gone)
+            if batch is None:
+                del self.batches[key]
+            else:
+                self.batches[key] = batch
+        for i in gone:
+            self._forget(self.jobs[i])
+
+    def _forget(self, job: Job) -> None:
+        self.jobs.pop(job.seq.index, None)
+        self.released(job)
+
+    def fail(self, job: Job, exc: BaseException) -> None:
+        job.handle._deliver(exc)
+        self._forget(job)
+
+    def _finished(self, job: Job, stats: dict[str, Any]) -> None:
+        self._forget(job)
+        self.metrics.record_finished(len(job.seq.prompt), job.handle.cached_tokens[job.choice], stats,
+                                     latency=(job.seq.end_time or time.perf_counter()) - job.arrival,
+                                     ttft=None if job.seq.first_output_time is None
+                                     else job.seq.first_output_time - job.arrival)

@@ -1,0 +1,331 @@
+"""The served model: the server's options, the model with its tokenizer (behind a lock) and scheduler, and the
+request flow from a validated request to engine work and back to a response.
+
+`ServedModel.chat` / `.completion`: check the model id and sampling fields, render the chat template and tokenize
+(in a worker thread), check `max_tokens` against the context, submit to the `Scheduler` (one background thread
+owns the model), then stream the committed blocks as SSE or collect them into one body (`openai_format.py`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+
+from clover.chat_template import render_chat
+from clover.engine import RULES, SamplingParams
+from clover.serving.handles import Output, RequestHandle, merge
+from clover.serving.metrics import ServerMetrics
+from clover.serving.openai_format import (ChatChoice, ChoiceText, chat_body, chat_stream, completion_body,
+                                          completion_stream, usage)
+from clover.serving.output_parser import CALL
+from clover.serving.prefix_cache import PrefixCache
+from clover.serving.protocol import APIError, ChatCompletionRequest, CompletionRequest, NamedToolChoice, SamplingFields
+from clover.serving.scheduler import QueueFull, Scheduler
+from clover.serving.structured import decision_response, wants_decision
+from clover.tokenizer import eos_token_ids
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ServerOptions:
+    served_model_name: str = "clover"  # the model id of responses and /v1/models
+    model_aliases: tuple[str, ...] = ()  # other ids requests may name (the default model: its versioned id)
+    api_key: str | None = None  # every route but /health then needs `Authorization: Bearer <key>`
+    max_running: int = 32  # sequences decoded together
+    max_waiting: int = 256  # more sequences queued before 429
+    max_body_bytes: int = 4 * 2**20
+    max_model_len: int | None = None  # context served (default and cap: the model's max_position_embeddings)
+    block_size: int | None = None  # defaults: the model's config
+    threshold: float | None = None
+    rule: str = "threshold"
+    prefill_chunk: int = 256  # prompt tokens per prefill forward = the prefix cache's grid
+    prefix_cache_bytes: int = 2 * 2**30  # 0: no prefix reuse
+    prefix_snapshot_interval: int | None = None  # hybrid models: recurrent snapshots every this many tokens
+    temperature: float | None = None  # default when a request gives none: generation_config.json, else 0
+    top_p: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_running", "max_body_bytes", "prefill_chunk"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"ServerOptions.{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_waiting < 0 or self.prefix_cache_bytes < 0:
+            raise ValueError("ServerOptions.max_waiting and prefix_cache_bytes must be >= 0")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"ServerOptions.max_model_len must be >= 1, got {self.max_model_len}")
+
+
+class LockedTokenizer:
+    """The tokenizer behind one lock: a fast tokenizer may refuse concurrent use from several threads (its
+    Rust object is borrowed mutably when encoding), and the scheduler thread decodes for stop strings."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.lock = threading.Lock()
+
+    def encode(self, text: str) -> list[int]:
+        with self.lock:
+            return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def decode(self, ids: list[int]) -> str:
+        with self.lock:
+            return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                    thinking: bool) -> str:
+        with self.lock:
+            return render_chat(self.tokenizer, messages, tools, add_generation_prompt=True,
+                               enable_thinking=thinking)
+
+    def __len__(self) -> int:
+        return len(self.tokenizer)
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+# -- the server ----------------------------------------------------------------------------------------------------
+class ServedModel:
+    """One served model: its tokenizer and scheduler, and what turns a request into engine work and back."""
+
+    def __init__(self, model: torch.nn.Module, tokenizer: Any, options: ServerOptions,
+                 generation_defaults: dict[str, Any]) -> None:
+        config = model.config
+        self.model, self.options, self.config = model, options, config
+        self.tokenizer = LockedTokenizer(tokenizer)
+        limit = config.max_position_embeddings
+        self.context = min(options.max_model_len or limit, limit)
+        self.block_size = options.block_size or config.block_size
+        self.threshold = options.threshold if options.threshold is not None else config.threshold
+        self.temperature = options.temperature if options.temperature is not None else \
+            float(generation_defaults.get("temperature") or 0.0)
+        self.top_p = options.top_p if options.top_p is not None else float(generation_defaults.get("top_p") or 1.0)
+        eos = eos_token_ids(config, tokenizer)
+        self.metrics = ServerMetrics()
+        prefix_cache = None
+        if options.prefix_cache_bytes > 0:
+            prefix_cache = PrefixCache(options.prefill_chunk, options.prefix_cache_bytes,
+                                       recurrent=config.has_linear_attention,
+                                       snapshot_interval=options.prefix_snapshot_interval)
+        self.scheduler = Scheduler(
+            model, block_size=self.block_size, threshold=self.threshold, rule=options.rule,
+            eos_token_ids=eos, vocab_limit=len(self.tokenizer), detokenize=self.tokenizer.decode,
+            prefill_chunk=options.prefill_chunk, prefix_cache=prefix_cache, max_running=options.max_running,
+            max_waiting=options.max_waiting, metrics=self.metrics)
+        self.scheduler.engine()  # validate the defaults (block size, threshold, rule) now, not at a request
+        self.created = int(time.time())
+
+    # -- request -> engine ---------------------------------------------------------------------------------
+    @property
+    def model_names(self) -> list[str]:
+        return [self.options.served_model_name, *self.options.model_aliases]
+
+    def check_model(self, name: str) -> None:
+        if name not in self.model_names:
+            raise APIError(404, f"the model {name!r} does not exist; this server serves "
+                                f"{' or '.join(map(repr, self.model_names))}", param="model", code="model_not_found")
+
+    def max_new_tokens(self, requested: int | None, prompt_len: int, block_size: int, rule: str | None, param: str,
+                       prompt_param: str) -> int:
+        """`max_tokens` checked against the context (or, when not given, all the room the context leaves): whole
+        blocks, or in exact mode all but the `block_size - 1` positions its last forward drafts."""
+        if RULES[rule or self.options.rule].verifies:
+            room, unit = self.context - prompt_len - (block_size - 1), f"{block_size - 1} positions for drafting"
+        else:
+            room, unit = (self.context - prompt_len) // block_size * block_size, f"whole blocks of {block_size}"
+        if room < 1:
+            raise APIError(400, f"the prompt has {prompt_len} tokens; this model's context is {self.context} tokens "
+                                f"and generation needs room for at least one token ({unit})",
+                           param=prompt_param, code="context_length_exceeded")
+        if requested is None:
+            return room
+        if requested > room:
+            raise APIError(400, f"{param}={requested} is too large: this model's context is {self.context} tokens "
+                                f"and the prompt has {prompt_len}; at most {room} new tokens fit "
+                                f"({unit})", param=param, code="context_length_exceeded")
+        return requested
+
+    def sampling(self, req: SamplingFields) -> list[SamplingParams]:
+        if getattr(req, "logprobs", None):
+            raise APIError(400, "logprobs are not supported by this server", param="logprobs",
+                           code="unsupported_parameter")
+        stops = req.stop_strings()
+        try:
+            return [SamplingParams(
+                temperature=self.temperature if req.temperature is None else req.temperature,
+                top_p=self.top_p if req.top_p is None else req.top_p, top_k=req.top_k or 0,
+                repetition_penalty=req.repetition_penalty or 1.0,
+                seed=None if req.seed is None else (req.seed + i) % 2**64, stop=stops) for i in range(req.n)]
+        except ValueError as exc:
+            raise APIError(400, str(exc), code="invalid_value") from exc
+
+    def submit(self, prompt: list[int], max_new: int, sampling: list[SamplingParams],
+               req: SamplingFields) -> RequestHandle:
+        try:
+            return self.scheduler.submit(prompt, max_new, sampling, block_size=req.block_size,
+                                         threshold=req.threshold, rule=req.rule, ignore_eos=req.ignore_eos)
+        except QueueFull as exc:
+            raise APIError(429, f"{exc}; retry later", type="rate_limit_error", code="server_busy") from exc
+        except ValueError as exc:
+            raise APIError(400, str(exc), code="invalid_value") from exc
+        except RuntimeError as exc:
+            raise APIError(503, str(exc), type="server_error", code="unavailable") from exc
+
+
+    # -- chat ----------------------------------------------------------------------------------------------------
+    def chat_prompt(self, req: ChatCompletionRequest) -> tuple[list[int], str, bool, bool]:
+        """(prompt ids, forced start of the answer, thinking, parse tool calls)."""
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+        forced = ""
+        if tools and req.tool_choice == "required":
+            forced = CALL + "\n"
+        elif isinstance(req.tool_choice, NamedToolChoice):
+            forced = CALL + '\n{"name": ' + json.dumps(req.tool_choice.function.name) + ', "arguments": '
+        thinking = req.enable_thinking and not forced  # a forced call answers at once
+        try:
+            text = self.tokenizer.render_chat([m.to_template() for m in req.messages], tools, thinking)
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="messages", code="invalid_value") from exc
+        ids = self.tokenizer.encode(text + forced)
+        return ids, forced, thinking, bool(tools) and req.tool_choice != "none"
+
+    async def chat(self, req: ChatCompletionRequest, request: Request) -> Response:
+        self.check_model(req.model)
+        if wants_decision(req):  # structured outputs: decision decoding (structured.py)
+            return await decision_response(self, req)
+        sampling = self.sampling(req)
+        ids, forced, thinking, tools = await run_in_threadpool(self.chat_prompt, req)
+        block = req.block_size or self.block_size
+        param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
+        max_new = self.max_new_tokens(req.max_new_tokens(), len(ids), block, req.rule, param, "messages")
+        handle = self.submit(ids, max_new, sampling, req)
+        stops = req.stop_strings()
+        choices = [ChatChoice(self.tokenizer.decode, stops, thinking, tools, forced) for _ in range(req.n)]
+        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return StreamingResponse(chat_stream(handle, choices, rid, created, self.options.served_model_name,
+                                                 len(ids), include_usage), media_type="text/event-stream")
+        await self._collect(request, handle, lambda _, out: choices[out.choice].push_output(out))
+        return JSONResponse(chat_body(rid, created, self.options.served_model_name, choices,
+                                      usage(len(ids), sum(c.tokens for c in choices), max(handle.cached_tokens))))
+
+
+    # -- text completions ----------------------------------------------------------------------------------------
+    def completion_prompts(self, req: CompletionRequest) -> list[tuple[list[int], str]]:
+        out = []
+        for p in req.prompts():
+            if isinstance(p, str):
+                out.append((self.tokenizer.encode(p), p))
+            else:
+                bad = [t for t in p if t >= len(self.tokenizer)]
+                if bad:
+                    raise APIError(400, f"prompt token ids must be < {len(self.tokenizer)}, got {bad[:5]}",
+                                   param="prompt", code="invalid_value")
+                out.append((list(p), self.tokenizer.decode(list(p)) if req.echo else ""))
+        return out
+
+    async def completion(self, req: CompletionRequest, request: Request) -> Response:
+        self.check_model(req.model)
+        if req.suffix:
+            raise APIError(400, "suffix is not supported by this server", param="suffix",
+                           code="unsupported_parameter")
+        if req.logprobs is not None:
+            raise APIError(400, "logprobs are not supported by this server", param="logprobs",
+                           code="unsupported_parameter")
+        sampling = self.sampling(req)
+        prompts = await run_in_threadpool(self.completion_prompts, req)
+        block = req.block_size or self.block_size
+        max_news = [self.max_new_tokens(req.max_new_tokens(), len(ids), block, req.rule, "max_tokens", "prompt")
+                    for ids, _ in prompts]
+        handles: list[RequestHandle] = []
+        try:
+            for (ids, _), max_new in zip(prompts, max_news):
+                handles.append(self.submit(ids, max_new, sampling, req))
+        except APIError:
+            for h in handles:
+                h.cancel()
+            raise
+        stops = req.stop_strings()
+        choices = [ChoiceText(self.tokenizer.decode, stops) for _ in range(len(prompts) * req.n)]
+        texts = [prompts[i // req.n][1] if req.echo else "" for i in range(len(choices))]
+        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        prompt_tokens = sum(len(ids) for ids, _ in prompts)
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return StreamingResponse(completion_stream(handles, choices, texts, req.n, rid, created,
+                                                       self.options.served_model_name, prompt_tokens, include_usage),
+                                     media_type="text/event-stream")
+
+        def take(i: int, out: Output) -> None:
+            k = i * req.n + out.choice
+            texts[k] += choices[k].push(out)
+
+        await self._collect(request, handles, take)
+        return JSONResponse(completion_body(rid, created, self.options.served_model_name, choices, texts,
+                                            usage(prompt_tokens, sum(c.tokens for c in choices),
+                                                  sum(max(h.cached_tokens) for h in handles))))
+
+
+    async def _collect(self, request: Request, handles: RequestHandle | list[RequestHandle],
+                       take: Callable[[int, Output], Any]) -> None:
+        """Run a non-streamed request to the end (`take(handle index, output)` for each output), or cancel it
+        when the client disconnects first."""
+        handles = handles if isinstance(handles, list) else [handles]
+
+        async def consume() -> None:
+            async for i, out in merge(handles):
+                take(i, out)
+
+        work = asyncio.create_task(consume())
+        watch = asyncio.create_task(_wait_for_disconnect(request))
+        try:
+            done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+            if not work.done():
+                work.cancel()
+                for h in handles:
+                    h.cancel()
+        if work not in done:
+            raise APIError(499, "client disconnected", type="client_closed_request", code="client_closed_request")
+        exc = work.exception()
+        if exc is not None:
+            logger.error("generation failed: %s", exc)
+            raise APIError(500, f"generation failed: {exc}", type="server_error", code="internal_error")
+
+
+def load(directory: str | Path) -> tuple[torch.nn.Module, Any, dict[str, Any]]:
+    from clover.model import CloverForBlockDiffusion
+    from clover.tokenizer import load_tokenizer
+
+    directory = Path(directory)
+    model = CloverForBlockDiffusion.from_pretrained(directory)
+    return model, load_tokenizer(directory), read_generation_defaults(directory)
+
+
+def read_generation_defaults(directory: Path | None) -> dict[str, Any]:
+    """A checkpoint's generation_config.json (sampling defaults such as `temperature`), or {}."""
+    path = directory / "generation_config.json" if directory is not None else None
+    if path is None or not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
