@@ -43,10 +43,10 @@ def test_threshold_one_is_one_token_per_step() -> None:
     assert accept.sum(1).tolist() == [1, 1, 1]
 
 
-def test_joint_threshold_bounds_the_product_of_a_steps_confidences() -> None:
+def test_product_threshold_bounds_the_product_of_a_steps_confidences() -> None:
     confidence = torch.tensor([[0.96, 0.97, 0.20, 0.95], [0.99, 0.50, 0.98, 0.999], [0.60, 0.70, 0.10, 0.40]])
     masked = torch.tensor([[True, True, True, True], [True, True, False, True], [True, True, True, True]])
-    accept = make_rule("joint_threshold", threshold=0.9).select(torch.zeros(3, 4, dtype=torch.long), confidence,
+    accept = make_rule("product_threshold", threshold=0.9).select(torch.zeros(3, 4, dtype=torch.long), confidence,
                                                                   masked)
     # row 0: 0.97 * 0.96 = 0.93 passes, * 0.95 = 0.88 does not (the per-position rule would take all three);
     # row 1: 0.999 * 0.99 passes, position 2 (0.98) is not masked; row 2: only the best

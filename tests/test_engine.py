@@ -93,7 +93,7 @@ def recompute_decode(model: CloverForBlockDiffusion, prompt: list[int], max_new_
 @pytest.mark.parametrize("preset", ["clover-tiny", "clover-tiny-dense"])
 @pytest.mark.parametrize("block_size,threshold,rule", [
     (1, 1.0, "threshold"), (3, 1.0, "threshold"), (4, 0.5, "threshold"), (4, 0.2, "threshold"),
-    (5, 0.3, "no_adjacent_repeat"), (4, 1.0, "top_k_per_step"), (4, 0.5, "joint_threshold"),
+    (5, 0.3, "no_adjacent_repeat"), (4, 1.0, "top_k_per_step"), (4, 0.5, "product_threshold"),
     (4, 0.5, "left_to_right"),
 ])
 def test_cached_decoding_equals_recompute(preset: str, block_size: int, threshold: float, rule: str,
