@@ -1,5 +1,9 @@
 """The block-diffusion decoding loop: prefill, denoising steps, block commit, batching, streaming.
 
+(About 480 lines: prefill, step, commit and the continuous-batching entry points all act on the one running batch
+and share its invariants; exact mode's step and the reference decoder already live apart, in exact.py and
+reference.py, and splitting the block loop further would scatter one state machine over files.)
+
 One request, block size `B` (docs/decoding.md has the full semantics):
 
     prefill   forward(prompt as causal clean tokens, query = B masks)      -> logits for step 1 of block 1

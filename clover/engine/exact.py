@@ -61,7 +61,8 @@ class ExactMode:
         tokens[at] = self._greedy(out.logits)
         return tokens[:, :t], tokens[:, t:t + self.block_size - 1]
 
-    def _exact_open(self: Engine, seqs: list[Sequence], ids: torch.Tensor, cache: CloverCache, **kwargs: Any) -> ExactBatch:
+    def _exact_open(self: Engine, seqs: list[Sequence], ids: torch.Tensor, cache: CloverCache,
+                    **kwargs: Any) -> ExactBatch:
         """The prefill's last chunk in exact mode: it decides the first token (from the last prompt token) and
         drafts the `B - 1` after it."""
         n, t = ids.shape

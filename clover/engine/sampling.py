@@ -9,9 +9,9 @@ sampler returns, for logits `[N, B, V]`:
 * `confidence` `[N, B]`: the probability of that candidate under the model's distribution — softmax of the
   logits after the banned ids and the repetition penalty, **before** temperature, top-k and top-p. Those three
   only shape how a token is drawn; the threshold asks how sure the model is of the token the step would commit,
-  so it reads that token's own probability, as Fast-dLLM does. A tempered maximum would say something else: at
-  temperature 0.5 a token at 0.7 (against one at 0.3) reads 0.84, and the confidence would be that of the likeliest token, not of the
-  one drawn. For greedy rows it is the maximum probability (the candidate is the argmax), as before.
+  so it reads that token's own probability, as Fast-dLLM does. The tempered maximum would say something else:
+  at temperature 0.5 a token at 0.7 (against one at 0.3) reads 0.84, and it is the likeliest token's, not the
+  drawn one's. For greedy rows the candidate is the argmax, so it is the maximum probability, as before.
 
 Transforms, in order: banned ids (the mask token, ids the tokenizer cannot decode) -> repetition penalty (CTRL /
 `transformers` form over the prompt and every generated token, the block's already-decided tokens included)
