@@ -242,8 +242,8 @@ def test_stop_string_ends_the_request(hybrid) -> None:
 
 
 def test_stop_string_ends_decoding_as_soon_as_it_is_complete(hybrid) -> None:
-    """Reading order, one token per step: a stop string complete at block position 1 ends the block there, so
-    the block takes 2 steps, not 8, and no forward runs after it; the output is cut as before."""
+    """Reading order, one token per step: a stop string complete at position `k - 8` of the second block ends
+    the block there, so it takes `k - 7` steps, not 8, and no forward runs after it; the output is cut as before."""
     detok = lambda ids: "".join(chr(ord("a") + t % 26) for t in ids)  # noqa: E731
     kw = dict(max_new_tokens=16, block_size=8, threshold=1.0, rule="left_to_right", eos_token_ids=[])
     full = generate(hybrid, PROMPTS[:1], **kw)
@@ -255,9 +255,9 @@ def test_stop_string_ends_decoding_as_soon_as_it_is_complete(hybrid) -> None:
     stats = events[-1].stats
     assert sum((e.token_ids for e in events), []) == full.sequences[0][:k + 1]
     assert stats["finish_reason"] == "stop" and stats["stop_string"] == stop
-    assert stats["steps_per_block"] == [8, k - 8 + 1]
-    assert stats["forward_passes"] == engine.counters.forwards == 8 + k - 8 + 1
-    assert [len(e.token_ids) for e in events] == [8, k - 8 + 1] and events[-1].finished
+    assert stats["steps_per_block"] == [8, k - 7]
+    assert stats["forward_passes"] == engine.counters.forwards == k + 1
+    assert [len(e.token_ids) for e in events] == [8, k - 7] and events[-1].finished
 
 
 # -- streaming ----------------------------------------------------------------------------------------------
@@ -269,7 +269,7 @@ def test_stream_pieces_and_snapshots(hybrid) -> None:
     assert pieces[-1].finished and pieces[-1].stats["tokens"] == 10 and not pieces[0].finished
     assert sum((p.token_ids for p in pieces), []) == generate(hybrid, PROMPTS[:1], **kw).sequences[0]
     snaps = [e for e in events if isinstance(e, StepSnapshot)]
-    assert len(snaps) == pieces[-1].stats["forward_passes"]
+    assert len(snaps) == sum(pieces[-1].stats["steps_per_block"])  # one per step
     for block, piece in enumerate(pieces):
         mine = [s for s in snaps if s.block == block]
         assert [s.step for s in mine] == list(range(1, len(mine) + 1))
