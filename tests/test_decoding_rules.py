@@ -43,10 +43,10 @@ def test_threshold_one_is_one_token_per_step() -> None:
     assert accept.sum(1).tolist() == [1, 1, 1]
 
 
-def test_joint_threshold_bounds_the_product_of_a_steps_confidences() -> None:
+def test_product_threshold_bounds_the_product_of_a_steps_confidences() -> None:
     confidence = torch.tensor([[0.96, 0.97, 0.20, 0.95], [0.99, 0.50, 0.98, 0.999], [0.60, 0.70, 0.10, 0.40]])
     masked = torch.tensor([[True, True, True, True], [True, True, False, True], [True, True, True, True]])
-    accept = make_rule("joint_threshold", threshold=0.9).select(torch.zeros(3, 4, dtype=torch.long), confidence,
+    accept = make_rule("product_threshold", threshold=0.9).select(torch.zeros(3, 4, dtype=torch.long), confidence,
                                                                   masked)
     # row 0: 0.97 * 0.96 = 0.93 passes, * 0.95 = 0.88 does not (the per-position rule would take all three);
     # row 1: 0.999 * 0.99 passes, position 2 (0.98) is not masked; row 2: only the best
@@ -153,14 +153,32 @@ def test_sampling_follows_the_distribution_and_filters() -> None:
     tokens, conf = BatchSampler([SamplingParams(temperature=1.0, seed=0)], 4, banned=[])(logits)
     freq = torch.bincount(tokens[0], minlength=4).float() / 4000
     torch.testing.assert_close(freq, torch.tensor([0.5, 0.3, 0.15, 0.05]), atol=0.03, rtol=0)
-    torch.testing.assert_close(conf, torch.full_like(conf, 0.5))  # confidence: max prob, whatever was drawn
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    torch.testing.assert_close(conf, probs[tokens])  # confidence: the drawn token's probability
     tokens, conf = BatchSampler([SamplingParams(temperature=1.0, top_k=2, seed=0)], 4, banned=[])(logits)
     assert set(tokens.unique().tolist()) == {0, 1}
-    torch.testing.assert_close(conf, torch.full_like(conf, 0.5 / 0.8))
+    torch.testing.assert_close(conf, probs[tokens])  # the model's probability, not the filtered renormalised one
     tokens, _ = BatchSampler([SamplingParams(temperature=1.0, top_p=0.7, seed=0)], 4, banned=[])(logits)
     assert set(tokens.unique().tolist()) == {0, 1}  # 0.5 + 0.3 covers 0.7
     tokens, _ = BatchSampler([SamplingParams(temperature=1.0, top_p=0.01, seed=0)], 4, banned=[])(logits)
     assert set(tokens.unique().tolist()) == {0}
+
+
+def test_confidence_is_the_untempered_probability_of_the_candidate() -> None:
+    """Temperature shapes the draw, not the confidence: the threshold reads the model's probability of the token
+    the step would commit (softmax of the penalised logits), not the tempered maximum (0.5 ** 2 / 0.365 at
+    temperature 0.5 here; 0.5 for any draw at temperature 2)."""
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    logits = probs.log()[None, None].expand(3, 500, 4).clone()
+    params = [SamplingParams(temperature=0.5, seed=0), SamplingParams(temperature=2.0, seed=1), SamplingParams()]
+    tokens, conf = BatchSampler(params, 4, banned=[])(logits)
+    assert set(tokens[1].unique().tolist()) == {0, 1, 2, 3} and (tokens[2] == 0).all()
+    torch.testing.assert_close(conf, probs[tokens])
+    penalised = BatchSampler([SamplingParams(temperature=0.5, repetition_penalty=2.0, seed=0)], 4, banned=[])
+    penalised.observe([[0]])  # token 0 seen: its logit log(0.5) < 0 is doubled, so it now has 0.25 / 0.75
+    tokens, conf = penalised(probs.log()[None, None].clone())
+    model = torch.tensor([0.25, 0.3, 0.15, 0.05]) / 0.75
+    torch.testing.assert_close(conf[0, 0], model[tokens[0, 0]])
 
 
 def test_sampling_params_validation() -> None:

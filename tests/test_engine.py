@@ -11,6 +11,7 @@ import torch
 
 from clover import CloverConfig, CloverForBlockDiffusion
 from clover.engine import Engine, SamplingParams, StepSnapshot, StreamPiece, generate, make_rule, stream
+from clover.engine.reference import recompute_decode
 from clover.model.deltanet import GatedDeltaNet
 
 PROMPTS = [[5, 17, 3, 99, 42, 7, 11], [8, 120], [64, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]]
@@ -51,49 +52,11 @@ def dense() -> CloverForBlockDiffusion:
     return tiny_model("clover-tiny-dense")
 
 
-@torch.inference_mode()
-def recompute_decode(model: CloverForBlockDiffusion, prompt: list[int], max_new_tokens: int, block_size: int,
-                     rule, eos_ids: list[int]) -> tuple[list[int], list[int]]:
-    """Greedy block decoding without a cache: every step runs the whole sequence (prompt causal, then blocks,
-    the current one with masks) and reads the current block's predictions from the positions before it."""
-    mask, n = model.config.mask_token_id, len(prompt)
-    generated: list[int] = []
-    steps_per_block: list[int] = []
-    while True:
-        limit = min(block_size, max_new_tokens - len(generated))
-        block = [mask] * block_size
-        steps = 0
-        while True:
-            need = limit
-            for i, t in enumerate(block):
-                if t != mask and t in eos_ids:
-                    need = min(need, i + 1)
-                    break
-            candidates = torch.tensor([[t == mask and i < need for i, t in enumerate(block)]])
-            if not candidates.any():
-                break
-            seq = torch.tensor([prompt + generated + block])
-            logits = model(seq, block_size=block_size, prefix_len=n).logits[0]
-            start = n + len(generated)
-            pred = logits[start - 1 : start + block_size - 1].float()
-            pred[:, mask] = float("-inf")
-            conf, tokens = pred.softmax(-1).max(-1)
-            accept = rule.select(tokens[None], conf[None], candidates)[0]
-            block = [int(tokens[i]) if accept[i] else block[i] for i in range(block_size)]
-            steps += 1
-        steps_per_block.append(steps)
-        piece = block[:limit]
-        eos = next((i for i, t in enumerate(piece) if t in eos_ids), None)
-        generated += piece if eos is None else piece[:eos]
-        if eos is not None or len(generated) >= max_new_tokens:
-            return generated, steps_per_block
-
-
 # -- exactness ----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("preset", ["clover-tiny", "clover-tiny-dense"])
 @pytest.mark.parametrize("block_size,threshold,rule", [
     (1, 1.0, "threshold"), (3, 1.0, "threshold"), (4, 0.5, "threshold"), (4, 0.2, "threshold"),
-    (5, 0.3, "no_adjacent_repeat"), (4, 1.0, "top_k_per_step"), (4, 0.5, "joint_threshold"),
+    (5, 0.3, "no_adjacent_repeat"), (4, 1.0, "top_k_per_step"), (4, 0.5, "product_threshold"),
     (4, 0.5, "left_to_right"),
 ])
 def test_cached_decoding_equals_recompute(preset: str, block_size: int, threshold: float, rule: str,
@@ -103,13 +66,13 @@ def test_cached_decoding_equals_recompute(preset: str, block_size: int, threshol
     rule_obj = make_rule(rule, threshold=threshold)
     result = generate(model, PROMPTS, max_new_tokens=18, block_size=block_size, threshold=threshold, rule=rule)
     for prompt, got, stats in zip(PROMPTS, result.sequences, result.stats):
-        want, steps = recompute_decode(model, prompt, 18, block_size, rule_obj, eos)
-        assert got == want
-        assert stats["steps_per_block"] == steps
-        assert stats["forward_passes"] == sum(steps)
+        want = recompute_decode(model, prompt, 18, block_size, rule_obj, eos)
+        assert got == want.tokens
+        assert stats["steps_per_block"] == want.steps_per_block
+        assert stats["forward_passes"] == want.forwards <= sum(want.steps_per_block)
         assert stats["tokens"] == len(got)
         if block_size == 1 or (threshold == 1.0 and rule == "threshold"):
-            assert stats["tokens_per_forward"] <= 1.0
+            assert stats["tokens"] <= sum(stats["steps_per_block"])  # one token per step (a forward may be skipped)
 
 
 def test_low_thresholds_decode_several_tokens_per_forward(hybrid, dense) -> None:
@@ -138,6 +101,18 @@ def test_lm_head_runs_only_where_a_position_is_still_needed(hybrid, monkeypatch)
     assert engine.counters.forwards == len(rows) < engine.counters.steps
     assert all(1 <= n <= len(PROMPTS) * 3 for n in rows)
     assert sum(rows) < len(rows) * len(PROMPTS) * 3
+
+
+def test_forward_passes_count_the_forwards_run(hybrid) -> None:
+    """A request's `forward_passes` is the forwards it ran: a step left with only position 0 runs none, so the
+    figure is below its step count (it used to count steps)."""
+    fewer = False
+    for prompt in PROMPTS:
+        engine = Engine(hybrid, 3, 1.0)
+        stats = [e.stats for e in engine.run([prompt], 18, SamplingParams()) if e.stats is not None][0]
+        assert stats["forward_passes"] == engine.counters.forwards
+        fewer |= stats["forward_passes"] < sum(stats["steps_per_block"])
+    assert fewer
 
 
 def _llama_pair(seed: int = 0):
@@ -266,6 +241,25 @@ def test_stop_string_ends_the_request(hybrid) -> None:
     assert result.stats[0]["finish_reason"] == "stop" and result.stats[0]["stop_string"] == stop
 
 
+def test_stop_string_ends_decoding_as_soon_as_it_is_complete(hybrid) -> None:
+    """Reading order, one token per step: a stop string complete at position `k - 8` of the second block ends
+    the block there, so it takes `k - 7` steps, not 8, and no forward runs after it; the output is cut as before."""
+    detok = lambda ids: "".join(chr(ord("a") + t % 26) for t in ids)  # noqa: E731
+    kw = dict(max_new_tokens=16, block_size=8, threshold=1.0, rule="left_to_right", eos_token_ids=[])
+    full = generate(hybrid, PROMPTS[:1], **kw)
+    text = detok(full.sequences[0])
+    k = next(i for i in range(9, 16) if text[i - 1:i + 1] not in text[:i])  # first occurrence ends at block pos 1+
+    stop = text[k - 1:k + 1]
+    engine = Engine(hybrid, 8, 1.0, "left_to_right", eos_token_ids=[], detokenize=detok)
+    events = list(engine.run(PROMPTS[:1], 16, SamplingParams(stop=(stop,))))
+    stats = events[-1].stats
+    assert sum((e.token_ids for e in events), []) == full.sequences[0][:k + 1]
+    assert stats["finish_reason"] == "stop" and stats["stop_string"] == stop
+    assert stats["steps_per_block"] == [8, k - 7]
+    assert stats["forward_passes"] == engine.counters.forwards == k + 1
+    assert [len(e.token_ids) for e in events] == [8, k - 7] and events[-1].finished
+
+
 # -- streaming ----------------------------------------------------------------------------------------------
 def test_stream_pieces_and_snapshots(hybrid) -> None:
     kw = dict(max_new_tokens=10, block_size=4, threshold=0.5, eos_token_ids=[])
@@ -275,7 +269,7 @@ def test_stream_pieces_and_snapshots(hybrid) -> None:
     assert pieces[-1].finished and pieces[-1].stats["tokens"] == 10 and not pieces[0].finished
     assert sum((p.token_ids for p in pieces), []) == generate(hybrid, PROMPTS[:1], **kw).sequences[0]
     snaps = [e for e in events if isinstance(e, StepSnapshot)]
-    assert len(snaps) == pieces[-1].stats["forward_passes"]
+    assert len(snaps) == sum(pieces[-1].stats["steps_per_block"])  # one per step
     for block, piece in enumerate(pieces):
         mine = [s for s in snaps if s.block == block]
         assert [s.step for s in mine] == list(range(1, len(mine) + 1))

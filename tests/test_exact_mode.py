@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from clover.engine import Engine, SamplingParams, StreamPiece, generate, stream
-from clover.engine.engine import _ExactBatch
+from clover.engine.exact import ExactBatch
 from clover.serving.prefix_cache import PrefixCache
 from clover.serving.scheduler import Scheduler
 from test_engine import PROMPTS, tiny_model
@@ -38,7 +38,7 @@ class OracleDrafts(Engine):
         super().__init__(model, block_size, rule="exact", **kw)
         self.reference, self.wrong, self.random = reference, wrong, random.Random(seed)
 
-    def _oracle(self, b: _ExactBatch | None) -> _ExactBatch | None:
+    def _oracle(self, b: ExactBatch | None) -> ExactBatch | None:
         if b is None:
             return b
         width = self.block_size - 1

@@ -88,7 +88,7 @@ def test_chat_matches_the_engine_alone_with_usage(client, reference):
 
 def test_decoding_options_per_request(client, reference):
     msgs = _user("List three colours.")
-    for decoding in ({"rule": "left_to_right"}, {"rule": "joint_threshold", "threshold": 0.3, "block_size": 2}):
+    for decoding in ({"rule": "left_to_right"}, {"rule": "product_threshold", "threshold": 0.3, "block_size": 2}):
         r = client.chat.completions.create(model=NAME, messages=msgs, max_tokens=16, extra_body=decoding)
         assert r.choices[0].message.content == reference(msgs, 16, **decoding)[0].strip()
     # exact mode: the model's block-size-1 greedy output

@@ -8,7 +8,8 @@
         print(piece.token_ids)  # one block's committed tokens at a time
 
 Roles: `sampling` (SamplingParams, logits -> candidates + confidence), `decoding` (unmasking rules, by name),
-`sequence` (one request's state and stats), `engine` (the loop), `detokenizer` (ids -> text, incrementally).
+`sequence` (one request's state and stats), `engine` (the loop), `exact` (exact mode's step), `reference` (the
+uncached recompute decoder the tests compare against), `detokenizer` (ids -> text, incrementally).
 Semantics and measured figures: docs/decoding.md.
 """
 

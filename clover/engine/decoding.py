@@ -123,14 +123,15 @@ class NoAdjacentRepeatRule(ThresholdRule):
 
 @register_rule
 @dataclass
-class JointThresholdRule(ThresholdRule):
+class ProductThresholdRule(ThresholdRule):
     """Fill the most confident masked positions, best first, while the product of their confidences stays
     `>= threshold` (always at least the best one). The per-position rule bounds each token's error; this one
     bounds the step's: if the positions' predictions were independent, the product is the probability that
     every token filled in this step is the model's choice, so `k` tokens at 0.9 each (0.9^k) are not accepted
-    together at threshold 0.9 — only as many as keep the joint above it. `threshold=1.0` is one token per step."""
+    together at threshold 0.9 — only as many as keep the product above it. `threshold=1.0` is one token per step.
+    (Not SGLang's `joint_threshold`, a different rule: hence the name.)"""
 
-    name: ClassVar[str] = "joint_threshold"
+    name: ClassVar[str] = "product_threshold"
 
     def select(self, tokens: torch.Tensor, confidence: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
         conf, order = confidence.masked_fill(~masked, 0.0).sort(dim=1, descending=True)

@@ -1,5 +1,9 @@
 """The block-diffusion decoding loop: prefill, denoising steps, block commit, batching, streaming.
 
+(About 480 lines: prefill, step, commit and the continuous-batching entry points all act on the one running batch
+and share its invariants; exact mode's step and the reference decoder already live apart, in exact.py and
+reference.py, and splitting the block loop further would scatter one state machine over files.)
+
 One request, block size `B` (docs/decoding.md has the full semantics):
 
     prefill   forward(prompt as causal clean tokens, query = B masks)      -> logits for step 1 of block 1
@@ -26,10 +30,8 @@ cache that already holds a prefix of its prompt: prefix reuse), `join` adds it t
 boundary (`CloverCache.concat` left-pads the shorter KV), `step` advances the batch by one denoising step, and
 `drop` removes cancelled requests at any step.
 
-Exact mode (a rule that `verifies`: `exact`) runs its own step, `Engine._exact_step`: each forward reads the
-last decided token and its drafts causally, commits the drafts the causal greedy path agrees with plus that
-path's next token, rewinds the cache over the rest (`CloverCache.mark` / `rewind`) and drafts the next ones from a
-query block of masks. Its output is block-size-1 greedy decoding, token for token.
+Exact mode (a rule that `verifies`: `exact`) runs its own step, `ExactMode._exact_step` (clover/engine/exact.py),
+on the same prefill, batching and emission: its output is block-size-1 greedy decoding, token for token.
 
 Where things happen: `Engine._prefill` (prompt -> cache), `Engine._step` (one denoising step),
 `Engine._finish_block` (EOS / stop / length, emit), `Engine._commit` (the block joins the cache).
@@ -46,6 +48,7 @@ from typing import Any, Iterator, Sequence as Seq
 import torch
 
 from clover.engine.decoding import UnmaskingRule, make_rule
+from clover.engine.exact import ExactBatch, ExactMode
 from clover.engine.sampling import BatchSampler, SamplingParams
 from clover.engine.sequence import Detokenize, Sequence
 from clover.model.cache import CloverCache
@@ -80,8 +83,8 @@ Event = StreamPiece | StepSnapshot
 
 
 @dataclass
-class _Batch:
-    """The tensors of the requests being decoded together (row r is `seqs[r]`)."""
+class BlockBatch:
+    """The tensors of the requests being block-decoded together (row r is `seqs[r]`)."""
 
     seqs: list[Sequence]
     cache: CloverCache
@@ -90,26 +93,14 @@ class _Batch:
     logits: torch.Tensor  # [N, B, V] the prediction for each block position (token shift applied); current
     # where the position is still needed, stale or zero elsewhere
     steps: torch.Tensor  # [N] steps each row has taken in this block
-    limit: torch.Tensor  # [N] positions of this block that can count: min(B, tokens the row may still produce)
+    limit: torch.Tensor  # [N] positions of this block that can count: min(B, tokens the row may still produce),
+    # or fewer once a stop string is complete in the block's decided prefix
+    forwards: torch.Tensor  # [N] forwards that fed this row's steps in this block (a step may need none)
     step_index: int = 0
     needed: torch.Tensor | None = None  # [N, B] `Engine._needed` as the last step left it; None on a fresh block
 
 
-@dataclass
-class _ExactBatch:
-    """Exact mode's running batch. Between steps, per row: the tokens the last forward decided (the causal
-    greedy tokens; emitted at the next step; all but the last already in the cache) and the drafts for the next
-    forward (from that forward's query block; usable only where it accepted every draft it verified)."""
-
-    seqs: list[Sequence]
-    cache: CloverCache
-    decided: torch.Tensor  # [N, B]: the first `n_decided` columns count
-    n_decided: torch.Tensor  # [N], >= 1
-    drafts: torch.Tensor  # [N, B - 1]: the tokens after the last decided one, as the query block predicted them
-    n_drafts: torch.Tensor  # [N]: B - 1, or 0 where the drafts were made after a rejected token
-
-
-Batch = _Batch | _ExactBatch  # the running batch, opaque outside the engine (the scheduler holds it between steps)
+DecodeBatch = BlockBatch | ExactBatch  # the running batch, opaque outside the engine (the scheduler holds it)
 
 
 @dataclass
@@ -130,7 +121,7 @@ class EngineCounters:
     steps: int = 0
 
 
-class Engine:
+class Engine(ExactMode):
     """Decodes batches of prompts with one model, block size and unmasking rule.
 
     `vocab_limit`: ids >= it are never emitted (a padded embedding matrix larger than the tokenizer);
@@ -246,7 +237,7 @@ class Engine:
         return torch.full((n, self.block_size), self.mask_id, dtype=torch.long, device=self.device)
 
     # -- prefill --------------------------------------------------------------------------------------
-    def _prefill(self, seqs: list[Sequence]) -> Batch:
+    def _prefill(self, seqs: list[Sequence]) -> DecodeBatch:
         """Prompts, left-padded, read causally in chunks of `prefill_chunk`; the last chunk carries block 1's masks
         as a query block, so the prefill is also block 1's first step."""
         n, longest = len(seqs), max(len(s.prompt) for s in seqs)
@@ -273,8 +264,8 @@ class Engine:
                 logits = self._open_block(ids[:, start:end], cache, limit, **kwargs)
         sampler = BatchSampler([s.params for s in seqs], self.vocab_size, self._banned(), self.device)
         sampler.observe([s.prompt for s in seqs])
-        return _Batch(seqs, cache, sampler, self._masks(n), logits, torch.zeros(n, dtype=torch.long,
-                                                                               device=self.device), limit)
+        zeros = torch.zeros(n, dtype=torch.long, device=self.device)
+        return BlockBatch(seqs, cache, sampler, self._masks(n), logits, zeros, limit, zeros + 1)
 
     def _open_block(self, ids: torch.Tensor, cache: CloverCache, limit: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         """Forward clean `ids` `[N, T]` with a fresh block of masks as the query: `[N, B, V]` predictions for the
@@ -306,7 +297,7 @@ class Engine:
         seq.prefill_forwards = 0
         return Prefill(seq, cache, done)
 
-    def prefill_step(self, p: Prefill) -> Batch | None:
+    def prefill_step(self, p: Prefill) -> DecodeBatch | None:
         """One prefill chunk, ending on the absolute grid of `prefill_chunk` tokens — so a prefill resumed from a
         reused prefix runs exactly the forwards of a cold one, and gives the same bits. The last chunk carries the
         first block's masks (as `_prefill` does); it returns the request as a one-row batch, else None."""
@@ -330,36 +321,36 @@ class Engine:
             return opened
         sampler = BatchSampler([p.seq.params], self.vocab_size, self._banned(), self.device)
         sampler.observe([prompt])
-        return _Batch([p.seq], p.cache, sampler, self._masks(1), logits,
-                      torch.zeros(1, dtype=torch.long, device=self.device), limit)
+        zeros = torch.zeros(1, dtype=torch.long, device=self.device)
+        return BlockBatch([p.seq], p.cache, sampler, self._masks(1), logits, zeros, limit, zeros + 1)
 
-    def at_block_boundary(self, b: Batch) -> bool:
+    def at_block_boundary(self, b: DecodeBatch) -> bool:
         """No step of the current block taken yet: rows can join. In exact mode every step ends one."""
-        return isinstance(b, _ExactBatch) or b.step_index == 0
+        return isinstance(b, ExactBatch) or b.step_index == 0
 
-    def join(self, b: Batch | None, new: Batch) -> Batch:
+    def join(self, b: DecodeBatch | None, new: DecodeBatch) -> DecodeBatch:
         """`new` (prefilled, at the start of its first block) joins the running batch `b` at a block boundary.
         Each row keeps exactly what it would get alone: its cache rows, logits and random stream are its own."""
         if b is None:
             return new
         if not (self.at_block_boundary(b) and self.at_block_boundary(new)):
             raise ValueError("requests join a batch only at a block boundary")
-        if isinstance(b, _ExactBatch):
-            return _ExactBatch(b.seqs + new.seqs, CloverCache.concat([b.cache, new.cache]),
+        if isinstance(b, ExactBatch):
+            return ExactBatch(b.seqs + new.seqs, CloverCache.concat([b.cache, new.cache]),
                                torch.cat([b.decided, new.decided]), torch.cat([b.n_decided, new.n_decided]),
                                torch.cat([b.drafts, new.drafts]), torch.cat([b.n_drafts, new.n_drafts]))
-        return _Batch(b.seqs + new.seqs, CloverCache.concat([b.cache, new.cache]),
+        return BlockBatch(b.seqs + new.seqs, CloverCache.concat([b.cache, new.cache]),
                       BatchSampler.concat([b.sampler, new.sampler]), torch.cat([b.block, new.block]),
                       torch.cat([b.logits, new.logits]), torch.cat([b.steps, new.steps]),
-                      torch.cat([b.limit, new.limit]), 0)
+                      torch.cat([b.limit, new.limit]), torch.cat([b.forwards, new.forwards]), 0)
 
-    def step(self, b: Batch, snapshots: bool = False) -> tuple[list[Event], Batch | None]:
+    def step(self, b: DecodeBatch, snapshots: bool = False) -> tuple[list[Event], DecodeBatch | None]:
         """One denoising step of the whole batch (and the commit when every row's block is final): the events
         of blocks committed, and the batch (None when every request finished)."""
         with torch.inference_mode():
             return self._step(b, snapshots)
 
-    def drop(self, b: Batch, indices: set[int]) -> Batch | None:
+    def drop(self, b: DecodeBatch, indices: set[int]) -> DecodeBatch | None:
         """Remove the requests whose `Sequence.index` is in `indices` (cancelled), at any step."""
         keep = [r for r, s in enumerate(b.seqs) if s.index not in indices]
         if len(keep) == len(b.seqs):
@@ -369,17 +360,18 @@ class Engine:
         self._keep_rows(b, keep)
         return b
 
-    def _keep_rows(self, b: Batch, keep: list[int]) -> None:
+    def _keep_rows(self, b: DecodeBatch, keep: list[int]) -> None:
         """Keep rows `keep` of every per-row part of the batch (requests that finished or were cancelled leave)."""
         idx = torch.tensor(keep, dtype=torch.long, device=self.device)
         b.seqs = [b.seqs[r] for r in keep]
         b.cache.select(idx)
-        if isinstance(b, _ExactBatch):
+        if isinstance(b, ExactBatch):
             b.decided, b.n_decided = b.decided[idx], b.n_decided[idx]
             b.drafts, b.n_drafts = b.drafts[idx], b.n_drafts[idx]
             return
         b.sampler.select(keep)
         b.block, b.steps, b.limit, b.logits = b.block[idx], b.steps[idx], b.limit[idx], b.logits[idx]
+        b.forwards = b.forwards[idx]
         if b.needed is not None:
             b.needed = b.needed[idx]
 
@@ -398,9 +390,9 @@ class Engine:
             need = torch.where(eos.any(1), torch.minimum(eos.int().argmax(1) + 1, limit), need)
         return masked & (self._positions[None] < need[:, None])
 
-    def _step(self, b: Batch, snapshots: bool) -> tuple[list[Event], Batch | None]:
+    def _step(self, b: DecodeBatch, snapshots: bool) -> tuple[list[Event], DecodeBatch | None]:
         """One denoising step for every row that needs one, then the forward that feeds the next step."""
-        if isinstance(b, _ExactBatch):
+        if isinstance(b, ExactBatch):
             return self._exact_step(b)
         logits = b.logits.clone()  # the sampler consumes its input
         # the previous step's check of what is still needed is this step's candidates: one `_needed` per step
@@ -414,6 +406,7 @@ class Engine:
         b.step_index += 1
         self.counters.steps += 1
         events: list[Event] = self._snapshots(b, accept, active) if snapshots else []
+        self._stop_early(b, active)
 
         b.needed = self._needed(b.block, b.limit)
         if bool(b.needed.any()):
@@ -423,6 +416,7 @@ class Engine:
             if bool(wanted.any()):
                 at = torch.cat([wanted, torch.zeros_like(wanted[:, :1])], dim=1)
                 b.logits[:, 1:][wanted] = self._forward(None, b.cache, query_ids=b.block, logits_at=at).logits
+                b.forwards += wanted.any(1)  # a row whose block is final (or needs only position 0) was not fed
             return events, b
         events += self._finish_block(b)
         if not b.seqs:
@@ -430,22 +424,39 @@ class Engine:
         self._commit(b)
         return events, b
 
-    def _snapshots(self, b: _Batch, accept: torch.Tensor, active: torch.Tensor) -> list[Event]:
+    def _stop_early(self, b: BlockBatch, active: torch.Tensor) -> None:
+        """A row whose block's decided prefix completes a stop string is final now: its `limit` becomes the
+        prefix's length up to the token that completes the string, so no step is spent after it. The output is
+        the same as checking the finished block (the prefix never changes); only rows with stop strings that took
+        this step decode any text."""
+        rows = [r for r, s in enumerate(b.seqs) if s.params.stop]
+        if not rows or self.detokenize is None:
+            return
+        act, block, limit = active.tolist(), b.block.tolist(), b.limit.tolist()
+        for r in rows:
+            if not act[r]:
+                continue
+            prefix = block[r][: limit[r]]
+            if self.mask_id in prefix:
+                prefix = prefix[: prefix.index(self.mask_id)]
+            cut = b.seqs[r].stop_cut(prefix, self.eos_ids, self.detokenize)
+            if cut is not None:
+                b.limit[r] = cut
+
+    def _snapshots(self, b: BlockBatch, accept: torch.Tensor, active: torch.Tensor) -> list[Event]:
         block, new, act = b.block.tolist(), accept.tolist(), active.tolist()
         return [StepSnapshot(s.index, len(s.steps_per_block), int(b.steps[r]),
                              [None if t == self.mask_id else t for t in block[r]], new[r])
                 for r, s in enumerate(b.seqs) if act[r]]
 
-    def _finish_block(self, b: _Batch) -> list[Event]:
+    def _finish_block(self, b: BlockBatch) -> list[Event]:
         """Every row's block is final: apply EOS / stop / length, emit the pieces, drop finished rows."""
         now = time.perf_counter()
-        rows, steps, limits = b.block.tolist(), b.steps.tolist(), b.limit.tolist()
+        rows, steps, limits, forwards = b.block.tolist(), b.steps.tolist(), b.limit.tolist(), b.forwards.tolist()
         events: list[Event] = []
         keep = []
         for r, seq in enumerate(b.seqs):
-            piece = seq.append_block(rows[r][: limits[r]], steps[r], self.eos_ids, self.detokenize, now)
-            events.append(StreamPiece(seq.index, piece, len(seq.steps_per_block) - 1, seq.finished, seq.finish_reason,
-                                      seq.stats() if seq.finished else None))
+            events.append(self._emit(seq, rows[r][: limits[r]], steps[r], forwards[r], now))
             if not seq.finished:
                 keep.append(r)
         if not keep:
@@ -454,95 +465,19 @@ class Engine:
             self._keep_rows(b, keep)
         return events
 
-    def _commit(self, b: _Batch) -> None:
+    def _emit(self, seq: Sequence, block: list[int], steps: int, forwards: int, now: float) -> StreamPiece:
+        """`seq` takes its finished block (EOS / stop / length applied there); the piece a client streams."""
+        piece = seq.append_block(block, steps, forwards, self.eos_ids, self.detokenize, now)
+        return StreamPiece(seq.index, piece, len(seq.steps_per_block) - 1, seq.finished, seq.finish_reason,
+                           seq.stats() if seq.finished else None)
+
+    def _commit(self, b: BlockBatch) -> None:
         """The finished block joins the cache, in the same forward as the next block's first step."""
         n = len(b.seqs)
         b.limit = self._limits(b.seqs)
         b.logits = self._open_block(b.block, b.cache, b.limit, prefix_len=self.block_size if self.causal_context else 0)
         b.block = self._masks(n)
         b.steps = torch.zeros(n, dtype=torch.long, device=self.device)
+        b.forwards = b.steps + 1  # this forward feeds the new block's first step
         b.step_index = 0
         b.needed = None
-
-    # -- exact mode ---------------------------------------------------------------------------------------
-    def _greedy(self, logits: torch.Tensor) -> torch.Tensor:
-        """The greedy choice `BatchSampler` makes for a greedy request without repetition penalty: argmax over
-        the ids that may be emitted."""
-        x = logits.float()
-        x[..., self._banned_ids] = float("-inf")
-        return x.max(dim=-1).indices
-
-    def _exact_forward(self, ids: torch.Tensor, cache: CloverCache, want: torch.Tensor,
-                       **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """Forward `ids` `[N, T]` as causal clean tokens (written to the cache), with a query block of `B` masks
-        after each row's last real one. Returns the causal greedy choice after each clean position where `want`
-        `[N, T]` (-1 elsewhere) and `[N, B - 1]` drafts: query output `j` predicts the token two positions after
-        the last clean one plus `j` (the mask at query position 0 stands for the token the clean logits decide)."""
-        n, t = ids.shape
-        drafting = self.block_size > 1
-        at = torch.cat([want, self._positions[None].expand(n, -1) < self.block_size - 1], dim=1) if drafting else want
-        out = self._forward(ids, cache, query_ids=self._masks(n) if drafting else None, logits_at=at, **kwargs)
-        tokens = torch.full(at.shape, -1, dtype=torch.long, device=self.device)
-        tokens[at] = self._greedy(out.logits)
-        return tokens[:, :t], tokens[:, t:t + self.block_size - 1]
-
-    def _exact_open(self, seqs: list[Sequence], ids: torch.Tensor, cache: CloverCache, **kwargs: Any) -> _ExactBatch:
-        """The prefill's last chunk in exact mode: it decides the first token (from the last prompt token) and
-        drafts the `B - 1` after it."""
-        n, t = ids.shape
-        want = torch.zeros(n, t, dtype=torch.bool, device=self.device)
-        want[:, -1] = True
-        tokens, drafts = self._exact_forward(ids, cache, want, **kwargs)
-        decided = torch.nn.functional.pad(tokens[:, -1:], (0, self.block_size - 1), value=-1)
-        ones = torch.ones(n, dtype=torch.long, device=self.device)
-        return _ExactBatch(seqs, cache, decided, ones, drafts, ones * (self.block_size - 1))
-
-    def _exact_step(self, b: _ExactBatch) -> tuple[list[Event], _ExactBatch | None]:
-        """Emit what the last forward decided; then one forward verifies the drafts and drafts anew.
-
-        The forward's clean tokens are, per row, the last decided token (not yet in the cache) and the drafts
-        `d_1..d_k`, read causally and right-padded to the batch's widest row. The causal choice after clean
-        column `i` is `c_i`; draft `d_i` is accepted while `d_1..d_i == c_0..c_{i-1}`, so with `a` drafts
-        accepted the row decides `c_0..c_a` (the drafts it confirmed plus the causal token at the first
-        difference, or the bonus token after the last draft): at least one token per forward, each the model's
-        causal greedy token given everything before it, i.e. block-size-1 greedy decoding. The cache then
-        forgets the rejected drafts (`CloverCache.rewind` keeps each row's first `1 + a` clean tokens). The
-        query block's drafts were made after the last draft, so they are used only where all drafts were
-        accepted; elsewhere the next forward verifies nothing and drafts anew."""
-        now = time.perf_counter()
-        decided, counts = b.decided.tolist(), b.n_decided.tolist()
-        events: list[Event] = []
-        keep = []
-        for r, seq in enumerate(b.seqs):
-            piece = seq.append_block(decided[r][: min(counts[r], seq.remaining)], 1, self.eos_ids, self.detokenize,
-                                     now)
-            events.append(StreamPiece(seq.index, piece, len(seq.steps_per_block) - 1, seq.finished, seq.finish_reason,
-                                      seq.stats() if seq.finished else None))
-            if not seq.finished:
-                keep.append(r)
-        self.counters.steps += 1
-        if not keep:
-            return events, None
-        if len(keep) < len(b.seqs):
-            self._keep_rows(b, keep)
-
-        # drafts worth verifying: none past the row's last token (the decided token adds one), none after an EOS
-        remaining = torch.tensor([s.remaining for s in b.seqs], dtype=torch.long, device=self.device)
-        k = torch.minimum(b.n_drafts, remaining - 1)
-        if self.eos_ids and b.drafts.shape[1]:
-            eos = torch.isin(b.drafts, self._eos)
-            k = torch.where(eos.any(1), torch.minimum(k, eos.int().argmax(1) + 1), k)
-        width = 1 + int(k.max())
-        last = b.decided.gather(1, (b.n_decided - 1)[:, None])
-        real = self._positions[None, :width] < (1 + k)[:, None]  # [N, width]: the row's tokens, then padding
-        ids = torch.cat([last, b.drafts[:, : width - 1]], dim=1).masked_fill(~real, self.mask_id)
-        b.cache.mark()
-        tokens, b.drafts = self._exact_forward(ids, b.cache, real, prefix_len=width,
-                                               attention_mask=None if bool(real.all()) else real)
-        agree = (ids[:, 1:] == tokens[:, :-1]) & real[:, 1:]
-        accepted = agree.int().cumprod(dim=1).sum(dim=1)
-        b.cache.rewind(1 + accepted)
-        b.decided = torch.nn.functional.pad(tokens, (0, self.block_size - width), value=-1)
-        b.n_decided = 1 + accepted
-        b.n_drafts = torch.where(accepted == k, self.block_size - 1, 0)
-        return events, b

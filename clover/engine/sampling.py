@@ -6,10 +6,12 @@ sampler returns, for logits `[N, B, V]`:
 
 * `tokens` `[N, B]`: the candidate at each position — argmax (greedy, `temperature == 0`) or a sample from the
   transformed distribution;
-* `confidence` `[N, B]`: the **maximum** probability of that transformed distribution. Using the maximum (not the
-  probability of the sampled token) keeps the rule's *which position* decision independent of *which token* was
-  drawn, so an accepted token is an unbiased draw from its distribution at that step; it is also what greedy
-  decoding uses (the two coincide there).
+* `confidence` `[N, B]`: the probability of that candidate under the model's distribution — softmax of the
+  logits after the banned ids and the repetition penalty, **before** temperature, top-k and top-p. Those three
+  only shape how a token is drawn; the threshold asks how sure the model is of the token the step would commit,
+  so it reads that token's own probability, as Fast-dLLM does. The tempered maximum would say something else:
+  at temperature 0.5 a token at 0.7 (against one at 0.3) reads 0.84, and it is the likeliest token's, not the
+  drawn one's. For greedy rows the candidate is the argmax, so it is the maximum probability, as before.
 
 Transforms, in order: banned ids (the mask token, ids the tokenizer cannot decode) -> repetition penalty (CTRL /
 `transformers` form over the prompt and every generated token, the block's already-decided tokens included)
@@ -165,20 +167,22 @@ class BatchSampler:
             best, tokens = x.max(dim=-1)
             return tokens, torch.exp(best - torch.logsumexp(x, dim=-1))
 
+        model_x = x  # the model's distribution (temperature below makes a new tensor): the confidence reads it
         greedy = self.greedy_mask
         temp = torch.where(greedy, torch.ones_like(self.temperature), self.temperature)
         x = x / temp[:, None, None]
         if self.filtering:
             x = self._filter(x, greedy)
         probs = torch.softmax(x, dim=-1)
-        confidence, tokens = probs.max(dim=-1)
+        tokens = probs.argmax(dim=-1)
         for row, gen in enumerate(self.generators):
             if gen is None or (active is not None and not bool(active[row])):
                 continue
             # exponential race: argmax(p / E), E ~ Exp(1), is a draw from p (one kernel, no cumsum)
             noise = torch.empty_like(probs[row]).exponential_(generator=gen)
             tokens[row] = (probs[row] / noise).argmax(dim=-1)
-        return tokens, confidence
+        chosen = model_x.gather(-1, tokens[..., None])[..., 0]
+        return tokens, torch.exp(chosen - torch.logsumexp(model_x, dim=-1))
 
     def _filter(self, x: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
         """Per-row top-k then top-p (nucleus) on `[N, B, V]` scaled logits; greedy rows untouched."""

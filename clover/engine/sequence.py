@@ -27,6 +27,7 @@ class Sequence:
     max_new_tokens: int
     generated: list[int] = field(default_factory=list)
     steps_per_block: list[int] = field(default_factory=list)
+    forwards: int = 0  # forwards that fed its steps (the prefill's extra chunks are `prefill_forwards`)
     finish_reason: str | None = None  # "eos" | "stop" | "length"
     stop_string: str | None = None  # the stop string that ended it, if any
     prefill_forwards: int = 0
@@ -42,9 +43,10 @@ class Sequence:
     def remaining(self) -> int:
         return self.max_new_tokens - len(self.generated)
 
-    def append_block(self, block: Seq[int], steps: int, eos_ids: Seq[int], detokenize: Detokenize | None,
-                     now: float | None = None) -> list[int]:
-        """Take a finished block (already cut to at most `remaining` tokens); return the piece that counts.
+    def append_block(self, block: Seq[int], steps: int, forwards: int, eos_ids: Seq[int],
+                     detokenize: Detokenize | None, now: float | None = None) -> list[int]:
+        """Take a finished block (already cut to at most `remaining` tokens), decided in `steps` steps fed by
+        `forwards` forwards; return the piece that counts.
 
         EOS ends the request and is not part of the output, nor is anything after it; a stop string ends it after
         the token that completes the string (the caller trims the text); reaching `max_new_tokens` ends it too.
@@ -52,6 +54,7 @@ class Sequence:
         now = time.perf_counter() if now is None else now
         piece = list(block)
         self.steps_per_block.append(steps)
+        self.forwards += forwards
         eos = next((i for i, t in enumerate(piece) if t in eos_ids), None)
         if eos is not None:
             piece = piece[:eos]
@@ -68,6 +71,18 @@ class Sequence:
         if self.finished:
             self.end_time = now
         return piece
+
+    def stop_cut(self, prefix: Seq[int], eos_ids: Seq[int], detokenize: Detokenize) -> int | None:
+        """The length of `prefix` (a block's decided first tokens) up to the token that completes a stop string,
+        or None if none is complete in it yet; text after an EOS does not count (`append_block` drops it)."""
+        piece = list(prefix)
+        eos = next((i for i, t in enumerate(piece) if t in eos_ids), None)
+        if eos is not None:
+            piece = piece[:eos]
+        if not piece:
+            return None
+        cut, which = self._find_stop(piece, detokenize)
+        return cut if which is not None else None
 
     def _find_stop(self, piece: list[int], detokenize: Detokenize | None) -> tuple[int, str | None]:
         """Smallest `k` such that the text up to `piece[:k]` contains a stop string (decoding only a short tail:
@@ -88,15 +103,16 @@ class Sequence:
     def stats(self) -> dict[str, Any]:
         """The figures of docs/design.md §6 for this request.
 
-        `forward_passes` counts the denoising steps: each is fed by one forward (the prefill's last chunk, a step
-        forward, or a commit+next-block forward) — the same whether the request ran alone or in a batch. A step
-        left with only block position 0 reuses the outputs it already has, so the engine may run fewer forwards
-        than this, never more. Extra prefill chunks of a long prompt are reported apart, as `prefill_forwards`.
+        `forward_passes` counts the forwards that fed this request's steps: the prefill's last chunk, a step
+        forward that computed logits for one of its positions, a commit+next-block forward — the same whether
+        the request ran alone or in a batch. A step left with only block position 0 reuses the outputs it
+        already has and runs none, so `forward_passes <= sum(steps_per_block)`. Extra prefill chunks of a long
+        prompt are reported apart, as `prefill_forwards`.
         """
         end = self.end_time if self.end_time is not None else time.perf_counter()
         wall = end - self.start_time
         tokens = len(self.generated)
-        forwards = sum(self.steps_per_block)
+        forwards = self.forwards
         return {
             "prompt_tokens": len(self.prompt),
             "tokens": tokens,

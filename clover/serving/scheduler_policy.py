@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from clover.engine import Engine
-from clover.engine.engine import Batch, Prefill
+from clover.engine.engine import DecodeBatch, Prefill
 from clover.engine.sequence import Sequence
 from clover.model.cache import RecurrentSnapshot
 from clover.serving.handles import Output, RequestHandle
@@ -54,8 +54,8 @@ class SchedulePolicy:
                  metrics: ServerMetrics, released: Callable[[Job], None]) -> None:
         self.engines, self.prefix_cache, self.max_running = engines, prefix_cache, max_running
         self.metrics, self.released = metrics, released
-        self.batches: dict[EngineKey, Batch] = {}
-        self.ready: list[tuple[Job, Batch]] = []  # prefilled, waiting for their batch's next block boundary
+        self.batches: dict[EngineKey, DecodeBatch] = {}
+        self.ready: list[tuple[Job, DecodeBatch]] = []  # prefilled, waiting for their batch's next block boundary
         self.waiting: deque[Job] = deque()
         self.prefilling: Job | None = None
         self.jobs: dict[int, Job] = {}  # by Sequence.index, every job not finished
