@@ -25,7 +25,7 @@ from clover.engine.decoding import RULES, UnmaskingRule, make_rule, register_rul
 from clover.engine.detokenizer import IncrementalDetokenizer, StopAwareDetokenizer
 from clover.engine.engine import DEFAULT_PREFILL_CHUNK, Engine, Event, StepSnapshot, StreamPiece
 from clover.engine.sampling import SamplingParams
-from clover.engine.sequence import Detokenize
+from clover.engine.request import Detokenize
 
 __all__ = [
     "DEFAULT_PREFILL_CHUNK", "Engine", "GenerationResult", "IncrementalDetokenizer", "RULES", "SamplingParams",
@@ -39,7 +39,7 @@ _SAMPLING_KEYS = {"temperature", "top_p", "top_k", "repetition_penalty", "seed",
 @dataclass
 class GenerationResult:
     sequences: list[list[int]]  # new token ids per prompt; EOS and anything after it excluded
-    stats: list[dict[str, Any]]  # per prompt (see `Sequence.stats`)
+    stats: list[dict[str, Any]]  # per prompt (see `Request.stats`)
 
 
 def _sampling(sampling: SamplingParams | Seq[SamplingParams] | None,

@@ -50,7 +50,7 @@ import torch
 from clover.engine.decoding import UnmaskingRule, make_rule
 from clover.engine.exact import ExactBatch, ExactMode
 from clover.engine.sampling import BatchSampler, SamplingParams
-from clover.engine.sequence import Detokenize, Sequence
+from clover.engine.request import Detokenize, Request
 from clover.model.cache import CloverCache
 
 DEFAULT_PREFILL_CHUNK = 2048
@@ -86,7 +86,7 @@ Event = StreamPiece | StepSnapshot
 class BlockBatch:
     """The tensors of the requests being block-decoded together (row r is `seqs[r]`)."""
 
-    seqs: list[Sequence]
+    seqs: list[Request]
     cache: CloverCache
     sampler: BatchSampler
     block: torch.Tensor  # [N, B] current block, mask id where undecided
@@ -107,7 +107,7 @@ DecodeBatch = BlockBatch | ExactBatch  # the running batch, opaque outside the e
 class Prefill:
     """A request being prefilled on its own, one chunk per `Engine.prefill_step`, before it joins a batch."""
 
-    seq: Sequence
+    seq: Request
     cache: CloverCache  # one row; holds `done` prompt tokens
     done: int = 0
 
@@ -170,7 +170,7 @@ class Engine(ExactMode):
         Inputs are validated here, before the first `next()`, so a bad request fails where it is made."""
         return self._run(self.make_sequences(prompts, max_new_tokens, sampling), snapshots)
 
-    def _run(self, seqs: list[Sequence], snapshots: bool) -> Iterator[Event]:
+    def _run(self, seqs: list[Request], snapshots: bool) -> Iterator[Event]:
         with torch.inference_mode():
             batch = self._prefill(seqs)
         while batch is not None:
@@ -180,7 +180,7 @@ class Engine(ExactMode):
 
     # -- setup ----------------------------------------------------------------------------------------
     def make_sequences(self, prompts: Seq[Seq[int]], max_new_tokens: int,
-                       sampling: SamplingParams | Seq[SamplingParams]) -> list[Sequence]:
+                       sampling: SamplingParams | Seq[SamplingParams]) -> list[Request]:
         """Validated requests (`ValueError` naming the parameter otherwise), timed from now."""
         if len(prompts) == 0:
             raise ValueError("prompts is empty: give at least one prompt")
@@ -223,7 +223,7 @@ class Engine(ExactMode):
                 f"needs {reach} more positions ({why}), beyond the model's max_position_embeddings={limit}; at most "
                 f"{max(fits, 0)} new tokens fit")
         now = time.perf_counter()
-        return [Sequence(i, p, params[i], int(max_new_tokens), start_time=now) for i, p in enumerate(prompts)]
+        return [Request(i, p, params[i], int(max_new_tokens), start_time=now) for i, p in enumerate(prompts)]
 
 
     def _forward(self, ids: torch.Tensor | None, cache: CloverCache, **kwargs: Any) -> Any:
@@ -237,7 +237,7 @@ class Engine(ExactMode):
         return torch.full((n, self.block_size), self.mask_id, dtype=torch.long, device=self.device)
 
     # -- prefill --------------------------------------------------------------------------------------
-    def _prefill(self, seqs: list[Sequence]) -> DecodeBatch:
+    def _prefill(self, seqs: list[Request]) -> DecodeBatch:
         """Prompts, left-padded, read causally in chunks of `prefill_chunk`; the last chunk carries block 1's masks
         as a query block, so the prefill is also block 1's first step."""
         n, longest = len(seqs), max(len(s.prompt) for s in seqs)
@@ -282,11 +282,11 @@ class Engine(ExactMode):
         logits[wanted] = out.logits
         return logits
 
-    def _limits(self, seqs: list[Sequence]) -> torch.Tensor:
+    def _limits(self, seqs: list[Request]) -> torch.Tensor:
         return torch.tensor([min(self.block_size, s.remaining) for s in seqs], dtype=torch.long, device=self.device)
 
     # -- continuous batching: one request at a time -------------------------------------------------------
-    def begin_prefill(self, seq: Sequence, cache: CloverCache | None = None) -> Prefill:
+    def begin_prefill(self, seq: Request, cache: CloverCache | None = None) -> Prefill:
         """Start prefilling `seq` alone. `cache` (one row) may already hold a prefix of its prompt (prefix reuse);
         it must end on the chunk grid and leave at least one prompt token, whose logits start decoding."""
         cache = cache if cache is not None else self.model.new_cache(1)
@@ -351,7 +351,7 @@ class Engine(ExactMode):
             return self._step(b, snapshots)
 
     def drop(self, b: DecodeBatch, indices: set[int]) -> DecodeBatch | None:
-        """Remove the requests whose `Sequence.index` is in `indices` (cancelled), at any step."""
+        """Remove the requests whose `Request.index` is in `indices` (cancelled), at any step."""
         keep = [r for r, s in enumerate(b.seqs) if s.index not in indices]
         if len(keep) == len(b.seqs):
             return b
@@ -465,7 +465,7 @@ class Engine(ExactMode):
             self._keep_rows(b, keep)
         return events
 
-    def _emit(self, seq: Sequence, block: list[int], steps: int, forwards: int, now: float) -> StreamPiece:
+    def _emit(self, seq: Request, block: list[int], steps: int, forwards: int, now: float) -> StreamPiece:
         """`seq` takes its finished block (EOS / stop / length applied there); the piece a client streams."""
         piece = seq.append_block(block, steps, forwards, self.eos_ids, self.detokenize, now)
         return StreamPiece(seq.index, piece, len(seq.steps_per_block) - 1, seq.finished, seq.finish_reason,

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from clover.engine.sequence import Sequence
+from clover.engine.request import Request
 from clover.model.cache import CloverCache
 
 if TYPE_CHECKING:
@@ -29,7 +29,7 @@ class ExactBatch:
     greedy tokens; emitted at the next step; all but the last already in the cache) and the drafts for the next
     forward (from that forward's query block; usable only where it accepted every draft it verified)."""
 
-    seqs: list[Sequence]
+    seqs: list[Request]
     cache: CloverCache
     decided: torch.Tensor  # [N, B]: the first `n_decided` columns count
     n_decided: torch.Tensor  # [N], >= 1
@@ -61,7 +61,7 @@ class ExactMode:
         tokens[at] = self._greedy(out.logits)
         return tokens[:, :t], tokens[:, t:t + self.block_size - 1]
 
-    def _exact_open(self: Engine, seqs: list[Sequence], ids: torch.Tensor, cache: CloverCache,
+    def _exact_open(self: Engine, seqs: list[Request], ids: torch.Tensor, cache: CloverCache,
                     **kwargs: Any) -> ExactBatch:
         """The prefill's last chunk in exact mode: it decides the first token (from the last prompt token) and
         drafts the `B - 1` after it."""

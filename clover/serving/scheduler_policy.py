@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 from clover.engine import Engine
 from clover.engine.engine import DecodeBatch, Prefill
-from clover.engine.sequence import Sequence
+from clover.engine.request import Request
 from clover.model.cache import RecurrentSnapshot
 from clover.serving.handles import Output, RequestHandle
 from clover.serving.metrics import ServerMetrics
@@ -39,7 +39,7 @@ class Job:
 
     handle: RequestHandle
     choice: int
-    seq: Sequence
+    seq: Request
     key: EngineKey  # which engine / batch
     arrival: float
     prefill: Prefill | None = None
@@ -58,7 +58,7 @@ class SchedulePolicy:
         self.ready: list[tuple[Job, DecodeBatch]] = []  # prefilled, waiting for their batch's next block boundary
         self.waiting: deque[Job] = deque()
         self.prefilling: Job | None = None
-        self.jobs: dict[int, Job] = {}  # by Sequence.index, every job not finished
+        self.jobs: dict[int, Job] = {}  # by Request.index, every job not finished
 
     def add(self, jobs: list[Job]) -> None:
         for job in jobs:

@@ -1,6 +1,6 @@
-"""`Sequence`: one request's state and bookkeeping — what it has produced, why it stopped, what it cost.
+"""`Request`: one request's state and bookkeeping — what it has produced, why it stopped, what it cost.
 
-The engine owns the tensors (cache, current block) of the whole batch; a `Sequence` owns the Python-side facts
+The engine owns the tensors (cache, current block) of the whole batch; a `Request` owns the Python-side facts
 of one request: its prompt, sampling parameters, the tokens committed so far, the steps each block took, and the
 timestamps its stats are computed from. Appending a finished block is where EOS, `max_new_tokens` and stop strings
 are applied, so that "what counts as generated" is decided in exactly one place.
@@ -20,7 +20,7 @@ EOS, STOP, LENGTH = "eos", "stop", "length"
 
 
 @dataclass
-class Sequence:
+class Request:
     index: int  # position of the request in the caller's list
     prompt: list[int]
     params: SamplingParams
