@@ -33,7 +33,7 @@ def free_port() -> int:
 def build_checkpoint(directory: Path, tokenizer: Any, preset: str = "clover-tiny-dense", seed: int = 0,
                      **overrides: Any) -> Path:
     """A random tiny model (peaked logits, so decoding fills several positions per step) with `tokenizer`."""
-    from test_engine import tiny_model
+    from model_helpers import tiny_model
 
     tok_dir = directory.parent / f"{directory.name}-tokenizer"
     tokenizer.save_pretrained(tok_dir)

@@ -1,6 +1,6 @@
 """Naive reference for `clover.ops.delta_rule`: the block-bidirectional read written as it reads, token by token.
 
-Slow and obvious on purpose (flash-linear-attention keeps its `naive.py` the same way): `tests/test_ops.py` proves
+Slow and obvious on purpose (flash-linear-attention keeps its `naive.py` the same way): `tests/model/test_ops.py` proves
 the batched form the model runs equals it. Math and layout: `clover.ops.delta_rule`, docs/design.md §4.
 """
 

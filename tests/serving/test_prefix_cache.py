@@ -8,7 +8,7 @@ import torch
 from clover.engine import Engine, SamplingParams
 from clover.model.cache import CloverCache
 from clover.serving.prefix_cache import PrefixCache, chain_hashes
-from test_engine import tiny_model
+from model_helpers import tiny_model
 
 GRID = 8
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from clover.engine import IncrementalDetokenizer
 from clover.engine.detokenizer import StopAwareDetokenizer
 
 VOCAB: list[str] = []  # token id -> its text; grown by `_ids`, so a test writes its tokens as strings
@@ -60,3 +61,13 @@ def test_held_back_text_is_released_when_the_request_ends_otherwise() -> None:
     # ended by EOS or length: the tail that looked like the start of a stop string was just text
     deltas, text = _run(("STOP",), [["abc", "ST"], []], None)
     assert deltas == ["ab", "cST"] and text == "abcST"
+
+
+def test_incremental_detokenizer_waits_for_whole_characters() -> None:
+    data = "héllo wörld ✓".encode()
+    decode = lambda ids: bytes(ids).decode("utf-8", errors="replace")  # noqa: E731  byte-level "tokenizer"
+    detok = IncrementalDetokenizer(decode)
+    pieces = [detok.push(list(data[i : i + 3])) for i in range(0, len(data), 3)]
+    pieces.append(detok.flush())
+    assert "".join(pieces) == "héllo wörld ✓"
+    assert all("\ufffd" not in p for p in pieces)

@@ -14,7 +14,7 @@ from clover.serving.metrics import ServerMetrics
 from clover.serving.prefix_cache import PrefixCache
 from clover.serving.scheduler import QueueFull, Scheduler
 from clover.serving.scheduler_policy import Job, SchedulePolicy
-from test_engine import PROMPTS, tiny_model
+from model_helpers import PROMPTS, tiny_model
 
 PROMPTS = PROMPTS + [list(range(30, 57))]
 MAX_NEW = [18, 9, 14, 11]

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -12,35 +10,7 @@ import torch
 from clover import CloverConfig, CloverForBlockDiffusion
 from clover.engine import Engine, SamplingParams, StepSnapshot, StreamPiece, generate, make_rule, stream
 from clover.engine.reference import recompute_decode
-from clover.model.deltanet import GatedDeltaNet
-
-PROMPTS = [[5, 17, 3, 99, 42, 7, 11], [8, 120], [64, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]]
-
-
-def tiny_model(preset: str = "clover-tiny", seed: int = 0, logit_scale: float = 30.0,
-               **overrides) -> CloverForBlockDiffusion:
-    """A random tiny model that exercises what decoding depends on.
-
-    Clover-only parameters (right conv, memory calibration) are randomised so the block-bidirectional paths are
-    not identities, and the final norm is scaled up so random logits are peaked: thresholds < 1 then accept
-    several positions per step. The dense preset's embeddings are untied (tied random ones just repeat the input).
-    """
-    if preset == "clover-tiny-dense":
-        overrides.setdefault("tie_word_embeddings", False)
-    torch.manual_seed(seed)
-    model = CloverForBlockDiffusion(CloverConfig.from_preset(preset, **overrides)).eval()
-    with torch.no_grad():
-        for module in model.modules():
-            if isinstance(module, GatedDeltaNet):
-                module.conv1d_right.weight.normal_(std=0.3)
-                module.memory_calibration.normal_(std=0.5)
-        norm = model.model.norm.weight
-        if model.config.norm_type == "plain":
-            norm.mul_(logit_scale)
-        else:
-            norm.copy_((1 + norm) * logit_scale - 1)
-    return model
-
+from model_helpers import PROMPTS, tiny_model
 
 @pytest.fixture(scope="module")
 def hybrid() -> CloverForBlockDiffusion:
@@ -337,82 +307,3 @@ def test_32k_prompt_prefills_in_chunks() -> None:
     prompt = torch.randint(0, 250, (32768,), generator=torch.Generator().manual_seed(0)).tolist()
     result = generate(model, [prompt], max_new_tokens=8, prefill_chunk=2048)
     assert result.stats[0]["prefill_forwards"] == 16 and len(result.sequences[0]) <= 8
-
-
-# -- the CLI ------------------------------------------------------------------------------------------------
-def _char_tokenizer(directory: Path) -> None:
-    """A 256-id character tokenizer (ids 0-252 are printable characters; 253 <eos>... 255 <mask>)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    chars = [chr(c) for c in range(0x21, 0x7F)] + [chr(c) for c in range(0xA1, 0xA1 + 253 - 94)]
-    vocab = {c: i for i, c in enumerate(chars)}
-    vocab.update({"<pad>": 253, "<eos>": 254, "<mask>": 255})
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<pad>"))
-    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
-    tok.decoder = decoders.Fuse()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>",
-                                   additional_special_tokens=["<mask>"])
-    fast.chat_template = "{% for m in messages %}<{{ m['content'] }}>{% endfor %}"
-    fast.save_pretrained(str(directory))
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("ckpt")
-    _char_tokenizer(root / "tok")
-    tiny_model("clover-tiny").save_pretrained(root / "model", tokenizer_dir=root / "tok")
-    return root / "model"
-
-
-def test_cli_generate_json(checkpoint: Path, capsys) -> None:
-    from clover.cli.main import main
-
-    assert main(["generate", "hello", "--model", str(checkpoint), "--max-new-tokens", "9", "--json",
-                 "--threshold", "0.5", "--block-size", "4", "--threads", "1"]) == 0
-    out = json.loads(capsys.readouterr().out)
-    assert {"text", "tokens", "forward_passes", "tokens_per_forward", "tokens_per_second"} <= set(out)
-    assert out["tokens"] == len(out["token_ids"]) <= 9 and out["forward_passes"] >= 1
-    assert main(["generate", "hello", "--model", str(checkpoint), "--max-new-tokens", "9",
-                 "--threshold", "0.5", "--block-size", "4", "--chat", "--show-steps", "--seed", "1",
-                 "--temperature", "0.7", "--rule", "no_adjacent_repeat"]) == 0
-    assert "step" in capsys.readouterr().err
-
-
-def test_cli_generate_uses_the_chat_template_unless_told_not_to(checkpoint: Path, capsys) -> None:
-    from clover.cli.main import main
-
-    def prompt_tokens(*flags: str) -> int:
-        assert main(["generate", "hello", "--model", str(checkpoint), "--max-new-tokens", "4", "--json",
-                     "--threads", "1", *flags]) == 0
-        return json.loads(capsys.readouterr().out)["prompt_tokens"]
-
-    assert prompt_tokens() == prompt_tokens("--chat") > prompt_tokens("--no-chat") == len("hello")
-
-
-def test_cli_chat_answers_each_turn(checkpoint: Path, capsys, monkeypatch) -> None:
-    import io
-
-    from clover.cli.main import main
-
-    monkeypatch.setattr("sys.stdin", io.StringIO("hello\n/reset\nagain\n/exit\nnever read\n"))
-    assert main(["chat", "--model", str(checkpoint), "--max-new-tokens", "6", "--rule", "left_to_right",
-                 "--dtype", "bfloat16", "--threads", "1"]) == 0
-    captured = capsys.readouterr()
-    assert captured.out.count("clover> ") == 2 and captured.err.count("tokens/forward") == 2
-
-
-def test_cli_generate_streams_text_and_reports_a_missing_default_model(checkpoint: Path, capsys, monkeypatch) -> None:
-    import io
-
-    from clover.cli.main import main
-
-    monkeypatch.setattr("sys.stdin", io.StringIO("from stdin"))
-    assert main(["generate", "--model", str(checkpoint), "--max-new-tokens", "8", "--threshold", "1.0"]) == 0
-    text = capsys.readouterr().out
-    assert main(["generate", "from stdin", "--model", str(checkpoint), "--max-new-tokens", "8", "--threshold", "1.0",
-                 "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["text"] == text.rstrip("\n")
-    monkeypatch.setattr("clover.smol.ASSET_DIR", checkpoint / "no-such-adapter")  # the default model, unavailable
-    assert main(["generate", "hi"]) == 2
-    assert "clover-smol" in capsys.readouterr().err

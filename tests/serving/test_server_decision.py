@@ -13,7 +13,7 @@ from pydantic import BaseModel, Field
 from clover.engine.form import parse_form
 from clover.serving import ServerOptions, create_app
 from server_helpers import server_thread
-from test_engine import tiny_model
+from model_helpers import tiny_model
 
 NAME = "clover-decide"
 FORM = {"type": "object", "properties": {

@@ -14,7 +14,7 @@ from clover.engine import Engine, SamplingParams, StreamPiece, generate, stream
 from clover.engine.exact import ExactBatch
 from clover.serving.prefix_cache import PrefixCache
 from clover.serving.scheduler import Scheduler
-from test_engine import PROMPTS, tiny_model
+from model_helpers import PROMPTS, tiny_model
 
 PRESETS = ["clover-tiny", "clover-tiny-dense"]
 MAX_NEW = 20

@@ -13,7 +13,7 @@ from clover import CloverConfig
 from clover.engine.decision import decide, decide_autoregressive, decide_batch, render_layout
 from clover.engine.form import MAX_CHOICES, FormError, parse_form
 from clover.model.cache import CloverCache
-from test_engine import tiny_model
+from model_helpers import tiny_model
 
 FORM = {"type": "object", "properties": {
     "category": {"enum": ["billing", "bug", "weather report"], "description": "what the ticket is about"},

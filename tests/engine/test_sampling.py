@@ -1,0 +1,96 @@
+"""The batch sampler: greedy and seeded sampling, filters, penalties, and the confidence rules read."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from clover.engine import SamplingParams
+from clover.engine.sampling import BatchSampler
+
+
+def test_greedy_sampler_is_argmax_with_softmax_confidence_and_bans() -> None:
+    logits = torch.randn(2, 3, 10)
+    logits[0, 0, 9] = 50.0  # the mask id would win
+    logits[1, 1, 8] = 50.0  # an id past the tokenizer's vocabulary would win
+    sampler = BatchSampler([SamplingParams()] * 2, 10, banned=[9, 8])
+    tokens, conf = sampler(logits)
+    ref = logits.clone()
+    ref[..., 8:] = float("-inf")
+    probs = ref.softmax(-1)
+    assert torch.equal(tokens, probs.argmax(-1))
+    torch.testing.assert_close(conf, probs.max(-1).values)
+    assert not torch.isin(tokens, torch.tensor([8, 9])).any()
+
+
+def test_repetition_penalty_lowers_seen_tokens() -> None:
+    logits = torch.tensor([[[2.0, 1.9, -1.0, -1.1]]])
+    sampler = BatchSampler([SamplingParams(repetition_penalty=1.5)], 4, banned=[])
+    assert sampler(logits)[0].item() == 0
+    sampler.observe([[0]])
+    assert sampler(logits)[0].item() == 1  # 2.0 / 1.5 < 1.9
+    sampler.observe_block(torch.tensor([[1]]), torch.tensor([[True]]))
+    assert sampler(logits)[0].item() == 0  # both seen: 1.33 > 1.27
+    logits = torch.tensor([[[-1.0, -1.2, -5.0, -5.0]]])
+    sampler = BatchSampler([SamplingParams(repetition_penalty=1.5)], 4, banned=[])
+    sampler.observe([[0]])
+    assert sampler(logits)[0].item() == 1  # negative logits are multiplied: -1.5 < -1.2
+
+
+def test_seeded_sampling_is_reproducible_and_row_independent() -> None:
+    logits = torch.randn(3, 4, 50)
+    params = [SamplingParams(temperature=1.0, seed=1), SamplingParams(), SamplingParams(temperature=1.0, seed=2)]
+    a = BatchSampler(params, 50, banned=[])(logits)[0]
+    b = BatchSampler(params, 50, banned=[])(logits)[0]
+    assert torch.equal(a, b)
+    alone = BatchSampler([params[2]], 50, banned=[])(logits[2:])[0]
+    assert torch.equal(alone[0], a[2])
+    assert torch.equal(a[1], logits[1].argmax(-1))  # the greedy row in a sampled batch
+    # a row that sits a step out draws nothing, so its next draw is the same as if that step never happened
+    skip = BatchSampler(params, 50, banned=[])
+    skip(logits, active=torch.tensor([True, True, False]))
+    assert torch.equal(skip(logits)[0][2], a[2])
+
+
+def test_sampling_follows_the_distribution_and_filters() -> None:
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))[None, None].expand(1, 4000, 4).clone()
+    tokens, conf = BatchSampler([SamplingParams(temperature=1.0, seed=0)], 4, banned=[])(logits)
+    freq = torch.bincount(tokens[0], minlength=4).float() / 4000
+    torch.testing.assert_close(freq, torch.tensor([0.5, 0.3, 0.15, 0.05]), atol=0.03, rtol=0)
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    torch.testing.assert_close(conf, probs[tokens])  # confidence: the drawn token's probability
+    tokens, conf = BatchSampler([SamplingParams(temperature=1.0, top_k=2, seed=0)], 4, banned=[])(logits)
+    assert set(tokens.unique().tolist()) == {0, 1}
+    torch.testing.assert_close(conf, probs[tokens])  # the model's probability, not the filtered renormalised one
+    tokens, _ = BatchSampler([SamplingParams(temperature=1.0, top_p=0.7, seed=0)], 4, banned=[])(logits)
+    assert set(tokens.unique().tolist()) == {0, 1}  # 0.5 + 0.3 covers 0.7
+    tokens, _ = BatchSampler([SamplingParams(temperature=1.0, top_p=0.01, seed=0)], 4, banned=[])(logits)
+    assert set(tokens.unique().tolist()) == {0}
+
+
+def test_confidence_is_the_untempered_probability_of_the_candidate() -> None:
+    """Temperature shapes the draw, not the confidence: the threshold reads the model's probability of the token
+    the step would commit (softmax of the penalised logits), not the tempered maximum (0.5 ** 2 / 0.365 at
+    temperature 0.5 here; 0.5 for any draw at temperature 2)."""
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    logits = probs.log()[None, None].expand(3, 500, 4).clone()
+    params = [SamplingParams(temperature=0.5, seed=0), SamplingParams(temperature=2.0, seed=1), SamplingParams()]
+    tokens, conf = BatchSampler(params, 4, banned=[])(logits)
+    assert set(tokens[1].unique().tolist()) == {0, 1, 2, 3} and (tokens[2] == 0).all()
+    torch.testing.assert_close(conf, probs[tokens])
+    penalised = BatchSampler([SamplingParams(temperature=0.5, repetition_penalty=2.0, seed=0)], 4, banned=[])
+    penalised.observe([[0]])  # token 0 seen: its logit log(0.5) < 0 is doubled, so it now has 0.25 / 0.75
+    tokens, conf = penalised(probs.log()[None, None].clone())
+    model = torch.tensor([0.25, 0.3, 0.15, 0.05]) / 0.75
+    torch.testing.assert_close(conf[0, 0], model[tokens[0, 0]])
+
+
+def test_sampling_params_validation() -> None:
+    for kwargs, name in [({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"), ({"top_k": -1}, "top_k"),
+                         ({"repetition_penalty": 0}, "repetition_penalty"), ({"stop": [""]}, "stop")]:
+        with pytest.raises(ValueError, match=name):
+            SamplingParams(**kwargs)
+    assert SamplingParams(stop="</s>").stop == ("</s>",)
+
+
+# -- detokenizer --------------------------------------------------------------------------------------------
