@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     args, overrides = parser.parse_known_args(argv)
 
     from clover.training import load_train_config, train
-    from clover.training.trainer import latest_checkpoint
+    from clover.training.checkpointing import latest_checkpoint
 
     config = load_train_config(args.config, overrides)
     root = Path(config.output_dir)  # the example's tokenizer and data live under the run's output_dir
