@@ -153,6 +153,7 @@ def export_gguf(src: str | Path, out: str | Path, quant: str = "f16", *, tokeniz
     import gguf
 
     from clover.model import CloverForBlockDiffusion
+    from clover.model.lora import has_lora, is_gated, merge_and_unload
 
     if quant not in QUANTS:
         raise ValueError(f"unknown quantisation {quant!r}; choose one of {', '.join(QUANTS)}")
@@ -162,6 +163,12 @@ def export_gguf(src: str | Path, out: str | Path, quant: str = "f16", *, tokeniz
     config = CloverConfig.from_file(src)
     check_exportable(config)
     model = CloverForBlockDiffusion.from_pretrained(src, dtype=torch.float32)
+    if has_lora(model):  # an adapter stored beside the weights: a GGUF holds merged weights only
+        if is_gated(model):
+            raise ValueError(f"cannot export {src} to GGUF: its adapter is gated (it acts at query positions only, "
+                             "so it cannot be merged into the weights, and llama.cpp applies adapters everywhere); "
+                             "run it with the torch runner")
+        model = merge_and_unload(model)
     state = model.state_dict()
 
     tmp = tempfile.NamedTemporaryFile(dir=out.parent if str(out.parent) else ".", prefix=f".{out.name}.tmp-",

@@ -91,3 +91,29 @@ def test_unrecognised_pre_tokenizer_asks_for_a_name(checkpoint: Path, tmp_path: 
     with pytest.raises(ValueError, match="--tokenizer-pre"):
         export_gguf(copy, tmp_path / "m.gguf")
     assert export_gguf(copy, tmp_path / "m.gguf", tokenizer_pre="gpt2").is_file()
+
+
+@pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
+def test_a_stored_adapter_is_merged_or_refused_when_gated(checkpoint: Path, tmp_path: Path, gated: bool) -> None:
+    """A GGUF holds merged weights: a plain adapter saved beside the weights is merged into them; a gated one
+    (query positions only) cannot be, and is refused by name."""
+    from clover import CloverForBlockDiffusion
+    from clover.model.lora import LoraConfig, apply_lora, merge_and_unload
+
+    model = CloverForBlockDiffusion.from_pretrained(checkpoint)
+    apply_lora(model, LoraConfig(rank=2, gated=gated, extra_trainable=[]))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0.0, 0.2)
+    model.save_pretrained(tmp_path / "adapted", tokenizer_dir=checkpoint)
+    if gated:
+        with pytest.raises(ValueError, match="adapter is gated"):
+            export_gguf(tmp_path / "adapted", tmp_path / "m.gguf", "f32")
+        assert not list(tmp_path.glob("*.gguf")) and not list(tmp_path.glob(".m.gguf*"))
+        return
+    back = convert("gguf", export_gguf(tmp_path / "adapted", tmp_path / "m.gguf", "f32"), tmp_path / "back")
+    merged = merge_and_unload(model).state_dict()
+    restored = _weights(back)
+    assert all(torch.equal(restored[k], merged[k]) for k in restored)
+    assert any(not torch.equal(restored[k], v) for k, v in _weights(checkpoint).items())  # the adapter is in
