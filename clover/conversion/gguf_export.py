@@ -137,11 +137,12 @@ def _tokenizer_metadata(writer: Any, directory: Path, config: CloverConfig, toke
 
 def _pre_tokenizer_name(pre: dict | None) -> str:
     """llama.cpp's name for a tokenizer.json pre-tokenizer it implements identically: plain byte-level with the
-    GPT-2 regex is `gpt2`. Anything else must be named with `tokenizer_pre` (`--tokenizer-pre`)."""
+    GPT-2 regex is `gpt-2` (while `tokenizer.ggml.model` is `gpt2`). Anything else must be named with
+    `tokenizer_pre` (`--tokenizer-pre`)."""
     if pre and pre.get("type") == "ByteLevel" and pre.get("use_regex", True) and not pre.get("add_prefix_space"):
-        return "gpt2"
+        return "gpt-2"
     raise ValueError("cannot tell which llama.cpp pre-tokenizer matches this tokenizer.json's pre_tokenizer "
-                     f"{json.dumps(pre)[:200]}; name it with --tokenizer-pre (e.g. gpt2, smollm, qwen2)")
+                     f"{json.dumps(pre)[:200]}; name it with --tokenizer-pre (e.g. gpt-2, smollm, qwen2)")
 
 
 def export_gguf(src: str | Path, out: str | Path, quant: str = "f16", *, tokenizer_pre: str | None = None,

@@ -90,7 +90,7 @@ def test_unrecognised_pre_tokenizer_asks_for_a_name(checkpoint: Path, tmp_path: 
     (copy / "tokenizer.json").write_text(json.dumps(spec))
     with pytest.raises(ValueError, match="--tokenizer-pre"):
         export_gguf(copy, tmp_path / "m.gguf")
-    assert export_gguf(copy, tmp_path / "m.gguf", tokenizer_pre="gpt2").is_file()
+    assert export_gguf(copy, tmp_path / "m.gguf", tokenizer_pre="gpt-2").is_file()
 
 
 @pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
