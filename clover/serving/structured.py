@@ -24,7 +24,7 @@ from starlette.concurrency import run_in_threadpool
 
 from clover.engine.decision import Decision, decide
 from clover.engine.form import Form, FormError, parse_form
-from clover.serving.openai_format import usage as usage_of
+from clover.serving.openai_format import sse, usage as usage_of
 from clover.serving.protocol import APIError, ChatCompletionRequest
 
 _DECIDING = threading.Lock()  # one decision at a time: each is a few forwards of the whole answer block
@@ -84,7 +84,7 @@ async def decision_response(server: Any, req: ChatCompletionRequest) -> Response
     def chunk(delta: dict[str, Any], finish: str | None = None, **more: Any) -> str:
         body = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": name,
                 "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}], **more}
-        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+        return sse(body)
 
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     pieces = [chunk({"role": "assistant", "content": ""}), chunk({"content": content}),
@@ -92,7 +92,7 @@ async def decision_response(server: Any, req: ChatCompletionRequest) -> Response
     if include_usage:
         final = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": name, "choices": [],
                  "usage": usage}
-        pieces.append(f"data: {json.dumps(final)}\n\n")
+        pieces.append(sse(final))
 
     async def events() -> Any:
         for piece in pieces:
