@@ -118,3 +118,16 @@ def build(asset_dir: Path | None = None, out_dir: Path | None = None) -> Path:
 def clover_smol_dir() -> Path:
     """The default model's checkpoint directory, built on first use."""
     return build()
+
+
+def clover_smol_gguf(quant: str = "q8_0") -> Path:
+    """The default model as a GGUF for the llama.cpp runner (`clover export --to gguf`), written beside its
+    checkpoint on first use."""
+    from clover.conversion.gguf_export import export_gguf
+
+    directory = clover_smol_dir()
+    path = directory / f"{directory.name}-{quant}.gguf"
+    if not path.is_file():
+        logger.info("exporting %s to %s (once)", NAME, path)
+        export_gguf(directory, path, quant)
+    return path

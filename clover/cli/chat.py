@@ -11,13 +11,14 @@ from typing import Any
 
 import torch
 
-from clover.cli.generate import DTYPES, add_decoding_options, resolve_model_dir
+from clover.cli.generate import add_decoding_options, load_model
 from clover.engine import SamplingParams, StopAwareDetokenizer, StreamPiece, stream
 
 
 def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser("chat", help="interactive chat in the terminal, streamed block by block")
-    p.add_argument("--model", help="Clover checkpoint directory (default: clover-smol)")
+    p.add_argument("--model", help="Clover checkpoint directory, or a .gguf file with --runner llamacpp "
+                   "(default: clover-smol)")
     p.add_argument("--system", help="system message")
     p.add_argument("--think", action="store_true", help="let the model reason in <think>…</think> first")
     p.add_argument("--max-new-tokens", type=int, default=512)
@@ -30,22 +31,19 @@ def add_parser(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from clover.model import CloverForBlockDiffusion
-    from clover.tokenizer import eos_token_ids, load_tokenizer
+    from clover.tokenizer import eos_token_ids
     from clover.chat_template import render_chat
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    directory = resolve_model_dir(args.model)
-    tokenizer = load_tokenizer(directory)
-    model = CloverForBlockDiffusion.from_pretrained(directory, dtype=DTYPES.get(args.dtype or ""))
+    model, tokenizer, source = load_model(args)
     decode = lambda t: tokenizer.decode(t, skip_special_tokens=True)  # noqa: E731
     eos = eos_token_ids(model.config, tokenizer)
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
     system = [{"role": "system", "content": args.system}] if args.system else []
     messages: list[dict[str, str]] = list(system)
     interactive = sys.stdin.isatty()
-    print(f"clover chat — {directory.name} (/reset, /exit)", file=sys.stderr)
+    print(f"clover chat — {source.name} (/reset, /exit)", file=sys.stderr)
     while True:
         try:
             line = input("you> " if interactive else "")

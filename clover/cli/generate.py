@@ -31,12 +31,54 @@ def resolve_model_dir(arg: str | None) -> Path:
 
         return clover_smol_dir()
     path = Path(arg).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        raise ValueError(f"--model {arg} is a GGUF file: run it with --runner llamacpp, or make a Clover checkpoint "
+                         f"of it with `clover convert --from gguf {arg} DIR`")
     if not path.is_dir():
         raise FileNotFoundError(f"--model {arg}: not a directory")
     return path
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+RUNNERS = ("torch", "llamacpp")
+
+
+def resolve_gguf(arg: str | None) -> Path:
+    """The GGUF the llama.cpp runner loads: `--model FILE.gguf`, or the default model exported once (q8_0)."""
+    if arg is None:
+        from clover.smol import clover_smol_gguf
+
+        return clover_smol_gguf()
+    path = Path(arg).expanduser()
+    if path.is_dir():
+        raise ValueError(f"--model {arg}: the llama.cpp runner takes a GGUF file; make one from this checkpoint "
+                         f"with `clover export --to gguf {arg} OUT.gguf --quant q8_0`")
+    if not path.is_file():
+        raise FileNotFoundError(f"--model {arg}: no such GGUF file")
+    return path
+
+
+def load_model(args: argparse.Namespace, device: str | None = None, max_rows: int = 1) -> tuple[Any, Any, Path]:
+    """What `--runner` / `--model` / `--dtype` ask for: (the model or runner the engine decodes with, its
+    tokenizer, the checkpoint directory or GGUF file). `max_rows`: sequences the llama.cpp runner holds at once."""
+    from clover.model import CloverForBlockDiffusion
+
+    if args.runner == "llamacpp":
+        from clover.engine.llamacpp import LlamaCppRunner
+
+        if args.dtype:
+            raise ValueError("--dtype: the llama.cpp runner keeps the GGUF's weight types (choose them with "
+                             "`clover export --to gguf --quant`)")
+        if device not in (None, "cpu"):
+            raise ValueError(f"--device {device}: the llama.cpp runner runs on the CPU; use --runner torch")
+        path = resolve_gguf(args.model)
+        runner = LlamaCppRunner(path, threads=args.threads, max_rows=max_rows, n_ctx=args.ctx)
+        tokenizer = load_tokenizer(resolve_model_dir(None)) if args.model is None else runner.tokenizer()
+        return runner, tokenizer, path
+    directory = resolve_model_dir(args.model)
+    model = CloverForBlockDiffusion.from_pretrained(directory, dtype=DTYPES.get(args.dtype or ""),
+                                                    device=device or "cpu")
+    return model, load_tokenizer(directory), directory
 
 
 def add_decoding_options(p: argparse.ArgumentParser) -> None:
@@ -47,14 +89,20 @@ def add_decoding_options(p: argparse.ArgumentParser) -> None:
                    help="unmasking rule (left_to_right: best quality on tool calls, docs/clover-smol.md)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                    help="cast the weights (bfloat16: faster on CPUs with AVX512-BF16 / AMX)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (torch, or llama.cpp's)")
+    p.add_argument("--runner", choices=RUNNERS, default="torch",
+                   help="what runs the network: torch (any Clover checkpoint), or llamacpp (--model a GGUF from "
+                        "`clover export --to gguf`, default clover-smol at q8_0; dense models; docs/gguf.md)")
+    p.add_argument("--ctx", type=int, default=None,
+                   help="llama.cpp runner: KV cells shared by all sequences (default: rows x min(context, 4096))")
 
 
 def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser("generate", help="generate text from a prompt, block by block",
                               description="Generate text with a Clover model (block diffusion decoding).")
     p.add_argument("prompt", nargs="?", help="prompt text (default: read from stdin)")
-    p.add_argument("--model", help="Clover checkpoint directory (default: clover-smol)")
+    p.add_argument("--model", help="Clover checkpoint directory, or a .gguf file with --runner llamacpp "
+                   "(default: clover-smol)")
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                    help="wrap the prompt as a user turn with the chat template (default: when the model has one; "
                         "--no-chat continues the raw text)")
@@ -92,13 +140,9 @@ def _prompt_ids(tokenizer: Any, args: argparse.Namespace) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from clover.model import CloverForBlockDiffusion
-
     if args.threads:
         torch.set_num_threads(args.threads)
-    directory = resolve_model_dir(args.model)
-    tokenizer = load_tokenizer(directory)
-    model = CloverForBlockDiffusion.from_pretrained(directory, dtype=DTYPES.get(args.dtype or ""))
+    model, tokenizer, source = load_model(args)
     ids = _prompt_ids(tokenizer, args)
     eos = eos_token_ids(model.config, tokenizer)
     decode = lambda t: tokenizer.decode(t, skip_special_tokens=True)  # noqa: E731
@@ -133,7 +177,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({"text": text, "token_ids": token_ids, "prompt_tokens": len(ids), **stats,
                           "block_size": args.block_size or model.config.block_size,
                           "threshold": args.threshold if args.threshold is not None else model.config.threshold,
-                          "rule": args.rule, "model": str(directory)}))
+                          "rule": args.rule, "runner": args.runner, "model": str(source)}))
     else:
         sys.stdout.write("\n")
     return 0

@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from clover.cli.generate import DTYPES, add_decoding_options, resolve_model_dir
+from clover.cli.generate import add_decoding_options, load_model
 
 logger = logging.getLogger(__name__)
 
@@ -22,7 +22,8 @@ def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser("serve", help="serve a model over the OpenAI HTTP API",
                               description="OpenAI-compatible server: /v1/chat/completions, /v1/completions, "
                                           "/v1/models, /health, /metrics.")
-    p.add_argument("--model", help="Clover checkpoint directory (default: clover-smol)")
+    p.add_argument("--model", help="Clover checkpoint directory, or a .gguf file with --runner llamacpp "
+                   "(default: clover-smol)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: localhost only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=os.environ.get("CLOVER_API_KEY"),
@@ -45,46 +46,50 @@ def add_parser(subparsers: Any) -> None:
     p.set_defaults(func=run)
 
 
-def served_model_names(given: list[str] | None, model_arg: str | None, directory: Path) -> list[str]:
+def served_model_names(given: list[str] | None, model_arg: str | None, source: Path) -> list[str]:
     """The model ids a server answers to, the first one canonical: `--served-model-name`, else the checkpoint
-    directory's name; the default model (no `--model`) also answers to `clover-smol`, its name in the docs,
-    and that one comes first (its directory is `clover-smol-<checksum>` in the cache)."""
+    directory's name (a GGUF file's name without .gguf); the default model (no `--model`) also answers to
+    `clover-smol`, its name in the docs, and that one comes first (its directory is `clover-smol-<checksum>` in
+    the cache)."""
     if given:
         return list(dict.fromkeys(given))
+    name = source.stem if source.suffix == ".gguf" else source.name
     if model_arg is None:
         from clover.smol import NAME
 
-        return list(dict.fromkeys([NAME, directory.name]))
-    return [directory.name]
+        return list(dict.fromkeys([NAME, name]))
+    return [name]
 
 
 def run(args: argparse.Namespace) -> int:
     import torch
     import uvicorn
 
-    from clover.model import CloverForBlockDiffusion
+    from clover.engine.runner import as_runner
     from clover.serving import ServerOptions, create_app
     from clover.serving.served_model import read_generation_defaults
-    from clover.tokenizer import load_tokenizer
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    directory = resolve_model_dir(args.model)
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model = CloverForBlockDiffusion.from_pretrained(directory, dtype=DTYPES.get(args.dtype or ""), device=device)
-    tokenizer = load_tokenizer(directory)
-    names = served_model_names(args.served_model_name, args.model, directory)
+    device = args.device or ("cuda" if args.runner == "torch" and torch.cuda.is_available() else "cpu")
+    model, tokenizer, source = load_model(args, device=device, max_rows=None)
+    max_running, rows = args.max_num_seqs, as_runner(model).max_rows
+    if rows is not None and rows < max_running:
+        logger.info("--max-num-seqs %d: the %s runner holds %d sequences at once", max_running, args.runner, rows)
+        max_running = rows
+    names = served_model_names(args.served_model_name, args.model, source)
     options = ServerOptions(
         served_model_name=names[0], model_aliases=tuple(names[1:]), api_key=args.api_key or None,
-        max_running=args.max_num_seqs, max_waiting=args.max_queue, max_body_bytes=int(args.max_body_mb * 2**20),
+        max_running=max_running, max_waiting=args.max_queue, max_body_bytes=int(args.max_body_mb * 2**20),
         max_model_len=args.max_model_len, block_size=args.block_size, threshold=args.threshold, rule=args.rule,
         prefill_chunk=args.prefill_chunk, prefix_cache_bytes=int(args.prefix_cache_mb * 2**20),
         prefix_snapshot_interval=args.prefix_snapshot_interval)
-    app = create_app(model, tokenizer, options, generation_defaults=read_generation_defaults(directory))
+    defaults = read_generation_defaults(source if source.is_dir() else None)
+    app = create_app(model, tokenizer, options, generation_defaults=defaults)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not options.api_key:
         logger.warning("serving on %s without --api-key: anyone who can reach this address can use the model",
                        args.host)
-    logger.info("serving %s as %s on http://%s:%d (%s)", directory, " or ".join(map(repr, names)), args.host, args.port,
-                device)
+    logger.info("serving %s as %s on http://%s:%d (%s runner, %s)", source, " or ".join(map(repr, names)), args.host,
+                args.port, args.runner, device)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
     return 0

@@ -27,11 +27,14 @@ request leaves the batch (`cache.select`) at the next commit.
 Continuous batching (the server's scheduler) uses the same loop one request at a time: `begin_prefill` +
 `prefill_step` prefill a request alone, chunk by chunk on the absolute grid of `prefill_chunk` (optionally from a
 cache that already holds a prefix of its prompt: prefix reuse), `join` adds it to a running batch at a block
-boundary (`CloverCache.concat` left-pads the shorter KV), `step` advances the batch by one denoising step, and
+boundary (the cache's `concat`), `step` advances the batch by one denoising step, and
 `drop` removes cancelled requests at any step.
 
 Exact mode (a rule that `verifies`: `exact`) runs its own step, `ExactMode._exact_step` (clover/engine/exact.py),
 on the same prefill, batching and emission: its output is block-size-1 greedy decoding, token for token.
+
+The network runs behind `clover.engine.runner` (the torch model, or llama.cpp for a GGUF): `_forward` is the one
+call into it.
 
 Where things happen: `Engine._prefill` (prompt -> cache), `Engine._step` (one denoising step),
 `Engine._finish_block` (EOS / stop / length, emit), `Engine._commit` (the block joins the cache).
@@ -51,7 +54,7 @@ from clover.engine.decoding import UnmaskingRule, make_rule
 from clover.engine.exact import ExactBatch, ExactMode
 from clover.engine.sampling import BatchSampler, SamplingParams
 from clover.engine.request import Detokenize, Request
-from clover.model.cache import CloverCache
+from clover.engine.runner import ModelRunner, RunnerCache, as_runner
 
 DEFAULT_PREFILL_CHUNK = 2048
 
@@ -87,7 +90,7 @@ class BlockBatch:
     """The tensors of the requests being block-decoded together (row r is `seqs[r]`)."""
 
     seqs: list[Request]
-    cache: CloverCache
+    cache: RunnerCache
     sampler: BatchSampler
     block: torch.Tensor  # [N, B] current block, mask id where undecided
     logits: torch.Tensor  # [N, B, V] the prediction for each block position (token shift applied); current
@@ -108,7 +111,7 @@ class Prefill:
     """A request being prefilled on its own, one chunk per `Engine.prefill_step`, before it joins a batch."""
 
     seq: Request
-    cache: CloverCache  # one row; holds `done` prompt tokens
+    cache: RunnerCache  # one row; holds `done` prompt tokens
     done: int = 0
 
 
@@ -129,12 +132,13 @@ class Engine(ExactMode):
     which bounds the prefill's activation memory for long prompts.
     """
 
-    def __init__(self, model: torch.nn.Module, block_size: int | None = None, threshold: float | None = None,
-                 rule: str | UnmaskingRule = "threshold", rule_options: dict[str, Any] | None = None, *,
+    def __init__(self, model: torch.nn.Module | ModelRunner, block_size: int | None = None,
+                 threshold: float | None = None, rule: str | UnmaskingRule = "threshold",
+                 rule_options: dict[str, Any] | None = None, *,
                  eos_token_ids: Seq[int] | None = None, vocab_limit: int | None = None,
                  detokenize: Detokenize | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> None:
-        config = model.config
-        self.model = model
+        self.runner = as_runner(model)
+        config = self.runner.config
         self.block_size = config.block_size if block_size is None else int(block_size)
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
@@ -156,7 +160,7 @@ class Engine(ExactMode):
         self.vocab_limit = self.vocab_size if vocab_limit is None else min(int(vocab_limit), self.vocab_size)
         self.detokenize = detokenize
         self.prefill_chunk = prefill_chunk
-        self.device = next(model.parameters()).device
+        self.device = self.runner.device
         self._eos = torch.tensor(self.eos_ids, dtype=torch.long, device=self.device)
         self._banned_ids = torch.tensor(self._banned(), dtype=torch.long, device=self.device)
         self._positions = torch.arange(self.block_size, device=self.device)
@@ -205,7 +209,7 @@ class Engine(ExactMode):
             bad = [t for t in p if not 0 <= t < self.vocab_size]
             if bad:
                 raise ValueError(f"prompt {i} has token ids outside [0, {self.vocab_size}): {bad[:5]}")
-        limit = self.model.config.max_position_embeddings
+        limit = self.runner.config.max_position_embeddings
         longest = max(len(p) for p in prompts)
         if self.exact:  # the last forward still carries a query block of B masks after at most B - 1 drafts
             reach, why = max_new_tokens + self.block_size - 1, f"max_new_tokens plus {self.block_size - 1} for drafting"
@@ -226,9 +230,10 @@ class Engine(ExactMode):
         return [Request(i, p, params[i], int(max_new_tokens), start_time=now) for i, p in enumerate(prompts)]
 
 
-    def _forward(self, ids: torch.Tensor | None, cache: CloverCache, **kwargs: Any) -> Any:
+    def _forward(self, ids: torch.Tensor | None, cache: RunnerCache, **kwargs: Any) -> torch.Tensor:
+        """The runner's logits for one forward (`clover.engine.runner`), timed and counted."""
         start = time.perf_counter()
-        out = self.model(ids, self.block_size, cache=cache, **kwargs)
+        out = self.runner.forward(ids, self.block_size, cache=cache, **kwargs)
         self.counters.forward_time_s += time.perf_counter() - start
         self.counters.forwards += 1
         return out
@@ -248,7 +253,7 @@ class Engine(ExactMode):
             valid[r, longest - len(s.prompt):] = True
         ids, valid = ids.to(self.device), valid.to(self.device)
         padded = not bool(valid.all())
-        cache = self.model.new_cache(n)
+        cache = self.runner.new_cache(n)
         limit = self._limits(seqs)
         chunks = range(0, longest, self.prefill_chunk)
         for s in seqs:
@@ -267,7 +272,7 @@ class Engine(ExactMode):
         zeros = torch.zeros(n, dtype=torch.long, device=self.device)
         return BlockBatch(seqs, cache, sampler, self._masks(n), logits, zeros, limit, zeros + 1)
 
-    def _open_block(self, ids: torch.Tensor, cache: CloverCache, limit: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+    def _open_block(self, ids: torch.Tensor, cache: RunnerCache, limit: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         """Forward clean `ids` `[N, T]` with a fresh block of masks as the query: `[N, B, V]` predictions for the
         block's positions (0 from the last clean token, `p >= 1` from query output `p - 1`), computed only
         before each row's `limit` (zeros beyond it)."""
@@ -278,18 +283,18 @@ class Engine(ExactMode):
         at[:, t - 1] = wanted[:, 0]
         at[:, t:t + b - 1] = wanted[:, 1:]
         out = self._forward(ids, cache, query_ids=self._masks(n) if b > 1 else None, logits_at=at, **kwargs)
-        logits = out.logits.new_zeros(n, b, out.logits.shape[-1])
-        logits[wanted] = out.logits
+        logits = out.new_zeros(n, b, out.shape[-1])
+        logits[wanted] = out
         return logits
 
     def _limits(self, seqs: list[Request]) -> torch.Tensor:
         return torch.tensor([min(self.block_size, s.remaining) for s in seqs], dtype=torch.long, device=self.device)
 
     # -- continuous batching: one request at a time -------------------------------------------------------
-    def begin_prefill(self, seq: Request, cache: CloverCache | None = None) -> Prefill:
+    def begin_prefill(self, seq: Request, cache: RunnerCache | None = None) -> Prefill:
         """Start prefilling `seq` alone. `cache` (one row) may already hold a prefix of its prompt (prefix reuse);
         it must end on the chunk grid and leave at least one prompt token, whose logits start decoding."""
-        cache = cache if cache is not None else self.model.new_cache(1)
+        cache = cache if cache is not None else self.runner.new_cache(1)
         done = cache.length
         if cache.batch_size != 1 or done % self.prefill_chunk or done >= len(seq.prompt):
             raise ValueError(f"a reused prefix must be one row ending on the {self.prefill_chunk}-token grid before "
@@ -336,10 +341,10 @@ class Engine(ExactMode):
         if not (self.at_block_boundary(b) and self.at_block_boundary(new)):
             raise ValueError("requests join a batch only at a block boundary")
         if isinstance(b, ExactBatch):
-            return ExactBatch(b.seqs + new.seqs, CloverCache.concat([b.cache, new.cache]),
+            return ExactBatch(b.seqs + new.seqs, type(b.cache).concat([b.cache, new.cache]),
                                torch.cat([b.decided, new.decided]), torch.cat([b.n_decided, new.n_decided]),
                                torch.cat([b.drafts, new.drafts]), torch.cat([b.n_drafts, new.n_drafts]))
-        return BlockBatch(b.seqs + new.seqs, CloverCache.concat([b.cache, new.cache]),
+        return BlockBatch(b.seqs + new.seqs, type(b.cache).concat([b.cache, new.cache]),
                       BatchSampler.concat([b.sampler, new.sampler]), torch.cat([b.block, new.block]),
                       torch.cat([b.logits, new.logits]), torch.cat([b.steps, new.steps]),
                       torch.cat([b.limit, new.limit]), torch.cat([b.forwards, new.forwards]), 0)
@@ -415,7 +420,7 @@ class Engine(ExactMode):
             wanted = b.needed[:, 1:]
             if bool(wanted.any()):
                 at = torch.cat([wanted, torch.zeros_like(wanted[:, :1])], dim=1)
-                b.logits[:, 1:][wanted] = self._forward(None, b.cache, query_ids=b.block, logits_at=at).logits
+                b.logits[:, 1:][wanted] = self._forward(None, b.cache, query_ids=b.block, logits_at=at)
                 b.forwards += wanted.any(1)  # a row whose block is final (or needs only position 0) was not fed
             return events, b
         events += self._finish_block(b)

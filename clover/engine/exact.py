@@ -2,7 +2,7 @@
 decoding token for token, at fewer forwards.
 
 Each forward reads the last decided token and its drafts causally, commits the drafts the causal greedy path
-agrees with plus that path's next token, rewinds the cache over the rest (`CloverCache.mark` / `rewind`) and
+agrees with plus that path's next token, rewinds the cache over the rest (the cache's `mark` / `rewind`) and
 drafts the next ones from a query block of masks (docs/decoding.md, "Exact mode"). It is a mixin of `Engine`
 (prefill, batching, `join` / `drop` and emission are the engine's; only the step differs), kept apart so the
 block loop in `engine.py` reads on its own.
@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from clover.engine.request import Request
-from clover.model.cache import CloverCache
+from clover.engine.runner import RunnerCache
 
 if TYPE_CHECKING:
     from clover.engine.engine import Engine, Event
@@ -30,7 +30,7 @@ class ExactBatch:
     forward (from that forward's query block; usable only where it accepted every draft it verified)."""
 
     seqs: list[Request]
-    cache: CloverCache
+    cache: RunnerCache
     decided: torch.Tensor  # [N, B]: the first `n_decided` columns count
     n_decided: torch.Tensor  # [N], >= 1
     drafts: torch.Tensor  # [N, B - 1]: the tokens after the last decided one, as the query block predicted them
@@ -47,7 +47,7 @@ class ExactMode:
         x[..., self._banned_ids] = float("-inf")
         return x.max(dim=-1).indices
 
-    def _exact_forward(self: Engine, ids: torch.Tensor, cache: CloverCache, want: torch.Tensor,
+    def _exact_forward(self: Engine, ids: torch.Tensor, cache: RunnerCache, want: torch.Tensor,
                        **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward `ids` `[N, T]` as causal clean tokens (written to the cache), with a query block of `B` masks
         after each row's last real one. Returns the causal greedy choice after each clean position where `want`
@@ -58,10 +58,10 @@ class ExactMode:
         at = torch.cat([want, self._positions[None].expand(n, -1) < self.block_size - 1], dim=1) if drafting else want
         out = self._forward(ids, cache, query_ids=self._masks(n) if drafting else None, logits_at=at, **kwargs)
         tokens = torch.full(at.shape, -1, dtype=torch.long, device=self.device)
-        tokens[at] = self._greedy(out.logits)
+        tokens[at] = self._greedy(out)
         return tokens[:, :t], tokens[:, t:t + self.block_size - 1]
 
-    def _exact_open(self: Engine, seqs: list[Request], ids: torch.Tensor, cache: CloverCache,
+    def _exact_open(self: Engine, seqs: list[Request], ids: torch.Tensor, cache: RunnerCache,
                     **kwargs: Any) -> ExactBatch:
         """The prefill's last chunk in exact mode: it decides the first token (from the last prompt token) and
         drafts the `B - 1` after it."""
@@ -82,7 +82,7 @@ class ExactMode:
         accepted the row decides `c_0..c_a` (the drafts it confirmed plus the causal token at the first
         difference, or the bonus token after the last draft): at least one token per forward, each the model's
         causal greedy token given everything before it, i.e. block-size-1 greedy decoding. The cache then
-        forgets the rejected drafts (`CloverCache.rewind` keeps each row's first `1 + a` clean tokens). The
+        forgets the rejected drafts (the cache's `rewind` keeps each row's first `1 + a` clean tokens). The
         query block's drafts were made after the last draft, so they are used only where all drafts were
         accepted; elsewhere the next forward verifies nothing and drafts anew."""
         now = time.perf_counter()

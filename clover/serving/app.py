@@ -25,6 +25,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
+from clover.engine.runner import ModelRunner
 from clover.serving.middleware import add_error_handling
 from clover.serving.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse
 from clover.serving.served_model import ServedModel, ServerOptions, load
@@ -34,9 +35,9 @@ ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 42
 __all__ = ["ServerOptions", "create_app"]
 
 
-def create_app(model: torch.nn.Module | str | Path, tokenizer: Any = None, options: ServerOptions | None = None,
-               generation_defaults: dict[str, Any] | None = None) -> FastAPI:
-    """The FastAPI app serving `model` (a loaded model with its `tokenizer`, or a checkpoint directory).
+def create_app(model: torch.nn.Module | ModelRunner | str | Path, tokenizer: Any = None,
+               options: ServerOptions | None = None, generation_defaults: dict[str, Any] | None = None) -> FastAPI:
+    """The FastAPI app serving `model` (a loaded model or runner with its `tokenizer`, or a checkpoint directory).
 
     `generation_defaults`: sampling defaults of a loaded model (a checkpoint directory's are read from its
     generation_config.json). The scheduler thread starts with the app (lifespan) and stops with it."""
@@ -48,7 +49,7 @@ def create_app(model: torch.nn.Module | str | Path, tokenizer: Any = None, optio
     else:
         if tokenizer is None:
             raise ValueError("create_app(model=<loaded model>) needs its tokenizer")
-    server = ServedModel(model.eval(), tokenizer, options, defaults)
+    server = ServedModel(model.eval() if isinstance(model, torch.nn.Module) else model, tokenizer, options, defaults)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

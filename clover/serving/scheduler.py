@@ -37,6 +37,7 @@ from typing import Callable, Sequence as Seq
 import torch
 
 from clover.engine import Engine, SamplingParams
+from clover.engine.runner import ModelRunner, as_runner
 from clover.serving.handles import RequestHandle
 from clover.serving.metrics import ServerMetrics
 from clover.serving.prefix_cache import PrefixCache
@@ -53,7 +54,7 @@ class Scheduler:
     """The model's one thread: requests arrive through `submit` (any thread) into an inbox; each iteration hands
     them to the `SchedulePolicy` and runs its admit / join / step once."""
 
-    def __init__(self, model: torch.nn.Module, *, block_size: int, threshold: float, rule: str = "threshold",
+    def __init__(self, model: torch.nn.Module | ModelRunner, *, block_size: int, threshold: float, rule: str = "threshold",
                  eos_token_ids: Seq[int] | None = None, vocab_limit: int | None = None,
                  detokenize: Callable[[list[int]], str] | None = None, prefill_chunk: int = 256,
                  prefix_cache: PrefixCache | None = None, max_running: int = 32, max_waiting: int = 256,
@@ -61,7 +62,12 @@ class Scheduler:
         if prefix_cache is not None and prefix_cache.grid != prefill_chunk:
             raise ValueError(f"the prefix cache grid ({prefix_cache.grid}) must equal the prefill chunk "
                              f"({prefill_chunk}): reuse is exact only on the chunk grid")
-        self.model = model
+        self.model = as_runner(model)  # one runner for every engine: they share its cache slots (llama.cpp)
+        if prefix_cache is not None and not self.model.supports_prefix_reuse:
+            raise ValueError(f"prefix reuse needs the torch runner; the {self.model.name} runner has no prefix cache")
+        if self.model.max_rows is not None and max_running > self.model.max_rows:
+            raise ValueError(f"max_running={max_running} exceeds the {self.model.name} runner's {self.model.max_rows} "
+                             "rows (its max_rows)")
         self.defaults = (block_size, threshold, rule)
         self.engine_options = dict(eos_token_ids=eos_token_ids, vocab_limit=vocab_limit,
                                    detokenize=detokenize, prefill_chunk=prefill_chunk)

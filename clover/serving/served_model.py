@@ -25,6 +25,7 @@ from starlette.concurrency import run_in_threadpool
 
 from clover.chat_template import render_chat
 from clover.engine import RULES, SamplingParams
+from clover.engine.runner import ModelRunner, as_runner
 from clover.serving.handles import Output, RequestHandle, merge
 from clover.serving.metrics import ServerMetrics
 from clover.serving.openai_format import (ChatChoice, ChoiceText, chat_body, chat_stream, completion_body,
@@ -104,9 +105,10 @@ async def _wait_for_disconnect(request: Request) -> None:
 class ServedModel:
     """One served model: its tokenizer and scheduler, and what turns a request into engine work and back."""
 
-    def __init__(self, model: torch.nn.Module, tokenizer: Any, options: ServerOptions,
+    def __init__(self, model: torch.nn.Module | ModelRunner, tokenizer: Any, options: ServerOptions,
                  generation_defaults: dict[str, Any]) -> None:
-        config = model.config
+        self.runner = as_runner(model)
+        config = self.runner.config
         self.model, self.options, self.config = model, options, config
         self.tokenizer = LockedTokenizer(tokenizer)
         limit = config.max_position_embeddings
@@ -119,12 +121,15 @@ class ServedModel:
         eos = eos_token_ids(config, tokenizer)
         self.metrics = ServerMetrics()
         prefix_cache = None
-        if options.prefix_cache_bytes > 0:
+        if options.prefix_cache_bytes > 0 and not self.runner.supports_prefix_reuse:
+            logger.info("prefix reuse is off: the %s runner does not support it (the torch runner does)",
+                        self.runner.name)
+        elif options.prefix_cache_bytes > 0:
             prefix_cache = PrefixCache(options.prefill_chunk, options.prefix_cache_bytes,
                                        recurrent=config.has_linear_attention,
                                        snapshot_interval=options.prefix_snapshot_interval)
         self.scheduler = Scheduler(
-            model, block_size=self.block_size, threshold=self.threshold, rule=options.rule,
+            self.runner, block_size=self.block_size, threshold=self.threshold, rule=options.rule,
             eos_token_ids=eos, vocab_limit=len(self.tokenizer), detokenize=self.tokenizer.decode,
             prefill_chunk=options.prefill_chunk, prefix_cache=prefix_cache, max_running=options.max_running,
             max_waiting=options.max_waiting, metrics=self.metrics)

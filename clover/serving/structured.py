@@ -59,6 +59,10 @@ def check_form(req: ChatCompletionRequest) -> Form:
 async def decision_response(server: Any, req: ChatCompletionRequest) -> Response:
     """The chat completion for a request with `response_format` (`server`: the app's `ServedModel`)."""
     form = check_form(req)
+    if not server.runner.supports_decisions:
+        raise APIError(400, f"response_format (decision mode) needs the torch runner; this server runs the "
+                            f"{server.runner.name} runner (restart it with --runner torch)",
+                       param="response_format", code="unsupported_runner")
     messages = [m.to_template() for m in req.messages]
     threshold = req.threshold if req.threshold is not None else server.threshold
 

