@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import functools
 import gc
 import logging
 import weakref
@@ -166,8 +167,7 @@ class LlamaCppRunner:
         self.threads = threads or torch.get_num_threads()
         self._lib = llama_cpp
         if not verbose:
-            self._quiet = llama_cpp.llama_log_callback(lambda level, text, data: None)  # kept alive: C holds it
-            llama_cpp.llama_log_set(self._quiet, ctypes.c_void_p(0))
+            llama_cpp.llama_log_set(_quiet_log(llama_cpp), ctypes.c_void_p(0))
         llama_cpp.llama_backend_init()
         params = llama_cpp.llama_model_default_params()
         params.n_gpu_layers = 0
@@ -347,6 +347,12 @@ class LlamaCppRunner:
         logits = np.ctypeslib.as_array(lib.llama_get_logits(self._ctx), shape=(len(wanted), vocab))
         out = torch.from_numpy(logits.copy())
         return {rc: out[i] for i, rc in enumerate(wanted)}
+
+
+@functools.cache
+def _quiet_log(llama_cpp: Any) -> Any:
+    """A log callback that drops llama.cpp's messages; one for the process, as C keeps calling it for good."""
+    return llama_cpp.llama_log_callback(lambda level, text, data: None)
 
 
 def _close(llama_cpp: Any, batch: Any, ctx: Any, model: Any) -> None:

@@ -1,0 +1,113 @@
+"""`--runner llamacpp` on `clover generate` and `clover serve`: a GGUF from `clover export --to gguf` decodes through
+the llama.cpp runner, and what it cannot do is refused by name."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import openai
+import pytest
+from server_helpers import build_checkpoint, server_thread
+
+from clover import CloverForBlockDiffusion
+from clover.chat_template import render_chat
+from clover.cli.main import main
+from clover.conversion.gguf_export import export_gguf
+from clover.engine import generate
+from clover.engine.llamacpp import LlamaCppRunner
+from clover.serving import ServerOptions, create_app
+
+PROMPT = "Hello world. What is the weather?"
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory, chat_tokenizer) -> tuple[Path, Path]:
+    directory = tmp_path_factory.mktemp("runner-cli")
+    checkpoint = build_checkpoint(directory / "model", chat_tokenizer, block_size=4, max_position_embeddings=256)
+    return checkpoint, export_gguf(checkpoint, directory / "model.gguf", "f32")
+
+
+@pytest.fixture(autouse=True)
+def cache_dir(tmp_path_factory, monkeypatch):
+    """The GGUF's converted tokenizer is kept in Clover's cache directory: a temporary one here."""
+    monkeypatch.setenv("CLOVER_CACHE", str(tmp_path_factory.getbasetemp() / "clover-cache"))
+
+
+def _generate(capsys, *args: str) -> dict:
+    assert main(["generate", "--no-chat", "--json", "--threads", "1", "--max-new-tokens", "12", *args, PROMPT]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_generate_with_the_llamacpp_runner(exported, chat_tokenizer, capsys):
+    checkpoint, gguf = exported
+    out = _generate(capsys, "--runner", "llamacpp", "--model", str(gguf))
+    assert out["runner"] == "llamacpp" and out["model"] == str(gguf) and out["block_size"] == 4
+    ids = chat_tokenizer(PROMPT)["input_ids"]
+    runner = LlamaCppRunner(gguf, threads=1, max_rows=1)  # the CLI's runner: f16 KV, one row
+    want = generate(runner, [ids], 12, eos_token_ids=[chat_tokenizer.eos_token_id],
+                    vocab_limit=len(chat_tokenizer)).sequences[0]
+    assert out["token_ids"] == want
+    assert _generate(capsys, "--model", str(checkpoint))["runner"] == "torch"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--runner", "llamacpp", "--model", "{checkpoint}"], "takes a GGUF file.*clover export --to gguf"),
+    (["--runner", "llamacpp", "--model", "{gguf}", "--dtype", "bfloat16"], "--dtype.*GGUF's weight types"),
+    (["--model", "{gguf}"], "GGUF file: run it with --runner llamacpp"),
+    (["--runner", "llamacpp", "--model", "{checkpoint}/missing.gguf"], "no such GGUF file"),
+])
+def test_runner_misuse_is_a_clear_error(exported, capsys, args, message):
+    import re
+
+    checkpoint, gguf = exported
+    args = [a.format(checkpoint=checkpoint, gguf=gguf) for a in args]
+    assert main(["generate", "--no-chat", *args, PROMPT]) == 2
+    assert re.search(message, capsys.readouterr().err)
+
+
+def test_server_on_the_llamacpp_runner(exported, chat_tokenizer):
+    """Chat completions through the server equal the engine's output on the same runner; prefix reuse is off and
+    decision mode is refused with the reason."""
+    _, gguf = exported
+    runner = LlamaCppRunner(gguf, threads=1, max_rows=4)
+    app = create_app(runner, chat_tokenizer, ServerOptions(served_model_name="tiny", max_running=4))
+    messages = [{"role": "user", "content": PROMPT}]
+    ids = chat_tokenizer(render_chat(chat_tokenizer, messages, add_generation_prompt=True),
+                         add_special_tokens=False)["input_ids"]
+    with server_thread(app) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
+        reply = client.chat.completions.create(model="tiny", messages=messages, max_tokens=16)
+        want = generate(runner, [ids], 16, eos_token_ids=[chat_tokenizer.eos_token_id],
+                        vocab_limit=len(chat_tokenizer)).sequences[0]
+        assert reply.choices[0].message.content == chat_tokenizer.decode(want, skip_special_tokens=True).strip()
+        assert reply.usage.completion_tokens == len(want)
+        schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(model="tiny", messages=messages, response_format={
+                "type": "json_schema", "json_schema": {"name": "f", "schema": schema}})
+        assert err.value.body["code"] == "unsupported_runner" and "torch runner" in err.value.body["message"]
+
+
+def test_scheduler_refuses_more_rows_than_the_runner_holds(exported, chat_tokenizer):
+    _, gguf = exported
+    runner = LlamaCppRunner(gguf, threads=1, max_rows=2)
+    with pytest.raises(ValueError, match="max_running=4 exceeds the llamacpp runner's 2 rows"):
+        create_app(runner, chat_tokenizer, ServerOptions(max_running=4))
+
+
+def test_the_exported_gguf_runs_ar_in_plain_llama_cpp(exported):
+    """llama.cpp's own generation (its `Llama` class, greedy) of the export equals Clover's block-size-1 decoding."""
+    import llama_cpp
+
+    checkpoint, gguf = exported
+    model = CloverForBlockDiffusion.from_pretrained(checkpoint)
+    prompt = [5, 17, 3, 99, 42, 7, 11]
+    want = generate(model, [prompt], 12, block_size=1, eos_token_ids=[]).sequences[0]
+    llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=128, n_threads=1, verbose=False)
+    got = []
+    for token in llm.generate(prompt, top_k=1, temp=0.0):
+        got.append(token)
+        if len(got) == len(want):
+            break
+    assert got == want
