@@ -8,8 +8,10 @@
         print(piece.token_ids)  # one block's committed tokens at a time
 
 Roles: `sampling` (SamplingParams, logits -> candidates + confidence), `decoding` (unmasking rules, by name),
-`sequence` (one request's state and stats), `engine` (the loop), `exact` (exact mode's step), `reference` (the
-uncached recompute decoder the tests compare against), `detokenizer` (ids -> text, incrementally).
+`request` (one request's state and stats), `engine` (the loop), `exact` (exact mode's step), `runner` (what runs
+the network: the torch model, or `llamacpp`'s runner for an exported GGUF — every entry point taking a `model`
+takes a runner too), `reference` (the uncached recompute decoder the tests compare against), `detokenizer` (ids ->
+text, incrementally).
 Semantics and measured figures: docs/decoding.md.
 """
 
@@ -26,10 +28,12 @@ from clover.engine.detokenizer import IncrementalDetokenizer, StopAwareDetokeniz
 from clover.engine.engine import DEFAULT_PREFILL_CHUNK, Engine, Event, StepSnapshot, StreamPiece
 from clover.engine.sampling import SamplingParams
 from clover.engine.request import Detokenize
+from clover.engine.runner import ModelRunner, TorchRunner
 
 __all__ = [
     "DEFAULT_PREFILL_CHUNK", "Engine", "GenerationResult", "IncrementalDetokenizer", "RULES", "SamplingParams",
-    "StepSnapshot", "StopAwareDetokenizer", "StreamPiece", "UnmaskingRule", "generate", "make_rule",
+    "ModelRunner", "StepSnapshot", "StopAwareDetokenizer", "StreamPiece", "TorchRunner", "UnmaskingRule", "generate",
+    "make_rule",
     "register_rule", "stream",
 ]
 
@@ -76,7 +80,7 @@ def _prompts(prompts: Any, attention_mask: torch.Tensor | None) -> list[list[int
     return [list(p) for p in prompts]
 
 
-def generate(model: torch.nn.Module, prompts: Any, max_new_tokens: int = 128, *, block_size: int | None = None,
+def generate(model: torch.nn.Module | ModelRunner, prompts: Any, max_new_tokens: int = 128, *, block_size: int | None = None,
              threshold: float | None = None, rule: str | UnmaskingRule = "threshold",
              rule_options: dict[str, Any] | None = None, sampling: SamplingParams | Seq[SamplingParams] | None = None,
              attention_mask: torch.Tensor | None = None, detokenize: Detokenize | None = None,
@@ -100,7 +104,7 @@ def generate(model: torch.nn.Module, prompts: Any, max_new_tokens: int = 128, *,
     return GenerationResult(sequences, stats)
 
 
-def stream(model: torch.nn.Module, prompt_ids: Seq[int] | torch.Tensor, max_new_tokens: int = 128, *,
+def stream(model: torch.nn.Module | ModelRunner, prompt_ids: Seq[int] | torch.Tensor, max_new_tokens: int = 128, *,
            block_size: int | None = None, threshold: float | None = None, rule: str | UnmaskingRule = "threshold",
            rule_options: dict[str, Any] | None = None, sampling: SamplingParams | None = None,
            detokenize: Detokenize | None = None, vocab_limit: int | None = None,
