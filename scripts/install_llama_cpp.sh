@@ -32,11 +32,11 @@ fi
 [ -n "$installed" ] && echo "llama-cpp-python $installed does not run here or is not $VERSION: rebuilding"
 echo "building llama-cpp-python $VERSION from source for the llama.cpp runner (portable CPU flags; about 10-20"
 echo "minutes on 2 cores; full log: $LOG)"
-# ninja prints "[done/total]" per compiled file: show every tenth of the way
+# ninja prints "[done/total]" per compiled file (indented by pip -v): show every tenth of the way
 CMAKE_ARGS="$PORTABLE" FORCE_CMAKE=1 pip install -v --no-cache-dir --force-reinstall --no-deps \
     "llama-cpp-python==$VERSION" 2>&1 | tee "$LOG" | awk '
-  match($0, /^\[([0-9]+)\/([0-9]+)\]/) {
-    split(substr($0, 2, RLENGTH - 2), n, "/"); pct = int(100 * n[1] / n[2]);
+  /^ *\[[0-9]+\/[0-9]+\] / && match($0, /\[[0-9]+\/[0-9]+\]/) {
+    split(substr($0, RSTART + 1, RLENGTH - 2), n, "/"); pct = int(100 * n[1] / n[2]);
     if (pct >= next_pct) { printf "  llama.cpp build: %3d%% (%s/%s)\n", pct, n[1], n[2]; fflush(); next_pct = pct - pct % 10 + 10 }
   }'
 pip install -q "llama-cpp-python==$VERSION"  # its pure-Python dependencies (numpy, jinja2, diskcache, ...)
