@@ -380,8 +380,11 @@ def pooled_quality(per_set: dict[str, dict[str, Any]], sizes: dict[str, int]) ->
 def machine() -> dict[str, Any]:
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else ""
-    info: dict[str, Any] = {"cpu": cpu, "cores": os.cpu_count(), "load_average_at_start": os.getloadavg(),
-                            "python": platform.python_version()}
+    flags = next((set(line.split(":", 1)[1].split()) for line in Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("flags")), set()) if Path("/proc/cpuinfo").exists() else set()
+    simd = [f for f in ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "amx_tile") if f in flags]
+    info: dict[str, Any] = {"cpu": cpu, "cores": os.cpu_count(), "simd": " ".join(simd) or "unknown",
+                            "load_average_at_start": os.getloadavg(), "python": platform.python_version()}
     for package in ("llama_cpp", "torch", "transformers"):
         try:
             info[package] = __import__(package).__version__
@@ -397,15 +400,16 @@ def fmt(value: float | None, spec: str) -> str:
 def markdown(report: dict) -> str:
     cfg = report["config"]
     m = report["machine"]
-    lines = [(f"Machine: {m['cpu']}, {cfg['threads']} threads, load average at start "
-              f"{m['load_average_at_start'][0]:.1f}; llama-cpp-python {m['llama_cpp']}, torch {m['torch']}. "
-              f"Prompts per set: {report['prompts']}; batch 1, greedy."), "",
+    counts = ", ".join(f"{k} {n}" for k, n in report["prompts"].items())
+    lines = [(f"Machine: {m['cpu']} ({m['cores']} cores, {m['simd']}), {cfg['threads']} threads, load average at "
+              f"start {m['load_average_at_start'][0]:.1f}; llama-cpp-python {m['llama_cpp']}, torch {m['torch']}, "
+              f"transformers {m['transformers']}. Batch 1, greedy; prompts: {counts}."), "",
              ("| system | tok/s | tok/s after 1st block | tokens/forward | TTFT ms | peak RSS MiB | agree AR | "
               "tool exact | tool well-formed | HumanEval pass@1 |"),
              "|---|---|---|---|---|---|---|---|---|---|"]
     for name, s in report["systems"].items():
         if s["status"] != "ok":
-            lines.append(f"| {name} | {s['status']}: {s['reason']} |||||||||")
+            lines.append(f"| {name} | {s['status']} |" + " – |" * 9)
             continue
         a, q = s["all"], s["quality"]
         ttft = None if a["time_to_first_token_s"] is None else 1000 * a["time_to_first_token_s"]
@@ -413,6 +417,8 @@ def markdown(report: dict) -> str:
                      f" | {a['tokens_per_forward']:.2f} | {fmt(ttft, '.0f')} | {s['peak_rss_mib']:.0f} | "
                      f"{fmt(q.get('agree_ar'), '.2f')} | {fmt(q.get('tool_call_exact_match'), '.2f')} | "
                      f"{fmt(q.get('tool_call_well_formed'), '.2f')} | {fmt(q.get('pass_at_1'), '.2f')} |")
+    lines += [""] + [f"{name}: {s['status']}, {s['reason']}" for name, s in report["systems"].items()
+                     if s["status"] != "ok"]
     sets = list(report["prompts"])
     lines += ["", "Tokens/s end to end per set (tokens per forward):", "",
               "| system | " + " | ".join(sets) + " |", "|---|" + "---|" * len(sets)]
@@ -423,11 +429,13 @@ def markdown(report: dict) -> str:
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
     if report["aims"]:
         lines += ["", "Aims (Clover's llama.cpp runner against llama.cpp's own AR generation of the same file):", "",
-                  ("| quantisation | tools b_default ÷ AR (≥ 1.2) | code b_default ÷ AR (≥ 1.0) | "
-                   "b1 ÷ AR, all sets (≥ 0.9) |"), "|---|---|---|---|"]
+                  ("| quantisation | tools, default ÷ AR (aim ≥ 1.2) | code, default ÷ AR (aim ≥ 1.0) | "
+                   "all sets, b1 ÷ AR (aim ≥ 0.9) | prompts right, default − b1: tool calls, HumanEval "
+                   "(aim ≥ −1) |"), "|---|---|---|---|---|"]
         for quant, aim in report["aims"].items():
             lines.append(f"| {quant} | {fmt(aim['tools_speedup'], '.2f')} | {fmt(aim['code_speedup'], '.2f')} | "
-                         f"{fmt(aim['b1_ratio'], '.2f')} |")
+                         f"{fmt(aim['b1_ratio'], '.2f')} | {fmt(aim['tool_prompts_vs_b1'], '+.0f')}, "
+                         f"{fmt(aim['humaneval_prompts_vs_b1'], '+.0f')} |")
     if report["decode_cost"]:
         sizes = [str(n) for n in cfg["decode_sizes"]]
         lines += ["", (f"llama.cpp decode cost, causal attention off, after {DECODE_CACHED} cached tokens, logits "
@@ -631,11 +639,25 @@ def main() -> None:
     def ratio(a: float | None, b: float | None) -> float | None:
         return a / b if a is not None and b else None
 
+    def right(name: str, sets_: Sequence[str], key: str) -> float | None:
+        """How many prompts of `sets_` the system got right by `key` (exact match, pass@1)."""
+        s = report_systems.get(name, {})
+        if s.get("status") != "ok" or not any(k in s["sets"] for k in sets_):
+            return None
+        return sum(s["sets"][k][key] * len(prompts[k]) for k in sets_ if k in s["sets"])
+
+    def gain(a: float | None, b: float | None) -> float | None:
+        return a - b if a is not None and b is not None else None
+
     aims = {q: {"tools_speedup": ratio(speed(f"clover-llamacpp/{q}/b{block}", "tools"),
                                        speed(f"llama.cpp/clover-{q}", "tools")),
                 "code_speedup": ratio(speed(f"clover-llamacpp/{q}/b{block}", "code"),
                                       speed(f"llama.cpp/clover-{q}", "code")),
-                "b1_ratio": ratio(speed(f"clover-llamacpp/{q}/b1", "all"), speed(f"llama.cpp/clover-{q}", "all"))}
+                "b1_ratio": ratio(speed(f"clover-llamacpp/{q}/b1", "all"), speed(f"llama.cpp/clover-{q}", "all")),
+                "tool_prompts_vs_b1": gain(right(f"clover-llamacpp/{q}/b{block}", TOOL_SETS, "tool_call_exact_match"),
+                                           right(f"clover-llamacpp/{q}/b1", TOOL_SETS, "tool_call_exact_match")),
+                "humaneval_prompts_vs_b1": gain(right(f"clover-llamacpp/{q}/b{block}", ("humaneval",), "pass_at_1"),
+                                                right(f"clover-llamacpp/{q}/b1", ("humaneval",), "pass_at_1"))}
             for q in quants}
     aims = {q: a for q, a in aims.items() if any(v is not None for v in a.values())}
     report = {"config": {**{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},

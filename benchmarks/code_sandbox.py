@@ -21,7 +21,7 @@ import sys
 import tempfile
 from typing import Any
 
-CODE_BLOCK = re.compile(r"```(?:python|py)?\n(.*?)```", re.S)
+CODE_BLOCK = re.compile(r"```(?:python|py)?\n(.*?)```", re.DOTALL)
 
 # Runs inside the sandboxed interpreter, before the program: limits first, then the namespaces and guards.
 _BOOTSTRAP = r"""
@@ -109,8 +109,8 @@ def humaneval_program(problem: dict[str, Any], answer: str) -> str:
     code = extract_code(answer)
     entry = problem["entry_point"]
     prompt = problem["prompt"]
-    header = re.search(rf"^def {re.escape(entry)}\s*\(", prompt, re.M)
-    if header is not None and re.search(rf"^def {re.escape(entry)}\s*\(", code, re.M):
+    header = re.search(rf"^def {re.escape(entry)}\s*\(", prompt, re.MULTILINE)
+    if header is not None and re.search(rf"^def {re.escape(entry)}\s*\(", code, re.MULTILINE):
         program = prompt[:header.start()] + code
     else:
         program = prompt + code
