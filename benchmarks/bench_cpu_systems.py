@@ -421,7 +421,7 @@ def markdown(report: dict) -> str:
              "|---|---|---|---|---|---|---|---|---|---|"]
     for name, s in report["systems"].items():
         if s["status"] != "ok":
-            lines.append(f"| {name} | {s['status']} |" + " – |" * 9)
+            lines.append(f"| {name} | {s['status']} |" + " – |" * 8)
             continue
         a, q = s["all"], s["quality"]
         ttft = None if a["time_to_first_token_s"] is None else 1000 * a["time_to_first_token_s"]
