@@ -67,20 +67,25 @@ def run_python(source: str, timeout_s: float = 10.0, memory_mb: int = 1024) -> E
         env = {"PATH": "/usr/bin:/bin", "HOME": tmp, "TMPDIR": tmp, "LANG": "C.UTF-8", "PYTHONHASHSEED": "0",
                "OMP_NUM_THREADS": "1"}
         cpu_s = int(timeout_s) + 1  # the wall-clock timeout below is the real limit; this one backs it up
-        proc = subprocess.Popen([sys.executable, "-I", "-c", _BOOTSTRAP, str(memory_mb << 20), str(cpu_s)],
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=tmp,
-                                env=env, start_new_session=True, text=True)
-        try:
-            _, err = proc.communicate(source, timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            _kill_group(proc.pid)
-            proc.communicate()
-            return ExecResult("timed out", f"no exit within {timeout_s:g} s")
-        finally:
-            _kill_group(proc.pid)  # whatever the program left running in its session
+        # stdout is dropped and stderr goes to an unnamed file the size limit caps: a program that prints
+        # without end cannot fill this process's memory
+        with tempfile.TemporaryFile("w+", errors="replace") as err:
+            proc = subprocess.Popen([sys.executable, "-I", "-c", _BOOTSTRAP, str(memory_mb << 20), str(cpu_s)],
+                                    stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=err, cwd=tmp, env=env,
+                                    start_new_session=True, text=True)
+            try:
+                proc.communicate(source, timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                _kill_group(proc.pid)
+                proc.wait()
+                return ExecResult("timed out", f"no exit within {timeout_s:g} s")
+            finally:
+                _kill_group(proc.pid)  # whatever the program left running in its session
+            err.seek(0)
+            detail = err.read().strip()[-500:]
     if proc.returncode == 0:
         return ExecResult("passed", "")
-    return ExecResult("failed", err.strip()[-500:] or f"exit status {proc.returncode}")
+    return ExecResult("failed", detail or f"exit status {proc.returncode}")
 
 
 def _kill_group(pid: int) -> None:

@@ -61,6 +61,13 @@ def test_an_infinite_loop_is_timed_out(sandbox):
     assert time.perf_counter() - t0 < 10
 
 
+def test_endless_output_is_cut_off(sandbox):
+    assert sandbox.run_python("while True:\n    print('x' * 1000)\n", timeout_s=1.0).status == "timed out"
+    # stderr is kept only up to the file-size limit: writing past it ends the program
+    assert sandbox.run_python("import sys\nwhile True:\n    sys.stderr.write('x' * 100000)\n",
+                              timeout_s=5.0).status == "failed"
+
+
 def test_the_sandbox_limits_memory_and_refuses_network_and_processes(sandbox, tmp_path):
     assert sandbox.run_python("x = bytearray(2 << 30)\n", memory_mb=256).status == "failed"
     net = sandbox.run_python("import socket\nsocket.create_connection(('1.1.1.1', 53), timeout=2)\n")
