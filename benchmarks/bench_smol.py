@@ -22,7 +22,6 @@ import argparse
 import ast
 import dataclasses
 import json
-import re
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -30,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from code_sandbox import CODE_BLOCK  # benchmarks/, next to this script
 
 from clover.chat_template import parse_assistant_output, render_chat
 from clover.cli.generate import DTYPES
@@ -39,7 +39,6 @@ from clover.tokenizer import load_tokenizer
 from clover.training.bfcl import bfcl_to_chats, load_bfcl, tool_call_matches
 
 HELDOUT = Path(__file__).resolve().parents[1] / "recipes" / "clover_smol" / "heldout.jsonl"
-CODE_BLOCK = re.compile(r"```(?:python|py)?\n(.*?)```", re.S)
 
 
 def agreement(a: list[int], b: list[int], n: int = 64) -> float:
@@ -88,18 +87,30 @@ def has_threshold(rule: str) -> bool:
     return "threshold" in {f.name for f in dataclasses.fields(RULES[rule])}
 
 
-def run_mode(model: CloverForBlockDiffusion, tokenizer: Any, chats: Chats, block_size: int, threshold: float,
-             max_new_tokens: int, rule: str = "threshold") -> list[tuple[list[int], dict, float]]:
-    """(new ids, engine stats, wall seconds) per chat, one at a time."""
+def prompt_ids(tokenizer: Any, chat: dict) -> list[int]:
+    """The prompt's token ids: the chat (and its tools) in Clover's template, with the generation prompt."""
+    text = render_chat(tokenizer, chat["messages"], chat["tools"], add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def run_mode(model: Any, prompts: Sequence[list[int]], block_size: int, threshold: float, max_new_tokens: int,
+             rule: str = "threshold", vocab_limit: int | None = None) -> list[tuple[list[int], dict, float]]:
+    """(new ids, engine stats, wall seconds) per prompt, one at a time; `model` is a Clover model or runner."""
     results = []
-    for chat, _ in chats:
-        text = render_chat(tokenizer, chat["messages"], chat["tools"], add_generation_prompt=True)
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    for ids in prompts:
         t0 = time.perf_counter()
         out = generate(model, [ids], max_new_tokens=max_new_tokens, block_size=block_size, threshold=threshold,
-                       rule=rule, vocab_limit=len(tokenizer))
+                       rule=rule, vocab_limit=vocab_limit)
         results.append((out.sequences[0], out.stats[0], time.perf_counter() - t0))
     return results
+
+
+def tool_quality(texts: Sequence[str], chats: Chats) -> dict[str, float]:
+    """Exact match (BFCL AST rules) of the answers' tool calls, and the share with a well-formed one: at least
+    one <tool_call> block that parses (a JSON object with name and arguments)."""
+    calls = [parse_assistant_output(t)[2] for t in texts]
+    return {"tool_call_exact_match": statistics.mean(tool_call_matches(c, ans) for c, (_, ans) in zip(calls, chats)),
+            "tool_call_well_formed": statistics.mean(bool(c) for c in calls)}
 
 
 def measure(model: CloverForBlockDiffusion, tokenizer: Any, sets: dict[str, Chats],
@@ -114,7 +125,8 @@ def measure(model: CloverForBlockDiffusion, tokenizer: Any, sets: dict[str, Chat
     for name, chats in sets.items():
         if not chats:
             continue
-        runs = {mode: run_mode(model, tokenizer, chats, b, t, max_new_tokens, rule if t < 1.0 else exact_rule)
+        prompts = [prompt_ids(tokenizer, chat) for chat, _ in chats]
+        runs = {mode: run_mode(model, prompts, b, t, max_new_tokens, rule if t < 1.0 else exact_rule, len(tokenizer))
                 for mode, (b, t) in modes.items()}
         report[name] = {}
         for mode, results in runs.items():
@@ -126,11 +138,7 @@ def measure(model: CloverForBlockDiffusion, tokenizer: Any, sets: dict[str, Chat
             decode_s = sum(r[1]["wall_time_s"] - r[1]["time_to_first_token_s"] for r in results)
             texts = [tokenizer.decode(r[0], skip_special_tokens=True) for r in results]
             if name.startswith("tools"):
-                calls = [parse_assistant_output(t)[2] for t in texts]
-                score = statistics.mean(tool_call_matches(c, ans) for c, (_, ans) in zip(calls, chats))
-                # well-formed: at least one <tool_call> block that parses (a JSON object with name and arguments)
-                quality = {"tool_call_exact_match": score,
-                           "tool_call_well_formed": statistics.mean(bool(c) for c in calls)}
+                quality = tool_quality(texts, chats)
             else:
                 quality = {f"agree_{ref}": statistics.mean(agreement(r[0], e[0]) for r, e in zip(results, runs[ref]))
                            for ref in ("exact", "ar") if ref in runs}
