@@ -579,7 +579,7 @@ def main() -> None:
     history = (prompts[next(iter(prompts))][0] * DECODE_CACHED)[:DECODE_CACHED]
     job = {"prompts": prompts, "max_new_tokens": max_new, "eos": config.eos_token_ids, "threads": args.threads,
            "vocab_limit": len(tokenizer), "model_dir": str(model_dir), "hf_base_dir": hf_dir,
-           "n_ctx": longest + 16, "history": history, "decode_sizes": list(DECODE_SIZES),
+           "n_ctx": longest + 64, "history": history, "decode_sizes": list(DECODE_SIZES),
            "repeats": args.decode_repeats}
     job_path = args.work / "job.json"
     job_path.write_text(json.dumps(job) + "\n")
