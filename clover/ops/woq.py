@@ -1,0 +1,163 @@
+"""Weight-only quantised (and packed) linear layers for CPU forwards over a few rows.
+
+A decoding step of a small model on a CPU reads every weight once for a handful of rows (one token, or a block
+of them): the cost is the bytes read, if the kernel reads each weight once whatever the row count. torch's own
+paths do not, on an AVX2 machine: its bf16 matmul and `_weight_int8pack_mm` / `_weight_int4pack_mm_for_cpu`
+grow linearly with the rows (docs/cpu.md has the measurements). `csrc/woq.cpp` does: it streams the weights in
+blocks of 16 output columns, decodes a tile of each block into fp32 once and runs every row over it.
+
+Formats (weight `W [O, K]`; `q` the stored integers):
+
+* `fp32`, `bf16`: the weights as they are, only re-laid out (`bf16` halves the bytes of `fp32`).
+* `int8`: symmetric, one scale per output column: `W[o, k] ~= s[o] * q[o, k]`, `q` in [-127, 127],
+  `s[o] = max_k |W[o, k]| / 127`.
+* `int4`: asymmetric per group of `group_size` consecutive k of an output column (llama.cpp's Q4_1):
+  `W[o, k] ~= s[o, g] * q[o, k] + m[o, g]`, `q` in [0, 15], `m` the group's minimum, `s = (max - m) / 15`.
+
+Packed layout (`pack`): output columns padded to a multiple of 16, element `(o, k)` at `[o // 16, k, o % 16]`
+(int4: `[o // 16, k // 2, o % 16]`, even k in the low nibble); int4 scales and minima as `[O/16, K/g, 16]`.
+`unpack` inverts it to a dense fp32 matrix: `reference_linear` (dequantise, then `F.linear`) is what the fast
+path is tested against, and what runs where the extension cannot (another device).
+
+The extension is compiled on first use (`torch.utils.cpp_extension`, a C++ compiler required) into
+`$CLOVER_CACHE/extensions/` and reused by later processes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+KINDS = {"fp32": 0, "bf16": 1, "int8": 2, "int4": 3}
+BLOCK = 16  # output columns per packed block (the kernel's register tile is 16 wide)
+TILE_K = 256  # K per decoded tile: 256 x 16 fp32 = 16 KiB, well inside L1
+DEFAULT_GROUP_SIZE = 32  # int4: llama.cpp's Q4_0/Q4_1 block, the format clover-smol's base weights come in
+SOURCE = Path(__file__).parent / "csrc" / "woq.cpp"
+
+_extension: Any = None
+
+
+def extension() -> Any:
+    """The compiled kernel module (built once per source and torch version, then loaded from the cache)."""
+    global _extension
+    if _extension is None:
+        from torch.utils import cpp_extension
+
+        from clover.smol import cache_root
+
+        compiler = os.environ.get("CXX", "c++")
+        if shutil.which(compiler) is None:
+            raise RuntimeError(f"clover's quantised CPU kernels are compiled on first use and need a C++ compiler, "
+                               f"but {compiler!r} was not found: install one (e.g. `apt-get install g++`) or set CXX")
+        source = SOURCE.read_text()
+        tag = hashlib.sha256(f"{source}|{torch.__version__}".encode()).hexdigest()[:12]
+        build = cache_root() / "extensions" / f"woq-{tag}"
+        build.mkdir(parents=True, exist_ok=True)
+        logger.info("loading the weight-only-quantisation kernel from %s (compiled there on first use)", build)
+        # -O3 only: the AVX2 path is selected per function and at run time, so the build stays portable
+        _extension = cpp_extension.load(name=f"clover_woq_{tag}", sources=[str(SOURCE)], build_directory=str(build),
+                                        extra_cflags=["-O3"], verbose=False)
+    return _extension
+
+
+def chunk_for(kind: str, group_size: int) -> int:
+    """K per decoded tile: `TILE_K`, or for int4 the whole groups closest to it (a tile never splits a group)."""
+    if kind != "int4":
+        return TILE_K
+    return group_size * max(1, TILE_K // group_size)
+
+
+def check(kind: str, in_features: int, group_size: int, name: str = "weight") -> None:
+    if kind not in KINDS:
+        raise ValueError(f"unknown weight format {kind!r}: expected one of {list(KINDS)}")
+    if kind == "int4":
+        if group_size <= 0 or group_size % 2:
+            raise ValueError(f"int4 group_size must be a positive even number, got {group_size}")
+        if in_features % group_size:
+            raise ValueError(f"int4 with group_size {group_size} cannot quantise {name}: its input dimension "
+                             f"{in_features} is not a multiple of {group_size}")
+
+
+def pack(weight: torch.Tensor, kind: str, group_size: int = DEFAULT_GROUP_SIZE,
+         name: str = "weight") -> dict[str, torch.Tensor]:
+    """`W [O, K]` -> `{"qweight", "scale", "zero"}` in the packed layout (module docstring)."""
+    out_features, in_features = weight.shape
+    check(kind, in_features, group_size, name)
+    w = weight.detach().float()
+    pad = -out_features % BLOCK
+    if pad:
+        w = torch.cat([w, w.new_zeros(pad, in_features)])
+    blocks = w.shape[0] // BLOCK
+    empty = w.new_zeros(0)
+
+    def blocked(t: torch.Tensor) -> torch.Tensor:  # [Opad, C] -> [Opad/16, C, 16]
+        return t.view(blocks, BLOCK, -1).transpose(1, 2).contiguous()
+
+    if kind == "fp32":
+        return {"qweight": blocked(w), "scale": empty, "zero": empty}
+    if kind == "bf16":  # stored as int16 bits, so a model-wide `.to(dtype)` leaves it alone
+        return {"qweight": blocked(w.to(torch.bfloat16).view(torch.int16)), "scale": empty, "zero": empty}
+    if kind == "int8":
+        scale = w.abs().amax(dim=1) / 127
+        q = torch.round(w / scale.clamp(min=torch.finfo(torch.float32).tiny)[:, None]).clamp(-127, 127)
+        return {"qweight": blocked(q.to(torch.int8)), "scale": scale.contiguous(), "zero": empty}
+    groups = w.view(w.shape[0], in_features // group_size, group_size)
+    low, high = groups.amin(dim=2), groups.amax(dim=2)
+    scale = (high - low) / 15
+    q = torch.round((groups - low[..., None]) / scale.clamp(min=torch.finfo(torch.float32).tiny)[..., None])
+    q = blocked(q.clamp(0, 15).to(torch.uint8).view(w.shape[0], in_features))  # [O/16, K, 16]
+    q = q.view(blocks, in_features // 2, 2, BLOCK)
+    return {"qweight": (q[:, :, 0] | (q[:, :, 1] << 4)).contiguous(), "scale": blocked(scale), "zero": blocked(low)}
+
+
+def unpack(qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, kind: str, out_features: int,
+           in_features: int, group_size: int = DEFAULT_GROUP_SIZE) -> torch.Tensor:
+    """The dense fp32 `[O, K]` weights a packed one stands for (dequantised)."""
+    check(kind, in_features, group_size)
+
+    def unblocked(t: torch.Tensor) -> torch.Tensor:  # [Opad/16, C, 16] -> [O, C]
+        return t.transpose(1, 2).reshape(-1, t.shape[1])[:out_features]
+
+    if kind == "fp32":
+        return unblocked(qweight)
+    if kind == "bf16":
+        return unblocked(qweight.view(torch.bfloat16)).float()
+    if kind == "int8":
+        return unblocked(qweight).float() * scale.float()[:out_features, None]
+    q = torch.stack([qweight & 15, qweight >> 4], dim=2).view(qweight.shape[0], in_features, BLOCK)
+    q = unblocked(q).float().view(out_features, -1, group_size)
+    w = q * unblocked(scale.float())[..., None] + unblocked(zero.float())[..., None]
+    return w.view(out_features, in_features)
+
+
+def reference_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, kind: str,
+                     out_features: int, group_size: int = DEFAULT_GROUP_SIZE) -> torch.Tensor:
+    """Dequantise, then an fp32 matmul: `x [..., K]` -> `[..., O]` fp32."""
+    w = unpack(qweight, scale, zero, kind, out_features, x.shape[-1], group_size)
+    return F.linear(x.float(), w.to(x.device))
+
+
+def woq_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, kind: str,
+               out_features: int, group_size: int = DEFAULT_GROUP_SIZE, vectorised: bool = True) -> torch.Tensor:
+    """`x [..., K]` (any float dtype) -> `[..., O]` fp32 by the kernel (`vectorised=False`: its scalar path)."""
+    lead = x.shape[:-1]
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.dtype != torch.float32 or not rows.is_contiguous():
+        rows = rows.float().contiguous()
+    y = extension().woq_linear(rows, qweight, scale.float(), zero.float(), KINDS[kind], out_features, group_size,
+                               chunk_for(kind, group_size), vectorised)
+    return y.view(*lead, out_features)
+
+
+def has_avx2() -> bool:
+    """Whether the kernel's AVX2+FMA path runs on this CPU (otherwise its portable scalar path does)."""
+    return bool(extension().has_avx2())
