@@ -12,7 +12,11 @@ Formats (weight `W [O, K]`; `q` the stored integers):
 * `int8`: symmetric, one scale per output column: `W[o, k] ~= s[o] * q[o, k]`, `q` in [-127, 127],
   `s[o] = max_k |W[o, k]| / 127`.
 * `int4`: asymmetric per group of `group_size` consecutive k of an output column (llama.cpp's Q4_1):
-  `W[o, k] ~= s[o, g] * q[o, k] + m[o, g]`, `q` in [0, 15], `m` the group's minimum, `s = (max - m) / 15`.
+  `W[o, k] ~= s[o, g] * q[o, k] + m[o, g]`, `q` in [0, 15], `m` the group's minimum, `s = (max - m) / 15`,
+  both fp16: 0.5 + 4 / group_size bytes per weight (0.625 at the default 32).
+
+Every packed tensor is stored with an integer dtype (fp32 as int32 bits, bf16 / fp16 as int16 bits), so a
+model-wide `.to(dtype)` never rounds them.
 
 Packed layout (`pack`): output columns padded to a multiple of 16, element `(o, k)` at `[o // 16, k, o % 16]`
 (int4: `[o // 16, k // 2, o % 16]`, even k in the low nibble); int4 scales and minima as `[O/16, K/g, 16]`.
@@ -79,6 +83,8 @@ def chunk_for(kind: str, group_size: int) -> int:
 def check(kind: str, in_features: int, group_size: int, name: str = "weight") -> None:
     if kind not in KINDS:
         raise ValueError(f"unknown weight format {kind!r}: expected one of {list(KINDS)}")
+    if in_features % 8:
+        raise ValueError(f"cannot pack {name}: its input dimension {in_features} is not a multiple of 8")
     if kind == "int4":
         if group_size <= 0 or group_size % 2:
             raise ValueError(f"int4 group_size must be a positive even number, got {group_size}")
@@ -103,20 +109,22 @@ def pack(weight: torch.Tensor, kind: str, group_size: int = DEFAULT_GROUP_SIZE,
         return t.view(blocks, BLOCK, -1).transpose(1, 2).contiguous()
 
     if kind == "fp32":
-        return {"qweight": blocked(w), "scale": empty, "zero": empty}
+        return {"qweight": blocked(w).view(torch.int32), "scale": empty, "zero": empty}
     if kind == "bf16":  # stored as int16 bits, so a model-wide `.to(dtype)` leaves it alone
         return {"qweight": blocked(w.to(torch.bfloat16).view(torch.int16)), "scale": empty, "zero": empty}
     if kind == "int8":
         scale = w.abs().amax(dim=1) / 127
         q = torch.round(w / scale.clamp(min=torch.finfo(torch.float32).tiny)[:, None]).clamp(-127, 127)
-        return {"qweight": blocked(q.to(torch.int8)), "scale": scale.contiguous(), "zero": empty}
+        return {"qweight": blocked(q.to(torch.int8)), "scale": scale.contiguous().view(torch.int32), "zero": empty}
     groups = w.view(w.shape[0], in_features // group_size, group_size)
-    low, high = groups.amin(dim=2), groups.amax(dim=2)
-    scale = (high - low) / 15
-    q = torch.round((groups - low[..., None]) / scale.clamp(min=torch.finfo(torch.float32).tiny)[..., None])
-    q = blocked(q.clamp(0, 15).to(torch.uint8).view(w.shape[0], in_features))  # [O/16, K, 16]
+    # the fp16-rounded scale and minimum are the ones dequantisation uses, so q is rounded against them
+    low = groups.amin(dim=2).half()
+    scale = ((groups.amax(dim=2) - low.float()) / 15).half()
+    q = (groups - low.float()[..., None]) / scale.float().clamp(min=torch.finfo(torch.float16).tiny)[..., None]
+    q = blocked(torch.round(q).clamp(0, 15).to(torch.uint8).view(w.shape[0], in_features))  # [O/16, K, 16]
     q = q.view(blocks, in_features // 2, 2, BLOCK)
-    return {"qweight": (q[:, :, 0] | (q[:, :, 1] << 4)).contiguous(), "scale": blocked(scale), "zero": blocked(low)}
+    return {"qweight": (q[:, :, 0] | (q[:, :, 1] << 4)).contiguous(),
+            "scale": blocked(scale).view(torch.int16), "zero": blocked(low).view(torch.int16)}
 
 
 def unpack(qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, kind: str, out_features: int,
@@ -128,14 +136,15 @@ def unpack(qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, kind:
         return t.transpose(1, 2).reshape(-1, t.shape[1])[:out_features]
 
     if kind == "fp32":
-        return unblocked(qweight)
+        return unblocked(qweight.view(torch.float32))
     if kind == "bf16":
         return unblocked(qweight.view(torch.bfloat16)).float()
     if kind == "int8":
-        return unblocked(qweight).float() * scale.float()[:out_features, None]
+        return unblocked(qweight).float() * scale.view(torch.float32)[:out_features, None]
     q = torch.stack([qweight & 15, qweight >> 4], dim=2).view(qweight.shape[0], in_features, BLOCK)
     q = unblocked(q).float().view(out_features, -1, group_size)
-    w = q * unblocked(scale.float())[..., None] + unblocked(zero.float())[..., None]
+    scale, zero = (unblocked(t.view(torch.float16)).float()[..., None] for t in (scale, zero))
+    w = q * scale + zero
     return w.view(out_features, in_features)
 
 
@@ -153,7 +162,7 @@ def woq_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero
     rows = x.reshape(-1, x.shape[-1])
     if rows.dtype != torch.float32 or not rows.is_contiguous():
         rows = rows.float().contiguous()
-    y = extension().woq_linear(rows, qweight, scale.float(), zero.float(), KINDS[kind], out_features, group_size,
+    y = extension().woq_linear(rows, qweight, scale, zero, KINDS[kind], out_features, group_size,
                                chunk_for(kind, group_size), vectorised)
     return y.view(*lead, out_features)
 

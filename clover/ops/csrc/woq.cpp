@@ -1,5 +1,5 @@
 // Weight-streaming linear for small row counts on a CPU: y[R, O] = x[R, K] @ W[O, K]^T, with W stored as
-// fp32, bf16, int8 (one scale per output) or int4 (a scale and an offset per output and group of K).
+// fp32, bf16, int8 (one fp32 scale per output) or int4 (an fp16 scale and offset per output and group of K).
 //
 // W is packed in blocks of 16 output columns, K-major inside a block: element (o, k) lives at
 // [o / 16][k][o % 16] (int4: two k per byte, even k in the low nibble). A thread takes whole blocks; for each
@@ -9,6 +9,7 @@
 //
 // One source compiles to an AVX2+FMA path (function target attributes, chosen at run time) and a portable
 // scalar path; no -march flag, so the same build runs on any x86-64 (and the scalar path on other CPUs).
+#include <c10/util/Half.h>
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -34,10 +35,13 @@ struct Args {
   int64_t rows, K, O, blocks, kc_max, group;
   int64_t kind;
   const void* w;
-  const float* scale;
-  const float* zero;
+  const float* scale;    // int8: [O padded to 16] fp32
+  const uint16_t* hscale;  // int4: [O / 16, K / group, 16] fp16 bits
+  const uint16_t* hzero;
   float* y;
 };
+
+inline float half_to_f32(uint16_t v) { return static_cast<float>(c10::Half(v, c10::Half::from_bits())); }
 
 inline float bf16_to_f32(uint16_t v) {
   uint32_t u = static_cast<uint32_t>(v) << 16;
@@ -69,12 +73,12 @@ const float* tile_scalar(const Args& a, int64_t b, int64_t k0, int64_t kc, float
       const int64_t groups = K / a.group;
       for (int64_t k = 0; k < kc; ++k) {
         const int64_t g = (k0 + k) / a.group;
-        const float* s = a.scale + (b * groups + g) * NB;
-        const float* z = a.zero + (b * groups + g) * NB;
+        const uint16_t* s = a.hscale + (b * groups + g) * NB;
+        const uint16_t* z = a.hzero + (b * groups + g) * NB;
         const uint8_t* row = w + (k / 2) * NB;
         for (int j = 0; j < NB; ++j) {
           const int q = (k & 1) ? (row[j] >> 4) : (row[j] & 15);
-          tile[k * NB + j] = static_cast<float>(q) * s[j] + z[j];
+          tile[k * NB + j] = static_cast<float>(q) * half_to_f32(s[j]) + half_to_f32(z[j]);
         }
       }
       return tile;
@@ -96,7 +100,7 @@ void rows_scalar(const Args& a, int64_t b, int64_t k0, int64_t kc, const float* 
 
 // -- AVX2 + FMA path -------------------------------------------------------------------------------------
 #ifdef WOQ_X86
-__attribute__((target("avx2,fma"))) const float* tile_avx2(const Args& a, int64_t b, int64_t k0, int64_t kc,
+__attribute__((target("avx2,fma,f16c"))) const float* tile_avx2(const Args& a, int64_t b, int64_t k0, int64_t kc,
                                                             float* tile) {
   const int64_t K = a.K;
   switch (a.kind) {
@@ -128,10 +132,10 @@ __attribute__((target("avx2,fma"))) const float* tile_avx2(const Args& a, int64_
       const __m256i low = _mm256_set1_epi32(15);
       for (int64_t k = 0; k < kc; k += 2) {
         const int64_t g = (k0 + k) / a.group;
-        const float* s = a.scale + (b * groups + g) * NB;
-        const float* z = a.zero + (b * groups + g) * NB;
-        const __m256 s0 = _mm256_loadu_ps(s), s1 = _mm256_loadu_ps(s + 8);
-        const __m256 z0 = _mm256_loadu_ps(z), z1 = _mm256_loadu_ps(z + 8);
+        const __m128i* s = reinterpret_cast<const __m128i*>(a.hscale + (b * groups + g) * NB);
+        const __m128i* z = reinterpret_cast<const __m128i*>(a.hzero + (b * groups + g) * NB);
+        const __m256 s0 = _mm256_cvtph_ps(_mm_loadu_si128(s)), s1 = _mm256_cvtph_ps(_mm_loadu_si128(s + 1));
+        const __m256 z0 = _mm256_cvtph_ps(_mm_loadu_si128(z)), z1 = _mm256_cvtph_ps(_mm_loadu_si128(z + 1));
         __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + (k / 2) * NB));
         __m256i q0 = _mm256_cvtepu8_epi32(q), q1 = _mm256_cvtepu8_epi32(_mm_srli_si128(q, 8));
         float* t = tile + k * NB;
@@ -145,50 +149,65 @@ __attribute__((target("avx2,fma"))) const float* tile_avx2(const Args& a, int64_
   }
 }
 
-template <int R>
-__attribute__((target("avx2,fma"))) void tile_rows_avx2(const float* x, int64_t ldx, const float* t, int64_t kc,
+// R rows x 16 columns of accumulators, U of them per k (taking k round-robin): with few rows, the FMA latency
+// (4-5 cycles) would otherwise serialise each accumulator's chain, so R * U >= 4 keeps the FMA ports busy.
+template <int R, int U>
+__attribute__((target("avx2,fma,f16c"))) void tile_rows_avx2(const float* x, int64_t ldx, const float* t, int64_t kc,
                                                          float* y, int64_t ldy, int64_t cols) {
-  __m256 c0[R], c1[R];
-  for (int i = 0; i < R; ++i) c0[i] = c1[i] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < kc; ++k) {
-    const __m256 w0 = _mm256_loadu_ps(t + k * NB), w1 = _mm256_loadu_ps(t + k * NB + 8);  // fp32 weights: maybe unaligned
-    for (int i = 0; i < R; ++i) {
-      const __m256 xv = _mm256_broadcast_ss(x + i * ldx + k);
-      c0[i] = _mm256_fmadd_ps(xv, w0, c0[i]);
-      c1[i] = _mm256_fmadd_ps(xv, w1, c1[i]);
+  __m256 c0[U][R], c1[U][R];
+#pragma GCC unroll 24
+  for (int u = 0; u < U; ++u)
+#pragma GCC unroll 8
+    for (int i = 0; i < R; ++i) c0[u][i] = c1[u][i] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < kc; k += U) {  // kc is a multiple of U (U divides 4, kc of 8)
+#pragma GCC unroll 4
+    for (int u = 0; u < U; ++u) {
+      const __m256 w0 = _mm256_loadu_ps(t + (k + u) * NB), w1 = _mm256_loadu_ps(t + (k + u) * NB + 8);
+#pragma GCC unroll 8
+      for (int i = 0; i < R; ++i) {
+        const __m256 xv = _mm256_broadcast_ss(x + i * ldx + k + u);
+        c0[u][i] = _mm256_fmadd_ps(xv, w0, c0[u][i]);
+        c1[u][i] = _mm256_fmadd_ps(xv, w1, c1[u][i]);
+      }
     }
   }
+#pragma GCC unroll 8
   for (int i = 0; i < R; ++i) {
+    __m256 s0 = c0[0][i], s1 = c1[0][i];
+#pragma GCC unroll 4
+    for (int u = 1; u < U; ++u) s0 = _mm256_add_ps(s0, c0[u][i]), s1 = _mm256_add_ps(s1, c1[u][i]);
     float* yr = y + i * ldy;
     if (cols == NB) {
-      _mm256_storeu_ps(yr, _mm256_add_ps(_mm256_loadu_ps(yr), c0[i]));
-      _mm256_storeu_ps(yr + 8, _mm256_add_ps(_mm256_loadu_ps(yr + 8), c1[i]));
+      _mm256_storeu_ps(yr, _mm256_add_ps(_mm256_loadu_ps(yr), s0));
+      _mm256_storeu_ps(yr + 8, _mm256_add_ps(_mm256_loadu_ps(yr + 8), s1));
     } else {  // the last, partial block of an output size that 16 does not divide
       alignas(32) float acc[NB];
-      _mm256_store_ps(acc, c0[i]);
-      _mm256_store_ps(acc + 8, c1[i]);
+      _mm256_store_ps(acc, s0);
+      _mm256_store_ps(acc + 8, s1);
       for (int64_t j = 0; j < cols; ++j) yr[j] += acc[j];
     }
   }
 }
 
-__attribute__((target("avx2,fma"))) void rows_avx2(const Args& a, int64_t b, int64_t k0, int64_t kc, const float* t) {
+__attribute__((target("avx2,fma,f16c"))) void rows_avx2(const Args& a, int64_t b, int64_t k0, int64_t kc, const float* t) {
   const int64_t cols = std::min<int64_t>(NB, a.O - b * NB);
   for (int64_t r = 0; r < a.rows; r += MR) {
     const float* x = a.x + r * a.K + k0;
     float* y = a.y + r * a.O + b * NB;
     switch (std::min<int64_t>(MR, a.rows - r)) {
-      case 1: tile_rows_avx2<1>(x, a.K, t, kc, y, a.O, cols); break;
-      case 2: tile_rows_avx2<2>(x, a.K, t, kc, y, a.O, cols); break;
-      case 3: tile_rows_avx2<3>(x, a.K, t, kc, y, a.O, cols); break;
-      case 4: tile_rows_avx2<4>(x, a.K, t, kc, y, a.O, cols); break;
-      case 5: tile_rows_avx2<5>(x, a.K, t, kc, y, a.O, cols); break;
-      default: tile_rows_avx2<6>(x, a.K, t, kc, y, a.O, cols); break;
+      case 1: tile_rows_avx2<1, 4>(x, a.K, t, kc, y, a.O, cols); break;
+      case 2: tile_rows_avx2<2, 2>(x, a.K, t, kc, y, a.O, cols); break;
+      case 3: tile_rows_avx2<3, 1>(x, a.K, t, kc, y, a.O, cols); break;
+      case 4: tile_rows_avx2<4, 1>(x, a.K, t, kc, y, a.O, cols); break;
+      case 5: tile_rows_avx2<5, 1>(x, a.K, t, kc, y, a.O, cols); break;
+      default: tile_rows_avx2<6, 1>(x, a.K, t, kc, y, a.O, cols); break;
     }
   }
 }
 
-bool has_avx2() { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); }
+bool has_avx2() {
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+}
 #else
 bool has_avx2() { return false; }
 #endif
@@ -222,8 +241,9 @@ torch::Tensor woq_linear(torch::Tensor x, torch::Tensor w, torch::Tensor scale, 
   TORCH_CHECK(w.is_contiguous() && scale.is_contiguous() && zero.is_contiguous(), "packed tensors must be contiguous");
   auto y = torch::zeros({x.size(0), out_features}, x.options());
   Args a{x.data_ptr<float>(), x.size(0), x.size(1), out_features, (out_features + NB - 1) / NB, chunk, group, kind,
-         w.data_ptr(), scale.numel() ? scale.data_ptr<float>() : nullptr,
-         zero.numel() ? zero.data_ptr<float>() : nullptr, y.data_ptr<float>()};
+         w.data_ptr(), kind == INT8 ? static_cast<const float*>(scale.data_ptr()) : nullptr,
+         kind == INT4 ? static_cast<const uint16_t*>(scale.data_ptr()) : nullptr,
+         kind == INT4 ? static_cast<const uint16_t*>(zero.data_ptr()) : nullptr, y.data_ptr<float>()};
   if (a.rows) run(a, vector && has_avx2());
   return y;
 }
