@@ -9,17 +9,17 @@ blocks of 16 output columns, decodes a tile of each block into fp32 once and run
 Formats (weight `W [O, K]`; `q` the stored integers):
 
 * `fp32`, `bf16`: the weights as they are, only re-laid out (`bf16` halves the bytes of `fp32`).
-* `int8`: symmetric, one scale per output column: `W[o, k] ~= s[o] * q[o, k]`, `q` in [-127, 127],
-  `s[o] = max_k |W[o, k]| / 127`.
-* `int4`: asymmetric per group of `group_size` consecutive k of an output column (llama.cpp's Q4_1):
-  `W[o, k] ~= s[o, g] * q[o, k] + m[o, g]`, `q` in [0, 15], `m` the group's minimum, `s = (max - m) / 15`,
-  both fp16: 0.5 + 4 / group_size bytes per weight (0.625 at the default 32).
+* `int8`: symmetric per group `g` of `group_size` consecutive k of an output column (llama.cpp's Q8_0):
+  `W[o, k] ~= s[o, g] * q[o, k]`, `q` in [-127, 127], `s = max |W| / 127` over the group, fp16:
+  1 + 2 / group_size bytes per weight (1.06 at the default 32).
+* `int4`: asymmetric per group (llama.cpp's Q4_1): `W[o, k] ~= s[o, g] * q[o, k] + m[o, g]`, `q` in [0, 15],
+  `m` the group's minimum, `s = (max - m) / 15`, both fp16: 0.5 + 4 / group_size bytes per weight (0.625 at the default 32).
 
 Every packed tensor is stored with an integer dtype (fp32 as int32 bits, bf16 / fp16 as int16 bits), so a
 model-wide `.to(dtype)` never rounds them.
 
 Packed layout (`pack`): output columns padded to a multiple of 16, element `(o, k)` at `[o // 16, k, o % 16]`
-(int4: `[o // 16, k // 2, o % 16]`, even k in the low nibble); int4 scales and minima as `[O/16, K/g, 16]`.
+(int4: `[o // 16, k // 2, o % 16]`, even k in the low nibble); scales and minima as `[O/16, K/g, 16]`.
 `unpack` inverts it to a dense fp32 matrix: `reference_linear` (dequantise, then `F.linear`) is what the fast
 path is tested against, and what runs where the extension cannot (another device).
 
@@ -44,7 +44,7 @@ logger = logging.getLogger(__name__)
 KINDS = {"fp32": 0, "bf16": 1, "int8": 2, "int4": 3}
 BLOCK = 16  # output columns per packed block (the kernel's register tile is 16 wide)
 TILE_K = 256  # K per decoded tile: 256 x 16 fp32 = 16 KiB, well inside L1
-DEFAULT_GROUP_SIZE = 32  # int4: llama.cpp's Q4_0/Q4_1 block, the format clover-smol's base weights come in
+DEFAULT_GROUP_SIZE = 32  # llama.cpp's Q4_1/Q8_0 block, the format clover-smol's base weights come in
 SOURCE = Path(__file__).parent / "csrc" / "woq.cpp"
 
 _extension: Any = None
@@ -74,8 +74,8 @@ def extension() -> Any:
 
 
 def chunk_for(kind: str, group_size: int) -> int:
-    """K per decoded tile: `TILE_K`, or for int4 the whole groups closest to it (a tile never splits a group)."""
-    if kind != "int4":
+    """K per decoded tile: `TILE_K`, or the whole groups closest to it (a tile never splits a group)."""
+    if kind not in ("int8", "int4"):
         return TILE_K
     return group_size * max(1, TILE_K // group_size)
 
@@ -85,11 +85,11 @@ def check(kind: str, in_features: int, group_size: int, name: str = "weight") ->
         raise ValueError(f"unknown weight format {kind!r}: expected one of {list(KINDS)}")
     if in_features % 8:
         raise ValueError(f"cannot pack {name}: its input dimension {in_features} is not a multiple of 8")
-    if kind == "int4":
+    if kind in ("int8", "int4"):
         if group_size <= 0 or group_size % 2:
-            raise ValueError(f"int4 group_size must be a positive even number, got {group_size}")
+            raise ValueError(f"{kind} group_size must be a positive even number, got {group_size}")
         if in_features % group_size:
-            raise ValueError(f"int4 with group_size {group_size} cannot quantise {name}: its input dimension "
+            raise ValueError(f"{kind} with group_size {group_size} cannot quantise {name}: its input dimension "
                              f"{in_features} is not a multiple of {group_size}")
 
 
@@ -112,16 +112,18 @@ def pack(weight: torch.Tensor, kind: str, group_size: int = DEFAULT_GROUP_SIZE,
         return {"qweight": blocked(w).view(torch.int32), "scale": empty, "zero": empty}
     if kind == "bf16":  # stored as int16 bits, so a model-wide `.to(dtype)` leaves it alone
         return {"qweight": blocked(w.to(torch.bfloat16).view(torch.int16)), "scale": empty, "zero": empty}
-    if kind == "int8":
-        scale = w.abs().amax(dim=1) / 127
-        q = torch.round(w / scale.clamp(min=torch.finfo(torch.float32).tiny)[:, None]).clamp(-127, 127)
-        return {"qweight": blocked(q.to(torch.int8)), "scale": scale.contiguous().view(torch.int32), "zero": empty}
     groups = w.view(w.shape[0], in_features // group_size, group_size)
-    # the fp16-rounded scale and minimum are the ones dequantisation uses, so q is rounded against them
+    tiny = torch.finfo(torch.float16).tiny
+    if kind == "int8":  # the fp16-rounded scale is the one dequantisation uses, so q is rounded against it
+        scale = (groups.abs().amax(dim=2) / 127).half()
+        q = torch.round(groups / scale.float().clamp(min=tiny)[..., None]).clamp(-127, 127)
+        return {"qweight": blocked(q.to(torch.int8).view(w.shape[0], in_features)),
+                "scale": blocked(scale).view(torch.int16), "zero": empty}
     low = groups.amin(dim=2).half()
     scale = ((groups.amax(dim=2) - low.float()) / 15).half()
-    q = (groups - low.float()[..., None]) / scale.float().clamp(min=torch.finfo(torch.float16).tiny)[..., None]
-    q = blocked(torch.round(q).clamp(0, 15).to(torch.uint8).view(w.shape[0], in_features))  # [O/16, K, 16]
+    q = (groups - low.float()[..., None]) / scale.float().clamp(min=tiny)[..., None]
+    q = torch.round(q).clamp(0, 15)
+    q = blocked(q.to(torch.uint8).view(w.shape[0], in_features))  # [O/16, K, 16]
     q = q.view(blocks, in_features // 2, 2, BLOCK)
     return {"qweight": (q[:, :, 0] | (q[:, :, 1] << 4)).contiguous(),
             "scale": blocked(scale).view(torch.int16), "zero": blocked(low).view(torch.int16)}
@@ -140,7 +142,8 @@ def unpack(qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, kind:
     if kind == "bf16":
         return unblocked(qweight.view(torch.bfloat16)).float()
     if kind == "int8":
-        return unblocked(qweight).float() * scale.view(torch.float32)[:out_features, None]
+        q = unblocked(qweight).float().view(out_features, -1, group_size)
+        return (q * unblocked(scale.view(torch.float16)).float()[..., None]).view(out_features, in_features)
     q = torch.stack([qweight & 15, qweight >> 4], dim=2).view(qweight.shape[0], in_features, BLOCK)
     q = unblocked(q).float().view(out_features, -1, group_size)
     scale, zero = (unblocked(t.view(torch.float16)).float()[..., None] for t in (scale, zero))

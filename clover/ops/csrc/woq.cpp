@@ -1,5 +1,5 @@
 // Weight-streaming linear for small row counts on a CPU: y[R, O] = x[R, K] @ W[O, K]^T, with W stored as
-// fp32, bf16, int8 (one fp32 scale per output) or int4 (an fp16 scale and offset per output and group of K).
+// fp32, bf16, int8 (an fp16 scale per output and group of K) or int4 (an fp16 scale and offset per group).
 //
 // W is packed in blocks of 16 output columns, K-major inside a block: element (o, k) lives at
 // [o / 16][k][o % 16] (int4: two k per byte, even k in the low nibble). A thread takes whole blocks; for each
@@ -35,8 +35,7 @@ struct Args {
   int64_t rows, K, O, blocks, kc_max, group;
   int64_t kind;
   const void* w;
-  const float* scale;    // int8: [O padded to 16] fp32
-  const uint16_t* hscale;  // int4: [O / 16, K / group, 16] fp16 bits
+  const uint16_t* hscale;  // [O / 16, K / group, 16] fp16 bits (int8, int4)
   const uint16_t* hzero;
   float* y;
 };
@@ -63,9 +62,11 @@ const float* tile_scalar(const Args& a, int64_t b, int64_t k0, int64_t kc, float
     }
     case INT8: {
       const int8_t* w = static_cast<const int8_t*>(a.w) + (b * K + k0) * NB;
-      const float* s = a.scale + b * NB;
-      for (int64_t k = 0; k < kc; ++k)
-        for (int j = 0; j < NB; ++j) tile[k * NB + j] = static_cast<float>(w[k * NB + j]) * s[j];
+      const int64_t groups = K / a.group;
+      for (int64_t k = 0; k < kc; ++k) {
+        const uint16_t* s = a.hscale + (b * groups + (k0 + k) / a.group) * NB;
+        for (int j = 0; j < NB; ++j) tile[k * NB + j] = static_cast<float>(w[k * NB + j]) * half_to_f32(s[j]);
+      }
       return tile;
     }
     default: {  // INT4
@@ -116,8 +117,10 @@ __attribute__((target("avx2,fma,f16c"))) const float* tile_avx2(const Args& a, i
     }
     case INT8: {
       const int8_t* w = static_cast<const int8_t*>(a.w) + (b * K + k0) * NB;
-      const __m256 s0 = _mm256_loadu_ps(a.scale + b * NB), s1 = _mm256_loadu_ps(a.scale + b * NB + 8);
+      const int64_t groups = K / a.group;
       for (int64_t k = 0; k < kc; ++k) {
+        const __m128i* s = reinterpret_cast<const __m128i*>(a.hscale + (b * groups + (k0 + k) / a.group) * NB);
+        const __m256 s0 = _mm256_cvtph_ps(_mm_loadu_si128(s)), s1 = _mm256_cvtph_ps(_mm_loadu_si128(s + 1));
         __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k * NB));
         __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));
         __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8)));
@@ -241,8 +244,7 @@ torch::Tensor woq_linear(torch::Tensor x, torch::Tensor w, torch::Tensor scale, 
   TORCH_CHECK(w.is_contiguous() && scale.is_contiguous() && zero.is_contiguous(), "packed tensors must be contiguous");
   auto y = torch::zeros({x.size(0), out_features}, x.options());
   Args a{x.data_ptr<float>(), x.size(0), x.size(1), out_features, (out_features + NB - 1) / NB, chunk, group, kind,
-         w.data_ptr(), kind == INT8 ? static_cast<const float*>(scale.data_ptr()) : nullptr,
-         kind == INT4 ? static_cast<const uint16_t*>(scale.data_ptr()) : nullptr,
+         w.data_ptr(), kind >= INT8 ? static_cast<const uint16_t*>(scale.data_ptr()) : nullptr,
          kind == INT4 ? static_cast<const uint16_t*>(zero.data_ptr()) : nullptr, y.data_ptr<float>()};
   if (a.rows) run(a, vector && has_avx2());
   return y;
