@@ -30,7 +30,7 @@ def add_parser(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from clover.model import CloverForBlockDiffusion
+    from clover.model import CloverForBlockDiffusion, quantize
     from clover.tokenizer import eos_token_ids, load_tokenizer
     from clover.chat_template import render_chat
 
@@ -39,6 +39,7 @@ def run(args: argparse.Namespace) -> int:
     directory = resolve_model_dir(args.model)
     tokenizer = load_tokenizer(directory)
     model = CloverForBlockDiffusion.from_pretrained(directory, dtype=DTYPES.get(args.dtype or ""))
+    model = quantize(model, args.quant)
     decode = lambda t: tokenizer.decode(t, skip_special_tokens=True)  # noqa: E731
     eos = eos_token_ids(model.config, tokenizer)
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed)

@@ -18,6 +18,7 @@ import torch
 
 from clover.chat_template import render_chat
 from clover.engine import RULES, SamplingParams, StepSnapshot, StopAwareDetokenizer, StreamPiece, stream
+from clover.model.quant import QUANTIZATIONS, quantize
 from clover.tokenizer import eos_token_ids, load_tokenizer
 
 MASK_GLYPH = "░"
@@ -48,6 +49,9 @@ def add_decoding_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                    help="cast the weights (bfloat16: faster on CPUs with AVX512-BF16 / AMX)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--quant", choices=QUANTIZATIONS, default="none",
+                   help="weight-only quantisation at load, CPU kernels flat in the block's rows (docs/cpu.md): "
+                        "int8 / int4 (group-wise), or fp32 / bf16 weights unquantised")
 
 
 def add_parser(subparsers: Any) -> None:
@@ -99,6 +103,7 @@ def run(args: argparse.Namespace) -> int:
     directory = resolve_model_dir(args.model)
     tokenizer = load_tokenizer(directory)
     model = CloverForBlockDiffusion.from_pretrained(directory, dtype=DTYPES.get(args.dtype or ""))
+    model = quantize(model, args.quant)
     ids = _prompt_ids(tokenizer, args)
     eos = eos_token_ids(model.config, tokenizer)
     decode = lambda t: tokenizer.decode(t, skip_special_tokens=True)  # noqa: E731

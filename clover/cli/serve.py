@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
     import uvicorn
 
-    from clover.model import CloverForBlockDiffusion
+    from clover.model import CloverForBlockDiffusion, quantize
     from clover.serving import ServerOptions, create_app
     from clover.serving.served_model import read_generation_defaults
     from clover.tokenizer import load_tokenizer
@@ -72,6 +72,7 @@ def run(args: argparse.Namespace) -> int:
     directory = resolve_model_dir(args.model)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model = CloverForBlockDiffusion.from_pretrained(directory, dtype=DTYPES.get(args.dtype or ""), device=device)
+    model = quantize(model, args.quant)
     tokenizer = load_tokenizer(directory)
     names = served_model_names(args.served_model_name, args.model, directory)
     options = ServerOptions(

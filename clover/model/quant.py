@@ -1,8 +1,8 @@
 """Weight-only quantisation of a loaded model, and the fused projections of the fast CPU forward.
 
 `quantize(model, "int4")` replaces every linear layer and the LM head by a `PackedLinear` (clover.ops.woq:
-int8 per output column, int4 per group of 32 inputs, or bf16 weights left unquantised); embeddings and norms keep
-their dtype and activations stay in the model's dtype. On the way it fuses the projections that read the same
+int8 or int4 with a scale per group of 32 inputs, or fp32 / bf16 weights left unquantised: the same kernel, flat
+in rows, for an unquantised model); embeddings and norms keep their dtype, activations stay in the model's dtype. On the way it fuses the projections that read the same
 input: q/k/v of an attention layer into one `qkv_proj`, gate/up of a dense MLP into one `gate_up_proj`, so a
 layer makes three weight-streaming calls instead of seven, from the same checkpoint's tensors.
 
@@ -27,7 +27,7 @@ from clover.ops import woq
 
 logger = logging.getLogger(__name__)
 
-QUANTIZATIONS = ("none", "bf16", "int8", "int4")  # "bf16": bf16 weights, unquantised, through the same kernel
+QUANTIZATIONS = ("none", "fp32", "bf16", "int8", "int4")  # fp32 / bf16: unquantised weights, through the kernel
 QUANT_CONFIG = "quantization.json"
 
 
