@@ -63,11 +63,7 @@ class Attention(nn.Module):
 
         keys, values = k, v
         if cache is not None:
-            past = cache.keys_values()
-            if past is not None:
-                keys, values = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
-            if clean_len:
-                cache.append(k[:, :, :clean_len], v[:, :, :clean_len])
+            keys, values = cache.extend(k, v, clean_len)
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=is_causal,
                                              enable_gqa=self.num_kv_heads != self.num_heads)
         out = out.transpose(1, 2).reshape(n, t, -1)
