@@ -120,7 +120,7 @@ def llamacpp(path: str, context: int, threads: int, repeats: int) -> dict[str, f
     llm.eval(prompt)
     out = {}
     for rows in (1, 16):
-        def step() -> None:
+        def step(rows: int = rows) -> None:
             llm.n_tokens = context  # eval drops the cache past n_tokens: every step decodes at the same place
             llm.eval(list(range(200, 200 + rows)))
         out[f"ms_{rows}"] = 1e3 * fastest(step, repeats)

@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
@@ -150,8 +149,3 @@ def _convert(model: nn.Module, kind: str, group_size: int, meta: bool) -> None:
             owner, _, attr = name.rpartition(".")
             setattr(model.get_submodule(owner), attr, packed([module.weight], name))
 
-
-def quantization_of(model: Any) -> str:
-    """The model's quantisation ("none" for a plain model)."""
-    spec = getattr(model, "quantization", None)
-    return spec["quant"] if spec else "none"

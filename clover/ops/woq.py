@@ -62,6 +62,9 @@ def extension() -> Any:
         if shutil.which(compiler) is None:
             raise RuntimeError(f"clover's quantised CPU kernels are compiled on first use and need a C++ compiler, "
                                f"but {compiler!r} was not found: install one (e.g. `apt-get install g++`) or set CXX")
+        if not cpp_extension.is_ninja_available():
+            raise RuntimeError("clover's quantised CPU kernels are compiled on first use with ninja, which was not "
+                               "found: pip install ninja")
         source = SOURCE.read_text()
         tag = hashlib.sha256(f"{source}|{torch.__version__}".encode()).hexdigest()[:12]
         build = cache_root() / "extensions" / f"woq-{tag}"
