@@ -1,9 +1,9 @@
 """Clover: block-diffusion language models adapted from autoregressive checkpoints."""
 
 from clover.config import CloverConfig
-from clover.model import CloverCache, CloverForBlockDiffusion
+from clover.model import CloverCache, CloverForBlockDiffusion, quantize
 
-__all__ = ["CloverCache", "CloverConfig", "CloverForBlockDiffusion", "decide", "decide_batch"]
+__all__ = ["CloverCache", "CloverConfig", "CloverForBlockDiffusion", "decide", "decide_batch", "quantize"]
 __version__ = "0.1.0"
 
 

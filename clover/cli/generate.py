@@ -18,6 +18,7 @@ import torch
 
 from clover.chat_template import render_chat
 from clover.engine import RULES, SamplingParams, StepSnapshot, StopAwareDetokenizer, StreamPiece, stream
+from clover.model.quant import QUANTIZATIONS, quantize
 from clover.tokenizer import eos_token_ids, load_tokenizer
 
 MASK_GLYPH = "░"
@@ -66,9 +67,9 @@ def load_model(args: argparse.Namespace, device: str | None = None, max_rows: in
     if args.runner == "llamacpp":
         from clover.engine.llamacpp import LlamaCppRunner
 
-        if args.dtype:
-            raise ValueError("--dtype: the llama.cpp runner keeps the GGUF's weight types (choose them with "
-                             "`clover export --to gguf --quant`)")
+        if args.dtype or args.quant != "none":
+            raise ValueError("--dtype / --quant: the llama.cpp runner keeps the GGUF's weight types (choose them "
+                             "with `clover export --to gguf --quant`)")
         if device not in (None, "cpu"):
             raise ValueError(f"--device {device}: the llama.cpp runner runs on the CPU; use --runner torch")
         path = resolve_gguf(args.model)
@@ -78,7 +79,7 @@ def load_model(args: argparse.Namespace, device: str | None = None, max_rows: in
     directory = resolve_model_dir(args.model)
     model = CloverForBlockDiffusion.from_pretrained(directory, dtype=DTYPES.get(args.dtype or ""),
                                                     device=device or "cpu")
-    return model, load_tokenizer(directory), directory
+    return quantize(model, args.quant), load_tokenizer(directory), directory
 
 
 def add_decoding_options(p: argparse.ArgumentParser) -> None:
@@ -95,6 +96,9 @@ def add_decoding_options(p: argparse.ArgumentParser) -> None:
                         "`clover export --to gguf`, default clover-smol at q8_0; dense models; docs/gguf.md)")
     p.add_argument("--ctx", type=int, default=None,
                    help="llama.cpp runner: KV cells shared by all sequences (default: rows x min(context, 4096))")
+    p.add_argument("--quant", choices=QUANTIZATIONS, default="none",
+                   help="weight-only quantisation at load, CPU kernels flat in the block's rows (docs/cpu.md): "
+                        "int8 / int4 (group-wise), or fp32 / bf16 weights unquantised")
 
 
 def add_parser(subparsers: Any) -> None:

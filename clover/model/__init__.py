@@ -3,5 +3,6 @@
 from clover.model.cache import CloverCache
 from clover.model.layout import BlockLayout
 from clover.model.modeling import CloverForBlockDiffusion, CloverOutput
+from clover.model.quant import QUANTIZATIONS, quantize
 
-__all__ = ["BlockLayout", "CloverCache", "CloverForBlockDiffusion", "CloverOutput"]
+__all__ = ["QUANTIZATIONS", "BlockLayout", "CloverCache", "CloverForBlockDiffusion", "CloverOutput", "quantize"]

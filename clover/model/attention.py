@@ -30,6 +30,9 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=config.attention_bias)
         self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=config.attention_bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
+        # q/k/v as one projection (set by clover.model.quant, which removes the three): one weight stream
+        self.qkv_proj: nn.Module | None = None
+        self.qkv_sizes = [q_out, self.num_kv_heads * self.head_dim, self.num_kv_heads * self.head_dim]
         if config.qk_norm:
             zc = config.norm_type == "zero_centered"
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, zero_centered=zc)
@@ -41,13 +44,17 @@ class Attention(nn.Module):
                 is_causal: bool, clean_len: int, cache: AttentionLayerCache | None) -> torch.Tensor:
         """x `[N, T, hidden]` (clean then query tokens); the first `clean_len` keys/values go to the cache."""
         n, t, _ = x.shape
-        q = self.q_proj(x).view(n, t, self.num_heads, -1)
+        if self.qkv_proj is not None:
+            q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(n, t, self.num_heads, -1)
         gate = None
         if self.output_gate:
             q, gate = q.chunk(2, dim=-1)
             gate = gate.reshape(n, t, -1)
-        k = self.k_proj(x).view(n, t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(n, t, self.num_kv_heads, self.head_dim)
+        k = k.view(n, t, self.num_kv_heads, self.head_dim)
+        v = v.view(n, t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
@@ -56,11 +63,7 @@ class Attention(nn.Module):
 
         keys, values = k, v
         if cache is not None:
-            past = cache.keys_values()
-            if past is not None:
-                keys, values = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
-            if clean_len:
-                cache.append(k[:, :, :clean_len], v[:, :, :clean_len])
+            keys, values = cache.extend(k, v, clean_len)
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=is_causal,
                                              enable_gqa=self.num_kv_heads != self.num_heads)
         out = out.transpose(1, 2).reshape(n, t, -1)

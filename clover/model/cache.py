@@ -14,7 +14,8 @@ copies the DeltaNet states (prefix reuse), `clone` copies a cache, `memory_bytes
 the holes rewinding leaves in a batch.
 
 Invariant that makes sharing safe: a cache never writes inside positions it already holds — attention layers
-only append past `length` (an exact-size buffer reallocates), DeltaNet layers replace their tensors — so a
+only write past `length` (appends; a forward's query keys/values, which the next append overwrites; an exact-size
+buffer reallocates), DeltaNet layers replace their tensors — so a
 `prefix` may share tensors with the cache it was cut from. The one exception is `rewind`, which gives back
 positions written by the forward since `mark` (no `prefix` is ever cut from those).
 """
@@ -51,6 +52,16 @@ class AttentionLayerCache:
         self.k[:, :, self.length : self.length + t] = k
         self.v[:, :, self.length : self.length + t] = v
         self.length += t
+
+    def extend(self, k: torch.Tensor, v: torch.Tensor, commit: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys/values of the cache followed by `k, v` (`[N, Hkv, T, D]`), as views of the buffer: the first
+        `commit` of the T positions are appended, the rest (query tokens, never cached) are written past
+        `length`, where the next append overwrites them. No concatenation per forward."""
+        t = k.shape[2]
+        self.append(k, v)  # grows the buffer once for all T positions
+        self.length -= t - commit
+        end = self.length + t - commit
+        return self.k[:, :, :end], self.v[:, :, :end]
 
     def keys_values(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         if self.k is None or self.length == 0:

@@ -99,6 +99,7 @@ class CloverForBlockDiffusion(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.gradient_checkpointing = False
         self.adapter_gate: Any = None  # set by `apply_lora` for a gated adapter (query positions only)
+        self.quantization: dict[str, Any] | None = None  # set by clover.model.quant.quantize
         self.apply(self._init_weights)
 
     def _init_weights(self, module: nn.Module) -> None:
@@ -143,7 +144,7 @@ class CloverForBlockDiffusion(nn.Module):
           `logits` is then `[selected, V]` in row-major order and `query_logits` is None. Training selects the
           few positions it supervises: the LM head is ~20 % of a small model's FLOPs per position.
         """
-        device = self.lm_head.weight.device
+        device = self.model.embed_tokens.weight.device
         ids = self._as_ids(input_ids, device)
         n = ids.shape[0] if ids is not None else (query_ids.shape[0] if query_ids is not None else 1)
         if ids is None:
@@ -240,7 +241,7 @@ class CloverForBlockDiffusion(nn.Module):
                              f"max_position_embeddings={limit}")
 
     def new_cache(self, batch_size: int) -> CloverCache:
-        return CloverCache(self.config, batch_size, device=self.lm_head.weight.device)
+        return CloverCache(self.config, batch_size, device=self.model.embed_tokens.weight.device)
 
     # -- generation --------------------------------------------------------------------------------------
     def generate(self, input_ids: torch.Tensor | Sequence[Sequence[int]], max_new_tokens: int = 128,
@@ -268,7 +269,7 @@ class CloverForBlockDiffusion(nn.Module):
         if not self.config.tie_word_embeddings:
             total -= self.model.embed_tokens.weight.numel()
         if not include_embeddings:
-            total -= self.lm_head.weight.numel()
+            total -= self.config.hidden_size * self.config.vocab_size
         for module in self.modules():
             if isinstance(module, Experts):
                 routed = module.gate_up_proj.numel() + module.down_proj.numel()
@@ -280,15 +281,19 @@ class CloverForBlockDiffusion(nn.Module):
     def from_pretrained(cls, directory: str | Path, dtype: torch.dtype | None = None,
                         device: torch.device | str | None = None) -> "CloverForBlockDiffusion":
         """Load a checkpoint directory; an adapter stored next to the weights (`adapter_config.json`, as
-        `save_pretrained` writes for a model with an unmerged, e.g. gated, adapter) is applied and loaded."""
+        `save_pretrained` writes for a model with an unmerged, e.g. gated, adapter) is applied and loaded; a
+        quantised checkpoint (`quantization.json`, clover.model.quant) loads as the packed modules it stores."""
         from clover.checkpoint import load_state_dict_strict
         from clover.model.lora import ADAPTER_CONFIG, load_adapter
+        from clover.model.quant import QUANT_CONFIG, prepare_quantized
 
         config = CloverConfig.from_file(directory)
         with torch.device("meta"):  # no random init, no second copy of the weights
             model = cls(config)
         if dtype is not None:
             model.to(dtype=dtype)  # free on meta; loading then casts tensor by tensor (no full-precision copy)
+        if (Path(directory) / QUANT_CONFIG).is_file():
+            prepare_quantized(model, directory)  # packed modules of the stored format (their bits are kept)
         load_state_dict_strict(model, directory)
         if (Path(directory) / ADAPTER_CONFIG).is_file():
             load_adapter(model, directory)
@@ -301,7 +306,12 @@ class CloverForBlockDiffusion(nn.Module):
         (`adapter.safetensors` + `adapter_config.json`), which `from_pretrained` restores."""
         from clover.checkpoint import save_checkpoint
         from clover.model.lora import adapter_tensor_names, has_lora, save_adapter
+        from clover.model.quant import save_quantization
 
+        if getattr(self, "quantization", None):  # quantised models carry no adapter (clover.model.quant)
+            save_checkpoint(self, directory, tokenizer_dir=tokenizer_dir,
+                            extra=lambda tmp: save_quantization(self, tmp))
+            return
         if not has_lora(self):
             save_checkpoint(self, directory, tokenizer_dir=tokenizer_dir)
             return

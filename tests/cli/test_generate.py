@@ -87,3 +87,20 @@ def test_cli_generate_streams_text_and_reports_a_missing_default_model(checkpoin
     monkeypatch.setattr("clover.smol.ASSET_DIR", checkpoint / "no-such-adapter")  # the default model, unavailable
     assert main(["generate", "hi"]) == 2
     assert "clover-smol" in capsys.readouterr().err
+
+
+def test_cli_generate_quantises_at_load(checkpoint: Path, capsys) -> None:
+    """`--quant fp32` (packed weights, the kernel's path) writes what the reference path writes; a format the
+    CLI does not know is refused by name."""
+    from clover.cli.main import main
+
+    args = ["generate", "hello", "--model", str(checkpoint), "--max-new-tokens", "9", "--json", "--block-size", "4",
+            "--threads", "1"]
+    outputs = []
+    for quant in ("none", "fp32"):
+        assert main([*args, "--quant", quant]) == 0
+        outputs.append(json.loads(capsys.readouterr().out)["token_ids"])
+    assert outputs[0] == outputs[1]
+    with pytest.raises(SystemExit):
+        main([*args, "--quant", "int3"])
+    assert "invalid choice: 'int3'" in capsys.readouterr().err

@@ -1,0 +1,195 @@
+"""clover-smol's forward on a CPU per weight format: bytes read, time per block step, ratio to the bounds, and
+what each format does to decoding speed and quality.
+
+    python benchmarks/bench_forward.py [--variants float32/none,bfloat16/none,float32/fp32,float32/bf16,...]
+        [--rows 1,4,8,16,32] [--context 200] [--repeats 7] [--threads 2] [--limit 4] [--max-new-tokens 64]
+        [--gguf clover-smol-q4_0.gguf] [--out benchmarks/results/bench_forward.json]
+
+A variant is `dtype/quant`: the dtype the model is loaded in (activations, embeddings, norms) and the weight format
+of its linear layers (`clover.model.quant`: `none` is torch's own path; `fp32`/`bf16` the packed kernel with
+unquantised weights; `int8`/`int4` group-wise weight-only quantisation).
+
+* Machine: the read bandwidth (the fastest of several sums over a 512 MiB fp32 tensor) and the fp32 FMA
+  rate (a 1024^3 matmul) are measured first, in the same run.
+* Block step: a query block of R tokens against `--context` cached tokens, batch 1 (ms, fastest of
+  `--repeats` interleaved rounds: a burst of the neighbours' load hits every R alike). `bound` is the weight
+  bytes over the measured bandwidth; `x bound` the step over it. `flop floor` is 2 x R x linear-layer
+  parameters over the measured FMA rate: past the R where it exceeds the bandwidth bound, no kernel can stay
+  flat in rows on this machine.
+* Decoding (`--limit` > 0): held-out chat, code and structured prompts and BFCL tool calls (benchmarks/bench_smol.py's
+  sets), greedy, the model's default block size, threshold and rule. Per variant: tokens per forward, decoding
+  tokens/s (after the first block), tool-call exact match, and agreement of the first 64 tokens with the first
+  variant's output (the unquantised reference).
+* `--gguf`: llama.cpp's one-token and 16-token decode of a GGUF of the same model (`clover export --to gguf
+  clover-smol X.gguf --quant q4_0`) with the same thread count and context.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from bench_smol import agreement, run_mode, text_sets, tool_sets
+
+from clover.chat_template import parse_assistant_output
+from clover.cli.generate import DTYPES
+from clover.model import QUANTIZATIONS, CloverForBlockDiffusion, quantize
+from clover.model.quant import packed_bytes
+from clover.tokenizer import load_tokenizer
+from clover.training.bfcl import tool_call_matches
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def fastest(fn: Any, repeats: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def machine(repeats: int) -> dict[str, float]:
+    big = torch.ones(128 * 2**20)  # 512 MiB: far past the last-level cache
+    read = big.numel() * 4 / fastest(lambda: big.sum(), repeats)
+    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+    flops = 2 * 1024**3 / fastest(lambda: a @ b, repeats)
+    return {"read_GBps": read / 1e9, "fp32_GFLOPs": flops / 1e9}
+
+
+def weight_bytes(model: CloverForBlockDiffusion) -> tuple[int, int]:
+    """(bytes, parameters) of the linear layers and the LM head: what a forward streams."""
+    dense = [m.weight for m in model.modules() if type(m) is torch.nn.Linear]
+    params = sum(w.numel() for w in dense) + sum(m.in_features * m.out_features for m in model.modules()
+                                                  if hasattr(m, "weight_bytes"))
+    return sum(w.numel() * w.element_size() for w in dense) + packed_bytes(model), params
+
+
+def step_times(model: CloverForBlockDiffusion, rows: list[int], context: int, repeats: int) -> dict[int, float]:
+    gen = torch.Generator().manual_seed(0)
+    tokens = lambda n: torch.randint(0, model.config.vocab_size - 1, (1, n), generator=gen)  # noqa: E731
+    cache = model.new_cache(1)
+    model(tokens(context), cache=cache, logits_to_keep=0)
+    queries = {r: tokens(r) for r in rows}
+    times: dict[int, list[float]] = {r: [] for r in rows}
+    for round_ in range(repeats + 1):  # the first round warms up
+        for r, query in queries.items():
+            start = time.perf_counter()
+            model(None, r, cache=cache, query_ids=query)
+            if round_:
+                times[r].append(time.perf_counter() - start)
+    return {r: 1e3 * min(v) for r, v in times.items()}
+
+
+def decoding(model: CloverForBlockDiffusion, tokenizer: Any, sets: dict, max_new_tokens: int,
+             reference: dict[str, list[list[int]]] | None) -> tuple[dict[str, dict], dict[str, list[list[int]]]]:
+    block, threshold = model.config.block_size, model.config.threshold
+    report, outputs = {}, {}
+    for name, chats in sets.items():
+        results = run_mode(model, tokenizer, chats, block, threshold, max_new_tokens)
+        outputs[name] = [r[0] for r in results]
+        tokens = sum(len(r[0]) for r in results)
+        after_first = sum(len(r[0]) - min(block, len(r[0])) for r in results)
+        decode_s = sum(r[1]["wall_time_s"] - r[1]["time_to_first_token_s"] for r in results)
+        figures: dict[str, Any] = {
+            "tokens_per_forward": tokens / max(sum(r[1]["forward_passes"] for r in results), 1),
+            "decode_tokens_per_second": after_first / decode_s if decode_s > 0 else None}
+        if reference is not None:
+            figures["agree_reference"] = statistics.mean(agreement(a, b) for a, b in zip(outputs[name], reference[name]))
+            figures["same_as_reference"] = sum(a == b for a, b in zip(outputs[name], reference[name]))
+        if name.startswith("tools"):
+            calls = [parse_assistant_output(tokenizer.decode(o, skip_special_tokens=True))[2] for o in outputs[name]]
+            figures["tool_call_exact"] = sum(tool_call_matches(c, ans) for c, (_, ans) in zip(calls, chats))
+        report[name] = figures
+    return report, outputs
+
+
+def llamacpp(path: str, context: int, threads: int, repeats: int) -> dict[str, float]:
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=path, n_threads=threads, n_ctx=context + 64, n_batch=512, verbose=False)
+    prompt = list(range(100, 100 + context))
+    llm.eval(prompt)
+    out = {}
+    for rows in (1, 16):
+        def step(rows: int = rows) -> None:
+            llm.n_tokens = context  # eval drops the cache past n_tokens: every step decodes at the same place
+            llm.eval(list(range(200, 200 + rows)))
+        out[f"ms_{rows}"] = 1e3 * fastest(step, repeats)
+    out["bytes"] = Path(path).stat().st_size
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="checkpoint dir (default: clover-smol)")
+    parser.add_argument("--variants", default="float32/none,bfloat16/none,float32/fp32,float32/bf16,float32/int8,"
+                        "float32/int4", help="comma-separated dtype/quant pairs; the first is the quality reference")
+    parser.add_argument("--rows", default="1,4,8,16,32")
+    parser.add_argument("--context", type=int, default=200)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--limit", type=int, default=4, help="prompts per quality set (0: no decoding runs)")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--gguf", default=None, help="a GGUF of the same model for llama.cpp's figures")
+    parser.add_argument("--out", default=str(RESULTS / "bench_forward.json"))
+    args = parser.parse_args()
+    variants = [tuple(v.split("/")) for v in args.variants.split(",")]
+    for v in variants:
+        if len(v) != 2 or v[0] not in DTYPES or v[1] not in QUANTIZATIONS:
+            parser.error(f"a variant is dtype/quant with dtype in {sorted(DTYPES)} and quant in {list(QUANTIZATIONS)}, "
+                         f"got {'/'.join(v)!r}")
+    rows = [int(r) for r in args.rows.split(",")]
+    torch.set_num_threads(args.threads)
+    if args.model is None:
+        from clover.smol import clover_smol_dir
+        args.model = clover_smol_dir()
+    tokenizer = load_tokenizer(args.model)
+    sets = {**text_sets(args.limit), **tool_sets(args.limit)} if args.limit else {}
+
+    with torch.inference_mode():
+        hw = machine(args.repeats)
+        print(f"{platform.processor() or platform.machine()}, {args.threads} threads, torch {torch.__version__} "
+              f"({torch.backends.cpu.get_cpu_capability()}): read {hw['read_GBps']:.1f} GB/s, "
+              f"fp32 matmul {hw['fp32_GFLOPs']:.0f} GFLOP/s")
+        report: dict[str, Any] = {"machine": hw, "threads": args.threads, "context": args.context, "variants": {}}
+        reference = None
+        for dtype, quant in variants:
+            name = f"{dtype}/{quant}"
+            model = quantize(CloverForBlockDiffusion.from_pretrained(args.model, dtype=DTYPES[dtype]), quant)
+            nbytes, params = weight_bytes(model)
+            bound = 1e3 * nbytes / (hw["read_GBps"] * 1e9)
+            steps = step_times(model, rows, args.context, args.repeats)
+            entry: dict[str, Any] = {"weight_MB": nbytes / 1e6, "bound_ms": bound, "step_ms": steps,
+                                     "x_bound": {r: t / bound for r, t in steps.items()},
+                                     "flop_floor_ms": {r: 1e3 * 2 * r * params / (hw["fp32_GFLOPs"] * 1e9)
+                                                       for r in rows}}
+            print(f"{name:16} {nbytes / 1e6:6.0f} MB  bound {bound:5.1f} ms  " + "  ".join(
+                f"R={r}: {t:6.1f} ms ({t / bound:.1f}x)" for r, t in steps.items()), flush=True)
+            if sets:
+                entry["decoding"], outputs = decoding(model, tokenizer, sets, args.max_new_tokens, reference)
+                reference = reference or outputs
+                for set_name, fig in entry["decoding"].items():
+                    print(f"    {set_name:18} " + "  ".join(
+                        f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in fig.items()), flush=True)
+            report["variants"][name] = entry
+            del model
+        if args.gguf:
+            report["llamacpp"] = llamacpp(args.gguf, args.context, args.threads, args.repeats)
+            lc = report["llamacpp"]
+            print(f"llama.cpp {Path(args.gguf).name}: {lc['bytes'] / 1e6:.0f} MB, 1 token {lc['ms_1']:.1f} ms, "
+                  f"16 tokens {lc['ms_16']:.1f} ms")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

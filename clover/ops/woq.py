@@ -1,0 +1,178 @@
+"""Weight-only quantised (and packed) linear layers for CPU forwards over a few rows.
+
+A decoding step of a small model on a CPU reads every weight once for a handful of rows (one token, or a block
+of them): the cost is the bytes read, if the kernel reads each weight once whatever the row count. torch's own
+paths do not, on an AVX2 machine: its bf16 matmul and `_weight_int8pack_mm` / `_weight_int4pack_mm_for_cpu`
+grow linearly with the rows (docs/cpu.md has the measurements). `csrc/woq.cpp` does: it streams the weights in
+blocks of 16 output columns, decodes a tile of each block into fp32 once and runs every row over it.
+
+Formats (weight `W [O, K]`; `q` the stored integers):
+
+* `fp32`, `bf16`: the weights as they are, only re-laid out (`bf16` halves the bytes of `fp32`).
+* `int8`: symmetric per group `g` of `group_size` consecutive k of an output column (llama.cpp's Q8_0):
+  `W[o, k] ~= s[o, g] * q[o, k]`, `q` in [-127, 127], `s = max |W| / 127` over the group, fp16:
+  1 + 2 / group_size bytes per weight (1.06 at the default 32).
+* `int4`: asymmetric per group (llama.cpp's Q4_1): `W[o, k] ~= s[o, g] * q[o, k] + m[o, g]`, `q` in [0, 15],
+  `m` the group's minimum, `s = (max - m) / 15`, both fp16: 0.5 + 4 / group_size bytes per weight (0.625 at the default 32).
+
+Every packed tensor is stored with an integer dtype (fp32 as int32 bits, bf16 / fp16 as int16 bits), so a
+model-wide `.to(dtype)` never rounds them.
+
+Packed layout (`pack`): output columns padded to a multiple of 16, element `(o, k)` at `[o // 16, k, o % 16]`
+(int4: `[o // 16, k // 2, o % 16]`, even k in the low nibble); scales and minima as `[O/16, K/g, 16]`.
+`unpack` inverts it to a dense fp32 matrix: `reference_linear` (dequantise, then `F.linear`) is what the fast
+path is tested against, and what runs where the extension cannot (another device).
+
+The extension is compiled on first use (`torch.utils.cpp_extension`, a C++ compiler required) into
+`$CLOVER_CACHE/extensions/` and reused by later processes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+KINDS = {"fp32": 0, "bf16": 1, "int8": 2, "int4": 3}
+BLOCK = 16  # output columns per packed block (the kernel's register tile is 16 wide)
+TILE_K = 256  # K per decoded tile: 256 x 16 fp32 = 16 KiB, well inside L1
+DEFAULT_GROUP_SIZE = 32  # llama.cpp's Q4_1/Q8_0 block, the format clover-smol's base weights come in
+SOURCE = Path(__file__).parent / "csrc" / "woq.cpp"
+
+_extension: Any = None
+
+
+def extension() -> Any:
+    """The compiled kernel module (built once per source and torch version, then loaded from the cache)."""
+    global _extension
+    if _extension is None:
+        from torch.utils import cpp_extension
+
+        from clover.smol import cache_root
+
+        compiler = os.environ.get("CXX", "c++")
+        if shutil.which(compiler) is None:
+            raise RuntimeError(f"clover's quantised CPU kernels are compiled on first use and need a C++ compiler, "
+                               f"but {compiler!r} was not found: install one (e.g. `apt-get install g++`) or set CXX")
+        if not cpp_extension.is_ninja_available():
+            raise RuntimeError("clover's quantised CPU kernels are compiled on first use with ninja, which was not "
+                               "found: pip install ninja")
+        source = SOURCE.read_text()
+        tag = hashlib.sha256(f"{source}|{torch.__version__}".encode()).hexdigest()[:12]
+        build = cache_root() / "extensions" / f"woq-{tag}"
+        build.mkdir(parents=True, exist_ok=True)
+        logger.info("loading the weight-only-quantisation kernel from %s (compiled there on first use)", build)
+        # -O3 only: the AVX2 path is selected per function and at run time, so the build stays portable
+        _extension = cpp_extension.load(name=f"clover_woq_{tag}", sources=[str(SOURCE)], build_directory=str(build),
+                                        extra_cflags=["-O3"], verbose=False)
+    return _extension
+
+
+def chunk_for(kind: str, group_size: int) -> int:
+    """K per decoded tile: `TILE_K`, or the whole groups closest to it (a tile never splits a group)."""
+    if kind not in ("int8", "int4"):
+        return TILE_K
+    return group_size * max(1, TILE_K // group_size)
+
+
+def check(kind: str, in_features: int, group_size: int, name: str = "weight") -> None:
+    if kind not in KINDS:
+        raise ValueError(f"unknown weight format {kind!r}: expected one of {list(KINDS)}")
+    if in_features % 8:
+        raise ValueError(f"cannot pack {name}: its input dimension {in_features} is not a multiple of 8")
+    if kind in ("int8", "int4"):
+        if group_size <= 0 or group_size % 2:
+            raise ValueError(f"{kind} group_size must be a positive even number, got {group_size}")
+        if in_features % group_size:
+            raise ValueError(f"{kind} with group_size {group_size} cannot quantise {name}: its input dimension "
+                             f"{in_features} is not a multiple of {group_size}")
+
+
+def pack(weight: torch.Tensor, kind: str, group_size: int = DEFAULT_GROUP_SIZE,
+         name: str = "weight") -> dict[str, torch.Tensor]:
+    """`W [O, K]` -> `{"qweight", "scale", "zero"}` in the packed layout (module docstring)."""
+    out_features, in_features = weight.shape
+    check(kind, in_features, group_size, name)
+    w = weight.detach().float()
+    pad = -out_features % BLOCK
+    if pad:
+        w = torch.cat([w, w.new_zeros(pad, in_features)])
+    blocks = w.shape[0] // BLOCK
+    empty = w.new_zeros(0)
+
+    def blocked(t: torch.Tensor) -> torch.Tensor:  # [Opad, C] -> [Opad/16, C, 16]
+        return t.view(blocks, BLOCK, -1).transpose(1, 2).contiguous()
+
+    if kind == "fp32":
+        return {"qweight": blocked(w).view(torch.int32), "scale": empty, "zero": empty}
+    if kind == "bf16":  # stored as int16 bits, so a model-wide `.to(dtype)` leaves it alone
+        return {"qweight": blocked(w.to(torch.bfloat16).view(torch.int16)), "scale": empty, "zero": empty}
+    groups = w.view(w.shape[0], in_features // group_size, group_size)
+    tiny = torch.finfo(torch.float16).tiny
+    if kind == "int8":  # the fp16-rounded scale is the one dequantisation uses, so q is rounded against it
+        scale = (groups.abs().amax(dim=2) / 127).half()
+        q = torch.round(groups / scale.float().clamp(min=tiny)[..., None]).clamp(-127, 127)
+        return {"qweight": blocked(q.to(torch.int8).view(w.shape[0], in_features)),
+                "scale": blocked(scale).view(torch.int16), "zero": empty}
+    low = groups.amin(dim=2).half()
+    scale = ((groups.amax(dim=2) - low.float()) / 15).half()
+    q = (groups - low.float()[..., None]) / scale.float().clamp(min=tiny)[..., None]
+    q = torch.round(q).clamp(0, 15)
+    q = blocked(q.to(torch.uint8).view(w.shape[0], in_features))  # [O/16, K, 16]
+    q = q.view(blocks, in_features // 2, 2, BLOCK)
+    return {"qweight": (q[:, :, 0] | (q[:, :, 1] << 4)).contiguous(),
+            "scale": blocked(scale).view(torch.int16), "zero": blocked(low).view(torch.int16)}
+
+
+def unpack(qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, kind: str, out_features: int,
+           in_features: int, group_size: int = DEFAULT_GROUP_SIZE) -> torch.Tensor:
+    """The dense fp32 `[O, K]` weights a packed one stands for (dequantised)."""
+    check(kind, in_features, group_size)
+
+    def unblocked(t: torch.Tensor) -> torch.Tensor:  # [Opad/16, C, 16] -> [O, C]
+        return t.transpose(1, 2).reshape(-1, t.shape[1])[:out_features]
+
+    if kind == "fp32":
+        return unblocked(qweight.view(torch.float32))
+    if kind == "bf16":
+        return unblocked(qweight.view(torch.bfloat16)).float()
+    if kind == "int8":
+        q = unblocked(qweight).float().view(out_features, -1, group_size)
+        return (q * unblocked(scale.view(torch.float16)).float()[..., None]).view(out_features, in_features)
+    q = torch.stack([qweight & 15, qweight >> 4], dim=2).view(qweight.shape[0], in_features, BLOCK)
+    q = unblocked(q).float().view(out_features, -1, group_size)
+    scale, zero = (unblocked(t.view(torch.float16)).float()[..., None] for t in (scale, zero))
+    w = q * scale + zero
+    return w.view(out_features, in_features)
+
+
+def reference_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, kind: str,
+                     out_features: int, group_size: int = DEFAULT_GROUP_SIZE) -> torch.Tensor:
+    """Dequantise, then an fp32 matmul: `x [..., K]` -> `[..., O]` fp32."""
+    w = unpack(qweight, scale, zero, kind, out_features, x.shape[-1], group_size)
+    return F.linear(x.float(), w.to(x.device))
+
+
+def woq_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, kind: str,
+               out_features: int, group_size: int = DEFAULT_GROUP_SIZE, vectorised: bool = True) -> torch.Tensor:
+    """`x [..., K]` (any float dtype) -> `[..., O]` fp32 by the kernel (`vectorised=False`: its scalar path)."""
+    lead = x.shape[:-1]
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.dtype != torch.float32 or not rows.is_contiguous():
+        rows = rows.float().contiguous()
+    y = extension().woq_linear(rows, qweight, scale, zero, KINDS[kind], out_features, group_size,
+                               chunk_for(kind, group_size), vectorised)
+    return y.view(*lead, out_features)
+
+
+def has_avx2() -> bool:
+    """Whether the kernel's AVX2+FMA path runs on this CPU (otherwise its portable scalar path does)."""
+    return bool(extension().has_avx2())
