@@ -123,18 +123,18 @@ class LlamaCppRunner:
     """A GGUF exported by `clover export --to gguf`, run by llama.cpp (see the module docstring).
 
     `max_rows`: rows decoded together (the server's batch; None: as many as llama.cpp's sequence ids allow);
-    `n_ctx`: KV cells shared by all rows (default
-    `max_rows * min(max_position_embeddings, 4096)`, at most 16384); `max_block_size`: the largest block size an engine may use
-    with it (default: 16, or the model's block size if larger); `kv_type`: "f16" (llama.cpp's default) or "f32";
-    `flash_attn`: llama.cpp's flash attention (off: see below)."""
+    `n_ctx`: KV cells shared by all rows (default `max_rows * min(max_position_embeddings, 4096)`, at most 16384);
+    `max_block_size`: the largest block size an engine may use with it (default: 16, or the model's block size if
+    larger); `kv_type`: "f16" (llama.cpp's default) or "f32"; `flash_attn`: llama.cpp's flash attention (off by
+    default: on a CPU it rounds through f16)."""
 
     name = "llamacpp"
     supports_prefix_reuse = False
     supports_decisions = False
 
-    def __init__(self, path: str | Path, *, threads: int | None = None, max_rows: int | None = 8, n_ctx: int | None = None,
-                 max_block_size: int | None = None, kv_type: str = "f16", flash_attn: bool = False,
-                 verbose: bool = False) -> None:
+    def __init__(self, path: str | Path, *, threads: int | None = None, max_rows: int | None = 8,
+                 n_ctx: int | None = None, max_block_size: int | None = None, kv_type: str = "f16",
+                 flash_attn: bool = False, verbose: bool = False) -> None:
         from clover.conversion.gguf import GGUFSource
 
         llama_cpp = import_llama_cpp()
@@ -176,8 +176,8 @@ class LlamaCppRunner:
             raise RuntimeError(f"llama.cpp could not load {self.path}")
         n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(self._model))
         if n_vocab != self.config.vocab_size:
-            raise ValueError(f"{self.path}: the tokenizer has {n_vocab} tokens but the embeddings {self.config.vocab_size}"
-                             " rows; llama.cpp's logits would not cover Clover's vocabulary")
+            raise ValueError(f"{self.path}: the tokenizer has {n_vocab} tokens but the embeddings "
+                             f"{self.config.vocab_size} rows; llama.cpp's logits would not cover Clover's vocabulary")
         self.n_ctx = n_ctx or min(max_rows * min(self.config.max_position_embeddings, 4096), DEFAULT_MAX_CELLS)
         # one ubatch holds a whole non-causal decode: every row's clean tokens (at most a slot's groups) and block
         self.n_batch = max(512, 2 * max_rows * max_block_size)
@@ -298,8 +298,9 @@ class LlamaCppRunner:
                     cache.lengths[r] += 1
                 outputs |= self._decode(items, causal=True)
         items, starts = [], list(cache.lengths)
+        slot_ids = [list(self._ids(slot)) for slot in cache.slots]
         for r, row in enumerate(rows):
-            ids = list(self._ids(cache.slots[r]))
+            ids = slot_ids[r]
             q, position = ids[-1], cache.lengths[r]
             if row.clean:
                 last = row.clean[-1][2]
@@ -316,7 +317,7 @@ class LlamaCppRunner:
                                  f"{self.n_batch}: fewer rows or a smaller block")
             outputs |= self._decode(items, causal=False)
         for r, row in enumerate(rows):
-            ids = list(self._ids(cache.slots[r]))
+            ids = slot_ids[r]
             if row.query:
                 self._lib.llama_memory_seq_rm(self._memory, ids[-1], cache.lengths[r], -1)
             if row.clean:  # the new cells join the history: every id of the slot sees them from now on

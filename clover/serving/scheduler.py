@@ -54,7 +54,8 @@ class Scheduler:
     """The model's one thread: requests arrive through `submit` (any thread) into an inbox; each iteration hands
     them to the `SchedulePolicy` and runs its admit / join / step once."""
 
-    def __init__(self, model: torch.nn.Module | ModelRunner, *, block_size: int, threshold: float, rule: str = "threshold",
+    def __init__(self, model: torch.nn.Module | ModelRunner, *, block_size: int, threshold: float,
+                 rule: str = "threshold",
                  eos_token_ids: Seq[int] | None = None, vocab_limit: int | None = None,
                  detokenize: Callable[[list[int]], str] | None = None, prefill_chunk: int = 256,
                  prefix_cache: PrefixCache | None = None, max_running: int = 32, max_waiting: int = 256,
