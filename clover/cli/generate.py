@@ -95,7 +95,8 @@ def add_decoding_options(p: argparse.ArgumentParser) -> None:
                    help="what runs the network: torch (any Clover checkpoint), or llamacpp (--model a GGUF from "
                         "`clover export --to gguf`, default clover-smol at q8_0; dense models; docs/gguf.md)")
     p.add_argument("--ctx", type=int, default=None,
-                   help="llama.cpp runner: KV cells shared by all sequences (default: rows x min(context, 4096))")
+                   help="llama.cpp runner: KV cells shared by all sequences (default: rows x min(context, 4096), "
+                        "at most 16384)")
     p.add_argument("--quant", choices=QUANTIZATIONS, default="none",
                    help="weight-only quantisation at load, CPU kernels flat in the block's rows (docs/cpu.md): "
                         "int8 / int4 (group-wise), or fp32 / bf16 weights unquantised")
