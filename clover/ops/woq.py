@@ -96,40 +96,60 @@ def check(kind: str, in_features: int, group_size: int, name: str = "weight") ->
                              f"{in_features} is not a multiple of {group_size}")
 
 
-def pack(weight: torch.Tensor, kind: str, group_size: int = DEFAULT_GROUP_SIZE,
-         name: str = "weight") -> dict[str, torch.Tensor]:
-    """`W [O, K]` -> `{"qweight", "scale", "zero"}` in the packed layout (module docstring)."""
+def quantize_groups(weight: torch.Tensor, kind: str,
+                    group_size: int = DEFAULT_GROUP_SIZE) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Round-to-nearest on the format's grid, in the logical layout: `W [O, K]` -> codes `q [O, K]` (int8, or
+    uint8 in [0, 15] for int4), fp16 `scale [O, K / g]` and (int4) fp16 minimum `zero [O, K / g]`.
+
+    The fp16-rounded scale and minimum are the ones dequantisation uses, so codes are rounded against them.
+    A calibrated quantiser (clover.model.gptq) chooses its own codes on the same grid and packs them with
+    `pack_codes`."""
     out_features, in_features = weight.shape
-    check(kind, in_features, group_size, name)
-    w = weight.detach().float()
-    pad = -out_features % BLOCK
-    if pad:
-        w = torch.cat([w, w.new_zeros(pad, in_features)])
-    blocks = w.shape[0] // BLOCK
-    empty = w.new_zeros(0)
-
-    def blocked(t: torch.Tensor) -> torch.Tensor:  # [Opad, C] -> [Opad/16, C, 16]
-        return t.view(blocks, BLOCK, -1).transpose(1, 2).contiguous()
-
-    if kind == "fp32":
-        return {"qweight": blocked(w).view(torch.int32), "scale": empty, "zero": empty}
-    if kind == "bf16":  # stored as int16 bits, so a model-wide `.to(dtype)` leaves it alone
-        return {"qweight": blocked(w.to(torch.bfloat16).view(torch.int16)), "scale": empty, "zero": empty}
-    groups = w.view(w.shape[0], in_features // group_size, group_size)
+    groups = weight.detach().float().view(out_features, in_features // group_size, group_size)
     tiny = torch.finfo(torch.float16).tiny
-    if kind == "int8":  # the fp16-rounded scale is the one dequantisation uses, so q is rounded against it
+    if kind == "int8":
         scale = (groups.abs().amax(dim=2) / 127).half()
         q = torch.round(groups / scale.float().clamp(min=tiny)[..., None]).clamp(-127, 127)
-        return {"qweight": blocked(q.to(torch.int8).view(w.shape[0], in_features)),
-                "scale": blocked(scale).view(torch.int16), "zero": empty}
+        return q.to(torch.int8).view(out_features, in_features), scale, None
     low = groups.amin(dim=2).half()
     scale = ((groups.amax(dim=2) - low.float()) / 15).half()
-    q = (groups - low.float()[..., None]) / scale.float().clamp(min=tiny)[..., None]
-    q = torch.round(q).clamp(0, 15)
-    q = blocked(q.to(torch.uint8).view(w.shape[0], in_features))  # [O/16, K, 16]
-    q = q.view(blocks, in_features // 2, 2, BLOCK)
+    q = torch.round((groups - low.float()[..., None]) / scale.float().clamp(min=tiny)[..., None]).clamp(0, 15)
+    return q.to(torch.uint8).view(out_features, in_features), scale, low
+
+
+def pack(weight: torch.Tensor, kind: str, group_size: int = DEFAULT_GROUP_SIZE,
+         name: str = "weight") -> dict[str, torch.Tensor]:
+    """`W [O, K]` -> `{"qweight", "scale", "zero"}` in the packed layout (module docstring); int8 / int4 are
+    rounded to nearest (`quantize_groups`)."""
+    check(kind, weight.shape[1], group_size, name)
+    w = weight.detach().float()
+    if kind in ("int8", "int4"):
+        return pack_codes(*quantize_groups(w, kind, group_size), kind)
+    blocks = _blocked_rows(w)
+    if kind == "fp32":
+        return {"qweight": blocks.view(torch.int32), "scale": w.new_zeros(0), "zero": w.new_zeros(0)}
+    # bf16 is stored as int16 bits, so a model-wide `.to(dtype)` leaves it alone
+    return {"qweight": blocks.to(torch.bfloat16).view(torch.int16), "scale": w.new_zeros(0), "zero": w.new_zeros(0)}
+
+
+def pack_codes(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, kind: str) -> dict[str, torch.Tensor]:
+    """Logical codes and fp16 scales / minima (`quantize_groups`' output) -> the packed layout."""
+    out_features, in_features = q.shape
+    empty = scale.new_zeros(0)
+    if kind == "int8":
+        return {"qweight": _blocked_rows(q), "scale": _blocked_rows(scale).view(torch.int16), "zero": empty}
+    q = _blocked_rows(q)  # [O/16, K, 16]
+    q = q.view(q.shape[0], in_features // 2, 2, BLOCK)
     return {"qweight": (q[:, :, 0] | (q[:, :, 1] << 4)).contiguous(),
-            "scale": blocked(scale).view(torch.int16), "zero": blocked(low).view(torch.int16)}
+            "scale": _blocked_rows(scale).view(torch.int16), "zero": _blocked_rows(zero).view(torch.int16)}
+
+
+def _blocked_rows(t: torch.Tensor) -> torch.Tensor:
+    """`[O, C]` -> `[ceil(O / 16), C, 16]`, output rows zero-padded to a multiple of 16."""
+    pad = -t.shape[0] % BLOCK
+    if pad:
+        t = torch.cat([t, t.new_zeros(pad, t.shape[1])])
+    return t.view(t.shape[0] // BLOCK, BLOCK, -1).transpose(1, 2).contiguous()
 
 
 def unpack(qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, kind: str, out_features: int,
