@@ -138,7 +138,7 @@ def pack(weight: torch.Tensor, kind: str, group_size: int = DEFAULT_GROUP_SIZE,
 
 def pack_codes(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, kind: str) -> dict[str, torch.Tensor]:
     """Logical codes and fp16 scales / minima (`quantize_groups`' output) -> the packed layout."""
-    out_features, in_features = q.shape
+    in_features = q.shape[1]
     check(kind, in_features, in_features // scale.shape[1], "codes")
     blocks = _padded(q).view(-1, BLOCK, in_features // 8, 2, 4).transpose(1, 2)  # [O/16, K/8, 16, 2, 4]
     scales = {"scale": _blocked_rows(scale).view(torch.int16)}
