@@ -4,7 +4,7 @@
 // fp32 / bf16: W is packed in blocks of 16 output columns, K-major inside a block: element (o, k) lives at
 // [o / 16][k][o % 16]. A thread takes whole blocks; for each chunk of K it converts the block's tile into an
 // fp32 buffer in L1 once (bf16) and runs every row over it (a 6-row x 16-column register tile of FMAs), so the
-// weights are read once whatever the row count.
+// weights are read once whatever the row count. A single bf16 row widens its weights in registers instead.
 //
 // int8 / int4: integer dot products, as llama.cpp's Q8_0 / Q4_1 kernels do. Each row of x is quantised once per
 // call to int8 per group of K (symmetric: sx = max|x| / 127, qx = round(x / sx)); a group's dot product of
@@ -199,6 +199,32 @@ __attribute__((target("avx2,fma,f16c"))) void rows_avx2(const Args& a, int64_t b
   }
 }
 
+// One row of bf16 (a single-token step), the whole of K: widen in registers and multiply at once, skipping the
+// tile's round trip through L1 that only pays when several rows share it. Interleaving zeros below the bf16 bits
+// (unpacklo / unpackhi) widens 16 columns in two operations, in the order 0-3, 8-11 | 4-7, 12-15, which the two
+// 128-bit permutes at the end undo. Four accumulator pairs, taking k round-robin (FMA latency).
+__attribute__((target("avx2,fma,f16c"))) void bf16_row_avx2(const Args& a, int64_t b) {
+  const uint16_t* w = static_cast<const uint16_t*>(a.w) + b * a.K * NB;
+  const __m256i zero = _mm256_setzero_si256();
+  __m256 c0[4], c1[4];
+  for (int u = 0; u < 4; ++u) c0[u] = c1[u] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < a.K; k += 4) {  // K is a multiple of 8
+#pragma GCC unroll 4
+    for (int u = 0; u < 4; ++u) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (k + u) * NB));
+      const __m256 xv = _mm256_broadcast_ss(a.x + k + u);
+      c0[u] = _mm256_fmadd_ps(xv, _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, v)), c0[u]);
+      c1[u] = _mm256_fmadd_ps(xv, _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, v)), c1[u]);
+    }
+  }
+  const __m256 s0 = _mm256_add_ps(_mm256_add_ps(c0[0], c0[1]), _mm256_add_ps(c0[2], c0[3]));
+  const __m256 s1 = _mm256_add_ps(_mm256_add_ps(c1[0], c1[1]), _mm256_add_ps(c1[2], c1[3]));
+  alignas(32) float acc[NB];
+  _mm256_store_ps(acc, _mm256_permute2f128_ps(s0, s1, 0x20));
+  _mm256_store_ps(acc + 8, _mm256_permute2f128_ps(s0, s1, 0x31));
+  std::memcpy(a.y + b * NB, acc, std::min<int64_t>(NB, a.O - b * NB) * sizeof(float));
+}
+
 // The same quantisation as quantise_scalar, 8 values at a time (division and rounding are IEEE-exact, so the
 // codes are identical); the saturating packs clamp to [-128, 127], which |x / sx| <= 127 never reaches.
 __attribute__((target("avx2,fma,f16c"))) void quantise_avx2(const Args& a, int64_t r, int8_t* q, float* s,
@@ -327,6 +353,12 @@ void run_float(const Args& a, bool vector) {
   at::parallel_for(0, a.blocks, 1, [&](int64_t begin, int64_t end) {
     float* tile = static_cast<float*>(std::aligned_alloc(64, a.kc_max * NB * sizeof(float)));
     for (int64_t b = begin; b < end; ++b) {
+#ifdef WOQ_X86
+      if (vector && a.rows == 1 && a.kind == BF16) {
+        bf16_row_avx2(a, b);
+        continue;
+      }
+#endif
       for (int64_t k0 = 0; k0 < a.K; k0 += a.kc_max) {
         const int64_t kc = std::min(a.kc_max, a.K - k0);
 #ifdef WOQ_X86
