@@ -209,6 +209,8 @@ __attribute__((target("avx2,fma,f16c"))) void bf16_row_avx2(const Args& a, int64
   __m256 c0[4], c1[4];
   for (int u = 0; u < 4; ++u) c0[u] = c1[u] = _mm256_setzero_ps();
   for (int64_t k = 0; k < a.K; k += 4) {  // K is a multiple of 8
+    _mm_prefetch(reinterpret_cast<const char*>(w + k * NB) + 1024, _MM_HINT_T0);  // 4 k: two cache lines
+    _mm_prefetch(reinterpret_cast<const char*>(w + k * NB) + 1088, _MM_HINT_T0);
 #pragma GCC unroll 4
     for (int u = 0; u < 4; ++u) {
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (k + u) * NB));
@@ -278,6 +280,7 @@ __attribute__((target("avx2,fma,f16c"))) void int_tile_avx2(const Args& a, const
 #pragma GCC unroll 4
     for (int i = 0; i < R; ++i) c0[i] = c1[i] = _mm256_setzero_si256();
     for (int64_t k = g * a.group; k < (g + 1) * a.group; k += I4 ? 8 : 4, w += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(w) + 1024, _MM_HINT_T0);  // streaming from DRAM: 10-20 % at 1 row
       const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
       const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32));
       if constexpr (I4) {  // low nibbles: k .. k + 3, high: k + 4 .. k + 7; pair sums <= 3810, so two add in s16
