@@ -205,12 +205,7 @@ def woq_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero
                out_features: int, group_size: int = DEFAULT_GROUP_SIZE, vectorised: bool = True) -> torch.Tensor:
     """`x [..., K]` (any float dtype) -> `[..., O]` fp32 by the kernel (`vectorised=False`: its scalar path);
     int8 / int4 quantise `x` per row and group (module docstring)."""
-    lead = x.shape[:-1]
-    rows = x.reshape(-1, x.shape[-1])
-    if rows.dtype != torch.float32 or not rows.is_contiguous():
-        rows = rows.float().contiguous()
-    y = extension().woq_linear(rows, qweight, scale, zero, KINDS[kind], out_features, group_size, TILE_K, vectorised)
-    return y.view(*lead, out_features)
+    return extension().woq_linear(x, qweight, scale, zero, KINDS[kind], out_features, group_size, TILE_K, vectorised)
 
 
 def has_avx2() -> bool:

@@ -28,6 +28,7 @@
 #include <cstdlib>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
@@ -396,13 +397,17 @@ void run_int(const Args& a, const Acts& x, bool vector) {
 
 }  // namespace
 
-// x [R, K] fp32 contiguous; returns y [R, out_features] fp32. `chunk`: K per tile of the fp32 / bf16 path.
-torch::Tensor woq_linear(torch::Tensor x, torch::Tensor w, torch::Tensor scale, torch::Tensor zero, int64_t kind,
+// input [..., K], any float dtype; returns y [..., out_features] fp32. `chunk`: K per tile of the fp32 / bf16
+// path. The reshape and cast happen here, not in Python: a one-token step makes 121 of these calls.
+torch::Tensor woq_linear(torch::Tensor input, torch::Tensor w, torch::Tensor scale, torch::Tensor zero, int64_t kind,
                          int64_t out_features, int64_t group, int64_t chunk, bool vector) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(), "x must be [R, K] fp32");
+  TORCH_CHECK(input.dim() >= 1 && input.is_floating_point(), "x must be a float tensor [..., K]");
   TORCH_CHECK(w.is_contiguous() && scale.is_contiguous() && zero.is_contiguous(), "packed tensors must be contiguous");
+  const torch::Tensor x = input.reshape({-1, input.size(-1)}).to(torch::kFloat).contiguous();
   const int64_t rows = x.size(0), K = x.size(1);
-  auto y = torch::zeros({rows, out_features}, x.options());
+  std::vector<int64_t> shape = input.sizes().vec();
+  shape.back() = out_features;
+  auto y = torch::zeros(shape, x.options());
   Args a{x.data_ptr<float>(), rows, K, out_features, (out_features + NB - 1) / NB, chunk, group, kind,
          w.data_ptr(), kind >= INT8 ? static_cast<const uint16_t*>(scale.data_ptr()) : nullptr,
          kind == INT4 ? static_cast<const uint16_t*>(zero.data_ptr()) : nullptr, y.data_ptr<float>()};
