@@ -19,8 +19,8 @@ Formats (weight `W [O, K]`; `q` the stored integers):
 int8 / int4 compute with integer dot products (as llama.cpp's CPU kernels do): each row of `x` is quantised per
 group to int8, `sx = max |x| / 127`, `qx = round(x / sx)`; then `y[o] = sum_g s[o, g] sx[g] (q . qx)_g` (int4:
 `+ m[o, g] sx[g] sum(qx)_g`), the dot products exact in int32. So the result is not the dequantised weights times
-`x` exactly: rounding `x` adds a relative error of about 1 / (127 sqrt(3)) per element (uniform rounding over a
-step of `max |x| / 127`), which averages down over a dot product (the tests bound it).
+`x` exactly: rounding `x` adds an error of at most `sx / 2` per element, of rms `max |x| / (127 sqrt(12))`
+(uniform over a step), which averages down over a dot product (the tests bound it).
 
 Every packed tensor is stored with an integer dtype (fp32 as int32 bits, bf16 / fp16 as int16 bits), so a
 model-wide `.to(dtype)` never rounds them.
