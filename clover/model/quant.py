@@ -84,7 +84,7 @@ def quantize(model: nn.Module, quant: str = "int4", group_size: int = woq.DEFAUL
         return model
     _check_plain(model)
     _convert(model, quant, group_size, meta=False)
-    model.quantization = {"quant": quant, "group_size": group_size}
+    model.quantization = {"quant": quant, "group_size": group_size, "layout": woq.LAYOUT_VERSION}
     logger.info("quantised to %s: %.1f MB of linear weights", quant, packed_bytes(model) / 1e6)
     return model
 
@@ -102,8 +102,13 @@ def prepare_quantized(model: nn.Module, directory: Path) -> None:
     spec = json.loads((Path(directory) / QUANT_CONFIG).read_text())
     quant, group_size = spec.get("quant"), spec.get("group_size", woq.DEFAULT_GROUP_SIZE)
     check_quantization(quant)
+    layout = spec.get("layout", 1)  # checkpoints from before the layout was versioned are layout 1
+    if layout != woq.LAYOUT_VERSION:
+        raise ValueError(f"{directory} holds {quant} weights packed in layout {layout}, but this version of clover "
+                         f"reads layout {woq.LAYOUT_VERSION}: quantise the unquantised checkpoint again "
+                         f"(clover.quantize, or --quant {quant})")
     _convert(model, quant, group_size, meta=True)
-    model.quantization = {"quant": quant, "group_size": group_size}
+    model.quantization = {"quant": quant, "group_size": group_size, "layout": layout}
 
 
 def _check_plain(model: nn.Module) -> None:

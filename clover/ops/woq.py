@@ -4,7 +4,7 @@ A decoding step of a small model on a CPU reads every weight once for a handful 
 of them): the cost is the bytes read, if the kernel reads each weight once whatever the row count. torch's own
 paths do not, on an AVX2 machine: its bf16 matmul and `_weight_int8pack_mm` / `_weight_int4pack_mm_for_cpu`
 grow linearly with the rows (docs/cpu.md has the measurements). `csrc/woq.cpp` does: it streams the weights in
-blocks of 16 output columns, decodes a tile of each block into fp32 once and runs every row over it.
+blocks of 16 output columns and runs every row over each block while it is in registers or L1.
 
 Formats (weight `W [O, K]`; `q` the stored integers):
 
@@ -13,15 +13,25 @@ Formats (weight `W [O, K]`; `q` the stored integers):
   `W[o, k] ~= s[o, g] * q[o, k]`, `q` in [-127, 127], `s = max |W| / 127` over the group, fp16:
   1 + 2 / group_size bytes per weight (1.06 at the default 32).
 * `int4`: asymmetric per group (llama.cpp's Q4_1): `W[o, k] ~= s[o, g] * q[o, k] + m[o, g]`, `q` in [0, 15],
-  `m` the group's minimum, `s = (max - m) / 15`, both fp16: 0.5 + 4 / group_size bytes per weight (0.625 at the default 32).
+  `m` the group's minimum, `s = (max - m) / 15`, both fp16: 0.5 + 4 / group_size bytes per weight (0.625 at the
+  default 32). The group size of both is a multiple of 8.
+
+int8 / int4 compute with integer dot products (as llama.cpp's CPU kernels do): each row of `x` is quantised per
+group to int8, `sx = max |x| / 127`, `qx = round(x / sx)`; then `y[o] = sum_g s[o, g] sx[g] (q . qx)_g` (int4:
+`+ m[o, g] sx[g] sum(qx)_g`), the dot products exact in int32. So the result is not the dequantised weights times
+`x` exactly: rounding `x` adds an error of at most `sx / 2` per element, of rms `max |x| / (127 sqrt(12))`
+(uniform over a step), which averages down over a dot product (the tests bound it).
 
 Every packed tensor is stored with an integer dtype (fp32 as int32 bits, bf16 / fp16 as int16 bits), so a
 model-wide `.to(dtype)` never rounds them.
 
-Packed layout (`pack`): output columns padded to a multiple of 16, element `(o, k)` at `[o // 16, k, o % 16]`
-(int4: `[o // 16, k // 2, o % 16]`, even k in the low nibble); scales and minima as `[O/16, K/g, 16]`.
-`unpack` inverts it to a dense fp32 matrix: `reference_linear` (dequantise, then `F.linear`) is what the fast
-path is tested against, and what runs where the extension cannot (another device).
+Packed layout, version `LAYOUT_VERSION` (`pack`, `pack_codes`): output columns padded to a multiple of 16.
+fp32 / bf16 element `(o, k)` at `[o // 16, k, o % 16]`. int8 at `[o // 16, k // 4, o % 16, k % 4]`: a 32-byte
+load is 8 columns x 4 consecutive k, what AVX2's `maddubs` multiplies by 4 codes of `x` (one int32 broadcast).
+int4 two codes a byte, `[o // 16, k // 8, o % 16, k % 4]`, `k % 8 < 4` in the low nibble and `k + 4` in the
+high one (a mask and a shift give the two 8 x 4 halves). Scales and minima as `[O/16, K/g, 16]`.
+`unpack_codes` inverts it to the logical codes, `unpack` to dense fp32 weights: `reference_linear` (dequantise,
+then `F.linear`) is what runs where the extension cannot (another device), and the tests' yardstick.
 
 The extension is compiled on first use (`torch.utils.cpp_extension`, a C++ compiler required) into
 `$CLOVER_CACHE/extensions/` and reused by later processes.
@@ -43,7 +53,8 @@ logger = logging.getLogger(__name__)
 
 KINDS = {"fp32": 0, "bf16": 1, "int8": 2, "int4": 3}
 BLOCK = 16  # output columns per packed block (the kernel's register tile is 16 wide)
-TILE_K = 256  # K per decoded tile: 256 x 16 fp32 = 16 KiB, well inside L1
+TILE_K = 256  # K per decoded bf16 tile: 256 x 16 fp32 = 16 KiB, well inside L1
+LAYOUT_VERSION = 2  # of the packed layout; 1: int8 / int4 codes as [o // 16, k, o % 16] (fp32 decoding kernels)
 DEFAULT_GROUP_SIZE = 32  # llama.cpp's Q4_1/Q8_0 block, the format clover-smol's base weights come in
 SOURCE = Path(__file__).parent / "csrc" / "woq.cpp"
 
@@ -76,21 +87,14 @@ def extension() -> Any:
     return _extension
 
 
-def chunk_for(kind: str, group_size: int) -> int:
-    """K per decoded tile: `TILE_K`, or the whole groups closest to it (a tile never splits a group)."""
-    if kind not in ("int8", "int4"):
-        return TILE_K
-    return group_size * max(1, TILE_K // group_size)
-
-
 def check(kind: str, in_features: int, group_size: int, name: str = "weight") -> None:
     if kind not in KINDS:
         raise ValueError(f"unknown weight format {kind!r}: expected one of {list(KINDS)}")
     if in_features % 8:
         raise ValueError(f"cannot pack {name}: its input dimension {in_features} is not a multiple of 8")
     if kind in ("int8", "int4"):
-        if group_size <= 0 or group_size % 2:
-            raise ValueError(f"{kind} group_size must be a positive even number, got {group_size}")
+        if group_size <= 0 or group_size % 8:
+            raise ValueError(f"{kind} group_size must be a positive multiple of 8, got {group_size}")
         if in_features % group_size:
             raise ValueError(f"{kind} with group_size {group_size} cannot quantise {name}: its input dimension "
                              f"{in_features} is not a multiple of {group_size}")
@@ -125,7 +129,7 @@ def pack(weight: torch.Tensor, kind: str, group_size: int = DEFAULT_GROUP_SIZE,
     w = weight.detach().float()
     if kind in ("int8", "int4"):
         return pack_codes(*quantize_groups(w, kind, group_size), kind)
-    blocks = _blocked_rows(w)
+    blocks = _blocked_rows(w)  # [O/16, K, 16]
     if kind == "fp32":
         return {"qweight": blocks.view(torch.int32), "scale": w.new_zeros(0), "zero": w.new_zeros(0)}
     # bf16 is stored as int16 bits, so a model-wide `.to(dtype)` leaves it alone
@@ -134,43 +138,59 @@ def pack(weight: torch.Tensor, kind: str, group_size: int = DEFAULT_GROUP_SIZE,
 
 def pack_codes(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, kind: str) -> dict[str, torch.Tensor]:
     """Logical codes and fp16 scales / minima (`quantize_groups`' output) -> the packed layout."""
-    out_features, in_features = q.shape
-    empty = scale.new_zeros(0)
+    in_features = q.shape[1]
+    check(kind, in_features, in_features // scale.shape[1], "codes")
+    blocks = _padded(q).view(-1, BLOCK, in_features // 8, 2, 4).transpose(1, 2)  # [O/16, K/8, 16, 2, 4]
+    scales = {"scale": _blocked_rows(scale).view(torch.int16)}
     if kind == "int8":
-        return {"qweight": _blocked_rows(q), "scale": _blocked_rows(scale).view(torch.int16), "zero": empty}
-    q = _blocked_rows(q)  # [O/16, K, 16]
-    q = q.view(q.shape[0], in_features // 2, 2, BLOCK)
-    return {"qweight": (q[:, :, 0] | (q[:, :, 1] << 4)).contiguous(),
-            "scale": _blocked_rows(scale).view(torch.int16), "zero": _blocked_rows(zero).view(torch.int16)}
+        return {"qweight": blocks.transpose(2, 3).reshape(-1, in_features // 4, BLOCK, 4).contiguous(), **scales,
+                "zero": scale.new_zeros(0)}
+    return {"qweight": (blocks[:, :, :, 0] | (blocks[:, :, :, 1] << 4)).contiguous(), **scales,
+            "zero": _blocked_rows(zero).view(torch.int16)}
+
+
+def _padded(t: torch.Tensor) -> torch.Tensor:
+    """Output rows zero-padded to a multiple of 16."""
+    pad = -t.shape[0] % BLOCK
+    return torch.cat([t, t.new_zeros(pad, *t.shape[1:])]) if pad else t
 
 
 def _blocked_rows(t: torch.Tensor) -> torch.Tensor:
     """`[O, C]` -> `[ceil(O / 16), C, 16]`, output rows zero-padded to a multiple of 16."""
-    pad = -t.shape[0] % BLOCK
-    if pad:
-        t = torch.cat([t, t.new_zeros(pad, t.shape[1])])
+    t = _padded(t)
     return t.view(t.shape[0] // BLOCK, BLOCK, -1).transpose(1, 2).contiguous()
+
+
+def _unblocked(t: torch.Tensor, out_features: int) -> torch.Tensor:
+    """`[Opad/16, C, 16]` -> `[O, C]` (inverts `_blocked_rows`)."""
+    return t.transpose(1, 2).reshape(-1, t.shape[1])[:out_features]
+
+
+def unpack_codes(qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, kind: str, out_features: int,
+                 in_features: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """int8 / int4 packed tensors -> the logical codes `q [O, K]`, fp16 `scale [O, K/g]` and (int4) `zero`:
+    the inverse of `pack_codes`."""
+    if kind == "int8":
+        q = qweight.view(-1, in_features // 8, 2, BLOCK, 4).transpose(2, 3)  # [O/16, K/8, 16, 2, 4]
+    else:
+        q = torch.stack([qweight & 15, qweight >> 4], dim=3)
+    q = q.transpose(1, 2).reshape(-1, in_features)[:out_features]
+    scale = _unblocked(scale.view(torch.float16), out_features)
+    return q, scale, _unblocked(zero.view(torch.float16), out_features) if kind == "int4" else None
 
 
 def unpack(qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, kind: str, out_features: int,
            in_features: int, group_size: int = DEFAULT_GROUP_SIZE) -> torch.Tensor:
     """The dense fp32 `[O, K]` weights a packed one stands for (dequantised)."""
     check(kind, in_features, group_size)
-
-    def unblocked(t: torch.Tensor) -> torch.Tensor:  # [Opad/16, C, 16] -> [O, C]
-        return t.transpose(1, 2).reshape(-1, t.shape[1])[:out_features]
-
     if kind == "fp32":
-        return unblocked(qweight.view(torch.float32))
+        return _unblocked(qweight.view(torch.float32), out_features)
     if kind == "bf16":
-        return unblocked(qweight.view(torch.bfloat16)).float()
-    if kind == "int8":
-        q = unblocked(qweight).float().view(out_features, -1, group_size)
-        return (q * unblocked(scale.view(torch.float16)).float()[..., None]).view(out_features, in_features)
-    q = torch.stack([qweight & 15, qweight >> 4], dim=2).view(qweight.shape[0], in_features, BLOCK)
-    q = unblocked(q).float().view(out_features, -1, group_size)
-    scale, zero = (unblocked(t.view(torch.float16)).float()[..., None] for t in (scale, zero))
-    w = q * scale + zero
+        return _unblocked(qweight.view(torch.bfloat16), out_features).float()
+    q, s, m = unpack_codes(qweight, scale, zero, kind, out_features, in_features)
+    w = q.float().view(out_features, -1, group_size) * s.float()[..., None]
+    if m is not None:
+        w = w + m.float()[..., None]
     return w.view(out_features, in_features)
 
 
@@ -183,14 +203,9 @@ def reference_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor
 
 def woq_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, kind: str,
                out_features: int, group_size: int = DEFAULT_GROUP_SIZE, vectorised: bool = True) -> torch.Tensor:
-    """`x [..., K]` (any float dtype) -> `[..., O]` fp32 by the kernel (`vectorised=False`: its scalar path)."""
-    lead = x.shape[:-1]
-    rows = x.reshape(-1, x.shape[-1])
-    if rows.dtype != torch.float32 or not rows.is_contiguous():
-        rows = rows.float().contiguous()
-    y = extension().woq_linear(rows, qweight, scale, zero, KINDS[kind], out_features, group_size,
-                               chunk_for(kind, group_size), vectorised)
-    return y.view(*lead, out_features)
+    """`x [..., K]` (any float dtype) -> `[..., O]` fp32 by the kernel (`vectorised=False`: its scalar path);
+    int8 / int4 quantise `x` per row and group (module docstring)."""
+    return extension().woq_linear(x, qweight, scale, zero, KINDS[kind], out_features, group_size, TILE_K, vectorised)
 
 
 def has_avx2() -> bool:
