@@ -7,7 +7,8 @@ what each format does to decoding speed and quality.
 
 A variant is `dtype/quant`: the dtype the model is loaded in (activations, embeddings, norms) and the weight format
 of its linear layers (`clover.model.quant`: `none` is torch's own path; `fp32`/`bf16` the packed kernel with
-unquantised weights; `int8`/`int4` group-wise weight-only quantisation).
+unquantised weights; `int8`/`int4` group-wise weight-only quantisation; clover-smol's int8 / int4 are its
+quantised builds, `clover.smol.build_quantized`: the base quantised unmerged, the adapter kept beside it).
 
 * Machine: the read bandwidth (the fastest of several sums over a 512 MiB fp32 tensor) and the fp32 FMA
   rate (a 1024^3 matmul) are measured first, in the same run.
@@ -41,6 +42,7 @@ from clover.chat_template import parse_assistant_output
 from clover.cli.generate import DTYPES
 from clover.model import QUANTIZATIONS, CloverForBlockDiffusion, quantize
 from clover.model.quant import packed_bytes
+from clover.smol import clover_smol_dir
 from clover.tokenizer import load_tokenizer
 from clover.training.bfcl import tool_call_matches
 
@@ -149,10 +151,10 @@ def main() -> None:
                          f"got {'/'.join(v)!r}")
     rows = [int(r) for r in args.rows.split(",")]
     torch.set_num_threads(args.threads)
-    if args.model is None:
-        from clover.smol import clover_smol_dir
-        args.model = clover_smol_dir()
-    tokenizer = load_tokenizer(args.model)
+    def model_dir(quant: str) -> Path:  # clover-smol at int8 / int4: its quantised build, adapter kept unmerged
+        return Path(args.model) if args.model else clover_smol_dir(quant)
+
+    tokenizer = load_tokenizer(model_dir("none"))
     sets = {**text_sets(args.limit), **tool_sets(args.limit)} if args.limit else {}
 
     with torch.inference_mode():
@@ -164,7 +166,7 @@ def main() -> None:
         reference = None
         for dtype, quant in variants:
             name = f"{dtype}/{quant}"
-            model = quantize(CloverForBlockDiffusion.from_pretrained(args.model, dtype=DTYPES[dtype]), quant)
+            model = quantize(CloverForBlockDiffusion.from_pretrained(model_dir(quant), dtype=DTYPES[dtype]), quant)
             nbytes, params = weight_bytes(model)
             bound = 1e3 * nbytes / (hw["read_GBps"] * 1e9)
             steps = step_times(model, rows, args.context, args.repeats)

@@ -116,13 +116,15 @@ def default_head(quant: str) -> str:
 
 def quantize(model: nn.Module, quant: str = "int4", group_size: int = woq.DEFAULT_GROUP_SIZE,
              head: str | None = None) -> nn.Module:
-    """Pack (and quantise) `model`'s linear layers and LM head in place; returns the model. `"none"`: unchanged.
-    `head`: the LM head's format (default `default_head(quant)`). An unmerged, non-gated adapter is kept as a
-    low-rank correction beside the quantised base weights (module docstring)."""
+    """Pack (and quantise) `model`'s linear layers and LM head in place; returns the model. `"none"`, or a model
+    loaded quantised in that format already: unchanged. `head`: the LM head's format (default
+    `default_head(quant)`). An unmerged, non-gated adapter is kept as a low-rank correction beside the quantised
+    base weights (module docstring)."""
     from clover.model.lora import TrainableRowsEmbedding, has_lora, merge_and_unload
 
     check_quantization(quant)
-    if quant == "none":
+    current = getattr(model, "quantization", None) or {}
+    if quant == "none" or (current.get("quant") == quant and head in (None, current.get("lm_head", quant))):
         return model
     head = head or default_head(quant)
     if head not in woq.KINDS:
