@@ -218,6 +218,8 @@ def test_quantised_adapted_checkpoint_saves_and_loads(tmp_path, quant):
     assert torch.equal(loaded(ids).logits, model(ids).logits)
     cast = CloverForBlockDiffusion.from_pretrained(tmp_path / "q", dtype=torch.bfloat16)
     assert all(torch.equal(cast.state_dict()[n], t) for n, t in model.state_dict().items() if "correction" in n)
+    assert cast(ids).logits.dtype == torch.bfloat16  # bf16 activations through the fp32 correction
+    assert quantize(loaded, quant) is loaded  # a checkpoint stored in the asked format is used as it is
 
     spec["low_rank"]["model.layers.9.mlp.down_proj"] = 4
     (tmp_path / "q" / "quantization.json").write_text(json.dumps(spec))
@@ -258,6 +260,8 @@ def test_bad_input_is_refused():
     quantize(model, "int8")
     with pytest.raises(ValueError, match="already quantised"):
         quantize(model, "int4")
+    with pytest.raises(ValueError, match="already quantised"):
+        quantize(model, "int8", head="int4")
 
 
 def test_none_leaves_the_model_alone():
