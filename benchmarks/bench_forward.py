@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from bench_smol import agreement, run_mode, text_sets, tool_sets
+from bench_smol import agreement, prompt_ids, run_mode, text_sets, tool_sets
 
 from clover.chat_template import parse_assistant_output
 from clover.cli.generate import DTYPES
@@ -96,7 +96,8 @@ def decoding(model: CloverForBlockDiffusion, tokenizer: Any, sets: dict, max_new
     block, threshold = model.config.block_size, model.config.threshold
     report, outputs = {}, {}
     for name, chats in sets.items():
-        results = run_mode(model, tokenizer, chats, block, threshold, max_new_tokens)
+        prompts = [prompt_ids(tokenizer, chat) for chat, _ in chats]
+        results = run_mode(model, prompts, block, threshold, max_new_tokens, vocab_limit=len(tokenizer))
         outputs[name] = [r[0] for r in results]
         tokens = sum(len(r[0]) for r in results)
         after_first = sum(len(r[0]) - min(block, len(r[0])) for r in results)
