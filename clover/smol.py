@@ -83,7 +83,8 @@ def base_dir() -> Path:
     return target
 
 
-def adapted_model(adapter_dir: Path, block_size: int, threshold: float, merge: bool = True) -> CloverForBlockDiffusion:
+def adapted_model(adapter_dir: Path, block_size: int, threshold: float,
+                  merge: bool = True) -> CloverForBlockDiffusion:
     """The base with an adapter (a trainer checkpoint or the shipped one), with its decoding defaults: merged
     into the weights (unless `merge=False`), or, for a gated adapter (query positions only), kept next to them
     unmerged."""

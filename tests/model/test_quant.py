@@ -14,7 +14,7 @@ from model_helpers import tiny_model
 from torch import nn
 
 from clover.model import CloverForBlockDiffusion, quantize
-from clover.model.lora import LoRALinear, LoraConfig, TrainableRowsEmbedding, apply_lora, has_lora
+from clover.model.lora import LoraConfig, LoRALinear, TrainableRowsEmbedding, apply_lora, has_lora
 from clover.model.quant import PackedLinear, default_head
 from clover.ops import woq
 
