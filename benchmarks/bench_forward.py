@@ -7,7 +7,8 @@ what each format does to decoding speed and quality.
 
 A variant is `dtype/quant`: the dtype the model is loaded in (activations, embeddings, norms) and the weight format
 of its linear layers (`clover.model.quant`: `none` is torch's own path; `fp32`/`bf16` the packed kernel with
-unquantised weights; `int8`/`int4` group-wise weight-only quantisation).
+unquantised weights; `int8`/`int4` group-wise weight-only quantisation; clover-smol's int8 / int4 are its
+quantised builds, `clover.smol.build_quantized`: the base quantised unmerged, the adapter kept beside it).
 
 * Machine: the read bandwidth (the fastest of several sums over a 512 MiB fp32 tensor) and the fp32 FMA
   rate (a 1024^3 matmul) are measured first, in the same run.
@@ -35,12 +36,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from bench_smol import agreement, run_mode, text_sets, tool_sets
+from bench_smol import agreement, prompt_ids, run_mode, text_sets, tool_sets
 
 from clover.chat_template import parse_assistant_output
 from clover.cli.generate import DTYPES
 from clover.model import QUANTIZATIONS, CloverForBlockDiffusion, quantize
 from clover.model.quant import packed_bytes
+from clover.smol import clover_smol_dir
 from clover.tokenizer import load_tokenizer
 from clover.training.bfcl import tool_call_matches
 
@@ -94,7 +96,8 @@ def decoding(model: CloverForBlockDiffusion, tokenizer: Any, sets: dict, max_new
     block, threshold = model.config.block_size, model.config.threshold
     report, outputs = {}, {}
     for name, chats in sets.items():
-        results = run_mode(model, tokenizer, chats, block, threshold, max_new_tokens)
+        prompts = [prompt_ids(tokenizer, chat) for chat, _ in chats]
+        results = run_mode(model, prompts, block, threshold, max_new_tokens, vocab_limit=len(tokenizer))
         outputs[name] = [r[0] for r in results]
         tokens = sum(len(r[0]) for r in results)
         after_first = sum(len(r[0]) - min(block, len(r[0])) for r in results)
@@ -149,10 +152,10 @@ def main() -> None:
                          f"got {'/'.join(v)!r}")
     rows = [int(r) for r in args.rows.split(",")]
     torch.set_num_threads(args.threads)
-    if args.model is None:
-        from clover.smol import clover_smol_dir
-        args.model = clover_smol_dir()
-    tokenizer = load_tokenizer(args.model)
+    def model_dir(quant: str) -> Path:  # clover-smol at int8 / int4: its quantised build, adapter kept unmerged
+        return Path(args.model) if args.model else clover_smol_dir(quant)
+
+    tokenizer = load_tokenizer(model_dir("none"))
     sets = {**text_sets(args.limit), **tool_sets(args.limit)} if args.limit else {}
 
     with torch.inference_mode():
@@ -164,7 +167,7 @@ def main() -> None:
         reference = None
         for dtype, quant in variants:
             name = f"{dtype}/{quant}"
-            model = quantize(CloverForBlockDiffusion.from_pretrained(args.model, dtype=DTYPES[dtype]), quant)
+            model = quantize(CloverForBlockDiffusion.from_pretrained(model_dir(quant), dtype=DTYPES[dtype]), quant)
             nbytes, params = weight_bytes(model)
             bound = 1e3 * nbytes / (hw["read_GBps"] * 1e9)
             steps = step_times(model, rows, args.context, args.repeats)

