@@ -182,7 +182,10 @@ def _adapted_reference(adapted: CloverForBlockDiffusion, quant: str) -> CloverFo
 @pytest.mark.parametrize("quant", ["int8", "int4"])
 @pytest.mark.parametrize("preset,tied", [("clover-tiny", False), ("clover-tiny-dense", True)])
 @torch.no_grad()
-def test_adapter_is_kept_beside_the_quantised_base(preset, tied, quant):
+def test_adapter_is_kept_beside_the_quantised_base(preset, tied, quant, monkeypatch):
+    # what is tested is the packing and the correction, so the packed layers run the dequantised matmul: the CPU
+    # kernel's activation rounding (held to that matmul by the kernel tests) would hide them under ~1 % of noise
+    monkeypatch.setattr(woq, "woq_linear", woq.reference_linear)
     adapted = _adapted(preset, tie_word_embeddings=tied)
     ref = _adapted_reference(adapted, quant)
     model = quantize(copy.deepcopy(adapted), quant)
