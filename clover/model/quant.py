@@ -12,8 +12,9 @@ the logits read it directly); `quantize(..., head=)` chooses otherwise.
 Adapters: an unmerged LoRA adapter is kept beside the quantised *base* weights as a low-rank correction,
 `y = W_q x + (x A^T) B'` in fp32, rather than merged and rounded: a base that comes from a quantised file
 (clover-smol's Q4_1 GGUF) is rounded back onto its own codes exactly, so the quantised model computes what the
-unquantised adapted model computes. Fused projections (q/k/v, gate/up) concatenate their A's and place their
-`scaling * B^T` block-diagonally in `B'`, so a layer's correction is two more ops (`F.linear`, `addmm_`). The
+unquantised adapted model computes (up to the CPU kernel's rounding of the activations, clover.ops.woq). Fused
+projections (q/k/v, gate/up) concatenate their A's and place their `scaling * B^T` block-diagonally in `B'`; the
+kernel's call adds the correction in C++ (two small matmuls, no Python ops). The
 embedding's trained rows (`row_delta`) are merged into the table, as `merge_and_unload` does. A gated adapter
 acts at query positions only, which the packed layers do not model: such a model is refused and runs unquantised.
 
@@ -29,7 +30,6 @@ import logging
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from clover.ops import woq
@@ -62,7 +62,7 @@ class PackedLinear(nn.Module):
     @classmethod
     def from_weight(cls, weight: torch.Tensor, kind: str, group_size: int = woq.DEFAULT_GROUP_SIZE,
                     name: str = "weight",
-                    correction: tuple[torch.Tensor, torch.Tensor] | None = None) -> "PackedLinear":
+                    correction: tuple[torch.Tensor, torch.Tensor] | None = None) -> PackedLinear:
         """Pack `weight` `[out, in]`; `correction`: `(A [r, in], B' [r, out])`, added as `(x A^T) B'`."""
         out_features, in_features = weight.shape
         woq.check(kind, in_features, group_size, name)
@@ -81,12 +81,9 @@ class PackedLinear(nn.Module):
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        args = (self.qweight, self.scale, self.zero, self.kind, self.out_features, self.group_size)
-        y = woq.woq_linear(x, *args) if x.device.type == "cpu" else woq.reference_linear(x, *args)
-        if self.rank:  # y += (x A^T) B', in place on the fp32 output: two ops
-            t = F.linear(x.float(), self.correction_a.view(torch.float32))
-            y.view(-1, self.out_features).addmm_(t.view(-1, self.rank), self.correction_b.view(torch.float32))
-        return y.to(x.dtype)
+        linear = woq.woq_linear if x.device.type == "cpu" else woq.reference_linear
+        return linear(x, self.qweight, self.scale, self.zero, self.kind, self.out_features, self.group_size,
+                      (self.correction_a, self.correction_b) if self.rank else None)
 
     def dequantized(self) -> torch.Tensor:
         """The fp32 `[out, in]` weights this layer computes with (the correction, if any, not included)."""

@@ -195,17 +195,27 @@ def unpack(qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, kind:
 
 
 def reference_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, kind: str,
-                     out_features: int, group_size: int = DEFAULT_GROUP_SIZE) -> torch.Tensor:
-    """Dequantise, then an fp32 matmul: `x [..., K]` -> `[..., O]` fp32."""
+                     out_features: int, group_size: int = DEFAULT_GROUP_SIZE,
+                     correction: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """Dequantise, then an fp32 matmul: `x [..., K]` -> `[..., O]` in x's dtype; `correction`: `(A [r, K],
+    B' [r, O])`, fp32 stored as int32 bits, adds `(x A^T) B'` (a low-rank term kept beside the packed weights)."""
     w = unpack(qweight, scale, zero, kind, out_features, x.shape[-1], group_size)
-    return F.linear(x.float(), w.to(x.device))
+    y = F.linear(x.float(), w.to(x.device))
+    if correction is not None:
+        a, b = (t.view(torch.float32) for t in correction)
+        y = y + F.linear(x.float(), a) @ b
+    return y.to(x.dtype)
 
 
 def woq_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, kind: str,
-               out_features: int, group_size: int = DEFAULT_GROUP_SIZE, vectorised: bool = True) -> torch.Tensor:
-    """`x [..., K]` (any float dtype) -> `[..., O]` fp32 by the kernel (`vectorised=False`: its scalar path);
-    int8 / int4 quantise `x` per row and group (module docstring)."""
-    return extension().woq_linear(x, qweight, scale, zero, KINDS[kind], out_features, group_size, TILE_K, vectorised)
+               out_features: int, group_size: int = DEFAULT_GROUP_SIZE,
+               correction: tuple[torch.Tensor, torch.Tensor] | None = None, vectorised: bool = True) -> torch.Tensor:
+    """`x [..., K]` (any float dtype) -> `[..., O]` in x's dtype by the kernel (`vectorised=False`: its scalar
+    path), plus `correction` as in `reference_linear`, in one call; int8 / int4 quantise `x` per row and group
+    (module docstring)."""
+    a, b = correction if correction is not None else (None, None)
+    return extension().woq_linear(x, qweight, scale, zero, KINDS[kind], out_features, group_size, TILE_K, vectorised,
+                                  a, b)
 
 
 def has_avx2() -> bool:

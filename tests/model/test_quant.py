@@ -35,6 +35,30 @@ def test_kernel_equals_dequantised_reference(kind, vectorised, shape):
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())  # fp32 sum order
 
 
+@pytest.mark.parametrize("kind", ["bf16", "int4"])
+@pytest.mark.parametrize("vectorised", [True, False])
+@pytest.mark.parametrize("shape,rank", [((37, 64), 3), ((600, 136), 16)])  # 600: past one 512-column task;
+# 136: a dot product's tail past its 16-wide steps
+def test_kernel_adds_the_low_rank_correction(kind, vectorised, shape, rank):
+    """A correction `(A [r, K], B' [r, O])` (fp32 as int32 bits) adds `(x A^T) B'` to what the kernel computes,
+    in x's dtype."""
+    torch.manual_seed(0)
+    out_features, in_features = shape
+    packed = woq.pack(torch.randn(out_features, in_features), kind, group_size=8)
+    a, b = torch.randn(rank, in_features), torch.randn(rank, out_features)
+    args = {**packed, "kind": kind, "out_features": out_features, "group_size": 8}
+    correction = (a.view(torch.int32), b.view(torch.int32))
+    for rows in (1, 5):
+        x = torch.randn(rows, 2, in_features)
+        want = woq.woq_linear(x, **args, vectorised=vectorised) + (x @ a.T) @ b
+        got = woq.woq_linear(x, **args, correction=correction, vectorised=vectorised)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+        ref = woq.reference_linear(x, **args, correction=correction)
+        torch.testing.assert_close(ref, woq.reference_linear(x, **args) + (x @ a.T) @ b, rtol=1e-5,
+                                   atol=1e-5 * want.abs().max().item())
+    assert woq.woq_linear(x.bfloat16(), **args, correction=correction).dtype == torch.bfloat16
+
+
 def _quantised_activations(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """x per row and group of K -> int8 codes (as floats) `[R, K/g, g]` and scales `sx [R, K/g]`."""
     groups = x.float().view(x.shape[0], -1, group_size)

@@ -345,6 +345,28 @@ __attribute__((target("avx2,fma,f16c"))) void int_rows_avx2(const Args& a, const
   }
 }
 
+// The low-rank correction's two loops (see `low_rank`): a dot product of n floats, and y += t * b over n floats.
+__attribute__((target("avx2,fma"))) float dot_avx2(const float* x, const float* w, int64_t n) {
+  __m256 c0 = _mm256_setzero_ps(), c1 = c0;
+  int64_t k = 0;
+  for (; k + 16 <= n; k += 16) {
+    c0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k), _mm256_loadu_ps(w + k), c0);
+    c1 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 8), _mm256_loadu_ps(w + k + 8), c1);
+  }
+  alignas(32) float acc[8];
+  _mm256_store_ps(acc, _mm256_add_ps(c0, c1));
+  float sum = acc[0] + acc[1] + acc[2] + acc[3] + acc[4] + acc[5] + acc[6] + acc[7];
+  for (; k < n; ++k) sum += x[k] * w[k];
+  return sum;
+}
+
+__attribute__((target("avx2,fma"))) void axpy_avx2(float t, const float* b, float* y, int64_t n) {
+  const __m256 tv = _mm256_set1_ps(t);
+  int64_t o = 0;
+  for (; o + 8 <= n; o += 8) _mm256_storeu_ps(y + o, _mm256_fmadd_ps(tv, _mm256_loadu_ps(b + o), _mm256_loadu_ps(y + o)));
+  for (; o < n; ++o) y[o] += t * b[o];
+}
+
 bool has_avx2() {
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
 }
@@ -395,12 +417,46 @@ void run_int(const Args& a, const Acts& x, bool vector) {
   });
 }
 
+// y [R, O] += (x [R, K] A [r, K]^T) B' [r, O]: an adapter kept beside the packed weights. A few dozen
+// multiply-adds per weight of the layer at most, so plain loops: two ATen matmuls cost ~20 us of overhead each.
+void low_rank(const float* x, int64_t rows, int64_t K, const float* A, const float* B, int64_t rank, int64_t O,
+              float* y, bool vector) {
+  std::vector<float> t(rows * rank);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t j = 0; j < rank; ++j) {
+#ifdef WOQ_X86
+      if (vector) {
+        t[r * rank + j] = dot_avx2(x + r * K, A + j * K, K);
+        continue;
+      }
+#endif
+      float sum = 0;
+      for (int64_t k = 0; k < K; ++k) sum += x[r * K + k] * A[j * K + k];
+      t[r * rank + j] = sum;
+    }
+  at::parallel_for(0, O, 512, [&](int64_t o0, int64_t o1) {
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t j = 0; j < rank; ++j) {
+        const float tj = t[r * rank + j];
+        const float* b = B + j * O + o0;
+        float* yr = y + r * O + o0;
+#ifdef WOQ_X86
+        if (vector) {
+          axpy_avx2(tj, b, yr, o1 - o0);
+          continue;
+        }
+#endif
+        for (int64_t o = 0; o < o1 - o0; ++o) yr[o] += tj * b[o];
+      }
+  });
+}
+
 }  // namespace
 
 // input [..., K], any float dtype; returns y [..., out_features] fp32. `chunk`: K per tile of the fp32 / bf16
 // path. The reshape and cast happen here, not in Python: a one-token step makes 121 of these calls.
-torch::Tensor woq_linear(torch::Tensor input, torch::Tensor w, torch::Tensor scale, torch::Tensor zero, int64_t kind,
-                         int64_t out_features, int64_t group, int64_t chunk, bool vector) {
+torch::Tensor packed_linear(torch::Tensor input, torch::Tensor w, torch::Tensor scale, torch::Tensor zero, int64_t kind,
+                            int64_t out_features, int64_t group, int64_t chunk, bool vector) {
   TORCH_CHECK(input.dim() >= 1 && input.is_floating_point(), "x must be a float tensor [..., K]");
   TORCH_CHECK(w.is_contiguous() && scale.is_contiguous() && zero.is_contiguous(), "packed tensors must be contiguous");
   const torch::Tensor x = input.reshape({-1, input.size(-1)}).to(torch::kFloat).contiguous();
@@ -435,9 +491,29 @@ torch::Tensor woq_linear(torch::Tensor input, torch::Tensor w, torch::Tensor sca
   run_int(a, Acts{qp, sx, sum}, vector);
   return y;
 }
+// Kernel, then the optional low-rank correction `y += (x A^T) B'` (A [r, K], B' [r, O], fp32 stored as int32 bits),
+// and the cast back to x's dtype: one call from Python per layer.
+torch::Tensor woq_linear(torch::Tensor input, torch::Tensor w, torch::Tensor scale, torch::Tensor zero, int64_t kind,
+                         int64_t out_features, int64_t group, int64_t chunk, bool vector,
+                         c10::optional<torch::Tensor> corr_a, c10::optional<torch::Tensor> corr_b) {
+  auto y = packed_linear(input, w, scale, zero, kind, out_features, group, chunk, vector);
+  if (corr_a.has_value()) {
+    TORCH_CHECK(corr_b.has_value() && corr_a->is_contiguous() && corr_b->is_contiguous() &&
+                    corr_a->size(1) == input.size(-1) && corr_b->size(0) == corr_a->size(0) &&
+                    corr_b->size(1) == out_features, "the correction must be A [r, K] and B' [r, O], contiguous");
+    const auto x = input.reshape({-1, input.size(-1)}).to(torch::kFloat).contiguous();
+    low_rank(x.data_ptr<float>(), x.size(0), x.size(1), static_cast<const float*>(corr_a->data_ptr()),
+             static_cast<const float*>(corr_b->data_ptr()), corr_a->size(0), out_features, y.data_ptr<float>(),
+             vector && has_avx2());
+  }
+  return input.scalar_type() == torch::kFloat ? y : y.to(input.scalar_type());
+}
+
 bool woq_has_avx2() { return has_avx2(); }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("woq_linear", &woq_linear, "weight-streaming linear (packed fp32/bf16/int8/int4 weights)");
+  m.def("woq_linear", &woq_linear, "weight-streaming linear (packed fp32/bf16/int8/int4 weights)", py::arg("x"),
+        py::arg("w"), py::arg("scale"), py::arg("zero"), py::arg("kind"), py::arg("out_features"), py::arg("group"),
+        py::arg("chunk"), py::arg("vector"), py::arg("corr_a") = py::none(), py::arg("corr_b") = py::none());
   m.def("has_avx2", &woq_has_avx2, "whether the AVX2+FMA path can run on this CPU");
 }
