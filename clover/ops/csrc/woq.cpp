@@ -347,24 +347,44 @@ __attribute__((target("avx2,fma,f16c"))) void int_rows_avx2(const Args& a, const
 
 // The low-rank correction's two loops (see `low_rank`): a dot product of n floats, and y += t * b over n floats.
 __attribute__((target("avx2,fma"))) float dot_avx2(const float* x, const float* w, int64_t n) {
-  __m256 c0 = _mm256_setzero_ps(), c1 = c0;
+  __m256 c0 = _mm256_setzero_ps(), c1 = c0, c2 = c0, c3 = c0;  // four chains: FMA latency
   int64_t k = 0;
-  for (; k + 16 <= n; k += 16) {
+  for (; k + 32 <= n; k += 32) {
     c0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k), _mm256_loadu_ps(w + k), c0);
     c1 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 8), _mm256_loadu_ps(w + k + 8), c1);
+    c2 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 16), _mm256_loadu_ps(w + k + 16), c2);
+    c3 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 24), _mm256_loadu_ps(w + k + 24), c3);
   }
   alignas(32) float acc[8];
-  _mm256_store_ps(acc, _mm256_add_ps(c0, c1));
+  _mm256_store_ps(acc, _mm256_add_ps(_mm256_add_ps(c0, c1), _mm256_add_ps(c2, c3)));
   float sum = acc[0] + acc[1] + acc[2] + acc[3] + acc[4] + acc[5] + acc[6] + acc[7];
   for (; k < n; ++k) sum += x[k] * w[k];
   return sum;
 }
 
-__attribute__((target("avx2,fma"))) void axpy_avx2(float t, const float* b, float* y, int64_t n) {
-  const __m256 tv = _mm256_set1_ps(t);
-  int64_t o = 0;
-  for (; o + 8 <= n; o += 8) _mm256_storeu_ps(y + o, _mm256_fmadd_ps(tv, _mm256_loadu_ps(b + o), _mm256_loadu_ps(y + o)));
-  for (; o < n; ++o) y[o] += t * b[o];
+// y[o0:o1] += sum_j t[j] B[j, o0:o1] (B [rank, O]): 32 outputs stay in four registers over the rank (four
+// independent FMA chains: one would wait out the FMA latency at every step).
+__attribute__((target("avx2,fma"))) void rank_update_avx2(const float* t, const float* B, int64_t rank, int64_t O,
+                                                         int64_t o0, int64_t o1, float* y) {
+  int64_t o = o0;
+  for (; o + 32 <= o1; o += 32) {
+    __m256 c0 = _mm256_loadu_ps(y + o), c1 = _mm256_loadu_ps(y + o + 8), c2 = _mm256_loadu_ps(y + o + 16),
+           c3 = _mm256_loadu_ps(y + o + 24);
+    for (int64_t j = 0; j < rank; ++j) {
+      const __m256 tj = _mm256_set1_ps(t[j]);
+      const float* b = B + j * O + o;
+      c0 = _mm256_fmadd_ps(tj, _mm256_loadu_ps(b), c0);
+      c1 = _mm256_fmadd_ps(tj, _mm256_loadu_ps(b + 8), c1);
+      c2 = _mm256_fmadd_ps(tj, _mm256_loadu_ps(b + 16), c2);
+      c3 = _mm256_fmadd_ps(tj, _mm256_loadu_ps(b + 24), c3);
+    }
+    _mm256_storeu_ps(y + o, c0);
+    _mm256_storeu_ps(y + o + 8, c1);
+    _mm256_storeu_ps(y + o + 16, c2);
+    _mm256_storeu_ps(y + o + 24, c3);
+  }
+  for (; o < o1; ++o)
+    for (int64_t j = 0; j < rank; ++j) y[o] += t[j] * B[j * O + o];
 }
 
 bool has_avx2() {
@@ -422,32 +442,33 @@ void run_int(const Args& a, const Acts& x, bool vector) {
 void low_rank(const float* x, int64_t rows, int64_t K, const float* A, const float* B, int64_t rank, int64_t O,
               float* y, bool vector) {
   std::vector<float> t(rows * rank);
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t j = 0; j < rank; ++j) {
+  at::parallel_for(0, rows * rank, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const float *xr = x + (i / rank) * K, *a = A + (i % rank) * K;
 #ifdef WOQ_X86
       if (vector) {
-        t[r * rank + j] = dot_avx2(x + r * K, A + j * K, K);
+        t[i] = dot_avx2(xr, a, K);
         continue;
       }
 #endif
       float sum = 0;
-      for (int64_t k = 0; k < K; ++k) sum += x[r * K + k] * A[j * K + k];
-      t[r * rank + j] = sum;
+      for (int64_t k = 0; k < K; ++k) sum += xr[k] * a[k];
+      t[i] = sum;
     }
+  });
   at::parallel_for(0, O, 512, [&](int64_t o0, int64_t o1) {
-    for (int64_t r = 0; r < rows; ++r)
-      for (int64_t j = 0; j < rank; ++j) {
-        const float tj = t[r * rank + j];
-        const float* b = B + j * O + o0;
-        float* yr = y + r * O + o0;
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* tr = t.data() + r * rank;
+      float* yr = y + r * O;
 #ifdef WOQ_X86
-        if (vector) {
-          axpy_avx2(tj, b, yr, o1 - o0);
-          continue;
-        }
-#endif
-        for (int64_t o = 0; o < o1 - o0; ++o) yr[o] += tj * b[o];
+      if (vector) {
+        rank_update_avx2(tr, B, rank, O, o0, o1, yr);
+        continue;
       }
+#endif
+      for (int64_t o = o0; o < o1; ++o)
+        for (int64_t j = 0; j < rank; ++j) yr[o] += tr[j] * B[j * O + o];
+    }
   });
 }
 
