@@ -106,8 +106,7 @@ def quantize_groups(weight: torch.Tensor, kind: str,
     uint8 in [0, 15] for int4), fp16 `scale [O, K / g]` and (int4) fp16 minimum `zero [O, K / g]`.
 
     The fp16-rounded scale and minimum are the ones dequantisation uses, so codes are rounded against them.
-    A calibrated quantiser (clover.model.gptq) chooses its own codes on the same grid and packs them with
-    `pack_codes`."""
+    A calibrated quantiser would choose its own codes on the same grid and pack them with `pack_codes`."""
     out_features, in_features = weight.shape
     groups = weight.detach().float().view(out_features, in_features // group_size, group_size)
     tiny = torch.finfo(torch.float16).tiny
