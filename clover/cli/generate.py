@@ -99,9 +99,9 @@ def add_decoding_options(p: argparse.ArgumentParser) -> None:
                    help="llama.cpp runner: KV cells shared by all sequences (default: rows x min(context, 4096), "
                         "at most 16384)")
     p.add_argument("--quant", choices=QUANTIZATIONS, default="none",
-                   help="weight-only quantisation at load, CPU kernels flat in the block's rows (docs/cpu.md): "
-                        "int8 / int4 (group-wise), or fp32 / bf16 weights unquantised; clover-smol at int8 / int4 "
-                        "is built quantised once, its adapter kept beside the quantised base")
+                   help="weight-only quantisation at load, CPU kernels that read each weight once per block step "
+                        "(docs/cpu.md): int8 / int4 (group-wise), or fp32 / bf16 weights unquantised; clover-smol at "
+                        "int8 / int4 is built quantised once, its adapter kept beside the quantised base")
 
 
 def add_parser(subparsers: Any) -> None:

@@ -1,10 +1,11 @@
 """Weight-only quantisation of a loaded model, and the fused projections of the fast CPU forward.
 
 `quantize(model, "int4")` replaces every linear layer and the LM head by a `PackedLinear` (clover.ops.woq:
-int8 or int4 with a scale per group of 32 inputs, or fp32 / bf16 weights left unquantised: the same kernel, flat
-in rows, for an unquantised model); embeddings and norms keep their dtype, activations stay in the model's dtype. On the way it fuses the projections that read the same
-input: q/k/v of an attention layer into one `qkv_proj`, gate/up of a dense MLP into one `gate_up_proj`, so a
-layer makes three weight-streaming calls instead of seven, from the same checkpoint's tensors.
+int8 or int4 with a scale per group of 32 inputs, or fp32 / bf16 weights left unquantised: the same weight
+streaming for an unquantised model); embeddings and norms keep their dtype, activations stay in the model's dtype
+between layers. On the way it fuses the projections that read the same input: q/k/v of an attention layer into
+one `qkv_proj`, gate/up of a dense MLP into one `gate_up_proj`, so a layer makes three weight-streaming calls
+instead of seven, from the same checkpoint's tensors.
 
 The LM head of an `int4` model is `int8` by default (llama.cpp, too, keeps its output tensor at higher precision:
 the logits read it directly); `quantize(..., head=)` chooses otherwise.
