@@ -2,22 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
+from script_helpers import ROOT, load_script
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_cpu_systems.py"
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_cpu_systems", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script(ROOT / "benchmarks" / "bench_cpu_systems.py", "bench_cpu_systems")
 
 
 def test_figures_pool_prompts_and_rate_decoding_after_the_first_output(bench):

@@ -3,23 +3,17 @@ programs it runs: a correct solution passes, a wrong one fails, a loop is timed 
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 import time
 from pathlib import Path
 
 import pytest
+from script_helpers import ROOT, load_script
 
-SANDBOX = Path(__file__).resolve().parents[1] / "benchmarks" / "code_sandbox.py"
 
 
 @pytest.fixture(scope="module")
 def sandbox():
-    spec = importlib.util.spec_from_file_location("code_sandbox", SANDBOX)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script(ROOT / "benchmarks" / "code_sandbox.py", "code_sandbox")
 
 
 PROBLEM = {

