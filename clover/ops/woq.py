@@ -22,6 +22,13 @@ group to int8, `sx = max |x| / 127`, `qx = round(x / sx)`; then `y[o] = sum_g s[
 `x` exactly: rounding `x` adds an error of at most `sx / 2` per element, of rms `max |x| / (127 sqrt(12))`
 (uniform over a step), which averages down over a dot product (the tests bound it).
 
+`activations` chooses how many int8 passes round `x` (`ACTIVATIONS`): `"int8"` the one above; `"int8x2"` also
+rounds the residual, per group `s1 = max |x| / 127`, `q1 = round(x / s1)`, `r = x - s1 q1` (one fp32 rounding,
+`|r| <= s1 / 2`), `s2 = max |r| / 127`, `q2 = round(r / s2)`, and `y[o] = sum_g s[o, g] (s1 (q . q1)_g +
+s2 (q . q2)_g)` (int4: `+ m[o, g] (s1 sum(q1)_g + s2 sum(q2)_g)`): the error per element is at most `s2 / 2 <=
+s1 / 254`, ~254x smaller, for up to twice the integer work (the second pass runs as a second row of codes over
+the same decoded weights, so a memory-bound call costs about the same).
+
 Every packed tensor is stored with an integer dtype (fp32 as int32 bits, bf16 / fp16 as int16 bits), so a
 model-wide `.to(dtype)` never rounds them.
 
@@ -56,6 +63,7 @@ BLOCK = 16  # output columns per packed block (the kernel's register tile is 16 
 TILE_K = 256  # K per decoded bf16 tile: 256 x 16 fp32 = 16 KiB, well inside L1
 LAYOUT_VERSION = 2  # of the packed layout; 1: int8 / int4 codes as [o // 16, k, o % 16] (fp32 decoding kernels)
 DEFAULT_GROUP_SIZE = 32  # llama.cpp's Q4_1/Q8_0 block, the format clover-smol's base weights come in
+ACTIVATIONS = {"int8": 1, "int8x2": 2}  # int8 / int4 layers' rounding of x: int8 passes (the kernel's `passes`)
 SOURCE = Path(__file__).parent / "csrc" / "woq.cpp"
 
 _extension: Any = None
@@ -85,6 +93,11 @@ def extension() -> Any:
         _extension = cpp_extension.load(name=f"clover_woq_{tag}", sources=[str(SOURCE)], build_directory=str(build),
                                         extra_cflags=["-O3"], verbose=False)
     return _extension
+
+
+def check_activations(activations: str) -> None:
+    if activations not in ACTIVATIONS:
+        raise ValueError(f"unknown activation rounding {activations!r}: expected one of {list(ACTIVATIONS)}")
 
 
 def check(kind: str, in_features: int, group_size: int, name: str = "weight") -> None:
@@ -208,13 +221,15 @@ def reference_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor
 
 def woq_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, kind: str,
                out_features: int, group_size: int = DEFAULT_GROUP_SIZE,
-               correction: tuple[torch.Tensor, torch.Tensor] | None = None, vectorised: bool = True) -> torch.Tensor:
+               correction: tuple[torch.Tensor, torch.Tensor] | None = None, vectorised: bool = True,
+               activations: str = "int8") -> torch.Tensor:
     """`x [..., K]` (any float dtype) -> `[..., O]` in x's dtype by the kernel (`vectorised=False`: its scalar
-    path), plus `correction` as in `reference_linear`, in one call; int8 / int4 quantise `x` per row and group
-    (module docstring)."""
+    path), plus `correction` as in `reference_linear`, in one call; int8 / int4 quantise `x` per row and group,
+    in one int8 pass or two (`activations`, module docstring); fp32 / bf16 do not round it."""
+    check_activations(activations)
     a, b = correction if correction is not None else (None, None)
     return extension().woq_linear(x, qweight, scale, zero, KINDS[kind], out_features, group_size, TILE_K, vectorised,
-                                  a, b)
+                                  a, b, ACTIVATIONS[activations])
 
 
 def has_avx2() -> bool:

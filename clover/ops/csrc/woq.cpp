@@ -8,7 +8,10 @@
 //
 // int8 / int4: integer dot products, as llama.cpp's Q8_0 / Q4_1 kernels do. Each row of x is quantised once per
 // call to int8 per group of K (symmetric: sx = max|x| / 127, qx = round(x / sx)); a group's dot product of
-// codes is exact in int32, then y += sw * sx * dot (int4 also + mw * sx * sum(qx)), in fp32. Codes are packed
+// codes is exact in int32, then y += sw * sx * dot (int4 also + mw * sx * sum(qx)), in fp32. With two passes
+// ("int8x2") the residual x - s1 q1 (|.| <= s1 / 2, computed with one rounding) is quantised the same way to
+// (s2, q2) and runs as a second row of codes into the same output: y += sw * (s1 dot1 + s2 dot2), an activation
+// error ~254x smaller for up to twice the integer work (the weight decode is shared). Codes are packed
 // for AVX2's maddubs (u8 x s8 -> adjacent pairs summed to s16), per block of 16 columns: int8 as [o / 16][k / 4]
 // [o % 16][k % 4], so one 256-bit load is 8 columns x 4 consecutive k, multiplied by x's 4 codes broadcast as one
 // int32; int4 as [o / 16][k / 8][o % 16][k % 4] bytes holding k % 8 < 4 in the low nibble and k + 4 in the high.
@@ -61,11 +64,13 @@ inline float bf16_to_f32(uint16_t v) {
   return f;
 }
 
-// Each row of x quantised to int8 per group of K: q [R, K], scale sx [R, K / group] and (int4) sx * sum(q).
+// Each row of x quantised to int8 per group of K in `passes` passes (1, or 2: the residual of the first), as
+// rows of codes r * passes + p: q [R * P, K], scale sx [R * P, K / group] and sx * sum(q) (int4's minimum term).
 struct Acts {
-  const int8_t* q;
-  const float* s;
-  const float* sum;
+  int8_t* q;
+  float* s;
+  float* sum;
+  int64_t passes;
 };
 
 // -- portable path ---------------------------------------------------------------------------------------
@@ -88,23 +93,25 @@ void rows_scalar(const Args& a, int64_t b, int64_t k0, int64_t kc, const float* 
   }
 }
 
-// sx = max|x| / 127 and qx = round(x / sx) (to nearest even, as torch.round); |x / sx| <= 127 up to rounding.
-void quantise_scalar(const Args& a, int64_t r, int8_t* q, float* s, float* sum) {
-  const int64_t groups = a.K / a.group;
-  for (int64_t g = 0; g < groups; ++g) {
-    const float* x = a.x + r * a.K + g * a.group;
-    float m = 0.f;
-    for (int64_t k = 0; k < a.group; ++k) m = std::max(m, std::fabs(x[k]));
-    const float sx = m / 127.f;
-    int32_t total = 0;
-    for (int64_t k = 0; k < a.group; ++k) {
-      const int32_t v = sx > 0.f ? static_cast<int32_t>(std::nearbyint(x[k] / sx)) : 0;
-      q[g * a.group + k] = static_cast<int8_t>(std::clamp(v, -127, 127));
-      total += v;
-    }
-    s[g] = sx;
-    sum[g] = sx * static_cast<float>(total);
+// One group of n values: sx = max|x| / 127 and qx = round(x / sx) (to nearest even, as torch.round); |x / sx| <= 127
+// up to rounding. Stores sx and sx * sum(qx).
+void quantise_scalar(const float* x, int64_t n, int8_t* q, float* s, float* sum) {
+  float m = 0.f;
+  for (int64_t k = 0; k < n; ++k) m = std::max(m, std::fabs(x[k]));
+  const float sx = m / 127.f;
+  int32_t total = 0;
+  for (int64_t k = 0; k < n; ++k) {
+    const int32_t v = sx > 0.f ? static_cast<int32_t>(std::nearbyint(x[k] / sx)) : 0;
+    q[k] = static_cast<int8_t>(std::clamp(v, -127, 127));
+    total += v;
   }
+  *s = sx;
+  *sum = sx * static_cast<float>(total);
+}
+
+// The residual res = x - sx * qx of one group, rounded once (fma), what a second pass quantises.
+void residual_scalar(const float* x, const int8_t* q, float sx, int64_t n, float* res) {
+  for (int64_t k = 0; k < n; ++k) res[k] = std::fma(-sx, static_cast<float>(q[k]), x[k]);
 }
 
 // The logical code of column j (of the block at w) at k, from the packed layout (file header).
@@ -114,18 +121,21 @@ inline int32_t code(const Args& a, const uint8_t* w, int j, int64_t k) {
   return (k % 8) < 4 ? (byte & 15) : (byte >> 4);
 }
 
+// Per row, group and column, each pass in turn: y += dot * (sw * sx) [+ mw * sx * sum(qx)].
 void int_rows_scalar(const Args& a, const Acts& x, int64_t b) {
   const int64_t groups = a.K / a.group, cols = std::min<int64_t>(NB, a.O - b * NB);
   const uint8_t* w = static_cast<const uint8_t*>(a.w) + b * a.K * NB / (a.kind == INT4 ? 2 : 1);
   for (int64_t r = 0; r < a.rows; ++r) {
     for (int64_t g = 0; g < groups; ++g) {
-      const float sx = x.s[r * groups + g];
       for (int64_t j = 0; j < cols; ++j) {
-        int32_t dot = 0;
-        for (int64_t k = g * a.group; k < (g + 1) * a.group; ++k) dot += code(a, w, j, k) * x.q[r * a.K + k];
         float& y = a.y[r * a.O + b * NB + j];
-        y = std::fma(static_cast<float>(dot), half_to_f32(a.hscale[(b * groups + g) * NB + j]) * sx, y);
-        if (a.kind == INT4) y = std::fma(half_to_f32(a.hzero[(b * groups + g) * NB + j]), x.sum[r * groups + g], y);
+        for (int64_t v = r * x.passes; v < (r + 1) * x.passes; ++v) {  // v: the row of codes
+          int32_t dot = 0;
+          for (int64_t k = g * a.group; k < (g + 1) * a.group; ++k) dot += code(a, w, j, k) * x.q[v * a.K + k];
+          y = std::fma(static_cast<float>(dot), half_to_f32(a.hscale[(b * groups + g) * NB + j]) * x.s[v * groups + g],
+                       y);
+          if (a.kind == INT4) y = std::fma(half_to_f32(a.hzero[(b * groups + g) * NB + j]), x.sum[v * groups + g], y);
+        }
       }
     }
   }
@@ -230,34 +240,40 @@ __attribute__((target("avx2,fma,f16c"))) void bf16_row_avx2(const Args& a, int64
 
 // The same quantisation as quantise_scalar, 8 values at a time (division and rounding are IEEE-exact, so the
 // codes are identical); the saturating packs clamp to [-128, 127], which |x / sx| <= 127 never reaches.
-__attribute__((target("avx2,fma,f16c"))) void quantise_avx2(const Args& a, int64_t r, int8_t* q, float* s,
+__attribute__((target("avx2,fma,f16c"))) void quantise_avx2(const float* x, int64_t n, int8_t* q, float* s,
                                                             float* sum) {
-  const int64_t groups = a.K / a.group;
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-  for (int64_t g = 0; g < groups; ++g) {
-    const float* x = a.x + r * a.K + g * a.group;
-    __m256 m = _mm256_setzero_ps();
-    for (int64_t k = 0; k < a.group; k += 8) m = _mm256_max_ps(m, _mm256_and_ps(_mm256_loadu_ps(x + k), abs_mask));
-    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-    h = _mm_max_ss(h, _mm_movehdup_ps(h));
-    const float sx = _mm_cvtss_f32(h) / 127.f;
-    const __m256 sv = _mm256_set1_ps(sx);
-    __m256i total = _mm256_setzero_si256();
-    for (int64_t k = 0; k < a.group; k += 8) {
-      __m256i v = _mm256_setzero_si256();
-      if (sx > 0.f)
-        v = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(x + k), sv),
-                                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-      total = _mm256_add_epi32(total, v);
-      const __m128i v16 = _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-      _mm_storel_epi64(reinterpret_cast<__m128i*>(q + g * a.group + k), _mm_packs_epi16(v16, v16));
-    }
-    __m128i t = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
-    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4e));
-    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1));
-    s[g] = sx;
-    sum[g] = sx * static_cast<float>(_mm_cvtsi128_si32(t));
+  __m256 m = _mm256_setzero_ps();
+  for (int64_t k = 0; k < n; k += 8) m = _mm256_max_ps(m, _mm256_and_ps(_mm256_loadu_ps(x + k), abs_mask));
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_max_ss(h, _mm_movehdup_ps(h));
+  const float sx = _mm_cvtss_f32(h) / 127.f;
+  const __m256 sv = _mm256_set1_ps(sx);
+  __m256i total = _mm256_setzero_si256();
+  for (int64_t k = 0; k < n; k += 8) {
+    __m256i v = _mm256_setzero_si256();
+    if (sx > 0.f)
+      v = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(x + k), sv),
+                                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    total = _mm256_add_epi32(total, v);
+    const __m128i v16 = _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(q + k), _mm_packs_epi16(v16, v16));
+  }
+  __m128i t = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+  t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4e));
+  t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1));
+  *s = sx;
+  *sum = sx * static_cast<float>(_mm_cvtsi128_si32(t));
+}
+
+// residual_scalar 8 at a time: fnmadd rounds -(sx * q) + x once, as std::fma does, so the residuals are identical.
+__attribute__((target("avx2,fma,f16c"))) void residual_avx2(const float* x, const int8_t* q, float sx, int64_t n,
+                                                            float* res) {
+  const __m256 sv = _mm256_set1_ps(sx);
+  for (int64_t k = 0; k < n; k += 8) {
+    const __m256 qf = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + k))));
+    _mm256_storeu_ps(res + k, _mm256_fnmadd_ps(sv, qf, _mm256_loadu_ps(x + k)));
   }
 }
 
@@ -267,9 +283,10 @@ __attribute__((target("avx2,fma,f16c"))) inline __m256i bcast4(const int8_t* p) 
   return _mm256_set1_epi32(v);
 }
 
-// R rows (from r0) of one block, the whole of K: per group, int32 accumulators of 8 columns x 2 halves x R rows;
-// each step of k loads the block's codes once (64 bytes) and runs every row over them.
-template <int R, bool I4>
+// R rows of codes (from r0) of one block, the whole of K: per group, int32 accumulators of 8 columns x 2 halves x
+// R rows; each step of k loads the block's codes once (64 bytes) and runs every row over them. P: passes, the
+// rows of codes of one row of x, which add into its output row acc[i / P] in turn.
+template <int R, bool I4, int P>
 __attribute__((target("avx2,fma,f16c"))) void int_tile_avx2(const Args& a, const Acts& x, int64_t b, int64_t r0,
                                                             float* acc) {
   const int64_t groups = a.K / a.group;
@@ -316,7 +333,7 @@ __attribute__((target("avx2,fma,f16c"))) void int_tile_avx2(const Args& a, const
 #pragma GCC unroll 4
     for (int i = 0; i < R; ++i) {
       const __m256 sx = _mm256_broadcast_ss(x.s + (r0 + i) * groups + g);
-      float* yr = acc + i * NB;
+      float* yr = acc + (i / P) * NB;
       __m256 y0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(c0[i]), _mm256_mul_ps(s0, sx), _mm256_load_ps(yr));
       __m256 y1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(c1[i]), _mm256_mul_ps(s1, sx), _mm256_load_ps(yr + 8));
       if constexpr (I4) {
@@ -329,19 +346,21 @@ __attribute__((target("avx2,fma,f16c"))) void int_tile_avx2(const Args& a, const
   }
 }
 
-template <bool I4>
+// Tiles of up to MR_INT rows of codes (a multiple of P: whole rows of x), then their output rows into y.
+template <bool I4, int P>
 __attribute__((target("avx2,fma,f16c"))) void int_rows_avx2(const Args& a, const Acts& x, int64_t b) {
-  const int64_t cols = std::min<int64_t>(NB, a.O - b * NB);
-  for (int64_t r = 0; r < a.rows; r += MR_INT) {
-    const int64_t n = std::min<int64_t>(MR_INT, a.rows - r);
+  const int64_t cols = std::min<int64_t>(NB, a.O - b * NB), codes = a.rows * P;
+  for (int64_t v = 0; v < codes; v += MR_INT) {
+    const int64_t n = std::min<int64_t>(MR_INT, codes - v);
     alignas(32) float acc[MR_INT * NB] = {0};
     switch (n) {
-      case 1: int_tile_avx2<1, I4>(a, x, b, r, acc); break;
-      case 2: int_tile_avx2<2, I4>(a, x, b, r, acc); break;
-      case 3: int_tile_avx2<3, I4>(a, x, b, r, acc); break;
-      default: int_tile_avx2<4, I4>(a, x, b, r, acc); break;
+      case 1: if constexpr (P == 1) int_tile_avx2<1, I4, P>(a, x, b, v, acc); break;
+      case 2: int_tile_avx2<2, I4, P>(a, x, b, v, acc); break;
+      case 3: if constexpr (P == 1) int_tile_avx2<3, I4, P>(a, x, b, v, acc); break;
+      default: int_tile_avx2<4, I4, P>(a, x, b, v, acc); break;
     }
-    for (int64_t i = 0; i < n; ++i) std::memcpy(a.y + (r + i) * a.O + b * NB, acc + i * NB, cols * sizeof(float));
+    for (int64_t i = 0; i < n / P; ++i)
+      std::memcpy(a.y + (v / P + i) * a.O + b * NB, acc + i * NB, cols * sizeof(float));
   }
 }
 
@@ -426,9 +445,9 @@ void run_int(const Args& a, const Acts& x, bool vector) {
 #ifdef WOQ_X86
       if (vector) {
         if (a.kind == INT4)
-          int_rows_avx2<true>(a, x, b);
+          x.passes == 2 ? int_rows_avx2<true, 2>(a, x, b) : int_rows_avx2<true, 1>(a, x, b);
         else
-          int_rows_avx2<false>(a, x, b);
+          x.passes == 2 ? int_rows_avx2<false, 2>(a, x, b) : int_rows_avx2<false, 1>(a, x, b);
         continue;
       }
 #endif
@@ -474,10 +493,35 @@ void low_rank(const float* x, int64_t rows, int64_t K, const float* A, const flo
 
 }  // namespace
 
+// Row r of x into its `x.passes` rows of codes (Acts): per group, pass 1 quantises x, pass 2 its residual.
+void quantise_row(const Args& a, const Acts& x, int64_t r, bool vector, float* res) {
+  const int64_t groups = a.K / a.group;
+  for (int64_t g = 0; g < groups; ++g) {
+    const float* in = a.x + r * a.K + g * a.group;
+    for (int64_t v = r * x.passes; v < (r + 1) * x.passes; ++v) {
+      int8_t* q = x.q + v * a.K + g * a.group;
+      float *s = x.s + v * groups + g, *sum = x.sum + v * groups + g;
+      const bool last = v + 1 == (r + 1) * x.passes;
+#ifdef WOQ_X86
+      if (vector) {
+        quantise_avx2(in, a.group, q, s, sum);
+        if (!last) residual_avx2(in, q, *s, a.group, res);
+        in = res;
+        continue;
+      }
+#endif
+      quantise_scalar(in, a.group, q, s, sum);
+      if (!last) residual_scalar(in, q, *s, a.group, res);
+      in = res;
+    }
+  }
+}
+
 // input [..., K], any float dtype; returns y [..., out_features] fp32. `chunk`: K per tile of the fp32 / bf16
-// path. The reshape and cast happen here, not in Python: a one-token step makes 121 of these calls.
+// path; `passes`: int8 / int4's activation passes (1 or 2). The reshape and cast happen here, not in Python: a
+// one-token step makes 121 of these calls.
 torch::Tensor packed_linear(torch::Tensor input, torch::Tensor w, torch::Tensor scale, torch::Tensor zero, int64_t kind,
-                            int64_t out_features, int64_t group, int64_t chunk, bool vector) {
+                            int64_t out_features, int64_t group, int64_t chunk, bool vector, int64_t passes) {
   TORCH_CHECK(input.dim() >= 1 && input.is_floating_point(), "x must be a float tensor [..., K]");
   TORCH_CHECK(w.is_contiguous() && scale.is_contiguous() && zero.is_contiguous(), "packed tensors must be contiguous");
   const torch::Tensor x = input.reshape({-1, input.size(-1)}).to(torch::kFloat).contiguous();
@@ -495,30 +539,25 @@ torch::Tensor packed_linear(torch::Tensor input, torch::Tensor w, torch::Tensor 
     return y;
   }
   TORCH_CHECK(group > 0 && group % 8 == 0 && K % group == 0, "group size must be a multiple of 8 dividing K");
-  auto q = torch::empty({rows, K}, x.options().dtype(torch::kChar));
-  const int64_t groups = K / group;
-  auto s = torch::empty({2, rows, groups}, x.options());  // sx, and sx * sum(qx), per row and group
-  int8_t* qp = q.data_ptr<int8_t>();
-  float *sx = s.data_ptr<float>(), *sum = sx + rows * groups;
-  for (int64_t r = 0; r < rows; ++r) {
-#ifdef WOQ_X86
-    if (vector) {
-      quantise_avx2(a, r, qp + r * K, sx + r * groups, sum + r * groups);
-      continue;
-    }
-#endif
-    quantise_scalar(a, r, qp + r * K, sx + r * groups, sum + r * groups);
-  }
-  run_int(a, Acts{qp, sx, sum}, vector);
+  TORCH_CHECK(passes == 1 || passes == 2, "activation passes must be 1 or 2, got ", passes);
+  const int64_t codes = rows * passes, groups = K / group;
+  auto q = torch::empty({codes, K}, x.options().dtype(torch::kChar));
+  auto s = torch::empty({2, codes, groups}, x.options());  // sx, and sx * sum(qx), per row of codes and group
+  std::vector<float> res(group);  // a group's residual between the passes
+  float* sx = s.data_ptr<float>();
+  const Acts acts{q.data_ptr<int8_t>(), sx, sx + codes * groups, passes};
+  for (int64_t r = 0; r < rows; ++r) quantise_row(a, acts, r, vector, res.data());
+  run_int(a, acts, vector);
   return y;
 }
 
 // Kernel, then the optional low-rank correction `y += (x A^T) B'` (A [r, K], B' [r, O], fp32 stored as int32 bits),
-// and the cast back to x's dtype: one call from Python per layer.
+// and the cast back to x's dtype: one call from Python per layer. `passes`: 1 rounds int8 / int4's activations to
+// int8 once, 2 also their residual (file header).
 torch::Tensor woq_linear(torch::Tensor input, torch::Tensor w, torch::Tensor scale, torch::Tensor zero, int64_t kind,
                          int64_t out_features, int64_t group, int64_t chunk, bool vector,
-                         c10::optional<torch::Tensor> corr_a, c10::optional<torch::Tensor> corr_b) {
-  auto y = packed_linear(input, w, scale, zero, kind, out_features, group, chunk, vector);
+                         c10::optional<torch::Tensor> corr_a, c10::optional<torch::Tensor> corr_b, int64_t passes = 1) {
+  auto y = packed_linear(input, w, scale, zero, kind, out_features, group, chunk, vector, passes);
   if (corr_a.has_value()) {
     TORCH_CHECK(corr_b.has_value() && corr_a->is_contiguous() && corr_b->is_contiguous() &&
                     corr_a->size(1) == input.size(-1) && corr_b->size(0) == corr_a->size(0) &&
@@ -536,6 +575,7 @@ bool woq_has_avx2() { return has_avx2(); }
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("woq_linear", &woq_linear, "weight-streaming linear (packed fp32/bf16/int8/int4 weights)", py::arg("x"),
         py::arg("w"), py::arg("scale"), py::arg("zero"), py::arg("kind"), py::arg("out_features"), py::arg("group"),
-        py::arg("chunk"), py::arg("vector"), py::arg("corr_a") = py::none(), py::arg("corr_b") = py::none());
+        py::arg("chunk"), py::arg("vector"), py::arg("corr_a") = py::none(), py::arg("corr_b") = py::none(),
+        py::arg("passes") = 1);
   m.def("has_avx2", &woq_has_avx2, "whether the AVX2+FMA path can run on this CPU");
 }
