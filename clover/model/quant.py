@@ -10,6 +10,11 @@ instead of seven, from the same checkpoint's tensors.
 The LM head of an `int4` model is `int8` by default (llama.cpp, too, keeps its output tensor at higher precision:
 the logits read it directly); `quantize(..., head=)` chooses otherwise.
 
+On the CPU, int8 / int4 layers round their input to int8 per group for integer dot products (clover.ops.woq):
+`activations="int8x2"` (`DEFAULT_ACTIVATIONS`) rounds it in two passes, the second re-rounding the first one's
+residual (an error ~254x smaller), `"int8"` in one (llama.cpp's way; cheaper from a few rows on). It changes no
+weight: `quantize(model, quant, activations=...)` on a model quantised in that format already switches it.
+
 Adapters: an unmerged LoRA adapter is kept beside the quantised *base* weights as a low-rank correction,
 `y = W_q x + (x A^T) B'` in fp32, rather than merged and rounded: a base that comes from a quantised file
 (clover-smol's Q4_1 GGUF) is rounded back onto its own codes exactly, so the quantised model computes what the
@@ -20,8 +25,9 @@ embedding's trained rows (`row_delta`) are merged into the table, as `merge_and_
 acts at query positions only, which the packed layers do not model: such a model is refused and runs unquantised.
 
 A quantised model saves as usual (`save_pretrained`): its packed tensors (and corrections) in `model.safetensors`
-and the format in `quantization.json` (`quant`, `group_size`, `lm_head`, the packed `layout`'s version, and
-`low_rank`: each corrected layer's rank), from which `from_pretrained` rebuilds the same modules before loading.
+and the format in `quantization.json` (`quant`, `group_size`, `lm_head`, `activations`, the packed `layout`'s
+version, and `low_rank`: each corrected layer's rank), from which `from_pretrained` rebuilds the same modules
+before loading (a file without `activations`, from before the choice existed, gets the one-pass `"int8"`).
 """
 
 from __future__ import annotations
@@ -39,20 +45,23 @@ logger = logging.getLogger(__name__)
 
 QUANTIZATIONS = ("none", "fp32", "bf16", "int8", "int4")  # fp32 / bf16: unquantised weights, through the kernel
 QUANT_CONFIG = "quantization.json"
+DEFAULT_ACTIVATIONS = "int8x2"  # what `quantize` gives int8 / int4 layers (docs/cpu.md has the measurements)
 
 
 class PackedLinear(nn.Module):
     """A bias-free linear layer over packed weights (`clover.ops.woq`): the kernel on CPU, a dequantised matmul
     elsewhere; optionally plus a rank-`rank` correction `(x A^T) B'` (`correction_a` `[rank, in]`,
     `correction_b` `[rank, out]`, fp32 stored as int32 bits like the packed weights, so a model-wide
-    `.to(dtype)` never rounds them). Input and output keep the caller's dtype; the kernel accumulates in fp32."""
+    `.to(dtype)` never rounds them). Input and output keep the caller's dtype; the kernel accumulates in fp32.
+    `activations`: how the kernel rounds the input of an int8 / int4 layer (`woq.ACTIVATIONS`)."""
 
     def __init__(self, in_features: int, out_features: int, kind: str, group_size: int = woq.DEFAULT_GROUP_SIZE,
-                 rank: int = 0, device: torch.device | str | None = None) -> None:
+                 rank: int = 0, device: torch.device | str | None = None, activations: str = "int8") -> None:
         super().__init__()
         woq.check(kind, in_features, group_size)
+        woq.check_activations(activations)
         self.in_features, self.out_features, self.kind, self.group_size = in_features, out_features, kind, group_size
-        self.rank = rank
+        self.rank, self.activations = rank, activations
         shapes = woq.pack(torch.zeros(out_features, in_features, device="meta"), kind, group_size)
         for name, t in shapes.items():
             self.register_buffer(name, torch.empty(t.shape, dtype=t.dtype, device=device))
@@ -62,8 +71,8 @@ class PackedLinear(nn.Module):
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor, kind: str, group_size: int = woq.DEFAULT_GROUP_SIZE,
-                    name: str = "weight",
-                    correction: tuple[torch.Tensor, torch.Tensor] | None = None) -> PackedLinear:
+                    name: str = "weight", correction: tuple[torch.Tensor, torch.Tensor] | None = None,
+                    activations: str = "int8") -> PackedLinear:
         """Pack `weight` `[out, in]`; `correction`: `(A [r, in], B' [r, out])`, added as `(x A^T) B'`."""
         out_features, in_features = weight.shape
         woq.check(kind, in_features, group_size, name)
@@ -73,7 +82,7 @@ class PackedLinear(nn.Module):
             raise ValueError(f"{name}: a low-rank correction of {list(weight.shape)} weights needs A [r, "
                              f"{in_features}] and B' [r, {out_features}], got {list(correction[0].shape)} and "
                              f"{list(correction[1].shape)}")
-        layer = cls(in_features, out_features, kind, group_size, rank, device="meta")
+        layer = cls(in_features, out_features, kind, group_size, rank, device="meta", activations=activations)
         for key, t in woq.pack(weight, kind, group_size, name).items():
             setattr(layer, key, t.to(weight.device))
         if correction is not None:
@@ -82,9 +91,11 @@ class PackedLinear(nn.Module):
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        linear = woq.woq_linear if x.device.type == "cpu" else woq.reference_linear
-        return linear(x, self.qweight, self.scale, self.zero, self.kind, self.out_features, self.group_size,
-                      (self.correction_a, self.correction_b) if self.rank else None)
+        args = (x, self.qweight, self.scale, self.zero, self.kind, self.out_features, self.group_size,
+                (self.correction_a, self.correction_b) if self.rank else None)
+        if x.device.type == "cpu":
+            return woq.woq_linear(*args, activations=self.activations)
+        return woq.reference_linear(*args)  # elsewhere: the dequantised matmul, x not rounded
 
     def dequantized(self) -> torch.Tensor:
         """The fp32 `[out, in]` weights this layer computes with (the correction, if any, not included)."""
@@ -98,6 +109,7 @@ class PackedLinear(nn.Module):
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, kind={self.kind}" + \
             (f", group_size={self.group_size}" if self.kind == "int4" else "") + \
+            (f", activations={self.activations}" if self.kind in ("int8", "int4") else "") + \
             (f", rank={self.rank}" if self.rank else "")
 
 
@@ -113,18 +125,27 @@ def default_head(quant: str) -> str:
 
 
 def quantize(model: nn.Module, quant: str = "int4", group_size: int = woq.DEFAULT_GROUP_SIZE,
-             head: str | None = None) -> nn.Module:
+             head: str | None = None, activations: str | None = None) -> nn.Module:
     """Pack (and quantise) `model`'s linear layers and LM head in place; returns the model. `"none"`, or a model
-    loaded quantised in that format already: unchanged. `head`: the LM head's format (default
-    `default_head(quant)`). An unmerged, non-gated adapter is kept as a low-rank correction beside the quantised
-    base weights (module docstring)."""
+    loaded quantised in that format already: unchanged (but for `activations`, set if given). `head`: the LM
+    head's format (default `default_head(quant)`). `activations`: how int8 / int4 layers round their input on the
+    CPU (`woq.ACTIVATIONS`, default `DEFAULT_ACTIVATIONS`). An unmerged, non-gated adapter is kept as a low-rank
+    correction beside the quantised base weights (module docstring)."""
     from clover.model.lora import TrainableRowsEmbedding, has_lora, merge_and_unload
 
     check_quantization(quant)
+    if activations is not None:
+        woq.check_activations(activations)
     current = getattr(model, "quantization", None) or {}
     if quant == "none" or (current.get("quant") == quant and head in (None, current.get("lm_head", quant))):
+        if activations is not None and current:  # a property of the computation, not of the packed weights
+            for module in model.modules():
+                if isinstance(module, PackedLinear):
+                    module.activations = activations
+            current["activations"] = activations
         return model
     head = head or default_head(quant)
+    activations = activations or DEFAULT_ACTIVATIONS
     if head not in woq.KINDS:
         raise ValueError(f"unknown LM head format {head!r}: expected one of {list(woq.KINDS)}")
     _check_quantizable(model)
@@ -132,13 +153,14 @@ def quantize(model: nn.Module, quant: str = "int4", group_size: int = woq.DEFAUL
     for module in model.modules():  # trained rows into the table first: a tied head is packed from it
         if isinstance(module, TrainableRowsEmbedding):
             module.merge()
-    ranks = _convert(model, quant, group_size, head)
+    ranks = _convert(model, quant, group_size, head, activations)
     if adapted:
         merge_and_unload(model)  # what is left of the adapter: the merged embedding, back to a plain module
-    model.quantization = {"quant": quant, "group_size": group_size, "lm_head": head, "layout": woq.LAYOUT_VERSION}
+    model.quantization = {"quant": quant, "group_size": group_size, "lm_head": head, "activations": activations,
+                          "layout": woq.LAYOUT_VERSION}
     if ranks:
         model.quantization["low_rank"] = ranks
-    logger.info("quantised to %s (LM head %s%s): %.1f MB of linear weights", quant, head,
+    logger.info("quantised to %s (LM head %s, %s activations%s): %.1f MB of linear weights", quant, head, activations,
                 f", {len(ranks)} layers with a low-rank correction" if ranks else "", packed_bytes(model) / 1e6)
     return model
 
@@ -166,12 +188,16 @@ def prepare_quantized(model: nn.Module, directory: Path) -> None:
     head = spec.get("lm_head")
     if head not in woq.KINDS:
         raise ValueError(f"{path}: unknown lm_head format {head!r}: expected one of {list(woq.KINDS)}")
+    activations = spec.get("activations", "int8")  # files from before the choice: the one-pass rounding they had
+    if activations not in woq.ACTIVATIONS:
+        raise ValueError(f"{path}: unknown activation rounding {activations!r}: expected one of "
+                         f"{list(woq.ACTIVATIONS)}")
     ranks = spec.get("low_rank", {})
-    _convert(model, quant, group_size, head, ranks=ranks)
+    _convert(model, quant, group_size, head, activations, ranks=ranks)
     unknown = sorted(set(ranks) - {n for n, m in model.named_modules() if isinstance(m, PackedLinear)})
     if unknown:
         raise ValueError(f"{path}: low_rank names layers the model does not have: {unknown[:4]}")
-    model.quantization = spec
+    model.quantization = {**spec, "activations": activations}
 
 
 def _check_quantizable(model: nn.Module) -> None:
@@ -205,7 +231,7 @@ def _low_rank(layers: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor] | No
     return a, b
 
 
-def _convert(model: nn.Module, kind: str, group_size: int, head: str,
+def _convert(model: nn.Module, kind: str, group_size: int, head: str, activations: str,
              ranks: dict[str, int] | None = None) -> dict[str, int]:
     """Fuse and pack: from the weights (and adapters), or, given the stored layers' correction `ranks`, empty
     modules on the meta device of the right shapes for a checkpoint to fill. Returns the corrected layers' ranks."""
@@ -221,9 +247,10 @@ def _convert(model: nn.Module, kind: str, group_size: int, head: str,
         layer_kind = head if layers[0] is lm_head else kind
         out_features, in_features = sum(m.out_features for m in layers), layers[0].in_features
         if meta:
-            return PackedLinear(in_features, out_features, layer_kind, group_size, ranks.get(name, 0), device="meta")
+            return PackedLinear(in_features, out_features, layer_kind, group_size, ranks.get(name, 0), device="meta",
+                                activations=activations)
         weight = torch.cat([m.weight for m in layers]) if len(layers) > 1 else layers[0].weight
-        layer = PackedLinear.from_weight(weight, layer_kind, group_size, name, _low_rank(layers))
+        layer = PackedLinear.from_weight(weight, layer_kind, group_size, name, _low_rank(layers), activations)
         if layer.rank:
             corrected[name] = layer.rank
         return layer
