@@ -5,10 +5,12 @@ what each format does to decoding speed and quality.
         [--rows 1,4,8,16,32] [--context 200] [--repeats 7] [--threads 2] [--limit 4] [--max-new-tokens 64]
         [--gguf clover-smol-q4_0.gguf] [--out benchmarks/results/bench_forward.json]
 
-A variant is `dtype/quant`: the dtype the model is loaded in (activations, embeddings, norms) and the weight format
-of its linear layers (`clover.model.quant`: `none` is torch's own path; `fp32`/`bf16` the packed kernel with
-unquantised weights; `int8`/`int4` group-wise weight-only quantisation; clover-smol's int8 / int4 are its
-quantised builds, `clover.smol.build_quantized`: the base quantised unmerged, the adapter kept beside it).
+A variant is `dtype/quant[/activations]`: the dtype the model is loaded in (activations, embeddings, norms), the
+weight format of its linear layers (`clover.model.quant`: `none` is torch's own path; `fp32`/`bf16` the packed
+kernel with unquantised weights; `int8`/`int4` group-wise weight-only quantisation; clover-smol's int8 / int4 are
+its quantised builds, `clover.smol.build_quantized`: the base quantised unmerged, the adapter kept beside it), and
+for int8 / int4 how the kernel rounds their input (`int8`: one int8 pass, `int8x2`: two; default: the
+checkpoint's own), e.g. `float32/int4/int8,float32/int4/int8x2`.
 
 * Machine: the read bandwidth (the fastest of several sums over a 512 MiB fp32 tensor) and the fp32 FMA
   rate (a 1024^3 matmul) are measured first, in the same run.
@@ -42,6 +44,7 @@ from clover.chat_template import parse_assistant_output
 from clover.cli.generate import DTYPES
 from clover.model import QUANTIZATIONS, CloverForBlockDiffusion, quantize
 from clover.model.quant import packed_bytes
+from clover.ops.woq import ACTIVATIONS
 from clover.smol import clover_smol_dir
 from clover.tokenizer import load_tokenizer
 from clover.training.bfcl import tool_call_matches
@@ -135,7 +138,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="checkpoint dir (default: clover-smol)")
     parser.add_argument("--variants", default="float32/none,bfloat16/none,float32/fp32,float32/bf16,float32/int8,"
-                        "float32/int4", help="comma-separated dtype/quant pairs; the first is the quality reference")
+                        "float32/int4", help="comma-separated dtype/quant[/activations]; the first is the quality "
+                        "reference")
     parser.add_argument("--rows", default="1,4,8,16,32")
     parser.add_argument("--context", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=7)
@@ -147,9 +151,11 @@ def main() -> None:
     args = parser.parse_args()
     variants = [tuple(v.split("/")) for v in args.variants.split(",")]
     for v in variants:
-        if len(v) != 2 or v[0] not in DTYPES or v[1] not in QUANTIZATIONS:
-            parser.error(f"a variant is dtype/quant with dtype in {sorted(DTYPES)} and quant in {list(QUANTIZATIONS)}, "
-                         f"got {'/'.join(v)!r}")
+        if len(v) not in (2, 3) or v[0] not in DTYPES or v[1] not in QUANTIZATIONS or (
+                len(v) == 3 and (v[1] not in ("int8", "int4") or v[2] not in ACTIVATIONS)):
+            parser.error(f"a variant is dtype/quant[/activations] with dtype in {sorted(DTYPES)}, quant in "
+                         f"{list(QUANTIZATIONS)} and activations (int8 / int4 only) in {list(ACTIVATIONS)}, got "
+                         f"{'/'.join(v)!r}")
     rows = [int(r) for r in args.rows.split(",")]
     torch.set_num_threads(args.threads)
     def model_dir(quant: str) -> Path:  # clover-smol at int8 / int4: its quantised build, adapter kept unmerged
@@ -165,9 +171,10 @@ def main() -> None:
               f"fp32 matmul {hw['fp32_GFLOPs']:.0f} GFLOP/s")
         report: dict[str, Any] = {"machine": hw, "threads": args.threads, "context": args.context, "variants": {}}
         reference = None
-        for dtype, quant in variants:
-            name = f"{dtype}/{quant}"
-            model = quantize(CloverForBlockDiffusion.from_pretrained(model_dir(quant), dtype=DTYPES[dtype]), quant)
+        for dtype, quant, *activations in variants:
+            name = "/".join([dtype, quant, *activations])
+            model = quantize(CloverForBlockDiffusion.from_pretrained(model_dir(quant), dtype=DTYPES[dtype]), quant,
+                             activations=activations[0] if activations else None)
             nbytes, params = weight_bytes(model)
             bound = 1e3 * nbytes / (hw["read_GBps"] * 1e9)
             steps = step_times(model, rows, args.context, args.repeats)

@@ -1,14 +1,15 @@
 """How much of clover-smol's next-token prediction a weight format keeps: top-1 agreement with the unquantised model.
 
     python benchmarks/bench_quant_agreement.py [--text docs/architecture.md] [--tokens 400] [--threads 2]
-        [--variants int8,int4,rtn-int8,rtn-int4] [--out FILE]
+        [--variants int8,int4,rtn-int8,rtn-int4,int4/int8x2] [--out FILE]
 
 One causal forward over the first `--tokens` tokens of `--text` per variant; the figure is the share of positions
 whose argmax over the tokenizer's vocabulary equals the unquantised (fp32, merged) model's, with the mean KL
 divergence from it (nats). Variants: `int8` / `int4` are clover-smol's quantised builds (`clover.smol.
 build_quantized`: the base quantised unmerged, the adapter kept beside it as a low-rank correction); `rtn-int8` /
 `rtn-int4` quantise the merged checkpoint at load (what any other checkpoint gets); `bf16`, `fp32`: the packed
-kernel with unquantised weights (`bf16` rounded to bfloat16).
+kernel with unquantised weights (`bf16` rounded to bfloat16). An int8 / int4 variant may name how the kernel
+rounds its activations, `int4/int8` (one int8 pass) or `int4/int8x2` (two; default: the checkpoint's own).
 """
 
 from __future__ import annotations
@@ -28,9 +29,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def variant_model(name: str) -> CloverForBlockDiffusion:
-    if name.startswith("rtn-"):
-        return quantize(CloverForBlockDiffusion.from_pretrained(clover_smol_dir()), name[4:])
-    return quantize(CloverForBlockDiffusion.from_pretrained(clover_smol_dir(name)), name)
+    quant, _, activations = name.partition("/")
+    if quant.startswith("rtn-"):
+        return quantize(CloverForBlockDiffusion.from_pretrained(clover_smol_dir()), quant[4:],
+                        activations=activations or None)
+    return quantize(CloverForBlockDiffusion.from_pretrained(clover_smol_dir(quant)), quant,
+                    activations=activations or None)
 
 
 def main() -> None:
@@ -59,7 +63,7 @@ def main() -> None:
             figures = {"top1_agreement": (logits.argmax(-1) == ref_top).float().mean().item(),
                        "kl_nats": (ref_logp.exp() * (ref_logp - logp)).sum(-1).mean().item()}
             report["variants"][name] = figures
-            print(f"{name:9} top-1 agreement {figures['top1_agreement']:.3f}  KL {figures['kl_nats']:.2e} nats "
+            print(f"{name:16} top-1 agreement {figures['top1_agreement']:.3f}  KL {figures['kl_nats']:.2e} nats "
                   f"({len(ids)} tokens of {report['text']})", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2) + "\n")

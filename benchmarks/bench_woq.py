@@ -1,11 +1,14 @@
 """The packed-weight kernel alone (clover.ops.woq) per format, shape and row count.
 
     python benchmarks/bench_woq.py [--kinds fp32,bf16,int8,int4] [--shapes 3072x576,49152x576] [--rows 1,4,8,16]
-        [--threads 1] [--repeats 20]
+        [--activations int8,int8x2] [--threads 1] [--repeats 20]
 
 * Kernel: `woq_linear` of random weights `[O, K]` over R random rows (us, fastest of `--repeats`, after a warm-up),
   and the bytes it reads over that time (GB/s). 3072x576 is clover-smol's fused gate/up projection, 49152x576 its
-  LM head. What a format does to clover-smol's next-token choices: benchmarks/bench_quant_agreement.py.
+  LM head (960x576 its fused q/k/v, 576x1536 its down projection). int8 / int4 run once per `--activations`
+  choice (one or two int8 passes over x), the choices taking turns in every repeat, so a burst of load from
+  elsewhere hits them alike. What a format does to clover-smol's next-token choices:
+  benchmarks/bench_quant_agreement.py.
 """
 
 from __future__ import annotations
@@ -19,17 +22,20 @@ import torch
 from clover.ops import woq
 
 
-def kernel_us(shape: tuple[int, int], kind: str, rows: int, repeats: int) -> tuple[float, int]:
+def kernel_us(shape: tuple[int, int], kind: str, rows: int, repeats: int,
+              activations: list[str]) -> tuple[dict[str, float], int]:
+    """us per call for each activation rounding (fastest of `repeats`, taking turns), and the packed bytes."""
     out_features, in_features = shape
     packed = woq.pack(torch.randn(out_features, in_features), kind)
     x = torch.randn(rows, in_features)
-    woq.woq_linear(x, **packed, kind=kind, out_features=out_features)
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        woq.woq_linear(x, **packed, kind=kind, out_features=out_features)
-        best = min(best, time.perf_counter() - start)
-    return 1e6 * best, sum(t.numel() * t.element_size() for t in packed.values())
+    best = dict.fromkeys(activations, float("inf"))
+    for round_ in range(repeats + 1):  # the first round warms up
+        for act in activations:
+            start = time.perf_counter()
+            woq.woq_linear(x, **packed, kind=kind, out_features=out_features, activations=act)
+            if round_:
+                best[act] = min(best[act], time.perf_counter() - start)
+    return {act: 1e6 * t for act, t in best.items()}, sum(t.numel() * t.element_size() for t in packed.values())
 
 
 def main() -> None:
@@ -37,6 +43,7 @@ def main() -> None:
     parser.add_argument("--kinds", default="fp32,bf16,int8,int4")
     parser.add_argument("--shapes", default="3072x576,49152x576")
     parser.add_argument("--rows", default="1,4,8,16")
+    parser.add_argument("--activations", default="int8,int8x2", help="int8 / int4's activation roundings")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args()
@@ -45,16 +52,24 @@ def main() -> None:
     for kind in kinds:
         if kind not in woq.KINDS:
             parser.error(f"unknown kind {kind!r}: expected some of {list(woq.KINDS)}")
+    activations = args.activations.split(",")
+    for act in activations:
+        if act not in woq.ACTIVATIONS:
+            parser.error(f"unknown activation rounding {act!r}: expected some of {list(woq.ACTIVATIONS)}")
     rows = [int(r) for r in args.rows.split(",")]
     print(f"{platform.processor() or platform.machine()}, {args.threads} threads, torch {torch.__version__}, "
           f"AVX2 path: {woq.has_avx2()}")
     for shape in [tuple(int(d) for d in s.split("x")) for s in args.shapes.split(",")]:
         for kind in kinds:
-            cells = []
+            acts = activations if kind in ("int8", "int4") else activations[:1]  # fp32 / bf16 do not round x
+            cells: dict[str, list[str]] = {act: [] for act in acts}
             for r in rows:
-                us, nbytes = kernel_us(shape, kind, r, args.repeats)
-                cells.append(f"R={r}: {us:7.0f} us ({nbytes / us / 1e3:4.1f} GB/s)")
-            print(f"{shape[0]}x{shape[1]} {kind:5} " + "  ".join(cells), flush=True)
+                times, nbytes = kernel_us(shape, kind, r, args.repeats, acts)
+                for act, us in times.items():
+                    cells[act].append(f"R={r}: {us:7.0f} us ({nbytes / us / 1e3:4.1f} GB/s)")
+            for act, row in cells.items():
+                label = f"{kind}/{act}" if kind in ("int8", "int4") else kind
+                print(f"{shape[0]}x{shape[1]} {label:11} " + "  ".join(row), flush=True)
 
 
 if __name__ == "__main__":
