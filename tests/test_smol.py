@@ -77,6 +77,7 @@ def test_int4_build_computes_what_the_merged_model_computes(tmp_path, monkeypatc
     merged = CloverForBlockDiffusion.from_pretrained(smol.build(out_dir=tmp_path / "merged"))
     quantised = CloverForBlockDiffusion.from_pretrained(smol.build_quantized("int4", out_dir=tmp_path / "int4"))
     assert quantised.quantization["lm_head"] == "int8" and len(quantised.quantization["low_rank"]) == 120
+    assert quantised.quantization["activations"] == "int8x2"  # its weights are exact: two passes keep its outputs
     ids = torch.randint(0, 49152, (1, 64), generator=torch.Generator().manual_seed(0))
     want, got = merged(ids).logits, quantised(ids).logits
     # every logit but the mask token's (its trained row is off the GGUF's grid and rounded onto int8; never emitted)

@@ -11,9 +11,12 @@ The LM head of an `int4` model is `int8` by default (llama.cpp, too, keeps its o
 the logits read it directly); `quantize(..., head=)` chooses otherwise.
 
 On the CPU, int8 / int4 layers round their input to int8 per group for integer dot products (clover.ops.woq):
-`activations="int8x2"` (`DEFAULT_ACTIVATIONS`) rounds it in two passes, the second re-rounding the first one's
-residual (an error ~254x smaller), `"int8"` in one (llama.cpp's way; cheaper from a few rows on). It changes no
-weight: `quantize(model, quant, activations=...)` on a model quantised in that format already switches it.
+`activations="int8x2"` rounds it in two passes, the second re-rounding the first one's residual (an error ~254x
+smaller, for up to twice the integer work), `"int8"` in one (llama.cpp's way). By default (`default_activations`)
+int8 weights get two passes and int4 one: rounding to int4 costs far more than the activations' one pass, which
+a second would not buy back; where the int4 weights are exact (clover-smol's int4 build, clover.smol), two
+passes are what keeps the model's outputs. It changes no weight: `quantize(model, quant, activations=...)` on a
+model quantised in that format already switches it.
 
 Adapters: an unmerged LoRA adapter is kept beside the quantised *base* weights as a low-rank correction,
 `y = W_q x + (x A^T) B'` in fp32, rather than merged and rounded: a base that comes from a quantised file
@@ -45,7 +48,6 @@ logger = logging.getLogger(__name__)
 
 QUANTIZATIONS = ("none", "fp32", "bf16", "int8", "int4")  # fp32 / bf16: unquantised weights, through the kernel
 QUANT_CONFIG = "quantization.json"
-DEFAULT_ACTIVATIONS = "int8x2"  # what `quantize` gives int8 / int4 layers (docs/cpu.md has the measurements)
 
 
 class PackedLinear(nn.Module):
@@ -118,6 +120,13 @@ def check_quantization(quant: str) -> None:
         raise ValueError(f"unknown quantisation {quant!r}: expected one of {list(QUANTIZATIONS)}")
 
 
+def default_activations(quant: str) -> str:
+    """How `quant`'s layers round their input by default: two int8 passes for int8 weights, one for int4 (on
+    clover-smol, round-to-nearest int8: top-1 agreement 96.2 -> 97.5 %, KL 5.7e-3 -> 1.7e-3 with two; int4:
+    74.5 -> 75.7 %, the weights' error dominating, for ~30 % more time per 4-row step: docs/cpu.md)."""
+    return "int8x2" if quant == "int8" else "int8"
+
+
 def default_head(quant: str) -> str:
     """The LM head's format for `quant`: int8 under int4 (the logits read the head directly; clover-smol's head
     is a Q8_0 table, which int8 holds exactly), else `quant` itself."""
@@ -129,7 +138,7 @@ def quantize(model: nn.Module, quant: str = "int4", group_size: int = woq.DEFAUL
     """Pack (and quantise) `model`'s linear layers and LM head in place; returns the model. `"none"`, or a model
     loaded quantised in that format already: unchanged (but for `activations`, set if given). `head`: the LM
     head's format (default `default_head(quant)`). `activations`: how int8 / int4 layers round their input on the
-    CPU (`woq.ACTIVATIONS`, default `DEFAULT_ACTIVATIONS`). An unmerged, non-gated adapter is kept as a low-rank
+    CPU (`woq.ACTIVATIONS`, default `default_activations(quant)`). An unmerged, non-gated adapter is kept as a low-rank
     correction beside the quantised base weights (module docstring)."""
     from clover.model.lora import TrainableRowsEmbedding, has_lora, merge_and_unload
 
@@ -145,7 +154,7 @@ def quantize(model: nn.Module, quant: str = "int4", group_size: int = woq.DEFAUL
             current["activations"] = activations
         return model
     head = head or default_head(quant)
-    activations = activations or DEFAULT_ACTIVATIONS
+    activations = activations or default_activations(quant)
     if head not in woq.KINDS:
         raise ValueError(f"unknown LM head format {head!r}: expected one of {list(woq.KINDS)}")
     _check_quantizable(model)

@@ -15,7 +15,7 @@ from torch import nn
 
 from clover.model import CloverForBlockDiffusion, quantize
 from clover.model.lora import LoraConfig, LoRALinear, TrainableRowsEmbedding, apply_lora, has_lora
-from clover.model.quant import DEFAULT_ACTIVATIONS, PackedLinear, default_head
+from clover.model.quant import PackedLinear, default_activations, default_head
 from clover.ops import woq
 
 KINDS = ["fp32", "bf16", "int8", "int4"]
@@ -408,19 +408,24 @@ def test_quantised_adapted_checkpoint_saves_and_loads(tmp_path, quant):
 
 @torch.no_grad()
 def test_activation_rounding_is_recorded(tmp_path):
-    """`quantize` records how int8 / int4 layers round their input (default `DEFAULT_ACTIVATIONS`); a checkpoint
-    restores it; one from before the choice existed (no "activations") loads with the one-pass rounding it was
-    computed with; an unknown one is refused; a model in the asked format switches it without re-quantising."""
-    model = quantize(tiny_model("clover-tiny-dense"), "int4")
-    assert model.quantization["activations"] == DEFAULT_ACTIVATIONS
+    """`quantize` records how int8 / int4 layers round their input (default: two passes for int8, one for int4);
+    a checkpoint restores it; one from before the choice existed (no "activations") loads with the one-pass
+    rounding it was computed with; an unknown one is refused; a model in the asked format switches it without
+    re-quantising."""
 
     def rounding(m: nn.Module) -> set[str]:
         return {layer.activations for layer in m.modules() if isinstance(layer, PackedLinear)}
 
-    assert rounding(model) == {DEFAULT_ACTIVATIONS}
+    assert (default_activations("int8"), default_activations("int4")) == ("int8x2", "int8")
+    for quant in ("int8", "int4"):
+        default = quantize(tiny_model("clover-tiny-dense"), quant)
+        assert default.quantization["activations"] == default_activations(quant)
+        assert rounding(default) == {default_activations(quant)}
+    model = quantize(tiny_model("clover-tiny-dense"), "int4", activations="int8x2")
     one = quantize(tiny_model("clover-tiny-dense"), "int4", activations="int8")
     ids = torch.randint(0, 250, (1, 12))
-    assert rounding(one) == {"int8"} and not torch.equal(one(ids).logits, model(ids).logits)
+    assert rounding(model) == {"int8x2"} and rounding(one) == {"int8"}
+    assert not torch.equal(one(ids).logits, model(ids).logits)
     one.save_pretrained(tmp_path / "q")
     spec_path = tmp_path / "q" / "quantization.json"
     spec = json.loads(spec_path.read_text())
@@ -429,8 +434,7 @@ def test_activation_rounding_is_recorded(tmp_path):
     assert loaded.quantization == one.quantization and rounding(loaded) == {"int8"}
     assert torch.equal(loaded(ids).logits, one(ids).logits)
     assert quantize(loaded, "int4", activations="int8x2") is loaded and rounding(loaded) == {"int8x2"}
-    assert loaded.quantization["activations"] == "int8x2" and torch.equal(
-        loaded(ids).logits, quantize(tiny_model("clover-tiny-dense"), "int4", activations="int8x2")(ids).logits)
+    assert loaded.quantization["activations"] == "int8x2" and torch.equal(loaded(ids).logits, model(ids).logits)
 
     spec_path.write_text(json.dumps({k: v for k, v in spec.items() if k != "activations"}))
     old = CloverForBlockDiffusion.from_pretrained(tmp_path / "q")
