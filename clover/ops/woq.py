@@ -27,7 +27,8 @@ rounds the residual, per group `s1 = max |x| / 127`, `q1 = round(x / s1)`, `r = 
 `|r| <= s1 / 2`), `s2 = max |r| / 127`, `q2 = round(r / s2)`, and `y[o] = sum_g s[o, g] (s1 (q . q1)_g +
 s2 (q . q2)_g)` (int4: `+ m[o, g] (s1 sum(q1)_g + s2 sum(q2)_g)`): the error per element is at most `s2 / 2 <=
 s1 / 254`, ~254x smaller, for up to twice the integer work (the second pass runs as a second row of codes over
-the same decoded weights, so a memory-bound call costs about the same).
+the same decoded weights: twice the time from a few rows on, less at one row, where the weights' streaming hides
+part of it).
 
 Every packed tensor is stored with an integer dtype (fp32 as int32 bits, bf16 / fp16 as int16 bits), so a
 model-wide `.to(dtype)` never rounds them.

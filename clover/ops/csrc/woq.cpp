@@ -272,7 +272,8 @@ __attribute__((target("avx2,fma,f16c"))) void residual_avx2(const float* x, cons
                                                             float* res) {
   const __m256 sv = _mm256_set1_ps(sx);
   for (int64_t k = 0; k < n; k += 8) {
-    const __m256 qf = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + k))));
+    const __m128i q8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + k));
+    const __m256 qf = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q8));
     _mm256_storeu_ps(res + k, _mm256_fnmadd_ps(sv, qf, _mm256_loadu_ps(x + k)));
   }
 }
