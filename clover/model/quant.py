@@ -86,6 +86,12 @@ class PackedLinear(nn.Module):
         return linear(x, self.qweight, self.scale, self.zero, self.kind, self.out_features, self.group_size,
                       (self.correction_a, self.correction_b) if self.rank else None)
 
+    def kernel_args(self) -> tuple:
+        """The layer as the C++ decoder layer takes it (clover.model.fused): `(qweight, scale, zero, kind code,
+        out_features, group_size, A, B')`, A and B' None without a correction."""
+        a, b = (self.correction_a, self.correction_b) if self.rank else (None, None)
+        return self.qweight, self.scale, self.zero, woq.KINDS[self.kind], self.out_features, self.group_size, a, b
+
     def dequantized(self) -> torch.Tensor:
         """The fp32 `[out, in]` weights this layer computes with (the correction, if any, not included)."""
         return woq.unpack(self.qweight, self.scale, self.zero, self.kind, self.out_features, self.in_features,
@@ -210,7 +216,9 @@ def _convert(model: nn.Module, kind: str, group_size: int, head: str,
     """Fuse and pack: from the weights (and adapters), or, given the stored layers' correction `ranks`, empty
     modules on the meta device of the right shapes for a checkpoint to fill. Returns the corrected layers' ranks."""
     from clover.model.attention import Attention
+    from clover.model.fused import can_fuse
     from clover.model.lora import LoRALinear
+    from clover.model.modeling import DecoderLayer
     from clover.model.moe import SwiGLU
 
     meta = ranks is not None
@@ -249,4 +257,7 @@ def _convert(model: nn.Module, kind: str, group_size: int, head: str,
                 raise ValueError(f"cannot quantise {name}: linear layers with a bias are not supported")
             owner, _, attr = name.rpartition(".")
             setattr(model.get_submodule(owner), attr, packed([module], name))
+    for module in model.modules():
+        if isinstance(module, DecoderLayer):
+            module.fused = can_fuse(module)
     return corrected

@@ -56,7 +56,9 @@ BLOCK = 16  # output columns per packed block (the kernel's register tile is 16 
 TILE_K = 256  # K per decoded bf16 tile: 256 x 16 fp32 = 16 KiB, well inside L1
 LAYOUT_VERSION = 2  # of the packed layout; 1: int8 / int4 codes as [o // 16, k, o % 16] (fp32 decoding kernels)
 DEFAULT_GROUP_SIZE = 32  # llama.cpp's Q4_1/Q8_0 block, the format clover-smol's base weights come in
-SOURCE = Path(__file__).parent / "csrc" / "woq.cpp"
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = (CSRC / "woq.cpp", CSRC / "layer.cpp")  # the kernels; a decoder layer built on them (clover.model.fused)
+HEADERS = (CSRC / "woq.h",)
 
 _extension: Any = None
 
@@ -76,13 +78,13 @@ def extension() -> Any:
         if not cpp_extension.is_ninja_available():
             raise RuntimeError("clover's quantised CPU kernels are compiled on first use with ninja, which was not "
                                "found: pip install ninja")
-        source = SOURCE.read_text()
+        source = "".join(path.read_text() for path in SOURCES + HEADERS)
         tag = hashlib.sha256(f"{source}|{torch.__version__}".encode()).hexdigest()[:12]
         build = cache_root() / "extensions" / f"woq-{tag}"
         build.mkdir(parents=True, exist_ok=True)
         logger.info("loading the weight-only-quantisation kernel from %s (compiled there on first use)", build)
         # -O3 only: the AVX2 path is selected per function and at run time, so the build stays portable
-        _extension = cpp_extension.load(name=f"clover_woq_{tag}", sources=[str(SOURCE)], build_directory=str(build),
+        _extension = cpp_extension.load(name=f"clover_woq_{tag}", sources=[str(path) for path in SOURCES], build_directory=str(build),
                                         extra_cflags=["-O3"], verbose=False)
     return _extension
 

@@ -18,6 +18,8 @@
 // One source compiles to an AVX2+FMA path (function target attributes, chosen at run time) and a portable
 // scalar path of the same integer math; no -march flag, so the same build runs on any x86-64 (and the scalar
 // path on other CPUs).
+#include "woq.h"
+
 #include <c10/util/Half.h>
 #include <torch/extension.h>
 
@@ -443,18 +445,7 @@ void low_rank(const float* x, int64_t rows, int64_t K, const float* A, const flo
               float* y, bool vector) {
   std::vector<float> t(rows * rank);
   at::parallel_for(0, rows * rank, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const float *xr = x + (i / rank) * K, *a = A + (i % rank) * K;
-#ifdef WOQ_X86
-      if (vector) {
-        t[i] = dot_avx2(xr, a, K);
-        continue;
-      }
-#endif
-      float sum = 0;
-      for (int64_t k = 0; k < K; ++k) sum += xr[k] * a[k];
-      t[i] = sum;
-    }
+    for (int64_t i = begin; i < end; ++i) t[i] = woq_dot(x + (i / rank) * K, A + (i % rank) * K, K, vector);
   });
   at::parallel_for(0, O, 512, [&](int64_t o0, int64_t o1) {
     for (int64_t r = 0; r < rows; ++r) {
@@ -533,9 +524,19 @@ torch::Tensor woq_linear(torch::Tensor input, torch::Tensor w, torch::Tensor sca
 
 bool woq_has_avx2() { return has_avx2(); }
 
+float woq_dot(const float* x, const float* w, int64_t n, bool vector) {
+#ifdef WOQ_X86
+  if (vector) return dot_avx2(x, w, n);
+#endif
+  float sum = 0;
+  for (int64_t k = 0; k < n; ++k) sum += x[k] * w[k];
+  return sum;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("woq_linear", &woq_linear, "weight-streaming linear (packed fp32/bf16/int8/int4 weights)", py::arg("x"),
         py::arg("w"), py::arg("scale"), py::arg("zero"), py::arg("kind"), py::arg("out_features"), py::arg("group"),
         py::arg("chunk"), py::arg("vector"), py::arg("corr_a") = py::none(), py::arg("corr_b") = py::none());
   m.def("has_avx2", &woq_has_avx2, "whether the AVX2+FMA path can run on this CPU");
+  m.def("decoder_layer", &decoder_layer, "a Llama-form decoder layer over packed weights (layer.cpp)");
 }
