@@ -9,6 +9,8 @@ A variant is `dtype/quant`: the dtype the model is loaded in (activations, embed
 of its linear layers (`clover.model.quant`: `none` is torch's own path; `fp32`/`bf16` the packed kernel with
 unquantised weights; `int8`/`int4` group-wise weight-only quantisation; clover-smol's int8 / int4 are its
 quantised builds, `clover.smol.build_quantized`: the base quantised unmerged, the adapter kept beside it).
+Packed fp32 models run each decoder layer as one C++ call (clover.model.fused); `dtype/quant/modules` runs the
+same weights through torch's modules layer by layer instead.
 
 * Machine: the read bandwidth (the fastest of several sums over a 512 MiB fp32 tensor) and the fp32 FMA
   rate (a 1024^3 matmul) are measured first, in the same run.
@@ -147,9 +149,9 @@ def main() -> None:
     args = parser.parse_args()
     variants = [tuple(v.split("/")) for v in args.variants.split(",")]
     for v in variants:
-        if len(v) != 2 or v[0] not in DTYPES or v[1] not in QUANTIZATIONS:
-            parser.error(f"a variant is dtype/quant with dtype in {sorted(DTYPES)} and quant in {list(QUANTIZATIONS)}, "
-                         f"got {'/'.join(v)!r}")
+        if len(v) not in (2, 3) or v[0] not in DTYPES or v[1] not in QUANTIZATIONS or v[2:] not in ((), ("modules",)):
+            parser.error(f"a variant is dtype/quant[/modules] with dtype in {sorted(DTYPES)} and quant in "
+                         f"{list(QUANTIZATIONS)}, got {'/'.join(v)!r}")
     rows = [int(r) for r in args.rows.split(",")]
     torch.set_num_threads(args.threads)
     def model_dir(quant: str) -> Path:  # clover-smol at int8 / int4: its quantised build, adapter kept unmerged
@@ -165,9 +167,11 @@ def main() -> None:
               f"fp32 matmul {hw['fp32_GFLOPs']:.0f} GFLOP/s")
         report: dict[str, Any] = {"machine": hw, "threads": args.threads, "context": args.context, "variants": {}}
         reference = None
-        for dtype, quant in variants:
-            name = f"{dtype}/{quant}"
+        for dtype, quant, *modules in variants:
+            name = "/".join([dtype, quant, *modules])
             model = quantize(CloverForBlockDiffusion.from_pretrained(model_dir(quant), dtype=DTYPES[dtype]), quant)
+            for layer in model.model.layers:
+                layer.fused = layer.fused and not modules
             nbytes, params = weight_bytes(model)
             bound = 1e3 * nbytes / (hw["read_GBps"] * 1e9)
             steps = step_times(model, rows, args.context, args.repeats)

@@ -197,9 +197,11 @@ def unpack(qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, kind:
 
 def reference_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, kind: str,
                      out_features: int, group_size: int = DEFAULT_GROUP_SIZE,
-                     correction: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                     correction: tuple[torch.Tensor, torch.Tensor] | None = None,
+                     correction_blocks: torch.Tensor | None = None) -> torch.Tensor:
     """Dequantise, then an fp32 matmul: `x [..., K]` -> `[..., O]` in x's dtype; `correction`: `(A [r, K],
-    B' [r, O])`, fp32 stored as int32 bits, adds `(x A^T) B'` (a low-rank term kept beside the packed weights)."""
+    B' [r, O])`, fp32 stored as int32 bits, adds `(x A^T) B'` (a low-rank term kept beside the packed weights;
+    `correction_blocks` only tell the kernel where B' is not zero: the whole of B' is used here)."""
     w = unpack(qweight, scale, zero, kind, out_features, x.shape[-1], group_size)
     y = F.linear(x.float(), w.to(x.device))
     if correction is not None:
@@ -210,13 +212,15 @@ def reference_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor
 
 def woq_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, kind: str,
                out_features: int, group_size: int = DEFAULT_GROUP_SIZE,
-               correction: tuple[torch.Tensor, torch.Tensor] | None = None, vectorised: bool = True) -> torch.Tensor:
+               correction: tuple[torch.Tensor, torch.Tensor] | None = None, vectorised: bool = True,
+               correction_blocks: torch.Tensor | None = None) -> torch.Tensor:
     """`x [..., K]` (any float dtype) -> `[..., O]` in x's dtype by the kernel (`vectorised=False`: its scalar
     path), plus `correction` as in `reference_linear`, in one call; int8 / int4 quantise `x` per row and group
-    (module docstring)."""
+    (module docstring). `correction_blocks` `[n, 4]` int64 (column start, end, row start, end): the blocks of B'
+    outside which it is zero, the only ones read (default: all of B')."""
     a, b = correction if correction is not None else (None, None)
     return extension().woq_linear(x, qweight, scale, zero, KINDS[kind], out_features, group_size, TILE_K, vectorised,
-                                  a, b)
+                                  a, b, correction_blocks)
 
 
 def has_avx2() -> bool:

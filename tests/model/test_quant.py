@@ -354,6 +354,29 @@ def test_checkpoint_of_another_layout_is_refused(tmp_path):
             CloverForBlockDiffusion.from_pretrained(tmp_path / "q")
 
 
+@torch.no_grad()
+def test_kernel_reads_only_the_blocks_of_a_fused_correction():
+    """A fused projection's B' is block-diagonal (one block per adapted part, all-zero rows of an untrained
+    adapter left out): `index_correction` finds the blocks, the kernel reading only them computes what it
+    computes from all of B', and a block outside B' is refused."""
+    model = _adapted("clover-tiny-dense")
+    with torch.no_grad():
+        model.model.layers[0].self_attn.k_proj.lora_B.zero_()  # an adapter that has not moved: nothing to read
+    model = quantize(model, "int4")
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    q_out, kv = model.config.num_attention_heads * 16, model.config.num_key_value_heads * 16
+    assert qkv.correction_blocks.tolist() == [[0, q_out, 0, 4], [q_out + kv, q_out + 2 * kv, 8, 12]]
+    assert model.model.layers[1].self_attn.qkv_proj.correction_blocks[:, 2:].tolist() == [[0, 4], [4, 8], [8, 12]]
+    args = {"qweight": qkv.qweight, "scale": qkv.scale, "zero": qkv.zero, "kind": "int4",
+            "out_features": qkv.out_features, "correction": (qkv.correction_a, qkv.correction_b)}
+    x = torch.randn(3, 64)
+    want = woq.woq_linear(x, **args)
+    torch.testing.assert_close(woq.woq_linear(x, **args, correction_blocks=qkv.correction_blocks), want,
+                               rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    with pytest.raises(RuntimeError, match="outside B'"):
+        woq.woq_linear(x, **args, correction_blocks=torch.tensor([[0, qkv.out_features + 1, 0, 4]]))
+
+
 @pytest.mark.parametrize("quant", ["int8", "int4"])
 @torch.no_grad()
 def test_quantised_adapted_checkpoint_saves_and_loads(tmp_path, quant):
@@ -364,6 +387,9 @@ def test_quantised_adapted_checkpoint_saves_and_loads(tmp_path, quant):
     assert spec["lm_head"] == default_head(quant) and spec["low_rank"]["model.layers.0.mlp.gate_up_proj"] == 8
     loaded = CloverForBlockDiffusion.from_pretrained(tmp_path / "q")
     assert loaded.quantization == model.quantization and loaded.model.layers[0].mlp.gate_up_proj.rank == 8
+    for name, layer in model.named_modules():  # the blocks of B' the kernel reads are found again on loading
+        if isinstance(layer, PackedLinear) and layer.rank:
+            assert torch.equal(loaded.get_submodule(name).correction_blocks, layer.correction_blocks)
     ids = torch.randint(0, 250, (1, 12))
     assert torch.equal(loaded(ids).logits, model(ids).logits)
     cast = CloverForBlockDiffusion.from_pretrained(tmp_path / "q", dtype=torch.bfloat16)

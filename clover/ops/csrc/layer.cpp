@@ -27,7 +27,7 @@ constexpr int64_t MAX_ROTARY = 1024;
 
 torch::Tensor linear(const PackedArgs& p, const torch::Tensor& x, int64_t chunk, bool vector) {
   return woq_linear(x, std::get<0>(p), std::get<1>(p), std::get<2>(p), std::get<3>(p), std::get<4>(p),
-                    std::get<5>(p), chunk, vector, std::get<6>(p), std::get<7>(p));
+                    std::get<5>(p), chunk, vector, std::get<6>(p), std::get<7>(p), std::get<8>(p));
 }
 
 // y = (x / sqrt(mean(x^2) + eps)) * w per row, in F.rms_norm's order
@@ -53,10 +53,105 @@ void rope(float* x, const float* cos, const float* ssin, int64_t rd) {
   std::copy(out, out + rd, x);
 }
 
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define LAYER_X86 1
+
+// exp of 8 floats: e^x = 2^n e^r, n = round(x log2 e), r = x - n ln 2 (ln 2 split in two for exactness), e^r by
+// a degree-7 polynomial (Cephes' expf coefficients): within 2 ulp of std::exp over [-87, 88]; below, ~0.
+__attribute__((target("avx2,fma"))) __m256 exp_avx2(__m256 x) {
+  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f)), _mm256_set1_ps(-87.3365478515625f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// q . k_{s..s+7} for 8 keys `ks` floats apart (D a multiple of 8): eight accumulators, then one transposing
+// reduction (hadd) for all eight instead of eight horizontal sums.
+__attribute__((target("avx2,fma"))) __m256 dot8_avx2(const float* q, const float* k, int64_t ks, int64_t D) {
+  __m256 a[8];
+  for (int i = 0; i < 8; ++i) a[i] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; d += 8) {
+    const __m256 qv = _mm256_loadu_ps(q + d);
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; ++i) a[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + i * ks + d), a[i]);
+  }
+  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// attend_row's AVX2 form (D a multiple of 8): scores 8 keys at a time, a vector softmax, out += p_s v_s.
+template <typename Visible>
+__attribute__((target("avx2,fma"))) void attend_row_avx2(const float* q, const float* keys, int64_t key_stride,
+                                                        const float* values, int64_t value_stride, int64_t S,
+                                                        int64_t D, float scale, Visible visible, float* scores,
+                                                        float* out) {
+  const float ninf = -std::numeric_limits<float>::infinity();
+  int64_t s = 0;
+  for (; s + 8 <= S; s += 8)
+    _mm256_storeu_ps(scores + s, _mm256_mul_ps(dot8_avx2(q, keys + s * key_stride, key_stride, D),
+                                               _mm256_set1_ps(scale)));
+  for (; s < S; ++s) scores[s] = woq_dot(q, keys + s * key_stride, D, true) * scale;
+  float top = ninf;
+  for (s = 0; s < S; ++s) {
+    if (!visible(s)) scores[s] = ninf;
+    top = std::max(top, scores[s]);
+  }
+  const __m256 topv = _mm256_set1_ps(top), ninfv = _mm256_set1_ps(ninf);
+  __m256 sum = _mm256_setzero_ps();
+  for (s = 0; s + 8 <= S; s += 8) {  // p = exp(score - max), exactly 0 where masked
+    const __m256 x = _mm256_loadu_ps(scores + s);
+    const __m256 p = _mm256_and_ps(exp_avx2(_mm256_sub_ps(x, topv)), _mm256_cmp_ps(x, ninfv, _CMP_NEQ_OQ));
+    _mm256_storeu_ps(scores + s, p);
+    sum = _mm256_add_ps(sum, p);
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, sum);
+  float total = lanes[0] + lanes[1] + lanes[2] + lanes[3] + lanes[4] + lanes[5] + lanes[6] + lanes[7];
+  for (; s < S; ++s) {
+    scores[s] = scores[s] == ninf ? 0.f : std::exp(scores[s] - top);
+    total += scores[s];
+  }
+  for (int64_t d = 0; d < D; d += 8) {
+    __m256 acc = _mm256_setzero_ps();
+    for (s = 0; s < S; ++s)
+      acc = _mm256_fmadd_ps(_mm256_set1_ps(scores[s]), _mm256_loadu_ps(values + s * value_stride + d), acc);
+    _mm256_storeu_ps(out + d, _mm256_mul_ps(acc, _mm256_set1_ps(1.f / total)));
+  }
+}
+
+// silu(g) * u = g / (1 + e^-g) * u over n floats
+__attribute__((target("avx2,fma"))) void swiglu_avx2(const float* g, const float* u, int64_t n, float* out) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 x = _mm256_loadu_ps(g + i);
+    const __m256 e = exp_avx2(_mm256_sub_ps(_mm256_setzero_ps(), x));
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.f), e)),
+                                            _mm256_loadu_ps(u + i)));
+  }
+  for (; i < n; ++i) out[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+}
+#endif
+
 // out [D] = sum_s p_s v_s / sum_s p_s, p_s = exp(q.k_s / sqrt(D) - max), over the visible keys s < S.
 template <typename Visible>
 void attend_row(const float* q, const float* keys, int64_t key_stride, const float* values, int64_t value_stride,
                 int64_t S, int64_t D, float scale, Visible visible, float* scores, float* out, bool vector) {
+#ifdef LAYER_X86
+  if (vector && D % 8 == 0)
+    return attend_row_avx2(q, keys, key_stride, values, value_stride, S, D, scale, visible, scores, out);
+#endif
   float top = -std::numeric_limits<float>::infinity();
   for (int64_t s = 0; s < S; ++s) {
     scores[s] = visible(s) ? woq_dot(q, keys + s * key_stride, D, vector) * scale
@@ -159,11 +254,17 @@ torch::Tensor decoder_layer(torch::Tensor h, torch::Tensor norm1, torch::Tensor 
   auto act = torch::empty({N, T, I}, h.options());
   const float* g = gu.data_ptr<float>();
   float* a = act.data_ptr<float>();
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t i = 0; i < I; ++i) {
-      const float x = g[r * 2 * I + i];
-      a[r * I + i] = x / (1.f + std::exp(-x)) * g[r * 2 * I + I + i];
+  for (int64_t r = 0; r < rows; ++r) {
+    const float *gr = g + r * 2 * I, *ur = gr + I;
+    float* ar = a + r * I;
+#ifdef LAYER_X86
+    if (vector) {
+      swiglu_avx2(gr, ur, I, ar);
+      continue;
     }
+#endif
+    for (int64_t i = 0; i < I; ++i) ar[i] = gr[i] / (1.f + std::exp(-gr[i])) * ur[i];
+  }
   out.add_(linear(down, act, chunk, vector));
   return out;
 }
