@@ -46,9 +46,14 @@ def runs_fused(h: torch.Tensor, ctx: _ForwardContext) -> bool:
 def fused_forward(layer: DecoderLayer, h: torch.Tensor, ctx: _ForwardContext, cache: Any) -> torch.Tensor:
     """`layer(h)` by the C++ layer; the first `clean_len` keys/values are committed to `cache` as
     `Attention.forward` does (the rest are written past its length, where the next append overwrites them)."""
-    attn, mlp = layer.self_attn, layer.mlp
+    # submodules and parameters from the modules' dicts: `nn.Module.__getattr__` costs ~0.5 us an access, and
+    # this runs once per layer and step
+    modules = layer._modules
+    attn, mlp = modules["self_attn"]._modules, modules["mlp"]._modules
+    norm1, norm2 = modules["input_layernorm"], modules["post_attention_layernorm"]
     n, t, _ = h.shape
-    heads, kv_heads, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
+    config = modules["self_attn"]
+    heads, kv_heads, d = config.num_heads, config.num_kv_heads, config.head_dim
     if cache is None:
         past = 0
         k, v = h.new_empty(n, kv_heads, t, d), h.new_empty(n, kv_heads, t, d)
@@ -56,10 +61,10 @@ def fused_forward(layer: DecoderLayer, h: torch.Tensor, ctx: _ForwardContext, ca
         past = cache.length
         k, v = cache.reserve(t, n, kv_heads, d, d, h)
     out = woq.extension().decoder_layer(
-        h.contiguous(), layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-        layer.input_layernorm.eps, attn.qkv_proj.kernel_args(), attn.o_proj.kernel_args(),
-        mlp.gate_up_proj.kernel_args(), mlp.down_proj.kernel_args(), *ctx.rope, k, v, past, ctx.mask,
-        ctx.is_causal, heads, kv_heads, d, woq.TILE_K, True)
+        h.contiguous(), norm1._parameters["weight"], norm2._parameters["weight"], norm1.eps,
+        attn["qkv_proj"].kernel_args(), attn["o_proj"].kernel_args(), mlp["gate_up_proj"].kernel_args(),
+        mlp["down_proj"].kernel_args(), *ctx.rope, k, v, past, ctx.mask, ctx.is_causal, heads, kv_heads, d,
+        woq.TILE_K, True)
     if cache is not None:
         cache.length += ctx.layout.clean_len
     return out

@@ -115,9 +115,11 @@ class PackedLinear(nn.Module):
 
     def kernel_args(self) -> tuple:
         """The layer as the C++ decoder layer takes it (clover.model.fused): `(qweight, scale, zero, kind code,
-        out_features, group_size, A, B', B' blocks)`, the last three None without a correction."""
-        extra = (self.correction_a, self.correction_b, self.correction_blocks) if self.rank else (None, None, None)
-        return self.qweight, self.scale, self.zero, woq.KINDS[self.kind], self.out_features, self.group_size, *extra
+        out_features, group_size, A, B', B' blocks)`, the last three None without a correction. Read from
+        `_buffers` directly: `nn.Module.__getattr__` costs ~0.5 us a buffer, and a step makes 120 of these calls."""
+        b = self._buffers
+        return (b["qweight"], b["scale"], b["zero"], woq.KINDS[self.kind], self.out_features, self.group_size,
+                b.get("correction_a"), b.get("correction_b"), b.get("correction_blocks"))
 
     def dequantized(self) -> torch.Tensor:
         """The fp32 `[out, in]` weights this layer computes with (the correction, if any, not included)."""
