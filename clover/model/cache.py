@@ -39,16 +39,23 @@ class AttentionLayerCache:
         self.v: torch.Tensor | None = None
         self.length = 0
 
-    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        n, h, t, d = k.shape
+    def reserve(self, t: int, n: int, heads: int, k_dim: int, v_dim: int,
+                like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The buffers `[n, heads, capacity, k_dim / v_dim]`, grown if needed so that `t` positions fit past
+        `length` (new ones take `like`'s dtype and device)."""
         if self.k is None or self.length + t > self.k.shape[2]:
             capacity = max(2 * (self.length + t), 64)
-            new_k = k.new_empty(n, h, capacity, d)
-            new_v = v.new_empty(n, h, capacity, v.shape[-1])
+            new_k = like.new_empty(n, heads, capacity, k_dim)
+            new_v = like.new_empty(n, heads, capacity, v_dim)
             if self.k is not None:
                 new_k[:, :, : self.length] = self.k[:, :, : self.length]
                 new_v[:, :, : self.length] = self.v[:, :, : self.length]
             self.k, self.v = new_k, new_v
+        return self.k, self.v
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        n, h, t, d = k.shape
+        self.reserve(t, n, h, d, v.shape[-1], k)
         self.k[:, :, self.length : self.length + t] = k
         self.v[:, :, self.length : self.length + t] = v
         self.length += t

@@ -23,6 +23,7 @@ from clover.config import CONTEXT_READINGS, LINEAR_ATTENTION, CloverConfig
 from clover.model.attention import Attention
 from clover.model.cache import CloverCache
 from clover.model.deltanet import GatedDeltaNet
+from clover.model.fused import fused_forward, runs_fused
 from clover.model.layout import BlockLayout
 from clover.model.moe import Experts, SparseMoE, SwiGLU, TopKRouter
 from clover.model.norms import RMSNorm
@@ -51,8 +52,11 @@ class DecoderLayer(nn.Module):
             self.mlp: nn.Module = SparseMoE(config)
         else:
             self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
+        self.fused = False  # set by clover.model.quant where the whole layer can run as one C++ call (fused.py)
 
     def forward(self, h: torch.Tensor, ctx: "_ForwardContext", cache_layer: Any) -> torch.Tensor:
+        if self.fused and ctx.fused:
+            return fused_forward(self, h, ctx, cache_layer)
         if ctx.gate is not None:  # re-opened per layer: checkpointing recomputes a layer after later forwards
             lc = ctx.layout.clean_len
             ctx.gate.open(h.shape[0], h.shape[1], lc)
@@ -76,6 +80,7 @@ class _ForwardContext:
     mask: torch.Tensor | None
     is_causal: bool
     gate: Any = None  # a gated adapter's `AdapterGate` (clover.model.lora), or None
+    fused: bool = False  # layers marked `fused` run as one C++ call (clover.model.fused.runs_fused)
 
 
 class CloverModel(nn.Module):
@@ -196,6 +201,7 @@ class CloverForBlockDiffusion(nn.Module):
         past_valid = cache.past_valid() if cache is not None else None
         mask, is_causal = layout.attention_mask(past_valid, clean_valid, n, device)
         ctx = _ForwardContext(layout, clean_valid, self.model.rotary(positions_t, h.dtype), mask, is_causal, gate)
+        ctx.fused = runs_fused(h, ctx)
         for i, layer in enumerate(self.model.layers):
             cache_layer = cache.layers[i] if cache is not None else None
             if self.gradient_checkpointing and self.training:

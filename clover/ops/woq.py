@@ -65,7 +65,9 @@ TILE_K = 256  # K per decoded bf16 tile: 256 x 16 fp32 = 16 KiB, well inside L1
 LAYOUT_VERSION = 2  # of the packed layout; 1: int8 / int4 codes as [o // 16, k, o % 16] (fp32 decoding kernels)
 DEFAULT_GROUP_SIZE = 32  # llama.cpp's Q4_1/Q8_0 block, the format clover-smol's base weights come in
 ACTIVATIONS = {"int8": 1, "int8x2": 2}  # int8 / int4 layers' rounding of x: int8 passes (the kernel's `passes`)
-SOURCE = Path(__file__).parent / "csrc" / "woq.cpp"
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = (CSRC / "woq.cpp", CSRC / "layer.cpp")  # the kernels; a decoder layer built on them (clover.model.fused)
+HEADERS = (CSRC / "woq.h",)
 
 _extension: Any = None
 
@@ -85,13 +87,13 @@ def extension() -> Any:
         if not cpp_extension.is_ninja_available():
             raise RuntimeError("clover's quantised CPU kernels are compiled on first use with ninja, which was not "
                                "found: pip install ninja")
-        source = SOURCE.read_text()
+        source = "".join(path.read_text() for path in SOURCES + HEADERS)
         tag = hashlib.sha256(f"{source}|{torch.__version__}".encode()).hexdigest()[:12]
         build = cache_root() / "extensions" / f"woq-{tag}"
         build.mkdir(parents=True, exist_ok=True)
         logger.info("loading the weight-only-quantisation kernel from %s (compiled there on first use)", build)
         # -O3 only: the AVX2 path is selected per function and at run time, so the build stays portable
-        _extension = cpp_extension.load(name=f"clover_woq_{tag}", sources=[str(SOURCE)], build_directory=str(build),
+        _extension = cpp_extension.load(name=f"clover_woq_{tag}", sources=[str(path) for path in SOURCES], build_directory=str(build),
                                         extra_cflags=["-O3"], verbose=False)
     return _extension
 
@@ -209,9 +211,11 @@ def unpack(qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, kind:
 
 def reference_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, kind: str,
                      out_features: int, group_size: int = DEFAULT_GROUP_SIZE,
-                     correction: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                     correction: tuple[torch.Tensor, torch.Tensor] | None = None,
+                     correction_blocks: torch.Tensor | None = None) -> torch.Tensor:
     """Dequantise, then an fp32 matmul: `x [..., K]` -> `[..., O]` in x's dtype; `correction`: `(A [r, K],
-    B' [r, O])`, fp32 stored as int32 bits, adds `(x A^T) B'` (a low-rank term kept beside the packed weights)."""
+    B' [r, O])`, fp32 stored as int32 bits, adds `(x A^T) B'` (a low-rank term kept beside the packed weights;
+    `correction_blocks` only tell the kernel where B' is not zero: the whole of B' is used here)."""
     w = unpack(qweight, scale, zero, kind, out_features, x.shape[-1], group_size)
     y = F.linear(x.float(), w.to(x.device))
     if correction is not None:
@@ -223,14 +227,16 @@ def reference_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor
 def woq_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, kind: str,
                out_features: int, group_size: int = DEFAULT_GROUP_SIZE,
                correction: tuple[torch.Tensor, torch.Tensor] | None = None, vectorised: bool = True,
-               activations: str = "int8") -> torch.Tensor:
+               correction_blocks: torch.Tensor | None = None, activations: str = "int8") -> torch.Tensor:
     """`x [..., K]` (any float dtype) -> `[..., O]` in x's dtype by the kernel (`vectorised=False`: its scalar
     path), plus `correction` as in `reference_linear`, in one call; int8 / int4 quantise `x` per row and group,
-    in one int8 pass or two (`activations`, module docstring); fp32 / bf16 do not round it."""
+    in one int8 pass or two (`activations`, module docstring); fp32 / bf16 do not round it.
+    `correction_blocks` `[n, 4]` int64 (column start, end, row start, end): the blocks of B' outside which it is
+    zero, the only ones read (default: all of B')."""
     check_activations(activations)
     a, b = correction if correction is not None else (None, None)
     return extension().woq_linear(x, qweight, scale, zero, KINDS[kind], out_features, group_size, TILE_K, vectorised,
-                                  a, b, ACTIVATIONS[activations])
+                                  a, b, correction_blocks, ACTIVATIONS[activations])
 
 
 def has_avx2() -> bool:

@@ -21,6 +21,8 @@
 // One source compiles to an AVX2+FMA path (function target attributes, chosen at run time) and a portable
 // scalar path of the same integer math; no -march flag, so the same build runs on any x86-64 (and the scalar
 // path on other CPUs).
+#include "woq.h"
+
 #include <c10/util/Half.h>
 #include <torch/extension.h>
 
@@ -459,35 +461,36 @@ void run_int(const Args& a, const Acts& x, bool vector) {
 
 // y [R, O] += (x [R, K] A [r, K]^T) B' [r, O]: an adapter kept beside the packed weights. A few dozen
 // multiply-adds per weight of the layer at most, so plain loops: two ATen matmuls cost ~20 us of overhead each.
+// Only the blocks of B' that are not zero are read, `blocks` [n, 4] = (column start, end, row start, end): a
+// fused projection's B' is block-diagonal, one block per adapted part.
 void low_rank(const float* x, int64_t rows, int64_t K, const float* A, const float* B, int64_t rank, int64_t O,
-              float* y, bool vector) {
+              const int64_t* blocks, int64_t nblocks, float* y, bool vector) {
   std::vector<float> t(rows * rank);
-  at::parallel_for(0, rows * rank, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const float *xr = x + (i / rank) * K, *a = A + (i % rank) * K;
-#ifdef WOQ_X86
-      if (vector) {
-        t[i] = dot_avx2(xr, a, K);
-        continue;
-      }
-#endif
-      float sum = 0;
-      for (int64_t k = 0; k < K; ++k) sum += xr[k] * a[k];
-      t[i] = sum;
-    }
+  // threads only for enough work to pay a wake-up (~32k multiply-adds each)
+  at::parallel_for(0, rows * rank, std::max<int64_t>(16, 32768 / K), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) t[i] = woq_dot(x + (i / rank) * K, A + (i % rank) * K, K, vector);
   });
-  at::parallel_for(0, O, 512, [&](int64_t o0, int64_t o1) {
-    for (int64_t r = 0; r < rows; ++r) {
-      const float* tr = t.data() + r * rank;
-      float* yr = y + r * O;
+  constexpr int64_t COLS = 512;  // columns per task
+  std::vector<int64_t> tasks;  // (block, first column) of each task
+  for (int64_t b = 0; b < nblocks; ++b)
+    for (int64_t o = blocks[4 * b]; o < blocks[4 * b + 1]; o += COLS) tasks.insert(tasks.end(), {b, o});
+  at::parallel_for(0, static_cast<int64_t>(tasks.size() / 2), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t* blk = blocks + 4 * tasks[2 * i];
+      const int64_t o0 = tasks[2 * i + 1], o1 = std::min(o0 + COLS, blk[1]), j0 = blk[2], n = blk[3] - blk[2];
+      for (int64_t r = 0; r < rows; ++r) {
+        const float* tr = t.data() + r * rank + j0;
+        const float* Bj = B + j0 * O;
+        float* yr = y + r * O;
 #ifdef WOQ_X86
-      if (vector) {
-        rank_update_avx2(tr, B, rank, O, o0, o1, yr);
-        continue;
-      }
+        if (vector) {
+          rank_update_avx2(tr, Bj, n, O, o0, o1, yr);
+          continue;
+        }
 #endif
-      for (int64_t o = o0; o < o1; ++o)
-        for (int64_t j = 0; j < rank; ++j) yr[o] += tr[j] * B[j * O + o];
+        for (int64_t o = o0; o < o1; ++o)
+          for (int64_t j = 0; j < n; ++j) yr[o] += tr[j] * Bj[j * O + o];
+      }
     }
   });
 }
@@ -557,26 +560,52 @@ torch::Tensor packed_linear(torch::Tensor input, torch::Tensor w, torch::Tensor 
 // int8 once, 2 also their residual (file header).
 torch::Tensor woq_linear(torch::Tensor input, torch::Tensor w, torch::Tensor scale, torch::Tensor zero, int64_t kind,
                          int64_t out_features, int64_t group, int64_t chunk, bool vector,
-                         c10::optional<torch::Tensor> corr_a, c10::optional<torch::Tensor> corr_b, int64_t passes = 1) {
+                         c10::optional<torch::Tensor> corr_a, c10::optional<torch::Tensor> corr_b,
+                         c10::optional<torch::Tensor> corr_blocks, int64_t passes) {
   auto y = packed_linear(input, w, scale, zero, kind, out_features, group, chunk, vector, passes);
   if (corr_a.has_value()) {
     TORCH_CHECK(corr_b.has_value() && corr_a->is_contiguous() && corr_b->is_contiguous() &&
                     corr_a->size(1) == input.size(-1) && corr_b->size(0) == corr_a->size(0) &&
                     corr_b->size(1) == out_features, "the correction must be A [r, K] and B' [r, O], contiguous");
+    const int64_t rank = corr_a->size(0);
+    const int64_t whole[4] = {0, out_features, 0, rank};  // no blocks given: all of B'
+    const int64_t* blocks = whole;
+    int64_t nblocks = 1;
+    if (corr_blocks.has_value()) {
+      TORCH_CHECK(corr_blocks->scalar_type() == torch::kLong && corr_blocks->is_contiguous() &&
+                      corr_blocks->dim() == 2 && corr_blocks->size(1) == 4,
+                  "correction blocks must be int64 [n, 4] (column start, end, row start, end)");
+      blocks = corr_blocks->data_ptr<int64_t>();
+      nblocks = corr_blocks->size(0);
+      for (int64_t b = 0; b < nblocks; ++b)
+        TORCH_CHECK(0 <= blocks[4 * b] && blocks[4 * b] <= blocks[4 * b + 1] && blocks[4 * b + 1] <= out_features &&
+                        0 <= blocks[4 * b + 2] && blocks[4 * b + 2] <= blocks[4 * b + 3] && blocks[4 * b + 3] <= rank,
+                    "a correction block lies outside B' [", rank, ", ", out_features, "]");
+    }
     const auto x = input.reshape({-1, input.size(-1)}).to(torch::kFloat).contiguous();
     low_rank(x.data_ptr<float>(), x.size(0), x.size(1), static_cast<const float*>(corr_a->data_ptr()),
-             static_cast<const float*>(corr_b->data_ptr()), corr_a->size(0), out_features, y.data_ptr<float>(),
-             vector && has_avx2());
+             static_cast<const float*>(corr_b->data_ptr()), rank, out_features, blocks, nblocks,
+             y.data_ptr<float>(), vector && has_avx2());
   }
   return input.scalar_type() == torch::kFloat ? y : y.to(input.scalar_type());
 }
 
 bool woq_has_avx2() { return has_avx2(); }
 
+float woq_dot(const float* x, const float* w, int64_t n, bool vector) {
+#ifdef WOQ_X86
+  if (vector) return dot_avx2(x, w, n);
+#endif
+  float sum = 0;
+  for (int64_t k = 0; k < n; ++k) sum += x[k] * w[k];
+  return sum;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("woq_linear", &woq_linear, "weight-streaming linear (packed fp32/bf16/int8/int4 weights)", py::arg("x"),
         py::arg("w"), py::arg("scale"), py::arg("zero"), py::arg("kind"), py::arg("out_features"), py::arg("group"),
         py::arg("chunk"), py::arg("vector"), py::arg("corr_a") = py::none(), py::arg("corr_b") = py::none(),
-        py::arg("passes") = 1);
+        py::arg("corr_blocks") = py::none(), py::arg("passes") = 1);
   m.def("has_avx2", &woq_has_avx2, "whether the AVX2+FMA path can run on this CPU");
+  m.def("decoder_layer", &decoder_layer, "a Llama-form decoder layer over packed weights (layer.cpp)");
 }

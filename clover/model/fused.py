@@ -1,0 +1,70 @@
+"""The fused CPU decoder layer: a whole Llama-form layer over packed weights in one C++ call.
+
+A decoding step of a small model on a CPU is bound by dispatch, not arithmetic: clover-smol's one-token step
+runs ~45 eager ops per layer at 3-40 us each, more time than its int4 weights take to stream. A layer whose
+projections are all `PackedLinear` (clover.model.quant), with plain softmax attention (no q/k norm, no output
+gate), RMSNorm and a dense SwiGLU, runs instead as `clover/ops/csrc/layer.cpp`: the same packed kernels, the
+norms, RoPE, the attention of a block step and SiLU as loops, keys and values written straight into the cache.
+
+`quantize` marks such layers (`DecoderLayer.fused`); they take this path for fp32 activations on a CPU without
+autograd, and the module path otherwise, which stays the reference (tests/model/test_fused_layer.py).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from clover.ops import woq
+
+if TYPE_CHECKING:
+    from clover.model.modeling import DecoderLayer, _ForwardContext
+
+
+def can_fuse(layer: nn.Module) -> bool:
+    """Whether `layer` has the structure the fused layer computes."""
+    from clover.model.attention import Attention
+    from clover.model.moe import SwiGLU
+    from clover.model.quant import PackedLinear
+
+    attn, mlp = getattr(layer, "self_attn", None), layer.mlp
+    norms = (layer.input_layernorm, layer.post_attention_layernorm)
+    return (isinstance(attn, Attention) and isinstance(attn.qkv_proj, PackedLinear)
+            and isinstance(attn.o_proj, PackedLinear) and attn.q_norm is None and not attn.output_gate
+            and isinstance(mlp, SwiGLU) and isinstance(mlp.gate_up_proj, PackedLinear)
+            and isinstance(mlp.down_proj, PackedLinear) and not any(norm.zero_centered for norm in norms))
+
+
+def runs_fused(h: torch.Tensor, ctx: _ForwardContext) -> bool:
+    """Whether a forward's marked layers take the fused path: fp32 on a CPU, nothing for autograd to record."""
+    return (h.dtype == torch.float32 and h.device.type == "cpu" and ctx.gate is None
+            and not (h.requires_grad and torch.is_grad_enabled()))
+
+
+def fused_forward(layer: DecoderLayer, h: torch.Tensor, ctx: _ForwardContext, cache: Any) -> torch.Tensor:
+    """`layer(h)` by the C++ layer; the first `clean_len` keys/values are committed to `cache` as
+    `Attention.forward` does (the rest are written past its length, where the next append overwrites them)."""
+    # submodules and parameters from the modules' dicts: `nn.Module.__getattr__` costs ~0.5 us an access, and
+    # this runs once per layer and step
+    modules = layer._modules
+    attn, mlp = modules["self_attn"]._modules, modules["mlp"]._modules
+    norm1, norm2 = modules["input_layernorm"], modules["post_attention_layernorm"]
+    n, t, _ = h.shape
+    config = modules["self_attn"]
+    heads, kv_heads, d = config.num_heads, config.num_kv_heads, config.head_dim
+    if cache is None:
+        past = 0
+        k, v = h.new_empty(n, kv_heads, t, d), h.new_empty(n, kv_heads, t, d)
+    else:
+        past = cache.length
+        k, v = cache.reserve(t, n, kv_heads, d, d, h)
+    out = woq.extension().decoder_layer(
+        h.contiguous(), norm1._parameters["weight"], norm2._parameters["weight"], norm1.eps,
+        attn["qkv_proj"].kernel_args(), attn["o_proj"].kernel_args(), mlp["gate_up_proj"].kernel_args(),
+        mlp["down_proj"].kernel_args(), *ctx.rope, k, v, past, ctx.mask, ctx.is_causal, heads, kv_heads, d,
+        woq.TILE_K, True)
+    if cache is not None:
+        cache.length += ctx.layout.clean_len
+    return out

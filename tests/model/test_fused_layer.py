@@ -1,0 +1,114 @@
+"""The fused C++ decoder layer (clover.model.fused) computes what the module path computes: logits and cache, in
+every layout a forward can have (AR, prefill + query blocks, cached block steps, commit + next block, left
+padding, exact mode's rewind), for every weight format and with an adapter's correction; it runs only where it
+applies."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from model_helpers import assert_close_up_to_activation_rounding, tiny_model
+
+from clover.model import CloverForBlockDiffusion, quantize
+from clover.model.fused import can_fuse
+from clover.model.lora import LoraConfig, apply_lora
+
+
+def _set_fused(model: CloverForBlockDiffusion, on: bool) -> None:
+    for layer in model.model.layers:
+        layer.fused = on and can_fuse(layer)
+
+
+def _forwards(model: CloverForBlockDiffusion) -> list[torch.Tensor]:
+    """Logits of every kind of forward, and the attention caches they leave."""
+    gen = torch.Generator().manual_seed(0)
+    ids, q = torch.randint(0, 250, (2, 23), generator=gen), torch.randint(0, 250, (2, 8), generator=gen)
+    long = torch.randint(0, 250, (1, 45), generator=gen)  # past the loops' 32 rows: the SDPA path
+    out = [model(long).logits, model(long[:, :20]).logits,  # causal, uncached
+           model(ids, block_size=4, prefix_len=7, query_ids=q).query_logits]  # prefill + two query blocks
+    mask = torch.ones(2, 23, dtype=torch.long)
+    mask[0, :3] = 0  # left padding: an explicit mask with per-row columns
+    cache = model.new_cache(2)
+    out.append(model(ids, attention_mask=mask, cache=cache, logits_to_keep=1).logits)
+    out.append(model(None, block_size=4, cache=cache, query_ids=q[:, :4]).query_logits)  # a block step
+    out.append(model(q[:, :4], block_size=4, cache=cache, query_ids=q[:, 4:]).query_logits)  # commit + next block
+    cache.mark()  # exact mode: feed four clean tokens, keep one of row 0's and three of row 1's
+    out.append(model(q[:, 4:], block_size=1, cache=cache).logits)
+    cache.rewind(torch.tensor([1, 3]))
+    out.append(model(None, block_size=4, cache=cache, query_ids=q[:, :4]).query_logits)
+    for layer in cache.layers:
+        out.extend(layer.keys_values())
+    return out
+
+
+@pytest.mark.parametrize("kind,adapter,activations", [
+    ("fp32", False, None), ("bf16", False, None), ("int8", False, "int8"), ("int8", False, "int8x2"),
+    ("int4", False, "int8"), ("int4", True, "int8x2")])
+@pytest.mark.parametrize("overrides", [{}, {"partial_rotary_factor": 0.5}])
+@torch.no_grad()
+def test_fused_layer_equals_the_module_path(kind, adapter, activations, overrides):
+    model = tiny_model("clover-tiny-dense", **overrides)
+    if adapter:  # kept beside the quantised base as a low-rank correction, which the C++ layer adds too
+        apply_lora(model, LoraConfig(rank=4, alpha=8.0))
+        for name, param in model.named_parameters():
+            if name.endswith("lora_B"):
+                param.normal_(std=0.3)
+    model = quantize(model, kind, activations=activations)
+    assert all(layer.fused for layer in model.model.layers)
+    want = _forwards(_unfused(model))
+    got = _forwards(model)
+    for w, g in zip(want, got, strict=True):  # the fp32 summation order of norms and attention differs
+        if activations == "int8" and w.shape[-1] == model.config.vocab_size:
+            assert_close_up_to_activation_rounding(g, w)
+        elif activations == "int8":  # a later layer's keys / values, downstream of such a rounding step
+            assert (g - w).abs().max() <= 0.01 * w.abs().max()
+        elif activations == "int8x2":  # its steps are 254x finer (and one pass instead would be off by ~1 %)
+            assert (g - w).abs().max() <= 1e-4 * w.abs().max()
+        else:
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5 * w.abs().max().item())
+
+
+def _unfused(model: CloverForBlockDiffusion) -> CloverForBlockDiffusion:
+    ref = copy.deepcopy(model)
+    _set_fused(ref, False)
+    return ref
+
+
+@torch.no_grad()
+def test_fused_generation_equals_the_module_path():
+    model = quantize(tiny_model("clover-tiny-dense"), "int4")
+    prompts = [[5, 17, 3, 99, 42, 7, 11], [8, 120]]
+    want = _unfused(model).generate(prompts, max_new_tokens=24, threshold=0.7).sequences
+    assert model.generate(prompts, max_new_tokens=24, threshold=0.7).sequences == want
+
+
+def test_only_layers_of_the_fused_form_are_marked(tmp_path):
+    dense, hybrid = tiny_model("clover-tiny-dense"), tiny_model("clover-tiny")
+    assert not any(layer.fused for layer in dense.model.layers)  # unquantised: torch's modules
+    assert all(layer.fused for layer in quantize(dense, "int4").model.layers)
+    # gated attention (q/k norm, output gate), DeltaNet and MoE layers keep the module path
+    assert not any(layer.fused for layer in quantize(hybrid, "int4").model.layers)
+    dense.save_pretrained(tmp_path / "q")
+    assert all(layer.fused for layer in CloverForBlockDiffusion.from_pretrained(tmp_path / "q").model.layers)
+
+
+def test_autograd_and_other_dtypes_take_the_module_path(monkeypatch):
+    from clover.model import modeling
+
+    model = quantize(tiny_model("clover-tiny-dense"), "int4")
+    model.model.embed_tokens.weight.requires_grad_(True)
+    ids = torch.randint(0, 250, (1, 9))
+    calls = []
+    fused_forward = modeling.fused_forward
+    monkeypatch.setattr(modeling, "fused_forward", lambda *a: calls.append(1) or fused_forward(*a))
+    with torch.no_grad():
+        want = model(ids).logits
+    assert len(calls) == model.config.num_hidden_layers
+    got = model(ids).logits  # grad enabled and the embedding trainable: the modules, which autograd records
+    assert len(calls) == model.config.num_hidden_layers
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    with torch.no_grad():
+        assert model.to(torch.bfloat16)(ids).logits.dtype == torch.bfloat16  # bf16 activations: the modules
+    assert len(calls) == model.config.num_hidden_layers
