@@ -68,6 +68,10 @@ ACTIVATIONS = {"int8": 1, "int8x2": 2}  # int8 / int4 layers' rounding of x: int
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = (CSRC / "woq.cpp", CSRC / "layer.cpp")  # the kernels; a decoder layer built on them (clover.model.fused)
 HEADERS = (CSRC / "woq.h",)
+# No -march: the AVX2 path is selected per function and at run time, so the build stays portable. -fopenmp: ATen's
+# at::parallel_for is a header template that runs on OpenMP threads only where the including code is compiled with
+# it (otherwise serially); the runtime is torch's own libgomp, so torch.set_num_threads sets the kernels' threads.
+FLAGS = ["-O3", "-fopenmp"]
 
 _extension: Any = None
 
@@ -88,13 +92,13 @@ def extension() -> Any:
             raise RuntimeError("clover's quantised CPU kernels are compiled on first use with ninja, which was not "
                                "found: pip install ninja")
         source = "".join(path.read_text() for path in SOURCES + HEADERS)
-        tag = hashlib.sha256(f"{source}|{torch.__version__}".encode()).hexdigest()[:12]
+        tag = hashlib.sha256(f"{source}|{FLAGS}|{torch.__version__}".encode()).hexdigest()[:12]
         build = cache_root() / "extensions" / f"woq-{tag}"
         build.mkdir(parents=True, exist_ok=True)
         logger.info("loading the weight-only-quantisation kernel from %s (compiled there on first use)", build)
-        # -O3 only: the AVX2 path is selected per function and at run time, so the build stays portable
-        _extension = cpp_extension.load(name=f"clover_woq_{tag}", sources=[str(path) for path in SOURCES], build_directory=str(build),
-                                        extra_cflags=["-O3"], verbose=False)
+        _extension = cpp_extension.load(name=f"clover_woq_{tag}", sources=[str(path) for path in SOURCES],
+                                        build_directory=str(build), extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
+                                        verbose=False)
     return _extension
 
 
