@@ -42,8 +42,8 @@ def dequantised_matmul(monkeypatch) -> None:
     from clover.model import modeling
     from clover.ops import woq
 
-    monkeypatch.setattr(woq, "woq_linear", lambda *args, activations="int8", **kwargs: woq.reference_linear(*args,
-                                                                                                        **kwargs))
+    monkeypatch.setattr(woq, "woq_linear", lambda *args, activations="int8", correction_tiles=None, **kwargs:
+                        woq.reference_linear(*args, **kwargs))
     monkeypatch.setattr(modeling, "runs_fused", lambda h, ctx: False)
 
 

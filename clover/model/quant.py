@@ -70,10 +70,10 @@ class PackedLinear(nn.Module):
         if rank:
             self.register_buffer("correction_a", torch.empty(rank, in_features, dtype=torch.int32, device=device))
             self.register_buffer("correction_b", torch.empty(rank, out_features, dtype=torch.int32, device=device))
-            # where B' is not zero, as (column start, end, row start, end): a fused layer's B' is block-diagonal
-            # (one block per adapted projection), and the kernel reads only these blocks
-            self.register_buffer("correction_blocks", None, persistent=False)
-            self.register_load_state_dict_post_hook(lambda module, _: module.index_correction())
+            # B' as the kernel reads it (woq.tile_correction): derived, so not saved, and made again on loading
+            self.register_buffer("correction_tiles", None, persistent=False)
+            self.register_buffer("correction_index", None, persistent=False)
+            self.register_load_state_dict_post_hook(lambda module, _: module.tile_correction())
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor, kind: str, group_size: int = woq.DEFAULT_GROUP_SIZE,
@@ -94,45 +94,29 @@ class PackedLinear(nn.Module):
         if correction is not None:
             layer.correction_a, layer.correction_b = (
                 t.detach().float().contiguous().view(torch.int32).to(weight.device) for t in correction)
-            layer.index_correction()
+            layer.tile_correction()
         return layer
 
-    def index_correction(self) -> None:
-        """Find the blocks of B' that are not zero: rows with the same span of non-zero columns form a block
-        (`correction_blocks` `[blocks, 4]`: column start, end, row start, end); all-zero rows are left out."""
-        b = self.correction_b.view(torch.float32)
-        nonzero = b != 0
-        any_row = nonzero.any(dim=1)
-        cols = torch.arange(b.shape[1], device=b.device)
-        first = torch.where(nonzero, cols, b.shape[1]).amin(dim=1).tolist()
-        last = (torch.where(nonzero, cols, -1).amax(dim=1) + 1).tolist()
-        blocks: list[list[int]] = []
-        for row, keep in enumerate(any_row.tolist()):
-            if not keep:
-                continue
-            if blocks and blocks[-1][1] == row and blocks[-1][2:] == [first[row], last[row]]:
-                blocks[-1][1] = row + 1
-            else:
-                blocks.append([row, row + 1, first[row], last[row]])
-        self.correction_blocks = torch.tensor([[c0, c1, r0, r1] for r0, r1, c0, c1 in blocks],
-                                              dtype=torch.int64).view(-1, 4)
+    def tile_correction(self) -> None:
+        """Lay B' out for the kernel (`correction_tiles`, `correction_index`: woq.tile_correction)."""
+        self.correction_tiles, self.correction_index = woq.tile_correction(self.correction_b)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         args = (x, self.qweight, self.scale, self.zero, self.kind, self.out_features, self.group_size,
                 (self.correction_a, self.correction_b) if self.rank else None)
         if x.device.type == "cpu":
-            return woq.woq_linear(*args, correction_blocks=self.correction_blocks if self.rank else None,
-                                  activations=self.activations)
+            return woq.woq_linear(*args, correction_tiles=(self.correction_tiles, self.correction_index)
+                                  if self.rank else None, activations=self.activations)
         return woq.reference_linear(*args)  # elsewhere: the dequantised matmul, x not rounded
 
     def kernel_args(self) -> tuple:
         """The layer as the C++ decoder layer takes it (clover.model.fused): `(qweight, scale, zero, kind code,
-        out_features, group_size, A, B', B' blocks, activation passes)`, A, B' and blocks None without a
-        correction. Read from `_buffers` directly: `nn.Module.__getattr__` costs ~0.5 us a buffer, and a step
+        out_features, group_size, A, B' tiles, their index, activation passes)`, the last three but one None
+        without a correction. Read from `_buffers` directly: `nn.Module.__getattr__` costs ~0.5 us a buffer, and a step
         makes 120 of these calls."""
         b = self._buffers
         return (b["qweight"], b["scale"], b["zero"], woq.KINDS[self.kind], self.out_features, self.group_size,
-                b.get("correction_a"), b.get("correction_b"), b.get("correction_blocks"),
+                b.get("correction_a"), b.get("correction_tiles"), b.get("correction_index"),
                 woq.ACTIVATIONS[self.activations])
 
     def dequantized(self) -> torch.Tensor:
@@ -142,12 +126,9 @@ class PackedLinear(nn.Module):
 
     def weight_bytes(self) -> int:
         """Bytes the layer reads per forward: packed weights, scales, minima, and the correction's A and the
-        blocks of B' that are not zero."""
-        packed = sum(t.numel() * t.element_size() for t in (self.qweight, self.scale, self.zero))
-        if not self.rank:
-            return packed
-        blocks = self.correction_blocks.tolist()
-        return packed + 4 * (self.correction_a.numel() + sum((c1 - c0) * (r1 - r0) for c0, c1, r0, r1 in blocks))
+        tiles of B' (its rows that are not zero, per block of 16 outputs)."""
+        tensors = (self.qweight, self.scale, self.zero) + ((self.correction_a, self.correction_tiles) if self.rank else ())
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, kind={self.kind}" + \

@@ -215,11 +215,9 @@ def unpack(qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, kind:
 
 def reference_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, kind: str,
                      out_features: int, group_size: int = DEFAULT_GROUP_SIZE,
-                     correction: tuple[torch.Tensor, torch.Tensor] | None = None,
-                     correction_blocks: torch.Tensor | None = None) -> torch.Tensor:
+                     correction: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Dequantise, then an fp32 matmul: `x [..., K]` -> `[..., O]` in x's dtype; `correction`: `(A [r, K],
-    B' [r, O])`, fp32 stored as int32 bits, adds `(x A^T) B'` (a low-rank term kept beside the packed weights;
-    `correction_blocks` only tell the kernel where B' is not zero: the whole of B' is used here)."""
+    B' [r, O])`, fp32 stored as int32 bits, adds `(x A^T) B'` (a low-rank term kept beside the packed weights)."""
     w = unpack(qweight, scale, zero, kind, out_features, x.shape[-1], group_size)
     y = F.linear(x.float(), w.to(x.device))
     if correction is not None:
@@ -228,19 +226,45 @@ def reference_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor
     return y.to(x.dtype)
 
 
+def tile_correction(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A correction's `B' [r, O]` (fp32, or its int32 bits) as the kernel reads it, block by block of 16 output
+    columns with the block's own outputs: per block, the span of rows of B' that are not all zero over its columns,
+    those rows' 16 columns one after another in `tiles [n, 16]` (fp32 as int32 bits, zero-padded past O), and
+    `index [ceil(O / 16), 3]` int64: (first row, rows, first tile row). A fused projection's B' is block-diagonal
+    (one block of rows per adapted part), and an adapter that has not moved a part has zero rows: none of that is
+    stored or read."""
+    b = b.view(torch.float32) if b.dtype == torch.int32 else b.float()
+    rank = b.shape[0]
+    blocks = _padded(b.T).view(-1, BLOCK, rank)  # [O/16, 16, r]
+    live = (blocks != 0).any(dim=1)  # [O/16, r]: rows of B' not zero over the block
+    rows = torch.arange(rank, device=b.device)
+    first = torch.where(live, rows, rank).amin(dim=1) if rank else torch.zeros(len(blocks), dtype=torch.long)
+    count = (torch.where(live, rows + 1, 0).amax(dim=1) - first).clamp(min=0) if rank else torch.zeros_like(first)
+    first = torch.where(count > 0, first, 0)
+    offset = torch.cumsum(count, 0) - count
+    which = torch.repeat_interleave(torch.arange(len(blocks), device=b.device), count)
+    row = torch.arange(len(which), device=b.device) - offset[which] + first[which]
+    tiles = blocks[which, :, row].contiguous()  # [n, 16]
+    return tiles.view(torch.int32), torch.stack([first, count, offset], dim=1).to(torch.int64).contiguous()
+
+
 def woq_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, kind: str,
                out_features: int, group_size: int = DEFAULT_GROUP_SIZE,
                correction: tuple[torch.Tensor, torch.Tensor] | None = None, vectorised: bool = True,
-               correction_blocks: torch.Tensor | None = None, activations: str = "int8") -> torch.Tensor:
+               correction_tiles: tuple[torch.Tensor, torch.Tensor] | None = None,
+               activations: str = "int8") -> torch.Tensor:
     """`x [..., K]` (any float dtype) -> `[..., O]` in x's dtype by the kernel (`vectorised=False`: its scalar
     path), plus `correction` as in `reference_linear`, in one call; int8 / int4 quantise `x` per row and group,
     in one int8 pass or two (`activations`, module docstring); fp32 / bf16 do not round it.
-    `correction_blocks` `[n, 4]` int64 (column start, end, row start, end): the blocks of B' outside which it is
-    zero, the only ones read (default: all of B')."""
+    `correction_tiles`: B' as `tile_correction` lays it out for the kernel (made from `correction` when not given;
+    a layer that keeps one makes it once)."""
     check_activations(activations)
-    a, b = correction if correction is not None else (None, None)
+    a = tiles = index = None
+    if correction is not None:
+        a = correction[0]
+        tiles, index = correction_tiles if correction_tiles is not None else tile_correction(correction[1])
     return extension().woq_linear(x, qweight, scale, zero, KINDS[kind], out_features, group_size, TILE_K, vectorised,
-                                  a, b, correction_blocks, ACTIVATIONS[activations])
+                                  a, tiles, index, ACTIVATIONS[activations])
 
 
 def has_avx2() -> bool:

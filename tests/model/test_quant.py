@@ -384,26 +384,39 @@ def test_checkpoint_of_another_layout_is_refused(tmp_path):
 
 
 @torch.no_grad()
-def test_kernel_reads_only_the_blocks_of_a_fused_correction():
-    """A fused projection's B' is block-diagonal (one block per adapted part, all-zero rows of an untrained
-    adapter left out): `index_correction` finds the blocks, the kernel reading only them computes what it
-    computes from all of B', and a block outside B' is refused."""
+def test_kernel_reads_only_the_rows_of_a_fused_correction_that_are_not_zero():
+    """A fused projection's B' is block-diagonal (one block of rows per adapted part, all-zero rows of an untrained
+    adapter left out): `tile_correction` keeps, per block of 16 outputs, only the rows not zero there; the kernel
+    reading those computes what the whole of B' computes, and an index pointing outside A or the tiles is refused."""
     model = _adapted("clover-tiny-dense")
     with torch.no_grad():
         model.model.layers[0].self_attn.k_proj.lora_B.zero_()  # an adapter that has not moved: nothing to read
     model = quantize(model, "int4")
     qkv = model.model.layers[0].self_attn.qkv_proj
-    q_out, kv = model.config.num_attention_heads * 16, model.config.num_key_value_heads * 16
-    assert qkv.correction_blocks.tolist() == [[0, q_out, 0, 4], [q_out + kv, q_out + 2 * kv, 8, 12]]
-    assert model.model.layers[1].self_attn.qkv_proj.correction_blocks[:, 2:].tolist() == [[0, 4], [4, 8], [8, 12]]
+    q_blocks, kv_blocks = model.config.num_attention_heads, model.config.num_key_value_heads  # head_dim 16
+    index = qkv.correction_index.tolist()
+    assert [i[:2] for i in index] == [[0, 4]] * q_blocks + [[0, 0]] * kv_blocks + [[8, 4]] * kv_blocks
+    assert [i[2] for i in index] == [sum(i[1] for i in index[:b]) for b in range(len(index))]  # one after another
+    assert qkv.correction_tiles.shape == (4 * (q_blocks + kv_blocks), 16)
+    assert qkv.weight_bytes() == sum(t.numel() * t.element_size() for t in (qkv.qweight, qkv.scale, qkv.zero)) + \
+        4 * (qkv.correction_a.numel() + 16 * 4 * (q_blocks + kv_blocks))
     args = {"qweight": qkv.qweight, "scale": qkv.scale, "zero": qkv.zero, "kind": "int4",
-            "out_features": qkv.out_features, "correction": (qkv.correction_a, qkv.correction_b)}
+            "out_features": qkv.out_features, "correction": (qkv.correction_a, qkv.correction_b),
+            "activations": "int8x2"}
     x = torch.randn(3, 64)
-    want = woq.woq_linear(x, **args)
-    torch.testing.assert_close(woq.woq_linear(x, **args, correction_blocks=qkv.correction_blocks), want,
-                               rtol=1e-5, atol=1e-5 * want.abs().max().item())
-    with pytest.raises(RuntimeError, match="outside B'"):
-        woq.woq_linear(x, **args, correction_blocks=torch.tensor([[0, qkv.out_features + 1, 0, 4]]))
+    got = woq.woq_linear(x, **args, correction_tiles=(qkv.correction_tiles, qkv.correction_index))
+    # every row of B' in every block (zero rows add exact zeros): the same outputs, bit for bit
+    blocks = qkv.correction_b.view(torch.float32).T.reshape(-1, 16, qkv.rank).transpose(1, 2)
+    dense = (blocks.reshape(-1, 16).contiguous().view(torch.int32),
+             torch.tensor([[0, qkv.rank, b * qkv.rank] for b in range(len(blocks))]))
+    assert torch.equal(got, woq.woq_linear(x, **args, correction_tiles=dense))
+    want = woq.reference_linear(x, **{k: v for k, v in args.items() if k != "activations"})
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+    for bad in ([1, qkv.rank, 0], [0, 4, len(qkv.correction_tiles) - 3]):  # past A's rows; past the tiles
+        index = qkv.correction_index.clone()
+        index[0] = torch.tensor(bad)
+        with pytest.raises(RuntimeError, match="index points outside"):
+            woq.woq_linear(x, **args, correction_tiles=(qkv.correction_tiles, index))
 
 
 @pytest.mark.parametrize("quant", ["int8", "int4"])
@@ -416,9 +429,10 @@ def test_quantised_adapted_checkpoint_saves_and_loads(tmp_path, quant):
     assert spec["lm_head"] == default_head(quant) and spec["low_rank"]["model.layers.0.mlp.gate_up_proj"] == 8
     loaded = CloverForBlockDiffusion.from_pretrained(tmp_path / "q")
     assert loaded.quantization == model.quantization and loaded.model.layers[0].mlp.gate_up_proj.rank == 8
-    for name, layer in model.named_modules():  # the blocks of B' the kernel reads are found again on loading
+    for name, layer in model.named_modules():  # B' is tiled for the kernel again on loading
         if isinstance(layer, PackedLinear) and layer.rank:
-            assert torch.equal(loaded.get_submodule(name).correction_blocks, layer.correction_blocks)
+            assert torch.equal(loaded.get_submodule(name).correction_tiles, layer.correction_tiles)
+            assert torch.equal(loaded.get_submodule(name).correction_index, layer.correction_index)
     ids = torch.randint(0, 250, (1, 12))
     assert torch.equal(loaded(ids).logits, model(ids).logits)
     cast = CloverForBlockDiffusion.from_pretrained(tmp_path / "q", dtype=torch.bfloat16)

@@ -27,6 +27,9 @@
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -128,6 +131,7 @@ void int_rows_scalar(const Args& a, const Acts& x, int64_t b) {
   const int64_t groups = a.K / a.group, cols = std::min<int64_t>(NB, a.O - b * NB);
   const uint8_t* w = static_cast<const uint8_t*>(a.w) + b * a.K * NB / (a.kind == INT4 ? 2 : 1);
   for (int64_t r = 0; r < a.rows; ++r) {
+    std::fill(a.y + r * a.O + b * NB, a.y + r * a.O + b * NB + cols, 0.f);
     for (int64_t g = 0; g < groups; ++g) {
       for (int64_t j = 0; j < cols; ++j) {
         float& y = a.y[r * a.O + b * NB + j];
@@ -367,7 +371,7 @@ __attribute__((target("avx2,fma,f16c"))) void int_rows_avx2(const Args& a, const
   }
 }
 
-// The low-rank correction's two loops (see `low_rank`): a dot product of n floats, and y += t * b over n floats.
+// A dot product of n floats (the correction's x A^T, rms_norm, attention scores).
 __attribute__((target("avx2,fma"))) float dot_avx2(const float* x, const float* w, int64_t n) {
   __m256 c0 = _mm256_setzero_ps(), c1 = c0, c2 = c0, c3 = c0;  // four chains: FMA latency
   int64_t k = 0;
@@ -384,29 +388,21 @@ __attribute__((target("avx2,fma"))) float dot_avx2(const float* x, const float* 
   return sum;
 }
 
-// y[o0:o1] += sum_j t[j] B[j, o0:o1] (B [rank, O]): 32 outputs stay in four registers over the rank (four
-// independent FMA chains: one would wait out the FMA latency at every step).
-__attribute__((target("avx2,fma"))) void rank_update_avx2(const float* t, const float* B, int64_t rank, int64_t O,
-                                                         int64_t o0, int64_t o1, float* y) {
-  int64_t o = o0;
-  for (; o + 32 <= o1; o += 32) {
-    __m256 c0 = _mm256_loadu_ps(y + o), c1 = _mm256_loadu_ps(y + o + 8), c2 = _mm256_loadu_ps(y + o + 16),
-           c3 = _mm256_loadu_ps(y + o + 24);
-    for (int64_t j = 0; j < rank; ++j) {
-      const __m256 tj = _mm256_set1_ps(t[j]);
-      const float* b = B + j * O + o;
-      c0 = _mm256_fmadd_ps(tj, _mm256_loadu_ps(b), c0);
-      c1 = _mm256_fmadd_ps(tj, _mm256_loadu_ps(b + 8), c1);
-      c2 = _mm256_fmadd_ps(tj, _mm256_loadu_ps(b + 16), c2);
-      c3 = _mm256_fmadd_ps(tj, _mm256_loadu_ps(b + 24), c3);
-    }
-    _mm256_storeu_ps(y + o, c0);
-    _mm256_storeu_ps(y + o + 8, c1);
-    _mm256_storeu_ps(y + o + 16, c2);
-    _mm256_storeu_ps(y + o + 24, c3);
+// One row's correction of one block: y[0:16] += sum_i t[i] tile[i, 0:16] over n tile rows (two accumulators of 8
+// columns; the block's tile, at most rank x 64 bytes, stays in L1 for every row).
+__attribute__((target("avx2,fma"))) void correction_avx2(const float* t, const float* tile, int64_t n, float* y,
+                                                        int64_t cols) {
+  alignas(32) float acc[NB];
+  std::memcpy(acc, y, cols * sizeof(float));
+  __m256 c0 = _mm256_load_ps(acc), c1 = _mm256_load_ps(acc + 8);
+  for (int64_t i = 0; i < n; ++i) {
+    const __m256 ti = _mm256_set1_ps(t[i]);
+    c0 = _mm256_fmadd_ps(ti, _mm256_loadu_ps(tile + i * NB), c0);
+    c1 = _mm256_fmadd_ps(ti, _mm256_loadu_ps(tile + i * NB + 8), c1);
   }
-  for (; o < o1; ++o)
-    for (int64_t j = 0; j < rank; ++j) y[o] += t[j] * B[j * O + o];
+  _mm256_store_ps(acc, c0);
+  _mm256_store_ps(acc + 8, c1);
+  std::memcpy(y, acc, cols * sizeof(float));
 }
 
 bool has_avx2() {
@@ -416,83 +412,88 @@ bool has_avx2() {
 bool has_avx2() { return false; }
 #endif
 
-void run_float(const Args& a, bool vector) {
-  // torch's intra-op pool (what torch.set_num_threads sets); each task takes whole column blocks
-  at::parallel_for(0, a.blocks, 1, [&](int64_t begin, int64_t end) {
-    float* tile = static_cast<float*>(std::aligned_alloc(64, a.kc_max * NB * sizeof(float)));
-    for (int64_t b = begin; b < end; ++b) {
+// The correction y += (x A^T) B' of a layer that carries one (an adapter kept beside the packed weights): t = x A^T
+// first (rows x rank dot products), then per block of 16 output columns, right after the block's own output, the
+// rows of B' that are not zero over those columns, stored one after another as `tiles` [n, 16] (`index` [block]
+// = first row, rows, offset into tiles; clover.ops.woq.tile_correction). So B' streams with the weights, and a
+// fused projection's block-diagonal B' (one block of rows per adapted part) is read only where it is not zero.
+struct Corr {
+  const float* A;  // [rank, K]
+  int64_t rank;
+  const float* tiles;
+  const int64_t* index;
+  float* t;  // [rows, rank]
+};
+
+void add_correction(const Args& a, const Corr& c, int64_t b, bool vector) {
+  const int64_t first = c.index[3 * b], n = c.index[3 * b + 1], cols = std::min<int64_t>(NB, a.O - b * NB);
+  const float* tile = c.tiles + c.index[3 * b + 2] * NB;
+  for (int64_t r = 0; r < a.rows; ++r) {
+    const float* t = c.t + r * c.rank + first;
+    float* y = a.y + r * a.O + b * NB;
 #ifdef WOQ_X86
-      if (vector && a.rows == 1 && a.kind == BF16) {
-        bf16_row_avx2(a, b);
-        continue;
-      }
-#endif
-      for (int64_t k0 = 0; k0 < a.K; k0 += a.kc_max) {
-        const int64_t kc = std::min(a.kc_max, a.K - k0);
-#ifdef WOQ_X86
-        if (vector) {
-          rows_avx2(a, b, k0, kc, tile_avx2(a, b, k0, kc, tile));
-          continue;
-        }
-#endif
-        rows_scalar(a, b, k0, kc, tile_scalar(a, b, k0, kc, tile));
-      }
+    if (vector) {
+      correction_avx2(t, tile, n, y, cols);
+      continue;
     }
-    std::free(tile);
-  });
+#endif
+    for (int64_t j = 0; j < cols; ++j)
+      for (int64_t i = 0; i < n; ++i) y[j] += t[i] * tile[i * NB + j];
+  }
 }
 
-void run_int(const Args& a, const Acts& x, bool vector) {
-  at::parallel_for(0, a.blocks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) {
-#ifdef WOQ_X86
-      if (vector) {
-        if (a.kind == INT4)
-          x.passes == 2 ? int_rows_avx2<true, 2>(a, x, b) : int_rows_avx2<true, 1>(a, x, b);
-        else
-          x.passes == 2 ? int_rows_avx2<false, 2>(a, x, b) : int_rows_avx2<false, 1>(a, x, b);
-        continue;
-      }
+// first(begin, end) over [0, n1), then, once all of it is done, second(begin, end) over [0, n2), each thread taking
+// a contiguous range of each (as at::parallel_for does), in one team of torch's threads (the OpenMP runtime torch
+// links; torch.set_num_threads): a team's fork and join costs ~1.5 us on 2 cores, as much as a small layer's
+// first loop, so the two share one.
+template <typename First, typename Second>
+void two_loops(int64_t n1, const First& first, int64_t n2, const Second& second) {
+  const int64_t threads = at::in_parallel_region() ? 1 : std::min<int64_t>(at::get_num_threads(), std::max<int64_t>(n2, 1));
+  auto part = [](int64_t n, int64_t id, int64_t nt, const auto& fn) {
+    const int64_t per = (n + nt - 1) / nt, begin = std::min(n, id * per), end = std::min(n, begin + per);
+    if (begin < end) fn(begin, end);
+  };
+#ifdef _OPENMP
+#pragma omp parallel num_threads(threads) if (threads > 1)
+  {
+    const int64_t id = omp_get_thread_num(), nt = omp_get_num_threads();
+    part(n1, id, nt, first);
+#pragma omp barrier
+    part(n2, id, nt, second);
+  }
+#else
+  part(n1, 0, 1, first);
+  part(n2, 0, 1, second);
 #endif
-      int_rows_scalar(a, x, b);
-    }
-  });
 }
 
-// y [R, O] += (x [R, K] A [r, K]^T) B' [r, O]: an adapter kept beside the packed weights. A few dozen
-// multiply-adds per weight of the layer at most, so plain loops: two ATen matmuls cost ~20 us of overhead each.
-// Only the blocks of B' that are not zero are read, `blocks` [n, 4] = (column start, end, row start, end): a
-// fused projection's B' is block-diagonal, one block per adapted part.
-void low_rank(const float* x, int64_t rows, int64_t K, const float* A, const float* B, int64_t rank, int64_t O,
-              const int64_t* blocks, int64_t nblocks, float* y, bool vector) {
-  std::vector<float> t(rows * rank);
-  // threads only for enough work to pay a wake-up (~32k multiply-adds each)
-  at::parallel_for(0, rows * rank, std::max<int64_t>(16, 32768 / K), [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) t[i] = woq_dot(x + (i / rank) * K, A + (i % rank) * K, K, vector);
-  });
-  constexpr int64_t COLS = 512;  // columns per task
-  std::vector<int64_t> tasks;  // (block, first column) of each task
-  for (int64_t b = 0; b < nblocks; ++b)
-    for (int64_t o = blocks[4 * b]; o < blocks[4 * b + 1]; o += COLS) tasks.insert(tasks.end(), {b, o});
-  at::parallel_for(0, static_cast<int64_t>(tasks.size() / 2), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t* blk = blocks + 4 * tasks[2 * i];
-      const int64_t o0 = tasks[2 * i + 1], o1 = std::min(o0 + COLS, blk[1]), j0 = blk[2], n = blk[3] - blk[2];
-      for (int64_t r = 0; r < rows; ++r) {
-        const float* tr = t.data() + r * rank + j0;
-        const float* Bj = B + j0 * O;
-        float* yr = y + r * O;
+void float_block(const Args& a, int64_t b, float* tile, bool vector) {
 #ifdef WOQ_X86
-        if (vector) {
-          rank_update_avx2(tr, Bj, n, O, o0, o1, yr);
-          continue;
-        }
+  if (vector && a.rows == 1 && a.kind == BF16) return bf16_row_avx2(a, b);
 #endif
-        for (int64_t o = o0; o < o1; ++o)
-          for (int64_t j = 0; j < n; ++j) yr[o] += tr[j] * Bj[j * O + o];
-      }
+  for (int64_t k0 = 0; k0 < a.K; k0 += a.kc_max) {
+    const int64_t kc = std::min(a.kc_max, a.K - k0);
+#ifdef WOQ_X86
+    if (vector) {
+      rows_avx2(a, b, k0, kc, tile_avx2(a, b, k0, kc, tile));
+      continue;
     }
-  });
+#endif
+    rows_scalar(a, b, k0, kc, tile_scalar(a, b, k0, kc, tile));
+  }
+}
+
+void int_block(const Args& a, const Acts& x, int64_t b, bool vector) {
+#ifdef WOQ_X86
+  if (vector) {
+    if (a.kind == INT4)
+      x.passes == 2 ? int_rows_avx2<true, 2>(a, x, b) : int_rows_avx2<true, 1>(a, x, b);
+    else
+      x.passes == 2 ? int_rows_avx2<false, 2>(a, x, b) : int_rows_avx2<false, 1>(a, x, b);
+    return;
+  }
+#endif
+  int_rows_scalar(a, x, b);
 }
 
 }  // namespace
@@ -521,72 +522,89 @@ void quantise_row(const Args& a, const Acts& x, int64_t r, bool vector, float* r
   }
 }
 
-// input [..., K], any float dtype; returns y [..., out_features] fp32. `chunk`: K per tile of the fp32 / bf16
-// path; `passes`: int8 / int4's activation passes (1 or 2). The reshape and cast happen here, not in Python: a
-// one-token step makes 121 of these calls.
-torch::Tensor packed_linear(torch::Tensor input, torch::Tensor w, torch::Tensor scale, torch::Tensor zero, int64_t kind,
-                            int64_t out_features, int64_t group, int64_t chunk, bool vector, int64_t passes) {
-  TORCH_CHECK(input.dim() >= 1 && input.is_floating_point(), "x must be a float tensor [..., K]");
-  TORCH_CHECK(w.is_contiguous() && scale.is_contiguous() && zero.is_contiguous(), "packed tensors must be contiguous");
-  const torch::Tensor x = input.reshape({-1, input.size(-1)}).to(torch::kFloat).contiguous();
-  const int64_t rows = x.size(0), K = x.size(1);
-  std::vector<int64_t> shape = input.sizes().vec();
-  shape.back() = out_features;
-  auto y = torch::zeros(shape, x.options());
-  Args a{x.data_ptr<float>(), rows, K, out_features, (out_features + NB - 1) / NB, chunk, group, kind,
-         w.data_ptr(), kind >= INT8 ? static_cast<const uint16_t*>(scale.data_ptr()) : nullptr,
-         kind == INT4 ? static_cast<const uint16_t*>(zero.data_ptr()) : nullptr, y.data_ptr<float>()};
-  if (!rows) return y;
-  vector = vector && has_avx2();
-  if (kind < INT8) {
-    run_float(a, vector);
-    return y;
-  }
-  TORCH_CHECK(group > 0 && group % 8 == 0 && K % group == 0, "group size must be a multiple of 8 dividing K");
-  TORCH_CHECK(passes == 1 || passes == 2, "activation passes must be 1 or 2, got ", passes);
-  const int64_t codes = rows * passes, groups = K / group;
-  auto q = torch::empty({codes, K}, x.options().dtype(torch::kChar));
-  auto s = torch::empty({2, codes, groups}, x.options());  // sx, and sx * sum(qx), per row of codes and group
-  std::vector<float> res(group);  // a group's residual between the passes
-  float* sx = s.data_ptr<float>();
-  const Acts acts{q.data_ptr<int8_t>(), sx, sx + codes * groups, passes};
-  for (int64_t r = 0; r < rows; ++r) quantise_row(a, acts, r, vector, res.data());
-  run_int(a, acts, vector);
-  return y;
+// y = x W^T (+ the correction) for x [rows, K] fp32: one team of threads; first each row's activation codes (int8 /
+// int4) and the correction's t = x A^T, then the column blocks, each with its correction.
+void run(const Args& a, int64_t passes, const Corr* corr, bool vector) {
+  const bool ints = a.kind >= INT8;
+  const int64_t codes = ints ? a.rows * passes : 0, groups = ints ? a.K / a.group : 0;
+  std::vector<int8_t> q(codes * a.K);
+  std::vector<float> s(2 * codes * groups);  // sx, and sx * sum(qx), per row of codes and group
+  const Acts acts{q.data(), s.data(), s.data() + codes * groups, passes};
+  const int64_t quantised = ints ? a.rows : 0, dots = corr ? a.rows * corr->rank : 0;
+  two_loops(
+      quantised + dots,
+      [&](int64_t begin, int64_t end) {
+        std::vector<float> res(ints ? a.group : 0);  // a group's residual between the passes
+        for (int64_t i = begin; i < end; ++i) {
+          if (i < quantised) {
+            quantise_row(a, acts, i, vector, res.data());
+          } else {
+            const int64_t j = i - quantised;
+            corr->t[j] = woq_dot(a.x + (j / corr->rank) * a.K, corr->A + (j % corr->rank) * a.K, a.K, vector);
+          }
+        }
+      },
+      a.blocks,
+      [&](int64_t begin, int64_t end) {
+        float* tile = ints ? nullptr : static_cast<float*>(std::aligned_alloc(64, a.kc_max * NB * sizeof(float)));
+        for (int64_t b = begin; b < end; ++b) {
+          ints ? int_block(a, acts, b, vector) : float_block(a, b, tile, vector);
+          if (corr) add_correction(a, *corr, b, vector);
+        }
+        std::free(tile);
+      });
 }
 
-// Kernel, then the optional low-rank correction `y += (x A^T) B'` (A [r, K], B' [r, O], fp32 stored as int32 bits),
-// and the cast back to x's dtype: one call from Python per layer. `passes`: 1 rounds int8 / int4's activations to
-// int8 once, 2 also their residual (file header).
+// Kernel, then the optional low-rank correction `y += (x A^T) B'` (A [r, K] fp32 stored as int32 bits; B' as
+// `corr_tiles` [n, 16] and `corr_index` [ceil(O / 16), 3], clover.ops.woq.tile_correction), and the cast back to
+// x's dtype: one call from Python per layer. `chunk`: K per tile of the fp32 / bf16 path; `passes`: 1 rounds int8
+// / int4's activations to int8 once, 2 also their residual (file header). The reshape and cast happen here, not in
+// Python: a one-token step makes 121 of these calls.
 torch::Tensor woq_linear(torch::Tensor input, torch::Tensor w, torch::Tensor scale, torch::Tensor zero, int64_t kind,
                          int64_t out_features, int64_t group, int64_t chunk, bool vector,
-                         c10::optional<torch::Tensor> corr_a, c10::optional<torch::Tensor> corr_b,
-                         c10::optional<torch::Tensor> corr_blocks, int64_t passes) {
-  auto y = packed_linear(input, w, scale, zero, kind, out_features, group, chunk, vector, passes);
-  if (corr_a.has_value()) {
-    TORCH_CHECK(corr_b.has_value() && corr_a->is_contiguous() && corr_b->is_contiguous() &&
-                    corr_a->size(1) == input.size(-1) && corr_b->size(0) == corr_a->size(0) &&
-                    corr_b->size(1) == out_features, "the correction must be A [r, K] and B' [r, O], contiguous");
-    const int64_t rank = corr_a->size(0);
-    const int64_t whole[4] = {0, out_features, 0, rank};  // no blocks given: all of B'
-    const int64_t* blocks = whole;
-    int64_t nblocks = 1;
-    if (corr_blocks.has_value()) {
-      TORCH_CHECK(corr_blocks->scalar_type() == torch::kLong && corr_blocks->is_contiguous() &&
-                      corr_blocks->dim() == 2 && corr_blocks->size(1) == 4,
-                  "correction blocks must be int64 [n, 4] (column start, end, row start, end)");
-      blocks = corr_blocks->data_ptr<int64_t>();
-      nblocks = corr_blocks->size(0);
-      for (int64_t b = 0; b < nblocks; ++b)
-        TORCH_CHECK(0 <= blocks[4 * b] && blocks[4 * b] <= blocks[4 * b + 1] && blocks[4 * b + 1] <= out_features &&
-                        0 <= blocks[4 * b + 2] && blocks[4 * b + 2] <= blocks[4 * b + 3] && blocks[4 * b + 3] <= rank,
-                    "a correction block lies outside B' [", rank, ", ", out_features, "]");
-    }
-    const auto x = input.reshape({-1, input.size(-1)}).to(torch::kFloat).contiguous();
-    low_rank(x.data_ptr<float>(), x.size(0), x.size(1), static_cast<const float*>(corr_a->data_ptr()),
-             static_cast<const float*>(corr_b->data_ptr()), rank, out_features, blocks, nblocks,
-             y.data_ptr<float>(), vector && has_avx2());
+                         c10::optional<torch::Tensor> corr_a, c10::optional<torch::Tensor> corr_tiles,
+                         c10::optional<torch::Tensor> corr_index, int64_t passes) {
+  TORCH_CHECK(input.dim() >= 1 && input.is_floating_point(), "x must be a float tensor [..., K]");
+  TORCH_CHECK(w.is_contiguous() && scale.is_contiguous() && zero.is_contiguous(), "packed tensors must be contiguous");
+  const int64_t K = input.size(-1), blocks = (out_features + NB - 1) / NB;
+  const torch::Tensor x = input.scalar_type() == torch::kFloat && input.is_contiguous()
+                              ? input
+                              : input.to(torch::kFloat).contiguous();
+  const int64_t rows = x.numel() / std::max<int64_t>(K, 1);
+  std::vector<int64_t> shape = input.sizes().vec();
+  shape.back() = out_features;
+  // the fp32 / bf16 path adds into y tile by tile over K; the integer path writes every output once
+  auto y = kind >= INT8 ? torch::empty(shape, x.options()) : torch::zeros(shape, x.options());
+  Args a{x.data_ptr<float>(), rows, K, out_features, blocks, chunk, group, kind,
+         w.data_ptr(), kind >= INT8 ? static_cast<const uint16_t*>(scale.data_ptr()) : nullptr,
+         kind == INT4 ? static_cast<const uint16_t*>(zero.data_ptr()) : nullptr, y.data_ptr<float>()};
+  if (kind >= INT8) {
+    TORCH_CHECK(group > 0 && group % 8 == 0 && K % group == 0, "group size must be a multiple of 8 dividing K");
+    TORCH_CHECK(passes == 1 || passes == 2, "activation passes must be 1 or 2, got ", passes);
   }
+  std::vector<float> t;
+  Corr corr{};
+  if (corr_a.has_value()) {
+    TORCH_CHECK(corr_tiles.has_value() && corr_index.has_value(), "a correction needs A, its tiles and their index");
+    const auto &A = *corr_a, &tiles = *corr_tiles, &index = *corr_index;
+    TORCH_CHECK(A.dim() == 2 && A.size(1) == K && A.is_contiguous() && A.element_size() == 4,
+                "the correction's A must be [r, K] fp32 (or its int32 bits), contiguous");
+    TORCH_CHECK(tiles.dim() == 2 && tiles.size(1) == NB && tiles.is_contiguous() && tiles.element_size() == 4,
+                "the correction's tiles must be [n, 16] fp32 (or its int32 bits), contiguous");
+    TORCH_CHECK(index.scalar_type() == torch::kLong && index.is_contiguous() && index.dim() == 2 &&
+                    index.size(0) == blocks && index.size(1) == 3,
+                "the correction's index must be int64 [ceil(out_features / 16), 3]");
+    const int64_t rank = A.size(0), n = tiles.size(0);
+    const int64_t* ip = index.data_ptr<int64_t>();
+    for (int64_t b = 0; b < blocks; ++b)
+      TORCH_CHECK(ip[3 * b] >= 0 && ip[3 * b + 1] >= 0 && ip[3 * b] + ip[3 * b + 1] <= rank && ip[3 * b + 2] >= 0 &&
+                      ip[3 * b + 2] + ip[3 * b + 1] <= n,
+                  "the correction's index points outside A [", rank, ", K] or its ", n, " tile rows");
+    t.resize(rows * rank);
+    corr = Corr{static_cast<const float*>(A.data_ptr()), rank, static_cast<const float*>(tiles.data_ptr()), ip,
+                t.data()};
+  }
+  if (rows) run(a, passes, corr_a.has_value() ? &corr : nullptr, vector && has_avx2());
   return input.scalar_type() == torch::kFloat ? y : y.to(input.scalar_type());
 }
 
@@ -604,8 +622,8 @@ float woq_dot(const float* x, const float* w, int64_t n, bool vector) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("woq_linear", &woq_linear, "weight-streaming linear (packed fp32/bf16/int8/int4 weights)", py::arg("x"),
         py::arg("w"), py::arg("scale"), py::arg("zero"), py::arg("kind"), py::arg("out_features"), py::arg("group"),
-        py::arg("chunk"), py::arg("vector"), py::arg("corr_a") = py::none(), py::arg("corr_b") = py::none(),
-        py::arg("corr_blocks") = py::none(), py::arg("passes") = 1);
+        py::arg("chunk"), py::arg("vector"), py::arg("corr_a") = py::none(), py::arg("corr_tiles") = py::none(),
+        py::arg("corr_index") = py::none(), py::arg("passes") = 1);
   m.def("has_avx2", &woq_has_avx2, "whether the AVX2+FMA path can run on this CPU");
   m.def("decoder_layer", &decoder_layer, "a Llama-form decoder layer over packed weights (layer.cpp)");
 }

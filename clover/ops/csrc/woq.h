@@ -6,20 +6,20 @@
 #include <cstdint>
 #include <tuple>
 
-// y = x W^T (+ (x A^T) B'), x [..., K] any float dtype -> [..., out_features] in x's dtype (woq.cpp); `passes`:
-// int8 / int4 round x to int8 once or twice (its residual again).
+// y = x W^T (+ (x A^T) B', B' as tiles of 16 columns and their index), x [..., K] any float dtype -> [..., out_features]
+// in x's dtype (woq.cpp); `passes`: int8 / int4 round x to int8 once or twice (its residual again).
 torch::Tensor woq_linear(torch::Tensor input, torch::Tensor w, torch::Tensor scale, torch::Tensor zero, int64_t kind,
                          int64_t out_features, int64_t group, int64_t chunk, bool vector,
-                         c10::optional<torch::Tensor> corr_a, c10::optional<torch::Tensor> corr_b,
-                         c10::optional<torch::Tensor> corr_blocks, int64_t passes);
+                         c10::optional<torch::Tensor> corr_a, c10::optional<torch::Tensor> corr_tiles,
+                         c10::optional<torch::Tensor> corr_index, int64_t passes);
 
 bool woq_has_avx2();
 
 // sum_k x[k] w[k] over n floats; `vector`: the AVX2 path (the caller checked woq_has_avx2()).
 float woq_dot(const float* x, const float* w, int64_t n, bool vector);
 
-// One packed linear layer, as Python passes it: (qweight, scale, zero, kind, out_features, group, A, B', B'
-// blocks, activation passes) (clover.model.quant.PackedLinear.kernel_args).
+// One packed linear layer, as Python passes it: (qweight, scale, zero, kind, out_features, group, A, B' tiles,
+// their index, activation passes) (clover.model.quant.PackedLinear.kernel_args).
 using PackedArgs = std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t, int64_t,
                               c10::optional<torch::Tensor>, c10::optional<torch::Tensor>,
                               c10::optional<torch::Tensor>, int64_t>;
