@@ -14,10 +14,11 @@ checkpoint's own), e.g. `float32/int4/int8,float32/int4/int8x2`. Packed fp32 mod
 C++ call (clover.model.fused); `/modules` runs the same weights through torch's modules layer by layer instead.
 
 * Machine: the read bandwidth (the fastest of several sums over a 512 MiB fp32 tensor) and the fp32 FMA
-  rate (a 1024^3 matmul), measured in the same run before every variant: a shared VM's bandwidth moves by
-  tens of percent within minutes, so the bounds use the fastest of these measurements (the strictest bound).
+  rate (a 1024^3 matmul), measured in the same run before every round of steps: a shared VM's bandwidth moves
+  by tens of percent within minutes, so the bounds use the fastest of these measurements (the strictest).
 * Block step: a query block of R tokens against `--context` cached tokens, batch 1 (ms, fastest of
-  `--repeats` interleaved rounds: a burst of the neighbours' load hits every R alike). `bound` is the weight
+  `--repeats` rounds in which every variant and R takes its turn: a burst of the neighbours' load, or a slow
+  minute of a shared VM, hits every variant alike; all variants are loaded at once for it). `bound` is the weight
   bytes over the measured bandwidth; `x bound` the step over it. `flop floor` is 2 x R x linear-layer
   parameters over the measured FMA rate: past the R where it exceeds the bandwidth bound, no kernel can stay
   flat in rows on this machine.
@@ -26,17 +27,19 @@ C++ call (clover.model.fused); `/modules` runs the same weights through torch's 
   tokens/s (after the first block), tool-call exact match, and agreement of the first 64 tokens with the first
   variant's output (the unquantised reference).
 * `--gguf`: llama.cpp's one-token and 16-token decode of a GGUF of the same model (`clover export --to gguf
-  clover-smol X.gguf --quant q4_0`) with the same thread count and context.
+  clover-smol X.gguf --quant q4_0`) with the same thread count and context, taking its turns in the same rounds.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import platform
 import statistics
 import time
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -80,20 +83,40 @@ def weight_bytes(model: CloverForBlockDiffusion) -> tuple[int, int]:
     return sum(w.numel() * w.element_size() for w in dense) + packed_bytes(model), params
 
 
-def step_times(model: CloverForBlockDiffusion, rows: list[int], context: int, repeats: int) -> dict[int, float]:
+def clover_steps(model: CloverForBlockDiffusion, rows: list[int], context: int) -> dict[int, Callable[[], Any]]:
+    """Per R, a block step of R query tokens against `context` cached tokens (the cache is not advanced)."""
     gen = torch.Generator().manual_seed(0)
     tokens = lambda n: torch.randint(0, model.config.vocab_size - 1, (1, n), generator=gen)  # noqa: E731
     cache = model.new_cache(1)
     model(tokens(context), cache=cache, logits_to_keep=0)
-    queries = {r: tokens(r) for r in rows}
-    times: dict[int, list[float]] = {r: [] for r in rows}
-    for round_ in range(repeats + 1):  # the first round warms up
-        for r, query in queries.items():
-            start = time.perf_counter()
-            model(None, r, cache=cache, query_ids=query)
-            if round_:
-                times[r].append(time.perf_counter() - start)
-    return {r: 1e3 * min(v) for r, v in times.items()}
+    return {r: functools.partial(model, None, r, cache=cache, query_ids=tokens(r)) for r in rows}
+
+
+def llamacpp_steps(llm: Any, context: int) -> dict[int, Callable[[], Any]]:
+    """llama.cpp's decode of 1 and 16 tokens after `context` tokens, the same place every time."""
+    llm.eval(list(range(100, 100 + context)))
+
+    def step(rows: int) -> None:
+        llm.n_tokens = context  # eval drops the cache past n_tokens
+        llm.eval(list(range(200, 200 + rows)))
+    return {r: functools.partial(step, r) for r in (1, 16)}
+
+
+def step_times(steps: dict[str, dict[int, Callable[[], Any]]], repeats: int,
+               samples: list[dict[str, float]]) -> dict[str, dict[int, float]]:
+    """ms per step, the fastest of `repeats` rounds in which every variant and row count takes its turn (the
+    first round warms up); the machine is measured into `samples` before each round."""
+    times = {name: {r: float("inf") for r in fns} for name, fns in steps.items()}
+    for round_ in range(repeats + 1):
+        if round_:
+            samples.append(machine(repeats))
+        for name, fns in steps.items():
+            for r, fn in fns.items():
+                start = time.perf_counter()
+                fn()
+                if round_:
+                    times[name][r] = min(times[name][r], 1e3 * (time.perf_counter() - start))
+    return times
 
 
 def decoding(model: CloverForBlockDiffusion, tokenizer: Any, sets: dict, max_new_tokens: int,
@@ -118,22 +141,6 @@ def decoding(model: CloverForBlockDiffusion, tokenizer: Any, sets: dict, max_new
             figures["tool_call_exact"] = sum(tool_call_matches(c, ans) for c, (_, ans) in zip(calls, chats))
         report[name] = figures
     return report, outputs
-
-
-def llamacpp(path: str, context: int, threads: int, repeats: int) -> dict[str, float]:
-    from llama_cpp import Llama
-
-    llm = Llama(model_path=path, n_threads=threads, n_ctx=context + 64, n_batch=512, verbose=False)
-    prompt = list(range(100, 100 + context))
-    llm.eval(prompt)
-    out = {}
-    for rows in (1, 16):
-        def step(rows: int = rows) -> None:
-            llm.n_tokens = context  # eval drops the cache past n_tokens: every step decodes at the same place
-            llm.eval(list(range(200, 200 + rows)))
-        out[f"ms_{rows}"] = 1e3 * fastest(step, repeats)
-    out["bytes"] = Path(path).stat().st_size
-    return out
 
 
 def main() -> None:
@@ -169,22 +176,32 @@ def main() -> None:
     sets = {**text_sets(args.limit), **tool_sets(args.limit)} if args.limit else {}
 
     with torch.inference_mode():
-        samples: list[dict[str, float]] = []  # the machine, measured before each variant
+        samples: list[dict[str, float]] = []  # the machine, measured before each round of steps
         report: dict[str, Any] = {"threads": args.threads, "context": args.context, "variants": {}}
-        reference = None
+        models = {}
         for dtype, quant, *extra in variants:
-            name = "/".join([dtype, quant, *extra])
             activations = [x for x in extra if x != "modules"]
             model = quantize(CloverForBlockDiffusion.from_pretrained(model_dir(quant), dtype=DTYPES[dtype]), quant,
                              activations=activations[0] if activations else None)
             for layer in model.model.layers:
                 layer.fused = layer.fused and "modules" not in extra
+            models["/".join([dtype, quant, *extra])] = model
+        fns = {name: clover_steps(model, rows, args.context) for name, model in models.items()}
+        if args.gguf:
+            from llama_cpp import Llama
+
+            llm = Llama(model_path=args.gguf, n_threads=args.threads, n_ctx=args.context + 64, n_batch=512,
+                        verbose=False)
+            fns["llama.cpp"] = llamacpp_steps(llm, args.context)
+        steps = step_times(fns, args.repeats, samples)
+        del fns
+        reference = None
+        for name in list(models):
+            model = models.pop(name)  # one at a time from here: decoding runs alone
             nbytes, params = weight_bytes(model)
-            samples.append(machine(args.repeats))
-            steps = step_times(model, rows, args.context, args.repeats)
-            entry: dict[str, Any] = {"weight_MB": nbytes / 1e6, "params": params, "step_ms": steps}
-            print(f"{name:16} {nbytes / 1e6:6.0f} MB  " + "  ".join(f"R={r}: {t:6.1f} ms" for r, t in steps.items()),
-                  flush=True)
+            entry: dict[str, Any] = {"weight_MB": nbytes / 1e6, "params": params, "step_ms": steps[name]}
+            print(f"{name:16} {nbytes / 1e6:6.0f} MB  " + "  ".join(
+                f"R={r}: {t:6.1f} ms" for r, t in steps[name].items()), flush=True)
             if sets:
                 entry["decoding"], outputs = decoding(model, tokenizer, sets, args.max_new_tokens, reference)
                 reference = reference or outputs
@@ -194,10 +211,9 @@ def main() -> None:
             report["variants"][name] = entry
             del model
         if args.gguf:
-            samples.append(machine(args.repeats))
-            report["llamacpp"] = llamacpp(args.gguf, args.context, args.threads, args.repeats)
-            lc = report["llamacpp"]
-            print(f"llama.cpp {Path(args.gguf).name}: {lc['bytes'] / 1e6:.0f} MB, 1 token {lc['ms_1']:.1f} ms, "
+            lc = report["llamacpp"] = {"file": Path(args.gguf).name, "bytes": Path(args.gguf).stat().st_size,
+                                       **{f"ms_{r}": t for r, t in steps["llama.cpp"].items()}}
+            print(f"llama.cpp {lc['file']}: {lc['bytes'] / 1e6:.0f} MB, 1 token {lc['ms_1']:.1f} ms, "
                   f"16 tokens {lc['ms_16']:.1f} ms")
         hw = {key: max(sample[key] for sample in samples) for key in samples[0]}
         report["machine"] = {**hw, "samples": samples}
