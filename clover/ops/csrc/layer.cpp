@@ -123,11 +123,28 @@ __attribute__((target("avx2,fma"))) void attend_row_avx2(const float* q, const f
     scores[s] = scores[s] == ninf ? 0.f : std::exp(scores[s] - top);
     total += scores[s];
   }
-  for (int64_t d = 0; d < D; d += 8) {
+  // out = sum_s p_s v_s: 64 channels held in 8 registers over the keys, so each value row is read once, in order
+  // (channel by channel, the rows would be re-read D / 8 times at a stride); each output sums in the order of s
+  const __m256 inv = _mm256_set1_ps(1.f / total);
+  int64_t d = 0;
+  for (; d + 64 <= D; d += 64) {
+    __m256 acc[8];
+#pragma GCC unroll 8
+    for (int c = 0; c < 8; ++c) acc[c] = _mm256_setzero_ps();
+    for (s = 0; s < S; ++s) {
+      const __m256 p = _mm256_set1_ps(scores[s]);
+      const float* v = values + s * value_stride + d;
+#pragma GCC unroll 8
+      for (int c = 0; c < 8; ++c) acc[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * c), acc[c]);
+    }
+#pragma GCC unroll 8
+    for (int c = 0; c < 8; ++c) _mm256_storeu_ps(out + d + 8 * c, _mm256_mul_ps(acc[c], inv));
+  }
+  for (; d < D; d += 8) {
     __m256 acc = _mm256_setzero_ps();
     for (s = 0; s < S; ++s)
       acc = _mm256_fmadd_ps(_mm256_set1_ps(scores[s]), _mm256_loadu_ps(values + s * value_stride + d), acc);
-    _mm256_storeu_ps(out + d, _mm256_mul_ps(acc, _mm256_set1_ps(1.f / total)));
+    _mm256_storeu_ps(out + d, _mm256_mul_ps(acc, inv));
   }
 }
 
