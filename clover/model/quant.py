@@ -23,7 +23,7 @@ Adapters: an unmerged LoRA adapter is kept beside the quantised *base* weights a
 (clover-smol's Q4_1 GGUF) is rounded back onto its own codes exactly, so the quantised model computes what the
 unquantised adapted model computes (up to the CPU kernel's rounding of the activations, clover.ops.woq). Fused
 projections (q/k/v, gate/up) concatenate their A's and place their `scaling * B^T` block-diagonally in `B'`; the
-kernel's call adds the correction in C++ (two small matmuls, no Python ops). The
+kernel adds the correction in the same C++ call, reading the non-zero rows of B' with the weights. The
 embedding's trained rows (`row_delta`) are merged into the table, as `merge_and_unload` does. A gated adapter
 acts at query positions only, which the packed layers do not model: such a model is refused and runs unquantised.
 
