@@ -340,6 +340,26 @@ def test_quantised_cached_steps_equal_uncached_forward(preset, quant):
             torch.testing.assert_close(got, full, rtol=1e-4, atol=1e-4 * full.abs().max().item())
 
 
+@pytest.mark.parametrize("kind", ["fp32", "bf16", "int8", "int4"])
+def test_kernel_output_does_not_depend_on_the_thread_count(kind):
+    """Every output block and every correction dot is computed whole by one thread of the call's team: 1, 2 or 3
+    threads give the same bits."""
+    torch.manual_seed(0)
+    packed = woq.pack(torch.randn(600, 128), kind)
+    a, b = torch.randn(8, 128), torch.randn(8, 600)
+    args = {**packed, "kind": kind, "out_features": 600, "correction": (a.view(torch.int32), b.view(torch.int32))}
+    x = torch.randn(5, 128)
+    threads = torch.get_num_threads()
+    try:
+        outputs = []
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            outputs.append(woq.woq_linear(x, **args))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(out, outputs[0]) for out in outputs[1:])
+
+
 @pytest.mark.parametrize("kind", ["int8", "int4"])
 @pytest.mark.parametrize("activations", ["int8", "int8x2"])
 def test_integer_kernel_rows_do_not_depend_on_the_block(kind, activations):
