@@ -111,9 +111,9 @@ class PackedLinear(nn.Module):
 
     def kernel_args(self) -> tuple:
         """The layer as the C++ decoder layer takes it (clover.model.fused): `(qweight, scale, zero, kind code,
-        out_features, group_size, A, B' tiles, their index, activation passes)`, the last three but one None
-        without a correction. Read from `_buffers` directly: `nn.Module.__getattr__` costs ~0.5 us a buffer, and a step
-        makes 120 of these calls."""
+        out_features, group_size, A, B' tiles, their index, activation passes)`, A, the tiles and the index None
+        without a correction. Read from `_buffers` directly: `nn.Module.__getattr__` costs ~0.5 us a buffer, and a
+        step makes 120 of these calls."""
         b = self._buffers
         return (b["qweight"], b["scale"], b["zero"], woq.KINDS[self.kind], self.out_features, self.group_size,
                 b.get("correction_a"), b.get("correction_tiles"), b.get("correction_index"),
@@ -127,7 +127,9 @@ class PackedLinear(nn.Module):
     def weight_bytes(self) -> int:
         """Bytes the layer reads per forward: packed weights, scales, minima, and the correction's A and the
         tiles of B' (its rows that are not zero, per block of 16 outputs)."""
-        tensors = (self.qweight, self.scale, self.zero) + ((self.correction_a, self.correction_tiles) if self.rank else ())
+        tensors = [self.qweight, self.scale, self.zero]
+        if self.rank:
+            tensors += [self.correction_a, self.correction_tiles]
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def extra_repr(self) -> str:

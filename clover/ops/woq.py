@@ -234,12 +234,14 @@ def tile_correction(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     (one block of rows per adapted part), and an adapter that has not moved a part has zero rows: none of that is
     stored or read."""
     b = b.view(torch.float32) if b.dtype == torch.int32 else b.float()
-    rank = b.shape[0]
+    rank, out_features = b.shape
+    if rank == 0:
+        return torch.zeros(0, BLOCK, dtype=torch.int32), torch.zeros(-(-out_features // BLOCK), 3, dtype=torch.int64)
     blocks = _padded(b.T).view(-1, BLOCK, rank)  # [O/16, 16, r]
     live = (blocks != 0).any(dim=1)  # [O/16, r]: rows of B' not zero over the block
     rows = torch.arange(rank, device=b.device)
-    first = torch.where(live, rows, rank).amin(dim=1) if rank else torch.zeros(len(blocks), dtype=torch.long)
-    count = (torch.where(live, rows + 1, 0).amax(dim=1) - first).clamp(min=0) if rank else torch.zeros_like(first)
+    first = torch.where(live, rows, rank).amin(dim=1)
+    count = (torch.where(live, rows + 1, 0).amax(dim=1) - first).clamp(min=0)
     first = torch.where(count > 0, first, 0)
     offset = torch.cumsum(count, 0) - count
     which = torch.repeat_interleave(torch.arange(len(blocks), device=b.device), count)

@@ -448,7 +448,8 @@ void add_correction(const Args& a, const Corr& c, int64_t b, bool vector) {
 // first loop, so the two share one.
 template <typename First, typename Second>
 void two_loops(int64_t n1, const First& first, int64_t n2, const Second& second) {
-  const int64_t threads = at::in_parallel_region() ? 1 : std::min<int64_t>(at::get_num_threads(), std::max<int64_t>(n2, 1));
+  const int64_t threads =
+      at::in_parallel_region() ? 1 : std::min<int64_t>(at::get_num_threads(), std::max<int64_t>(n2, 1));
   auto part = [](int64_t n, int64_t id, int64_t nt, const auto& fn) {
     const int64_t per = (n + nt - 1) / nt, begin = std::min(n, id * per), end = std::min(n, begin + per);
     if (begin < end) fn(begin, end);

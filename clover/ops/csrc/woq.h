@@ -6,8 +6,8 @@
 #include <cstdint>
 #include <tuple>
 
-// y = x W^T (+ (x A^T) B', B' as tiles of 16 columns and their index), x [..., K] any float dtype -> [..., out_features]
-// in x's dtype (woq.cpp); `passes`: int8 / int4 round x to int8 once or twice (its residual again).
+// y = x W^T (+ (x A^T) B', B' as tiles of 16 columns and their index), x [..., K] any float dtype ->
+// [..., out_features] in x's dtype (woq.cpp); `passes`: int8 / int4 round x to int8 once or twice (its residual).
 torch::Tensor woq_linear(torch::Tensor input, torch::Tensor w, torch::Tensor scale, torch::Tensor zero, int64_t kind,
                          int64_t out_features, int64_t group, int64_t chunk, bool vector,
                          c10::optional<torch::Tensor> corr_a, c10::optional<torch::Tensor> corr_tiles,
