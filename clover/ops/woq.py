@@ -68,9 +68,10 @@ ACTIVATIONS = {"int8": 1, "int8x2": 2}  # int8 / int4 layers' rounding of x: int
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = (CSRC / "woq.cpp", CSRC / "layer.cpp")  # the kernels; a decoder layer built on them (clover.model.fused)
 HEADERS = (CSRC / "woq.h",)
-# No -march: the AVX2 path is selected per function and at run time, so the build stays portable. -fopenmp: ATen's
-# at::parallel_for is a header template that runs on OpenMP threads only where the including code is compiled with
-# it (otherwise serially); the runtime is torch's own libgomp, so torch.set_num_threads sets the kernels' threads.
+# No -march: the AVX2 path is selected per function and at run time, so the build stays portable. -fopenmp: the
+# kernel's own thread team is an OpenMP region, and ATen's at::parallel_for (the layer's attention) is a header
+# template that runs on OpenMP threads only where the including code is compiled with it (otherwise serially); the
+# runtime is torch's own libgomp, so torch.set_num_threads sets the kernels' threads.
 FLAGS = ["-O3", "-fopenmp"]
 
 _extension: Any = None
