@@ -11,9 +11,9 @@ loads read one safetensors file.
 The int8 / int4 builds (`clover_smol_dir("int4")`) quantise the *unmerged* base and keep the adapter as a
 low-rank correction (clover.model.quant): the GGUF's linear layers are Q4_1 and its embedding / LM head Q8_0, the
 grids of Clover's `int4` and `int8`, and round to nearest of the dequantised base gives back the GGUF's own codes,
-so int4 holds exactly the merged fp32 model's weights. Its only error is then the CPU kernel's rounding of the
-activations, so both builds round them in two int8 passes (`activations="int8x2"`), which keeps the int4 build's
-next-token choices the fp32 model's (docs/cpu.md).
+so int4 holds the merged fp32 model's weights, exactly but for the adapter's fp16 (`woq.pack_correction`). Its
+main error is then the CPU kernel's rounding of the activations, so both builds round them in two int8 passes
+(`activations="int8x2"`), which keeps the int4 build's next-token choices the fp32 model's (docs/cpu.md).
 """
 
 from __future__ import annotations

@@ -67,8 +67,8 @@ def test_shipped_adapter_merges_to_the_recorded_weights(tmp_path, monkeypatch):
 @torch.no_grad()
 def test_int4_build_computes_what_the_merged_model_computes(tmp_path, monkeypatch):
     """The int4 build (base quantised unmerged: the GGUF's own Q4_1 codes; adapter as a low-rank correction) gives
-    the merged fp32 model's logits up to float rounding; a tampered adapter is refused as in `build`. Slow: it
-    converts the GGUF and builds clover-smol twice (~2 min)."""
+    the merged fp32 model's logits up to float rounding (the adapter's in fp16 included); a tampered adapter is
+    refused as in `build`. Slow: it converts the GGUF and builds clover-smol twice (~2 min)."""
     monkeypatch.setenv("CLOVER_CACHE", str(tmp_path / "cache"))
     dequantised_matmul(monkeypatch)  # what is tested: the weights and the correction are the merged model's
     torch.set_num_threads(2)

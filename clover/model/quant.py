@@ -19,9 +19,10 @@ passes are what keeps the model's outputs. It changes no weight: `quantize(model
 model quantised in that format already switches it.
 
 Adapters: an unmerged LoRA adapter is kept beside the quantised *base* weights as a low-rank correction,
-`y = W_q x + (x A^T) B'` in fp32, rather than merged and rounded: a base that comes from a quantised file
-(clover-smol's Q4_1 GGUF) is rounded back onto its own codes exactly, so the quantised model computes what the
-unquantised adapted model computes (up to the CPU kernel's rounding of the activations, clover.ops.woq). Fused
+`y = W_q x + (x A^T) B'` with A and B' in fp16 (accumulated in fp32), rather than merged and rounded: a base that
+comes from a quantised file (clover-smol's Q4_1 GGUF) is rounded back onto its own codes exactly, so the quantised
+model computes what the unquantised adapted model computes up to the adapter's fp16 rounding (`woq.pack_correction`)
+and the CPU kernel's rounding of the activations (clover.ops.woq). Fused
 projections (q/k/v, gate/up) concatenate their A's and place their `scaling * B^T` block-diagonally in `B'`; the
 kernel adds the correction in the same C++ call, reading the non-zero rows of B' with the weights. The
 embedding's trained rows (`row_delta`) are merged into the table, as `merge_and_unload` does. A gated adapter
@@ -53,8 +54,8 @@ QUANT_CONFIG = "quantization.json"
 class PackedLinear(nn.Module):
     """A bias-free linear layer over packed weights (`clover.ops.woq`): the kernel on CPU, a dequantised matmul
     elsewhere; optionally plus a rank-`rank` correction `(x A^T) B'` (`correction_a` `[rank, in]`,
-    `correction_b` `[rank, out]`, fp32 stored as int32 bits like the packed weights, so a model-wide
-    `.to(dtype)` never rounds them). Input and output keep the caller's dtype; the kernel accumulates in fp32.
+    `correction_b` `[rank, out]`, fp16 stored as int16 bits like the packed scales, so a model-wide
+    `.to(dtype)` never rounds them: `woq.pack_correction`). Input and output keep the caller's dtype; the kernel accumulates in fp32.
     `activations`: how the kernel rounds the input of an int8 / int4 layer (`woq.ACTIVATIONS`)."""
 
     def __init__(self, in_features: int, out_features: int, kind: str, group_size: int = woq.DEFAULT_GROUP_SIZE,
@@ -68,8 +69,8 @@ class PackedLinear(nn.Module):
         for name, t in shapes.items():
             self.register_buffer(name, torch.empty(t.shape, dtype=t.dtype, device=device))
         if rank:
-            self.register_buffer("correction_a", torch.empty(rank, in_features, dtype=torch.int32, device=device))
-            self.register_buffer("correction_b", torch.empty(rank, out_features, dtype=torch.int32, device=device))
+            self.register_buffer("correction_a", torch.empty(rank, in_features, dtype=torch.int16, device=device))
+            self.register_buffer("correction_b", torch.empty(rank, out_features, dtype=torch.int16, device=device))
             # B' as the kernel reads it (woq.tile_correction): derived, so not saved, and made again on loading
             self.register_buffer("correction_tiles", None, persistent=False)
             self.register_buffer("correction_index", None, persistent=False)
@@ -93,7 +94,7 @@ class PackedLinear(nn.Module):
             setattr(layer, key, t.to(weight.device))
         if correction is not None:
             layer.correction_a, layer.correction_b = (
-                t.detach().float().contiguous().view(torch.int32).to(weight.device) for t in correction)
+                t.to(weight.device) for t in woq.pack_correction(*correction, name=name))
             layer.tile_correction()
         return layer
 

@@ -62,7 +62,8 @@ logger = logging.getLogger(__name__)
 KINDS = {"fp32": 0, "bf16": 1, "int8": 2, "int4": 3}
 BLOCK = 16  # output columns per packed block (the kernel's register tile is 16 wide)
 TILE_K = 256  # K per decoded bf16 tile: 256 x 16 fp32 = 16 KiB, well inside L1
-LAYOUT_VERSION = 2  # of the packed layout; 1: int8 / int4 codes as [o // 16, k, o % 16] (fp32 decoding kernels)
+LAYOUT_VERSION = 3  # of the packed layout; 1: int8 / int4 codes as [o // 16, k, o % 16] (fp32 decoding kernels);
+# 2: low-rank corrections in fp32
 DEFAULT_GROUP_SIZE = 32  # llama.cpp's Q4_1/Q8_0 block, the format clover-smol's base weights come in
 ACTIVATIONS = {"int8": 1, "int8x2": 2}  # int8 / int4 layers' rounding of x: int8 passes (the kernel's `passes`)
 CSRC = Path(__file__).parent / "csrc"
@@ -218,26 +219,44 @@ def reference_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor
                      out_features: int, group_size: int = DEFAULT_GROUP_SIZE,
                      correction: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Dequantise, then an fp32 matmul: `x [..., K]` -> `[..., O]` in x's dtype; `correction`: `(A [r, K],
-    B' [r, O])`, fp32 stored as int32 bits, adds `(x A^T) B'` (a low-rank term kept beside the packed weights)."""
+    B' [r, O])`, fp16 stored as int16 bits (`pack_correction`), adds `(x A^T) B'` (a low-rank term kept beside
+    the packed weights)."""
     w = unpack(qweight, scale, zero, kind, out_features, x.shape[-1], group_size)
     y = F.linear(x.float(), w.to(x.device))
     if correction is not None:
-        a, b = (t.view(torch.float32) for t in correction)
+        a, b = (t.view(torch.float16).float() for t in correction)
         y = y + F.linear(x.float(), a) @ b
     return y.to(x.dtype)
 
 
+def pack_correction(a: torch.Tensor, b: torch.Tensor, name: str = "weight") -> tuple[torch.Tensor, torch.Tensor]:
+    """A low-rank correction `(A [r, K], B' [r, O])` (any float dtype) -> fp16, stored as int16 bits: half the
+    bytes of fp32 for an error the logits barely see (clover-smol's int4 build: next-token KL to fp32 3.9e-8 nats
+    against fp32 corrections' 3.5e-8, docs/cpu.md). Each rank's row of A and of B' is first rescaled, `A_i c_i`
+    and `B'_i / c_i` with `c_i = sqrt(max |B'_i| / max |A_i|)`, which leaves `(x A^T) B'` as it is and gives both
+    the same largest magnitude, so neither falls to fp16's subnormals (below 6.1e-5) where a small adapter's B'
+    would lose its digits."""
+    a, b = a.detach().float(), b.detach().float()
+    peak_a, peak_b = a.abs().amax(dim=1, keepdim=True), b.abs().amax(dim=1, keepdim=True)
+    c = torch.where((peak_a > 0) & (peak_b > 0), (peak_b / peak_a.clamp(min=1e-30)).sqrt(), torch.ones_like(peak_a))
+    a, b = (a * c).half(), (b / c).half()
+    if not (a.isfinite().all() and b.isfinite().all()):
+        raise ValueError(f"{name}: the low-rank correction does not fit fp16 (a product of A's and B's magnitudes "
+                         f"past 65504^2, or a value that is not finite)")
+    return a.contiguous().view(torch.int16), b.contiguous().view(torch.int16)
+
+
 def tile_correction(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A correction's `B' [r, O]` (fp32, or its int32 bits) as the kernel reads it, block by block of 16 output
+    """A correction's `B' [r, O]` (fp16, or its int16 bits) as the kernel reads it, block by block of 16 output
     columns with the block's own outputs: per block, the span of rows of B' that are not all zero over its columns,
-    those rows' 16 columns one after another in `tiles [n, 16]` (fp32 as int32 bits, zero-padded past O), and
+    those rows' 16 columns one after another in `tiles [n, 16]` (fp16 as int16 bits, zero-padded past O), and
     `index [ceil(O / 16), 3]` int64: (first row, rows, first tile row). A fused projection's B' is block-diagonal
     (one block of rows per adapted part), and an adapter that has not moved a part has zero rows: none of that is
     stored or read."""
-    b = b.view(torch.float32) if b.dtype == torch.int32 else b.float()
+    b = b.view(torch.float16) if b.dtype == torch.int16 else b.half()
     rank, out_features = b.shape
     if rank == 0:
-        return torch.zeros(0, BLOCK, dtype=torch.int32), torch.zeros(-(-out_features // BLOCK), 3, dtype=torch.int64)
+        return torch.zeros(0, BLOCK, dtype=torch.int16), torch.zeros(-(-out_features // BLOCK), 3, dtype=torch.int64)
     blocks = _padded(b.T).view(-1, BLOCK, rank)  # [O/16, 16, r]
     live = (blocks != 0).any(dim=1)  # [O/16, r]: rows of B' not zero over the block
     rows = torch.arange(rank, device=b.device)
@@ -248,7 +267,7 @@ def tile_correction(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     which = torch.repeat_interleave(torch.arange(len(blocks), device=b.device), count)
     row = torch.arange(len(which), device=b.device) - offset[which] + first[which]
     tiles = blocks[which, :, row].contiguous()  # [n, 16]
-    return tiles.view(torch.int32), torch.stack([first, count, offset], dim=1).to(torch.int64).contiguous()
+    return tiles.view(torch.int16), torch.stack([first, count, offset], dim=1).to(torch.int64).contiguous()
 
 
 def woq_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, kind: str,

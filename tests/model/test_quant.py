@@ -40,14 +40,14 @@ def test_kernel_equals_dequantised_reference(kind, vectorised, shape):
 @pytest.mark.parametrize("shape,rank", [((37, 64), 3), ((600, 136), 16)])  # 600: past one 512-column task;
 # 136: a dot product's tail past its 16-wide steps
 def test_kernel_adds_the_low_rank_correction(kind, vectorised, shape, rank):
-    """A correction `(A [r, K], B' [r, O])` (fp32 as int32 bits) adds `(x A^T) B'` to what the kernel computes,
-    in x's dtype."""
+    """A correction `(A [r, K], B' [r, O])` (fp16 as int16 bits, `pack_correction`) adds `(x A^T) B'` to what the
+    kernel computes, in x's dtype."""
     torch.manual_seed(0)
     out_features, in_features = shape
     packed = woq.pack(torch.randn(out_features, in_features), kind, group_size=8)
-    a, b = torch.randn(rank, in_features), torch.randn(rank, out_features)
+    correction = woq.pack_correction(torch.randn(rank, in_features), torch.randn(rank, out_features))
+    a, b = (t.view(torch.float16).float() for t in correction)
     args = {**packed, "kind": kind, "out_features": out_features, "group_size": 8}
-    correction = (a.view(torch.int32), b.view(torch.int32))
     for rows in (1, 5):
         x = torch.randn(rows, 2, in_features)
         want = woq.woq_linear(x, **args, vectorised=vectorised) + (x @ a.T) @ b
@@ -57,6 +57,24 @@ def test_kernel_adds_the_low_rank_correction(kind, vectorised, shape, rank):
         torch.testing.assert_close(ref, woq.reference_linear(x, **args) + (x @ a.T) @ b, rtol=1e-5,
                                    atol=1e-5 * want.abs().max().item())
     assert woq.woq_linear(x.bfloat16(), **args, correction=correction).dtype == torch.bfloat16
+
+
+def test_correction_is_stored_in_fp16_balanced_per_rank():
+    """`pack_correction` rescales each rank's rows of A and B' to the same peak before rounding to fp16: the
+    product stays to fp16's precision even where B' alone sits far below fp16's normal range (an adapter with a
+    small scaling), where rounding B' as it is would flush it to subnormals; what fp16 cannot hold is refused."""
+    torch.manual_seed(0)
+    a, b = torch.randn(4, 64), torch.randn(4, 48) * 1e-6
+    want = a.T.double() @ b.double()
+    a16, b16 = (t.view(torch.float16).double() for t in woq.pack_correction(a, b))
+    assert (a16.abs().amax(1) - b16.abs().amax(1)).abs().max() <= 1e-3 * a16.abs().amax()
+    assert ((a16.T @ b16 - want).abs().max() / want.abs().max()) < 2e-3  # two fp16 roundings
+    naive = a.half().double().T @ b.half().double()
+    assert ((naive - want).abs().max() / want.abs().max()) > 1e-2  # subnormal B' as it is
+    zero = woq.pack_correction(a, torch.zeros(4, 48))  # an adapter that has not moved stays exactly zero
+    assert torch.equal(zero[1], torch.zeros(4, 48, dtype=torch.int16))
+    with pytest.raises(ValueError, match="up_proj.*does not fit fp16"):
+        woq.pack_correction(a, b.clone().fill_(float("nan")), name="up_proj")
 
 
 def _quantised_activations(x: torch.Tensor, group_size: int,
@@ -206,8 +224,9 @@ def _adapted(preset: str, **overrides) -> CloverForBlockDiffusion:
 
 def _adapted_reference(adapted: CloverForBlockDiffusion, quant: str) -> CloverForBlockDiffusion:
     """The adapted model computed unquantised in fp32 from its round-to-nearest base: every linear layer's base
-    weight dequantised (`woq.unpack` of `woq.pack`), the LoRA kept as `F.linear` ops beside it, the mask row's
-    delta merged into the embedding, the LM head (untied) dequantised in its own format."""
+    weight dequantised (`woq.unpack` of `woq.pack`), the LoRA kept as `F.linear` ops beside it with the fp16 values
+    the correction stores (`woq.pack_correction`: the tiny random models amplify even that rounding ~300x), the
+    mask row's delta merged into the embedding, the LM head (untied) dequantised in its own format."""
     ref = copy.deepcopy(adapted)
 
     def rounded(weight: torch.Tensor, kind: str) -> torch.Tensor:
@@ -218,6 +237,11 @@ def _adapted_reference(adapted: CloverForBlockDiffusion, quant: str) -> CloverFo
         for module in ref.modules():
             if isinstance(module, TrainableRowsEmbedding):
                 module.merge()
+            if isinstance(module, LoRALinear):
+                a, b = (t.view(torch.float16).float()
+                        for t in woq.pack_correction(module.lora_A, module.lora_B.T * module.scaling))
+                module.lora_A.copy_(a)
+                module.lora_B.copy_(b.T / module.scaling)
         head = nn.Linear(ref.lm_head.in_features, ref.lm_head.out_features, bias=False)
         head.weight = nn.Parameter(rounded(ref.lm_head.weight, default_head(quant)))
         ref.lm_head = head
@@ -346,8 +370,8 @@ def test_kernel_output_does_not_depend_on_the_thread_count(kind):
     threads give the same bits."""
     torch.manual_seed(0)
     packed = woq.pack(torch.randn(600, 128), kind)
-    a, b = torch.randn(8, 128), torch.randn(8, 600)
-    args = {**packed, "kind": kind, "out_features": 600, "correction": (a.view(torch.int32), b.view(torch.int32))}
+    correction = woq.pack_correction(torch.randn(8, 128), torch.randn(8, 600))
+    args = {**packed, "kind": kind, "out_features": 600, "correction": correction}
     x = torch.randn(5, 128)
     threads = torch.get_num_threads()
     try:
@@ -419,15 +443,15 @@ def test_kernel_reads_only_the_rows_of_a_fused_correction_that_are_not_zero():
     assert [i[2] for i in index] == [sum(i[1] for i in index[:b]) for b in range(len(index))]  # one after another
     assert qkv.correction_tiles.shape == (4 * (q_blocks + kv_blocks), 16)
     assert qkv.weight_bytes() == sum(t.numel() * t.element_size() for t in (qkv.qweight, qkv.scale, qkv.zero)) + \
-        4 * (qkv.correction_a.numel() + 16 * 4 * (q_blocks + kv_blocks))
+        2 * (qkv.correction_a.numel() + 16 * 4 * (q_blocks + kv_blocks))  # fp16
     args = {"qweight": qkv.qweight, "scale": qkv.scale, "zero": qkv.zero, "kind": "int4",
             "out_features": qkv.out_features, "correction": (qkv.correction_a, qkv.correction_b),
             "activations": "int8x2"}
     x = torch.randn(3, 64)
     got = woq.woq_linear(x, **args, correction_tiles=(qkv.correction_tiles, qkv.correction_index))
     # every row of B' in every block (zero rows add exact zeros): the same outputs, bit for bit
-    blocks = qkv.correction_b.view(torch.float32).T.reshape(-1, 16, qkv.rank).transpose(1, 2)
-    dense = (blocks.reshape(-1, 16).contiguous().view(torch.int32),
+    blocks = qkv.correction_b.view(torch.float16).T.reshape(-1, 16, qkv.rank).transpose(1, 2)
+    dense = (blocks.reshape(-1, 16).contiguous().view(torch.int16),
              torch.tensor([[0, qkv.rank, b * qkv.rank] for b in range(len(blocks))]))
     assert torch.equal(got, woq.woq_linear(x, **args, correction_tiles=dense))
     want = woq.reference_linear(x, **{k: v for k, v in args.items() if k != "activations"})
@@ -457,7 +481,7 @@ def test_quantised_adapted_checkpoint_saves_and_loads(tmp_path, quant):
     assert torch.equal(loaded(ids).logits, model(ids).logits)
     cast = CloverForBlockDiffusion.from_pretrained(tmp_path / "q", dtype=torch.bfloat16)
     assert all(torch.equal(cast.state_dict()[n], t) for n, t in model.state_dict().items() if "correction" in n)
-    assert cast(ids).logits.dtype == torch.bfloat16  # bf16 activations through the fp32 correction
+    assert cast(ids).logits.dtype == torch.bfloat16  # bf16 activations through the fp16 correction
     assert quantize(loaded, quant) is loaded  # a checkpoint stored in the asked format is used as it is
 
     spec["low_rank"]["model.layers.9.mlp.down_proj"] = 4

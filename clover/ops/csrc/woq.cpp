@@ -371,7 +371,7 @@ __attribute__((target("avx2,fma,f16c"))) void int_rows_avx2(const Args& a, const
   }
 }
 
-// A dot product of n floats (the correction's x A^T, rms_norm, attention scores).
+// A dot product of n floats (rms_norm, attention scores).
 __attribute__((target("avx2,fma"))) float dot_avx2(const float* x, const float* w, int64_t n) {
   __m256 c0 = _mm256_setzero_ps(), c1 = c0, c2 = c0, c3 = c0;  // four chains: FMA latency
   int64_t k = 0;
@@ -388,17 +388,34 @@ __attribute__((target("avx2,fma"))) float dot_avx2(const float* x, const float* 
   return sum;
 }
 
-// One row's correction of one block: y[0:16] += sum_i t[i] tile[i, 0:16] over n tile rows (two accumulators of 8
-// columns; the block's tile, at most rank x 64 bytes, stays in L1 for every row).
-__attribute__((target("avx2,fma"))) void correction_avx2(const float* t, const float* tile, int64_t n, float* y,
-                                                        int64_t cols) {
+// The same with w in fp16 (the correction's A): F16C widens 8 at a time.
+__attribute__((target("avx2,fma,f16c"))) float dot_half_avx2(const float* x, const uint16_t* w, int64_t n) {
+  __m256 c0 = _mm256_setzero_ps(), c1 = c0;
+  int64_t k = 0;
+  for (; k + 16 <= n; k += 16) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k));
+    c0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k), _mm256_cvtph_ps(_mm256_castsi256_si128(h)), c0);
+    c1 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 8), _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)), c1);
+  }
+  alignas(32) float acc[8];
+  _mm256_store_ps(acc, _mm256_add_ps(c0, c1));
+  float sum = acc[0] + acc[1] + acc[2] + acc[3] + acc[4] + acc[5] + acc[6] + acc[7];
+  for (; k < n; ++k) sum += x[k] * half_to_f32(w[k]);
+  return sum;
+}
+
+// One row's correction of one block: y[0:16] += sum_i t[i] tile[i, 0:16] over n fp16 tile rows (two accumulators
+// of 8 columns; the block's tile, at most rank x 32 bytes, stays in L1 for every row).
+__attribute__((target("avx2,fma,f16c"))) void correction_avx2(const float* t, const uint16_t* tile, int64_t n,
+                                                             float* y, int64_t cols) {
   alignas(32) float acc[NB];
   std::memcpy(acc, y, cols * sizeof(float));
   __m256 c0 = _mm256_load_ps(acc), c1 = _mm256_load_ps(acc + 8);
   for (int64_t i = 0; i < n; ++i) {
     const __m256 ti = _mm256_set1_ps(t[i]);
-    c0 = _mm256_fmadd_ps(ti, _mm256_loadu_ps(tile + i * NB), c0);
-    c1 = _mm256_fmadd_ps(ti, _mm256_loadu_ps(tile + i * NB + 8), c1);
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + i * NB));
+    c0 = _mm256_fmadd_ps(ti, _mm256_cvtph_ps(_mm256_castsi256_si128(h)), c0);
+    c1 = _mm256_fmadd_ps(ti, _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)), c1);
   }
   _mm256_store_ps(acc, c0);
   _mm256_store_ps(acc + 8, c1);
@@ -418,16 +435,16 @@ bool has_avx2() { return false; }
 // = first row, rows, offset into tiles; clover.ops.woq.tile_correction). So B' streams with the weights, and a
 // fused projection's block-diagonal B' (one block of rows per adapted part) is read only where it is not zero.
 struct Corr {
-  const float* A;  // [rank, K]
+  const uint16_t* A;  // [rank, K] fp16
   int64_t rank;
-  const float* tiles;
+  const uint16_t* tiles;  // [n, 16] fp16
   const int64_t* index;
   float* t;  // [rows, rank]
 };
 
 void add_correction(const Args& a, const Corr& c, int64_t b, bool vector) {
   const int64_t first = c.index[3 * b], n = c.index[3 * b + 1], cols = std::min<int64_t>(NB, a.O - b * NB);
-  const float* tile = c.tiles + c.index[3 * b + 2] * NB;
+  const uint16_t* tile = c.tiles + c.index[3 * b + 2] * NB;
   for (int64_t r = 0; r < a.rows; ++r) {
     const float* t = c.t + r * c.rank + first;
     float* y = a.y + r * a.O + b * NB;
@@ -438,8 +455,17 @@ void add_correction(const Args& a, const Corr& c, int64_t b, bool vector) {
     }
 #endif
     for (int64_t j = 0; j < cols; ++j)
-      for (int64_t i = 0; i < n; ++i) y[j] += t[i] * tile[i * NB + j];
+      for (int64_t i = 0; i < n; ++i) y[j] += t[i] * half_to_f32(tile[i * NB + j]);
   }
+}
+
+float dot_half(const float* x, const uint16_t* w, int64_t n, bool vector) {
+#ifdef WOQ_X86
+  if (vector) return dot_half_avx2(x, w, n);
+#endif
+  float sum = 0;
+  for (int64_t k = 0; k < n; ++k) sum += x[k] * half_to_f32(w[k]);
+  return sum;
 }
 
 // first(begin, end) over [0, n1), then, once all of it is done, second(begin, end) over [0, n2), each thread taking
@@ -541,7 +567,7 @@ void run(const Args& a, int64_t passes, const Corr* corr, bool vector) {
             quantise_row(a, acts, i, vector, res.data());
           } else {
             const int64_t j = i - quantised;
-            corr->t[j] = woq_dot(a.x + (j / corr->rank) * a.K, corr->A + (j % corr->rank) * a.K, a.K, vector);
+            corr->t[j] = dot_half(a.x + (j / corr->rank) * a.K, corr->A + (j % corr->rank) * a.K, a.K, vector);
           }
         }
       },
@@ -556,7 +582,7 @@ void run(const Args& a, int64_t passes, const Corr* corr, bool vector) {
       });
 }
 
-// Kernel, then the optional low-rank correction `y += (x A^T) B'` (A [r, K] fp32 stored as int32 bits; B' as
+// Kernel, then the optional low-rank correction `y += (x A^T) B'` (A [r, K] fp16 stored as int16 bits; B' as
 // `corr_tiles` [n, 16] and `corr_index` [ceil(O / 16), 3], clover.ops.woq.tile_correction), and the cast back to
 // x's dtype: one call from Python per layer. `chunk`: K per tile of the fp32 / bf16 path; `passes`: 1 rounds int8
 // / int4's activations to int8 once, 2 also their residual (file header). The reshape and cast happen here, not in
@@ -588,10 +614,12 @@ torch::Tensor woq_linear(torch::Tensor input, torch::Tensor w, torch::Tensor sca
   if (corr_a.has_value()) {
     TORCH_CHECK(corr_tiles.has_value() && corr_index.has_value(), "a correction needs A, its tiles and their index");
     const auto &A = *corr_a, &tiles = *corr_tiles, &index = *corr_index;
-    TORCH_CHECK(A.dim() == 2 && A.size(1) == K && A.is_contiguous() && A.element_size() == 4,
-                "the correction's A must be [r, K] fp32 (or its int32 bits), contiguous");
-    TORCH_CHECK(tiles.dim() == 2 && tiles.size(1) == NB && tiles.is_contiguous() && tiles.element_size() == 4,
-                "the correction's tiles must be [n, 16] fp32 (or its int32 bits), contiguous");
+    TORCH_CHECK(A.dim() == 2 && A.size(1) == K && A.is_contiguous() && A.element_size() == 2 &&
+                    A.scalar_type() != torch::kBFloat16,
+                "the correction's A must be [r, K] fp16 (or its int16 bits), contiguous");
+    TORCH_CHECK(tiles.dim() == 2 && tiles.size(1) == NB && tiles.is_contiguous() && tiles.element_size() == 2 &&
+                    tiles.scalar_type() != torch::kBFloat16,
+                "the correction's tiles must be [n, 16] fp16 (or its int16 bits), contiguous");
     TORCH_CHECK(index.scalar_type() == torch::kLong && index.is_contiguous() && index.dim() == 2 &&
                     index.size(0) == blocks && index.size(1) == 3,
                 "the correction's index must be int64 [ceil(out_features / 16), 3]");
@@ -602,8 +630,8 @@ torch::Tensor woq_linear(torch::Tensor input, torch::Tensor w, torch::Tensor sca
                       ip[3 * b + 2] + ip[3 * b + 1] <= n,
                   "the correction's index points outside A [", rank, ", K] or its ", n, " tile rows");
     t.resize(rows * rank);
-    corr = Corr{static_cast<const float*>(A.data_ptr()), rank, static_cast<const float*>(tiles.data_ptr()), ip,
-                t.data()};
+    corr = Corr{static_cast<const uint16_t*>(A.data_ptr()), rank, static_cast<const uint16_t*>(tiles.data_ptr()),
+                ip, t.data()};
   }
   if (rows) run(a, passes, corr_a.has_value() ? &corr : nullptr, vector && has_avx2());
   return input.scalar_type() == torch::kFloat ? y : y.to(input.scalar_type());
