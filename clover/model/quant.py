@@ -55,7 +55,8 @@ class PackedLinear(nn.Module):
     """A bias-free linear layer over packed weights (`clover.ops.woq`): the kernel on CPU, a dequantised matmul
     elsewhere; optionally plus a rank-`rank` correction `(x A^T) B'` (`correction_a` `[rank, in]`,
     `correction_b` `[rank, out]`, fp16 stored as int16 bits like the packed scales, so a model-wide
-    `.to(dtype)` never rounds them: `woq.pack_correction`). Input and output keep the caller's dtype; the kernel accumulates in fp32.
+    `.to(dtype)` never rounds them: `woq.pack_correction`). Input and output keep the caller's dtype; the kernel
+    accumulates in fp32.
     `activations`: how the kernel rounds the input of an int8 / int4 layer (`woq.ACTIVATIONS`)."""
 
     def __init__(self, in_features: int, out_features: int, kind: str, group_size: int = woq.DEFAULT_GROUP_SIZE,
