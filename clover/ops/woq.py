@@ -61,7 +61,7 @@ logger = logging.getLogger(__name__)
 
 KINDS = {"fp32": 0, "bf16": 1, "int8": 2, "int4": 3}
 BLOCK = 16  # output columns per packed block (the kernel's register tile is 16 wide)
-TILE_K = 256  # K per decoded bf16 tile: 256 x 16 fp32 = 16 KiB, well inside L1
+TILE_K = 256  # K per chunk of the fp32 path (and of the portable path's decoded bf16): 256 x 16 fp32 = 16 KiB, in L1
 LAYOUT_VERSION = 3  # of the packed layout; 1: int8 / int4 codes as [o // 16, k, o % 16] (fp32 decoding kernels);
 # 2: low-rank corrections in fp32
 DEFAULT_GROUP_SIZE = 32  # llama.cpp's Q4_1/Q8_0 block, the format clover-smol's base weights come in

@@ -28,7 +28,7 @@ def test_kernel_equals_dequantised_reference(kind, vectorised, shape):
     torch.manual_seed(0)
     out_features, in_features = shape
     packed = woq.pack(torch.randn(out_features, in_features), kind)
-    for rows in (1, 2, 5, 6, 7, 13):  # every register-tile height, and tiles plus a remainder
+    for rows in (1, 2, 3, 4, 5, 6, 7, 13):  # every register-tile height, and tiles plus a remainder
         x = torch.randn(rows, in_features)
         ref = woq.reference_linear(x, **packed, kind=kind, out_features=out_features)
         got = woq.woq_linear(x, **packed, kind=kind, out_features=out_features, vectorised=vectorised)
