@@ -3,10 +3,8 @@
 //
 // fp32 / bf16: W is packed in blocks of 16 output columns, K-major inside a block: element (o, k) lives at
 // [o / 16][k][o % 16]. A thread takes whole blocks and runs every row over each (register tiles of up to 6 rows x
-// 16 columns of FMAs), so the weights stream from memory once whatever the row count: fp32 chunk by chunk of K
-// (each chunk stays in L1 for every tile of rows), bf16 widened in registers, the whole of K per tile of rows (a
-// block, 16 x K x 2 bytes, stays in L1 / L2 for the next tile). Widening in registers rather than decoding a
-// chunk into an fp32 buffer first overlaps the weights' streaming with the FMAs: 1.3-2x faster from 2 to 8 rows.
+// 16 columns of FMAs, the whole of K, bf16 widened in registers; the block stays in L1 / L2 for the next tile of
+// rows), so the weights stream from memory once whatever the row count.
 //
 // int8 / int4: integer dot products, as llama.cpp's Q8_0 / Q4_1 kernels do. Each row of x is quantised once per
 // call to int8 per group of K (symmetric: sx = max|x| / 127, qx = round(x / sx)); a group's dot product of
@@ -151,71 +149,15 @@ void int_rows_scalar(const Args& a, const Acts& x, int64_t b) {
 
 // -- AVX2 + FMA path -------------------------------------------------------------------------------------
 #ifdef WOQ_X86
-// R rows x 16 columns of accumulators, U of them per k (taking k round-robin): with few rows, the FMA latency
-// (4-5 cycles) would otherwise serialise each accumulator's chain, so R * U >= 4 keeps the FMA ports busy.
-template <int R, int U>
-__attribute__((target("avx2,fma,f16c"))) void tile_rows_avx2(const float* x, int64_t ldx, const float* t, int64_t kc,
-                                                         float* y, int64_t ldy, int64_t cols) {
-  __m256 c0[U][R], c1[U][R];
-#pragma GCC unroll 24
-  for (int u = 0; u < U; ++u)
-#pragma GCC unroll 8
-    for (int i = 0; i < R; ++i) c0[u][i] = c1[u][i] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < kc; k += U) {  // kc is a multiple of U (U divides 4, kc of 8)
-#pragma GCC unroll 4
-    for (int u = 0; u < U; ++u) {
-      const __m256 w0 = _mm256_loadu_ps(t + (k + u) * NB), w1 = _mm256_loadu_ps(t + (k + u) * NB + 8);
-#pragma GCC unroll 8
-      for (int i = 0; i < R; ++i) {
-        const __m256 xv = _mm256_broadcast_ss(x + i * ldx + k + u);
-        c0[u][i] = _mm256_fmadd_ps(xv, w0, c0[u][i]);
-        c1[u][i] = _mm256_fmadd_ps(xv, w1, c1[u][i]);
-      }
-    }
-  }
-#pragma GCC unroll 8
-  for (int i = 0; i < R; ++i) {
-    __m256 s0 = c0[0][i], s1 = c1[0][i];
-#pragma GCC unroll 4
-    for (int u = 1; u < U; ++u) s0 = _mm256_add_ps(s0, c0[u][i]), s1 = _mm256_add_ps(s1, c1[u][i]);
-    float* yr = y + i * ldy;
-    if (cols == NB) {
-      _mm256_storeu_ps(yr, _mm256_add_ps(_mm256_loadu_ps(yr), s0));
-      _mm256_storeu_ps(yr + 8, _mm256_add_ps(_mm256_loadu_ps(yr + 8), s1));
-    } else {  // the last, partial block of an output size that 16 does not divide
-      alignas(32) float acc[NB];
-      _mm256_store_ps(acc, s0);
-      _mm256_store_ps(acc + 8, s1);
-      for (int64_t j = 0; j < cols; ++j) yr[j] += acc[j];
-    }
-  }
-}
-
-__attribute__((target("avx2,fma,f16c"))) void rows_avx2(const Args& a, int64_t b, int64_t k0, int64_t kc,
-                                                        const float* t) {
-  const int64_t cols = std::min<int64_t>(NB, a.O - b * NB);
-  for (int64_t r = 0; r < a.rows; r += MR) {
-    const float* x = a.x + r * a.K + k0;
-    float* y = a.y + r * a.O + b * NB;
-    switch (std::min<int64_t>(MR, a.rows - r)) {
-      case 1: tile_rows_avx2<1, 4>(x, a.K, t, kc, y, a.O, cols); break;
-      case 2: tile_rows_avx2<2, 2>(x, a.K, t, kc, y, a.O, cols); break;
-      case 3: tile_rows_avx2<3, 1>(x, a.K, t, kc, y, a.O, cols); break;
-      case 4: tile_rows_avx2<4, 1>(x, a.K, t, kc, y, a.O, cols); break;
-      case 5: tile_rows_avx2<5, 1>(x, a.K, t, kc, y, a.O, cols); break;
-      default: tile_rows_avx2<6, 1>(x, a.K, t, kc, y, a.O, cols); break;
-    }
-  }
-}
-
-// R rows of bf16 (up to a register tile), the whole of K: widen in registers and multiply at once, skipping the
-// tile's round trip through L1 (a decode pass, then the FMAs, one after the other). Interleaving zeros below the
-// bf16 bits (unpacklo / unpackhi) widens 16 columns in two operations, in the order 0-3, 8-11 | 4-7, 12-15, which
-// the two 128-bit permutes at the end undo. U accumulator pairs per row take k round-robin: R * U >= 4 pairs keep
-// the FMA latency (4-5 cycles) hidden.
-template <int R, int U>
-__attribute__((target("avx2,fma,f16c"))) void bf16_rows_avx2(const Args& a, int64_t b, int64_t r0) {
-  const uint16_t* w = static_cast<const uint16_t*>(a.w) + b * a.K * NB;
+// R rows (up to a register tile) of fp32 or bf16 weights, the whole of K: U accumulator pairs per row take k
+// round-robin, as R * U >= 4 pairs hide the FMA latency (4-5 cycles). bf16 is widened in registers, which
+// overlaps the weights' streaming with the FMAs (decoding a chunk into an fp32 buffer first, then multiplying, was
+// 1.3-2x slower from 2 to 8 rows): interleaving zeros below the bf16 bits (unpacklo / unpackhi) widens 16 columns
+// in two operations, in the order 0-3, 8-11 | 4-7, 12-15, which two 128-bit permutes at the end undo.
+template <int R, int U, bool BF>
+__attribute__((target("avx2,fma,f16c"))) void float_rows_avx2(const Args& a, int64_t b, int64_t r0) {
+  constexpr int64_t bytes = BF ? 2 : 4;  // per weight
+  const char* w = static_cast<const char*>(a.w) + b * a.K * NB * bytes;
   const float* x = a.x + r0 * a.K;
   const __m256i zero = _mm256_setzero_si256();
   __m256 c0[U][R], c1[U][R];
@@ -224,15 +166,23 @@ __attribute__((target("avx2,fma,f16c"))) void bf16_rows_avx2(const Args& a, int6
 #pragma GCC unroll 8
     for (int i = 0; i < R; ++i) c0[u][i] = c1[u][i] = _mm256_setzero_ps();
   for (int64_t k = 0; k < a.K; k += 4) {  // K is a multiple of 8
-    _mm_prefetch(reinterpret_cast<const char*>(w + k * NB) + 1024, _MM_HINT_T0);  // 4 k: two cache lines
-    _mm_prefetch(reinterpret_cast<const char*>(w + k * NB) + 1088, _MM_HINT_T0);
+#pragma GCC unroll 4
+    for (int64_t line = 0; line < 4 * NB * bytes; line += 64)  // 4 k ahead of 1 KiB (bf16) / 2 KiB (fp32)
+      _mm_prefetch(w + k * NB * bytes + 512 * bytes + line, _MM_HINT_T0);
 #pragma GCC unroll 4
     for (int64_t kk = k; kk < k + 4; kk += U) {
 #pragma GCC unroll 4
       for (int u = 0; u < U; ++u) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (kk + u) * NB));
-        const __m256 lo = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, v));
-        const __m256 hi = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, v));
+        const char* wk = w + (kk + u) * NB * bytes;
+        __m256 lo, hi;
+        if constexpr (BF) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wk));
+          lo = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, v));
+          hi = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, v));
+        } else {
+          lo = _mm256_loadu_ps(reinterpret_cast<const float*>(wk));
+          hi = _mm256_loadu_ps(reinterpret_cast<const float*>(wk) + 8);
+        }
 #pragma GCC unroll 8
         for (int i = 0; i < R; ++i) {
           const __m256 xv = _mm256_broadcast_ss(x + i * a.K + kk + u);
@@ -249,21 +199,24 @@ __attribute__((target("avx2,fma,f16c"))) void bf16_rows_avx2(const Args& a, int6
 #pragma GCC unroll 4
     for (int u = 1; u < U; ++u) s0 = _mm256_add_ps(s0, c0[u][i]), s1 = _mm256_add_ps(s1, c1[u][i]);
     alignas(32) float acc[NB];
-    _mm256_store_ps(acc, _mm256_permute2f128_ps(s0, s1, 0x20));
-    _mm256_store_ps(acc + 8, _mm256_permute2f128_ps(s0, s1, 0x31));
+    _mm256_store_ps(acc, BF ? _mm256_permute2f128_ps(s0, s1, 0x20) : s0);
+    _mm256_store_ps(acc + 8, BF ? _mm256_permute2f128_ps(s0, s1, 0x31) : s1);
     std::memcpy(a.y + (r0 + i) * a.O + b * NB, acc, cols * sizeof(float));
   }
 }
 
-__attribute__((target("avx2,fma,f16c"))) void bf16_block_avx2(const Args& a, int64_t b) {
+// Every row over block b, in register tiles of up to MR rows (the block, 16 x K weights, stays in L1 / L2 for
+// the next tile).
+template <bool BF>
+__attribute__((target("avx2,fma,f16c"))) void float_block_avx2(const Args& a, int64_t b) {
   for (int64_t r = 0; r < a.rows; r += MR) {
     switch (std::min<int64_t>(MR, a.rows - r)) {
-      case 1: bf16_rows_avx2<1, 4>(a, b, r); break;
-      case 2: bf16_rows_avx2<2, 2>(a, b, r); break;
-      case 3: bf16_rows_avx2<3, 1>(a, b, r); break;
-      case 4: bf16_rows_avx2<4, 1>(a, b, r); break;
-      case 5: bf16_rows_avx2<5, 1>(a, b, r); break;
-      default: bf16_rows_avx2<6, 1>(a, b, r); break;
+      case 1: float_rows_avx2<1, 4, BF>(a, b, r); break;
+      case 2: float_rows_avx2<2, 2, BF>(a, b, r); break;
+      case 3: float_rows_avx2<3, 1, BF>(a, b, r); break;
+      case 4: float_rows_avx2<4, 1, BF>(a, b, r); break;
+      case 5: float_rows_avx2<5, 1, BF>(a, b, r); break;
+      default: float_rows_avx2<6, 1, BF>(a, b, r); break;
     }
   }
 }
@@ -520,16 +473,10 @@ void two_loops(int64_t n1, const First& first, int64_t n2, const Second& second)
 
 void float_block(const Args& a, int64_t b, float* tile, bool vector) {
 #ifdef WOQ_X86
-  if (vector && a.kind == BF16) return bf16_block_avx2(a, b);
+  if (vector) return a.kind == BF16 ? float_block_avx2<true>(a, b) : float_block_avx2<false>(a, b);
 #endif
   for (int64_t k0 = 0; k0 < a.K; k0 += a.kc_max) {
     const int64_t kc = std::min(a.kc_max, a.K - k0);
-#ifdef WOQ_X86
-    if (vector) {  // fp32: the block's weights are the tile, read in place
-      rows_avx2(a, b, k0, kc, static_cast<const float*>(a.w) + (b * a.K + k0) * NB);
-      continue;
-    }
-#endif
     rows_scalar(a, b, k0, kc, tile_scalar(a, b, k0, kc, tile));
   }
 }
@@ -610,9 +557,9 @@ void run(const Args& a, int64_t passes, const Corr* corr, bool vector) {
 
 // Kernel, then the optional low-rank correction `y += (x A^T) B'` (A [r, K] fp16 stored as int16 bits; B' as
 // `corr_tiles` [n, 16] and `corr_index` [ceil(O / 16), 3], clover.ops.woq.tile_correction), and the cast back to
-// x's dtype: one call from Python per layer. `chunk`: K per tile of the fp32 / bf16 path; `passes`: 1 rounds int8
-// / int4's activations to int8 once, 2 also their residual (file header). The reshape and cast happen here, not in
-// Python: a one-token step makes 121 of these calls.
+// x's dtype: one call from Python per layer. `chunk`: K per tile of the portable fp32 / bf16 path; `passes`: 1
+// rounds int8 / int4's activations to int8 once, 2 also their residual (file header). The reshape and cast happen
+// here, not in Python: a one-token step makes 121 of these calls.
 torch::Tensor woq_linear(torch::Tensor input, torch::Tensor w, torch::Tensor scale, torch::Tensor zero, int64_t kind,
                          int64_t out_features, int64_t group, int64_t chunk, bool vector,
                          c10::optional<torch::Tensor> corr_a, c10::optional<torch::Tensor> corr_tiles,
@@ -626,8 +573,9 @@ torch::Tensor woq_linear(torch::Tensor input, torch::Tensor w, torch::Tensor sca
   const int64_t rows = x.numel() / std::max<int64_t>(K, 1);
   std::vector<int64_t> shape = input.sizes().vec();
   shape.back() = out_features;
-  // the fp32 / bf16 path adds into y tile by tile over K; the integer path writes every output once
-  auto y = kind >= INT8 ? torch::empty(shape, x.options()) : torch::zeros(shape, x.options());
+  // the portable fp32 / bf16 path adds into y chunk by chunk of K; the others write every output once
+  vector = vector && has_avx2();
+  auto y = kind >= INT8 || vector ? torch::empty(shape, x.options()) : torch::zeros(shape, x.options());
   Args a{x.data_ptr<float>(), rows, K, out_features, blocks, chunk, group, kind,
          w.data_ptr(), kind >= INT8 ? static_cast<const uint16_t*>(scale.data_ptr()) : nullptr,
          kind == INT4 ? static_cast<const uint16_t*>(zero.data_ptr()) : nullptr, y.data_ptr<float>()};
@@ -659,7 +607,7 @@ torch::Tensor woq_linear(torch::Tensor input, torch::Tensor w, torch::Tensor sca
     corr = Corr{static_cast<const uint16_t*>(A.data_ptr()), rank, static_cast<const uint16_t*>(tiles.data_ptr()),
                 ip, t.data()};
   }
-  if (rows) run(a, passes, corr_a.has_value() ? &corr : nullptr, vector && has_avx2());
+  if (rows) run(a, passes, corr_a.has_value() ? &corr : nullptr, vector);
   return input.scalar_type() == torch::kFloat ? y : y.to(input.scalar_type());
 }
 
