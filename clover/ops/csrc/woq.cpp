@@ -167,7 +167,7 @@ __attribute__((target("avx2,fma,f16c"))) void float_rows_avx2(const Args& a, int
     for (int i = 0; i < R; ++i) c0[u][i] = c1[u][i] = _mm256_setzero_ps();
   for (int64_t k = 0; k < a.K; k += 4) {  // K is a multiple of 8
 #pragma GCC unroll 4
-    for (int64_t line = 0; line < 4 * NB * bytes; line += 64)  // 4 k ahead of 1 KiB (bf16) / 2 KiB (fp32)
+    for (int64_t line = 0; line < 4 * NB * bytes; line += 64)  // these 4 k's lines, 512 k (1 / 2 KiB) ahead
       _mm_prefetch(w + k * NB * bytes + 512 * bytes + line, _MM_HINT_T0);
 #pragma GCC unroll 4
     for (int64_t kk = k; kk < k + 4; kk += U) {
