@@ -51,6 +51,13 @@ def fused_forward(layer: DecoderLayer, h: torch.Tensor, ctx: _ForwardContext, ca
     modules = layer._modules
     attn, mlp = modules["self_attn"]._modules, modules["mlp"]._modules
     norm1, norm2 = modules["input_layernorm"], modules["post_attention_layernorm"]
+    try:
+        projections = (attn["qkv_proj"].kernel_args(), attn["o_proj"].kernel_args(),
+                       mlp["gate_up_proj"].kernel_args(), mlp["down_proj"].kernel_args())
+    except (KeyError, AttributeError) as error:  # `fused` is set once, by `quantize`
+        raise RuntimeError("a decoder layer marked for the fused C++ path no longer has packed projections (its "
+                           "modules were replaced after quantising): set `layer.fused = "
+                           "clover.model.fused.can_fuse(layer)` after changing a quantised layer") from error
     n, t, _ = h.shape
     config = modules["self_attn"]
     heads, kv_heads, d = config.num_heads, config.num_kv_heads, config.head_dim
@@ -61,10 +68,8 @@ def fused_forward(layer: DecoderLayer, h: torch.Tensor, ctx: _ForwardContext, ca
         past = cache.length
         k, v = cache.reserve(t, n, kv_heads, d, d, h)
     out = woq.extension().decoder_layer(
-        h.contiguous(), norm1._parameters["weight"], norm2._parameters["weight"], norm1.eps,
-        attn["qkv_proj"].kernel_args(), attn["o_proj"].kernel_args(), mlp["gate_up_proj"].kernel_args(),
-        mlp["down_proj"].kernel_args(), *ctx.rope, k, v, past, ctx.mask, ctx.is_causal, heads, kv_heads, d,
-        woq.TILE_K, True)
+        h.contiguous(), norm1._parameters["weight"], norm2._parameters["weight"], norm1.eps, *projections,
+        *ctx.rope, k, v, past, ctx.mask, ctx.is_causal, heads, kv_heads, d, woq.TILE_K, True)
     if cache is not None:
         cache.length += ctx.layout.clean_len
     return out

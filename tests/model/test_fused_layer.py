@@ -94,6 +94,21 @@ def test_only_layers_of_the_fused_form_are_marked(tmp_path):
     assert all(layer.fused for layer in CloverForBlockDiffusion.from_pretrained(tmp_path / "q").model.layers)
 
 
+@torch.no_grad()
+def test_a_marked_layer_whose_projections_were_replaced_is_a_clear_error():
+    """`fused` is set once, by `quantize`: a layer whose packed projection is swapped afterwards is refused with
+    what to do, not run with modules the C++ layer cannot read; marking it again runs it on the module path."""
+    model = quantize(tiny_model("clover-tiny-dense"), "int4")
+    layer = model.model.layers[0]
+    down = layer.mlp.down_proj
+    layer.mlp.down_proj = torch.nn.Linear(down.in_features, down.out_features, bias=False)
+    ids = torch.randint(0, 250, (1, 6))
+    with pytest.raises(RuntimeError, match="no longer has packed projections.*can_fuse"):
+        model(ids)
+    layer.fused = can_fuse(layer)
+    assert not layer.fused and model(ids).logits.isfinite().all()
+
+
 def test_autograd_and_other_dtypes_take_the_module_path(monkeypatch):
     from clover.model import modeling
 
