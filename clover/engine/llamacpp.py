@@ -208,7 +208,7 @@ class LlamaCppRunner:
         """The GGUF's tokenizer as a `transformers` tokenizer (with Clover's mask token and chat template).
         Converting it takes `transformers` tens of seconds, so the result is kept in Clover's cache directory,
         keyed by the file's name, size and modification time."""
-        from clover.smol import cache_root
+        from clover.paths import cache_root
         from clover.tokenizer import load_tokenizer
 
         stat = self.path.stat()

@@ -84,7 +84,7 @@ def extension() -> Any:
     if _extension is None:
         from torch.utils import cpp_extension
 
-        from clover.smol import cache_root
+        from clover.paths import cache_root
 
         compiler = os.environ.get("CXX", "c++")
         if shutil.which(compiler) is None:

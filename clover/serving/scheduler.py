@@ -55,7 +55,7 @@ class Scheduler:
     them to the `SchedulePolicy` and runs its admit / join / step once."""
 
     def __init__(self, model: torch.nn.Module | ModelRunner, *, block_size: int, threshold: float,
-                 rule: str = "threshold",
+                 rule: str | None = None,
                  eos_token_ids: Seq[int] | None = None, vocab_limit: int | None = None,
                  detokenize: Callable[[list[int]], str] | None = None, prefill_chunk: int = 256,
                  prefix_cache: PrefixCache | None = None, max_running: int = 32, max_waiting: int = 256,

@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from clover.chat_template import render_chat
-from clover.engine import RULES, SamplingParams
+from clover.engine import SamplingParams
 from clover.engine.runner import ModelRunner, as_runner
 from clover.serving.handles import Output, RequestHandle, merge
 from clover.serving.metrics import ServerMetrics
@@ -51,7 +51,7 @@ class ServerOptions:
     max_model_len: int | None = None  # context served (default and cap: the model's max_position_embeddings)
     block_size: int | None = None  # defaults: the model's config
     threshold: float | None = None
-    rule: str = "threshold"
+    rule: str | None = None  # None: the model's config (clover-smol: exact)
     prefill_chunk: int = 256  # prompt tokens per prefill forward = the prefix cache's grid
     prefix_cache_bytes: int = 2 * 2**30  # 0: no prefix reuse
     prefix_snapshot_interval: int | None = None  # hybrid models: recurrent snapshots every this many tokens
@@ -148,12 +148,10 @@ class ServedModel:
 
     def max_new_tokens(self, requested: int | None, prompt_len: int, block_size: int, rule: str | None, param: str,
                        prompt_param: str) -> int:
-        """`max_tokens` checked against the context (or, when not given, all the room the context leaves): whole
-        blocks, or in exact mode all but the `block_size - 1` positions its last forward drafts."""
-        if RULES[rule or self.options.rule].verifies:
-            room, unit = self.context - prompt_len - (block_size - 1), f"{block_size - 1} positions for drafting"
-        else:
-            room, unit = (self.context - prompt_len) // block_size * block_size, f"whole blocks of {block_size}"
+        """`max_tokens` checked against the context (or, when not given, all the room the context leaves), as the
+        engine's loop counts the positions it needs (`DecodingLoop.room`)."""
+        _, engine = self.scheduler.engine(block_size, None, rule)
+        room, unit = engine.loop.room(self.context, prompt_len, engine.block_size)
         if room < 1:
             raise APIError(400, f"the prompt has {prompt_len} tokens; this model's context is {self.context} tokens "
                                 f"and generation needs room for at least one token ({unit})",

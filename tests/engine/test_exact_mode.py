@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from clover.engine import Engine, SamplingParams, StreamPiece, generate, stream
-from clover.engine.exact import ExactBatch
+from clover.engine.decoding import ExactRule
+from clover.engine.exact import ExactBatch, ExactLoop
 from clover.serving.prefix_cache import PrefixCache
 from clover.serving.scheduler import Scheduler
 from model_helpers import PROMPTS, tiny_model
@@ -29,33 +30,41 @@ def _greedy_b1(model, prompts, max_new=MAX_NEW, eos=()):
     return generate(model, prompts, max_new, block_size=1, eos_token_ids=list(eos)).sequences
 
 
-class OracleDrafts(Engine):
-    """An exact-mode engine whose drafts come from a reference continuation, each draft wrong with probability
-    `wrong`: a random tiny model almost never drafts its own next tokens, so this is how the tests exercise
-    acceptance of several tokens per forward, partial acceptance and rows accepting different counts."""
+class OracleLoop(ExactLoop):
+    """Exact mode whose drafts come from a reference continuation, each draft wrong with probability `wrong`: a
+    random tiny model almost never drafts its own next tokens, so this is how the tests exercise acceptance of
+    several tokens per forward, partial acceptance and rows accepting different counts. Drafts are the whole
+    block (not adaptive), so the forward counts are known."""
 
-    def __init__(self, model, block_size, reference: dict[int, list[int]], wrong: float, seed: int = 0, **kw):
-        super().__init__(model, block_size, rule="exact", **kw)
+    def __init__(self, engine, reference: dict[int, list[int]], wrong: float, seed: int = 0):
+        super().__init__(engine, ExactRule(adaptive=False))
         self.reference, self.wrong, self.random = reference, wrong, random.Random(seed)
 
     def _oracle(self, b: ExactBatch | None) -> ExactBatch | None:
         if b is None:
             return b
-        width = self.block_size - 1
+        width = self.engine.block_size - 1
+        drafts = []
         for r, seq in enumerate(b.seqs):
             done = len(seq.generated) + int(b.n_decided[r])  # what will be emitted before the next forward
-            drafts = (self.reference[seq.index][done:] + [0] * width)[:width]
-            drafts = [(t + 1) % 200 if self.random.random() < self.wrong else t for t in drafts]
-            b.drafts[r] = torch.tensor(drafts)
-            b.n_drafts[r] = width
+            row = (self.reference[seq.index][done:] + [0] * width)[:width]
+            drafts.append([(t + 1) % 200 if self.random.random() < self.wrong else t for t in row])
+        b.drafts = torch.tensor(drafts)
+        b.n_drafts = torch.full((len(b.seqs),), width)
         return b
 
-    def _exact_open(self, *args, **kwargs):
-        return self._oracle(super()._exact_open(*args, **kwargs))
+    def open(self, *args, **kwargs):
+        return self._oracle(super().open(*args, **kwargs))
 
-    def _exact_step(self, b):
-        events, b = super()._exact_step(b)
+    def step(self, b, snapshots=False):
+        events, b = super().step(b, snapshots)
         return events, self._oracle(b)
+
+
+def OracleDrafts(model, block_size, reference: dict[int, list[int]], wrong: float, seed: int = 0, **kw) -> Engine:
+    engine = Engine(model, block_size, rule="exact", **kw)
+    engine.loop = OracleLoop(engine, reference, wrong, seed)
+    return engine
 
 
 @pytest.mark.parametrize("preset", PRESETS)

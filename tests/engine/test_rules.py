@@ -18,7 +18,7 @@ def _random_case(seed: int, n: int = 6, b: int = 8) -> tuple[torch.Tensor, torch
     return tokens, confidence, masked
 
 
-@pytest.mark.parametrize("name", sorted(RULES))
+@pytest.mark.parametrize("name", sorted(n for n, rule in RULES.items() if issubclass(rule, UnmaskingRule)))
 @pytest.mark.parametrize("seed", range(5))
 def test_every_rule_accepts_a_nonempty_subset_of_masked(name: str, seed: int) -> None:
     tokens, confidence, masked = _random_case(seed)

@@ -189,7 +189,7 @@ def test_a_commit_failing_after_rows_finished_fails_them_too(models):
     model = models["clover-tiny-dense"]
     sched = _scheduler(model)
     _, engine = sched.engine()
-    finish, commit, raised = engine._finish_block, engine._commit, []
+    finish, commit, raised = engine.loop._finish_block, engine.loop._commit, []
 
     def finish_block(b):
         events = finish(b)
@@ -202,7 +202,7 @@ def test_a_commit_failing_after_rows_finished_fails_them_too(models):
             raise RuntimeError("out of memory")
         commit(b)
 
-    engine._finish_block, engine._commit = finish_block, failing_commit
+    engine.loop._finish_block, engine.loop._commit = finish_block, failing_commit
     sched.start()
 
     async def run():

@@ -1,0 +1,214 @@
+"""Block diffusion: a block of masks is denoised in steps chosen by an unmasking rule, then committed.
+
+One request, block size `B` (docs/decoding.md has the full semantics):
+
+    open      forward(prompt as causal clean tokens, query = B masks)      -> logits for step 1 of block 1
+    step      fill positions chosen by the unmasking rule
+              block not done: forward(query = current block)               -> logits for the next step
+              block done:     emit it; forward(clean = block, query = B masks) -> commit + step 1 of the next block
+
+The prediction for block position `p` is the output one position to its left (token shift): for `p = 0` the
+clean logits of the last committed token, for `p >= 1` query output `p - 1`. So every step consumes exactly one
+forward, and a block decided in one step costs one forward. With `B = 1` no query block is needed at all and the
+loop is exactly AR decoding. The LM head runs only for positions that can still be filled (`logits_at`): on a
+small model with a large vocabulary it is a fifth of a token's compute, and after the first step of a block
+most positions are decided. When only position 0 is left, whose prediction does not depend on the block, the
+step needs no forward at all.
+
+Batches run in lockstep, block by block: every row's block is committed in the same forward, and a row whose
+block is already final sits out the remaining steps of the others (its outputs are ignored and it draws no random
+numbers), so each request gets exactly what it gets alone. A finished request leaves the batch at the next commit.
+
+Where things happen: `step` (one denoising step), `_finish_block` (EOS / stop / length, emit), `_commit` (the
+block joins the cache).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from clover.engine.decoding import UnmaskingRule
+from clover.engine.loop import DecodingLoop, Event, StepSnapshot
+from clover.engine.request import Request
+from clover.engine.runner import RunnerCache
+from clover.engine.sampling import BatchSampler
+
+
+@dataclass
+class BlockBatch:
+    """The tensors of the requests being block-decoded together (row r is `seqs[r]`)."""
+
+    seqs: list[Request]
+    cache: RunnerCache
+    sampler: BatchSampler
+    block: torch.Tensor  # [N, B] current block, mask id where undecided
+    logits: torch.Tensor  # [N, B, V] the prediction for each block position (token shift applied); current
+    # where the position is still needed, stale or zero elsewhere
+    steps: torch.Tensor  # [N] steps each row has taken in this block
+    limit: torch.Tensor  # [N] positions of this block that can count: min(B, tokens the row may still produce),
+    # or fewer once a stop string is complete in the block's decided prefix
+    forwards: torch.Tensor  # [N] forwards that fed this row's steps in this block (a step may need none)
+    step_index: int = 0
+    needed: torch.Tensor | None = None  # [N, B] `_needed` as the last step left it; None on a fresh block
+
+
+class BlockLoop(DecodingLoop):
+    """Block diffusion decoding with an unmasking rule (clover.engine.decoding)."""
+
+    name = "block"
+
+    def __init__(self, engine: Any, rule: UnmaskingRule) -> None:
+        super().__init__(engine)
+        self.rule = rule
+        self._positions = torch.arange(engine.block_size, device=engine.device)
+
+    @staticmethod
+    def room(context: int, prompt_len: int, block_size: int) -> tuple[int, str]:
+        # the last block occupies B positions
+        return (context - prompt_len) // block_size * block_size, f"whole blocks of {block_size}"
+
+    # -- open ------------------------------------------------------------------------------------------
+    def open(self, seqs: list[Request], ids: torch.Tensor, cache: RunnerCache, **kwargs: Any) -> BlockBatch:
+        """The prefill's last chunk carries block 1's masks as a query block: it is also block 1's first step."""
+        e = self.engine
+        n = len(seqs)
+        limit = self._limits(seqs)
+        logits = self._open_block(ids, cache, limit, **kwargs)
+        sampler = BatchSampler([s.params for s in seqs], e.vocab_size, e.banned_ids, e.device)
+        sampler.observe([s.prompt for s in seqs])
+        zeros = torch.zeros(n, dtype=torch.long, device=e.device)
+        return BlockBatch(seqs, cache, sampler, e.masks(n), logits, zeros, limit, zeros + 1)
+
+    def _open_block(self, ids: torch.Tensor, cache: RunnerCache, limit: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        """Forward clean `ids` `[N, T]` with a fresh block of masks as the query: `[N, B, V]` predictions for the
+        block's positions (0 from the last clean token, `p >= 1` from query output `p - 1`), computed only
+        before each row's `limit` (zeros beyond it)."""
+        e = self.engine
+        n, t = ids.shape
+        b = e.block_size
+        wanted = self._positions[None] < limit[:, None]  # [N, B]
+        at = torch.zeros(n, t + (b if b > 1 else 0), dtype=torch.bool, device=e.device)
+        at[:, t - 1] = wanted[:, 0]
+        at[:, t:t + b - 1] = wanted[:, 1:]
+        out = e.forward(ids, cache, query_ids=e.masks(n) if b > 1 else None, logits_at=at, **kwargs)
+        logits = out.new_zeros(n, b, out.shape[-1])
+        logits[wanted] = out
+        return logits
+
+    def _limits(self, seqs: list[Request]) -> torch.Tensor:
+        return torch.tensor([min(self.engine.block_size, s.remaining) for s in seqs], dtype=torch.long,
+                            device=self.engine.device)
+
+    # -- batches ---------------------------------------------------------------------------------------
+    def at_boundary(self, b: BlockBatch) -> bool:
+        """No step of the current block taken yet."""
+        return b.step_index == 0
+
+    def join(self, b: BlockBatch, new: BlockBatch) -> BlockBatch:
+        return BlockBatch(b.seqs + new.seqs, type(b.cache).concat([b.cache, new.cache]),
+                          BatchSampler.concat([b.sampler, new.sampler]), torch.cat([b.block, new.block]),
+                          torch.cat([b.logits, new.logits]), torch.cat([b.steps, new.steps]),
+                          torch.cat([b.limit, new.limit]), torch.cat([b.forwards, new.forwards]), 0)
+
+    def keep_rows(self, b: BlockBatch, keep: list[int]) -> None:
+        idx = torch.tensor(keep, dtype=torch.long, device=self.engine.device)
+        b.seqs = [b.seqs[r] for r in keep]
+        b.cache.select(idx)
+        b.sampler.select(keep)
+        b.block, b.steps, b.limit, b.logits = b.block[idx], b.steps[idx], b.limit[idx], b.logits[idx]
+        b.forwards = b.forwards[idx]
+        if b.needed is not None:
+            b.needed = b.needed[idx]
+
+    # -- the block loop --------------------------------------------------------------------------------
+    def _needed(self, block: torch.Tensor, limit: torch.Tensor) -> torch.Tensor:
+        """`[N, B]`: masked positions that can still count — before the row's `limit` (a block cut by
+        `max_new_tokens`) and before the first decided EOS (what follows an EOS is dropped). Only these are
+        candidates for a step, so no step is ever spent on a token that would be thrown away."""
+        e = self.engine
+        masked = block == e.mask_id
+        need = limit
+        if e.eos_ids:
+            eos = torch.isin(block, e.eos) & ~masked
+            need = torch.where(eos.any(1), torch.minimum(eos.int().argmax(1) + 1, limit), need)
+        return masked & (self._positions[None] < need[:, None])
+
+    def step(self, b: BlockBatch, snapshots: bool = False) -> tuple[list[Event], BlockBatch | None]:
+        """One denoising step for every row that needs one, then the forward that feeds the next step."""
+        e = self.engine
+        logits = b.logits.clone()  # the sampler consumes its input
+        # the previous step's check of what is still needed is this step's candidates: one `_needed` per step
+        candidates = b.needed if b.needed is not None else self._needed(b.block, b.limit)
+        active = candidates.any(1)  # rows whose block is final sit this step out
+        tokens, confidence = b.sampler(logits, active)
+        accept = self.rule.select(tokens, confidence, candidates)
+        b.block = torch.where(accept, tokens, b.block)
+        b.sampler.observe_block(tokens, accept)
+        b.steps += active
+        b.step_index += 1
+        e.counters.steps += 1
+        events: list[Event] = self._snapshots(b, accept, active) if snapshots else []
+        self._stop_early(b, active)
+
+        b.needed = self._needed(b.block, b.limit)
+        if bool(b.needed.any()):
+            # query output p - 1 predicts position p: recompute it only where p is still needed. Position 0's
+            # prediction comes from the committed tokens and stays valid, so it alone needs no forward.
+            wanted = b.needed[:, 1:]
+            if bool(wanted.any()):
+                at = torch.cat([wanted, torch.zeros_like(wanted[:, :1])], dim=1)
+                b.logits[:, 1:][wanted] = e.forward(None, b.cache, query_ids=b.block, logits_at=at)
+                b.forwards += wanted.any(1)  # a row whose block is final (or needs only position 0) was not fed
+            return events, b
+        events += self._finish_block(b)
+        if not b.seqs:
+            return events, None
+        self._commit(b)
+        return events, b
+
+    def _stop_early(self, b: BlockBatch, active: torch.Tensor) -> None:
+        """A row whose block's decided prefix completes a stop string is final now: its `limit` becomes the
+        prefix's length up to the token that completes the string, so no step is spent after it. The output is
+        the same as checking the finished block (the prefix never changes); only rows with stop strings that took
+        this step decode any text."""
+        e = self.engine
+        rows = [r for r, s in enumerate(b.seqs) if s.params.stop]
+        if not rows or e.detokenize is None:
+            return
+        act, block, limit = active.tolist(), b.block.tolist(), b.limit.tolist()
+        for r in rows:
+            if not act[r]:
+                continue
+            prefix = block[r][: limit[r]]
+            if e.mask_id in prefix:
+                prefix = prefix[: prefix.index(e.mask_id)]
+            cut = b.seqs[r].stop_cut(prefix, e.eos_ids, e.detokenize)
+            if cut is not None:
+                b.limit[r] = cut
+
+    def _snapshots(self, b: BlockBatch, accept: torch.Tensor, active: torch.Tensor) -> list[Event]:
+        mask_id = self.engine.mask_id
+        block, new, act = b.block.tolist(), accept.tolist(), active.tolist()
+        return [StepSnapshot(s.index, len(s.steps_per_block), int(b.steps[r]),
+                             [None if t == mask_id else t for t in block[r]], new[r])
+                for r, s in enumerate(b.seqs) if act[r]]
+
+    def _finish_block(self, b: BlockBatch) -> list[Event]:
+        """Every row's block is final: apply EOS / stop / length, emit the pieces, drop finished rows."""
+        rows, steps, limits, forwards = b.block.tolist(), b.steps.tolist(), b.limit.tolist(), b.forwards.tolist()
+        return self.engine.emit(b, [(rows[r][: limits[r]], steps[r], forwards[r]) for r in range(len(b.seqs))])
+
+    def _commit(self, b: BlockBatch) -> None:
+        """The finished block joins the cache, in the same forward as the next block's first step."""
+        e = self.engine
+        n = len(b.seqs)
+        b.limit = self._limits(b.seqs)
+        b.logits = self._open_block(b.block, b.cache, b.limit, prefix_len=e.block_size if e.causal_context else 0)
+        b.block = e.masks(n)
+        b.steps = torch.zeros(n, dtype=torch.long, device=e.device)
+        b.forwards = b.steps + 1  # this forward feeds the new block's first step
+        b.step_index = 0
+        b.needed = None

@@ -1,0 +1,175 @@
+"""The cost model of a runner: how long one forward of `R` rows takes at a context length, on this machine.
+
+Exact mode decides from it how many drafts a forward verifies and how many it drafts (clover.engine.drafting):
+on a GPU rows are nearly free, so the whole block pays; on two CPU cores a row costs most of what the first one
+does (clover-smol's int4 build: ~11 ms at 1 row, ~54 ms at 16), so only well-accepted drafts pay. The table is
+measured, not assumed:
+
+    t(R, L) = t(R, L0) + (a + b R) (L - L0)
+
+`t(R, L0)` is measured for every `R` up to a few blocks' worth at a short context `L0` (interpolated between
+measured counts, extended linearly past the last), and `a`, `b` from a second context length: reading the keys
+and values grows with `L` once per forward, their arithmetic once per row.
+
+`cost_table(runner)` measures once per combination of model shape, runner, weight format, threads, torch and
+processor (`fingerprint`), in about two seconds, and keeps the table in `$CLOVER_CACHE/costs/`; a later process
+with the same combination reads it back.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from clover.paths import cache_root
+
+logger = logging.getLogger(__name__)
+
+SHORT_CONTEXT, LONG_CONTEXT = 32, 288  # L0 and the second length (prefilling it is part of the calibration)
+CALIBRATION_ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16)
+
+
+@dataclass
+class ForwardCost:
+    """Seconds per forward of `rows` rows at `context` tokens: `t(R, L)` of the module docstring."""
+
+    rows: list[int]  # measured row counts, ascending, the first 1
+    seconds: list[float]  # t(R, L0) for each
+    context: int = SHORT_CONTEXT  # L0
+    per_token: float = 0.0  # a: seconds per context token, once per forward
+    per_row_token: float = 0.0  # b: seconds per context token and row
+    key: dict[str, Any] = field(default_factory=dict)  # what was measured (fingerprint)
+
+    def __post_init__(self) -> None:
+        if not self.rows or self.rows[0] != 1 or sorted(set(self.rows)) != self.rows:
+            raise ValueError(f"a cost table needs ascending distinct row counts starting at 1, got {self.rows}")
+        if len(self.seconds) != len(self.rows) or min(self.seconds) <= 0:
+            raise ValueError("a cost table needs one positive time per row count")
+
+    def __call__(self, rows: float, context: int = SHORT_CONTEXT) -> float:
+        base = self._at_short_context(rows)
+        return max(base + (self.per_token + self.per_row_token * rows) * (context - self.context), self.seconds[0])
+
+    def _at_short_context(self, rows: float) -> float:
+        r, s = self.rows, self.seconds
+        if rows <= r[0]:
+            return s[0]
+        for i in range(1, len(r)):
+            if rows <= r[i]:
+                return s[i - 1] + (s[i] - s[i - 1]) * (rows - r[i - 1]) / (r[i] - r[i - 1])
+        if len(r) == 1:
+            return s[0] * rows
+        slope = max((s[-1] - s[-2]) / (r[-1] - r[-2]), 0.0)  # arithmetic-bound: linear past the last count
+        return s[-1] + slope * (rows - r[-1])
+
+    @classmethod
+    def proportional(cls, max_rows: int = 64, seconds: float = 1e-2) -> ForwardCost:
+        """Rows cost their count (no batching gain at all): the best exact mode can do is one token a forward."""
+        return cls(list(range(1, max_rows + 1)), [seconds * r for r in range(1, max_rows + 1)], key={"kind": "model"})
+
+    @classmethod
+    def flat(cls, seconds: float = 1e-2) -> ForwardCost:
+        """Rows are free (a GPU at small batch): every draft is worth verifying."""
+        return cls([1, 2], [seconds, seconds], key={"kind": "model"})
+
+    def summary(self) -> dict[str, Any]:
+        """The table in milliseconds, for `clover info` and `--json`."""
+        return {"ms_by_rows": {r: round(s * 1e3, 3) for r, s in zip(self.rows, self.seconds)},
+                "context": self.context, "us_per_context_token": round(self.per_token * 1e6, 4),
+                "us_per_context_token_and_row": round(self.per_row_token * 1e6, 4), **self.key}
+
+
+def fingerprint(runner: Any) -> dict[str, Any]:
+    """What a forward's time depends on: the network's shape and weight format, the runner, its threads, the
+    software and the processor (not the weights' values)."""
+    config = runner.config.to_dict()
+    for name in ("block_size", "threshold", "draft_acceptance", "eos_token_id", "mask_token_id"):
+        config.pop(name, None)
+    model = getattr(runner, "model", None)
+    weights: Any = getattr(runner, "path", None)
+    if model is not None:
+        weights = {"dtype": str(next(model.parameters()).dtype), "quantization": getattr(model, "quantization", None)}
+    shape = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return {"runner": runner.name, "model_shape": shape, "weights": json.dumps(weights, sort_keys=True, default=str),
+            "device": str(runner.device), "threads": getattr(runner, "threads", None) or torch.get_num_threads(),
+            "torch": torch.__version__, "cpu": _processor()}
+
+
+def _processor() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def calibrate(runner: Any, rows: tuple[int, ...] = CALIBRATION_ROWS, repeats: int = 5) -> ForwardCost:
+    """Measure `t(R, L)` through `runner.forward` on one row of random tokens: `R` causal clean tokens after a
+    cached context, logits at each (as exact mode asks), the cache rewound after each forward. The median of
+    `repeats` counts (a slow moment of a shared machine should not set the table)."""
+    vocab = min(runner.config.vocab_size, 1000)
+    gen = torch.Generator().manual_seed(0)
+    cache = runner.new_cache(1)
+    long = min(LONG_CONTEXT, runner.config.max_position_embeddings - max(rows) - 1)
+    try:
+        with torch.inference_mode():
+            _extend(runner, cache, SHORT_CONTEXT, vocab, gen)
+            short = [_median_forward(runner, cache, r, vocab, gen, repeats) for r in rows]
+            _extend(runner, cache, long - SHORT_CONTEXT, vocab, gen)
+            one, most = (_median_forward(runner, cache, r, vocab, gen, repeats) for r in (rows[0], rows[-1]))
+    finally:
+        cache.select([])  # frees a runner's rows (llama.cpp's sequence slots)
+    span = long - SHORT_CONTEXT
+    per_row_token = max((most - short[-1]) - (one - short[0]), 0.0) / ((rows[-1] - rows[0]) * span)
+    per_token = max((one - short[0]) / span - per_row_token * rows[0], 0.0)
+    return ForwardCost(list(rows), short, SHORT_CONTEXT, per_token, per_row_token, fingerprint(runner))
+
+
+def _extend(runner: Any, cache: Any, n: int, vocab: int, gen: torch.Generator) -> None:
+    ids = torch.randint(0, vocab, (1, n), generator=gen).to(runner.device)
+    runner.forward(ids, 1, cache=cache, prefix_len=n, logits_to_keep=0)
+
+
+def _median_forward(runner: Any, cache: Any, rows: int, vocab: int, gen: torch.Generator, repeats: int) -> float:
+    ids = torch.randint(0, vocab, (1, rows), generator=gen).to(runner.device)
+    at = torch.ones(1, rows, dtype=torch.bool, device=runner.device)
+    times = []
+    for _ in range(repeats + 1):  # the first forward of a shape warms allocators and caches up: not counted
+        cache.mark()
+        start = time.perf_counter()
+        runner.forward(ids, 1, cache=cache, prefix_len=rows, logits_at=at)
+        times.append(time.perf_counter() - start)
+        cache.rewind(torch.zeros(1, dtype=torch.long))
+    return statistics.median(times[1:])
+
+
+def cost_table(runner: Any, recalibrate: bool = False) -> ForwardCost:
+    """The runner's cost table: read from `$CLOVER_CACHE/costs/` when this combination was measured before,
+    else measured now (about two seconds) and kept there."""
+    key = fingerprint(runner)
+    name = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    path = cache_root() / "costs" / f"{name}.json"
+    if path.is_file() and not recalibrate:
+        try:
+            return ForwardCost(**json.loads(path.read_text()))
+        except (ValueError, TypeError) as error:  # a torn or foreign file: measure again
+            logger.warning("ignoring the unreadable cost table %s (%s)", path, error)
+    logger.info("measuring the forward cost of %s rows at %d and %d context tokens (once for this model, runner "
+                "and machine)", CALIBRATION_ROWS[-1], SHORT_CONTEXT, LONG_CONTEXT)
+    table = calibrate(runner)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(asdict(table), indent=1))
+    tmp.replace(path)
+    return table

@@ -1,0 +1,92 @@
+"""A decoding loop: what the engine does between a prompt's prefill and its last token, as one small class.
+
+The engine (engine.py) owns what every loop shares: validating requests, the prefill's chunks, continuous
+batching (requests prefilled alone, then joining a running batch), the runner call and emission. A loop owns its
+batch type and the step: `BlockLoop` (block_loop.py) denoises a block in steps chosen by an unmasking rule and
+commits it; `ExactLoop` (exact.py) verifies drafts against the causal path, a forward at a time. The rule's type
+picks the loop, once, when the engine is made: the engine never checks which loop it runs.
+
+    check(params)              refuse requests the loop cannot serve (before anything runs)
+    open(seqs, ids, cache)     the prefill's last chunk -> a batch at its first step
+    step(batch)                -> events, the batch (None once every request finished)
+    at_boundary(batch)         whether requests can join now
+    join(a, b) / keep_rows     batches merge; finished or cancelled rows leave
+    room(context, prompt)      how many new tokens fit (one rule for the engine and the server)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+
+from clover.engine.request import Request
+from clover.engine.runner import RunnerCache
+from clover.engine.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from clover.engine.engine import Engine
+
+
+@dataclass
+class StreamPiece:
+    """The committed tokens of one block of one request (what a streaming client appends)."""
+
+    index: int  # the request's position in the prompts given to the engine
+    token_ids: list[int]
+    block: int
+    finished: bool = False
+    finish_reason: str | None = None
+    stats: dict[str, Any] | None = None  # on a request's last piece
+
+
+@dataclass
+class StepSnapshot:
+    """The state of a block after one denoising step (for visualisation)."""
+
+    index: int
+    block: int
+    step: int  # 1-based within the block
+    tokens: list[int | None]  # None: still masked
+    new: list[bool]  # filled in this step
+
+
+Event = StreamPiece | StepSnapshot
+
+
+class DecodingLoop:
+    """The interface of a loop (module docstring); `engine` gives it the runner call, emission and settings."""
+
+    name: ClassVar[str] = ""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def check(self, params: list[SamplingParams]) -> None:
+        """Raise `ValueError` naming the request whose sampling parameters this loop cannot serve."""
+
+    def open(self, seqs: list[Request], ids: torch.Tensor, cache: RunnerCache, **kwargs: Any) -> Any:
+        raise NotImplementedError
+
+    def step(self, b: Any, snapshots: bool = False) -> tuple[list[Event], Any]:
+        raise NotImplementedError
+
+    def at_boundary(self, b: Any) -> bool:
+        raise NotImplementedError
+
+    def join(self, b: Any, new: Any) -> Any:
+        raise NotImplementedError
+
+    def keep_rows(self, b: Any, keep: list[int]) -> None:
+        raise NotImplementedError
+
+    @staticmethod
+    def room(context: int, prompt_len: int, block_size: int) -> tuple[int, str]:
+        """New tokens that fit after a prompt of `prompt_len` in `context` positions, and why no more (the unit
+        the positions are spent in)."""
+        raise NotImplementedError
+
+    def figures(self) -> dict[str, Any]:
+        """What the loop chose, for `--json` and the server (the decoding settings it ran with)."""
+        return {}

@@ -1,0 +1,14 @@
+"""Where Clover keeps what it builds once and reuses: converted models, compiled kernels, measured costs.
+
+The bottom of the package: every layer may import it, it imports nothing of Clover's.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def cache_root() -> Path:
+    """`$CLOVER_CACHE`, default `~/.cache/clover`."""
+    return Path(os.environ.get("CLOVER_CACHE", Path.home() / ".cache" / "clover")).expanduser()
