@@ -158,31 +158,46 @@ class BatchSampler:
         `active` `[N]` (bool): rows that take this step; only they draw noise from their generator, so a request's
         random stream does not depend on what else is in the batch.
         """
+        x = self.model_logits(logits)
+        if self.all_greedy:  # max prob = exp(max logit - logsumexp): two passes, no probability tensor
+            best, tokens = x.max(dim=-1)
+            return tokens, torch.exp(best - torch.logsumexp(x, dim=-1))
+
+        probs = self.draw_probs(x)
+        tokens = probs.argmax(dim=-1)
+        for row, gen in enumerate(self.generators):
+            if gen is None or (active is not None and not bool(active[row])):
+                continue
+            tokens[row] = self.draw(probs[row], gen)
+        chosen = x.gather(-1, tokens[..., None])[..., 0]
+        return tokens, torch.exp(chosen - torch.logsumexp(x, dim=-1))
+
+    def model_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """`logits` `[N, B, V]` -> the model's distribution as fp32 logits: banned ids, then the repetition
+        penalty (the confidence reads it). Consumes `logits` as `__call__` does."""
         x = logits.float()
         x[..., self.banned_ids] = float("-inf")  # in place: the caller hands over a fresh tensor
         if self.presence is not None:
             pen = torch.where(self.presence, self.penalty[:, None], torch.ones_like(self.penalty)[:, None])[:, None]
             x = torch.where(x > 0, x / pen, x * pen)
-        if self.all_greedy:  # max prob = exp(max logit - logsumexp): two passes, no probability tensor
-            best, tokens = x.max(dim=-1)
-            return tokens, torch.exp(best - torch.logsumexp(x, dim=-1))
+        return x
 
-        model_x = x  # the model's distribution (temperature below makes a new tensor): the confidence reads it
+    def draw_probs(self, x: torch.Tensor) -> torch.Tensor:
+        """`model_logits` `[N, B, V]` -> the distribution a sampled row draws from: temperature, top-k, top-p,
+        softmax. Greedy rows get the untempered, unfiltered softmax (its argmax is theirs). A new tensor."""
         greedy = self.greedy_mask
         temp = torch.where(greedy, torch.ones_like(self.temperature), self.temperature)
         x = x / temp[:, None, None]
         if self.filtering:
             x = self._filter(x, greedy)
-        probs = torch.softmax(x, dim=-1)
-        tokens = probs.argmax(dim=-1)
-        for row, gen in enumerate(self.generators):
-            if gen is None or (active is not None and not bool(active[row])):
-                continue
-            # exponential race: argmax(p / E), E ~ Exp(1), is a draw from p (one kernel, no cumsum)
-            noise = torch.empty_like(probs[row]).exponential_(generator=gen)
-            tokens[row] = (probs[row] / noise).argmax(dim=-1)
-        chosen = model_x.gather(-1, tokens[..., None])[..., 0]
-        return tokens, torch.exp(chosen - torch.logsumexp(model_x, dim=-1))
+        return torch.softmax(x, dim=-1)
+
+    @staticmethod
+    def draw(probs: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+        """One token per distribution in `probs` `[..., V]` (need not be normalised), from `gen`: the exponential
+        race, argmax(p / E) with E ~ Exp(1), is a draw from p (one kernel, no cumsum)."""
+        noise = torch.empty_like(probs).exponential_(generator=gen)
+        return (probs / noise).argmax(dim=-1)
 
     def _filter(self, x: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
         """Per-row top-k then top-p (nucleus) on `[N, B, V]` scaled logits; greedy rows untouched."""
