@@ -10,7 +10,10 @@ query block of `m + 1` masks that drafts the `m` tokens after the one this forwa
     drafts       query output j predicts the token 2 + j positions after the last clean one; usable next
                  forward only where all k drafts were accepted (else they were made after a wrong token)
 
-Every forward commits at least one token, each the model's causal choice given everything before it. `k` and `m`
+Every forward commits at least one token, each the model's causal choice given everything before it. With
+sampling (temperature, top-k, top-p) the causal path's choice is speculative sampling's (clover.engine.speculative):
+draft `d_i` is accepted with the probability the sampler gives it there, a rejection draws from that distribution
+without `d_i`, so the output is distributed as sampling one token at a time. `k` and `m`
 change nothing in the output, only in the cost: `clover.engine.drafting` picks them per step and row from the
 runner's measured cost (`clover.engine.cost`) and the request's acceptance so far (`adaptive`, the default), or
 always the whole block (`adaptive=False`: `m = B - 1`, every draft verified). `m = 0` is a one-row forward with
@@ -35,7 +38,8 @@ from clover.engine.drafting import Acceptance, best_drafts
 from clover.engine.loop import DecodingLoop, Event
 from clover.engine.request import Request
 from clover.engine.runner import RunnerCache
-from clover.engine.sampling import SamplingParams
+from clover.engine.sampling import BatchSampler, SamplingParams
+from clover.engine.speculative import verify
 
 OVERHEAD_EMA = 0.1  # weight of the newest step in the running estimate of the engine's own time per step
 
@@ -43,11 +47,12 @@ OVERHEAD_EMA = 0.1  # weight of the newest step in the running estimate of the e
 @dataclass
 class ExactBatch:
     """Exact mode's running batch. Between steps, per row: the tokens the last forward decided (the causal
-    greedy tokens; emitted at the next step; all but the last already in the cache), the drafts for the next
+    path's tokens; emitted at the next step; all but the last already in the cache), the drafts for the next
     forward and the request's acceptance estimate."""
 
     seqs: list[Request]
     cache: RunnerCache
+    sampler: BatchSampler  # the rows' sampling (speculative sampling's target distribution and random streams)
     decided: torch.Tensor  # [N, W]: the first `n_decided` columns count
     n_decided: torch.Tensor  # [N], >= 1
     drafts: torch.Tensor  # [N, D]: the tokens after the last decided one, as the query block predicted them
@@ -84,11 +89,11 @@ class ExactLoop(DecodingLoop):
 
     def check(self, params: list[SamplingParams]) -> None:
         for i, p in enumerate(params):
-            if not p.greedy or p.repetition_penalty != 1.0:
+            if p.repetition_penalty != 1.0:
                 raise ValueError(
-                    f"rule 'exact' is greedy decoding (its output is the model's own greedy output): request {i} "
-                    f"has temperature={p.temperature}, repetition_penalty={p.repetition_penalty}; use "
-                    "temperature=0 and repetition_penalty=1, or another rule")
+                    f"rule 'exact' cannot apply a repetition penalty (a draft's penalty would depend on whether "
+                    f"the drafts before it are accepted): request {i} has repetition_penalty="
+                    f"{p.repetition_penalty}; use repetition_penalty=1 or another rule")
 
     # -- batches ---------------------------------------------------------------------------------------
     def at_boundary(self, b: ExactBatch) -> bool:
@@ -98,7 +103,7 @@ class ExactLoop(DecodingLoop):
         width = max(b.decided.shape[1], new.decided.shape[1])
         drafts = max(b.drafts.shape[1], new.drafts.shape[1])
         return ExactBatch(b.seqs + new.seqs, type(b.cache).concat([b.cache, new.cache]),
-                          torch.cat([_pad(b.decided, width), _pad(new.decided, width)]),
+                          BatchSampler.concat([b.sampler, new.sampler]), torch.cat([_pad(b.decided, width), _pad(new.decided, width)]),
                           torch.cat([b.n_decided, new.n_decided]),
                           torch.cat([_pad(b.drafts, drafts), _pad(new.drafts, drafts)]),
                           torch.cat([b.n_drafts, new.n_drafts]), b.acceptance + new.acceptance)
@@ -107,6 +112,7 @@ class ExactLoop(DecodingLoop):
         idx = torch.tensor(keep, dtype=torch.long, device=self.engine.device)
         b.seqs = [b.seqs[r] for r in keep]
         b.cache.select(idx)
+        b.sampler.select(keep)
         b.decided, b.n_decided = b.decided[idx], b.n_decided[idx]
         b.drafts, b.n_drafts = b.drafts[idx], b.n_drafts[idx]
         b.acceptance = [b.acceptance[r] for r in keep]
@@ -116,14 +122,13 @@ class ExactLoop(DecodingLoop):
         """The prefill's last chunk: it decides the first token (from the last prompt token) and drafts after it."""
         n, t = ids.shape
         e = self.engine
+        sampler = BatchSampler([s.params for s in seqs], e.vocab_size, e.banned_ids, e.device)
         acceptance = [Acceptance(e.block_size - 1, self.prior) for _ in seqs]
         none = torch.zeros(n, dtype=torch.long, device=e.device)
         m = self._plan(seqs, acceptance, none, cache.length + t)[1]
-        want = torch.zeros(n, t, dtype=torch.bool, device=e.device)
-        want[:, -1] = True
-        tokens, drafts = self._forward(ids, cache, want, int(m.max()), **kwargs)
         ones = torch.ones(n, dtype=torch.long, device=e.device)
-        return ExactBatch(seqs, cache, tokens[:, -1:], ones, drafts, ones * drafts.shape[1], acceptance)
+        decided, _, drafts = self._forward(ids, cache, sampler, none, int(m.max()), **kwargs)
+        return ExactBatch(seqs, cache, sampler, decided, ones, drafts, ones * drafts.shape[1], acceptance)
 
     def step(self, b: ExactBatch, snapshots: bool = False) -> tuple[list[Event], ExactBatch | None]:
         """Emit what the last forward decided; then one forward verifies drafts and drafts anew."""
@@ -142,10 +147,8 @@ class ExactLoop(DecodingLoop):
         real = self._positions[None, :width] < (1 + k)[:, None]  # [N, width]: the row's tokens, then padding
         ids = torch.cat([last, _pad(b.drafts, width - 1)[:, : width - 1]], dim=1).masked_fill(~real, e.mask_id)
         b.cache.mark()
-        tokens, drafts = self._forward(ids, b.cache, real, int(m.max()), prefix_len=width,
-                                       attention_mask=None if bool(real.all()) else real)
-        agree = (ids[:, 1:] == tokens[:, :-1]) & real[:, 1:]
-        accepted = agree.int().cumprod(dim=1).sum(dim=1)
+        tokens, accepted, drafts = self._forward(ids, b.cache, b.sampler, k, int(m.max()), prefix_len=width,
+                                                 attention_mask=None if bool(real.all()) else real)
         b.cache.rewind(1 + accepted)
         for acc, verified, took in zip(b.acceptance, k.tolist(), accepted.tolist()):
             acc.observe(verified, took)
@@ -186,27 +189,31 @@ class ExactLoop(DecodingLoop):
         eos = torch.isin(drafts, e.eos)
         return torch.where(eos.any(1), torch.minimum(k, eos.int().argmax(1) + 1), k)
 
-    def _forward(self, ids: torch.Tensor, cache: RunnerCache, want: torch.Tensor, drafts: int,
-                 **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """Forward `ids` `[N, T]` as causal clean tokens (written to the cache) and, when `drafts > 0`, a query
-        block of `drafts + 1` masks after each row's last real one. Returns the causal greedy choice after each
-        clean position where `want` `[N, T]` (-1 elsewhere) and `[N, drafts]` drafts: query output `j`
-        predicts the token two positions after the last clean one plus `j` (the mask at query position 0 stands
-        for the token the clean logits decide)."""
+    def _forward(self, ids: torch.Tensor, cache: RunnerCache, sampler: BatchSampler, k: torch.Tensor, drafts: int,
+                 **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Forward `ids` `[N, T]` as causal clean tokens (written to the cache) whose last `1 + k` per row are
+        the last decided token and `k` drafts (the rest padding, or the prompt), and, when `drafts > 0`, a query
+        block of `drafts + 1` masks. Returns the committed tokens `[N, 1 + max k]` (-1 after each row's), the
+        drafts accepted `[N]` and `[N, drafts]` new drafts: query output `j` predicts the token two positions after
+        the last clean one plus `j` (the mask at query position 0 stands for the token this forward decides)."""
         e = self.engine
         n, t = ids.shape
         self.drafted[drafts] += 1
+        width = 1 + int(k.max()) if k.numel() else 1
         query = drafts + 1 if drafts else 0
-        at = torch.cat([want, self._positions[None, :query].expand(n, -1) < drafts], dim=1) if query else want
+        # logits at the last `width` clean positions (the row's own ones) and the query outputs that draft
+        at = torch.zeros(n, t + query, dtype=torch.bool, device=e.device)
+        at[:, t - width:t] = self._positions[None, :width] <= k[:, None]
+        at[:, t:t + drafts] = True
         out = e.forward(ids, cache, block_size=max(query, 1), query_ids=e.masks(n, query) if query else None,
                         logits_at=at, **kwargs)
-        tokens = torch.full(at.shape, -1, dtype=torch.long, device=e.device)
-        tokens[at] = self._greedy(out)
-        return tokens[:, :t], tokens[:, t:t + drafts]
+        logits = out.new_zeros(n, width + drafts, out.shape[-1])
+        logits[at[:, t - width:t + drafts]] = out
+        accepted, tokens = verify(sampler, logits[:, :width], ids[:, t - width + 1:], k)
+        return tokens, accepted, self._greedy(logits[:, width:])
 
     def _greedy(self, logits: torch.Tensor) -> torch.Tensor:
-        """The greedy choice `BatchSampler` makes for a greedy request without repetition penalty: argmax over
-        the ids that may be emitted."""
+        """The drafter's choice: argmax over the ids that may be emitted (drafts are point masses)."""
         x = logits.float()
         x[..., self.engine.banned_ids] = float("-inf")
         return x.max(dim=-1).indices

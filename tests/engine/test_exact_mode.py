@@ -149,9 +149,7 @@ def test_exact_with_a_stop_string(models):
 
 def test_exact_mode_validation(models):
     model = models["clover-tiny"]
-    with pytest.raises(ValueError, match="rule 'exact' is greedy.*temperature=0.7"):
-        generate(model, [[1, 2]], 8, block_size=4, rule="exact", temperature=0.7)
-    with pytest.raises(ValueError, match="repetition_penalty=1.3"):
+    with pytest.raises(ValueError, match="rule 'exact' cannot apply a repetition penalty.*repetition_penalty=1.3"):
         generate(model, [[1, 2]], 8, block_size=4, rule="exact", repetition_penalty=1.3)
     small = tiny_model("clover-tiny", max_position_embeddings=64)
     # 30 + 32 fits in blocks of 4, but exact mode's last forward drafts 3 more positions
@@ -251,3 +249,35 @@ def test_causal_context_reading_commits_blocks_causally(preset):
             got = model(None, 4, cache=b.cache, query_ids=masks).query_logits
         differs[reading] = float((want - got).abs().max())
     assert differs["causal"] < 1e-4 < differs["block_causal"], differs
+
+
+def test_exact_mode_sampling_draws_from_the_block1_distribution(models):
+    """With a temperature and top-k, exact mode (drafts verified by speculative sampling) commits its first two
+    tokens with the joint distribution block-size-1 sampling has, computed from the model itself; drafts that are
+    often right and often wrong both occur, so acceptance and the residual draw are both exercised."""
+    from clover.engine.sampling import BatchSampler
+    from clover.engine.speculative import target_probs
+
+    model = models["clover-tiny-dense"]
+    prompt, trials = PROMPTS[1], 3000
+    params = [SamplingParams(temperature=1.5, top_k=3, seed=s) for s in range(trials)]
+    banned = [model.config.mask_token_id]
+    with torch.inference_mode():
+        first = target_probs(BatchSampler([params[0]], 256, banned), model([prompt]).logits[:, -1:])[0, 0]
+        want = {}
+        for t1 in first.nonzero().flatten().tolist():
+            second = target_probs(BatchSampler([params[0]], 256, banned), model([prompt + [t1]]).logits[:, -1:])[0, 0]
+            for t2 in second.nonzero().flatten().tolist():
+                want[(t1, t2)] = float(first[t1] * second[t2])
+    greedy = _greedy_b1(model, [prompt], 3)[0]
+    engine = OracleDrafts(model, 4, {i: greedy for i in range(trials)}, wrong=0.0, eos_token_ids=[])
+    got: dict[tuple[int, int], int] = {}
+    out = [[] for _ in range(trials)]
+    for e in engine.run([prompt] * trials, 2, params):
+        out[e.index] += e.token_ids
+    for tokens in out:
+        got[tuple(tokens)] = got.get(tuple(tokens), 0) + 1
+    assert set(got) <= set(want), "a pair block-size-1 sampling never draws"
+    tv = 0.5 * sum(abs(got.get(pair, 0) / trials - p) for pair, p in want.items())
+    assert tv < 0.05, (tv, want, got)
+    assert 0.1 < first[greedy[0]] < 0.9  # the greedy draft is accepted sometimes and rejected sometimes
