@@ -10,7 +10,8 @@ for the whole batch at once (SGLang's `dllm/algorithm` style). Contract, checked
 
 Rules are looked up by name in `RULES` (`make_rule("threshold", threshold=0.9)`); the engine never branches on
 the rule's name (a rule that `verifies`, `exact`, switches it to its exact-mode loop). To add one: subclass
-`UnmaskingRule`, decorate with `@register_rule`.
+`UnmaskingRule`, decorate with `@register_rule`, and list its name in `clover.choices.RULE_NAMES` (what the CLI's
+`--rule` offers, known without importing torch).
 """
 
 from __future__ import annotations
