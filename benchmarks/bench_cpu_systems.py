@@ -50,8 +50,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from clover.choices import GGUF_QUANTS as QUANTS  # light (no torch): this process only drives subprocesses
+
 ROOT = Path(__file__).resolve().parents[1]
-QUANTS = ("f32", "f16", "q8_0", "q4_0")  # clover.conversion.gguf_export's; checked there as well
 DECODE_SIZES = (1, 4, 8, 16, 32)
 DECODE_CACHED = 200
 AGREEMENT_TOKENS = 64

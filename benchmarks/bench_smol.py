@@ -32,7 +32,7 @@ import torch
 from code_sandbox import CODE_BLOCK  # benchmarks/, next to this script
 
 from clover.chat_template import parse_assistant_output, render_chat
-from clover.cli.generate import DTYPES
+from clover.cli.generate import DTYPES, torch_dtype
 from clover.engine import RULES, generate
 from clover.model import CloverForBlockDiffusion
 from clover.tokenizer import load_tokenizer
@@ -189,7 +189,7 @@ def main() -> None:
     if args.model is None:
         from clover.smol import clover_smol_dir
         args.model = clover_smol_dir()
-    model = CloverForBlockDiffusion.from_pretrained(args.model, dtype=DTYPES[args.dtype])
+    model = CloverForBlockDiffusion.from_pretrained(args.model, dtype=torch_dtype(args.dtype))
     tokenizer = load_tokenizer(args.model)
     block = model.config.block_size
     thresholds = thresholds or [model.config.threshold]

@@ -1,15 +1,26 @@
 """Clover: block-diffusion language models adapted from autoregressive checkpoints."""
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from clover.config import CloverConfig
-from clover.model import CloverCache, CloverForBlockDiffusion, quantize
+
+if TYPE_CHECKING:
+    from clover.engine.decision import decide, decide_batch
+    from clover.model import CloverCache, CloverForBlockDiffusion, quantize
 
 __all__ = ["CloverCache", "CloverConfig", "CloverForBlockDiffusion", "decide", "decide_batch", "quantize"]
 __version__ = "0.1.0"
 
+# Imported on first use: the model pulls in torch (seconds), which `import clover` (and so `clover --help`)
+# should not pay for; decision decoding also pulls in the engine and the chat template.
+_LAZY = {"CloverCache": "clover.model", "CloverForBlockDiffusion": "clover.model", "quantize": "clover.model",
+         "decide": "clover.engine.decision", "decide_batch": "clover.engine.decision"}
 
-def __getattr__(name: str):  # noqa: ANN202 - lazy: decision decoding pulls in the engine and the chat template
-    if name in ("decide", "decide_batch"):
-        from clover.engine import decision
 
-        return getattr(decision, name)
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'clover' has no attribute {name!r}")

@@ -9,10 +9,7 @@ import argparse
 import sys
 from typing import Any
 
-import torch
-
 from clover.cli.generate import add_decoding_options, load_model
-from clover.engine import SamplingParams, StopAwareDetokenizer, StreamPiece, stream
 
 
 def add_parser(subparsers: Any) -> None:
@@ -31,8 +28,12 @@ def add_parser(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from clover.tokenizer import eos_token_ids
+    # deferred for start-up time: torch, transformers and the engine load only when the command runs
+    import torch
+
     from clover.chat_template import render_chat
+    from clover.engine import SamplingParams, StopAwareDetokenizer, StreamPiece, stream
+    from clover.tokenizer import eos_token_ids
 
     if args.threads:
         torch.set_num_threads(args.threads)

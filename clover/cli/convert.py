@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from clover.conversion import FORMATS, convert
+from clover.choices import FORMATS
 
 
 def add_parser(subparsers: Any) -> None:
@@ -24,6 +24,8 @@ def add_parser(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from clover.conversion import convert  # deferred for start-up time: it imports torch
+
     out = convert(args.source_format, args.src, args.dst, force=args.force, dtype=args.dtype, progress=True)
     print(out)
     return 0

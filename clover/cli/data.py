@@ -17,8 +17,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from clover.training.bfcl import SPLITS, TRAIN_CATEGORIES, bfcl_to_chats
-from clover.training.data import DEFAULT_MAX_LEN, DEFAULT_SHARD_TOKENS, OVERLONG_POLICIES, prepare_token_shards
+from clover.choices import BFCL_SPLITS, DEFAULT_MAX_LEN, DEFAULT_SHARD_TOKENS, OVERLONG_POLICIES, TRAIN_CATEGORIES
 
 _KINDS = {
     "text": "plain text or code files (a file, a directory, or a quoted glob); each file is one document",
@@ -54,7 +53,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                        description="Berkeley Function Calling Leaderboard as tool-calling chat JSONL "
                                    "(see clover.training.bfcl for the splits)")
     p.add_argument("out", type=Path, help="output .jsonl file")
-    p.add_argument("--split", choices=SPLITS, default="train", help="default: train")
+    p.add_argument("--split", choices=BFCL_SPLITS, default="train", help="default: train")
     p.add_argument("--category", dest="categories", action="append", default=None, metavar="CATEGORY",
                    help="a train/eval category to include; repeat for more "
                         f"(default: all of {', '.join(TRAIN_CATEGORIES)})")
@@ -82,6 +81,10 @@ def _write_jsonl(rows: list[dict], out: Path, overwrite: bool) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # deferred for start-up time: clover.training imports torch and transformers
+    from clover.training.bfcl import bfcl_to_chats
+    from clover.training.data import prepare_token_shards
+
     if args.data_command == "bfcl":
         chats = bfcl_to_chats(args.split, args.categories)
         _write_jsonl(chats, args.out, args.overwrite)

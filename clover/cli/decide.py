@@ -14,9 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from clover.cli.generate import DTYPES, resolve_model_dir
+from clover.cli.generate import DTYPES, resolve_model_dir, torch_dtype
 
 
 def add_parser(subparsers: Any) -> None:
@@ -35,6 +33,9 @@ def add_parser(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # deferred for start-up time: torch, the engine and the model load only when the command runs
+    import torch
+
     from clover.engine.decision import decide, decide_autoregressive
     from clover.engine.form import parse_form
     from clover.model import CloverForBlockDiffusion
@@ -54,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
         text = sys.stdin.read()
     directory = resolve_model_dir(args.model)
     tokenizer = load_tokenizer(directory)
-    model = CloverForBlockDiffusion.from_pretrained(directory, dtype=DTYPES.get(args.dtype or ""))
+    model = CloverForBlockDiffusion.from_pretrained(directory, dtype=torch_dtype(args.dtype))
     if args.autoregressive:
         result = decide_autoregressive(model, tokenizer, text, form)
     else:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from clover.conversion.gguf_export import QUANTS, export_gguf
+from clover.choices import GGUF_QUANTS
 
 
 def add_parser(subparsers: Any) -> None:
@@ -18,7 +18,7 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--to", dest="target_format", choices=["gguf"], default="gguf", help="target format")
     parser.add_argument("src", help="a Clover checkpoint directory, or clover-smol for the default model")
     parser.add_argument("out", help="the .gguf file to write (must not exist unless --force)")
-    parser.add_argument("--quant", choices=QUANTS, default="f16",
+    parser.add_argument("--quant", choices=GGUF_QUANTS, default="f16",
                         help="weight format: f32 (exact), f16, q8_0, q4_0 (blocks of 32; default f16)")
     parser.add_argument("--tokenizer-pre", default=None,
                         help="llama.cpp pre-tokenizer name, when it cannot be told from tokenizer.json")
@@ -28,6 +28,7 @@ def add_parser(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from clover.cli.generate import resolve_model_dir
+    from clover.conversion.gguf_export import export_gguf  # deferred for start-up time: it imports torch
 
     src = resolve_model_dir(None if args.src == "clover-smol" else args.src)
     print(export_gguf(src, args.out, args.quant, tokenizer_pre=args.tokenizer_pre, force=args.force,

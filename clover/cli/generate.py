@@ -12,16 +12,18 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+from clover.choices import QUANTIZATIONS, RULE_NAMES
 
-from clover.chat_template import render_chat
-from clover.engine import RULES, SamplingParams, StepSnapshot, StopAwareDetokenizer, StreamPiece, stream
-from clover.model.quant import QUANTIZATIONS, quantize
-from clover.tokenizer import eos_token_ids, load_tokenizer
+if TYPE_CHECKING:
+    import torch
+
+    from clover.engine import StepSnapshot, StreamPiece
 
 MASK_GLYPH = "░"
+DTYPES = ("float32", "bfloat16")  # torch dtypes, by name, the weights can be cast to at load
+RUNNERS = ("torch", "llamacpp")
 
 
 def resolve_model_dir(arg: str | None, quant: str = "none") -> Path:
@@ -41,8 +43,11 @@ def resolve_model_dir(arg: str | None, quant: str = "none") -> Path:
     return path
 
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-RUNNERS = ("torch", "llamacpp")
+def torch_dtype(name: str | None) -> torch.dtype | None:
+    """The torch dtype `--dtype NAME` (one of `DTYPES`) casts the weights to; None keeps the checkpoint's."""
+    import torch  # deferred for start-up time: the parsers are built without torch
+
+    return getattr(torch, name) if name else None
 
 
 def resolve_gguf(arg: str | None) -> Path:
@@ -63,7 +68,9 @@ def resolve_gguf(arg: str | None) -> Path:
 def load_model(args: argparse.Namespace, device: str | None = None, max_rows: int = 1) -> tuple[Any, Any, Path]:
     """What `--runner` / `--model` / `--dtype` ask for: (the model or runner the engine decodes with, its
     tokenizer, the checkpoint directory or GGUF file). `max_rows`: sequences the llama.cpp runner holds at once."""
-    from clover.model import CloverForBlockDiffusion
+    # deferred for start-up time: torch, transformers and the model load only when a command runs
+    from clover.model import CloverForBlockDiffusion, quantize
+    from clover.tokenizer import load_tokenizer
 
     if args.runner == "llamacpp":
         from clover.engine.llamacpp import LlamaCppRunner
@@ -78,7 +85,7 @@ def load_model(args: argparse.Namespace, device: str | None = None, max_rows: in
         tokenizer = load_tokenizer(resolve_model_dir(None)) if args.model is None else runner.tokenizer()
         return runner, tokenizer, path
     directory = resolve_model_dir(args.model, args.quant)
-    model = CloverForBlockDiffusion.from_pretrained(directory, dtype=DTYPES.get(args.dtype or ""),
+    model = CloverForBlockDiffusion.from_pretrained(directory, dtype=torch_dtype(args.dtype),
                                                     device=device or "cpu")
     return quantize(model, args.quant), load_tokenizer(directory), directory
 
@@ -87,7 +94,7 @@ def add_decoding_options(p: argparse.ArgumentParser) -> None:
     """Options `generate`, `chat` and `serve` share: how the weights are held and how blocks are decoded."""
     p.add_argument("--block-size", type=int, default=None, help="default: the model's config")
     p.add_argument("--threshold", type=float, default=None, help="confidence to unmask, in (0, 1]; default: config")
-    p.add_argument("--rule", default="threshold", choices=sorted(RULES),
+    p.add_argument("--rule", default="threshold", choices=sorted(RULE_NAMES),
                    help="unmasking rule (left_to_right: best quality on tool calls, docs/clover-smol.md)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                    help="cast the weights (bfloat16: faster on CPUs with AVX512-BF16 / AMX)")
@@ -130,6 +137,8 @@ def add_parser(subparsers: Any) -> None:
 
 
 def _prompt_ids(tokenizer: Any, args: argparse.Namespace) -> list[int]:
+    from clover.chat_template import render_chat  # deferred for start-up time: it imports transformers
+
     text = args.prompt
     if text is None:
         if sys.stdin.isatty():
@@ -147,6 +156,12 @@ def _prompt_ids(tokenizer: Any, args: argparse.Namespace) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
+    # deferred for start-up time: torch and the engine load only when the command runs
+    import torch
+
+    from clover.engine import SamplingParams, StepSnapshot, StopAwareDetokenizer, StreamPiece, stream
+    from clover.tokenizer import eos_token_ids
+
     if args.threads:
         torch.set_num_threads(args.threads)
     model, tokenizer, source = load_model(args)

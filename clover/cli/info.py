@@ -6,16 +6,18 @@ import argparse
 import json
 from pathlib import Path
 
-import torch
-
 from clover.config import FULL_ATTENTION, PRESETS, CloverConfig
-from clover.model import CloverForBlockDiffusion
 
 BYTES_PER_PARAM = {"bf16": 2.0, "int8": 1.0, "int4": 0.5}
 
 
 def describe(config: CloverConfig) -> dict:
     """Counts from a model built on the meta device: no weights are allocated or read."""
+    # deferred for start-up time: torch and the model load only when the command runs
+    import torch
+
+    from clover.model import CloverForBlockDiffusion
+
     with torch.device("meta"):
         model = CloverForBlockDiffusion(config)
     total = model.num_parameters()

@@ -62,6 +62,7 @@ def served_model_names(given: list[str] | None, model_arg: str | None, source: P
 
 
 def run(args: argparse.Namespace) -> int:
+    # deferred for start-up time: torch, the engine and the server load only when the command runs
     import torch
     import uvicorn
 

@@ -27,6 +27,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # deferred for start-up time: clover.training imports torch and transformers
     from clover.training.config import load_train_config
     from clover.training.trainer import train
 

@@ -12,15 +12,8 @@ from pathlib import Path
 
 import torch
 
+from clover.choices import FORMATS
 from clover.conversion.common import resolve_dtype, run_conversion
-
-# --from name -> module under clover.conversion
-FORMATS: dict[str, str] = {
-    "qwen3_5_moe": "qwen3_5_moe",
-    "qwen3_next": "qwen3_next",
-    "llama": "llama",
-    "gguf": "gguf",
-}
 
 
 def convert(source_format: str, src: str | Path, dst: str | Path, force: bool = False,

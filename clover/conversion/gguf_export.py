@@ -31,12 +31,11 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from clover.choices import GGUF_QUANTS as QUANTS
 from clover.config import FULL_ATTENTION, CloverConfig
 from clover.conversion.gguf import CLOVER_KEYS, gguf_name, permute_qk
 
 logger = logging.getLogger(__name__)
-
-QUANTS = ("f32", "f16", "q8_0", "q4_0")
 
 # llama.cpp's token types (llama_token_type) and file types (llama_ftype)
 _NORMAL, _CONTROL, _USER_DEFINED, _UNUSED = 1, 3, 4, 5

@@ -9,7 +9,8 @@ for the whole batch at once (SGLang's `dllm/algorithm` style). Contract, checked
 * rows with nothing masked accept nothing (the engine passes `masked & active` for rows that sit a step out).
 
 Rules are looked up by name in `RULES` (`make_rule("threshold", threshold=0.9)`); the engine never branches on
-the rule's name. To add one: subclass `UnmaskingRule`, decorate with `@register_rule`. `exact` is not an
+the rule's name. To add one: subclass `UnmaskingRule`, decorate with `@register_rule`, and list its name in
+`clover.choices.RULE_NAMES` (what the CLI's `--rule` offers, known without importing torch). `exact` is not an
 unmasking rule but a loop of its own (drafts verified by the causal path, clover.engine.exact): `ExactRule` holds
 its options, and its type is what makes the engine run that loop.
 """

@@ -43,11 +43,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from clover.choices import QUANTIZATIONS
 from clover.ops import woq
 
 logger = logging.getLogger(__name__)
 
-QUANTIZATIONS = ("none", "fp32", "bf16", "int8", "int4")  # fp32 / bf16: unquantised weights, through the kernel
 QUANT_CONFIG = "quantization.json"
 
 

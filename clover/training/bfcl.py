@@ -32,9 +32,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-TRAIN_CATEGORIES = ("simple_python", "multiple", "parallel", "parallel_multiple")
+from clover.choices import BFCL_SPLITS as SPLITS, TRAIN_CATEGORIES
+
 EVAL_ONLY_CATEGORIES = ("live_simple",)
-SPLITS = ("train", "eval", "live_simple")
 EVAL_MODULUS = 10  # 1 in 10 examples of TRAIN_CATEGORIES is held out for evaluation
 _ALIASES = {"simple": "simple_python"}
 _FILE_RE = re.compile(r"^BFCL_v(\d+)_(.+)\.json$")

@@ -48,6 +48,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from clover.chat_template import tokenize_chat_for_training
 from clover.checkpoint import atomic_directory
+from clover.choices import DEFAULT_MAX_LEN, DEFAULT_SHARD_TOKENS, OVERLONG_POLICIES
 from clover.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -55,9 +56,6 @@ log = logging.getLogger(__name__)
 FORMAT = "clover-token-shards"
 VERSION = 1
 SOURCE_KINDS = ("text", "jsonl", "chat")
-OVERLONG_POLICIES = ("split", "truncate")
-DEFAULT_MAX_LEN = 4096
-DEFAULT_SHARD_TOKENS = 1 << 25  # 32 Mi tokens: 128 MiB of ids per shard
 
 
 class Document(NamedTuple):

@@ -1,0 +1,33 @@
+"""Names (and a few defaults) that command-line options offer, in a module that imports nothing.
+
+`clover --help` and argument errors must answer without importing torch, transformers or the model (seconds), so
+the CLI builds its parsers from these; the modules that implement each name import them from here, the one source
+of truth.
+"""
+
+# clover.model.quant: weight-only quantisation at load; fp32 / bf16: unquantised weights, through the kernel
+QUANTIZATIONS = ("none", "fp32", "bf16", "int8", "int4")
+
+# clover.engine.decoding: the built-in unmasking rules (its registry, RULES, is filled as the classes are defined;
+# tests/cli/test_startup.py checks that it holds exactly these)
+RULE_NAMES = ("threshold", "top_k_per_step", "no_adjacent_repeat", "product_threshold", "left_to_right", "exact")
+
+# clover.conversion: --from name -> module under clover.conversion
+FORMATS: dict[str, str] = {
+    "qwen3_5_moe": "qwen3_5_moe",
+    "qwen3_next": "qwen3_next",
+    "llama": "llama",
+    "gguf": "gguf",
+}
+
+# clover.conversion.gguf_export: the GGUF weight formats it writes
+GGUF_QUANTS = ("f32", "f16", "q8_0", "q4_0")
+
+# clover.training.bfcl: the BFCL splits, and the categories the train / eval splits draw from
+BFCL_SPLITS = ("train", "eval", "live_simple")
+TRAIN_CATEGORIES = ("simple_python", "multiple", "parallel", "parallel_multiple")
+
+# clover.training.data: token shards
+OVERLONG_POLICIES = ("split", "truncate")
+DEFAULT_MAX_LEN = 4096
+DEFAULT_SHARD_TOKENS = 1 << 25  # 32 Mi tokens: 128 MiB of ids per shard

@@ -1,0 +1,51 @@
+"""`clover --help`, `clover COMMAND --help` and argument errors answer without importing torch and the rest
+(seconds of start-up): the parsers are built from `clover.choices`, each command imports what it runs on."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+HEAVY = ("torch", "transformers", "clover.model", "clover.engine", "clover.serving", "clover.training",
+         "clover.conversion")
+
+
+def imported_modules(*argv: str) -> tuple[int, str, set[str]]:
+    """Run `python -X importtime -m clover.cli.main ARGV` on this tree: (exit status, stderr without the
+    import-time lines, the modules it imported)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "clover.cli.main", *argv], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    modules, errors = set(), []
+    for line in proc.stderr.splitlines():
+        if line.startswith("import time:"):  # "import time: self [us] | cumulative | imported package"
+            modules.add(line.rsplit("|", 1)[1].strip())
+        else:
+            errors.append(line)
+    return proc.returncode, "\n".join(errors), modules
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["generate", "--help"], ["serve", "--help"],
+                                  ["generate", "--quant", "int3", "hi"], ["export", "a", "b", "--quant", "q3"]],
+                         ids=" ".join)
+def test_help_and_argument_errors_do_not_import_torch(argv: list[str]) -> None:
+    status, errors, modules = imported_modules(*argv)
+    assert "clover.choices" in modules  # this tree ran, with -X importtime
+    assert status == (0 if "--help" in argv else 2), errors
+    if status:
+        assert "invalid choice" in errors
+    heavy = [h for h in HEAVY if any(m == h or m.startswith(h + ".") for m in modules)]
+    assert not heavy, f"clover {' '.join(argv)} imported {heavy}"
+
+
+def test_the_rule_names_offered_are_the_registered_rules() -> None:
+    """`--rule` offers clover.choices.RULE_NAMES; the engine's registry is filled by the rule classes."""
+    from clover.choices import RULE_NAMES
+    from clover.engine.decoding import RULES
+
+    assert sorted(RULE_NAMES) == sorted(RULES)
