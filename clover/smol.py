@@ -84,8 +84,8 @@ def base_dir() -> Path:
     return target
 
 
-def adapted_model(adapter_dir: Path, block_size: int, threshold: float,
-                  merge: bool = True) -> CloverForBlockDiffusion:
+def adapted_model(adapter_dir: Path, block_size: int, threshold: float, merge: bool = True, *,
+                  rule: str = "threshold", draft_acceptance: list[float] | None = None) -> CloverForBlockDiffusion:
     """The base with an adapter (a trainer checkpoint or the shipped one), with its decoding defaults: merged
     into the weights (unless `merge=False`), or, for a gated adapter (query positions only), kept next to them
     unmerged."""
@@ -95,8 +95,23 @@ def adapted_model(adapter_dir: Path, block_size: int, threshold: float,
     load_adapter(model, adapter_dir)
     if merge and not is_gated(model):
         model = merge_and_unload(model)
-    model.config.block_size, model.config.threshold = block_size, threshold
+    model.config.block_size, model.config.threshold, model.config.rule = block_size, threshold, rule
+    model.config.draft_acceptance = list(draft_acceptance or [])
     return model
+
+
+def _defaults(info: dict) -> dict:
+    """The manifest's decoding defaults, as `adapted_model` takes them (the rule: exact mode unless it names
+    another; the draft acceptance measured on the model: exact mode's prior)."""
+    return {"block_size": info["block_size"], "threshold": info["threshold"], "rule": info.get("rule", "threshold"),
+            "draft_acceptance": info.get("draft_acceptance", [])}
+
+
+def _build_name(info: dict, *parts: str) -> str:
+    """The cache directory of a build: the adapted weights' checksum and a hash of the decoding defaults (which
+    the build writes into its config.json), so a new manifest builds anew."""
+    defaults = hashlib.sha256(json.dumps(_defaults(info), sort_keys=True).encode()).hexdigest()[:6]
+    return "-".join([NAME, info["checksum"][:12], defaults, *parts])
 
 
 def _check_merged(model: CloverForBlockDiffusion, info: dict) -> None:
@@ -125,10 +140,10 @@ def build(asset_dir: Path | None = None, out_dir: Path | None = None) -> Path:
     """Base + adapter -> a complete clover-smol checkpoint directory; verifies the merged weights' checksum."""
     asset_dir = asset_dir or ASSET_DIR
     info = manifest(asset_dir)
-    out_dir = out_dir or cache_root() / f"{NAME}-{info['checksum'][:12]}"
+    out_dir = out_dir or cache_root() / _build_name(info)
     if (out_dir / "config.json").is_file():
         return out_dir
-    model = adapted_model(asset_dir, info["block_size"], info["threshold"])
+    model = adapted_model(asset_dir, **_defaults(info))
     _check_merged(model, info)
     return _save(model, asset_dir, out_dir)
 
@@ -145,10 +160,10 @@ def build_quantized(quant: str, asset_dir: Path | None = None, out_dir: Path | N
         raise ValueError(f"clover-smol is built quantised as int8 or int4, got {quant!r}")
     asset_dir = asset_dir or ASSET_DIR
     info = manifest(asset_dir)
-    out_dir = out_dir or cache_root() / f"{NAME}-{info['checksum'][:12]}-{quant}-{_packing_tag()}"
+    out_dir = out_dir or cache_root() / _build_name(info, quant, _packing_tag())
     if (out_dir / "config.json").is_file():
         return out_dir
-    model = adapted_model(asset_dir, info["block_size"], info["threshold"], merge=False)
+    model = adapted_model(asset_dir, **_defaults(info), merge=False)
     _check_merged(merge_and_unload(copy.deepcopy(model)), info)
     logger.info("quantising %s to %s into %s (once)", NAME, quant, out_dir)
     return _save(quantize(model, quant, activations=BUILD_ACTIVATIONS), asset_dir, out_dir)

@@ -75,7 +75,7 @@ def load_model(args: argparse.Namespace, device: str | None = None, max_rows: in
     if args.runner == "llamacpp":
         from clover.engine.llamacpp import LlamaCppRunner
 
-        if args.dtype or args.quant != "none":
+        if args.dtype or args.quant not in ("auto", "none"):
             raise ValueError("--dtype / --quant: the llama.cpp runner keeps the GGUF's weight types (choose them "
                              "with `clover export --to gguf --quant`)")
         if device not in (None, "cpu"):
@@ -84,18 +84,33 @@ def load_model(args: argparse.Namespace, device: str | None = None, max_rows: in
         runner = LlamaCppRunner(path, threads=args.threads, max_rows=max_rows, n_ctx=args.ctx)
         tokenizer = load_tokenizer(resolve_model_dir(None)) if args.model is None else runner.tokenizer()
         return runner, tokenizer, path
-    directory = resolve_model_dir(args.model, args.quant)
+    quant = resolve_quant(args, device)
+    directory = resolve_model_dir(args.model, quant)
     model = CloverForBlockDiffusion.from_pretrained(directory, dtype=torch_dtype(args.dtype),
                                                     device=device or "cpu")
-    return quantize(model, args.quant), load_tokenizer(directory), directory
+    return quantize(model, quant), load_tokenizer(directory), directory
+
+
+def resolve_quant(args: argparse.Namespace, device: str | None = None) -> str:
+    """`--quant auto`: the default model's int4 build on a CPU with AVX2 (its fastest build, exact to its fp32
+    form: docs/cpu.md); any other model, dtype or device keeps its weights as they are."""
+    if args.quant != "auto":
+        return args.quant
+    if args.model is not None or args.dtype or device not in (None, "cpu"):
+        return "none"
+    from clover.ops.woq import has_avx2
+
+    return "int4" if has_avx2() else "none"
 
 
 def add_decoding_options(p: argparse.ArgumentParser) -> None:
     """Options `generate`, `chat` and `serve` share: how the weights are held and how blocks are decoded."""
     p.add_argument("--block-size", type=int, default=None, help="default: the model's config")
     p.add_argument("--threshold", type=float, default=None, help="confidence to unmask, in (0, 1]; default: config")
-    p.add_argument("--rule", default="threshold", choices=sorted(RULE_NAMES),
-                   help="unmasking rule (left_to_right: best quality on tool calls, docs/clover-smol.md)")
+    p.add_argument("--rule", default=None, choices=sorted(RULE_NAMES),
+                   help="default: the model's (clover-smol: exact, the model's own tokens with drafts sized to the "
+                        "machine); threshold, left_to_right, ...: block diffusion, faster where drafts are good but "
+                        "lossy (docs/decoding.md)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                    help="cast the weights (bfloat16: faster on CPUs with AVX512-BF16 / AMX)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (torch, or llama.cpp's)")
@@ -105,10 +120,11 @@ def add_decoding_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ctx", type=int, default=None,
                    help="llama.cpp runner: KV cells shared by all sequences (default: rows x min(context, 4096), "
                         "at most 16384)")
-    p.add_argument("--quant", choices=QUANTIZATIONS, default="none",
+    p.add_argument("--quant", choices=("auto", *QUANTIZATIONS), default="auto",
                    help="weight-only quantisation at load, CPU kernels that read each weight once per block step "
                         "(docs/cpu.md): int8 / int4 (group-wise), or fp32 / bf16 weights unquantised; clover-smol at "
-                        "int8 / int4 is built quantised once, its adapter kept beside the quantised base")
+                        "int8 / int4 is built quantised once, its adapter kept beside the quantised base. auto "
+                        "(default): int4 for clover-smol on a CPU with AVX2, none otherwise")
 
 
 def add_parser(subparsers: Any) -> None:
@@ -159,7 +175,7 @@ def run(args: argparse.Namespace) -> int:
     # deferred for start-up time: torch and the engine load only when the command runs
     import torch
 
-    from clover.engine import SamplingParams, StepSnapshot, StopAwareDetokenizer, StreamPiece, stream
+    from clover.engine import Engine, SamplingParams, StepSnapshot, StopAwareDetokenizer, StreamPiece
     from clover.tokenizer import eos_token_ids
 
     if args.threads:
@@ -171,9 +187,9 @@ def run(args: argparse.Namespace) -> int:
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                               repetition_penalty=args.repetition_penalty, seed=args.seed, stop=tuple(args.stop))
     rule_options = {"k": args.tokens_per_step} if args.tokens_per_step is not None else None
-    events = stream(model, ids, args.max_new_tokens, block_size=args.block_size, threshold=args.threshold,
-                    rule=args.rule, rule_options=rule_options, sampling=sampling, detokenize=decode,
-                    vocab_limit=len(tokenizer), eos_token_ids=eos, snapshots=args.show_steps)
+    engine = Engine(model, args.block_size, args.threshold, args.rule, rule_options, detokenize=decode,
+                    vocab_limit=len(tokenizer), eos_token_ids=eos)
+    events = engine.run([ids], args.max_new_tokens, sampling, snapshots=args.show_steps)
 
     steps = _StepPainter(tokenizer) if args.show_steps else None
     detok = StopAwareDetokenizer(decode, args.stop)
@@ -197,9 +213,8 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write(text)
     if args.json:
         print(json.dumps({"text": text, "token_ids": token_ids, "prompt_tokens": len(ids), **stats,
-                          "block_size": args.block_size or model.config.block_size,
-                          "threshold": args.threshold if args.threshold is not None else model.config.threshold,
-                          "rule": args.rule, "runner": args.runner, "model": str(source)}))
+                          **engine.settings(), "runner": args.runner, "model": str(source),
+                          "quantization": getattr(model, "quantization", None)}))
     else:
         sys.stdout.write("\n")
     return 0

@@ -1,4 +1,5 @@
-"""`clover info DIR|PRESET`: layers, parameter counts and the memory a model needs."""
+"""`clover info [DIR|PRESET]`: layers, parameter counts and the memory a model needs; with `--cost`, what one
+forward of R rows costs on this machine (exact mode sizes its drafts by it: clover.engine.cost)."""
 
 from __future__ import annotations
 
@@ -48,13 +49,51 @@ def _load_config(target: str) -> CloverConfig:
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("info", help="layers, parameter counts and memory of a checkpoint or preset")
-    p.add_argument("target", help="checkpoint directory or preset name")
+    from clover.cli.generate import add_decoding_options
+
+    p = subparsers.add_parser("info", help="layers, parameter counts and memory of a checkpoint or preset; "
+                                           "--cost: the forward cost on this machine")
+    p.add_argument("target", nargs="?", default=None,
+                   help="checkpoint directory or preset name (default: clover-smol, the default model)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--cost", action="store_true",
+                   help="load the model as `clover generate` would (the decoding options below apply) and show its "
+                        "forward cost by rows, measured once per model, runner and machine ($CLOVER_CACHE/costs)")
+    p.add_argument("--recalibrate", action="store_true", help="with --cost: measure again")
+    add_decoding_options(p)
     p.set_defaults(func=run)
 
 
+def forward_cost(args: argparse.Namespace) -> dict:
+    """The cost table of the model `args` names, as the engine's exact mode reads it."""
+    # deferred for start-up time: torch and the model load only when the command runs
+    import torch
+
+    from clover.cli.generate import load_model
+    from clover.engine.cost import cost_table
+    from clover.engine.runner import as_runner
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    args.model = args.target
+    model, _, source = load_model(args)
+    return {"model": str(source), **cost_table(as_runner(model), recalibrate=args.recalibrate).summary()}
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.cost:
+        cost = forward_cost(args)
+        if args.json:
+            print(json.dumps(cost))
+            return 0
+        print(f"{cost['model']}: one forward on {cost['runner']} ({cost['threads']} threads, {cost['cpu']})")
+        for rows, ms in cost["ms_by_rows"].items():
+            print(f"  {rows:>3} rows   {ms:8.2f} ms   ({ms / rows:6.2f} ms a row)")
+        print(f"  + {cost['us_per_context_token']:.3f} us per context token beyond {cost['context']}, "
+              f"+ {cost['us_per_context_token_and_row']:.4f} us per context token and row")
+        return 0
+    if args.target is None:
+        raise ValueError("give a checkpoint directory or a preset name (or --cost for the default model's cost)")
     info = describe(_load_config(args.target))
     if args.json:
         print(json.dumps(info))

@@ -73,6 +73,7 @@ class ExactLoop(DecodingLoop):
         self.prior = list(getattr(engine.runner.config, "draft_acceptance", None) or []) or None
         self.overhead = 0.0  # seconds per step outside the runner: the same for every choice of k and m
         self.drafted = [0] * engine.block_size  # forwards by the number of drafts their query block made
+        self.tally = Acceptance(engine.block_size - 1, strength=0.0)  # every request's drafts, no prior
         self._positions = torch.arange(engine.block_size, device=engine.device)
 
     @staticmethod
@@ -85,6 +86,8 @@ class ExactLoop(DecodingLoop):
         return {"adaptive": self.rule.adaptive,
                 "drafts_per_forward": round(sum(m * n for m, n in enumerate(self.drafted)) / total, 3) if total else 0,
                 "forwards_by_drafts": list(self.drafted),
+                "acceptance_by_position": [round(a / n, 4) if n else None
+                                           for a, n in zip(self.tally.accepted, self.tally.tried)],
                 "forward_cost": self.cost.summary() if self.cost is not None else None}
 
     def check(self, params: list[SamplingParams]) -> None:
@@ -152,6 +155,7 @@ class ExactLoop(DecodingLoop):
         b.cache.rewind(1 + accepted)
         for acc, verified, took in zip(b.acceptance, k.tolist(), accepted.tolist()):
             acc.observe(verified, took)
+            self.tally.observe(verified, took)
         b.decided, b.n_decided = tokens, 1 + accepted
         b.drafts = drafts
         b.n_drafts = torch.where(accepted == k, drafts.shape[1], 0)

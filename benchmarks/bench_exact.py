@@ -1,0 +1,177 @@
+"""Is the default lossless and never slower? clover-smol's default against block size 1 and llama.cpp, same run.
+
+    python benchmarks/bench_exact.py [--limit 8] [--max-new-tokens 128] [--threads 2] [--systems ...] [--out F]
+    python benchmarks/bench_exact.py --prior        # exact mode's per-position acceptance on training prompts
+
+Held-out sets (chat, code, structured from recipes/clover_smol/heldout.jsonl; tool calls from our BFCL eval split
+and BFCL's `live_simple`), batch 1, greedy. Systems, all loaded at once and taking turns prompt by prompt (so a
+slow minute of a shared machine hits them alike):
+
+  * `default`     what `clover generate` runs: the int4 build, exact mode, drafts sized by the measured cost
+  * `int4-b1`     the int4 build at block size 1 (one token a forward: the speed reference)
+  * `int4-full`   the int4 build, exact mode drafting the whole block every forward (not adaptive)
+  * `fp32-exact`, `fp32-b1`   the same two in fp32 torch (`--systems` adds them; slow)
+  * `llama-q4_0`, `llama-q8_0`   llama.cpp's own AR generation (llama-cpp-python `create_completion`) of the same
+                  model exported to GGUF (`clover export`), on the same token ids
+
+Per set and system: tokens/s end to end (prefill included), tokens per forward, the ratio to `int4-b1`, and how
+many answers are token for token the reference's (`default` and `int4-full` against `int4-b1`, `fp32-exact`
+against `fp32-b1`, llama.cpp against `int4-b1`: a different quantisation, so agreement, not identity).
+`--prior` prints the acceptance by draft position of `int4-full` on training prompts (what clover-smol's manifest
+records as `draft_acceptance`, exact mode's prior).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_smol import prompt_ids, text_sets, tool_sets  # noqa: E402  (benchmarks/, next to this script)
+
+from clover.engine import Engine, SamplingParams  # noqa: E402
+from clover.engine.cost import cost_table  # noqa: E402
+from clover.engine.runner import as_runner  # noqa: E402
+from clover.model import CloverForBlockDiffusion  # noqa: E402
+from clover.smol import clover_smol_dir, clover_smol_gguf  # noqa: E402
+from clover.tokenizer import eos_token_ids, load_tokenizer  # noqa: E402
+from clover.training.bfcl import bfcl_to_chats  # noqa: E402
+
+SYSTEMS = ("default", "int4-b1", "int4-full", "llama-q4_0", "llama-q8_0")
+REFERENCE = {"default": "int4-b1", "int4-full": "int4-b1", "fp32-exact": "fp32-b1", "llama-q4_0": "int4-b1",
+             "llama-q8_0": "int4-b1"}
+
+Decode = Callable[[list[int], int], tuple[list[int], int]]  # (prompt ids, max new) -> (new ids, forwards)
+
+
+def engine_system(model: Any, tokenizer: Any, **options: Any) -> tuple[Decode, Engine]:
+    engine = Engine(model, vocab_limit=len(tokenizer), eos_token_ids=eos_token_ids(model.config, tokenizer),
+                    **options)
+
+    def decode(ids: list[int], max_new: int) -> tuple[list[int], int]:
+        out, stats = [], {}
+        for piece in engine.run([ids], max_new, SamplingParams()):
+            out += piece.token_ids
+            stats = piece.stats or stats
+        return out, stats["forward_passes"]
+
+    return decode, engine
+
+
+def llama_system(quant: str, threads: int, eos: list[int]) -> Decode:
+    import llama_cpp
+
+    llm = llama_cpp.Llama(model_path=str(clover_smol_gguf(quant)), n_ctx=4096, n_threads=threads, n_batch=512,
+                          verbose=False)
+
+    def decode(ids: list[int], max_new: int) -> tuple[list[int], int]:
+        llm.reset()  # no prefix reuse between prompts: each system prefills every prompt
+        out = []
+        for token in llm.generate(ids, temp=0.0, top_k=1, reset=True):
+            if token in eos or len(out) == max_new:
+                break
+            out.append(token)
+        return out, len(out)
+
+    return decode
+
+
+def load(system: str, threads: int, recalibrate: bool) -> tuple[Decode, Engine | None]:
+    quant = "none" if system.startswith("fp32") else "int4"
+    directory = clover_smol_dir(quant)
+    tokenizer = load_tokenizer(directory)
+    if system.startswith("llama"):
+        return llama_system(system.split("-")[1], threads, eos_token_ids(CloverForBlockDiffusion.from_pretrained(
+            directory, device="meta").config, tokenizer)), None
+    model = CloverForBlockDiffusion.from_pretrained(directory)
+    options: dict[str, Any] = {"block_size": 1, "rule": "threshold"} if system.endswith("b1") else {}
+    if system == "int4-full":
+        options = {"rule": "exact", "rule_options": {"adaptive": False}}
+    if system in ("default", "fp32-exact"):
+        options = {"rule": "exact", "cost": cost_table(as_runner(model), recalibrate=recalibrate)}
+    return engine_system(model, tokenizer, **options)
+
+
+def run(systems: list[str], sets: dict[str, list[list[int]]], max_new: int, threads: int,
+        recalibrate: bool) -> dict[str, Any]:
+    loaded = {s: load(s, threads, recalibrate) for s in systems}
+    for decode, _ in loaded.values():  # first calls build kernels and caches: not timed
+        decode([1, 2, 3], 4)
+    report: dict[str, Any] = {}
+    for name, prompts in sets.items():
+        rows: dict[str, list[tuple[list[int], int, float]]] = {s: [] for s in systems}
+        for ids in prompts:
+            for s in systems:
+                start = time.perf_counter()
+                out, forwards = loaded[s][0](ids, max_new)
+                rows[s].append((out, forwards, time.perf_counter() - start))
+        report[name] = {}
+        for s in systems:
+            tokens = sum(len(r[0]) for r in rows[s])
+            seconds = sum(r[2] for r in rows[s])
+            figures = {"tokens_per_second": tokens / seconds, "tokens": tokens,
+                       "tokens_per_forward": tokens / max(sum(r[1] for r in rows[s]), 1)}
+            ref = REFERENCE.get(s)
+            if ref in rows:
+                figures["same_as_" + ref] = sum(a[0] == b[0] for a, b in zip(rows[s], rows[ref]))
+            report[name][s] = figures
+        base = report[name].get("int4-b1", {}).get("tokens_per_second")
+        for s in systems:
+            if base:
+                report[name][s]["vs_int4_b1"] = report[name][s]["tokens_per_second"] / base
+            f = report[name][s]
+            same = next((f"{v}/{len(prompts)} same as {k[8:]}" for k, v in f.items() if k.startswith("same_as")), "")
+            print(f"{name:18} {s:11} {f['tokens_per_second']:7.1f} tok/s  x{f.get('vs_int4_b1', 0):.2f}  "
+                  f"TPF {f['tokens_per_forward']:.2f}  {same}", flush=True)
+    report["_engines"] = {s: e.settings() for s, (_, e) in loaded.items() if e is not None}
+    return report
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--limit", type=int, default=8, help="prompts per set")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--systems", default=",".join(SYSTEMS),
+                        help=f"comma-separated, of {', '.join(SYSTEMS + ('fp32-exact', 'fp32-b1'))}")
+    parser.add_argument("--recalibrate", action="store_true", help="measure the forward cost again first")
+    parser.add_argument("--prior", action="store_true", help="measure exact mode's prior on training prompts")
+    parser.add_argument("--out", default=None, help="write the figures as JSON here")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    tokenizer = load_tokenizer(clover_smol_dir())
+    if args.prior:
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes" / "clover_smol"))
+        from prompts import build_prompts
+
+        train, _ = build_prompts()
+        chats = [{"messages": p.row()["messages"], "tools": None} for p in train[: 6 * args.limit]]
+        chats += [{"messages": c["messages"][:-1], "tools": c["tools"]} for c in bfcl_to_chats("train")[: 2 * args.limit]]
+        decode, engine = load("int4-full", args.threads, False)
+        for chat in chats:
+            decode(prompt_ids(tokenizer, chat), args.max_new_tokens)
+        print(json.dumps({"draft_acceptance": engine.settings()["acceptance_by_position"], "prompts": len(chats)}))
+        return
+    systems = args.systems.split(",")
+    unknown = set(systems) - set(SYSTEMS) - {"fp32-exact", "fp32-b1"}
+    if unknown:
+        parser.error(f"unknown systems {sorted(unknown)}")
+    sets = {**text_sets(args.limit), **tool_sets(args.limit)}
+    prompts = {name: [prompt_ids(tokenizer, chat) for chat, _ in chats] for name, chats in sets.items()}
+    print(f"machine: {platform.processor() or platform.machine()}, {args.threads} threads, torch "
+          f"{torch.__version__}; {args.limit} prompts per set, {args.max_new_tokens} new tokens")
+    report = run(systems, prompts, args.max_new_tokens, args.threads, args.recalibrate)
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
