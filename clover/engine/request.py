@@ -89,7 +89,7 @@ class Request:
         earlier text was checked when its block was appended)."""
         if detokenize is None:
             raise ValueError("stop strings need a detokenizer (pass `detokenize=tokenizer.decode`)")
-        tail = self.generated[-(max(len(s) for s in self.params.stop) + 1):]
+        tail = self._text_tail(max(len(s) for s in self.params.stop), detokenize)
         text = detokenize(tail + piece)
         if not any(s in text for s in self.params.stop):
             return len(piece), None
@@ -99,6 +99,17 @@ class Request:
                 if s in text:
                     return k, s
         return len(piece), None  # pragma: no cover - the full text contained it
+
+    def _text_tail(self, chars: int, detokenize: Detokenize) -> list[int]:
+        """The last generated tokens whose text holds more than `chars + 3` characters (or all of them): where a
+        stop string that ends in the next piece can begin (+3: a tail that starts inside a character decodes its
+        up to three stray UTF-8 bytes as replacement characters). Sized by text, not tokens: a byte-level token may hold a
+        fraction of a character (an emoji can be four tokens), so a count of tokens per character would cut a
+        multi-byte stop string short, and whether it is found would depend on how many tokens a piece brings."""
+        n = chars + 1
+        while n < len(self.generated) and len(detokenize(self.generated[-n:])) <= chars + 3:
+            n *= 2
+        return self.generated[-n:] if n < len(self.generated) else list(self.generated)
 
     def stats(self) -> dict[str, Any]:
         """The figures of docs/design.md §6 for this request.

@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from clover.engine import Engine, SamplingParams, StreamPiece, generate, stream
+from clover.engine.cost import ForwardCost
 from clover.engine.decoding import ExactRule
+from clover.engine.drafting import Acceptance, best_drafts
 from clover.engine.exact import ExactBatch, ExactLoop
 from clover.serving.prefix_cache import PrefixCache
 from clover.serving.scheduler import Scheduler
@@ -281,3 +283,60 @@ def test_exact_mode_sampling_draws_from_the_block1_distribution(models):
     tv = 0.5 * sum(abs(got.get(pair, 0) / trials - p) for pair, p in want.items())
     assert tv < 0.05, (tv, want, got)
     assert 0.1 < first[greedy[0]] < 0.9  # the greedy draft is accepted sometimes and rejected sometimes
+
+
+@pytest.mark.parametrize("stop", ["\N{GRINNING FACE}", "a\N{GRINNING FACE}b", "\N{EURO SIGN}5"])
+def test_a_multibyte_stop_string_ends_output_where_it_completes_whatever_the_piece_size(stop):
+    """A byte-level tokenizer spells a character in up to four tokens. The stop string is matched on text, so
+    block size 1 (a token per piece) and exact mode (several per piece) end at the same token."""
+    from clover.engine.request import Request
+
+    def decode(ids):
+        return bytes(ids).decode("utf-8", errors="replace")
+
+    tokens = list(("the reply: " + stop + " and more").encode())
+    cuts = set()
+    for size in (1, 2, 3, 5):
+        seq = Request(0, [1], SamplingParams(stop=[stop]), len(tokens))
+        for i in range(0, len(tokens), size):
+            seq.append_block(tokens[i:i + size], 1, 1, [], decode)
+            if seq.finished:
+                break
+        assert seq.finish_reason == "stop" and seq.stop_string == stop
+        cuts.add(len(seq.generated))
+    assert cuts == {len(("the reply: " + stop).encode())}
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_drafts_follow_the_cost_of_rows_and_the_output_does_not(models, preset):
+    """Rows that cost nothing (a GPU): every forward drafts the whole block. Rows that cost their count (no
+    batching gain): no draft ever pays, and exact mode decodes one token per one-row forward. Same tokens."""
+    model = models[preset]
+    ref = _greedy_b1(model, PROMPTS, 24)
+    figures = {}
+    for name, cost in (("flat", ForwardCost.flat()), ("proportional", ForwardCost.proportional())):
+        engine = Engine(model, 4, rule="exact", cost=cost, eos_token_ids=[])
+        out = [[] for _ in PROMPTS]
+        for e in engine.run(PROMPTS, 24, SamplingParams()):
+            out[e.index] += e.token_ids
+        assert out == ref
+        figures[name] = engine.settings()["forwards_by_drafts"]
+    flat, proportional = figures["flat"], figures["proportional"]
+    assert proportional[1:] == [0, 0, 0] and proportional[0] > 0
+    # the whole block, but for a prompt's last two forwards, whose drafts would reach past max_new_tokens
+    assert sum(flat[:3]) <= 2 * len(PROMPTS) < flat[3], flat
+
+
+def test_acceptance_estimates_learn_from_verified_drafts():
+    acc = Acceptance(3, prior=[0.5, 0.5, 0.5], strength=4)
+    for _ in range(20):
+        acc.observe(3, 1)  # the first draft accepted, the second rejected, the third never reached
+    mean = acc.mean()
+    assert mean[0] > 0.9 and mean[1] < 0.15 and mean[2] == 0.5
+    assert all(o >= m for o, m in zip(acc.optimistic(), mean))
+    # free rows, but a second draft that is mostly rejected makes the next forward one without drafts: one draft
+    assert best_drafts(mean, lambda rows: 1.0, 3) == 1
+    assert best_drafts([0.3, 0.3, 0.3], lambda rows: 1.0, 3) == 3  # free rows, drafts as likely at every position
+    assert best_drafts(mean, lambda rows: float(rows), 3) == 0
+    assert best_drafts([0.99, 0.99, 0.99], lambda rows: 1.0 + 0.1 * rows, 3) == 3
+    assert best_drafts([0.99, 0.2, 0.2], lambda rows: 1.0 + 0.1 * rows, 3) == 1
