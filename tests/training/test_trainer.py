@@ -44,6 +44,21 @@ def test_unknown_config_keys_are_errors_naming_them(tmp_path):
         load_train_config(path, ["--noise.weighting", "elbo"])
 
 
+
+def test_draft_objective_settings_are_checked(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("lr: 1.0e-4\n")
+    for args, message in ((["--noise.full_mask_prob", "2"], "noise.full_mask_prob"),
+                          (["--noise.position_decay", "0"], "noise.position_decay"),
+                          (["--ce_weight", "-1"], "ce_weight must be >= 0"),
+                          (["--ce_weight", "0"], "nothing trains"),
+                          (["--draft_kl_weight", "1"], "lora.gated")):
+        with pytest.raises(ValueError, match=message):
+            load_train_config(path, args)
+    cfg = load_train_config(path, ["--ce_weight", "0", "--draft_kl_weight", "1", "--lora.rank", "4",
+                                   "--lora.gated", "true"])
+    assert cfg.ce_weight == 0 and cfg.draft_kl_weight == 1
+
 def test_every_key_is_settable_from_the_command_line(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("lr: 1.0e-4\nnoise: {t_min: 0.2}\n")
