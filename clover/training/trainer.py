@@ -265,7 +265,7 @@ class Trainer:
         s = dict(zip(_SUM_KEYS, total.tolist()))
         out = {
             "loss": s["loss"],
-            "diffusion_loss": s["diffusion_sum"] / max(den["diffusion"], 1.0),
+            "diffusion_loss": s["diffusion_sum"] / max(den["diffusion"], 1e-12),  # a w-weighted count may be < 1
             "masked_ce": s["ce_sum"] / max(s["masked_tokens"], 1.0),
             "first_ce": s["first_sum"] / max(s["first_tokens"], 1.0),
             "inner_ce": (s["ce_sum"] - s["first_sum"]) / max(s["masked_tokens"] - s["first_tokens"], 1.0),
@@ -380,8 +380,9 @@ class Trainer:
                 record = {"step": step, "loss": metrics["loss"], "lr": metrics["lr"], "tokens": self.state["tokens"],
                           "tokens_per_s": metrics["step_tokens"] / max(step_time, 1e-9),
                           "grad_norm": metrics["grad_norm"], "block_size": metrics["block_size"],
-                          **{k: metrics[k] for k in ("diffusion_loss", "ar_loss", "kl", "masked_ce", "first_ce",
-                                                     "inner_ce", "accuracy") if k in metrics},
+                          **{k: metrics[k] for k in ("diffusion_loss", "ar_loss", "kl", "draft_kl", "masked_ce",
+                                                     "first_ce", "inner_ce", "accuracy", "confident_entropy")
+                             if k in metrics},
                           "supervised_tokens": self.state["supervised_tokens"],
                           "elapsed_s": time.monotonic() - start_time}
                 if not math.isfinite(metrics["loss"]):

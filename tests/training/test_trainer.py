@@ -250,11 +250,14 @@ def test_lora_merge_unmerge_and_export(tmp_path):
 
 def test_gated_lora_training_keeps_the_causal_path_the_base_and_resumes_gated(tmp_path):
     docs = documents()
-    cfg = config(tmp_path, max_steps=3, lr=1e-2, confidence_weight=0.1, pad_target="eos",
+    cfg = config(tmp_path, max_steps=3, lr=1e-2, confidence_weight=0.1, pad_target="eos", draft_kl_weight=0.5,
+                 noise={"full_mask_prob": 0.5, "position_decay": 0.8},
                  lora={"rank": 4, "alpha": 8, "gated": True, "extra_trainable": []})
     trainer = Trainer(cfg, train_documents=docs)
     assert trainer.model.config.context_reading == "causal"
     trainer.train()
+    log = [json.loads(line) for line in (tmp_path / "run" / "train_log.jsonl").read_text().splitlines()]
+    assert all(entry["draft_kl"] > 0 for entry in log if "draft_kl" in entry) and any("draft_kl" in e for e in log)
     ckpt = latest_checkpoint(tmp_path / "run")
     assert json.loads((ckpt / "adapter_config.json").read_text())["lora"]["gated"] is True
     fresh = CloverForBlockDiffusion(CloverConfig.from_preset("clover-tiny-dense")).eval()
