@@ -347,6 +347,7 @@ def _masked_terms(logp: torch.Tensor, targets: torch.Tensor, first: torch.Tensor
     if confidence:  # entropy -sum p log p where the argmax is already right (CAP / certainty forcing)
         sure = right & trained
         terms["confidence_sum"] = -(logp[sure].exp() * logp[sure]).sum()
+        terms["confident"] = sure.sum()
     return terms | {
         "diffusion_sum": weighted[trained].sum(),
         "ce_sum": ce.detach().sum(),
@@ -393,9 +394,10 @@ def _finish(terms: dict[str, torch.Tensor], den: dict[str, float], ar_weight: fl
         "first_sum": float(terms["first_sum"]),
         "correct": float(terms["correct"]),
     }
-    if "confidence_sum" in terms:  # mean entropy over the correctly predicted masked tokens
+    if "confidence_sum" in terms:  # mean entropy over the correctly predicted trained masked tokens
         metrics["confidence_sum"] = float(terms["confidence_sum"].detach())
-        metrics["confident_entropy"] = metrics["confidence_sum"] / max(float(terms["correct"]), 1.0)
+        metrics["confident"] = float(terms["confident"])
+        metrics["confident_entropy"] = metrics["confidence_sum"] / max(metrics["confident"], 1.0)
     if "draft_kl_sum" in terms:
         draft_kl = _mean(terms["draft_kl_sum"], den["draft"])
         metrics["draft_kl"] = float(draft_kl.detach())

@@ -50,8 +50,8 @@ logger = logging.getLogger(__name__)
 LOG_FILE = "train_log.jsonl"
 # per-step sums reduced across micro-batches and ranks
 _SUM_KEYS = ("loss", "diffusion_sum", "ce_sum", "first_sum", "masked_tokens", "first_tokens", "correct",
-             "supervised_tokens", "ar_sum", "kl_sum", "confidence_sum", "draft_kl_sum", "tokens", "diffusion_den",
-             "ar_den")
+             "supervised_tokens", "ar_sum", "kl_sum", "confidence_sum", "confident", "draft_kl_sum", "tokens",
+             "diffusion_den", "ar_den")
 
 
 # -- model -----------------------------------------------------------------------------------------------------
@@ -281,7 +281,7 @@ class Trainer:
         if c.kl_weight:
             out["kl"] = s["kl_sum"] / max(den["ar"], 1.0)
         if c.confidence_weight:
-            out["confident_entropy"] = s["confidence_sum"] / max(s["correct"], 1.0)
+            out["confident_entropy"] = s["confidence_sum"] / max(s["confident"], 1.0)
         if c.draft_kl_weight:
             out["draft_kl"] = s["draft_kl_sum"] / max(den["draft"], 1e-12)
         return out
