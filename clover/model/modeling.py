@@ -60,7 +60,7 @@ class DecoderLayer(nn.Module):
         if ctx.gate is not None:  # re-opened per layer: checkpointing recomputes a layer after later forwards
             lc = ctx.layout.clean_len
             ctx.gate.open(h.shape[0], h.shape[1], lc)
-            if lc < h.shape[1] and h.requires_grad:
+            if 0 < lc < h.shape[1] and h.requires_grad:
                 # the clean stream is the frozen base: no gradient flows into it from the query stream's reads
                 h = torch.cat([h[:, :lc].detach(), h[:, lc:]], dim=1)
         x = self.input_layernorm(h)
@@ -81,6 +81,21 @@ class _ForwardContext:
     is_causal: bool
     gate: Any = None  # a gated adapter's `AdapterGate` (clover.model.lora), or None
     fused: bool = False  # layers marked `fused` run as one C++ call (clover.model.fused.runs_fused)
+
+
+class _CleanKeys:
+    """An attention layer's clean keys/values for `_frozen_clean_layers`, in the place of a cache: the clean pass
+    (the first `extend`) stores its own, the query pass reads them before its own (`[N, Hkv, T, D]`)."""
+
+    def __init__(self) -> None:
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+
+    def extend(self, k: torch.Tensor, v: torch.Tensor, commit: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.k is None:
+            self.k, self.v = k, v
+            return k, v
+        return torch.cat([self.k, k], dim=2), torch.cat([self.v, v], dim=2)
 
 
 class CloverModel(nn.Module):
@@ -202,12 +217,12 @@ class CloverForBlockDiffusion(nn.Module):
         mask, is_causal = layout.attention_mask(past_valid, clean_valid, n, device)
         ctx = _ForwardContext(layout, clean_valid, self.model.rotary(positions_t, h.dtype), mask, is_causal, gate)
         ctx.fused = runs_fused(h, ctx)
-        for i, layer in enumerate(self.model.layers):
-            cache_layer = cache.layers[i] if cache is not None else None
-            if self.gradient_checkpointing and self.training:
-                h = checkpoint(layer, h, ctx, cache_layer, use_reentrant=False)
-            else:
-                h = layer(h, ctx, cache_layer)
+        if self._runs_frozen_clean(ctx, cache):
+            h = self._frozen_clean_layers(h, ctx)
+        else:
+            for i, layer in enumerate(self.model.layers):
+                cache_layer = cache.layers[i] if cache is not None else None
+                h = self._layer(layer, h, ctx, cache_layer)
         if cache is not None and lc:
             cache.commit(clean_valid if clean_valid is not None else torch.ones_like(ids, dtype=torch.bool))
 
@@ -222,6 +237,46 @@ class CloverForBlockDiffusion(nn.Module):
             query_logits=logits[:, keep:] if nq else None,
             hidden_states=hidden if output_hidden_states else None,
         )
+
+    def _layer(self, layer: DecoderLayer, h: torch.Tensor, ctx: _ForwardContext, cache_layer: Any) -> torch.Tensor:
+        if self.gradient_checkpointing and self.training:
+            return checkpoint(layer, h, ctx, cache_layer, use_reentrant=False)
+        return layer(h, ctx, cache_layer)
+
+    def _runs_frozen_clean(self, ctx: _ForwardContext, cache: CloverCache | None) -> bool:
+        """Whether a forward takes `_frozen_clean_layers`: a gated adapter under autograd, clean and query tokens,
+        no cache, attention layers only (a DeltaNet layer hands its state from the clean stream to each query
+        block inside its own call)."""
+        layout = ctx.layout
+        return (ctx.gate is not None and torch.is_grad_enabled() and cache is None and layout.clean_len > 0
+                and layout.query_len > 0 and all(layer.layer_type != LINEAR_ATTENTION for layer in self.model.layers))
+
+    def _frozen_clean_layers(self, h: torch.Tensor, ctx: _ForwardContext) -> torch.Tensor:
+        """The layers with a gated adapter's clean stream run once under `torch.no_grad()`.
+
+        Clean rows never attend to query keys and the gated adapter is off at clean positions, so the clean
+        stream is the frozen base whatever the query tokens: `h_c^(l+1) = layer_l(h_c^l)` (the clean rows of the
+        layout's mask) is computed with no autograd record, and only the query stream is recorded,
+        `h_q^(l+1) = layer_l(h_q^l | keys/values [K_c^l (constants) | K_q^l])` with the query rows of the mask.
+        Same outputs as one pass over both streams with the clean input detached at every layer, without keeping
+        the clean stream's activations (2 (P + R) of the 2 (P + R) + 2 R positions of a training sample)."""
+        layout, lc = ctx.layout, ctx.layout.clean_len
+        n = h.shape[0]
+        cos, sin = ctx.rope
+        clean_layout = BlockLayout(lc, layout.block_size, layout.prefix_len, causal_clean=layout.causal_clean)
+        clean_mask, clean_causal = clean_layout.attention_mask(None, ctx.clean_valid, n, h.device)
+        clean_ctx = _ForwardContext(clean_layout, ctx.clean_valid, (cos[:, :, :lc], sin[:, :, :lc]), clean_mask,
+                                    clean_causal, ctx.gate)
+        # an empty clean layout: the gate adapts every position of the query-only input
+        query_ctx = _ForwardContext(BlockLayout(0), None, (cos[:, :, lc:], sin[:, :, lc:]), ctx.mask[:, :, lc:],
+                                    False, ctx.gate)
+        clean, query = h[:, :lc].detach(), h[:, lc:]  # the embedding's [MASK] row delta is gated: base at clean rows
+        for layer in self.model.layers:
+            keys = _CleanKeys()
+            with torch.no_grad():
+                clean = layer(clean, clean_ctx, keys)
+            query = self._layer(layer, query, query_ctx, keys)
+        return torch.cat([clean, query], dim=1)
 
     @staticmethod
     def _as_ids(input_ids: Any, device: torch.device) -> torch.Tensor | None:

@@ -52,6 +52,8 @@ class NoiseConfig:
     sampling: str = "bernoulli"  # "bernoulli": each position masked with prob r; "exact": ceil(r n) positions
     complementary: bool = True  # also train on the inverse mask (a second row per sample)
     weighting: str = "none"  # "none": mean CE over masked tokens; "inverse_rate": BD3 NELBO, CE / r per token
+    full_mask_prob: float = 0.0  # fraction of blocks masked at every supervised position (what exact decoding sees)
+    position_decay: float = 1.0  # weight decay^(p - 1) of the draft at block position p >= 1 (1: uniform)
 
     def validate(self) -> None:
         _choice("noise.schedule", self.schedule, NOISE_SCHEDULES)
@@ -59,6 +61,10 @@ class NoiseConfig:
         _choice("noise.weighting", self.weighting, LOSS_WEIGHTING)
         if not 0.0 <= self.t_min < self.t_max <= 1.0:
             raise ValueError(f"noise: need 0 <= t_min < t_max <= 1, got t_min={self.t_min}, t_max={self.t_max}")
+        if not 0.0 <= self.full_mask_prob <= 1.0:
+            raise ValueError(f"noise.full_mask_prob must be in [0, 1], got {self.full_mask_prob}")
+        if not 0.0 < self.position_decay <= 1.0:
+            raise ValueError(f"noise.position_decay must be in (0, 1] (1: no decay), got {self.position_decay}")
 
 
 @dataclass
@@ -84,6 +90,10 @@ class TrainConfig:
     kl_weight: float = 0.0  # + kl_weight * KL(base || model) of the causal predictions (LoRA: base = adapters off)
     # + confidence_weight * entropy at masked positions already predicted right (CAP / certainty forcing)
     confidence_weight: float = 0.0
+    ce_weight: float = 1.0  # weight of the diffusion cross-entropy (0 with draft_kl_weight > 0: pure distillation)
+    # + draft_kl_weight * KL(base || model) at masked positions after a block's first, the base's distribution
+    # read off the clean stream (needs causal context reading: a gated adapter)
+    draft_kl_weight: float = 0.0
     # -- optimisation ------------------------------------------------------------------------------------------
     max_steps: int = 1000
     batch_size: int = 8  # documents per optimizer step, all ranks together
@@ -134,9 +144,14 @@ class TrainConfig:
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("lr", "weight_decay", "grad_clip", "ar_weight", "kl_weight", "confidence_weight", "max_minutes",
-                     "min_lr_ratio"):
+                     "min_lr_ratio", "ce_weight", "draft_kl_weight"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.ce_weight == 0 and self.draft_kl_weight == 0:
+            raise ValueError("ce_weight and draft_kl_weight are both 0: nothing trains the masked positions")
+        if self.draft_kl_weight and not self.lora.gated:
+            raise ValueError("draft_kl_weight needs lora.gated: true (the clean stream must be the frozen base, "
+                             "read causally)")
         for entry in self.block_curriculum:
             if not (isinstance(entry, (list, tuple)) and len(entry) == 2 and all(isinstance(v, int) for v in entry)
                     and entry[0] >= 0 and entry[1] >= 1):

@@ -38,7 +38,15 @@ predictions that are right but not yet confident enough to pass a decoding thres
 the cross-entropy. Normalised by the masked tokens (known before the forward).
 
 With a model whose `context_reading` is "causal" (a gated adapter), the clean stream is read causally rather than
-block-causally: a block's first position is then the base's own next-token prediction.
+block-causally: a block's first position is then the base's own next-token prediction. A gated adapter's block
+starts get no gradient, so they count in no denominator (`loss_denominators(..., frozen_starts=True)`); their CE
+is still logged (`first_ce`).
+
+Exact decoding drafts positions 1..B-1 of a fully masked block; the options aimed at it (docs/training.md):
+`noise.full_mask_prob` (a fraction of blocks fully masked), `noise.position_decay` (draft weight
+`gamma^(p-1)` at block position `p`, the loss a weighted mean), and `draft_kl_weight` (KL to the base's
+next-token distribution, read off the causal clean stream at `P + p - 1`). An answer's untrained tail (the
+newline after `<|im_end|>`) is shown as `[MASK]` in the noised copies (`Batch.tail`): decoding never sees it.
 
 `reference_block_loss` computes the diffusion term the obvious way, one forward per block
 (`model(clean[:start], B, prefix_len=P, query_ids=noised block)`, as decoding runs it); the tests prove the
@@ -55,6 +63,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from clover.model.lora import is_gated
 from clover.training.config import NoiseConfig
 
 RATE_FLOOR = 1e-3  # inverse-rate weights are 1 / max(r, RATE_FLOOR)
@@ -71,6 +80,8 @@ class Batch:
     `input_ids` `[N, P + R]`: prompts left-padded to a common `P` (attention_mask False there), then responses
     padded with `[MASK]` to `R`, a multiple of the block size. `loss_mask` `[N, R]`: supervised response
     positions. `num_blocks[n]`: blocks of row `n`'s own response (its noise depends only on that and its seed).
+    `tail` `[N, R]`: untrained response tokens after the last trained one (a chat answer's newline after
+    `<|im_end|>`), shown as `[MASK]` in every noised copy: decoding never sees past the answer's end.
     """
 
     input_ids: torch.Tensor
@@ -80,6 +91,7 @@ class Batch:
     num_blocks: list[int]
     seeds: list[int | None] = field(default_factory=list)
     num_tokens: int = 0  # real tokens (prompt + response, no padding)
+    tail: torch.Tensor | None = None
 
     @property
     def rows(self) -> int:
@@ -99,7 +111,8 @@ class Batch:
 
     def to(self, device: torch.device | str) -> "Batch":
         return Batch(self.input_ids.to(device), self.attention_mask.to(device), self.loss_mask.to(device),
-                     self.prompt_len, list(self.num_blocks), list(self.seeds), self.num_tokens)
+                     self.prompt_len, list(self.num_blocks), list(self.seeds), self.num_tokens,
+                     None if self.tail is None else self.tail.to(device))
 
 
 def _as_document(doc: Any) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -135,12 +148,14 @@ def collate(documents: Sequence[Any], block_size: int, *, mask_token_id: int, eo
     * Each response is padded to a multiple of `block_size`: with `[MASK]`, never trained (`pad_target="none"`),
       or with EOS, trained (`"eos"`: the model learns to fill a finished block with EOS). Rows are then padded
       with `[MASK]` blocks (never trained, and invisible to earlier blocks) to the longest response.
+    * `tail`: the response's untrained tokens after its last trained one (`_untrained_tail`), hidden from the
+      noised copies.
     """
     if not documents:
         raise ValueError("collate needs at least one document")
     if pad_target == "eos" and eos_token_id is None:
         raise ValueError("pad_target='eos' needs an eos_token_id")
-    prompts, responses, masks, nbs = [], [], [], []
+    prompts, responses, masks, tails, nbs = [], [], [], [], []
     real = 0
     for doc in documents:
         ids, mask, pl = _as_document(doc)
@@ -153,6 +168,7 @@ def collate(documents: Sequence[Any], block_size: int, *, mask_token_id: int, eo
             room = max(max_seq_len - prompt.numel(), 1)
             response, rmask = response[:room], rmask[:room]
         real += prompt.numel() + response.numel()
+        tails.append(_untrained_tail(rmask))
         nb = math.ceil(response.numel() / block_size)
         pad = nb * block_size - response.numel()
         fill, train = (eos_token_id, True) if pad_target == "eos" else (mask_token_id, False)
@@ -168,15 +184,28 @@ def collate(documents: Sequence[Any], block_size: int, *, mask_token_id: int, eo
     input_ids = torch.full((n, p + r), mask_token_id, dtype=torch.long)
     attention = torch.zeros(n, p + r, dtype=torch.bool)
     loss_mask = torch.zeros(n, r, dtype=torch.bool)
-    for i, (prompt, response, rmask) in enumerate(zip(prompts, responses, masks)):
+    tail = torch.zeros(n, r, dtype=torch.bool)
+    for i, (prompt, response, rmask, rtail) in enumerate(zip(prompts, responses, masks, tails)):
         input_ids[i, p - prompt.numel(): p] = prompt
         input_ids[i, p: p + response.numel()] = response
         attention[i, p - prompt.numel():] = True
         loss_mask[i, : rmask.numel()] = rmask
+        tail[i, : rtail.numel()] = rtail
     seeds = list(seeds) if seeds is not None else [None] * n
     if len(seeds) != n:
         raise ValueError(f"{len(seeds)} seeds for {n} documents")
-    return Batch(input_ids, attention, loss_mask, p, nbs, seeds, real)
+    return Batch(input_ids, attention, loss_mask, p, nbs, seeds, real, tail)
+
+
+def _untrained_tail(loss_mask: torch.Tensor) -> torch.Tensor:
+    """Positions after the last trained one (none if nothing is trained): a chat answer ends with a trained
+    `<|im_end|>` and an untrained newline, which the noised copy must not show (decoding drafts the block after
+    `<|im_end|>` from masks alone; a visible newline would be a hint of the end it never gets)."""
+    trained = loss_mask.nonzero()
+    tail = torch.zeros_like(loss_mask)
+    if trained.numel():
+        tail[int(trained[-1]) + 1:] = True
+    return tail
 
 
 # -- noise -----------------------------------------------------------------------------------------------------
@@ -188,6 +217,11 @@ class Noise:
     rate: torch.Tensor
     copies: int
     weighting: str = "none"
+    position_decay: float = 1.0  # draft weights decay^(p - 1) (`position_weights`)
+
+    @property
+    def block_size(self) -> int:
+        return self.mask.shape[1] // self.rate.shape[1]
 
 
 def mask_rate(t: torch.Tensor, schedule: str) -> torch.Tensor:
@@ -202,9 +236,10 @@ def sample_noise(batch: Batch, block_size: int, config: NoiseConfig) -> Noise:
     """Draw each row's masks from its own seed (so a document's noise does not depend on the batch it is in).
 
     Per block: `t ~ U(t_min, t_max)`, rate `r = schedule(t)`; "bernoulli" masks each supervised position with
-    probability `r`, "exact" masks `ceil(r n)` of the block's `n` supervised positions (at least one). The
-    complementary copy masks exactly the supervised positions the first one leaves, with rate `1 - r` (or the
-    realised fraction for "exact").
+    probability `r`, "exact" masks `ceil(r n)` of the block's `n` supervised positions (at least one). With
+    probability `full_mask_prob` a block is instead masked at all its supervised positions (rate 1: the block
+    exact decoding drafts from). The complementary copy masks exactly the supervised positions the first one
+    leaves, with rate `1 - r` (or the realised fraction for "exact"; nothing in a fully masked block).
     """
     n, length = batch.rows, batch.response_len
     nb_all = length // block_size
@@ -223,55 +258,98 @@ def sample_noise(batch: Batch, block_size: int, config: NoiseConfig) -> Noise:
         r = mask_rate(t, config.schedule)
         u = torch.rand(nb, block_size, generator=gen)
         sup = loss_mask[i, : nb * block_size].view(nb, block_size)
+        full = torch.rand(nb, generator=gen) < config.full_mask_prob  # drawn last: t and u as without it
         if config.sampling == "bernoulli":
-            m = (u < r[:, None]) & sup
+            m = ((u < r[:, None]) | full[:, None]) & sup
+            r = torch.where(full, 1.0, r)
             rate[i, :nb], comp_rate[i, :nb] = r, 1.0 - r
         else:
             n_sup = sup.sum(1)
             k = torch.minimum(torch.ceil(r * n_sup).long().clamp(min=1), n_sup)
+            k = torch.where(full, n_sup, k)
             order = torch.where(sup, u, torch.full_like(u, 2.0)).argsort(dim=1).argsort(dim=1)  # rank of u
             m = (order < k[:, None]) & sup
             frac = k.float() / n_sup.clamp(min=1).float()
             rate[i, :nb], comp_rate[i, :nb] = frac, 1.0 - frac
         mask[i, : nb * block_size] = m.flatten()
     if not config.complementary:
-        return Noise(mask, rate, 1, config.weighting)
+        return Noise(mask, rate, 1, config.weighting, config.position_decay)
     comp = loss_mask & ~mask
-    return Noise(torch.cat([mask, comp]), torch.cat([rate, comp_rate]), 2, config.weighting)
+    return Noise(torch.cat([mask, comp]), torch.cat([rate, comp_rate]), 2, config.weighting,
+                 config.position_decay)
 
 
-def loss_denominators(batch: Batch, noise: Noise) -> dict[str, float]:
-    """Normalisers of the loss terms, known before the forward (so accumulation / DDP can use global ones)."""
-    supervised = float(batch.loss_mask.sum())
+def position_weights(block_size: int, decay: float) -> torch.Tensor:
+    """`w_p = decay^max(p - 1, 0)` for block position `p` `[block_size]`: the draft at position `p >= 1` is
+    accepted only if the `p - 1` drafts before it are (DFlash), so early drafts matter most; the block start
+    (the verifier's own token in exact decoding) weighs 1."""
+    return decay ** (torch.arange(block_size) - 1).clamp(min=0).double()
+
+
+def _grid(noise: Noise) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per response position `[R]`: whether it starts a block, and its position weight."""
+    b, r = noise.block_size, noise.mask.shape[1]
+    start = torch.arange(r) % b == 0
+    return start, position_weights(b, noise.position_decay).repeat(r // b)
+
+
+def loss_denominators(batch: Batch, noise: Noise, frozen_starts: bool = False) -> dict[str, float]:
+    """Normalisers of the loss terms, known before the forward (so accumulation / DDP can use global ones).
+
+    Only trained positions count: with `frozen_starts` (a gated adapter) a block's first position is predicted
+    by the frozen clean stream and gets no gradient, so it is left out of every diffusion denominator.
+    "diffusion": sum of position weights `w` over trained masked positions (or, "inverse_rate", over trained
+    supervised positions of every copy); "masked": trained masked positions (the confidence term); "draft":
+    sum of `w` over masked positions after a block's first (the draft KL); "ar": supervised tokens.
+    """
+    start, w = _grid(noise)
+    frozen = start if frozen_starts else torch.zeros_like(start)
+    mask = noise.mask.cpu()
+    trained = mask & ~frozen
     if noise.weighting == "inverse_rate":
-        diffusion = supervised * noise.copies
+        diffusion = float(((batch.loss_mask.cpu() & ~frozen).double() @ w).sum()) * noise.copies
     else:
-        diffusion = float(noise.mask.sum())
-    return {"diffusion": diffusion, "ar": supervised, "masked": float(noise.mask.sum())}
+        diffusion = float((trained.double() @ w).sum())
+    return {"diffusion": diffusion, "ar": float(batch.loss_mask.sum()), "masked": float(trained.sum()),
+            "draft": float(((mask & ~start).double() @ w).sum())}
 
 
 # -- the loss --------------------------------------------------------------------------------------------------
+def _position_weights(noise: Noise, pos: torch.Tensor) -> torch.Tensor | None:
+    """`w_p` of response positions `pos` (`position_weights`), or None when the decay is off."""
+    if noise.position_decay == 1.0:
+        return None
+    b = noise.block_size
+    return position_weights(b, noise.position_decay).float().to(pos.device)[pos % b]
+
+
 def _token_weights(noise: Noise, rows: torch.Tensor, pos: torch.Tensor, block_size: int) -> torch.Tensor | None:
+    """CE weight of masked positions `(rows, pos)`: `1 / r` ("inverse_rate") times `w_p`; None for all ones."""
+    if noise.weighting not in ("none", "inverse_rate"):
+        raise ValueError(f"unknown loss weighting {noise.weighting!r}")
+    weights = _position_weights(noise, pos)
     if noise.weighting == "inverse_rate":
         rate = noise.rate.to(pos.device)[rows, torch.div(pos, block_size, rounding_mode="floor")]
-        return 1.0 / rate.clamp(min=RATE_FLOOR)
-    if noise.weighting != "none":
-        raise ValueError(f"unknown loss weighting {noise.weighting!r}")
-    return None
+        inverse = 1.0 / rate.clamp(min=RATE_FLOOR)
+        weights = inverse if weights is None else inverse * weights
+    return weights
 
 
-def _masked_terms(logits: torch.Tensor, targets: torch.Tensor, first: torch.Tensor,
+def _masked_terms(logp: torch.Tensor, targets: torch.Tensor, first: torch.Tensor, trained: torch.Tensor,
                   weights: torch.Tensor | None, confidence: bool = False) -> dict[str, torch.Tensor]:
-    logp = logits.float().log_softmax(-1)
+    """Sums over masked positions given their log-probabilities `logp` `[M, V]`: the (weighted) CE and the
+    confidence entropy over the `trained` ones; plain CE, first-position CE and hits over all (metrics)."""
     ce = F.nll_loss(logp, targets, reduction="none")
     weighted = ce if weights is None else ce * weights
-    right = logits.detach().argmax(-1) == targets
+    right = logp.detach().argmax(-1) == targets
     correct = right.sum()
     terms = {}
     if confidence:  # entropy -sum p log p where the argmax is already right (CAP / certainty forcing)
-        terms["confidence_sum"] = -(logp[right].exp() * logp[right]).sum()
+        sure = right & trained
+        terms["confidence_sum"] = -(logp[sure].exp() * logp[sure]).sum()
+        terms["confident"] = sure.sum()
     return terms | {
-        "diffusion_sum": weighted.sum(),
+        "diffusion_sum": weighted[trained].sum(),
         "ce_sum": ce.detach().sum(),
         "first_sum": ce.detach()[first].sum(),
         "first_count": first.sum(),
@@ -280,16 +358,30 @@ def _masked_terms(logits: torch.Tensor, targets: torch.Tensor, first: torch.Tens
     }
 
 
+def _draft_kl(logp: torch.Tensor, base_logits: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+    """`sum_i w_i KL(q_i || p_i) = sum_i w_i sum_v q_iv (log q_iv - log p_iv)`: drafts `p = exp(logp)` `[M, V]`
+    against the base's next-token distributions `q = softmax(base_logits)` (constants)."""
+    base = base_logits.detach().float().log_softmax(-1)
+    kl = (base.exp() * (base - logp)).sum(-1)
+    return kl.sum() if weights is None else (kl * weights).sum()
+
+
+def _mean(total: torch.Tensor, den: float) -> torch.Tensor:
+    """`total / den`, or 0 (with a gradient path) when nothing is counted: weighted denominators may be < 1."""
+    return total / den if den > 0 else total * 0.0
+
+
 def _finish(terms: dict[str, torch.Tensor], den: dict[str, float], ar_weight: float, kl_weight: float,
-            ar_sum: torch.Tensor | None, kl_sum: torch.Tensor | None,
-            confidence_weight: float = 0.0) -> tuple[torch.Tensor, dict[str, float]]:
-    loss = terms["diffusion_sum"] / max(den["diffusion"], 1.0)
+            ar_sum: torch.Tensor | None, kl_sum: torch.Tensor | None, confidence_weight: float = 0.0,
+            ce_weight: float = 1.0, draft_kl_weight: float = 0.0) -> tuple[torch.Tensor, dict[str, float]]:
+    diffusion = _mean(terms["diffusion_sum"], den["diffusion"])
+    loss = ce_weight * diffusion
     if "confidence_sum" in terms:
-        loss = loss + confidence_weight * terms["confidence_sum"] / max(den["masked"], 1.0)
+        loss = loss + confidence_weight * _mean(terms["confidence_sum"], den["masked"])
     masked = float(terms["masked"])
     first = float(terms["first_count"])
     metrics = {
-        "diffusion_loss": float(loss.detach()),
+        "diffusion_loss": float(diffusion.detach()),
         "masked_ce": float(terms["ce_sum"]) / max(masked, 1.0),
         "first_ce": float(terms["first_sum"]) / max(first, 1.0),
         "inner_ce": float(terms["ce_sum"] - terms["first_sum"]) / max(masked - first, 1.0),
@@ -302,9 +394,15 @@ def _finish(terms: dict[str, torch.Tensor], den: dict[str, float], ar_weight: fl
         "first_sum": float(terms["first_sum"]),
         "correct": float(terms["correct"]),
     }
-    if "confidence_sum" in terms:  # mean entropy over the correctly predicted masked tokens
+    if "confidence_sum" in terms:  # mean entropy over the correctly predicted trained masked tokens
         metrics["confidence_sum"] = float(terms["confidence_sum"].detach())
-        metrics["confident_entropy"] = metrics["confidence_sum"] / max(float(terms["correct"]), 1.0)
+        metrics["confident"] = float(terms["confident"])
+        metrics["confident_entropy"] = metrics["confidence_sum"] / max(metrics["confident"], 1.0)
+    if "draft_kl_sum" in terms:
+        draft_kl = _mean(terms["draft_kl_sum"], den["draft"])
+        metrics["draft_kl"] = float(draft_kl.detach())
+        metrics["draft_kl_sum"] = float(terms["draft_kl_sum"].detach())
+        loss = loss + draft_kl_weight * draft_kl
     if ar_sum is not None:
         ar = ar_sum / max(den["ar"], 1.0)
         metrics["ar_loss"] = float(ar.detach())
@@ -323,13 +421,18 @@ def _finish(terms: dict[str, torch.Tensor], den: dict[str, float], ar_weight: fl
 def bd3_loss(model: torch.nn.Module, batch: Batch, block_size: int, noise: Noise | NoiseConfig, *,
              mask_token_id: int | None = None, ar_weight: float = 0.0, kl_weight: float = 0.0,
              confidence_weight: float = 0.0, reference: ReferenceFn | None = None,
-             denominators: dict[str, float] | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+             denominators: dict[str, float] | None = None, ce_weight: float = 1.0,
+             draft_kl_weight: float = 0.0) -> tuple[torch.Tensor, dict[str, float]]:
     """BD3-LM loss of `batch` in one vectorised forward (+ one causal forward for the AR / KL terms).
 
     `noise`: a `Noise` (fixed masks) or a `NoiseConfig` (drawn with `sample_noise` from the rows' seeds).
     `denominators`: the normalisers (`loss_denominators`); the trainer passes global ones so that gradient
     accumulation and data parallelism give the gradient of one big batch. Returns `(loss, metrics)`; the
     metrics hold means for logging and raw sums for aggregation.
+
+    `ce_weight` scales the diffusion CE; `draft_kl_weight` adds the draft KL (`_draft_kl`): at each masked
+    position `p` after a block's first, KL(base || model) against the clean stream's output at `P + p - 1`,
+    which with causal context reading is the base's next-token distribution given the true prefix.
     """
     if isinstance(noise, NoiseConfig):
         noise = sample_noise(batch, block_size, noise)
@@ -342,34 +445,47 @@ def bd3_loss(model: torch.nn.Module, batch: Batch, block_size: int, noise: Noise
         raise ValueError("batch.prompt_len must be >= 1: the first response token is predicted from the prompt")
     if r % block_size:
         raise ValueError(f"response length {r} is not a multiple of block_size {block_size}")
-    den = denominators or loss_denominators(batch, noise)
+    if draft_kl_weight and getattr(config, "context_reading", None) != "causal":
+        raise ValueError("draft_kl_weight > 0 needs a model whose context_reading is 'causal' (a gated adapter): "
+                         "only then is the clean stream's output the base's next-token distribution")
+    frozen = is_gated(model)
+    den = denominators or loss_denominators(batch, noise, frozen_starts=frozen)
     device = batch.input_ids.device
     c = noise.copies
     ids = batch.input_ids.repeat(c, 1)
     attention = batch.attention_mask.repeat(c, 1) if batch.padded else None
     mask = noise.mask.to(device)
     response = ids[:, p:]
-    query = torch.where(mask, torch.full_like(response, mask_id), response)
+    hidden = mask if batch.tail is None else mask | batch.tail.to(device).repeat(c, 1)
+    query = torch.where(hidden, torch.full_like(response, mask_id), response)
     # Logits only where a masked token is predicted: a block's first position from the clean output at
     # P + pos - 1, the others from the noised block's output at pos - 1 (the query stream, which follows the
-    # P + R clean positions).
+    # P + R clean positions); for the draft KL also the clean output at P + pos - 1 of the others.
     rows, pos = mask.nonzero(as_tuple=True)
     first = pos % block_size == 0
     length = ids.shape[1]
+    width = length + r
     column = torch.where(first, p + pos - 1, length + pos - 1)
-    order = (rows * (length + r) + column).argsort()  # the model returns selected logits in row-major order
-    rows, pos, first, column = rows[order], pos[order], first[order], column[order]
-    at = torch.zeros(ids.shape[0], length + r, dtype=torch.bool, device=device)
+    at = torch.zeros(ids.shape[0], width, dtype=torch.bool, device=device)
     at[rows, column] = True
+    draft = ~first
+    if draft_kl_weight:
+        at[rows[draft], p + pos[draft] - 1] = True
+    index = at.flatten().cumsum(0) - 1  # the model returns the selected logits in row-major order
     logits = model(ids, block_size, prefix_len=p, attention_mask=attention, query_ids=query, query_start=p,
                    logits_at=at).logits
-    terms = _masked_terms(logits, response[rows, pos], first, _token_weights(noise, rows, pos, block_size),
+    logp = logits[index[rows * width + column]].float().log_softmax(-1)
+    trained = draft if frozen else torch.ones_like(first)
+    terms = _masked_terms(logp, response[rows, pos], first, trained, _token_weights(noise, rows, pos, block_size),
                           confidence=confidence_weight > 0)
+    if draft_kl_weight:
+        base = logits[index[rows[draft] * width + p + pos[draft] - 1]]
+        terms["draft_kl_sum"] = _draft_kl(logp[draft], base, _position_weights(noise, pos[draft]))
 
     ar_sum = kl_sum = None
     if ar_weight or kl_weight:
         ar_sum, kl_sum = _causal_terms(model, batch, kl_weight, reference)
-    return _finish(terms, den, ar_weight, kl_weight, ar_sum, kl_sum, confidence_weight)
+    return _finish(terms, den, ar_weight, kl_weight, ar_sum, kl_sum, confidence_weight, ce_weight, draft_kl_weight)
 
 
 def _causal_terms(model: torch.nn.Module, batch: Batch, kl_weight: float,
@@ -401,6 +517,7 @@ def reference_block_loss(model: torch.nn.Module, batch: Batch, block_size: int, 
     mask_id = mask_token_id if mask_token_id is not None else model.config.mask_token_id
     p, r, n = batch.prompt_len, batch.response_len, batch.rows
     b = block_size
+    frozen = is_gated(model)
     pieces: dict[str, list[torch.Tensor]] = {}
     for c in range(noise.copies):
         rows_c = slice(c * n, (c + 1) * n)
@@ -409,7 +526,8 @@ def reference_block_loss(model: torch.nn.Module, batch: Batch, block_size: int, 
             start = p + j * b
             block_mask = mask_c[:, j * b: (j + 1) * b]
             block = batch.input_ids[:, start: start + b]
-            noised = torch.where(block_mask, torch.full_like(block, mask_id), block)
+            hidden = block_mask if batch.tail is None else block_mask | batch.tail[:, j * b: (j + 1) * b]
+            noised = torch.where(hidden, torch.full_like(block, mask_id), block)
             attention = batch.attention_mask[:, :start] if batch.padded else None
             out = model(batch.input_ids[:, :start], b, prefix_len=p, attention_mask=attention, query_ids=noised)
             shifted = torch.cat([out.logits[:, -1:], out.query_logits[:, :-1]], dim=1)  # position i from i - 1
@@ -418,9 +536,12 @@ def reference_block_loss(model: torch.nn.Module, batch: Batch, block_size: int, 
             targets = batch.input_ids[rows, start + off]
             pos = j * b + off
             weights = _token_weights(noise, rows + c * n, pos, b)
-            terms = _masked_terms(logits, targets, off == 0, weights, confidence=confidence_weight > 0)
+            trained = off > 0 if frozen else torch.ones_like(off, dtype=torch.bool)
+            terms = _masked_terms(logits.float().log_softmax(-1), targets, off == 0, trained, weights,
+                                  confidence=confidence_weight > 0)
             for k, v in terms.items():
                 pieces.setdefault(k, []).append(v)
     total = {k: torch.stack([torch.as_tensor(x, dtype=torch.float, device=v[0].device) for x in v]).sum()
              for k, v in pieces.items()}
-    return _finish(total, loss_denominators(batch, noise), 0.0, 0.0, None, None, confidence_weight)
+    return _finish(total, loss_denominators(batch, noise, frozen_starts=frozen), 0.0, 0.0, None, None,
+                   confidence_weight)

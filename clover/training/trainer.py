@@ -35,7 +35,7 @@ from torch import nn
 
 from clover.config import PRESETS, CloverConfig
 from clover.model import CloverForBlockDiffusion
-from clover.model.lora import adapters_disabled, apply_lora
+from clover.model.lora import adapters_disabled, apply_lora, is_gated
 from clover.training.checkpointing import (CHECKPOINTS, TRAINER_DIR, checkpoint_name, latest_checkpoint,
                                            load_training_state, load_weights, remove_stale_temporaries,
                                            save_training_checkpoint)
@@ -50,7 +50,8 @@ logger = logging.getLogger(__name__)
 LOG_FILE = "train_log.jsonl"
 # per-step sums reduced across micro-batches and ranks
 _SUM_KEYS = ("loss", "diffusion_sum", "ce_sum", "first_sum", "masked_tokens", "first_tokens", "correct",
-             "supervised_tokens", "ar_sum", "kl_sum", "confidence_sum", "tokens", "diffusion_den", "ar_den")
+             "supervised_tokens", "ar_sum", "kl_sum", "confidence_sum", "confident", "draft_kl_sum", "tokens",
+             "diffusion_den", "ar_den")
 
 
 # -- model -----------------------------------------------------------------------------------------------------
@@ -95,7 +96,8 @@ class ObjectiveModule(nn.Module):
         return bd3_loss(self.model, batch, block_size, noise, ar_weight=self.cfg.ar_weight,
                         kl_weight=self.cfg.kl_weight, confidence_weight=self.cfg.confidence_weight,
                         reference=self.reference_logits if self.cfg.kl_weight else None,
-                        denominators=denominators)
+                        denominators=denominators, ce_weight=self.cfg.ce_weight,
+                        draft_kl_weight=self.cfg.draft_kl_weight)
 
 
 # -- the trainer ---------------------------------------------------------------------------------------------
@@ -231,10 +233,11 @@ class Trainer:
         c, d = self.config, self.dist
         block_size = c.block_size_at(step)
         micro = self._micro_batches(step, block_size)
-        keys = ("diffusion", "ar", "masked")
+        keys = ("diffusion", "ar", "masked", "draft")
         local_den = torch.zeros(len(keys), dtype=torch.float64)
+        frozen = is_gated(self.model)
         for batch, noise in micro:
-            den = loss_denominators(batch, noise)
+            den = loss_denominators(batch, noise, frozen_starts=frozen)
             local_den += torch.tensor([den[k] for k in keys], dtype=torch.float64)
         den = dict(zip(keys, d.all_sum(local_den).tolist()))
         lr = c.lr_at(step)
@@ -262,7 +265,7 @@ class Trainer:
         s = dict(zip(_SUM_KEYS, total.tolist()))
         out = {
             "loss": s["loss"],
-            "diffusion_loss": s["diffusion_sum"] / max(den["diffusion"], 1.0),
+            "diffusion_loss": s["diffusion_sum"] / max(den["diffusion"], 1e-12),  # a w-weighted count may be < 1
             "masked_ce": s["ce_sum"] / max(s["masked_tokens"], 1.0),
             "first_ce": s["first_sum"] / max(s["first_tokens"], 1.0),
             "inner_ce": (s["ce_sum"] - s["first_sum"]) / max(s["masked_tokens"] - s["first_tokens"], 1.0),
@@ -278,7 +281,9 @@ class Trainer:
         if c.kl_weight:
             out["kl"] = s["kl_sum"] / max(den["ar"], 1.0)
         if c.confidence_weight:
-            out["confident_entropy"] = s["confidence_sum"] / max(s["correct"], 1.0)
+            out["confident_entropy"] = s["confidence_sum"] / max(s["confident"], 1.0)
+        if c.draft_kl_weight:
+            out["draft_kl"] = s["draft_kl_sum"] / max(den["draft"], 1e-12)
         return out
 
     # -- evaluation ----------------------------------------------------------------------------------------
@@ -300,9 +305,10 @@ class Trainer:
                             pad_target=c.pad_target, max_seq_len=c.max_seq_len,
                             seeds=[mix_seed(c.seed, 0xE7A1, k) for k in idx])
             noise = sample_noise(batch, block_size, c.noise)
-            den = loss_denominators(batch, noise)
+            den = loss_denominators(batch, noise, frozen_starts=is_gated(self.model))
             with self._autocast():
-                _, m = bd3_loss(self.model, batch.to(d.device), block_size, noise, ar_weight=c.ar_weight)
+                _, m = bd3_loss(self.model, batch.to(d.device), block_size, noise, ar_weight=c.ar_weight,
+                                denominators=den)
             sums += torch.tensor([m["diffusion_sum"], den["diffusion"], m.get("ar_sum", 0.0), den["ar"],
                                   m["correct"], m["masked_tokens"]], dtype=torch.float64)
         self.model.train()
@@ -374,8 +380,9 @@ class Trainer:
                 record = {"step": step, "loss": metrics["loss"], "lr": metrics["lr"], "tokens": self.state["tokens"],
                           "tokens_per_s": metrics["step_tokens"] / max(step_time, 1e-9),
                           "grad_norm": metrics["grad_norm"], "block_size": metrics["block_size"],
-                          **{k: metrics[k] for k in ("diffusion_loss", "ar_loss", "kl", "masked_ce", "first_ce",
-                                                     "inner_ce", "accuracy") if k in metrics},
+                          **{k: metrics[k] for k in ("diffusion_loss", "ar_loss", "kl", "draft_kl", "masked_ce",
+                                                     "first_ce", "inner_ce", "accuracy", "confident_entropy")
+                             if k in metrics},
                           "supervised_tokens": self.state["supervised_tokens"],
                           "elapsed_s": time.monotonic() - start_time}
                 if not math.isfinite(metrics["loss"]):

@@ -9,8 +9,10 @@ import torch.nn.functional as F
 
 from clover import CloverConfig, CloverForBlockDiffusion
 from clover.model.layout import BlockLayout
-from clover.training.config import NoiseConfig
-from clover.training.objective import Noise, bd3_loss, collate, loss_denominators, reference_block_loss, sample_noise
+from clover.model.lora import apply_lora
+from clover.training.config import LoraConfig, NoiseConfig
+from clover.training.objective import (Noise, _draft_kl, bd3_loss, collate, loss_denominators, position_weights,
+                                       reference_block_loss, sample_noise)
 
 MASK, EOS = 255, 254
 
@@ -175,7 +177,7 @@ def test_loss_is_on_masked_tokens_with_token_shift(models):
     weighted = Noise(mask, torch.full((1, 3), 0.5), 1, "inverse_rate")
     loss_w, _ = bd3_loss(model, batch, 4, weighted)
     assert abs(loss_w.item() - 2.0 * float(torch.stack(expected).sum()) / 12) < 1e-5  # sum CE / r / supervised
-    assert loss_denominators(batch, weighted) == {"diffusion": 12.0, "ar": 12.0, "masked": 3.0}
+    assert loss_denominators(batch, weighted) == {"diffusion": 12.0, "ar": 12.0, "masked": 3.0, "draft": 2.0}
 
 
 def test_ar_term_is_the_causal_next_token_loss(models):
@@ -240,3 +242,162 @@ def _masked_logits(model, batch, noise):
             shifted = torch.cat([o.logits[:, -1:], o.query_logits[:, :-1]], dim=1)
             out.append(shifted[0, int(pos) % b])
     return torch.stack(out)
+
+
+def _gated(preset: str = "clover-tiny-dense", seed: int = 0) -> CloverForBlockDiffusion:
+    """A tiny random model with a gated adapter whose factors and [MASK] row are nonzero."""
+    model = tiny_model(preset, seed)
+    apply_lora(model, LoraConfig(rank=4, dropout=0.0, gated=True, extra_trainable=[]))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name or "row_delta" in name:
+                param.normal_(0.0, 0.2)
+    return model
+
+
+def _loss_grads_saved(model, batch, noise) -> tuple[float, torch.Tensor, int]:
+    """Loss, gradient of the trainable parameters, and bytes of activations autograd keeps for the backward."""
+    saved = [0]
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in weights:
+            saved[0] += t.numel() * t.element_size()
+        return t
+
+    model.zero_grad()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss, _ = bd3_loss(model, batch, 4, noise, confidence_weight=0.3)
+    loss.backward()
+    grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+    model.zero_grad()
+    return loss.item(), grads, saved[0]
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_gated_frozen_clean_stream_runs_once_without_autograd(monkeypatch, checkpointing):
+    """A gated adapter's clean stream is the frozen base: computed under no_grad it gives the loss and gradients of
+    the per-layer-detach forward, and autograd keeps far fewer tensors (the clean stream is 2/3 of the tokens)."""
+    model = _gated()
+    model.gradient_checkpointing = checkpointing
+    model.train(checkpointing)  # checkpointing runs in training mode only
+    batch = collate(documents(), 4, mask_token_id=MASK, seeds=[1, 2, 3])
+    assert batch.padded
+    noise = sample_noise(batch, 4, NoiseConfig())
+    loss, grads, saved = _loss_grads_saved(model, batch, noise)
+    monkeypatch.setattr(CloverForBlockDiffusion, "_runs_frozen_clean", lambda self, ctx, cache: False)
+    loss_d, grads_d, saved_d = _loss_grads_saved(model, batch, noise)
+    assert abs(loss - loss_d) < 1e-5
+    assert grads.abs().max() > 0 and torch.allclose(grads, grads_d, atol=1e-6, rtol=1e-4)
+    if not checkpointing:
+        assert saved < 0.7 * saved_d  # 17 clean + 12 query positions a row here
+
+
+def test_gated_block_starts_are_not_trained_and_not_counted():
+    """A gated adapter's block start is the frozen base's prediction: no gradient, so out of every denominator."""
+    model = _gated()
+    batch = collate(documents()[2:], 4, mask_token_id=MASK)  # P=1, 12 response tokens, 3 blocks
+    mask = torch.zeros(1, 12, dtype=torch.bool)
+    mask[0, [0, 4, 5, 11]] = True  # two block starts, two drafted positions
+    noise = Noise(mask, torch.full((1, 3), 0.5), 1, "none")
+    den = loss_denominators(batch, noise, frozen_starts=True)
+    assert den == {"diffusion": 2.0, "ar": 12.0, "masked": 2.0, "draft": 2.0}
+    assert loss_denominators(batch, Noise(mask, noise.rate, 1, "inverse_rate"), frozen_starts=True)["diffusion"] == 9
+    loss, m = bd3_loss(model, batch, 4, noise, confidence_weight=0.5)
+    logits = _masked_logits(model, batch, noise)
+    ce = F.cross_entropy(logits, batch.response[mask], reduction="none")
+    logp = logits.log_softmax(-1)
+    entropy = -(logp.exp() * logp).sum(-1) * (logp.argmax(-1) == batch.response[mask])
+    assert abs(m["diffusion_loss"] - float(ce[[2, 3]].mean())) < 1e-5
+    assert abs(loss.item() - float(ce[[2, 3]].mean() + 0.5 * entropy[[2, 3]].sum() / 2)) < 1e-5
+    assert m["first_tokens"] == 2 and abs(m["first_ce"] - float(ce[[0, 1]].mean())) < 1e-5  # still logged
+    ref, _ = reference_block_loss(model, batch, 4, noise, confidence_weight=0.5)
+    assert abs(ref.item() - loss.item()) < 1e-5
+
+
+def test_untrained_tail_is_hidden_from_the_noised_copies():
+    """A chat answer ends with a trained <|im_end|> and an untrained newline: the noised block must not show the
+    newline (decoding drafts the block after <|im_end|> from masks alone), so its value cannot change the loss."""
+    def doc(newline: int):
+        ids = torch.tensor([7, 8, 9, 10, 11, 12, 13, EOS, newline])
+        return ids, torch.tensor([0, 1, 1, 1, 1, 1, 1, 1, 0]), 1
+
+    batch = collate([doc(10)], 4, mask_token_id=MASK, eos_token_id=EOS, pad_target="eos")
+    assert batch.response.tolist() == [[8, 9, 10, 11, 12, 13, EOS, 10]]  # own block full: no EOS padding
+    assert batch.tail.tolist() == [[0] * 7 + [1]]
+    padded = collate([(torch.arange(1, 8), torch.tensor([0, 1, 1, 1, 1, 0, 0]), 1)], 4, mask_token_id=MASK,
+                     eos_token_id=EOS, pad_target="eos")
+    assert padded.response.tolist() == [[2, 3, 4, 5, 6, 7, EOS, EOS]]
+    assert padded.tail.tolist() == [[0, 0, 0, 0, 1, 1, 0, 0]] and padded.loss_mask[0, 6:].all()  # EOS trained
+    model = tiny_model("clover-tiny-dense")
+    losses = []
+    for newline in (10, 200):
+        b = collate([doc(newline)], 4, mask_token_id=MASK, eos_token_id=EOS, pad_target="eos", seeds=[3])
+        noise = sample_noise(b, 4, NoiseConfig(t_min=0.5))
+        assert noise.mask[:, 4:7].any()  # the last block is noised in some copy
+        losses.append(bd3_loss(model, b, 4, noise)[0].item())
+        assert abs(reference_block_loss(model, b, 4, noise)[0].item() - losses[-1]) < 1e-5
+    assert losses[0] == losses[1]
+
+
+def test_full_mask_prob_masks_whole_blocks():
+    batch = collate(documents(), 4, mask_token_id=MASK, seeds=[5, 6, 7])
+    n, sup = batch.rows, batch.loss_mask.view(batch.rows, -1, 4)
+    assert torch.equal(sample_noise(batch, 4, NoiseConfig(full_mask_prob=0.0)).mask,
+                       sample_noise(batch, 4, NoiseConfig()).mask)  # old configs: the same masks as before
+    for sampling in ("bernoulli", "exact"):
+        every = sample_noise(batch, 4, NoiseConfig(full_mask_prob=1.0, sampling=sampling))
+        assert torch.equal(every.mask[:n], batch.loss_mask) and not every.mask[n:].any()
+        assert (every.rate[:n] == 1).all()
+        half = sample_noise(batch, 4, NoiseConfig(full_mask_prob=0.5, sampling=sampling, t_max=0.3))
+        blocks = half.mask[:n].view(n, -1, 4)
+        full = (blocks == sup).all(-1) & sup.any(-1)
+        assert 0 < int(full.sum()) < int(sup.any(-1).sum())
+        assert torch.equal(half.mask[:n] | half.mask[n:], batch.loss_mask)
+    for bad in (-0.1, 1.5):
+        with pytest.raises(ValueError, match="full_mask_prob"):
+            NoiseConfig(full_mask_prob=bad).validate()
+
+
+def test_position_decay_weights_drafts_by_block_position():
+    """w_p = gamma^max(p - 1, 0); the diffusion loss is sum w CE / sum w over the trained masked positions."""
+    assert position_weights(4, 0.5).tolist() == [1.0, 1.0, 0.5, 0.25]
+    model = _gated()
+    batch = collate(documents()[2:], 4, mask_token_id=MASK)
+    mask = torch.zeros(1, 12, dtype=torch.bool)
+    mask[0, [0, 1, 6, 7, 11]] = True  # block positions 0, 1, 2, 3, 3
+    noise = Noise(mask, torch.full((1, 3), 0.5), 1, "none", position_decay=0.5)
+    w = torch.tensor([1.0, 0.5, 0.25, 0.25])
+    assert loss_denominators(batch, noise, frozen_starts=True)["diffusion"] == float(w.sum())
+    _, m = bd3_loss(model, batch, 4, noise)
+    ce = F.cross_entropy(_masked_logits(model, batch, noise), batch.response[mask], reduction="none")[1:]
+    assert abs(m["diffusion_loss"] - float((w * ce).sum() / w.sum())) < 1e-5
+    _, plain = bd3_loss(model, batch, 4, Noise(mask, noise.rate, 1, "none"))
+    assert abs(plain["diffusion_loss"] - float(ce.mean())) < 1e-5
+    with pytest.raises(ValueError, match="position_decay"):
+        NoiseConfig(position_decay=0.0).validate()
+
+
+def test_draft_kl_is_kl_to_the_base_next_token_distribution():
+    logits = torch.randn(5, 11)
+    assert abs(float(_draft_kl(logits.log_softmax(-1), logits, None))) < 1e-6
+    assert float(_draft_kl((logits + torch.randn(5, 11)).log_softmax(-1), logits, None)) > 0
+    model = _gated()
+    batch = collate(documents(), 4, mask_token_id=MASK, seeds=[1, 2, 3])
+    noise = sample_noise(batch, 4, NoiseConfig(complementary=False, position_decay=0.7))
+    rows, pos = noise.mask.nonzero(as_tuple=True)
+    draft = pos % 4 > 0
+    query = _masked_logits(model, batch, noise)[draft].log_softmax(-1)
+    with torch.no_grad():  # the base given the true prefix: the causal forward's output at P + pos - 1
+        causal = model(batch.input_ids, 1, attention_mask=batch.attention_mask).logits
+    base = causal[rows[draft], batch.prompt_len + pos[draft] - 1].log_softmax(-1)
+    w = position_weights(4, 0.7).float()[pos[draft] % 4]
+    expected = float((w * (base.exp() * (base - query)).sum(-1)).sum() / w.sum())
+    loss0, m0 = bd3_loss(model, batch, 4, noise)
+    loss, m = bd3_loss(model, batch, 4, noise, draft_kl_weight=0.5)
+    assert expected > 0 and abs(m["draft_kl"] - expected) < 1e-5
+    assert abs(loss.item() - loss0.item() - 0.5 * expected) < 1e-5
+    pure, _ = bd3_loss(model, batch, 4, noise, ce_weight=0.0, draft_kl_weight=1.0)
+    assert abs(pure.item() - expected) < 1e-5
+    with pytest.raises(ValueError, match="causal"):
+        bd3_loss(tiny_model("clover-tiny-dense"), batch, 4, noise, draft_kl_weight=1.0)

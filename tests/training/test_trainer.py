@@ -44,6 +44,21 @@ def test_unknown_config_keys_are_errors_naming_them(tmp_path):
         load_train_config(path, ["--noise.weighting", "elbo"])
 
 
+
+def test_draft_objective_settings_are_checked(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("lr: 1.0e-4\n")
+    for args, message in ((["--noise.full_mask_prob", "2"], "noise.full_mask_prob"),
+                          (["--noise.position_decay", "0"], "noise.position_decay"),
+                          (["--ce_weight", "-1"], "ce_weight must be >= 0"),
+                          (["--ce_weight", "0"], "nothing trains"),
+                          (["--draft_kl_weight", "1"], "lora.gated")):
+        with pytest.raises(ValueError, match=message):
+            load_train_config(path, args)
+    cfg = load_train_config(path, ["--ce_weight", "0", "--draft_kl_weight", "1", "--lora.rank", "4",
+                                   "--lora.gated", "true"])
+    assert cfg.ce_weight == 0 and cfg.draft_kl_weight == 1
+
 def test_every_key_is_settable_from_the_command_line(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("lr: 1.0e-4\nnoise: {t_min: 0.2}\n")
@@ -235,11 +250,14 @@ def test_lora_merge_unmerge_and_export(tmp_path):
 
 def test_gated_lora_training_keeps_the_causal_path_the_base_and_resumes_gated(tmp_path):
     docs = documents()
-    cfg = config(tmp_path, max_steps=3, lr=1e-2, confidence_weight=0.1, pad_target="eos",
+    cfg = config(tmp_path, max_steps=3, lr=1e-2, confidence_weight=0.1, pad_target="eos", draft_kl_weight=0.5,
+                 noise={"full_mask_prob": 0.5, "position_decay": 0.8},
                  lora={"rank": 4, "alpha": 8, "gated": True, "extra_trainable": []})
     trainer = Trainer(cfg, train_documents=docs)
     assert trainer.model.config.context_reading == "causal"
     trainer.train()
+    log = [json.loads(line) for line in (tmp_path / "run" / "train_log.jsonl").read_text().splitlines()]
+    assert all(entry["draft_kl"] > 0 for entry in log if "draft_kl" in entry) and any("draft_kl" in e for e in log)
     ckpt = latest_checkpoint(tmp_path / "run")
     assert json.loads((ckpt / "adapter_config.json").read_text())["lora"]["gated"] is True
     fresh = CloverForBlockDiffusion(CloverConfig.from_preset("clover-tiny-dense")).eval()
