@@ -142,6 +142,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--systems", default=",".join(SYSTEMS),
                         help=f"comma-separated, of {', '.join(SYSTEMS + ('fp32-exact', 'fp32-b1'))}")
+    parser.add_argument("--sets", default=None, help="comma-separated subset of chat,code,structured,tools_heldout,"
+                        "tools_live_simple (default: all)")
     parser.add_argument("--recalibrate", action="store_true", help="measure the forward cost again first")
     parser.add_argument("--prior", action="store_true", help="measure exact mode's prior on training prompts")
     parser.add_argument("--out", default=None, help="write the figures as JSON here")
@@ -165,6 +167,11 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown systems {sorted(unknown)}")
     sets = {**text_sets(args.limit), **tool_sets(args.limit)}
+    if args.sets:
+        unknown_sets = set(args.sets.split(",")) - set(sets)
+        if unknown_sets:
+            parser.error(f"unknown sets {sorted(unknown_sets)}: choose from {sorted(sets)}")
+        sets = {name: sets[name] for name in args.sets.split(",")}
     prompts = {name: [prompt_ids(tokenizer, chat) for chat, _ in chats] for name, chats in sets.items()}
     print(f"machine: {platform.processor() or platform.machine()}, {args.threads} threads, torch "
           f"{torch.__version__}; {args.limit} prompts per set, {args.max_new_tokens} new tokens")

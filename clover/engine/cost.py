@@ -97,10 +97,13 @@ def fingerprint(runner: Any) -> dict[str, Any]:
     weights: Any = getattr(runner, "path", None)
     if model is not None:
         weights = {"dtype": str(next(model.parameters()).dtype), "quantization": getattr(model, "quantization", None)}
-    shape = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:16]
-    return {"runner": runner.name, "model_shape": shape, "weights": json.dumps(weights, sort_keys=True, default=str),
+    return {"runner": runner.name, "model_shape": _digest(config), "weights": _digest(weights),
             "device": str(runner.device), "threads": getattr(runner, "threads", None) or torch.get_num_threads(),
             "torch": torch.__version__, "cpu": _processor()}
+
+
+def _digest(value: Any) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def _processor() -> str:
@@ -157,9 +160,7 @@ def _median_forward(runner: Any, cache: Any, rows: int, vocab: int, gen: torch.G
 def cost_table(runner: Any, recalibrate: bool = False) -> ForwardCost:
     """The runner's cost table: read from `$CLOVER_CACHE/costs/` when this combination was measured before,
     else measured now (about two seconds) and kept there."""
-    key = fingerprint(runner)
-    name = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    path = cache_root() / "costs" / f"{name}.json"
+    path = cache_root() / "costs" / f"{_digest(fingerprint(runner))}.json"
     if path.is_file() and not recalibrate:
         try:
             return ForwardCost(**json.loads(path.read_text()))

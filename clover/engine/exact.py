@@ -41,7 +41,7 @@ from clover.engine.runner import RunnerCache
 from clover.engine.sampling import BatchSampler, SamplingParams
 from clover.engine.speculative import verify
 
-OVERHEAD_EMA = 0.1  # weight of the newest step in the running estimate of the engine's own time per step
+STEP_EMA = 0.2  # weight of the newest step in the running estimate of a step's time, per forward size
 
 
 @dataclass
@@ -71,9 +71,11 @@ class ExactLoop(DecodingLoop):
         self.rule = rule
         self.cost = cost if cost is not None or not rule.adaptive else cost_table(engine.runner)
         self.prior = list(getattr(engine.runner.config, "draft_acceptance", None) or []) or None
-        self.overhead = 0.0  # seconds per step outside the runner: the same for every choice of k and m
+        self.overhead = 0.0  # seconds per step outside the runner, until a forward of a size has been timed
+        self.step_time: dict[int, float] = {}  # measured seconds of a whole step, by the forward's rows
         self.drafted = [0] * engine.block_size  # forwards by the number of drafts their query block made
-        self.tally = Acceptance(engine.block_size - 1, strength=0.0)  # every request's drafts, no prior
+        # every request's drafts, by position: [accepted, verified]
+        self.tally = [[0, 0] for _ in range(engine.block_size - 1)]
         self._positions = torch.arange(engine.block_size, device=engine.device)
 
     @staticmethod
@@ -86,8 +88,7 @@ class ExactLoop(DecodingLoop):
         return {"adaptive": self.rule.adaptive,
                 "drafts_per_forward": round(sum(m * n for m, n in enumerate(self.drafted)) / total, 3) if total else 0,
                 "forwards_by_drafts": list(self.drafted),
-                "acceptance_by_position": [round(a / n, 4) if n else None
-                                           for a, n in zip(self.tally.accepted, self.tally.tried)],
+                "acceptance_by_position": [round(a / n, 4) if n else None for a, n in self.tally],
                 "forward_cost": self.cost.summary() if self.cost is not None else None}
 
     def check(self, params: list[SamplingParams]) -> None:
@@ -130,7 +131,7 @@ class ExactLoop(DecodingLoop):
         none = torch.zeros(n, dtype=torch.long, device=e.device)
         m = self._plan(seqs, acceptance, none, cache.length + t)[1]
         ones = torch.ones(n, dtype=torch.long, device=e.device)
-        decided, _, drafts = self._forward(ids, cache, sampler, none, int(m.max()), **kwargs)
+        decided, _, drafts = self._forward(ids, cache, sampler, acceptance, none, int(m.max()), **kwargs)
         return ExactBatch(seqs, cache, sampler, decided, ones, drafts, ones * drafts.shape[1], acceptance)
 
     def step(self, b: ExactBatch, snapshots: bool = False) -> tuple[list[Event], ExactBatch | None]:
@@ -149,19 +150,38 @@ class ExactLoop(DecodingLoop):
         last = b.decided.gather(1, (b.n_decided - 1)[:, None])
         real = self._positions[None, :width] < (1 + k)[:, None]  # [N, width]: the row's tokens, then padding
         ids = torch.cat([last, _pad(b.drafts, width - 1)[:, : width - 1]], dim=1).masked_fill(~real, e.mask_id)
-        b.cache.mark()
-        tokens, accepted, drafts = self._forward(ids, b.cache, b.sampler, k, int(m.max()), prefix_len=width,
+        if width > 1:  # drafts to verify: the cache must be able to forget the rejected ones
+            b.cache.mark()
+        tokens, accepted, drafts = self._forward(ids, b.cache, b.sampler, b.acceptance, k, int(m.max()),
+                                                 prefix_len=width,
                                                  attention_mask=None if bool(real.all()) else real)
-        b.cache.rewind(1 + accepted)
+        if width > 1:
+            b.cache.rewind(1 + accepted)
         for acc, verified, took in zip(b.acceptance, k.tolist(), accepted.tolist()):
+            acc.tick()
             acc.observe(verified, took)
-            self.tally.observe(verified, took)
+            for i in range(min(took + 1, verified)):  # positions reached: accepted up to `took`, then one rejected
+                self.tally[i][0] += i < took
+                self.tally[i][1] += 1
         b.decided, b.n_decided = tokens, 1 + accepted
         b.drafts = drafts
         b.n_drafts = torch.where(accepted == k, drafts.shape[1], 0)
-        spent = time.perf_counter() - start - (e.counters.forward_time_s - forward_time)
-        self.overhead += OVERHEAD_EMA * (spent - self.overhead)
+        self._timed(len(b.seqs) * (width + (int(m.max()) + 1 if int(m.max()) else 0)), start,
+                    e.counters.forward_time_s - forward_time)
         return events, b
+
+    def _timed(self, rows: int, start: float, forward: float) -> None:
+        """What a step of a forward of `rows` rows took, whole (the runner's forward, undoing rejected drafts,
+        the engine's own work): the policy's cost of that size from now on (the table gives the rest)."""
+        total = time.perf_counter() - start
+        self.overhead += STEP_EMA * (total - forward - self.overhead)
+        before = self.step_time.get(rows, total)
+        self.step_time[rows] = before + STEP_EMA * (total - before)
+
+    def _step_cost(self, rows: int, context: int) -> float:
+        """Seconds a step of `rows` rows costs: as timed, or the table's forward plus the engine's time."""
+        timed = self.step_time.get(rows)
+        return timed if timed is not None else self.cost(rows, context) + self.overhead
 
     def _plan(self, seqs: list[Request], acceptance: list[Acceptance], available: torch.Tensor,
               context: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -175,7 +195,7 @@ class ExactLoop(DecodingLoop):
         for r, acc in enumerate(acceptance):
             if self.rule.adaptive:
                 n = len(seqs)  # rows share a forward: each row pays its share of the batch's rows
-                cost = lambda rows: (self.cost(n * rows, context) + self.overhead) / n  # noqa: E731
+                cost = lambda rows: self._step_cost(n * rows, context) / n  # noqa: E731
                 want = best_drafts(acc.optimistic(), cost, most)
             else:
                 want = most
@@ -193,8 +213,8 @@ class ExactLoop(DecodingLoop):
         eos = torch.isin(drafts, e.eos)
         return torch.where(eos.any(1), torch.minimum(k, eos.int().argmax(1) + 1), k)
 
-    def _forward(self, ids: torch.Tensor, cache: RunnerCache, sampler: BatchSampler, k: torch.Tensor, drafts: int,
-                 **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _forward(self, ids: torch.Tensor, cache: RunnerCache, sampler: BatchSampler, acceptance: list[Acceptance],
+                 k: torch.Tensor, drafts: int, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Forward `ids` `[N, T]` as causal clean tokens (written to the cache) whose last `1 + k` per row are
         the last decided token and `k` drafts (the rest padding, or the prompt), and, when `drafts > 0`, a query
         block of `drafts + 1` masks. Returns the committed tokens `[N, 1 + max k]` (-1 after each row's), the
@@ -213,7 +233,11 @@ class ExactLoop(DecodingLoop):
                         logits_at=at, **kwargs)
         logits = out.new_zeros(n, width + drafts, out.shape[-1])
         logits[at[:, t - width:t + drafts]] = out
+        confidence = logits[:, :width].float().softmax(-1).amax(-1) if self.rule.adaptive else None
         accepted, tokens = verify(sampler, logits[:, :width], ids[:, t - width + 1:], k)
+        if confidence is not None:  # the causal path's probability of each token it committed
+            for acc, row, took in zip(acceptance, confidence.tolist(), accepted.tolist()):
+                acc.observe_confidence(row[: took + 1])
         return tokens, accepted, self._greedy(logits[:, width:])
 
     def _greedy(self, logits: torch.Tensor) -> torch.Tensor:

@@ -191,12 +191,8 @@ def distill(prompts_path: Path, out_path: Path, base_dir: Path, *, max_new_token
                               threshold=1.0)
             for i, seq, stats in zip(batch, result.sequences, result.stats):
                 truncated = stats.get("finish_reason") != "eos"
-                answer = tokenizer.decode(seq, skip_special_tokens=False)
                 rep = repetition(seq)
-                row = {"id": todo[i]["id"], "category": todo[i].get("category"),
-                       "messages": [*todo[i]["messages"], {"role": "assistant", "content": answer}],
-                       "tokens": len(seq), "truncated": truncated, "repetition": round(rep, 3),
-                       "loop": rep >= LOOP_THRESHOLD}
+                row = _answer_row(todo[i], seq, tokenizer, truncated, round(rep, 3), rep >= LOOP_THRESHOLD)
                 out.write(json.dumps(row, ensure_ascii=False) + "\n")
                 figures["new_tokens"] += len(seq)
                 figures["truncated"] += truncated
@@ -238,6 +234,83 @@ def export_for_training(answers_path: Path, out_path: Path, *, drop_loops: bool 
                 counts["kept"] += 1
     tmp.replace(out_path)
     return counts
+
+
+# -- the committed form: token ids --------------------------------------------------------------------------------------
+def pack(answers_path: Path, packed_path: Path, *, cpu_hours: float = 0.0, **provenance: Any) -> dict[str, Any]:
+    """The answers of `answers_path` as token ids in one safetensors file (`uint16`: SmolLM2's 49k ids fit; ~2 bytes
+    a token, so a few MB for the whole set), with each row's id and marks in its metadata. The text is the
+    tokens' decoding, so `unpack` gives the same file back, byte for byte. Written atomically; returns the
+    metadata's figures."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    tokens, offsets, rows = [], [0], []
+    tokenizer = None
+    with open(answers_path, encoding="utf-8") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            ids = row.get("token_ids")
+            if ids is None:  # rows written before the ids were kept: the text's encoding is the decoded ids
+                tokenizer = tokenizer or _tokenizer(provenance["base"])
+                ids = tokenizer(row["messages"][-1]["content"], add_special_tokens=False)["input_ids"]
+            tokens += ids
+            offsets.append(len(tokens))
+            rows.append([row["id"], row["truncated"], row["repetition"], row["loop"]])
+    if max(tokens, default=0) >= 2**16:
+        raise ValueError(f"{answers_path}: token id {max(tokens)} does not fit uint16")
+    figures = {"answers": len(rows), "tokens": len(tokens), "cpu_hours": round(cpu_hours, 3),
+               **{k: str(v) for k, v in provenance.items()}}
+    packed_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = packed_path.with_name(packed_path.name + ".tmp")
+    save_file({"tokens": np.asarray(tokens, dtype=np.uint16), "offsets": np.asarray(offsets, dtype=np.int64)},
+              str(tmp), metadata={"rows": json.dumps(rows), "figures": json.dumps(figures)})
+    tmp.replace(packed_path)
+    return figures
+
+
+def unpack(packed_path: Path, prompts_path: Path, out_path: Path, base_dir: Path) -> int:
+    """Write the answers packed in `packed_path` to `out_path` (the prompts come from `prompts_path`), unless
+    `out_path` already holds at least as many; returns the answers written. `distill` then resumes after them."""
+    from safetensors import safe_open
+
+    with safe_open(str(packed_path), framework="numpy") as f:
+        tokens, offsets = f.get_tensor("tokens"), f.get_tensor("offsets")
+        rows = json.loads(f.metadata()["rows"])
+    if len(answered_ids(out_path)) >= len(rows):
+        return 0
+    prompts = {p["id"]: p for p in read_prompts(prompts_path)}
+    missing = [r[0] for r in rows if r[0] not in prompts]
+    if missing:
+        raise ValueError(f"{packed_path}: {len(missing)} answers to prompts not in {prompts_path} (e.g. "
+                         f"{missing[0]!r}): the prompts differ from those distilled")
+    tokenizer = _tokenizer(base_dir)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_path.with_name(out_path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as out:
+        for (pid, truncated, rep, loop), start, end in zip(rows, offsets[:-1], offsets[1:]):
+            ids = tokens[start:end].astype(int).tolist()
+            out.write(json.dumps(_answer_row(prompts[pid], ids, tokenizer, truncated, rep, loop),
+                                 ensure_ascii=False) + "\n")
+    tmp.replace(out_path)
+    return len(rows)
+
+
+def _tokenizer(base_dir: Path) -> Any:
+    from clover.tokenizer import load_tokenizer
+
+    return load_tokenizer(ensure_base(Path(base_dir)))
+
+
+def _answer_row(prompt: dict[str, Any], ids: list[int], tokenizer: Any, truncated: bool, rep: float,
+                loop: bool) -> dict[str, Any]:
+    """One line of the answers file (`distill` writes it, `unpack` writes it again from the ids)."""
+    answer = tokenizer.decode(ids, skip_special_tokens=False)
+    return {"id": prompt["id"], "category": prompt.get("category"),
+            "messages": [*prompt["messages"], {"role": "assistant", "content": answer}],
+            "tokens": len(ids), "truncated": truncated, "repetition": rep, "loop": loop, "token_ids": ids}
 
 
 # -- BFCL -------------------------------------------------------------------------------------------------------------
@@ -285,6 +358,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu", help="torch device of the base model (cpu, cuda)")
     parser.add_argument("--quant", choices=("none", "int4"), default="none",
                         help="int4: decode with the base's int4 build (CPU; the fastest exact path)")
+    parser.add_argument("--unpack", type=Path, default=None,
+                        help="first restore --out from these packed token ids (with --prompts), if it holds fewer")
+    parser.add_argument("--pack", type=Path, default=None,
+                        help="after answering, write the answers of --out as packed token ids here (the committed form)")
+    parser.add_argument("--cpu-hours", type=float, default=0.0, help="--pack: CPU-hours spent so far, recorded")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -293,10 +371,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.bfcl_out is not None:
         n = write_bfcl_train(args.bfcl_out)
         print(f"wrote {n} BFCL train chats to {args.bfcl_out}")
+    base = args.base or (args.out.parent / "base" if args.out else None)
+    if args.unpack is not None:
+        if args.out is None or args.prompts is None:
+            parser.error("--unpack needs --prompts and --out")
+        print(f"restored {unpack(args.unpack, args.prompts, args.out, base)} answers from {args.unpack}")
     if args.prompts is not None:
         if args.out is None:
             parser.error("--prompts needs --out")
-        base = args.base or args.out.parent / "base"
         figures = distill(args.prompts, args.out, base, max_new_tokens=args.max_new_tokens,
                           batch_size=args.batch_size, limit=args.limit, threads=args.threads,
                           progress=not args.quiet, device=args.device, quant=args.quant)
@@ -308,6 +390,11 @@ def main(argv: list[str] | None = None) -> int:
                                      drop_truncated=args.drop_truncated)
         print(f"exported {counts['kept']} answers to {args.export} (dropped: {counts['dropped_loop']} looping, "
               f"{counts['dropped_truncated']} truncated)")
+    if args.pack is not None:
+        if args.out is None:
+            parser.error("--pack needs --out (the answers to pack)")
+        print(json.dumps(pack(args.out, args.pack, cpu_hours=args.cpu_hours, base=base, quant=args.quant,
+                              max_new_tokens=args.max_new_tokens)))
     return 0
 
 

@@ -41,6 +41,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 CONFIG = HERE / "v2.yaml"
 RECORD = HERE / "data_v2.json"
+DISTILLED = HERE / "distilled"  # the base's answers as packed token ids, committed: a run resumes from them
 PACKAGE_RESERVE_S = 90.0  # packaging (load base, apply adapter, checksum) + margin, kept out of training's budget
 GPU = {"device": "cuda", "batch_size": 128, "micro_batch_size": 64, "threads": 0, "save_every": 200,
        "max_steps": 3000, "warmup_steps": 100}
@@ -57,6 +58,16 @@ def _load(name: str) -> Any:
     sys.modules[spec.name] = module  # dataclasses look their module up
     spec.loader.exec_module(module)
     return module
+
+
+def _cpu_hours(packed: Path) -> float:
+    """CPU-hours the packed answers cost so far (recorded in their metadata), 0 without them."""
+    if not packed.is_file():
+        return 0.0
+    from safetensors import safe_open
+
+    with safe_open(str(packed), framework="numpy") as f:
+        return float(json.loads(f.metadata()["figures"])["cpu_hours"])
 
 
 def sha256(path: Path) -> str:
@@ -111,11 +122,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         check_record(f"prompts/python-{python}/seed-{args.seed}/scale-{args.scale:g}",
                      {"train.jsonl": sha256(data / "train.jsonl")}, args.record)
 
-    # 2. distill (resumable: answered prompts are skipped)
+    # 2. distill (resumable: answered prompts are skipped), from the committed answers where there are some
+    quant = "none" if args.gpu else "int4"  # on a CPU the base's int4 build: its fastest exact path
+    packed = DISTILLED / f"answers-{device}-{quant}.safetensors"
+    if packed.is_file() and not args.tiny:
+        figures["restored"] = distill.unpack(packed, data / "train.jsonl", data / "answers.jsonl", base)
     figures["distill"] = distill.distill(
         data / "train.jsonl", data / "answers.jsonl", base, max_new_tokens=args.max_new_tokens,
         batch_size=args.distill_batch or (256 if args.gpu else 16), threads=None if args.gpu else args.threads,
-        progress=not args.quiet, device=device)
+        progress=not args.quiet, device=device, quant=quant)
+    if figures["distill"]["answered"] and not args.tiny:
+        spent = figures["distill"]["wall_s"] * (figures["distill"]["threads"] or 1) / 3600
+        figures["packed"] = distill.pack(data / "answers.jsonl", packed, cpu_hours=_cpu_hours(packed) + spent,
+                                         base=base, quant=quant, max_new_tokens=args.max_new_tokens)
     figures["export"] = distill.export_for_training(data / "answers.jsonl", data / "answers.train.jsonl")
     sources = [data / "answers.train.jsonl"]
     if not args.tiny:
@@ -165,8 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--base", type=Path, default=None,
                         help="the base as a Clover checkpoint (default DATA/base, converted from the GGUF if absent)")
     parser.add_argument("--package-to", type=Path, default=None, help="default RUN/package")
-    parser.add_argument("--scale", type=float, default=None, help="prompt set size: 1 = 3000 prompts (default 1; "
-                        "2 with --gpu)")
+    parser.add_argument("--scale", type=float, default=2.0, help="prompt set size: 1 = 3000 prompts (default 2)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-new-tokens", type=int, default=192)
     parser.add_argument("--distill-batch", type=int, default=0, help="default 16 (CPU) / 256 (GPU)")
@@ -179,8 +197,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--record", action="store_true", help="record the data checksums in data_v2.json")
     parser.add_argument("--quiet", action="store_true")
     args = parser.parse_args(argv)
-    if args.scale is None:
-        args.scale = 2.0 if args.gpu else 1.0
     if args.tiny:
         args.max_new_tokens = min(args.max_new_tokens, 16)
     args.package_to = args.package_to or args.run / "package"
