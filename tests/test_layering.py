@@ -29,3 +29,19 @@ def imported_modules(path: Path) -> set[str]:
 def test_inference_modules_import_nothing_from_training(path: Path) -> None:
     bad = sorted(m for m in imported_modules(path) if m == "clover.training" or m.startswith("clover.training."))
     assert not bad, f"{path.relative_to(PACKAGE)} imports {bad}"
+
+
+ABOVE_THE_NETWORK = ("clover.engine", "clover.serving", "clover.cli", "clover.smol", "clover.conversion",
+                     "clover.training")
+NETWORK = [p for folder in ("model", "ops") for p in sorted((PACKAGE / folder).glob("*.py"))]
+# the one import up, inside the function: `model.generate(...)`, the documented entry point, hands over to the engine
+ALLOWED_UP = {"model/modeling.py": {"clover.engine", "clover.engine.generate"}}
+
+
+@pytest.mark.parametrize("path", NETWORK, ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_the_network_imports_nothing_above_it(path: Path) -> None:
+    """`ops/` and `model/` are the bottom layers (with config, paths, choices): a cache location, a default model
+    or the engine is never reached from them."""
+    allowed = ALLOWED_UP.get(str(path.relative_to(PACKAGE)), set())
+    bad = sorted(m for m in imported_modules(path) - allowed if m.startswith(ABOVE_THE_NETWORK))
+    assert not bad, f"{path.relative_to(PACKAGE)} imports {bad}"

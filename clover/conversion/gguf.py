@@ -43,7 +43,7 @@ _LAYER = {
     "mlp.down_proj.weight": "ffn_down.weight",
 }
 # Clover's decoding defaults in a GGUF written by `clover export` (GGUF key -> config field)
-CLOVER_KEYS = {"clover.block_size": "block_size", "clover.threshold": "threshold",
+CLOVER_KEYS = {"clover.block_size": "block_size", "clover.threshold": "threshold", "clover.rule": "rule",
                "clover.mask_token_id": "mask_token_id", "clover.context_reading": "context_reading"}
 _LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
 
