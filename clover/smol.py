@@ -150,10 +150,11 @@ def build(asset_dir: Path | None = None, out_dir: Path | None = None) -> Path:
 
 def build_quantized(quant: str, asset_dir: Path | None = None, out_dir: Path | None = None) -> Path:
     """Base + adapter -> a quantised clover-smol checkpoint: the base's weights quantised unmerged (int4: the
-    GGUF's Q4_1 codes exactly, the LM head int8: its Q8_0 table), the adapter kept as a low-rank correction.
+    GGUF's Q4_1 codes exactly, the LM head int8: its Q8_0 table), the adapter kept as a low-rank correction (a
+    gated adapter's at query rows only).
     The merged weights' checksum is verified as `build` does, on a merged copy. The kernel rounds activations in
     two int8 passes (`BUILD_ACTIVATIONS`). Cached per `_packing_tag`."""
-    from clover.model.lora import merge_and_unload
+    from clover.model.lora import is_gated, merge_and_unload
     from clover.model.quant import quantize
 
     if quant not in ("int8", "int4"):
@@ -164,7 +165,8 @@ def build_quantized(quant: str, asset_dir: Path | None = None, out_dir: Path | N
     if (out_dir / "config.json").is_file():
         return out_dir
     model = adapted_model(asset_dir, **_defaults(info), merge=False)
-    _check_merged(merge_and_unload(copy.deepcopy(model)), info)
+    # the manifest's checksum is of the adapted weights as `build` keeps them: merged, or a gated adapter unmerged
+    _check_merged(model if is_gated(model) else merge_and_unload(copy.deepcopy(model)), info)
     logger.info("quantising %s to %s into %s (once)", NAME, quant, out_dir)
     return _save(quantize(model, quant, activations=BUILD_ACTIVATIONS), asset_dir, out_dir)
 

@@ -10,8 +10,8 @@ import json
 import pytest
 import torch
 
-from clover import CloverForBlockDiffusion
-from clover import smol
+from clover import CloverForBlockDiffusion, smol
+from clover.model import quantize
 from clover.model.lora import is_gated
 from script_helpers import ROOT, load_script
 
@@ -41,3 +41,11 @@ def test_tiny_v2_recipe_distills_trains_packages_and_builds_a_gated_clover_smol(
     ids = torch.tensor([[1, 504, 2114, 314, 260, 1345, 30]])
     with torch.no_grad():
         assert torch.equal(model(ids, 1).logits, plain(ids, 1).logits)  # the causal path is the base
+    # its int4 build: the corrections act at query rows only, so the causal path is the int4 base's, bit for bit
+    # (but for the [MASK] row, merged into the tied table: a logit every choice bans)
+    int4 = CloverForBlockDiffusion.from_pretrained(smol.build_quantized("int4", asset_dir=asset,
+                                                                        out_dir=tmp_path / "clover-smol-int4"))
+    int4_base = quantize(CloverForBlockDiffusion.from_pretrained(base), "int4", activations=smol.BUILD_ACTIVATIONS)
+    keep = torch.arange(plain.config.vocab_size) != plain.config.mask_token_id
+    with torch.no_grad():
+        assert is_gated(int4) and torch.equal(int4(ids, 1).logits[..., keep], int4_base(ids, 1).logits[..., keep])

@@ -39,8 +39,7 @@ def can_fuse(layer: nn.Module) -> bool:
 
 def runs_fused(h: torch.Tensor, ctx: _ForwardContext) -> bool:
     """Whether a forward's marked layers take the fused path: fp32 on a CPU, nothing for autograd to record."""
-    return (h.dtype == torch.float32 and h.device.type == "cpu" and ctx.gate is None
-            and not (h.requires_grad and torch.is_grad_enabled()))
+    return h.dtype == torch.float32 and h.device.type == "cpu" and not (h.requires_grad and torch.is_grad_enabled())
 
 
 def fused_forward(layer: DecoderLayer, h: torch.Tensor, ctx: _ForwardContext, cache: Any) -> torch.Tensor:
@@ -67,9 +66,11 @@ def fused_forward(layer: DecoderLayer, h: torch.Tensor, ctx: _ForwardContext, ca
     else:
         past = cache.length
         k, v = cache.reserve(t, n, kv_heads, d, d, h)
+    # a gated adapter's corrections act at the query stream only: from the clean tokens' end of each row on
+    gated_from = ctx.layout.clean_len if ctx.gate is not None else 0
     out = woq.extension().decoder_layer(
         h.contiguous(), norm1._parameters["weight"], norm2._parameters["weight"], norm1.eps, *projections,
-        *ctx.rope, k, v, past, ctx.mask, ctx.is_causal, heads, kv_heads, d, woq.TILE_K, True)
+        *ctx.rope, k, v, past, ctx.mask, ctx.is_causal, heads, kv_heads, d, woq.TILE_K, True, gated_from)
     if cache is not None:
         cache.length += ctx.layout.clean_len
     return out

@@ -89,6 +89,14 @@ class AdapterGate:
     def open(self, batch: int, tokens: int, start: int) -> None:
         self.shape, self.start = (batch, tokens), start
 
+    def grid(self) -> tuple[int, int]:
+        """`(tokens per sequence, first adapted position)`: the gate as the packed kernels take it
+        (clover.ops.woq: rows of a flattened `[N, T]` grid are adapted where `row % T >= start`)."""
+        if self.shape is None:
+            raise RuntimeError("a gated adapter runs only inside a CloverForBlockDiffusion forward, which tells it "
+                               "where the query tokens are")
+        return self.shape[1], self.start
+
     def apply(self, base: torch.Tensor, x: torch.Tensor, delta: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """`base` (the base module's output for input `x`) plus `delta(x)` at query positions only."""
         if self.shape is None:

@@ -26,11 +26,13 @@ and the CPU kernel's rounding of the activations (clover.ops.woq). Fused
 projections (q/k/v, gate/up) concatenate their A's and place their `scaling * B^T` block-diagonally in `B'`; the
 kernel adds the correction in the same C++ call, reading the non-zero rows of B' with the weights. The
 embedding's trained rows (`row_delta`) are merged into the table, as `merge_and_unload` does. A gated adapter
-acts at query positions only, which the packed layers do not model: such a model is refused and runs unquantised.
+(query positions only) keeps its corrections gated: the kernel adds them only at the rows of the query stream
+(`AdapterGate.grid`, woq.cpp's `corr_from`), so the clean stream is the quantised base itself; its `[MASK]` row
+is merged (`_ungate_mask_rows` says why that is exact).
 
 A quantised model saves as usual (`save_pretrained`): its packed tensors (and corrections) in `model.safetensors`
 and the format in `quantization.json` (`quant`, `group_size`, `lm_head`, `activations`, the packed `layout`'s
-version, and `low_rank`: each corrected layer's rank), from which `from_pretrained` rebuilds the same modules
+version, `low_rank`: each corrected layer's rank, and `gated`), from which `from_pretrained` rebuilds the same modules
 before loading (a file without `activations`, from before the choice existed, gets the one-pass `"int8"`).
 """
 
@@ -39,6 +41,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -76,6 +79,7 @@ class PackedLinear(nn.Module):
             self.register_buffer("correction_tiles", None, persistent=False)
             self.register_buffer("correction_index", None, persistent=False)
             self.register_load_state_dict_post_hook(lambda module, _: module.tile_correction())
+        self.gate: Any = None  # a gated adapter's `AdapterGate` (clover.model.lora): the correction at query rows only
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor, kind: str, group_size: int = woq.DEFAULT_GROUP_SIZE,
@@ -106,10 +110,11 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         args = (x, self.qweight, self.scale, self.zero, self.kind, self.out_features, self.group_size,
                 (self.correction_a, self.correction_b) if self.rank else None)
+        gate = self.gate.grid() if self.gate is not None and self.rank else None
         if x.device.type == "cpu":
             return woq.woq_linear(*args, correction_tiles=(self.correction_tiles, self.correction_index)
-                                  if self.rank else None, activations=self.activations)
-        return woq.reference_linear(*args)  # elsewhere: the dequantised matmul, x not rounded
+                                  if self.rank else None, activations=self.activations, gate=gate)
+        return woq.reference_linear(*args, gate=gate)  # elsewhere: the dequantised matmul, x not rounded
 
     def kernel_args(self) -> tuple:
         """The layer as the C++ decoder layer takes it (clover.model.fused): `(qweight, scale, zero, kind code,
@@ -164,8 +169,8 @@ def quantize(model: nn.Module, quant: str = "int4", group_size: int = woq.DEFAUL
     """Pack (and quantise) `model`'s linear layers and LM head in place; returns the model. `"none"`, or a model
     loaded quantised in that format already: unchanged (but for `activations`, set if given). `head`: the LM
     head's format (default `default_head(quant)`). `activations`: how int8 / int4 layers round their input on the
-    CPU (`woq.ACTIVATIONS`, default `default_activations(quant)`). An unmerged, non-gated adapter is kept as a low-rank
-    correction beside the quantised base weights (module docstring)."""
+    CPU (`woq.ACTIVATIONS`, default `default_activations(quant)`). An unmerged adapter is kept as a low-rank
+    correction beside the quantised base weights, a gated one applied at query rows only (module docstring)."""
     from clover.model.lora import TrainableRowsEmbedding, has_lora, merge_and_unload
 
     check_quantization(quant)
@@ -185,14 +190,19 @@ def quantize(model: nn.Module, quant: str = "int4", group_size: int = woq.DEFAUL
         raise ValueError(f"unknown LM head format {head!r}: expected one of {list(woq.KINDS)}")
     _check_quantizable(model)
     adapted = has_lora(model)
+    gate, model.adapter_gate = getattr(model, "adapter_gate", None), None
     for module in model.modules():  # trained rows into the table first: a tied head is packed from it
         if isinstance(module, TrainableRowsEmbedding):
+            if module.gate is not None:
+                _ungate_mask_rows(module, model.config.mask_token_id)
             module.merge()
     ranks = _convert(model, quant, group_size, head, activations)
     if adapted:
         merge_and_unload(model)  # what is left of the adapter: the merged embedding, back to a plain module
     model.quantization = {"quant": quant, "group_size": group_size, "lm_head": head, "activations": activations,
                           "layout": woq.LAYOUT_VERSION}
+    if gate is not None:
+        _gate_corrections(model, gate)
     if ranks:
         model.quantization["low_rank"] = ranks
     logger.info("quantised to %s (LM head %s, %s activations%s): %.1f MB of linear weights", quant, head, activations,
@@ -233,15 +243,35 @@ def prepare_quantized(model: nn.Module, directory: Path) -> None:
     if unknown:
         raise ValueError(f"{path}: low_rank names layers the model does not have: {unknown[:4]}")
     model.quantization = {**spec, "activations": activations}
+    if spec.get("gated"):
+        from clover.model.lora import AdapterGate
+
+        _gate_corrections(model, AdapterGate())
+
+
+def _gate_corrections(model: nn.Module, gate: Any) -> None:
+    """A gated adapter's corrections act at the query stream only: every corrected layer reads the model's gate,
+    which its forward places (clover.model.lora.AdapterGate)."""
+    model.adapter_gate = gate
+    for module in model.modules():
+        if isinstance(module, PackedLinear) and module.rank:
+            module.gate = gate
+    model.quantization["gated"] = True
+
+
+def _ungate_mask_rows(embedding: nn.Module, mask_token_id: int | None) -> None:
+    """A gated adapter's trained embedding rows act at query positions only. Merged into the table they act
+    wherever their ids occur: the same only for the `[MASK]` row, whose id the clean stream never attends to
+    (it appears there only as padding, masked out) and never emits (its logit is banned, so the tied head's
+    row changing with it changes no choice). Any other gated row is refused."""
+    others = sorted(set(embedding.rows.tolist()) - {mask_token_id})
+    if others:
+        raise ValueError(f"a gated adapter's trained embedding rows {others[:4]} act at query positions only and "
+                         "cannot be merged into a quantised table (only the [MASK] row can): run it unquantised")
+    embedding.gate = None
 
 
 def _check_quantizable(model: nn.Module) -> None:
-    from clover.model.lora import is_gated
-
-    if is_gated(model):
-        raise ValueError("a model with a gated adapter cannot be quantised: the adapter acts at query positions "
-                         "only, which packed layers do not model, and cannot be merged into the weights; run it "
-                         "unquantised")
     if getattr(model, "quantization", None):
         raise ValueError(f"the model is already quantised ({model.quantization['quant']})")
 

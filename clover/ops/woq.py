@@ -217,15 +217,21 @@ def unpack(qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, kind:
 
 def reference_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, kind: str,
                      out_features: int, group_size: int = DEFAULT_GROUP_SIZE,
-                     correction: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                     correction: tuple[torch.Tensor, torch.Tensor] | None = None,
+                     gate: tuple[int, int] | None = None) -> torch.Tensor:
     """Dequantise, then an fp32 matmul: `x [..., K]` -> `[..., O]` in x's dtype; `correction`: `(A [r, K],
     B' [r, O])`, fp16 stored as int16 bits (`pack_correction`), adds `(x A^T) B'` (a low-rank term kept beside
-    the packed weights)."""
+    the packed weights); `gate` `(T, start)`: a gated adapter's correction, added only where a row's position
+    in its sequence of `T` tokens (the rows of `x` in order) is `>= start` (its query stream)."""
     w = unpack(qweight, scale, zero, kind, out_features, x.shape[-1], group_size)
     y = F.linear(x.float(), w.to(x.device))
     if correction is not None:
         a, b = (t.view(torch.float16).float() for t in correction)
-        y = y + F.linear(x.float(), a) @ b
+        delta = F.linear(x.float(), a) @ b
+        if gate is not None:
+            rows = torch.arange(delta.numel() // delta.shape[-1], device=x.device).view(delta.shape[:-1])
+            delta = delta * (rows % gate[0] >= gate[1])[..., None]
+        y = y + delta
     return y.to(x.dtype)
 
 
@@ -274,10 +280,10 @@ def woq_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero
                out_features: int, group_size: int = DEFAULT_GROUP_SIZE,
                correction: tuple[torch.Tensor, torch.Tensor] | None = None, vectorised: bool = True,
                correction_tiles: tuple[torch.Tensor, torch.Tensor] | None = None,
-               activations: str = "int8") -> torch.Tensor:
+               activations: str = "int8", gate: tuple[int, int] | None = None) -> torch.Tensor:
     """`x [..., K]` (any float dtype) -> `[..., O]` in x's dtype by the kernel (`vectorised=False`: its scalar
-    path), plus `correction` as in `reference_linear`, in one call; int8 / int4 quantise `x` per row and group,
-    in one int8 pass or two (`activations`, module docstring); fp32 / bf16 do not round it.
+    path), plus `correction` as in `reference_linear` (`gate` too), in one call; int8 / int4 quantise `x` per row
+    and group, in one int8 pass or two (`activations`, module docstring); fp32 / bf16 do not round it.
     `correction_tiles`: B' as `tile_correction` lays it out for the kernel (made from `correction` when not given;
     a layer that keeps one makes it once)."""
     check_activations(activations)
@@ -285,8 +291,9 @@ def woq_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero
     if correction is not None:
         a = correction[0]
         tiles, index = correction_tiles if correction_tiles is not None else tile_correction(correction[1])
+    period, start = gate or (1, 0)
     return extension().woq_linear(x, qweight, scale, zero, KINDS[kind], out_features, group_size, TILE_K, vectorised,
-                                  a, tiles, index, ACTIVATIONS[activations])
+                                  a, tiles, index, ACTIVATIONS[activations], period, start)
 
 
 def has_avx2() -> bool:

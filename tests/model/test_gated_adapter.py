@@ -188,3 +188,56 @@ def test_exact_mode_of_a_gated_model_is_the_bases_greedy_output(block_size):
     got = generate(model, prompts, max_new_tokens=20, block_size=block_size, rule="exact")
     assert got.sequences == want and all(len(s) >= 10 for s in want)
     assert all(s["forward_passes"] <= len(seq) + 1 for s, seq in zip(got.stats, want))
+
+
+# -- quantised: the corrections gated at the query rows -----------------------------------------------------------
+@torch.no_grad()
+def test_a_quantised_gated_model_is_the_quantised_base_at_clean_rows_and_the_adapter_at_query_rows(tmp_path):
+    """`quantize` keeps a gated adapter as corrections the kernels add at query rows only: with fp32 packing (exact
+    weights), the clean stream is the base's to rounding and the query stream the gated model's to the
+    correction's fp16; the fused C++ layers compute what the module path computes; and the quantised checkpoint
+    loads gated again."""
+    from clover.model import quantize
+    from clover.model.quant import PackedLinear
+
+    base, model = base_and_gated("clover-tiny-dense")
+    packed = quantize(copy.deepcopy(model), "fp32")
+    assert packed.quantization["gated"] and is_gated(packed)
+    assert all(m.gate is packed.adapter_gate for m in packed.modules() if isinstance(m, PackedLinear) and m.rank)
+    x, q = ids(2, 9), torch.full((2, 4), 255)
+    clean = packed(x, 4, prefix_len=9, query_ids=q)
+    want = model(x, 4, prefix_len=9, query_ids=q)
+    scale = want.query_logits.abs().max().item()
+    # the [MASK] row is merged into the (tied) table: its logit, banned from every choice, is the one that moves
+    keep = torch.arange(model.config.vocab_size) != model.config.mask_token_id
+    torch.testing.assert_close(clean.logits[..., keep], base(x).logits[..., keep], rtol=1e-4, atol=1e-4 * scale)
+    torch.testing.assert_close(clean.query_logits[..., keep], want.query_logits[..., keep], rtol=1e-2,
+                               atol=2e-3 * scale)
+    assert (want.query_logits - base(x, 4, prefix_len=9, query_ids=q).query_logits).abs().max() > 0.05 * scale
+    assert all(layer.fused for layer in packed.model.layers)
+    for layer in packed.model.layers:  # the module path: PackedLinear with its gate, layer by layer
+        layer.fused = False
+    modules = packed(x, 4, prefix_len=9, query_ids=q)
+    torch.testing.assert_close(modules.query_logits, clean.query_logits, rtol=1e-4, atol=1e-4 * scale)
+    torch.testing.assert_close(modules.logits, clean.logits, rtol=1e-4, atol=1e-4 * scale)
+    for layer in packed.model.layers:
+        layer.fused = True
+    packed.save_pretrained(tmp_path / "packed")
+    loaded = CloverForBlockDiffusion.from_pretrained(tmp_path / "packed")
+    assert loaded.quantization["gated"] and is_gated(loaded)
+    again = loaded(x, 4, prefix_len=9, query_ids=q)
+    assert torch.equal(again.query_logits, clean.query_logits) and torch.equal(again.logits, clean.logits)
+
+
+def test_exact_mode_of_a_quantised_gated_model_is_the_quantised_bases_greedy_output():
+    from clover.engine import generate
+    from clover.model import quantize
+
+    base, model = base_and_gated("clover-tiny-dense")
+    prompts = [[5, 9, 2, 7, 1], [3, 3, 8]]
+    want = generate(quantize(copy.deepcopy(base), "int4"), prompts, max_new_tokens=20, block_size=1,
+                    eos_token_ids=[]).sequences
+    packed = quantize(model, "int4")
+    got = generate(packed, prompts, max_new_tokens=20, block_size=4, rule="exact", rule_options={"adaptive": False},
+                   eos_token_ids=[]).sequences
+    assert got == want

@@ -25,9 +25,11 @@ namespace {
 constexpr int64_t LOOP_ROWS = 32;  // query rows up to which attention runs as loops (a block step), else SDPA
 constexpr int64_t MAX_ROTARY = 1024;
 
-torch::Tensor linear(const PackedArgs& p, const torch::Tensor& x, int64_t chunk, bool vector) {
+// x [N, T, F]; a gated adapter's correction acts from position `gated_from` of each row's T tokens on (0: all)
+torch::Tensor linear(const PackedArgs& p, const torch::Tensor& x, int64_t chunk, bool vector, int64_t gated_from) {
   return woq_linear(x, std::get<0>(p), std::get<1>(p), std::get<2>(p), std::get<3>(p), std::get<4>(p),
-                    std::get<5>(p), chunk, vector, std::get<6>(p), std::get<7>(p), std::get<8>(p), std::get<9>(p));
+                    std::get<5>(p), chunk, vector, std::get<6>(p), std::get<7>(p), std::get<8>(p), std::get<9>(p),
+                    x.size(1), gated_from);
 }
 
 // y = (x / sqrt(mean(x^2) + eps)) * w per row, in F.rms_norm's order
@@ -199,7 +201,7 @@ torch::Tensor decoder_layer(torch::Tensor h, torch::Tensor norm1, torch::Tensor 
                             const PackedArgs& down, torch::Tensor cos, torch::Tensor signed_sin,
                             torch::Tensor k_cache, torch::Tensor v_cache, int64_t past,
                             c10::optional<torch::Tensor> mask, bool is_causal, int64_t heads, int64_t kv_heads,
-                            int64_t head_dim, int64_t chunk, bool vector) {
+                            int64_t head_dim, int64_t chunk, bool vector, int64_t gated_from) {
   TORCH_CHECK(h.dim() == 3 && h.scalar_type() == torch::kFloat && h.is_contiguous(), "h must be fp32 [N, T, hidden]");
   TORCH_CHECK(k_cache.scalar_type() == torch::kFloat && v_cache.scalar_type() == torch::kFloat &&
                   k_cache.stride(3) == 1 && v_cache.stride(3) == 1 && k_cache.size(2) >= past + h.size(1),
@@ -211,7 +213,7 @@ torch::Tensor decoder_layer(torch::Tensor h, torch::Tensor norm1, torch::Tensor 
   const int64_t qw = heads * D, kw = kv_heads * D, group = heads / kv_heads;
   const float feps = static_cast<float>(eps);
 
-  auto proj = linear(qkv, rms_norm(h, norm1, feps, vector), chunk, vector);  // [N, T, qw + 2 kw]
+  auto proj = linear(qkv, rms_norm(h, norm1, feps, vector), chunk, vector, gated_from);  // [N, T, qw + 2 kw]
   float* pp = proj.data_ptr<float>();
   const float *cp = cos.data_ptr<float>(), *sp = signed_sin.data_ptr<float>();
   float *kc = k_cache.data_ptr<float>(), *vc = v_cache.data_ptr<float>();
@@ -265,8 +267,8 @@ torch::Tensor decoder_layer(torch::Tensor h, torch::Tensor norm1, torch::Tensor 
     });
   }
 
-  auto out = h + linear(o, att, chunk, vector);
-  auto gu = linear(gate_up, rms_norm(out, norm2, feps, vector), chunk, vector);  // [N, T, 2 I]
+  auto out = h + linear(o, att, chunk, vector, gated_from);
+  auto gu = linear(gate_up, rms_norm(out, norm2, feps, vector), chunk, vector, gated_from);  // [N, T, 2 I]
   const int64_t I = gu.size(-1) / 2, rows = N * T;
   auto act = torch::empty({N, T, I}, h.options());
   const float* g = gu.data_ptr<float>();
@@ -282,6 +284,6 @@ torch::Tensor decoder_layer(torch::Tensor h, torch::Tensor norm1, torch::Tensor 
 #endif
     for (int64_t i = 0; i < I; ++i) ar[i] = gr[i] / (1.f + std::exp(-gr[i])) * ur[i];
   }
-  out.add_(linear(down, act, chunk, vector));
+  out.add_(linear(down, act, chunk, vector, gated_from));
   return out;
 }

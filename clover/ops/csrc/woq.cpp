@@ -417,12 +417,17 @@ struct Corr {
   const uint16_t* tiles;  // [n, 16] fp16
   const int64_t* index;
   float* t;  // [rows, rank]
+  // a gated adapter acts at query positions only: row r is corrected where r % period >= from (rows are a
+  // flattened [N, period] token grid whose query stream starts at `from`); 1 and 0 correct every row
+  int64_t period, from;
+  bool corrects(int64_t row) const { return row % period >= from; }
 };
 
 void add_correction(const Args& a, const Corr& c, int64_t b, bool vector) {
   const int64_t first = c.index[3 * b], n = c.index[3 * b + 1], cols = std::min<int64_t>(NB, a.O - b * NB);
   const uint16_t* tile = c.tiles + c.index[3 * b + 2] * NB;
   for (int64_t r = 0; r < a.rows; ++r) {
+    if (!c.corrects(r)) continue;
     const float* t = c.t + r * c.rank + first;
     float* y = a.y + r * a.O + b * NB;
 #ifdef WOQ_X86
@@ -536,8 +541,7 @@ void run(const Args& a, int64_t passes, const Corr* corr, bool vector) {
         for (int64_t i = begin; i < end; ++i) {
           if (i < quantised) {
             quantise_row(a, acts, i, vector, res.data());
-          } else {
-            const int64_t j = i - quantised;
+          } else if (const int64_t j = i - quantised; corr->corrects(j / corr->rank)) {
             corr->t[j] = dot_half(a.x + (j / corr->rank) * a.K, corr->A + (j % corr->rank) * a.K, a.K, vector);
           }
         }
@@ -563,7 +567,8 @@ void run(const Args& a, int64_t passes, const Corr* corr, bool vector) {
 torch::Tensor woq_linear(torch::Tensor input, torch::Tensor w, torch::Tensor scale, torch::Tensor zero, int64_t kind,
                          int64_t out_features, int64_t group, int64_t chunk, bool vector,
                          c10::optional<torch::Tensor> corr_a, c10::optional<torch::Tensor> corr_tiles,
-                         c10::optional<torch::Tensor> corr_index, int64_t passes) {
+                         c10::optional<torch::Tensor> corr_index, int64_t passes, int64_t corr_period,
+                         int64_t corr_from) {  // defaults in woq.h
   TORCH_CHECK(input.dim() >= 1 && input.is_floating_point(), "x must be a float tensor [..., K]");
   TORCH_CHECK(w.is_contiguous() && scale.is_contiguous() && zero.is_contiguous(), "packed tensors must be contiguous");
   const int64_t K = input.size(-1), blocks = (out_features + NB - 1) / NB;
@@ -603,9 +608,11 @@ torch::Tensor woq_linear(torch::Tensor input, torch::Tensor w, torch::Tensor sca
       TORCH_CHECK(ip[3 * b] >= 0 && ip[3 * b + 1] >= 0 && ip[3 * b] + ip[3 * b + 1] <= rank && ip[3 * b + 2] >= 0 &&
                       ip[3 * b + 2] + ip[3 * b + 1] <= n,
                   "the correction's index points outside A [", rank, ", K] or its ", n, " tile rows");
+    TORCH_CHECK(corr_period >= 1 && corr_from >= 0 && rows % corr_period == 0,
+                "a gated correction needs rows in whole sequences of corr_period >= 1 tokens and corr_from >= 0");
     t.resize(rows * rank);
     corr = Corr{static_cast<const uint16_t*>(A.data_ptr()), rank, static_cast<const uint16_t*>(tiles.data_ptr()),
-                ip, t.data()};
+                ip, t.data(), corr_period, corr_from};
   }
   if (rows) run(a, passes, corr_a.has_value() ? &corr : nullptr, vector);
   return input.scalar_type() == torch::kFloat ? y : y.to(input.scalar_type());
@@ -626,7 +633,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("woq_linear", &woq_linear, "weight-streaming linear (packed fp32/bf16/int8/int4 weights)", py::arg("x"),
         py::arg("w"), py::arg("scale"), py::arg("zero"), py::arg("kind"), py::arg("out_features"), py::arg("group"),
         py::arg("chunk"), py::arg("vector"), py::arg("corr_a") = py::none(), py::arg("corr_tiles") = py::none(),
-        py::arg("corr_index") = py::none(), py::arg("passes") = 1);
+        py::arg("corr_index") = py::none(), py::arg("passes") = 1, py::arg("corr_period") = 1,
+        py::arg("corr_from") = 0);
   m.def("has_avx2", &woq_has_avx2, "whether the AVX2+FMA path can run on this CPU");
   m.def("decoder_layer", &decoder_layer, "a Llama-form decoder layer over packed weights (layer.cpp)");
 }

@@ -7,11 +7,13 @@
 #include <tuple>
 
 // y = x W^T (+ (x A^T) B', B' as tiles of 16 columns and their index), x [..., K] any float dtype ->
-// [..., out_features] in x's dtype (woq.cpp); `passes`: int8 / int4 round x to int8 once or twice (its residual).
+// [..., out_features] in x's dtype (woq.cpp); `passes`: int8 / int4 round x to int8 once or twice (its residual);
+// a gated correction (query positions only) adds only to rows r with r % corr_period >= corr_from.
 torch::Tensor woq_linear(torch::Tensor input, torch::Tensor w, torch::Tensor scale, torch::Tensor zero, int64_t kind,
                          int64_t out_features, int64_t group, int64_t chunk, bool vector,
                          c10::optional<torch::Tensor> corr_a, c10::optional<torch::Tensor> corr_tiles,
-                         c10::optional<torch::Tensor> corr_index, int64_t passes);
+                         c10::optional<torch::Tensor> corr_index, int64_t passes, int64_t corr_period = 1,
+                         int64_t corr_from = 0);
 
 bool woq_has_avx2();
 
@@ -29,4 +31,4 @@ torch::Tensor decoder_layer(torch::Tensor h, torch::Tensor norm1, torch::Tensor 
                             const PackedArgs& down, torch::Tensor cos, torch::Tensor signed_sin,
                             torch::Tensor k_cache, torch::Tensor v_cache, int64_t past,
                             c10::optional<torch::Tensor> mask, bool is_causal, int64_t heads, int64_t kv_heads,
-                            int64_t head_dim, int64_t chunk, bool vector);
+                            int64_t head_dim, int64_t chunk, bool vector, int64_t gated_from);
