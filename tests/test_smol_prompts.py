@@ -139,3 +139,26 @@ def test_distillation_prompt_is_rendered_exactly_as_training_renders_it():
     ids, mask = tokenize_chat_for_training(tokenizer, [*user, {"role": "assistant", "content": "Sunny skies."}])
     assert prompt == ids[: mask.index(1)]
     assert "You are a helpful AI assistant" not in tokenizer.decode(prompt)  # no base-template system prompt
+
+
+def test_answers_pack_to_token_ids_and_unpack_to_the_same_answers(chat_tokenizer, tmp_path: Path):
+    """The committed form of the distilled answers: token ids (a row written before the ids were kept is
+    re-encoded), unpacked to the same text, marks and order; a torn last line (a running distillation) waits."""
+    prompts = [{"id": f"chat.x.{i}", "category": "chat", "messages": [{"role": "user", "content": f"hi {i}"}]}
+               for i in range(3)]
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in prompts))
+    texts = ["Hello world. The weather is sunny.", "def add(x, y):\n    return x + y\n", "It is 21 degrees."]
+    rows = [distill._answer_row(p, chat_tokenizer(t, add_special_tokens=False)["input_ids"], chat_tokenizer,
+                                i == 1, 0.1 * i, False) for i, (p, t) in enumerate(zip(prompts, texts))]
+    del rows[2]["token_ids"]  # as the first rows of a run that started before the ids were kept
+    answers = tmp_path / "answers.jsonl"
+    answers.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"id": "torn')
+    figures = distill.pack(answers, tmp_path / "packed.safetensors", chat_tokenizer, cpu_hours=0.5)
+    assert figures["answers"] == 3 and figures["cpu_hours"] == 0.5
+    out = tmp_path / "restored.jsonl"
+    assert distill.unpack(tmp_path / "packed.safetensors", tmp_path / "prompts.jsonl", out, chat_tokenizer) == 3
+    restored = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["messages"] for r in restored] == [r["messages"] for r in rows]
+    assert [(r["id"], r["truncated"], r["repetition"], r["loop"]) for r in restored] == \
+        [(r["id"], r["truncated"], r["repetition"], r["loop"]) for r in rows]
+    assert distill.unpack(tmp_path / "packed.safetensors", tmp_path / "prompts.jsonl", out, chat_tokenizer) == 0

@@ -31,6 +31,7 @@ any chat is from the eval split or a live_* category.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib.util
 import json
 import logging
@@ -237,28 +238,29 @@ def export_for_training(answers_path: Path, out_path: Path, *, drop_loops: bool 
 
 
 # -- the committed form: token ids --------------------------------------------------------------------------------------
-def pack(answers_path: Path, packed_path: Path, *, cpu_hours: float = 0.0, **provenance: Any) -> dict[str, Any]:
+def pack(answers_path: Path, packed_path: Path, tokenizer: Any, *, cpu_hours: float = 0.0,
+         **provenance: Any) -> dict[str, Any]:
     """The answers of `answers_path` as token ids in one safetensors file (`uint16`: SmolLM2's 49k ids fit; ~2 bytes
-    a token, so a few MB for the whole set), with each row's id and marks in its metadata. The text is the
-    tokens' decoding, so `unpack` gives the same file back, byte for byte. Written atomically; returns the
-    metadata's figures."""
+    a token, so a few MB for the whole set), with each row's id and marks in its metadata, and its sha256 and
+    figures (answers, tokens, CPU-hours so far) beside it in a `.json` that `unpack` checks. The text is the
+    tokens' decoding, so `unpack` gives the same answers back, text for text. Written atomically; returns the
+    figures."""
     import numpy as np
     from safetensors.numpy import save_file
 
     tokens, offsets, rows = [], [0], []
-    tokenizer = None
-    with open(answers_path, encoding="utf-8") as f:
-        for line in f:
-            if not line.strip():
-                continue
-            row = json.loads(line)
-            ids = row.get("token_ids")
-            if ids is None:  # rows written before the ids were kept: the text's encoding is the decoded ids
-                tokenizer = tokenizer or _tokenizer(provenance["base"])
-                ids = tokenizer(row["messages"][-1]["content"], add_special_tokens=False)["input_ids"]
-            tokens += ids
-            offsets.append(len(tokens))
-            rows.append([row["id"], row["truncated"], row["repetition"], row["loop"]])
+    data = answers_path.read_bytes()
+    complete = data[: data.rfind(b"\n") + 1].decode("utf-8")  # a line being written by a running `distill` waits
+    for line in complete.splitlines():
+        if not line.strip():
+            continue
+        row = json.loads(line)
+        ids = row.get("token_ids")
+        if ids is None:  # rows written before the ids were kept: the text's encoding decodes to the same text
+            ids = tokenizer(row["messages"][-1]["content"], add_special_tokens=False)["input_ids"]
+        tokens += ids
+        offsets.append(len(tokens))
+        rows.append([row["id"], row["truncated"], row["repetition"], row["loop"]])
     if max(tokens, default=0) >= 2**16:
         raise ValueError(f"{answers_path}: token id {max(tokens)} does not fit uint16")
     figures = {"answers": len(rows), "tokens": len(tokens), "cpu_hours": round(cpu_hours, 3),
@@ -268,14 +270,22 @@ def pack(answers_path: Path, packed_path: Path, *, cpu_hours: float = 0.0, **pro
     save_file({"tokens": np.asarray(tokens, dtype=np.uint16), "offsets": np.asarray(offsets, dtype=np.int64)},
               str(tmp), metadata={"rows": json.dumps(rows), "figures": json.dumps(figures)})
     tmp.replace(packed_path)
+    figures["sha256"] = hashlib.sha256(packed_path.read_bytes()).hexdigest()
+    packed_path.with_suffix(".json").write_text(json.dumps(figures, indent=2) + "\n")
     return figures
 
 
-def unpack(packed_path: Path, prompts_path: Path, out_path: Path, base_dir: Path) -> int:
+def unpack(packed_path: Path, prompts_path: Path, out_path: Path, tokenizer: Any) -> int:
     """Write the answers packed in `packed_path` to `out_path` (the prompts come from `prompts_path`), unless
     `out_path` already holds at least as many; returns the answers written. `distill` then resumes after them."""
     from safetensors import safe_open
 
+    record = packed_path.with_suffix(".json")
+    if record.is_file():
+        want, got = json.loads(record.read_text())["sha256"], hashlib.sha256(packed_path.read_bytes()).hexdigest()
+        if want != got:
+            raise ValueError(f"{packed_path} has sha256 {got[:16]}..., but {record.name} records {want[:16]}...: "
+                             "a damaged or mismatched file")
     with safe_open(str(packed_path), framework="numpy") as f:
         tokens, offsets = f.get_tensor("tokens"), f.get_tensor("offsets")
         rows = json.loads(f.metadata()["rows"])
@@ -286,7 +296,6 @@ def unpack(packed_path: Path, prompts_path: Path, out_path: Path, base_dir: Path
     if missing:
         raise ValueError(f"{packed_path}: {len(missing)} answers to prompts not in {prompts_path} (e.g. "
                          f"{missing[0]!r}): the prompts differ from those distilled")
-    tokenizer = _tokenizer(base_dir)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_path.with_name(out_path.name + ".tmp")
     with open(tmp, "w", encoding="utf-8") as out:
@@ -298,7 +307,8 @@ def unpack(packed_path: Path, prompts_path: Path, out_path: Path, base_dir: Path
     return len(rows)
 
 
-def _tokenizer(base_dir: Path) -> Any:
+def base_tokenizer(base_dir: Path) -> Any:
+    """The base model's tokenizer (the base converted first if it is not there yet)."""
     from clover.tokenizer import load_tokenizer
 
     return load_tokenizer(ensure_base(Path(base_dir)))
@@ -375,7 +385,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.unpack is not None:
         if args.out is None or args.prompts is None:
             parser.error("--unpack needs --prompts and --out")
-        print(f"restored {unpack(args.unpack, args.prompts, args.out, base)} answers from {args.unpack}")
+        restored = unpack(args.unpack, args.prompts, args.out, base_tokenizer(base))
+        print(f"restored {restored} answers from {args.unpack}")
     if args.prompts is not None:
         if args.out is None:
             parser.error("--prompts needs --out")
@@ -393,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.pack is not None:
         if args.out is None:
             parser.error("--pack needs --out (the answers to pack)")
-        print(json.dumps(pack(args.out, args.pack, cpu_hours=args.cpu_hours, base=base, quant=args.quant,
+        print(json.dumps(pack(args.out, args.pack, base_tokenizer(base), cpu_hours=args.cpu_hours, quant=args.quant,
                               max_new_tokens=args.max_new_tokens)))
     return 0
 

@@ -126,15 +126,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     quant = "none" if args.gpu else "int4"  # on a CPU the base's int4 build: its fastest exact path
     packed = DISTILLED / f"answers-{device}-{quant}.safetensors"
     if packed.is_file() and not args.tiny:
-        figures["restored"] = distill.unpack(packed, data / "train.jsonl", data / "answers.jsonl", base)
+        figures["restored"] = distill.unpack(packed, data / "train.jsonl", data / "answers.jsonl",
+                                             distill.base_tokenizer(base))
     figures["distill"] = distill.distill(
         data / "train.jsonl", data / "answers.jsonl", base, max_new_tokens=args.max_new_tokens,
         batch_size=args.distill_batch or (256 if args.gpu else 16), threads=None if args.gpu else args.threads,
         progress=not args.quiet, device=device, quant=quant)
     if figures["distill"]["answered"] and not args.tiny:
         spent = figures["distill"]["wall_s"] * (figures["distill"]["threads"] or 1) / 3600
-        figures["packed"] = distill.pack(data / "answers.jsonl", packed, cpu_hours=_cpu_hours(packed) + spent,
-                                         base=base, quant=quant, max_new_tokens=args.max_new_tokens)
+        figures["packed"] = distill.pack(data / "answers.jsonl", packed, distill.base_tokenizer(base),
+                                         cpu_hours=_cpu_hours(packed) + spent, quant=quant,
+                                         max_new_tokens=args.max_new_tokens)
     figures["export"] = distill.export_for_training(data / "answers.jsonl", data / "answers.train.jsonl")
     sources = [data / "answers.train.jsonl"]
     if not args.tiny:
