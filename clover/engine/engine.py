@@ -32,7 +32,7 @@ from clover.engine.block_loop import BlockBatch, BlockLoop
 from clover.engine.cost import ForwardCost
 from clover.engine.decoding import ExactRule, UnmaskingRule, make_rule
 from clover.engine.exact import ExactBatch, ExactLoop
-from clover.engine.loop import Event, StepSnapshot, StreamPiece  # noqa: F401 (StepSnapshot: re-exported)
+from clover.engine.loop import Event, StreamPiece
 from clover.engine.request import Detokenize, Request
 from clover.engine.runner import ModelRunner, RunnerCache, as_runner
 from clover.engine.sampling import SamplingParams
