@@ -156,7 +156,8 @@ def main() -> None:
 
         train, _ = build_prompts()
         chats = [{"messages": p.row()["messages"], "tools": None} for p in train[: 6 * args.limit]]
-        chats += [{"messages": c["messages"][:-1], "tools": c["tools"]} for c in bfcl_to_chats("train")[: 2 * args.limit]]
+        chats += [{"messages": c["messages"][:-1], "tools": c["tools"]}
+                  for c in bfcl_to_chats("train")[: 2 * args.limit]]
         decode, engine = load("int4-full", args.threads, False)
         for chat in chats:
             decode(prompt_ids(tokenizer, chat), args.max_new_tokens)

@@ -90,7 +90,8 @@ def generate(model: torch.nn.Module | ModelRunner, prompts: Any, max_new_tokens:
              prefill_chunk: int = DEFAULT_PREFILL_CHUNK, **sampling_kwargs: Any) -> GenerationResult:
     """Generate for a batch of prompts (decoded together, each getting what it would get alone).
 
-    `block_size`, `threshold` and `rule` default to the model config's. Sampling: `sampling=SamplingParams(...)` (one, or
+    `block_size`, `threshold` and `rule` default to the model config's. Sampling: `sampling=SamplingParams(...)` (one,
+    or
     one per prompt) or keywords `temperature`, `top_p`, `top_k`, `repetition_penalty`, `seed`, `stop`.
     """
     rows = _prompts(prompts, attention_mask)
@@ -107,7 +108,8 @@ def generate(model: torch.nn.Module | ModelRunner, prompts: Any, max_new_tokens:
 
 
 def stream(model: torch.nn.Module | ModelRunner, prompt_ids: Seq[int] | torch.Tensor, max_new_tokens: int = 128, *,
-           block_size: int | None = None, threshold: float | None = None, rule: str | UnmaskingRule | ExactRule | None = None,
+           block_size: int | None = None, threshold: float | None = None,
+           rule: str | UnmaskingRule | ExactRule | None = None,
            rule_options: dict[str, Any] | None = None, sampling: SamplingParams | None = None,
            detokenize: Detokenize | None = None, vocab_limit: int | None = None,
            eos_token_ids: Seq[int] | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,

@@ -107,7 +107,8 @@ class ExactLoop(DecodingLoop):
         width = max(b.decided.shape[1], new.decided.shape[1])
         drafts = max(b.drafts.shape[1], new.drafts.shape[1])
         return ExactBatch(b.seqs + new.seqs, type(b.cache).concat([b.cache, new.cache]),
-                          BatchSampler.concat([b.sampler, new.sampler]), torch.cat([_pad(b.decided, width), _pad(new.decided, width)]),
+                          BatchSampler.concat([b.sampler, new.sampler]),
+                          torch.cat([_pad(b.decided, width), _pad(new.decided, width)]),
                           torch.cat([b.n_decided, new.n_decided]),
                           torch.cat([_pad(b.drafts, drafts), _pad(new.drafts, drafts)]),
                           torch.cat([b.n_drafts, new.n_drafts]), b.acceptance + new.acceptance)

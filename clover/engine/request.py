@@ -103,9 +103,9 @@ class Request:
     def _text_tail(self, chars: int, detokenize: Detokenize) -> list[int]:
         """The last generated tokens whose text holds more than `chars + 3` characters (or all of them): where a
         stop string that ends in the next piece can begin (+3: a tail that starts inside a character decodes its
-        up to three stray UTF-8 bytes as replacement characters). Sized by text, not tokens: a byte-level token may hold a
-        fraction of a character (an emoji can be four tokens), so a count of tokens per character would cut a
-        multi-byte stop string short, and whether it is found would depend on how many tokens a piece brings."""
+        up to three stray UTF-8 bytes as replacement characters). Sized by text, not tokens: a byte-level token may
+        hold a fraction of a character (an emoji can be four tokens), so a count of tokens per character would cut
+        a multi-byte stop string short, and whether it is found would depend on how many tokens a piece brings."""
         n = chars + 1
         while n < len(self.generated) and len(detokenize(self.generated[-n:])) <= chars + 3:
             n *= 2

@@ -32,7 +32,7 @@ import itertools
 import logging
 import threading
 import time
-from typing import Callable, Sequence as Seq
+from typing import Any, Callable, Sequence as Seq
 
 import torch
 
@@ -54,8 +54,8 @@ class Scheduler:
     """The model's one thread: requests arrive through `submit` (any thread) into an inbox; each iteration hands
     them to the `SchedulePolicy` and runs its admit / join / step once."""
 
-    def __init__(self, model: torch.nn.Module | ModelRunner, *, block_size: int, threshold: float,
-                 rule: str | None = None,
+    def __init__(self, model: torch.nn.Module | ModelRunner, *, block_size: int | None = None,
+                 threshold: float | None = None, rule: str | None = None,
                  eos_token_ids: Seq[int] | None = None, vocab_limit: int | None = None,
                  detokenize: Callable[[list[int]], str] | None = None, prefill_chunk: int = 256,
                  prefix_cache: PrefixCache | None = None, max_running: int = 32, max_waiting: int = 256,
@@ -76,6 +76,7 @@ class Scheduler:
         self.max_running, self.max_waiting = max_running, max_waiting
         self.metrics = metrics or ServerMetrics()
         self.engines: dict[EngineKey, Engine] = {}
+        self._keys: dict[tuple[Any, ...], EngineKey] = {}  # options as asked -> the engine's resolved settings
         self.policy = SchedulePolicy(self.engines, prefix_cache, max_running, self.metrics, self._release)
         self._ids = itertools.count()
         self._lock = threading.Condition()
@@ -91,13 +92,19 @@ class Scheduler:
                ignore_eos: bool = False) -> tuple[EngineKey, Engine]:
         """The engine (and its key) decoding with these options (None: the server's default); created on first
         use."""
-        key = (self.defaults[0] if block_size is None else int(block_size),
-               self.defaults[1] if threshold is None else float(threshold),
-               self.defaults[2] if rule is None else str(rule), bool(ignore_eos))
+        asked = (self.defaults[0] if block_size is None else int(block_size),
+                 self.defaults[1] if threshold is None else float(threshold),
+                 self.defaults[2] if rule is None else str(rule), bool(ignore_eos))
         with self._lock:
-            if key not in self.engines:
+            if asked not in self._keys:
                 options = {**self.engine_options, **({"eos_token_ids": []} if ignore_eos else {})}
-                self.engines[key] = Engine(self.model, key[0], key[1], key[2], **options)
+                engine = Engine(self.model, asked[0], asked[1], asked[2], **options)
+                # the settings the engine resolved (None: the model's defaults) are its key: a request naming the
+                # defaults shares the default requests' engine and batches
+                key = (engine.block_size, engine.threshold, engine.rule.name, bool(ignore_eos))
+                self.engines.setdefault(key, engine)
+                self._keys[asked] = key
+            key = self._keys[asked]
             return key, self.engines[key]
 
     def submit(self, prompt: list[int], max_new_tokens: int, sampling: Seq[SamplingParams], *,

@@ -113,8 +113,6 @@ class ServedModel:
         self.tokenizer = LockedTokenizer(tokenizer)
         limit = config.max_position_embeddings
         self.context = min(options.max_model_len or limit, limit)
-        self.block_size = options.block_size or config.block_size
-        self.threshold = options.threshold if options.threshold is not None else config.threshold
         self.temperature = options.temperature if options.temperature is not None else \
             float(generation_defaults.get("temperature") or 0.0)
         self.top_p = options.top_p if options.top_p is not None else float(generation_defaults.get("top_p") or 1.0)
@@ -129,7 +127,7 @@ class ServedModel:
                                        recurrent=config.has_linear_attention,
                                        snapshot_interval=options.prefix_snapshot_interval)
         self.scheduler = Scheduler(
-            self.runner, block_size=self.block_size, threshold=self.threshold, rule=options.rule,
+            self.runner, block_size=options.block_size, threshold=options.threshold, rule=options.rule,
             eos_token_ids=eos, vocab_limit=len(self.tokenizer), detokenize=self.tokenizer.decode,
             prefill_chunk=options.prefill_chunk, prefix_cache=prefix_cache, max_running=options.max_running,
             max_waiting=options.max_waiting, metrics=self.metrics)
@@ -146,8 +144,8 @@ class ServedModel:
             raise APIError(404, f"the model {name!r} does not exist; this server serves "
                                 f"{' or '.join(map(repr, self.model_names))}", param="model", code="model_not_found")
 
-    def max_new_tokens(self, requested: int | None, prompt_len: int, block_size: int, rule: str | None, param: str,
-                       prompt_param: str) -> int:
+    def max_new_tokens(self, requested: int | None, prompt_len: int, block_size: int | None, rule: str | None,
+                       param: str, prompt_param: str) -> int:
         """`max_tokens` checked against the context (or, when not given, all the room the context leaves), as the
         engine's loop counts the positions it needs (`DecodingLoop.room`)."""
         _, engine = self.scheduler.engine(block_size, None, rule)
@@ -214,9 +212,8 @@ class ServedModel:
             return await decision_response(self, req)
         sampling = self.sampling(req)
         ids, forced, thinking, tools = await run_in_threadpool(self.chat_prompt, req)
-        block = req.block_size or self.block_size
         param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
-        max_new = self.max_new_tokens(req.max_new_tokens(), len(ids), block, req.rule, param, "messages")
+        max_new = self.max_new_tokens(req.max_new_tokens(), len(ids), req.block_size, req.rule, param, "messages")
         handle = self.submit(ids, max_new, sampling, req)
         stops = req.stop_strings()
         choices = [ChatChoice(self.tokenizer.decode, stops, thinking, tools, forced) for _ in range(req.n)]
@@ -254,8 +251,8 @@ class ServedModel:
                            code="unsupported_parameter")
         sampling = self.sampling(req)
         prompts = await run_in_threadpool(self.completion_prompts, req)
-        block = req.block_size or self.block_size
-        max_news = [self.max_new_tokens(req.max_new_tokens(), len(ids), block, req.rule, "max_tokens", "prompt")
+        max_news = [self.max_new_tokens(req.max_new_tokens(), len(ids), req.block_size, req.rule, "max_tokens",
+                                        "prompt")
                     for ids, _ in prompts]
         handles: list[RequestHandle] = []
         try:

@@ -64,7 +64,7 @@ async def decision_response(server: Any, req: ChatCompletionRequest) -> Response
                             f"{server.runner.name} runner (restart it with --runner torch)",
                        param="response_format", code="unsupported_runner")
     messages = [m.to_template() for m in req.messages]
-    threshold = req.threshold if req.threshold is not None else server.threshold
+    threshold = req.threshold if req.threshold is not None else server.scheduler.engine()[1].threshold
 
     def run() -> Decision:
         with _DECIDING, server.tokenizer.lock:

@@ -237,7 +237,7 @@ def export_for_training(answers_path: Path, out_path: Path, *, drop_loops: bool 
     return counts
 
 
-# -- the committed form: token ids --------------------------------------------------------------------------------------
+# -- the committed form: token ids ------------------------------------------------------------------------------------
 def pack(answers_path: Path, packed_path: Path, tokenizer: Any, *, cpu_hours: float = 0.0,
          **provenance: Any) -> dict[str, Any]:
     """The answers of `answers_path` as token ids in one safetensors file (`uint16`: SmolLM2's 49k ids fit; ~2 bytes
@@ -371,7 +371,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--unpack", type=Path, default=None,
                         help="first restore --out from these packed token ids (with --prompts), if it holds fewer")
     parser.add_argument("--pack", type=Path, default=None,
-                        help="after answering, write the answers of --out as packed token ids here (the committed form)")
+                        help="after answering, write the answers of --out as packed token ids here (the committed "
+                             "form)")
     parser.add_argument("--cpu-hours", type=float, default=0.0, help="--pack: CPU-hours spent so far, recorded")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
