@@ -95,8 +95,9 @@ def load(system: str, threads: int, recalibrate: bool) -> tuple[Decode, Engine |
     options: dict[str, Any] = {"block_size": 1, "rule": "threshold"} if system.endswith("b1") else {}
     if system == "int4-full":
         options = {"rule": "exact", "rule_options": {"adaptive": False}}
-    if system in ("default", "fp32-exact"):
-        options = {"rule": "exact", "cost": cost_table(as_runner(model), recalibrate=recalibrate)}
+    if system in ("default", "fp32-exact"):  # as `clover generate` runs: the cached table, refined as it runs
+        cost_table(as_runner(model), recalibrate=recalibrate)
+        options = {"rule": "exact"}
     return engine_system(model, tokenizer, **options)
 
 

@@ -61,8 +61,8 @@ class ExactBatch:
 
 
 class ExactLoop(DecodingLoop):
-    """The loop of rule `exact` (module docstring). `cost`: the runner's forward cost (measured on first use
-    when None and the rule is adaptive)."""
+    """The loop of rule `exact` (module docstring). `cost`: the runner's forward cost, taken as given (a known
+    machine, tests); None: measured on first use (`cost_table`) and refined by timing the steps as they run."""
 
     name = "exact"
 
@@ -70,6 +70,7 @@ class ExactLoop(DecodingLoop):
         super().__init__(engine)
         self.rule = rule
         self.cost = cost if cost is not None or not rule.adaptive else cost_table(engine.runner)
+        self.learns = cost is None  # a given table is the policy's whole cost model
         self.prior = list(getattr(engine.runner.config, "draft_acceptance", None) or []) or None
         self.overhead = 0.0  # seconds per step outside the runner, until a forward of a size has been timed
         self.step_time: dict[int, float] = {}  # measured seconds of a whole step, by the forward's rows
@@ -181,7 +182,7 @@ class ExactLoop(DecodingLoop):
 
     def _step_cost(self, rows: int, context: int) -> float:
         """Seconds a step of `rows` rows costs: as timed, or the table's forward plus the engine's time."""
-        timed = self.step_time.get(rows)
+        timed = self.step_time.get(rows) if self.learns else None
         return timed if timed is not None else self.cost(rows, context) + self.overhead
 
     def _plan(self, seqs: list[Request], acceptance: list[Acceptance], available: torch.Tensor,

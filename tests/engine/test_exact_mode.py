@@ -74,10 +74,15 @@ def OracleDrafts(model, block_size, reference: dict[int, list[int]], wrong: floa
 def test_exact_equals_block1_greedy_alone_and_in_a_batch(models, preset, block_size):
     model = models[preset]
     ref = _greedy_b1(model, PROMPTS)
-    batch = generate(model, PROMPTS, MAX_NEW, block_size=block_size, rule="exact", eos_token_ids=[])
+    assert generate(model, PROMPTS, MAX_NEW, block_size=block_size, rule="exact", eos_token_ids=[]).sequences == ref
+    # drafting the whole block (the adaptive policy sizes drafts by the batch's cost, so a batch may draft less)
+    whole = {"adaptive": False}
+    batch = generate(model, PROMPTS, MAX_NEW, block_size=block_size, rule="exact", rule_options=whole,
+                     eos_token_ids=[])
     assert batch.sequences == ref
     for i, prompt in enumerate(PROMPTS):
-        alone = generate(model, [prompt], MAX_NEW, block_size=block_size, rule="exact", eos_token_ids=[])
+        alone = generate(model, [prompt], MAX_NEW, block_size=block_size, rule="exact", rule_options=whole,
+                         eos_token_ids=[])
         assert alone.sequences[0] == ref[i]
         # a batch gives each request what it gets alone: the same drafts, hence the same forwards
         assert alone.stats[0]["forward_passes"] == batch.stats[i]["forward_passes"]
