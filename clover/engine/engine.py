@@ -81,6 +81,10 @@ class Engine:
         self.block_size = config.block_size if block_size is None else int(block_size)
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        limit = self.runner.max_block_size
+        if limit is not None and self.block_size > limit:
+            raise ValueError(f"block_size={self.block_size}: the {self.runner.name} runner decodes blocks of at most "
+                             f"{limit} tokens (its max_block_size)")
         self.threshold = config.threshold if threshold is None else threshold
         if not 0.0 < self.threshold <= 1.0:
             raise ValueError(f"threshold must be in (0, 1], got {self.threshold}")

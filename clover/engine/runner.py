@@ -55,6 +55,8 @@ class ModelRunner(Protocol):
     supports_prefix_reuse: bool
     supports_decisions: bool
     max_rows: int | None  # rows one runner holds at once (None: as memory allows)
+    max_block_size: int | None  # the largest block an engine may decode with (None: any); a query block alone
+    # (decision mode's answer block) may be longer
 
     def new_cache(self, batch_size: int) -> Any: ...
 
@@ -70,6 +72,7 @@ class TorchRunner:
     supports_prefix_reuse = True
     supports_decisions = True
     max_rows = None
+    max_block_size = None
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
