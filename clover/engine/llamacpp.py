@@ -130,7 +130,6 @@ class LlamaCppRunner:
 
     name = "llamacpp"
     supports_prefix_reuse = False
-    supports_decisions = False
 
     def __init__(self, path: str | Path, *, threads: int | None = None, max_rows: int | None = 8,
                  n_ctx: int | None = None, max_block_size: int | None = None, kv_type: str = "f16",

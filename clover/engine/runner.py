@@ -50,10 +50,8 @@ class ModelRunner(Protocol):
     name: str
     config: CloverConfig
     device: torch.device
-    # the server may keep prompt prefixes (`clover.serving.prefix_cache`, torch caches only) and decide forms
-    # (`clover.engine.decision`, the torch model's full forward)
+    # the server may keep prompt prefixes (`clover.serving.prefix_cache`, torch caches only)
     supports_prefix_reuse: bool
-    supports_decisions: bool
     max_rows: int | None  # rows one runner holds at once (None: as memory allows)
     max_block_size: int | None  # the largest block an engine may decode with (None: any); a query block alone
     # (decision mode's answer block) may be longer
@@ -70,7 +68,6 @@ class TorchRunner:
 
     name = "torch"
     supports_prefix_reuse = True
-    supports_decisions = True
     max_rows = None
     max_block_size = None
 

@@ -1,5 +1,5 @@
-"""`--runner llamacpp` on `clover generate` and `clover serve`: a GGUF from `clover export --to gguf` decodes through
-the llama.cpp runner, and what it cannot do is refused by name."""
+"""`--runner llamacpp` on `clover generate` and `clover serve`: a GGUF from `clover export --to gguf` decodes (and
+fills forms) through the llama.cpp runner, and what it cannot do is refused by name."""
 
 from __future__ import annotations
 
@@ -15,10 +15,13 @@ from clover.chat_template import render_chat
 from clover.cli.main import main
 from clover.conversion.gguf_export import export_gguf
 from clover.engine import generate
+from clover.engine.decision import decide
 from clover.engine.llamacpp import LlamaCppRunner
 from clover.serving import ServerOptions, create_app
 
 PROMPT = "Hello world. What is the weather?"
+FORM = {"type": "object", "properties": {"category": {"enum": ["billing", "bug", "weather report"]},
+                                         "urgent": {"type": "boolean"}, "note": {"type": "string", "maxLength": 4}}}
 
 
 @pytest.fixture(scope="module")
@@ -67,8 +70,8 @@ def test_runner_misuse_is_a_clear_error(exported, capsys, args, message):
 
 
 def test_server_on_the_llamacpp_runner(exported, chat_tokenizer):
-    """Chat completions through the server equal the engine's output on the same runner; prefix reuse is off and
-    decision mode is refused with the reason."""
+    """Chat completions and structured outputs (`response_format`, decided in the scheduler) through the server
+    equal the engine's and decision mode's output on the same runner."""
     _, gguf = exported
     runner = LlamaCppRunner(gguf, threads=1, max_rows=4)
     app = create_app(runner, chat_tokenizer, ServerOptions(served_model_name="tiny", max_running=4))
@@ -82,11 +85,12 @@ def test_server_on_the_llamacpp_runner(exported, chat_tokenizer):
                         vocab_limit=len(chat_tokenizer)).sequences[0]
         assert reply.choices[0].message.content == chat_tokenizer.decode(want, skip_special_tokens=True).strip()
         assert reply.usage.completion_tokens == len(want)
-        schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
-        with pytest.raises(openai.BadRequestError) as err:
-            client.chat.completions.create(model="tiny", messages=messages, response_format={
-                "type": "json_schema", "json_schema": {"name": "f", "schema": schema}})
-        assert err.value.body["code"] == "unsupported_runner" and "torch runner" in err.value.body["message"]
+        reply = client.chat.completions.create(model="tiny", messages=messages, response_format={
+            "type": "json_schema", "json_schema": {"name": "f", "schema": FORM}})
+        want = decide(runner, chat_tokenizer, messages, FORM)
+        assert json.loads(reply.choices[0].message.content) == want.values
+        assert reply.model_extra["decision"]["forward_passes"] == want.forward_passes
+        assert sorted(runner._free) == list(range(runner.max_rows))  # the decision gave its row back
 
 
 def test_scheduler_refuses_more_rows_than_the_runner_holds(exported, chat_tokenizer):
