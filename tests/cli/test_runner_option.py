@@ -1,5 +1,5 @@
-"""`--runner llamacpp` on `clover generate` and `clover serve`: a GGUF from `clover export --to gguf` decodes (and
-fills forms) through the llama.cpp runner, and what it cannot do is refused by name."""
+"""`--runner llamacpp` on `clover generate`, `clover decide` and `clover serve`: a GGUF from `clover export --to
+gguf` decodes (and fills forms) through the llama.cpp runner, and what it cannot do is refused by name."""
 
 from __future__ import annotations
 
@@ -52,6 +52,19 @@ def test_generate_with_the_llamacpp_runner(exported, chat_tokenizer, capsys):
                     vocab_limit=len(chat_tokenizer)).sequences[0]
     assert out["token_ids"] == want
     assert _generate(capsys, "--model", str(checkpoint))["runner"] == "torch"
+
+
+def test_decide_with_the_llamacpp_runner(exported, chat_tokenizer, capsys, tmp_path):
+    """`clover decide --runner llamacpp` fills the form as decision mode does on the same runner (the CLI's: f16
+    KV, one row); decisions equal the torch runner's at f32 KV (tests/engine/test_llamacpp_runner.py)."""
+    _, gguf = exported
+    schema = tmp_path / "form.json"
+    schema.write_text(json.dumps(FORM))
+    assert main(["decide", "--runner", "llamacpp", "--model", str(gguf), "--threads", "1", "--schema", str(schema),
+                 PROMPT]) == 0
+    out = json.loads(capsys.readouterr().out)
+    want = decide(LlamaCppRunner(gguf, threads=1, max_rows=1), chat_tokenizer, PROMPT, FORM)
+    assert (out["values"], out["forward_passes"], out["order"]) == (want.values, want.forward_passes, want.order)
 
 
 @pytest.mark.parametrize("args, message", [
