@@ -28,8 +28,12 @@ causal): field by field in order, token by token, each token the most probable a
 allowed value (a token forced by the allowed values costs no forward; it rides in the next forward), free text
 token by token. It is the baseline of the example in `examples/triage/`.
 
-Batches (`decide_batch`): contexts of one form are left-padded into one prefill and stepped in lockstep; a row
-whose form is complete leaves the batch (`cache.select`), and each row gets what it gets alone. Greedy only.
+Batches (`decide_batch`): contexts of one form are left-padded into one prefill (`clover.engine.prefill`, as for
+generation) and stepped in lockstep by a `DecisionRun`, one forward per `step`; a row whose form is complete
+leaves the batch (`cache.select`), and each row gets what it gets alone. Greedy only.
+
+Every forward goes through the model-runner interface (`clover.engine.runner`), so decisions run on any runner:
+the torch model, or a GGUF on llama.cpp (`clover.engine.llamacpp`), where the answer block is one query block.
 """
 
 from __future__ import annotations

@@ -19,7 +19,9 @@ row of the batch owns a slot of `K = max_block_size + 1` ids `s_0 … s_{K-2}, q
 After the decode the query cells are removed (`llama_memory_seq_rm`) and the new clean cells get the slot's
 other ids (`llama_memory_seq_cp`), so they are history for the next forward. A causal run longer than the slot
 (a prompt) is decoded first with causal attention on. Exact mode's rewind removes the rejected cells. Rows are
-independent sequences, so batches need no padding: each row's positions are its own.
+independent sequences, so batches need no padding: each row's positions are its own, and a forward whose rows do
+not fit one decode is split between rows. A query block costs no sequence ids, so it may be longer than
+`max_block_size` (decision mode's answer block); blocks of clean tokens may not.
 
 What needs the torch runner: hybrid (Gated DeltaNet) models — llama.cpp's DeltaNet is causal, Clover's reads a
 block in both directions; gated adapters (they act only at query positions; llama.cpp applies weights to every
