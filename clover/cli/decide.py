@@ -3,7 +3,8 @@
 Prints one JSON object: `values` (valid against the schema), `probabilities` (each field's), `forward_passes`,
 and `order` (the fields completed at each step) and `wall_time_s`. The form is a JSON Schema subset
 (`clover.engine.form`); decoding is decision decoding (`clover.engine.decision`, docs/decision.md), or with
-`--autoregressive` the AR constrained baseline (block size 1, field by field).
+`--autoregressive` the AR constrained baseline (block size 1, field by field). Either runs on the torch runner or,
+with `--runner llamacpp`, on a GGUF exported by `clover export --to gguf` (docs/gguf.md).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from clover.cli.generate import DTYPES, resolve_model_dir, torch_dtype
+from clover.cli.generate import DTYPES, RUNNERS, load_model
 
 
 def add_parser(subparsers: Any) -> None:
@@ -22,14 +23,18 @@ def add_parser(subparsers: Any) -> None:
                               description="Fill every slot of a form at once, most confident first.")
     p.add_argument("text", nargs="?", help="the context (default: read from stdin)")
     p.add_argument("--schema", required=True, type=Path, help="the form: a JSON Schema file (docs/decision.md)")
-    p.add_argument("--model", help="Clover checkpoint directory (default: clover-smol)")
+    p.add_argument("--model", help="Clover checkpoint directory, or a GGUF file with --runner llamacpp (default: "
+                                   "clover-smol)")
     p.add_argument("--threshold", type=float, default=0.9, help="commit every slot at least this confident, in "
                                                                  "(0, 1]; 1.0: one slot per forward")
     p.add_argument("--autoregressive", action="store_true",
                    help="AR constrained decoding instead (block size 1, field by field): the baseline")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None)
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    p.set_defaults(func=run)
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (torch, or llama.cpp's)")
+    p.add_argument("--runner", choices=RUNNERS, default="torch",
+                   help="what runs the network: torch (any Clover checkpoint), or llamacpp (--model a GGUF from "
+                        "`clover export --to gguf`, default clover-smol at q8_0; dense models; docs/gguf.md)")
+    p.set_defaults(func=run, quant="none", ctx=None)  # load_model's options: weights as stored, default KV cells
 
 
 def run(args: argparse.Namespace) -> int:
@@ -38,8 +43,6 @@ def run(args: argparse.Namespace) -> int:
 
     from clover.engine.decision import decide, decide_autoregressive
     from clover.engine.form import parse_form
-    from clover.model import CloverForBlockDiffusion
-    from clover.tokenizer import load_tokenizer
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -53,9 +56,7 @@ def run(args: argparse.Namespace) -> int:
         if sys.stdin.isatty():
             raise ValueError("no text: give it as an argument or on stdin")
         text = sys.stdin.read()
-    directory = resolve_model_dir(args.model)
-    tokenizer = load_tokenizer(directory)
-    model = CloverForBlockDiffusion.from_pretrained(directory, dtype=torch_dtype(args.dtype))
+    model, tokenizer, _ = load_model(args)
     if args.autoregressive:
         result = decide_autoregressive(model, tokenizer, text, form)
     else:

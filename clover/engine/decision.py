@@ -28,8 +28,12 @@ causal): field by field in order, token by token, each token the most probable a
 allowed value (a token forced by the allowed values costs no forward; it rides in the next forward), free text
 token by token. It is the baseline of the example in `examples/triage/`.
 
-Batches (`decide_batch`): contexts of one form are left-padded into one prefill and stepped in lockstep; a row
-whose form is complete leaves the batch (`cache.select`), and each row gets what it gets alone. Greedy only.
+Batches (`decide_batch`): contexts of one form are left-padded into one prefill (`clover.engine.prefill`, as for
+generation) and stepped in lockstep by a `DecisionRun`, one forward per `step`; a row whose form is complete
+leaves the batch (`cache.select`), and each row gets what it gets alone. Greedy only.
+
+Every forward goes through the model-runner interface (`clover.engine.runner`), so decisions run on any runner:
+the torch model, or a GGUF on llama.cpp (`clover.engine.llamacpp`), where the answer block is one query block.
 """
 
 from __future__ import annotations
@@ -39,14 +43,17 @@ import math
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
-from clover.engine.form import Field, Form, parse_form, value_text
 from clover.chat_template import render_chat
+from clover.engine.form import Field, Form, parse_form, value_text
+from clover.engine.prefill import DEFAULT_PREFILL_CHUNK, prefill
+from clover.engine.runner import ModelRunner, as_runner
 
 Context = str | Sequence[dict[str, Any]]
+Decode = Callable[[list[int]], str]  # token ids -> text, special tokens skipped
 INSTRUCTION = "Fill in this form as a JSON object with exactly these fields and allowed values: "
 
 
@@ -166,44 +173,51 @@ def _token_classes(tokenizer: Any, vocab: int) -> tuple[torch.Tensor, torch.Tens
     return quote, banned
 
 
-def _text_value(tokenizer: Any, f: Field, tokens: list[int], quote: torch.Tensor) -> tuple[str, int]:
+def _decoder(tokenizer: Any) -> Decode:
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def _text_value(decode: Decode, f: Field, tokens: list[int], quote: torch.Tensor) -> tuple[str, int]:
     """The text a slot's tokens spell (up to the closing quote, cut to `maxLength`), and how many tokens it used
     (the closing one included)."""
     end = next((i for i, t in enumerate(tokens) if quote[t]), None)
     used = len(tokens) if end is None else end + 1
-    text = tokenizer.decode(tokens[:used], skip_special_tokens=True)
+    text = decode(tokens[:used])
     if end is not None:
         text = text[:text.find('"')] if '"' in text else text
     return text.strip()[:f.max_chars], used
 
 
 # -- decision mode ------------------------------------------------------------------------------------------------
-def decide(model: torch.nn.Module, tokenizer: Any, context: Context, schema: dict[str, Any] | Form, *,
+def decide(model: torch.nn.Module | ModelRunner, tokenizer: Any, context: Context, schema: dict[str, Any] | Form, *,
            threshold: float = 0.9) -> Decision:
-    """Fill `schema`'s form for one `context` (text, or chat messages) by decision decoding."""
+    """Fill `schema`'s form for one `context` (text, or chat messages) by decision decoding, on a Clover model or
+    any model runner (`clover.engine.runner`)."""
     return decide_batch(model, tokenizer, [context], schema, threshold=threshold)[0]
 
 
-def decide_batch(model: torch.nn.Module, tokenizer: Any, contexts: Sequence[Context],
-                 schema: dict[str, Any] | Form, *, threshold: float = 0.9) -> list[Decision]:
+def decide_batch(model: torch.nn.Module | ModelRunner, tokenizer: Any, contexts: Sequence[Context],
+                 schema: dict[str, Any] | Form, *, threshold: float = 0.9,
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> list[Decision]:
     """Fill the same form for each context; lockstep batch, each row as it would be alone."""
-    if not 0.0 < threshold <= 1.0:
-        raise ValueError(f"threshold must be in (0, 1], got {threshold}")
-    if len(contexts) == 0:
-        raise ValueError("contexts is empty")
-    form = parse_form(schema)
-    layout = render_layout(form, tokenizer, model.config)
-    prompts = [render_prompt(tokenizer, c, form) for c in contexts]
-    with torch.inference_mode():
-        return _DecisionRun(model, tokenizer, layout, threshold).run(prompts)
+    run = DecisionRun.create(as_runner(model), tokenizer, contexts, schema, threshold=threshold,
+                             prefill_chunk=prefill_chunk)
+    while not run.step():
+        pass
+    return run.results()
 
 
-class _DecisionRun:
-    def __init__(self, model: torch.nn.Module, tokenizer: Any, layout: Layout, threshold: float) -> None:
-        self.model, self.tokenizer, self.layout, self.threshold = model, tokenizer, layout, threshold
-        self.device = next(model.parameters()).device
-        vocab = model.config.vocab_size
-        self.quote, banned = _token_classes(tokenizer, vocab)
+class DecisionRun:
+    """Contexts filling one form in lockstep, one forward per `step`: `decide_batch` steps it to the end; the
+    server's scheduler steps it between its generation batches' steps, on the thread that owns the runner."""
+
+    def __init__(self, runner: ModelRunner, tokenizer: Any, layout: Layout, prompts: list[list[int]],
+                 threshold: float, prefill_chunk: int = DEFAULT_PREFILL_CHUNK, decode: Decode | None = None) -> None:
+        self.runner, self.layout, self.threshold = runner, layout, threshold
+        self.prompts, self.prefill_chunk = prompts, prefill_chunk
+        self.decode = decode or _decoder(tokenizer)  # the server's goes through its tokenizer's lock
+        self.device = runner.device
+        self.quote, banned = _token_classes(tokenizer, runner.config.vocab_size)
         banned = banned.clone()
         banned[layout.mask_id] = True
         self.text_banned = banned  # applied to logits on the CPU
@@ -213,57 +227,77 @@ class _DecisionRun:
         self.offsets = [0]
         for s in self.slot_pos:
             self.offsets.append(self.offsets[-1] + len(s))
+        n, fields = len(prompts), layout.form.fields
+        self.start = time.perf_counter()
+        self.block = torch.tensor(layout.ids, dtype=torch.long).repeat(n, 1)
+        self.decided = torch.zeros(n, len(fields), dtype=torch.bool)
+        self.logp = torch.zeros(n, len(fields))  # log-probability of each decided field's value
+        self.text_lp = torch.zeros(n, len(layout.ids))  # per text position: log-prob of the token committed there
+        self.rows = list(range(n))  # original row of each row still in the batch
+        self.done: list[Decision | None] = [None] * n
+        self.forwards = [0] * n
+        self.order: list[list[list[str]]] = [[] for _ in range(n)]
+        self.cache: Any = None  # made by the first step (the prefill), dropped when every row is decided
 
-    def run(self, prompts: list[list[int]]) -> list[Decision]:
-        start = time.perf_counter()
-        n, a, fields = len(prompts), len(self.layout.ids), self.layout.form.fields
-        longest = max(len(p) for p in prompts)
-        ids = torch.full((n, longest), self.layout.mask_id, dtype=torch.long)
-        valid = torch.zeros(n, longest, dtype=torch.bool)
-        for r, p in enumerate(prompts):
-            ids[r, longest - len(p):] = torch.tensor(p)
-            valid[r, longest - len(p):] = True
-        block = torch.tensor(self.layout.ids, dtype=torch.long).repeat(n, 1)
-        decided = torch.zeros(n, len(fields), dtype=torch.bool)
-        logp = torch.zeros(n, len(fields))  # log-probability of each decided field's value
-        text_lp = torch.zeros(n, a)  # per text position: log-prob of the token committed there
-        rows = list(range(n))  # original row of each row still in the batch
-        results: list[Decision | None] = [None] * n
-        forwards = [0] * n
-        order: list[list[list[str]]] = [[] for _ in range(n)]
-        cache = self.model.new_cache(n)
-        clean: torch.Tensor | None = ids.to(self.device)
-        clean_valid = valid.to(self.device) if not bool(valid.all()) else None
-        while rows:
-            logits = self._forward(clean, clean_valid, block[rows].to(self.device), cache).float().cpu()
-            clean, clean_valid = None, None
-            done_now = []
-            for k, r in enumerate(rows):
-                forwards[r] += 1
-                order[r].append(self._step(logits[k], block[r], decided[r], logp[r], text_lp[r]))
-                if bool(decided[r].all()):
-                    results[r] = self._result(block[r], logp[r], text_lp[r], forwards[r], order[r], start)
-                    done_now.append(k)
-            if done_now:
-                for k in done_now:
-                    results[rows[k]].prompt_tokens = len(prompts[rows[k]])
-                keep = [k for k in range(len(rows)) if k not in done_now]
-                rows = [rows[k] for k in keep]
-                if rows:
-                    cache.select(keep)
-        return results  # type: ignore[return-value]
+    @classmethod
+    def create(cls, runner: ModelRunner, tokenizer: Any, contexts: Sequence[Context], schema: dict[str, Any] | Form,
+               *, threshold: float = 0.9, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+               decode: Decode | None = None) -> DecisionRun:
+        """Validate and render: the form, its layout for this tokenizer and runner, each context's prompt.
+        `decode`: how the finished text slots are detokenized (default: the tokenizer's `decode`)."""
+        if not 0.0 < threshold <= 1.0:
+            raise ValueError(f"threshold must be in (0, 1], got {threshold}")
+        if len(contexts) == 0:
+            raise ValueError("contexts is empty")
+        form = parse_form(schema)
+        layout = render_layout(form, tokenizer, runner.config)
+        prompts = [render_prompt(tokenizer, c, form) for c in contexts]
+        return cls(runner, tokenizer, layout, prompts, threshold, prefill_chunk, decode)
 
-    def _forward(self, clean: torch.Tensor | None, clean_valid: torch.Tensor | None, query: torch.Tensor,
-                 cache: Any) -> torch.Tensor:
-        """One forward of the answer block against the cache (the first also carries the prompt): logits at
-        `read_at`, `[N, positions, V]`."""
+    def step(self) -> bool:
+        """One forward of the answer block (the first also prefills the prompts), then every row's commits;
+        rows whose form is complete leave the batch. True when every row is decided."""
+        if not self.rows:
+            raise RuntimeError("every row is decided: there is no step left")
+        with torch.inference_mode():
+            logits = self._forward().float().cpu()
+        done_now = []
+        for k, r in enumerate(self.rows):
+            self.forwards[r] += 1
+            self.order[r].append(self._step(logits[k], self.block[r], self.decided[r], self.logp[r], self.text_lp[r]))
+            if bool(self.decided[r].all()):
+                self.done[r] = self._result(r)
+                done_now.append(k)
+        if done_now:
+            keep = [k for k in range(len(self.rows)) if k not in done_now]
+            self.rows = [self.rows[k] for k in keep]
+            if self.rows:
+                self.cache.select(keep)
+            else:
+                self.cache = None  # its rows go back to the runner now (llama.cpp: its slots)
+        return not self.rows
+
+    def results(self) -> list[Decision]:
+        if self.rows:
+            raise RuntimeError(f"{len(self.rows)} rows are still deciding: step until step() returns True")
+        return self.done  # type: ignore[return-value]
+
+    def _forward(self) -> torch.Tensor:
+        """One forward of the answer block against the cache: logits at `read_at`, `[N, positions, V]`. The first
+        prefills the prompts (`clover.engine.prefill`) and carries their last chunk as clean tokens."""
+        query = self.block[self.rows].to(self.device)
         n, a = query.shape
+        clean, kwargs = None, {}
+        if not any(self.forwards):  # the first step
+            self.cache = self.runner.new_cache(n)
+            last = prefill(self.prompts, self.layout.mask_id, self.prefill_chunk,
+                           lambda ids, **kw: self.runner.forward(ids, a, cache=self.cache, **kw), self.device)
+            clean, kwargs = last.ids, last.kwargs  # chunks before it are prefill, not steps (as in generation)
         t = 0 if clean is None else clean.shape[1]
         at = torch.zeros(n, t + a, dtype=torch.bool, device=self.device)
         at[:, t + self.read_at.to(self.device)] = True
-        kwargs = {} if clean is None else dict(prefix_len=t, attention_mask=clean_valid)
-        out = self.model(clean, a, cache=cache, query_ids=query, logits_at=at, **kwargs)
-        return out.logits.view(n, len(self.read_at), -1)
+        out = self.runner.forward(clean, a, cache=self.cache, query_ids=query, logits_at=at, **kwargs)
+        return out.view(n, len(self.read_at), -1)
 
     def _step(self, logits: torch.Tensor, block: torch.Tensor, decided: torch.Tensor, logp: torch.Tensor,
               text_lp: torch.Tensor) -> list[str]:
@@ -308,18 +342,18 @@ class _DecisionRun:
                 completed.append(self.layout.form.fields[i].name)
         return completed
 
-    def _result(self, block: torch.Tensor, logp: torch.Tensor, text_lp: torch.Tensor, forwards: int,
-                order: list[list[str]], start: float) -> Decision:
+    def _result(self, r: int) -> Decision:
+        block, logp, text_lp = self.block[r], self.logp[r], self.text_lp[r]
         values, probs = {}, {}
         for i, (f, (s, length)) in enumerate(zip(self.layout.form.fields, self.layout.slots)):
             if f.is_text:
-                values[f.name], used = _text_value(self.tokenizer, f, block[s:s + length].tolist(), self.quote)
+                values[f.name], used = _text_value(self.decode, f, block[s:s + length].tolist(), self.quote)
                 probs[f.name] = math.exp(float(text_lp[s:s + used].sum()))
             else:
                 values[f.name] = f.choices[_match(self.layout.choice_ids[i], block[s:s + length])]
                 probs[f.name] = math.exp(float(logp[i]))
-        return Decision(values, probs, forwards, order, time.perf_counter() - start,
-                        answer_tokens=self.layout.answer_len)
+        return Decision(values, probs, self.forwards[r], self.order[r], time.perf_counter() - self.start,
+                        len(self.prompts[r]), self.layout.answer_len)
 
 
 def _match(table: torch.Tensor, tokens: torch.Tensor) -> int:
@@ -327,27 +361,30 @@ def _match(table: torch.Tensor, tokens: torch.Tensor) -> int:
 
 
 # -- the AR baseline --------------------------------------------------------------------------------------------
-def decide_autoregressive(model: torch.nn.Module, tokenizer: Any, context: Context,
+def decide_autoregressive(model: torch.nn.Module | ModelRunner, tokenizer: Any, context: Context,
                           schema: dict[str, Any] | Form) -> Decision:
     """Fill the same layout as an AR model does constrained decoding (block size 1): field by field, token by
     token, each token the most probable of those that continue an allowed value; forced tokens cost no forward."""
+    runner = as_runner(model)
     form = parse_form(schema)
-    layout = render_layout(form, tokenizer, model.config)
+    layout = render_layout(form, tokenizer, runner.config)
     prompt = render_prompt(tokenizer, context, form)
     start = time.perf_counter()
-    quote, banned = _token_classes(tokenizer, model.config.vocab_size)
+    quote, banned = _token_classes(tokenizer, runner.config.vocab_size)
     banned = banned.clone()
     banned[layout.mask_id] = True
-    cache = model.new_cache(1)
-    device = next(model.parameters()).device
+    cache = runner.new_cache(1)
     forwards, order = 0, []
     values, probs = {}, {}
     pending = prompt + layout.ids[:layout.slots[0][0]]
 
     def next_logp() -> torch.Tensor:
+        """Write the pending tokens (causally) and read the distribution of the next one."""
         nonlocal forwards, pending
-        ids = torch.tensor([pending], dtype=torch.long, device=device)
-        logits = model(ids, 1, cache=cache, logits_to_keep=1).logits[0, -1].float().cpu()
+        ids = torch.tensor([pending], dtype=torch.long, device=runner.device)
+        last = torch.zeros(1, len(pending), dtype=torch.bool, device=runner.device)
+        last[0, -1] = True
+        logits = runner.forward(ids, 1, cache=cache, logits_at=last)[0].float().cpu()
         forwards += 1
         pending = []
         return torch.log_softmax(logits, dim=-1)
@@ -378,7 +415,7 @@ def decide_autoregressive(model: torch.nn.Module, tokenizer: Any, context: Conte
                     if quote[token]:
                         break
                 pending += [layout.pad_id] * (length - len(tokens))
-                values[f.name] = _text_value(tokenizer, f, tokens, quote)[0]
+                values[f.name] = _text_value(_decoder(tokenizer), f, tokens, quote)[0]
             probs[f.name] = math.exp(total)
             order.append([f.name])
             end = layout.slots[i + 1][0] if i + 1 < len(layout.slots) else s + length

@@ -5,8 +5,9 @@ from the rule: `BlockLoop` (block_loop.py) denoises blocks with an unmasking rul
 drafts against the causal path. The engine drives whichever it was given and never asks which:
 
     run(prompts)          validate -> prefill -> loop.step until every request finished
-    prefill               prompts left-padded, read causally in chunks of `prefill_chunk`; the last chunk is the
-                          loop's `open` (it carries the loop's first query block)
+    prefill               prompts left-padded, read causally in chunks of `prefill_chunk` (prefill.py, shared
+                          with decision mode); the last chunk is the loop's `open` (it carries the loop's first
+                          query block)
     emit                  a request takes its committed tokens (EOS / stop / length applied there), finished
                           requests leave the batch
 
@@ -33,11 +34,10 @@ from clover.engine.cost import ForwardCost
 from clover.engine.decoding import ExactRule, UnmaskingRule, make_rule
 from clover.engine.exact import ExactBatch, ExactLoop
 from clover.engine.loop import Event, StreamPiece
+from clover.engine.prefill import DEFAULT_PREFILL_CHUNK, prefill
 from clover.engine.request import Detokenize, Request
 from clover.engine.runner import ModelRunner, RunnerCache, as_runner
 from clover.engine.sampling import SamplingParams
-
-DEFAULT_PREFILL_CHUNK = 2048
 
 
 DecodeBatch = BlockBatch | ExactBatch  # the running batch, opaque outside the engine (the scheduler holds it)
@@ -81,6 +81,10 @@ class Engine:
         self.block_size = config.block_size if block_size is None else int(block_size)
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        limit = self.runner.max_block_size
+        if limit is not None and self.block_size > limit:
+            raise ValueError(f"block_size={self.block_size}: the {self.runner.name} runner decodes blocks of at most "
+                             f"{limit} tokens (its max_block_size)")
         self.threshold = config.threshold if threshold is None else threshold
         if not 0.0 < self.threshold <= 1.0:
             raise ValueError(f"threshold must be in (0, 1], got {self.threshold}")
@@ -199,25 +203,14 @@ class Engine:
 
     # -- prefill --------------------------------------------------------------------------------------
     def _prefill(self, seqs: list[Request]) -> DecodeBatch:
-        """Prompts, left-padded, read causally in chunks of `prefill_chunk`; the last chunk opens the loop."""
-        n, longest = len(seqs), max(len(s.prompt) for s in seqs)
-        ids = torch.full((n, longest), self.mask_id, dtype=torch.long)
-        valid = torch.zeros(n, longest, dtype=torch.bool)
-        for r, s in enumerate(seqs):
-            ids[r, longest - len(s.prompt):] = torch.tensor(s.prompt)
-            valid[r, longest - len(s.prompt):] = True
-        ids, valid = ids.to(self.device), valid.to(self.device)
-        padded = not bool(valid.all())
-        cache = self.runner.new_cache(n)
-        chunks = range(0, longest, self.prefill_chunk)
+        """Prompts, left-padded, read causally in chunks of `prefill_chunk` (`clover.engine.prefill`); the last
+        chunk opens the loop."""
+        cache = self.runner.new_cache(len(seqs))
+        last = prefill([s.prompt for s in seqs], self.mask_id, self.prefill_chunk,
+                       lambda ids, **kwargs: self.forward(ids, cache, **kwargs), self.device)
         for s in seqs:
-            s.prefill_forwards = len(chunks)
-        for start in chunks:
-            end = min(start + self.prefill_chunk, longest)
-            kwargs = dict(prefix_len=end - start, attention_mask=valid[:, start:end] if padded else None)
-            if end < longest:
-                self.forward(ids[:, start:end], cache, logits_to_keep=0, **kwargs)
-        return self.loop.open(seqs, ids[:, start:end], cache, **kwargs)
+            s.prefill_forwards = last.forwards
+        return self.loop.open(seqs, last.ids, cache, **last.kwargs)
 
     # -- continuous batching: one request at a time -------------------------------------------------------
     def begin_prefill(self, seq: Request, cache: RunnerCache | None = None) -> Prefill:

@@ -19,11 +19,13 @@ row of the batch owns a slot of `K = max_block_size + 1` ids `s_0 … s_{K-2}, q
 After the decode the query cells are removed (`llama_memory_seq_rm`) and the new clean cells get the slot's
 other ids (`llama_memory_seq_cp`), so they are history for the next forward. A causal run longer than the slot
 (a prompt) is decoded first with causal attention on. Exact mode's rewind removes the rejected cells. Rows are
-independent sequences, so batches need no padding: each row's positions are its own.
+independent sequences, so batches need no padding: each row's positions are its own, and a forward whose rows do
+not fit one decode is split between rows. A query block costs no sequence ids, so it may be longer than
+`max_block_size` (decision mode's answer block); blocks of clean tokens may not.
 
 What needs the torch runner: hybrid (Gated DeltaNet) models — llama.cpp's DeltaNet is causal, Clover's reads a
 block in both directions; gated adapters (they act only at query positions; llama.cpp applies weights to every
-token); the server's prefix reuse and decision mode.
+token); the server's prefix reuse.
 """
 
 from __future__ import annotations
@@ -130,7 +132,6 @@ class LlamaCppRunner:
 
     name = "llamacpp"
     supports_prefix_reuse = False
-    supports_decisions = False
 
     def __init__(self, path: str | Path, *, threads: int | None = None, max_rows: int | None = 8,
                  n_ctx: int | None = None, max_block_size: int | None = None, kv_type: str = "f16",
@@ -248,15 +249,18 @@ class LlamaCppRunner:
         lc = len(clean[0]) if clean else 0
         query = query_ids.tolist() if query_ids is not None else [[] for _ in range(n)]
         lq = len(query[0]) if query else 0
-        if lq not in (0, block_size) or block_size > self.max_block_size:
-            raise ValueError(f"the llama.cpp runner decodes one query block of block_size <= {self.max_block_size} "
-                             f"(max_block_size) per forward; got {lq} query tokens, block_size {block_size}")
+        if lq not in (0, block_size):
+            raise ValueError(f"the llama.cpp runner decodes one query block of block_size tokens per forward; got "
+                             f"{lq} query tokens, block_size {block_size}")
         if logits_at is None and logits_to_keep != 0:
             raise ValueError("the llama.cpp runner returns logits where logits_at selects (or none: logits_to_keep=0)")
         want = logits_at.tolist() if logits_at is not None else None
         valid = attention_mask.bool().tolist() if attention_mask is not None else None
         causal = block_size == 1 or self.config.context_reading == "causal"
         causal_len = lc if causal else prefix_len
+        if lc > causal_len and block_size > self.max_block_size:  # a query block alone may be longer (decisions)
+            raise ValueError(f"the llama.cpp runner commits blocks of at most {self.max_block_size} tokens "
+                             f"(max_block_size); got block_size {block_size}")
         rows = []
         for r in range(n):
             tokens, group = [], -1
@@ -297,24 +301,29 @@ class LlamaCppRunner:
                     items.append((r, c, t, cache.lengths[r], list(self._ids(slot)), c in rows[r].want))
                     cache.lengths[r] += 1
                 outputs |= self._decode(items, causal=True)
-        items, starts = [], list(cache.lengths)
+        starts = list(cache.lengths)
         slot_ids = [list(self._ids(slot)) for slot in cache.slots]
+        items: list[tuple[int, int, int, int, list[int], bool]] = []
         for r, row in enumerate(rows):
-            ids = slot_ids[r]
+            ids, own = slot_ids[r], []
             q, position = ids[-1], cache.lengths[r]
             if row.clean:
                 last = row.clean[-1][2]
                 for t, c, g in row.clean:
-                    items.append((r, c, t, position, [q] + ids[g:last + 1][::-1], c in row.want))
+                    own.append((r, c, t, position, [q] + ids[g:last + 1][::-1], c in row.want))
                     position += 1
             for t, c in row.query:
-                items.append((r, c, t, position, [q], c in row.want))
+                own.append((r, c, t, position, [q], c in row.want))
                 position += 1
             cache.lengths[r] += len(row.clean)
+            if len(own) > self.n_batch:
+                raise ValueError(f"{len(own)} tokens of one row in one block forward exceed the runner's batch of "
+                                 f"{self.n_batch}: a smaller block (or a shorter form)")
+            if len(items) + len(own) > self.n_batch:  # rows are independent: whole rows may go in separate decodes
+                outputs |= self._decode(items, causal=False)
+                items = []
+            items += own
         if items:
-            if len(items) > self.n_batch:
-                raise ValueError(f"{len(items)} tokens in one block forward exceed the runner's batch of "
-                                 f"{self.n_batch}: fewer rows or a smaller block")
             outputs |= self._decode(items, causal=False)
         for r, row in enumerate(rows):
             ids = slot_ids[r]

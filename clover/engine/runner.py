@@ -50,11 +50,11 @@ class ModelRunner(Protocol):
     name: str
     config: CloverConfig
     device: torch.device
-    # the server may keep prompt prefixes (`clover.serving.prefix_cache`, torch caches only) and decide forms
-    # (`clover.engine.decision`, the torch model's full forward)
+    # the server may keep prompt prefixes (`clover.serving.prefix_cache`, torch caches only)
     supports_prefix_reuse: bool
-    supports_decisions: bool
     max_rows: int | None  # rows one runner holds at once (None: as memory allows)
+    max_block_size: int | None  # the largest block an engine may decode with (None: any); a query block alone
+    # (decision mode's answer block) may be longer
 
     def new_cache(self, batch_size: int) -> Any: ...
 
@@ -68,8 +68,8 @@ class TorchRunner:
 
     name = "torch"
     supports_prefix_reuse = True
-    supports_decisions = True
     max_rows = None
+    max_block_size = None
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model

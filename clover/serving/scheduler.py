@@ -10,6 +10,7 @@ running while requests come and go:
         join:    at a block boundary, prefilled requests join the running batch (`Engine.join`)
         step:    one denoising step of every running batch (`Engine.step`); committed blocks go to their
                  requests, finished sequences leave the batch
+        decide:  one forward of every running decision run (`response_format`, `clover.engine.decision`)
         cancel:  a client that went away leaves the batch at once (`Engine.drop`), freeing its slot
 
 Prefill runs one chunk per iteration, between decode steps, so a long prompt never stalls the streams that
@@ -37,11 +38,12 @@ from typing import Any, Callable, Sequence as Seq
 import torch
 
 from clover.engine import Engine, SamplingParams
+from clover.engine.decision import Decision, DecisionRun
 from clover.engine.runner import ModelRunner, as_runner
 from clover.serving.handles import RequestHandle
 from clover.serving.metrics import ServerMetrics
 from clover.serving.prefix_cache import PrefixCache
-from clover.serving.scheduler_policy import EngineKey, Job, SchedulePolicy
+from clover.serving.scheduler_policy import DecisionJob, EngineKey, Job, SchedulePolicy
 
 logger = logging.getLogger(__name__)
 
@@ -63,12 +65,12 @@ class Scheduler:
         if prefix_cache is not None and prefix_cache.grid != prefill_chunk:
             raise ValueError(f"the prefix cache grid ({prefix_cache.grid}) must equal the prefill chunk "
                              f"({prefill_chunk}): reuse is exact only on the chunk grid")
-        self.model = as_runner(model)  # one runner for every engine: they share its cache slots (llama.cpp)
-        if prefix_cache is not None and not self.model.supports_prefix_reuse:
-            raise ValueError(f"prefix reuse needs the torch runner; the {self.model.name} runner has no prefix cache")
-        if self.model.max_rows is not None and max_running > self.model.max_rows:
-            raise ValueError(f"max_running={max_running} exceeds the {self.model.name} runner's {self.model.max_rows} "
-                             "rows (its max_rows)")
+        self.runner = as_runner(model)  # one runner for every engine: they share its cache slots (llama.cpp)
+        if prefix_cache is not None and not self.runner.supports_prefix_reuse:
+            raise ValueError(f"prefix reuse needs the torch runner; the {self.runner.name} runner has no prefix cache")
+        if self.runner.max_rows is not None and max_running > self.runner.max_rows:
+            raise ValueError(f"max_running={max_running} exceeds the {self.runner.name} runner's "
+                             f"{self.runner.max_rows} rows (its max_rows)")
         self.defaults = (block_size, threshold, rule)
         self.engine_options = dict(eos_token_ids=eos_token_ids, vocab_limit=vocab_limit,
                                    detokenize=detokenize, prefill_chunk=prefill_chunk)
@@ -81,6 +83,7 @@ class Scheduler:
         self._ids = itertools.count()
         self._lock = threading.Condition()
         self._inbox: list[Job] = []
+        self._decision_inbox: list[DecisionJob] = []
         self._cancelled: set[int] = set()
         self._outstanding = 0  # sequences submitted and not finished (under _lock)
         self._stop = False
@@ -98,7 +101,7 @@ class Scheduler:
         with self._lock:
             if asked not in self._keys:
                 options = {**self.engine_options, **({"eos_token_ids": []} if ignore_eos else {})}
-                engine = Engine(self.model, asked[0], asked[1], asked[2], **options)
+                engine = Engine(self.runner, asked[0], asked[1], asked[2], **options)
                 # the settings the engine resolved (None: the model's defaults) are its key: a request naming the
                 # defaults shares the default requests' engine and batches
                 key = (engine.block_size, engine.threshold, engine.rule.name, bool(ignore_eos))
@@ -130,6 +133,37 @@ class Scheduler:
             self._lock.notify()
         return handle
 
+    def decide(self, run: DecisionRun) -> asyncio.Future[list[Decision]]:
+        """Queue a decision run (its rows count against `max_running`); the future gets its decisions, or the
+        exception a step raised. Raises like `submit` when the server is at capacity or not running."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[list[Decision]] = loop.create_future()
+
+        def settle(outcome: list[Decision] | BaseException) -> None:  # event loop
+            if future.done():  # the request went away
+                return
+            if isinstance(outcome, BaseException):
+                future.set_exception(outcome)
+            else:
+                future.set_result(outcome)
+
+        def deliver(outcome: list[Decision] | BaseException) -> None:  # scheduler thread
+            try:
+                loop.call_soon_threadsafe(settle, outcome)
+            except RuntimeError:  # the event loop is gone (shutdown)
+                pass
+
+        job = DecisionJob(run, deliver)
+        with self._lock:
+            if self.error is not None or self._thread is None or self._stop:
+                raise RuntimeError("the scheduler is not running")
+            if self._outstanding + job.rows > self.max_running + self.max_waiting:
+                raise QueueFull(f"server at capacity ({self.max_running} running + {self.max_waiting} waiting)")
+            self._outstanding += job.rows
+            self._decision_inbox.append(job)
+            self._lock.notify()
+        return future
+
     def cancel(self, handle: RequestHandle) -> None:
         with self._lock:
             self._cancelled.add(handle.id)
@@ -139,7 +173,7 @@ class Scheduler:
     def load(self) -> dict[str, int]:
         """Sequences per stage: the policy's, the inbox counted as waiting (read from any thread)."""
         load = self.policy.load
-        return {**load, "waiting": load["waiting"] + len(self._inbox)}
+        return {**load, "waiting": load["waiting"] + len(self._inbox) + sum(d.rows for d in list(self._decision_inbox))}
 
     # -- lifecycle ----------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -163,19 +197,22 @@ class Scheduler:
         try:
             while True:
                 with self._lock:
-                    while not (self._stop or self._inbox or self._cancelled or self.policy.busy()):
+                    while not (self._stop or self._inbox or self._decision_inbox or self._cancelled
+                               or self.policy.busy()):
                         self._lock.wait()
                     if self._stop:
                         break
                     new, self._inbox = self._inbox, []
+                    decisions, self._decision_inbox = self._decision_inbox, []
                     cancelled, self._cancelled = self._cancelled, set()
-                self.policy.add(new)
+                self.policy.add(new, decisions)
                 if cancelled:
                     self.policy.cancel(cancelled)
                 with torch.inference_mode():
                     self.policy.prefill_once()
                     self.policy.join_ready()
                     self.policy.step_batches()
+                    self.policy.step_decisions()
                 self.metrics.record_load(self.load, self.prefix_cache)
         except BaseException as exc:  # a bug: fail every request rather than hang them
             logger.exception("scheduler loop died")
@@ -185,13 +222,16 @@ class Scheduler:
             with self._lock:
                 self._stop = True
                 pending, self._inbox = self._inbox, []
+                pending_decisions, self._decision_inbox = self._decision_inbox, []
             failure = self.error or RuntimeError("the server is shutting down")
             for job in list(self.policy.jobs.values()):
                 self.policy.fail(job, failure)
+            for decision in [*self.policy.deciding, *self.policy.decisions_waiting, *pending_decisions]:
+                self.policy.end_decision(decision, failure)
             for job in pending:  # never reached the policy
                 job.handle._deliver(failure)
                 self._release(job)
 
-    def _release(self, job: Job) -> None:  # a sequence left the policy (finished, failed or cancelled)
+    def _release(self, job: Job | DecisionJob) -> None:  # it left the policy (finished, failed or cancelled)
         with self._lock:
-            self._outstanding -= 1
+            self._outstanding -= job.rows

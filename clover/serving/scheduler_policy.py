@@ -6,6 +6,9 @@ requests join their batch, what a step commits, what a cancellation drops.
     join:    a prefilled request joins its batch only at a block boundary (every row then starts a fresh block)
     step:    one denoising step of every batch; committed blocks go to their requests' handles
     drop:    cancelled requests leave the queue, the prefill, the ready list and their batch at once
+    decide:  decision runs (`response_format`: a form filled by decision mode) start once their rows fit under
+             `max_running` and take one forward each per iteration, between the batches' steps, on the same
+             thread: every runner (llama.cpp's too) is only ever called from it
 
 `Scheduler` (`scheduler.py`) calls these from its thread, in that order, once per iteration; the capacity bound
 (`max_running` + `max_waiting`) is checked there, where requests arrive. A failure of one request (its prefill, or
@@ -18,9 +21,10 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from clover.engine import Engine
+from clover.engine.decision import Decision, DecisionRun
 from clover.engine.engine import DecodeBatch, Prefill
 from clover.engine.request import Request
 from clover.model.cache import RecurrentSnapshot
@@ -44,6 +48,19 @@ class Job:
     arrival: float
     prefill: Prefill | None = None
     states: dict[int, RecurrentSnapshot] = field(default_factory=dict)  # prefix-cache snapshots taken so far
+    rows = 1  # cache rows (and sequences) it holds
+
+
+@dataclass
+class DecisionJob:
+    """A decision run and where its result goes (`deliver`: the decisions, or the exception that ended it)."""
+
+    run: DecisionRun
+    deliver: Callable[[list[Decision] | BaseException], None]
+
+    @property
+    def rows(self) -> int:
+        return len(self.run.prompts)
 
 
 class SchedulePolicy:
@@ -59,25 +76,31 @@ class SchedulePolicy:
         self.waiting: deque[Job] = deque()
         self.prefilling: Job | None = None
         self.jobs: dict[int, Job] = {}  # by Request.index, every job not finished
+        self.decisions_waiting: deque[DecisionJob] = deque()
+        self.deciding: list[DecisionJob] = []
 
-    def add(self, jobs: list[Job]) -> None:
+    def add(self, jobs: list[Job], decisions: Sequence[DecisionJob] = ()) -> None:
         for job in jobs:
             self.jobs[job.seq.index] = job
             self.waiting.append(job)
+        self.decisions_waiting.extend(decisions)
 
     @property
     def load(self) -> dict[str, int]:
-        """Sequences per stage (read from any thread: containers are copied by C calls, never iterated in Python
-        while the scheduler thread may change them)."""
-        running = sum(len(b.seqs) for b in list(self.batches.values()))
-        return {"running": running, "waiting": len(self.waiting), "prefilling": int(self.prefilling is not None),
+        """Sequences per stage, a decision's rows among them (read from any thread: containers are copied by C
+        calls, never iterated in Python while the scheduler thread may change them)."""
+        running = sum(len(b.seqs) for b in list(self.batches.values())) + sum(d.rows for d in list(self.deciding))
+        waiting = len(self.waiting) + sum(d.rows for d in list(self.decisions_waiting))
+        return {"running": running, "waiting": waiting, "prefilling": int(self.prefilling is not None),
                 "ready": len(self.ready)}
 
     def busy(self) -> bool:
-        return bool(self.waiting or self.prefilling or self.ready or self.batches)
+        return bool(self.waiting or self.prefilling or self.ready or self.batches or self.decisions_waiting
+                    or self.deciding)
 
     def running_count(self) -> int:
-        return sum(len(b.seqs) for b in self.batches.values()) + len(self.ready) + (self.prefilling is not None)
+        return (sum(len(b.seqs) for b in self.batches.values()) + len(self.ready) + (self.prefilling is not None)
+                + sum(d.rows for d in self.deciding))
 
     def prefill_once(self) -> None:
         if self.prefilling is None:
@@ -151,6 +174,30 @@ class SchedulePolicy:
                                            piece.stats))
                 if piece.finished:
                     self._finished(job, piece.stats or {})
+
+    def step_decisions(self) -> None:
+        """Start the waiting decision runs that fit (the oldest first; one alone always fits), then one forward of
+        each running one; a finished run delivers its decisions, a failed one its exception."""
+        while self.decisions_waiting:
+            rows = self.decisions_waiting[0].rows
+            if self.running_count() and self.running_count() + rows > self.max_running:
+                break
+            self.deciding.append(self.decisions_waiting.popleft())
+        for job in list(self.deciding):
+            try:
+                done = job.run.step()
+            except Exception as exc:  # noqa: BLE001 - this decision's failure, not the server's
+                logger.exception("decision step failed")
+                self.end_decision(job, exc)
+                continue
+            if done:
+                self.end_decision(job, job.run.results())
+
+    def end_decision(self, job: DecisionJob, outcome: list[Decision] | BaseException) -> None:
+        if job in self.deciding:
+            self.deciding.remove(job)
+        job.deliver(outcome)
+        self.released(job)
 
     def cancel(self, request_ids: set[int]) -> None:
         gone = {i for i, job in self.jobs.items() if job.handle.id in request_ids}

@@ -109,7 +109,7 @@ class ServedModel:
                  generation_defaults: dict[str, Any]) -> None:
         self.runner = as_runner(model)
         config = self.runner.config
-        self.model, self.options, self.config = model, options, config
+        self.options, self.config = options, config
         self.tokenizer = LockedTokenizer(tokenizer)
         limit = config.max_position_embeddings
         self.context = min(options.max_model_len or limit, limit)

@@ -7,14 +7,15 @@ valid against the schema, and the response carries a `decision` object (each fie
 passes, the order the fields were decided in). A schema outside the subset, `json_object`, or options that do
 not apply (`n > 1`, tools) are a 400 naming the parameter — for a schema, the field and the keyword.
 
-Decisions run on a worker thread next to the scheduler's (model forwards only read the weights), one at a time,
-holding the tokenizer's lock. Greedy: sampling fields are ignored; `threshold` (extra body field) applies.
+The prompt is rendered on a worker thread (holding the tokenizer's lock); the decision then runs in the scheduler
+(`Scheduler.decide`): its rows count against `max_running`, and it takes one forward per scheduler iteration,
+between the generation batches' steps, on the thread that owns the runner — so it works on every runner, the
+llama.cpp runner included. Greedy: sampling fields are ignored; `threshold` (extra body field) applies.
 """
 
 from __future__ import annotations
 
 import json
-import threading
 import time
 import uuid
 from typing import Any
@@ -22,12 +23,12 @@ from typing import Any
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from clover.engine.decision import Decision, decide
+from clover.engine.decision import DecisionRun
 from clover.engine.form import Form, FormError, parse_form
 from clover.serving.openai_format import sse, usage as usage_of
 from clover.serving.protocol import APIError, ChatCompletionRequest
+from clover.serving.scheduler import QueueFull
 
-_DECIDING = threading.Lock()  # one decision at a time: each is a few forwards of the whole answer block
 SCHEMA_PARAM = "response_format.json_schema.schema"
 
 
@@ -59,21 +60,24 @@ def check_form(req: ChatCompletionRequest) -> Form:
 async def decision_response(server: Any, req: ChatCompletionRequest) -> Response:
     """The chat completion for a request with `response_format` (`server`: the app's `ServedModel`)."""
     form = check_form(req)
-    if not server.runner.supports_decisions:
-        raise APIError(400, f"response_format (decision mode) needs the torch runner; this server runs the "
-                            f"{server.runner.name} runner (restart it with --runner torch)",
-                       param="response_format", code="unsupported_runner")
     messages = [m.to_template() for m in req.messages]
     threshold = req.threshold if req.threshold is not None else server.scheduler.engine()[1].threshold
 
-    def run() -> Decision:
-        with _DECIDING, server.tokenizer.lock:
-            return decide(server.model, server.tokenizer.tokenizer, messages, form, threshold=threshold)
+    def prepare() -> DecisionRun:
+        with server.tokenizer.lock:
+            return DecisionRun.create(server.runner, server.tokenizer.tokenizer, [messages], form,
+                                      threshold=threshold, prefill_chunk=server.options.prefill_chunk,
+                                      decode=server.tokenizer.decode)
 
     try:
-        result = await run_in_threadpool(run)
+        run = await run_in_threadpool(prepare)
+        result = (await server.scheduler.decide(run))[0]
+    except QueueFull as exc:
+        raise APIError(429, f"{exc}; retry later", type="rate_limit_error", code="server_busy") from exc
     except ValueError as exc:  # e.g. the prompt and the answer block beyond the context
         raise APIError(400, str(exc), param="messages", code="invalid_value") from exc
+    except RuntimeError as exc:
+        raise APIError(503, str(exc), type="server_error", code="unavailable") from exc
     content = json.dumps(result.values, ensure_ascii=False)
     rid, created, name = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), server.options.served_model_name
     usage = usage_of(result.prompt_tokens, result.answer_tokens, 0)

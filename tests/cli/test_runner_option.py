@@ -1,5 +1,5 @@
-"""`--runner llamacpp` on `clover generate` and `clover serve`: a GGUF from `clover export --to gguf` decodes through
-the llama.cpp runner, and what it cannot do is refused by name."""
+"""`--runner llamacpp` on `clover generate`, `clover decide` and `clover serve`: a GGUF from `clover export --to
+gguf` decodes (and fills forms) through the llama.cpp runner, and what it cannot do is refused by name."""
 
 from __future__ import annotations
 
@@ -15,10 +15,13 @@ from clover.chat_template import render_chat
 from clover.cli.main import main
 from clover.conversion.gguf_export import export_gguf
 from clover.engine import generate
+from clover.engine.decision import decide
 from clover.engine.llamacpp import LlamaCppRunner
 from clover.serving import ServerOptions, create_app
 
 PROMPT = "Hello world. What is the weather?"
+FORM = {"type": "object", "properties": {"category": {"enum": ["billing", "bug", "weather report"]},
+                                         "urgent": {"type": "boolean"}, "note": {"type": "string", "maxLength": 4}}}
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +54,19 @@ def test_generate_with_the_llamacpp_runner(exported, chat_tokenizer, capsys):
     assert _generate(capsys, "--model", str(checkpoint))["runner"] == "torch"
 
 
+def test_decide_with_the_llamacpp_runner(exported, chat_tokenizer, capsys, tmp_path):
+    """`clover decide --runner llamacpp` fills the form as decision mode does on the same runner (the CLI's: f16
+    KV, one row); decisions equal the torch runner's at f32 KV (tests/engine/test_llamacpp_runner.py)."""
+    _, gguf = exported
+    schema = tmp_path / "form.json"
+    schema.write_text(json.dumps(FORM))
+    assert main(["decide", "--runner", "llamacpp", "--model", str(gguf), "--threads", "1", "--schema", str(schema),
+                 PROMPT]) == 0
+    out = json.loads(capsys.readouterr().out)
+    want = decide(LlamaCppRunner(gguf, threads=1, max_rows=1), chat_tokenizer, PROMPT, FORM)
+    assert (out["values"], out["forward_passes"], out["order"]) == (want.values, want.forward_passes, want.order)
+
+
 @pytest.mark.parametrize("args, message", [
     (["--runner", "llamacpp", "--model", "{checkpoint}"], "takes a GGUF file.*clover export --to gguf"),
     (["--runner", "llamacpp", "--model", "{gguf}", "--dtype", "bfloat16"], "--dtype.*GGUF's weight types"),
@@ -67,8 +83,8 @@ def test_runner_misuse_is_a_clear_error(exported, capsys, args, message):
 
 
 def test_server_on_the_llamacpp_runner(exported, chat_tokenizer):
-    """Chat completions through the server equal the engine's output on the same runner; prefix reuse is off and
-    decision mode is refused with the reason."""
+    """Chat completions and structured outputs (`response_format`, decided in the scheduler) through the server
+    equal the engine's and decision mode's output on the same runner."""
     _, gguf = exported
     runner = LlamaCppRunner(gguf, threads=1, max_rows=4)
     app = create_app(runner, chat_tokenizer, ServerOptions(served_model_name="tiny", max_running=4))
@@ -82,11 +98,12 @@ def test_server_on_the_llamacpp_runner(exported, chat_tokenizer):
                         vocab_limit=len(chat_tokenizer)).sequences[0]
         assert reply.choices[0].message.content == chat_tokenizer.decode(want, skip_special_tokens=True).strip()
         assert reply.usage.completion_tokens == len(want)
-        schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
-        with pytest.raises(openai.BadRequestError) as err:
-            client.chat.completions.create(model="tiny", messages=messages, response_format={
-                "type": "json_schema", "json_schema": {"name": "f", "schema": schema}})
-        assert err.value.body["code"] == "unsupported_runner" and "torch runner" in err.value.body["message"]
+        reply = client.chat.completions.create(model="tiny", messages=messages, response_format={
+            "type": "json_schema", "json_schema": {"name": "f", "schema": FORM}})
+        want = decide(runner, chat_tokenizer, messages, FORM)
+        assert json.loads(reply.choices[0].message.content) == want.values
+        assert reply.model_extra["decision"]["forward_passes"] == want.forward_passes
+        assert sorted(runner._free) == list(range(runner.max_rows))  # the decision gave its row back
 
 
 def test_scheduler_refuses_more_rows_than_the_runner_holds(exported, chat_tokenizer):

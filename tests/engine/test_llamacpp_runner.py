@@ -2,7 +2,8 @@
 
 A tiny random dense model is exported at f32 (`clover export --to gguf`) and run by llama.cpp with f32 KV; the
 engine's greedy tokens must equal the torch runner's — block size 1 and 4, thresholds 1.0 and 0.9, exact mode,
-both ways of reading committed blocks, a batch of mixed lengths, continuous batching with joins and drops. The
+both ways of reading committed blocks, a batch of mixed lengths, continuous batching with joins and drops; and
+decision mode's decisions (its answer block is one query block longer than the runner's `max_block_size`). The
 two runners' logits differ by float rounding only (about 1e-5: the runner uses llama.cpp's plain attention path,
 whose CPU flash attention rounds through f16). Bad input: a GGUF without a mask token, a non-Llama GGUF, a
 missing llama-cpp-python, too many rows — each a clear error naming the fix.
@@ -21,6 +22,8 @@ from server_helpers import build_checkpoint
 from clover import CloverForBlockDiffusion
 from clover.conversion.gguf_export import export_gguf
 from clover.engine import Engine, SamplingParams, generate
+from clover.engine.decision import decide_autoregressive, decide_batch, render_layout
+from clover.engine.form import parse_form
 from clover.engine.llamacpp import LlamaCppRunner
 from model_helpers import PROMPTS
 
@@ -51,6 +54,29 @@ def test_greedy_tokens_equal_the_torch_runner(pair, block_size, threshold, rule)
     assert got.sequences == want.sequences
     assert [s["forward_passes"] for s in got.stats] == [s["forward_passes"] for s in want.stats]
     assert sorted(runner._free) == list(range(runner.max_rows))  # the finished batch gave its rows back
+
+
+FORM = {"type": "object", "properties": {
+    "category": {"enum": ["billing", "bug", "weather report"]}, "urgent": {"type": "boolean"},
+    "priority": {"type": "integer", "minimum": 1, "maximum": 12}, "summary": {"type": "string", "maxLength": 6}}}
+CONTEXTS = ["What is the weather in Paris?", "hi", "def add(x, y):\n    return x + y  # the sum, and more words"]
+
+
+@pytest.mark.parametrize("threshold", [0.9, 1.0])
+def test_decisions_equal_the_torch_runner(pair, chat_tokenizer, threshold):
+    """Decision mode through the runner interface: the same values, forwards and order as the torch runner, for
+    a batch of contexts (rows leave as their forms complete) and for the AR baseline."""
+    model, runner = pair
+    assert len(render_layout(parse_form(FORM), chat_tokenizer, runner.config).ids) > runner.max_block_size
+    want = decide_batch(model, chat_tokenizer, CONTEXTS, FORM, threshold=threshold)
+    got = decide_batch(runner, chat_tokenizer, CONTEXTS, FORM, threshold=threshold)
+    assert [(d.values, d.forward_passes, d.order) for d in got] == [(d.values, d.forward_passes, d.order)
+                                                                    for d in want]
+    for g, w in zip(got, want):
+        assert g.probabilities == pytest.approx(w.probabilities, rel=1e-3)
+    ar = [decide_autoregressive(m, chat_tokenizer, CONTEXTS[0], FORM) for m in (model, runner)]
+    assert (ar[1].values, ar[1].forward_passes) == (ar[0].values, ar[0].forward_passes)
+    assert sorted(runner._free) == list(range(runner.max_rows))  # every decision gave its rows back
 
 
 def test_logits_of_a_commit_and_its_next_block_match(pair):
@@ -162,9 +188,8 @@ def test_bad_runner_options_are_refused(pair):
         LlamaCppRunner(runner.path, kv_type="q8")
     with pytest.raises(FileNotFoundError, match="clover export"):
         LlamaCppRunner(Path(runner.path).with_name("missing.gguf"))
-    engine = Engine(runner, 16, 0.9)
-    with pytest.raises(ValueError, match="max_block_size"):
-        list(engine.run([PROMPTS[0]], 4, SamplingParams()))
+    with pytest.raises(ValueError, match="block_size=16.*max_block_size"):  # where the engine is made
+        Engine(runner, 16, 0.9)
 
 
 def test_runner_config_is_the_exported_models(pair):

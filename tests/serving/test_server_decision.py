@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 from typing import Literal
 
 import httpx
@@ -10,6 +11,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
+from clover.engine.decision import decide_batch
 from clover.engine.form import parse_form
 from clover.serving import ServerOptions, create_app
 from server_helpers import server_thread
@@ -31,9 +33,13 @@ class Triage(BaseModel):  # what `client.chat.completions.parse` turns into a st
 
 
 @pytest.fixture(scope="module")
-def url(chat_tokenizer):
-    model = tiny_model("clover-tiny-dense", vocab_size=len(chat_tokenizer), mask_token_id=chat_tokenizer.mask_token_id,
-                       eos_token_id=chat_tokenizer.eos_token_id)
+def model(chat_tokenizer):
+    return tiny_model("clover-tiny-dense", vocab_size=len(chat_tokenizer), mask_token_id=chat_tokenizer.mask_token_id,
+                      eos_token_id=chat_tokenizer.eos_token_id)
+
+
+@pytest.fixture(scope="module")
+def url(model, chat_tokenizer):
     app = create_app(model, chat_tokenizer, ServerOptions(served_model_name=NAME, prefill_chunk=16))
     with server_thread(app) as u:
         yield u
@@ -70,6 +76,28 @@ def test_streamed_and_plain_requests(client):
     assert plain.choices[0].finish_reason in ("stop", "length")
     text = client.chat.completions.create(model=NAME, messages=USER, max_tokens=8, response_format={"type": "text"})
     assert text.choices[0].message.content == plain.choices[0].message.content
+
+
+def test_decisions_run_in_the_scheduler_beside_generation(client, model, chat_tokenizer):
+    """Decisions and generations sent at once share the scheduler's thread and iterations; each decision is the
+    one decision mode makes alone (on the model, with the server's prefill chunk)."""
+    contexts = [USER, [{"role": "user", "content": "Where is my invoice?"}], [{"role": "user", "content": "hi"}]]
+
+    def decision(messages):
+        out = client.chat.completions.create(model=NAME, messages=messages, response_format=_format(FORM))
+        return json.loads(out.choices[0].message.content), out.model_extra["decision"]["forward_passes"]
+
+    def generation(_):
+        return client.chat.completions.create(model=NAME, messages=USER, max_tokens=24).choices[0].finish_reason
+
+    with ThreadPoolExecutor(6) as pool:
+        decisions = pool.map(decision, contexts)
+        generations = pool.map(generation, range(3))
+        decisions, generations = list(decisions), list(generations)
+    assert all(reason in ("stop", "length") for reason in generations)
+    for messages, got in zip(contexts, decisions):
+        want = decide_batch(model, chat_tokenizer, [messages], FORM, prefill_chunk=16)[0]
+        assert got == (want.values, want.forward_passes)
 
 
 @pytest.mark.parametrize("schema, param, word", [

@@ -1,0 +1,70 @@
+"""The prompt prefill that generation (engine.py) and decision mode (decision.py) share.
+
+A batch's prompts are **left-padded** to the longest: right-aligned, so every row's last prompt token sits in the
+last column and the first query block follows it in every row at the same offset. Padded columns are marked
+invalid (`attention_mask` 0): attention skips them and a DeltaNet layer neither reads nor writes there, so each
+row computes what it computes alone (docs/architecture.md).
+
+The padded prompts are read causally in chunks of `chunk` tokens (bounding the activation memory of long
+prompts); every chunk but the last is written to the cache without logits. The last chunk is returned to the
+caller, whose first forward carries it with its first query block (the prefill's last forward is decoding's
+first step).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+
+DEFAULT_PREFILL_CHUNK = 2048  # prompt tokens per prefill forward
+
+# forward(clean ids [N, T], **kwargs) for one prefill chunk: kwargs are `prefix_len`, `attention_mask`,
+# `logits_to_keep=0` (the runner's `forward` with the cache and block size bound by the caller)
+ChunkForward = Callable[..., Any]
+
+
+@dataclass
+class LastChunk:
+    """The prompt's last chunk, left to the caller's first forward."""
+
+    ids: torch.Tensor  # [N, T] clean tokens, left-padded
+    attention_mask: torch.Tensor | None  # [N, T]: False at padding; None when no row is padded
+    forwards: int  # forwards the prefill takes, this last one included
+
+    @property
+    def kwargs(self) -> dict[str, Any]:
+        """The runner `forward` arguments that read this chunk causally."""
+        return {"prefix_len": self.ids.shape[1], "attention_mask": self.attention_mask}
+
+
+def left_pad(prompts: Sequence[Sequence[int]], pad_id: int,
+             device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`[N, longest]` ids with each prompt right-aligned (`pad_id` before it) and the `[N, longest]` mask of real
+    tokens; the mask is None when every prompt has the longest length."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("left_pad needs at least one prompt, each of at least one token")
+    longest = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), longest), pad_id, dtype=torch.long)
+    valid = torch.zeros(len(prompts), longest, dtype=torch.bool)
+    for r, p in enumerate(prompts):
+        ids[r, longest - len(p):] = torch.tensor(list(p), dtype=torch.long)
+        valid[r, longest - len(p):] = True
+    return ids.to(device), None if bool(valid.all()) else valid.to(device)
+
+
+def prefill(prompts: Sequence[Sequence[int]], pad_id: int, chunk: int, forward: ChunkForward,
+            device: torch.device) -> LastChunk:
+    """Left-pad `prompts`, write every chunk of `chunk` tokens but the last through `forward` (no logits), and
+    return the last chunk."""
+    if chunk < 1:
+        raise ValueError(f"the prefill chunk must be >= 1, got {chunk}")
+    ids, valid = left_pad(prompts, pad_id, device)
+    starts = range(0, ids.shape[1], chunk)
+    for start in starts[:-1]:
+        end = start + chunk
+        forward(ids[:, start:end], prefix_len=end - start,
+                attention_mask=None if valid is None else valid[:, start:end], logits_to_keep=0)
+    last = starts[-1]
+    return LastChunk(ids[:, last:], None if valid is None else valid[:, last:], len(starts))
