@@ -193,6 +193,7 @@ class Step:
     total_s: float
     prompt_tokens: int | None
     completion_tokens: int
+    later_tokens: int  # completion tokens that arrived after the first delta (decode tokens/s is theirs)
     cached_tokens: int | None
     calls: int  # tool calls the model wrote (parsed or not)
     valid_calls: int  # that parse and name a tool offered
@@ -213,6 +214,7 @@ class Answer:
     content: str
     reasoning: str
     tool_calls: list[dict[str, str]]  # {"id", "name", "arguments"} as streamed
+    later_text: str  # what arrived after the first non-empty delta (tool calls as the model writes them)
     ttft_s: float
     total_s: float
     usage: Any
@@ -223,7 +225,7 @@ def stream_answer(client: Any, model: str, messages: list[dict[str, Any]], tools
                   max_tokens: int, extra_body: dict[str, Any]) -> Answer:
     """One streamed chat request, accumulated as agent frameworks do (tool-call deltas joined by index)."""
     start = time.perf_counter()
-    first = None
+    first, later = None, []
     content, reasoning, calls, usage, finish = "", "", {}, None, None
     stream = client.chat.completions.create(
         model=model, messages=messages, tools=tools, max_tokens=max_tokens, temperature=0.0, stream=True,
@@ -233,7 +235,9 @@ def stream_answer(client: Any, model: str, messages: list[dict[str, Any]], tools
         for choice in chunk.choices:
             d = choice.delta
             text = getattr(d, "reasoning_content", None) or ""
-            if first is None and (d.content or text or d.tool_calls):
+            if first is not None:
+                later += [text, d.content or ""] + [_call_text(tc.function) for tc in d.tool_calls or [] if tc.function]
+            elif d.content or text or d.tool_calls:
                 first = time.perf_counter()
             content += d.content or ""
             reasoning += text
@@ -245,8 +249,13 @@ def stream_answer(client: Any, model: str, messages: list[dict[str, Any]], tools
                     slot["arguments"] += tc.function.arguments or ""
             finish = choice.finish_reason or finish
     end = time.perf_counter()
-    return Answer(content, reasoning, [calls[i] for i in sorted(calls)], (first or end) - start, end - start,
-                  usage, finish)
+    return Answer(content, reasoning, [calls[i] for i in sorted(calls)], "".join(later), (first or end) - start,
+                  end - start, usage, finish)
+
+
+def _call_text(function: Any) -> str:
+    """A streamed tool call as the model wrote it (Hermes format, Clover's template), for counting its tokens."""
+    return f'<tool_call>\n{{"name": "{function.name or ""}", "arguments": {function.arguments or ""}}}\n</tool_call>'
 
 
 def _parse_args(text: str) -> dict[str, Any] | None:
@@ -284,16 +293,16 @@ def call_problem(call: Call, names: set[str]) -> str | None:
     return f"Error: {call.name} has no parameter {bad[0]!r}" if bad else None
 
 
-def run_agent(client: Any, model: str, turns: list[Turn], backend: ToolBackend, *, max_steps: int = BFCL_MAX_STEPS,
-              max_tokens: int = 256, deadline: float = float("inf"), extra_body: dict[str, Any] | None = None,
-              count_tokens: Callable[[str], int] | None = None) -> AgentRun:
+def run_agent(client: Any, model: str, turns: list[Turn], backend: ToolBackend, count_tokens: Callable[[str], int], *,
+              max_steps: int = BFCL_MAX_STEPS, max_tokens: int = 256, deadline: float = float("inf"),
+              extra_body: dict[str, Any] | None = None) -> AgentRun:
     """Run a multi-turn task: per user turn, request -> execute the calls -> `tool` messages -> request ...,
     until an answer has no call that can be answered, or `max_steps` requests (a forced quit: the run stops).
 
     Calls that parse and name an offered tool are executed by `backend` (all of a step's calls in one batch, in
     order); the others get an error as their tool result. Errors from the server (a timeout, a full context) and
-    the `deadline` (time.monotonic()) stop the run with `error` set. `count_tokens` counts completion tokens for
-    servers that report no usage in streams."""
+    the `deadline` (time.monotonic()) stop the run with `error` set. `count_tokens` (text -> tokens) counts the
+    tokens of first deltas, and completion tokens for servers that report no usage in streams."""
     import openai
 
     run = AgentRun()
@@ -334,16 +343,21 @@ def run_agent(client: Any, model: str, turns: list[Turn], backend: ToolBackend, 
     return run
 
 
-def _step(turn: int, answer: Answer, calls: int, valid: int, count_tokens: Callable[[str], int] | None) -> Step:
+def _step(turn: int, answer: Answer, calls: int, valid: int, count_tokens: Callable[[str], int]) -> Step:
+    """A request's record. Tokens after the first delta: a server that holds text back (clover serve sends a tool
+    call whole once it is closed) delivers much of an answer in its first delta, after a wait that is not decode
+    time alone; counting only what follows keeps decode tokens/s a rate over time actually measured."""
     usage = answer.usage
+    details = getattr(usage, "prompt_tokens_details", None)
+    cached = getattr(details, "cached_tokens", None) if details is not None else None
     if usage is not None:
-        details = getattr(usage, "prompt_tokens_details", None)
-        cached = getattr(details, "cached_tokens", None) if details is not None else None
-        return Step(turn, answer.ttft_s, answer.total_s, usage.prompt_tokens, usage.completion_tokens, cached,
-                    calls, valid, answer.finish_reason)
-    text = answer.reasoning + answer.content + "".join(c["name"] + c["arguments"] for c in answer.tool_calls)
-    completion = count_tokens(text) if count_tokens else 0
-    return Step(turn, answer.ttft_s, answer.total_s, None, completion, None, calls, valid, answer.finish_reason)
+        prompt, completion = usage.prompt_tokens, usage.completion_tokens
+    else:
+        text = answer.reasoning + answer.content + "".join(c["name"] + c["arguments"] for c in answer.tool_calls)
+        prompt, completion = None, count_tokens(text)
+    later = count_tokens(answer.later_text) if answer.later_text else 0
+    return Step(turn, answer.ttft_s, answer.total_s, prompt, completion, later, cached, calls, valid,
+                answer.finish_reason)
 
 
 # -- systems: servers started and stopped by the benchmark -------------------------------------------------------------
@@ -456,8 +470,31 @@ def token_counter(args: argparse.Namespace) -> Callable[[str], int]:
     return lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
+def run_task(client: Any, system: System, task: Task, args: argparse.Namespace, deadline: float,
+             count: Callable[[str], int]) -> dict[str, Any]:
+    """One task: the agent against its own bfcl-eval back-end, then the checker; its record."""
+    run_name = f"bench_agent_{system.name}_{uuid.uuid4().hex[:8]}"
+    backend = BFCLBackend(task, run_name)
+    start = time.perf_counter()
+    try:
+        run = run_agent(client, MODEL_ID, task.turns, backend, count, max_steps=args.max_steps,
+                        max_tokens=args.max_tokens, deadline=deadline, extra_body=system.extra_body)
+    finally:
+        backend.close()
+    wall = time.perf_counter() - start
+    if run.error or run.forced_quit:
+        passed, why = False, run.error or "forced quit"
+    else:
+        passed, why = check_task(task, run.executed, run_name)
+    print(f"  {system.name} {task.id}: {'pass' if passed else 'fail'} ({why or 'ok'}), {len(run.steps)} requests, "
+          f"{wall:.1f} s", flush=True)
+    return {"id": task.id, "passed": passed, "why": why, "wall_s": wall, "forced_quit": run.forced_quit,
+            "error": run.error, "steps": [asdict(s) for s in run.steps],
+            "calls": [[[call_string(n, a) for n, a in step] for step in turn] for turn in run.executed]}
+
+
 def run_system(system: System, tasks: list[Task], args: argparse.Namespace, budget_s: float) -> dict[str, Any]:
-    """Start the system's server, run the tasks (none started after `budget_s`), stop it; per-task records."""
+    """Start the system's server, run the tasks (none started after `budget_s`), stop it."""
     import openai
 
     count = token_counter(args)
@@ -471,24 +508,7 @@ def run_system(system: System, tasks: list[Task], args: argparse.Namespace, budg
         for task in tasks:
             if time.monotonic() > deadline:
                 break
-            run_name = f"bench_agent_{system.name}_{uuid.uuid4().hex[:8]}"
-            backend = BFCLBackend(task, run_name)
-            start = time.perf_counter()
-            try:
-                run = run_agent(client, MODEL_ID, task.turns, backend, max_steps=args.max_steps,
-                                max_tokens=args.max_tokens, deadline=deadline, extra_body=system.extra_body,
-                                count_tokens=count)
-            finally:
-                backend.close()
-            wall = time.perf_counter() - start
-            passed, why = (False, run.error or "forced quit") if run.error or run.forced_quit else \
-                check_task(task, run.executed, run_name)
-            records.append({"id": task.id, "passed": passed, "why": why, "wall_s": wall,
-                            "forced_quit": run.forced_quit, "error": run.error,
-                            "steps": [asdict(s) for s in run.steps],
-                            "calls": [[[call_string(n, a) for n, a in step] for step in turn] for turn in run.executed]})
-            print(f"  {system.name} {task.id}: {'pass' if passed else 'fail'} ({why or 'ok'}), "
-                  f"{len(run.steps)} requests, {wall:.1f} s", flush=True)
+            records.append(run_task(client, system, task, args, deadline, count))
         peak = server.peak_rss_mib()
     return {"system": system.name, "describe": system.describe, "tasks": records, "peak_rss_mib": peak,
             "summary": summarize(records, peak)}
@@ -503,7 +523,7 @@ def summarize(records: list[dict[str, Any]], peak_rss_mib: float | None) -> dict
     steps = [s for r in records for s in r["steps"]]
     first = [r["steps"][0]["ttft_s"] for r in records if r["steps"]]
     later = [s["ttft_s"] for r in records for s in r["steps"][1:]]
-    decode = [(s["completion_tokens"], s["total_s"] - s["ttft_s"]) for s in steps if s["completion_tokens"] > 1]
+    decode = [(s["later_tokens"], s["total_s"] - s["ttft_s"]) for s in steps if s["later_tokens"] > 0]
     reported = [s for s in steps if s["cached_tokens"] is not None and s["prompt_tokens"] is not None]
     return {
         "tasks": len(records), "passed": sum(r["passed"] for r in records),

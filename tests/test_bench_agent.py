@@ -50,6 +50,11 @@ class FakeBackend:
 
 
 @pytest.fixture(scope="module")
+def count(chat_tokenizer):
+    return lambda text: len(chat_tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+@pytest.fixture(scope="module")
 def client(chat_tokenizer):
     model = ScriptedLM(chat_tokenizer, script)
     app = create_app(model, chat_tokenizer, ServerOptions(served_model_name=NAME, prefill_chunk=16))
@@ -61,13 +66,14 @@ def turns(*texts: str) -> list:
     return [bench.Turn([{"role": "user", "content": t}], [ADD]) for t in texts]
 
 
-def test_tool_results_are_fed_back(client, monkeypatch):
+def test_tool_results_are_fed_back(client, count, monkeypatch):
     backend = FakeBackend()
     sent = []
     stream = bench.stream_answer
     monkeypatch.setattr(bench, "stream_answer", lambda c, m, messages, *a: sent.append(list(messages)) or
                         stream(c, m, messages, *a))
-    run = bench.run_agent(client, NAME, turns("add please", "again"), backend, max_steps=4, max_tokens=64)
+    run = bench.run_agent(client, NAME, turns("add please", "again"), backend, count,
+                          max_steps=4, max_tokens=64)
     assert backend.calls == [("add", {"a": 2, "b": 3})] * 2
     assert run.executed == [[[("add", {"a": 2, "b": 3})], []]] * 2 and not run.forced_quit and run.error is None
     # the second request of a turn carries the assistant's call and the back-end's result for it
@@ -76,12 +82,14 @@ def test_tool_results_are_fed_back(client, monkeypatch):
     assert tool == {"role": "tool", "tool_call_id": assistant["tool_calls"][0]["id"], "content": "result 1: 5"}
     assert [(s.turn, s.calls, s.valid_calls) for s in run.steps] == [(0, 1, 1), (0, 0, 0), (1, 1, 1), (1, 0, 0)]
     assert all(s.ttft_s <= s.total_s and s.completion_tokens > 0 for s in run.steps)
+    assert run.steps[0].later_tokens == 0  # a tool call arrives whole, in the first delta
     assert run.steps[2].cached_tokens > 0  # the conversation's prefix, prefilled one turn earlier
 
 
-def test_malformed_and_unknown_calls_are_counted_not_executed(client):
+def test_malformed_and_unknown_calls_are_counted_not_executed(client, count):
     backend = FakeBackend()
-    run = bench.run_agent(client, NAME, turns("broken call", "unknown tool"), backend, max_steps=4, max_tokens=64)
+    run = bench.run_agent(client, NAME, turns("broken call", "unknown tool"), backend, count,
+                          max_steps=4, max_tokens=64)
     assert backend.calls == []
     # the malformed call stays in the content: counted, nothing to answer, so the turn ends;
     # the unknown tool gets an error as its result and the model answers
@@ -89,9 +97,10 @@ def test_malformed_and_unknown_calls_are_counted_not_executed(client):
     assert run.executed == [[[]], [[], []]] and not run.forced_quit
 
 
-def test_step_limit_ends_the_run(client):
+def test_step_limit_ends_the_run(client, count):
     backend = FakeBackend()
-    run = bench.run_agent(client, NAME, turns("loop forever", "never reached"), backend, max_steps=3, max_tokens=64)
+    run = bench.run_agent(client, NAME, turns("loop forever", "never reached"), backend, count,
+                          max_steps=3, max_tokens=64)
     assert run.forced_quit and len(run.steps) == 3 and len(backend.calls) == 3
     assert len(run.executed) == 1  # the second user turn never ran: BFCL's checker fails the task
     ok, why = bench.check_task(bench.load_tasks("multi_turn_base", 1)[0], run.executed, "test_step_limit")
