@@ -57,6 +57,7 @@ MODEL_ID = "bench"
 BFCL_MAX_STEPS = 20  # BFCL's MAXIMUM_STEP_LIMIT: requests per user turn before a forced quit
 # BFCL's user message at a turn that brings held-out functions (the miss_func category)
 MORE_FUNCTIONS = "I have updated some more functions you can choose from. What about now?"
+MALFORMED = "a <tool_call> that does not parse, left in the content"
 _IDENTIFIER = re.compile(r"^[A-Za-z_]\w*$")
 
 
@@ -197,6 +198,7 @@ class Step:
     cached_tokens: int | None
     calls: int  # tool calls the model wrote (parsed or not)
     valid_calls: int  # that parse and name a tool offered
+    rejected: list[str]  # why each of the others was not executed
     finish_reason: str | None
 
 
@@ -326,7 +328,8 @@ def run_agent(client: Any, model: str, turns: list[Turn], backend: ToolBackend, 
             calls, malformed, content = read_calls(answer, f"{t}_{s}")
             problems = {c.id: call_problem(c, names) for c in calls}
             valid = [c for c in calls if problems[c.id] is None]
-            run.steps.append(_step(t, answer, len(calls) + malformed, len(valid), count_tokens))
+            rejected = [p for p in problems.values() if p] + [MALFORMED] * malformed
+            run.steps.append(_step(t, answer, len(calls) + malformed, len(valid), rejected, count_tokens))
             run.executed[-1].append([(c.name, c.args) for c in valid])
             message: dict[str, Any] = {"role": "assistant", "content": content}
             if answer.reasoning:
@@ -343,7 +346,8 @@ def run_agent(client: Any, model: str, turns: list[Turn], backend: ToolBackend, 
     return run
 
 
-def _step(turn: int, answer: Answer, calls: int, valid: int, count_tokens: Callable[[str], int]) -> Step:
+def _step(turn: int, answer: Answer, calls: int, valid: int, rejected: list[str],
+          count_tokens: Callable[[str], int]) -> Step:
     """A request's record. Tokens after the first delta: a server that holds text back (clover serve sends a tool
     call whole once it is closed) delivers much of an answer in its first delta, after a wait that is not decode
     time alone; counting only what follows keeps decode tokens/s a rate over time actually measured."""
@@ -356,7 +360,7 @@ def _step(turn: int, answer: Answer, calls: int, valid: int, count_tokens: Calla
         text = answer.reasoning + answer.content + "".join(c["name"] + c["arguments"] for c in answer.tool_calls)
         prompt, completion = None, count_tokens(text)
     later = count_tokens(answer.later_text) if answer.later_text else 0
-    return Step(turn, answer.ttft_s, answer.total_s, prompt, completion, later, cached, calls, valid,
+    return Step(turn, answer.ttft_s, answer.total_s, prompt, completion, later, cached, calls, valid, rejected,
                 answer.finish_reason)
 
 

@@ -95,6 +95,7 @@ def test_malformed_and_unknown_calls_are_counted_not_executed(client, count):
     # the unknown tool gets an error as its result and the model answers
     assert [(s.turn, s.calls, s.valid_calls) for s in run.steps] == [(0, 1, 0), (1, 1, 0), (1, 0, 0)]
     assert run.executed == [[[]], [[], []]] and not run.forced_quit
+    assert run.steps[0].rejected == [bench.MALFORMED] and "subtract" in run.steps[1].rejected[0]
 
 
 def test_step_limit_ends_the_run(client, count):
