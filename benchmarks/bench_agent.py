@@ -581,6 +581,8 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
     fig, axes = plt.subplots(1, len(panels), figsize=(3.2 * len(panels), 3.2))
     for ax, (title, key) in zip(axes, panels):
         ax.bar(names, [r["summary"][key] or 0 for r in results], color="tab:green")
+        if key == "accuracy":
+            ax.set_ylim(0, 1)
         ax.set_title(title, fontsize=9)
         ax.tick_params(axis="x", labelrotation=45, labelsize=7)
     fig.tight_layout()
