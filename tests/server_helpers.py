@@ -102,6 +102,18 @@ def server_thread(app: Any, timeout: float = 30.0) -> Iterator[str]:
         thread.join(15)
 
 
+@contextmanager
+def scripted_client(tokenizer: Any, script: Callable[..., str], name: str, timeout: float = 60.0) -> Iterator[Any]:
+    """An official `openai` client on a server of `ScriptedLM(tokenizer, script)` served in-process as `name`."""
+    import openai
+
+    from clover.serving import ServerOptions, create_app
+
+    app = create_app(ScriptedLM(tokenizer, script), tokenizer, ServerOptions(served_model_name=name, prefill_chunk=16))
+    with server_thread(app) as url:
+        yield openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=timeout)
+
+
 class ScriptedLM(nn.Module):
     """A stand-in model that writes a scripted answer, so tool-call and reasoning round trips are deterministic.
 

@@ -5,12 +5,10 @@ from __future__ import annotations
 
 import json
 
-import openai
 import pytest
 
-from clover.serving import ServerOptions, create_app
 from script_helpers import ROOT, load_script
-from server_helpers import ScriptedLM, server_thread
+from server_helpers import scripted_client
 
 bench = load_script(ROOT / "benchmarks" / "bench_agent.py", "bench_agent")
 
@@ -56,10 +54,8 @@ def count(chat_tokenizer):
 
 @pytest.fixture(scope="module")
 def client(chat_tokenizer):
-    model = ScriptedLM(chat_tokenizer, script)
-    app = create_app(model, chat_tokenizer, ServerOptions(served_model_name=NAME, prefill_chunk=16))
-    with server_thread(app) as url:
-        yield openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
+    with scripted_client(chat_tokenizer, script, NAME, timeout=120) as client:
+        yield client
 
 
 def turns(*texts: str) -> list:

@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import json
 
-import openai
 import pytest
 
-from clover.serving import ServerOptions, create_app
-from server_helpers import ScriptedLM, server_thread
+from server_helpers import scripted_client
 
 NAME = "scripted"
 TOOLS = [{"type": "function", "function": {
@@ -35,10 +33,8 @@ def script(prompt: str) -> str:
 
 @pytest.fixture(scope="module")
 def client(chat_tokenizer):
-    model = ScriptedLM(chat_tokenizer, script)
-    app = create_app(model, chat_tokenizer, ServerOptions(served_model_name=NAME, prefill_chunk=16))
-    with server_thread(app) as url:
-        yield openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
+    with scripted_client(chat_tokenizer, script, NAME, timeout=60) as client:
+        yield client
 
 
 USER = [{"role": "user", "content": "What is the weather in Paris?"}]
