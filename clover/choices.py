@@ -17,6 +17,8 @@ FORMATS: dict[str, str] = {
     "qwen3_5_moe": "qwen3_5_moe",
     "qwen3_next": "qwen3_next",
     "llama": "llama",
+    "qwen3": "qwen3",
+    "qwen2": "qwen2",
     "gguf": "gguf",
 }
 

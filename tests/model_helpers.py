@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from clover import CloverConfig, CloverForBlockDiffusion
+from clover.model.lora import apply_lora
+from clover.training.config import LoraConfig
 from clover.model.deltanet import GatedDeltaNet
 
 PROMPTS = [[5, 17, 3, 99, 42, 7, 11], [8, 120], [64, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]]
@@ -56,3 +60,17 @@ def assert_close_up_to_activation_rounding(got: torch.Tensor, want: torch.Tensor
     assert torch.equal(got.argmax(-1), want.argmax(-1))
     close = (got - want).abs() <= 1e-4 * want.abs().max()
     assert close.float().mean() >= close_share and (got - want).abs().max() <= 0.01 * want.abs().max()
+
+
+def base_and_gated(preset: str = "clover-tiny-dense", seed: int = 0, **lora) -> tuple[CloverForBlockDiffusion,
+                                                                                         CloverForBlockDiffusion]:
+    """A random base and a copy with a gated adapter whose factors and [MASK] row are all nonzero."""
+    torch.manual_seed(seed)
+    base = CloverForBlockDiffusion(CloverConfig.from_preset(preset)).eval()
+    model = copy.deepcopy(base)
+    apply_lora(model, LoraConfig(**{"rank": 4, "gated": True, "extra_trainable": [], **lora}))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name or "row_delta" in name:
+                param.normal_(0.0, 0.2)
+    return base, model

@@ -17,10 +17,18 @@ from clover.conversion.common import HFSource, read_hf_dir, require_silu, rope_s
 
 def llama_config(hf, token_ids: dict, max_position_embeddings: int | None = None) -> CloverConfig:
     """CloverConfig for a transformers `LlamaConfig` (also used for GGUF metadata mapped onto one)."""
-    require_silu(hf)
     if hf.attention_bias or getattr(hf, "mlp_bias", False):
         raise ValueError("attention_bias / mlp_bias are not supported: Clover's dense backbone has no o_proj "
                          "or MLP biases")
+    return dense_config(hf, token_ids, max_position_embeddings)
+
+
+def dense_config(hf, token_ids: dict, max_position_embeddings: int | None = None, *, qkv_bias: bool = False,
+                 qk_norm: bool = False) -> CloverConfig:
+    """CloverConfig for a Llama-form transformers config (every layer full attention, dense SwiGLU, plain
+    RMSNorm, plain RoPE); `qkv_bias`: biases on q, k and v (Qwen2); `qk_norm`: each head's queries and keys
+    RMS-normalised before RoPE (Qwen3)."""
+    require_silu(hf)
     theta, partial = rope_settings(hf)
     return CloverConfig(
         vocab_size=hf.vocab_size,
@@ -37,9 +45,9 @@ def llama_config(hf, token_ids: dict, max_position_embeddings: int | None = None
         head_dim=hf.head_dim,
         rope_theta=theta,
         partial_rotary_factor=partial,
-        attention_bias=False,
+        attention_bias=qkv_bias,
         attn_output_gate=False,
-        qk_norm=False,
+        qk_norm=qk_norm,
         mlp_type="dense",
         intermediate_size=hf.intermediate_size,
         mask_token_id=None,  # placed by the driver (plan_mask_token)

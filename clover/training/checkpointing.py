@@ -43,7 +43,9 @@ CHECKPOINTS = "checkpoints"
 LATEST = "latest"
 TRAINER_DIR = "trainer"
 STATE_VERSION = 2  # 2: seeds mixed by numpy's SeedSequence (version 1: splitmix64), so streams differ
-COUNTERS = ("step", "tokens", "supervised_tokens")  # what `state.json` restores of the loop's progress
+# what `state.json` restores of the loop's progress; `cpu_s`: CPU seconds of training, all processes (a
+# checkpoint written before it was counted restores 0)
+COUNTERS = ("step", "tokens", "supervised_tokens", "cpu_s")
 # What a save leaves under a temporary name when killed: the step directory being written and the one it
 # replaces (`.step-….tmp-…`, `.step-….old-…`; before the trainer wrote through `atomic_directory`: `.tmp-step-…`,
 # `.old-step-…`), and the `latest` pointer's file (`.latest.tmp-…`).
@@ -228,4 +230,51 @@ def load_training_state(path: Path, model: nn.Module, optimizer: torch.optim.Opt
     torch.set_rng_state(rng["torch_cpu"])
     if "torch_cuda" in rng and info.device.type == "cuda":
         torch.cuda.set_rng_state(rng["torch_cuda"], info.device)
-    return {k: state[k] for k in COUNTERS}
+    return {k: state.get(k, 0) for k in COUNTERS}
+
+
+# -- milestones ------------------------------------------------------------------------------------------------
+MILESTONE_LOG = "train_log.jsonl"
+
+
+def save_milestone(checkpoint: Path, dest: Path, log: Path | None = None) -> dict[str, Any]:
+    """A compact copy of LoRA training checkpoint `checkpoint`, small enough to commit: the adapter as is (fp32),
+    Adam's moments in bf16 (half their size; a run resumed from the milestone continues within their rounding),
+    the RNG state and counters, and `log`'s records up to the checkpoint's step. Written atomically; returns
+    the counters. `restore_milestone` turns it back into a checkpoint a run resumes from."""
+    state = json.loads((checkpoint / TRAINER_DIR / "state.json").read_text())
+    if not state.get("lora"):
+        raise ValueError(f"{checkpoint}: a milestone keeps LoRA runs only (a full model is not compact)")
+    with atomic_directory(dest, durable=True) as tmp:
+        shutil.copytree(checkpoint, tmp, dirs_exist_ok=True)
+        _cast_moments(tmp / TRAINER_DIR / "optimizer.safetensors", torch.bfloat16)
+        if log is not None and log.is_file():
+            kept = [line for line in log.read_text().splitlines()
+                    if line.strip() and json.loads(line).get("step", 0) <= state["step"]]
+            (tmp / MILESTONE_LOG).write_text("".join(line + "\n" for line in kept))
+    return {k: state.get(k, 0) for k in COUNTERS}
+
+
+def restore_milestone(milestone: Path, output_dir: Path) -> int | None:
+    """Make milestone `milestone` the checkpoint `output_dir` resumes from, unless `output_dir` already holds a
+    checkpoint as new or newer. Returns the milestone's step when restored, else None."""
+    state = json.loads((milestone / TRAINER_DIR / "state.json").read_text())
+    current = latest_checkpoint(output_dir)
+    if current is not None and json.loads((current / TRAINER_DIR / "state.json").read_text())["step"] >= state["step"]:
+        return None
+    root = Path(output_dir) / CHECKPOINTS
+    name = checkpoint_name(state["step"])
+    with atomic_directory(root / name, durable=True) as tmp:
+        shutil.copytree(milestone, tmp, dirs_exist_ok=True)
+        (tmp / MILESTONE_LOG).unlink(missing_ok=True)
+        _cast_moments(tmp / TRAINER_DIR / "optimizer.safetensors", torch.float32)
+    if (milestone / MILESTONE_LOG).is_file():
+        shutil.copy(milestone / MILESTONE_LOG, Path(output_dir) / MILESTONE_LOG)
+    atomic_write_text(root / LATEST, name + "\n")
+    return state["step"]
+
+
+def _cast_moments(path: Path, dtype: torch.dtype) -> None:
+    """Rewrite the optimizer's floating-point tensors (Adam's moments) of `path` in `dtype`."""
+    tensors = load_file(str(path))
+    save_file({k: v.to(dtype) if v.is_floating_point() and v.ndim else v for k, v in tensors.items()}, str(path))

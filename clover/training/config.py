@@ -122,6 +122,9 @@ class TrainConfig:
     save_every: int = 0  # steps between checkpoints (0: only at the end / when stopping)
     keep_checkpoints: int = 2  # newest complete checkpoints kept
     max_minutes: float = 0.0  # wall-clock budget: stop cleanly (with a checkpoint) after this many minutes
+    # CPU budget of the whole run (every session, thread and rank: the `cpu_s` counter): stop cleanly before the
+    # next step would cross it
+    max_cpu_hours: float = 0.0
     resume: str = "auto"  # "auto": continue from output_dir's latest checkpoint; "never"; or a checkpoint dir
     progress: bool = True  # progress bar (rank 0)
 
@@ -144,7 +147,7 @@ class TrainConfig:
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("lr", "weight_decay", "grad_clip", "ar_weight", "kl_weight", "confidence_weight", "max_minutes",
-                     "min_lr_ratio", "ce_weight", "draft_kl_weight"):
+                     "max_cpu_hours", "min_lr_ratio", "ce_weight", "draft_kl_weight"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.ce_weight == 0 and self.draft_kl_weight == 0:
@@ -292,10 +295,11 @@ def _looks_numeric(raw: str) -> bool:
         return False
 
 
-def _merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
+def merge_config(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
+    """`base` with `update`'s keys; nested sections merged key by key."""
     out = dict(base)
     for k, v in update.items():
-        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+        out[k] = merge_config(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
     return out
 
 
@@ -315,5 +319,5 @@ def load_train_config(path: str | Path | None = None,
             raise ValueError(f"{path}: expected a mapping of config keys, got {type(data).__name__}")
     if overrides:
         update = parse_overrides(overrides) if isinstance(overrides, list) else overrides
-        data = _merge(data, update)
+        data = merge_config(data, update)
     return config_from_dict(data)

@@ -418,6 +418,51 @@ def _finish(terms: dict[str, torch.Tensor], den: dict[str, float], ar_weight: fl
     return loss, metrics
 
 
+@dataclass
+class MaskedLogits:
+    """The predictions of every masked token of a noised batch (one entry per `noise.mask` True, row-major)."""
+
+    rows: torch.Tensor  # row of the noised copies (copy-major)
+    pos: torch.Tensor  # response position
+    first: torch.Tensor  # the block's first position (predicted by the clean stream, i.e. causally)
+    targets: torch.Tensor  # the true token there
+    logits: torch.Tensor  # [M, V]
+    clean: torch.Tensor | None = None  # the clean stream's logits at P + pos - 1 of the draft (not first) entries
+
+
+def masked_logits(model: torch.nn.Module, batch: Batch, block_size: int, noise: Noise, mask_id: int, *,
+                  clean_at_drafts: bool = False) -> MaskedLogits:
+    """One vectorised forward of the clean stream and the noised copies, logits only where a masked token is
+    predicted: a block's first position from the clean output at `P + pos - 1`, the others from the noised
+    block's output at `pos - 1` (the query stream, which follows the `P + R` clean positions). With
+    `clean_at_drafts`, also the clean output at `P + pos - 1` of the others (with causal context reading: the
+    base's next-token distribution given the true prefix)."""
+    p, r = batch.prompt_len, batch.response_len
+    device = batch.input_ids.device
+    c = noise.copies
+    ids = batch.input_ids.repeat(c, 1)
+    attention = batch.attention_mask.repeat(c, 1) if batch.padded else None
+    mask = noise.mask.to(device)
+    response = ids[:, p:]
+    hidden = mask if batch.tail is None else mask | batch.tail.to(device).repeat(c, 1)
+    query = torch.where(hidden, torch.full_like(response, mask_id), response)
+    rows, pos = mask.nonzero(as_tuple=True)
+    first = pos % block_size == 0
+    length = ids.shape[1]
+    width = length + r
+    column = torch.where(first, p + pos - 1, length + pos - 1)
+    at = torch.zeros(ids.shape[0], width, dtype=torch.bool, device=device)
+    at[rows, column] = True
+    draft = ~first
+    if clean_at_drafts:
+        at[rows[draft], p + pos[draft] - 1] = True
+    index = at.flatten().cumsum(0) - 1  # the model returns the selected logits in row-major order
+    logits = model(ids, block_size, prefix_len=p, attention_mask=attention, query_ids=query, query_start=p,
+                   logits_at=at).logits
+    clean = logits[index[rows[draft] * width + p + pos[draft] - 1]] if clean_at_drafts else None
+    return MaskedLogits(rows, pos, first, response[rows, pos], logits[index[rows * width + column]], clean)
+
+
 def bd3_loss(model: torch.nn.Module, batch: Batch, block_size: int, noise: Noise | NoiseConfig, *,
              mask_token_id: int | None = None, ar_weight: float = 0.0, kl_weight: float = 0.0,
              confidence_weight: float = 0.0, reference: ReferenceFn | None = None,
@@ -450,37 +495,14 @@ def bd3_loss(model: torch.nn.Module, batch: Batch, block_size: int, noise: Noise
                          "only then is the clean stream's output the base's next-token distribution")
     frozen = is_gated(model)
     den = denominators or loss_denominators(batch, noise, frozen_starts=frozen)
-    device = batch.input_ids.device
-    c = noise.copies
-    ids = batch.input_ids.repeat(c, 1)
-    attention = batch.attention_mask.repeat(c, 1) if batch.padded else None
-    mask = noise.mask.to(device)
-    response = ids[:, p:]
-    hidden = mask if batch.tail is None else mask | batch.tail.to(device).repeat(c, 1)
-    query = torch.where(hidden, torch.full_like(response, mask_id), response)
-    # Logits only where a masked token is predicted: a block's first position from the clean output at
-    # P + pos - 1, the others from the noised block's output at pos - 1 (the query stream, which follows the
-    # P + R clean positions); for the draft KL also the clean output at P + pos - 1 of the others.
-    rows, pos = mask.nonzero(as_tuple=True)
-    first = pos % block_size == 0
-    length = ids.shape[1]
-    width = length + r
-    column = torch.where(first, p + pos - 1, length + pos - 1)
-    at = torch.zeros(ids.shape[0], width, dtype=torch.bool, device=device)
-    at[rows, column] = True
-    draft = ~first
-    if draft_kl_weight:
-        at[rows[draft], p + pos[draft] - 1] = True
-    index = at.flatten().cumsum(0) - 1  # the model returns the selected logits in row-major order
-    logits = model(ids, block_size, prefix_len=p, attention_mask=attention, query_ids=query, query_start=p,
-                   logits_at=at).logits
-    logp = logits[index[rows * width + column]].float().log_softmax(-1)
-    trained = draft if frozen else torch.ones_like(first)
-    terms = _masked_terms(logp, response[rows, pos], first, trained, _token_weights(noise, rows, pos, block_size),
+    m = masked_logits(model, batch, block_size, noise, mask_id, clean_at_drafts=bool(draft_kl_weight))
+    logp = m.logits.float().log_softmax(-1)
+    draft = ~m.first
+    trained = draft if frozen else torch.ones_like(m.first)
+    terms = _masked_terms(logp, m.targets, m.first, trained, _token_weights(noise, m.rows, m.pos, block_size),
                           confidence=confidence_weight > 0)
     if draft_kl_weight:
-        base = logits[index[rows[draft] * width + p + pos[draft] - 1]]
-        terms["draft_kl_sum"] = _draft_kl(logp[draft], base, _position_weights(noise, pos[draft]))
+        terms["draft_kl_sum"] = _draft_kl(logp[draft], m.clean, _position_weights(noise, m.pos[draft]))
 
     ar_sum = kl_sum = None
     if ar_weight or kl_weight:

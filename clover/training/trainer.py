@@ -36,7 +36,7 @@ from torch import nn
 from clover.config import PRESETS, CloverConfig
 from clover.model import CloverForBlockDiffusion
 from clover.model.lora import adapters_disabled, apply_lora, is_gated
-from clover.training.checkpointing import (CHECKPOINTS, TRAINER_DIR, checkpoint_name, latest_checkpoint,
+from clover.training.checkpointing import (CHECKPOINTS, COUNTERS, TRAINER_DIR, checkpoint_name, latest_checkpoint,
                                            load_training_state, load_weights, remove_stale_temporaries,
                                            save_training_checkpoint)
 from clover.training.config import TrainConfig
@@ -149,7 +149,7 @@ class Trainer:
         self.lora = config.lora.rank > 0
         if self.lora:
             apply_lora(self.model, config.lora)
-        self.state: dict[str, Any] = {"step": 0, "tokens": 0, "supervised_tokens": 0}
+        self.state: dict[str, Any] = dict.fromkeys(COUNTERS, 0)
         if resume_from is not None:
             load_weights(self.model, resume_from, self.lora)
         self.model.to(d.device)
@@ -369,9 +369,12 @@ class Trainer:
         step_time = 0.0
         try:
             while self.state["step"] < c.max_steps:
-                t0 = time.monotonic()
+                t0, cpu0 = time.monotonic(), time.process_time()
                 metrics = self.train_step(self.state["step"])
                 step_time = time.monotonic() - t0
+                # CPU time, every thread of every rank: a budget in CPU-hours is kept on a shared machine too
+                step_cpu = float(d.all_sum(torch.tensor([time.process_time() - cpu0], dtype=torch.float64))[0])
+                self.state["cpu_s"] += step_cpu
                 self.state["step"] += 1
                 self.state["tokens"] += int(metrics["step_tokens"])
                 self.state["supervised_tokens"] += int(metrics["supervised_tokens"])
@@ -384,12 +387,12 @@ class Trainer:
                                                      "first_ce", "inner_ce", "accuracy", "confident_entropy")
                              if k in metrics},
                           "supervised_tokens": self.state["supervised_tokens"],
-                          "elapsed_s": time.monotonic() - start_time}
+                          "cpu_hours": self.state["cpu_s"] / 3600, "elapsed_s": time.monotonic() - start_time}
                 if not math.isfinite(metrics["loss"]):
                     raise FloatingPointError(f"loss is {metrics['loss']} at step {step}; lower lr or check the data")
                 do_eval = self.eval_docs is not None and (
                     (c.eval_every and step % c.eval_every == 0) or step == c.max_steps)
-                budget_hit = self._out_of_time(start_time, step_time)
+                budget_hit = self._out_of_time(start_time, step_time, step_cpu)
                 if do_eval or (budget_hit and self.eval_docs is not None):
                     ev = self.evaluate(step)
                     record.update(ev)
@@ -424,15 +427,17 @@ class Trainer:
                 signal.signal(signal.SIGTERM, previous)
         if stopped_early and d.rank == 0:
             logger.info("stopped at step %d of %d (%s); resume with the same command", self.state["step"],
-                        c.max_steps, "time budget" if not self._stop_signal else "SIGTERM")
+                        c.max_steps, "SIGTERM" if self._stop_signal else "time or CPU budget")
         ckpt = self.ckpt_root / checkpoint_name(last_saved) if last_saved >= 0 else None
         return TrainResult(self.state["step"], losses, eval_losses, ckpt, stopped_early)
 
-    def _out_of_time(self, start: float, step_time: float) -> bool:
-        if not self.config.max_minutes:
+    def _out_of_time(self, start: float, step_time: float, step_cpu: float) -> bool:
+        c = self.config
+        if not c.max_minutes and not c.max_cpu_hours:
             return False
-        # stop when the next step would cross the budget (rank 0 decides, so every rank stops together)
-        hit = time.monotonic() - start + step_time >= self.config.max_minutes * 60.0
+        # stop when the next step would cross a budget (rank 0 decides, so every rank stops together)
+        hit = bool(c.max_minutes) and time.monotonic() - start + step_time >= c.max_minutes * 60.0
+        hit |= bool(c.max_cpu_hours) and self.state["cpu_s"] + step_cpu >= c.max_cpu_hours * 3600.0
         return bool(self.dist.broadcast(hit))
 
     def _on_sigterm(self, signum: int, frame: Any) -> None:

@@ -42,6 +42,7 @@ HERE = Path(__file__).resolve().parent
 CONFIG = HERE / "v2.yaml"
 RECORD = HERE / "data_v2.json"
 DISTILLED = HERE / "distilled"  # the base's answers as packed token ids, committed: a run resumes from them
+MILESTONE = HERE / "milestone"  # the CPU run's latest checkpoint, compact and committed: a run resumes from it
 PACKAGE_RESERVE_S = 90.0  # packaging (load base, apply adapter, checksum) + margin, kept out of training's budget
 GPU = {"device": "cuda", "batch_size": 128, "micro_batch_size": 64, "threads": 0, "save_every": 200,
        "max_steps": 3000, "warmup_steps": 100}
@@ -99,9 +100,9 @@ def check_record(key: str, checksums: dict[str, str], record: bool) -> None:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from clover.training.config import load_train_config
+    from clover.training.config import load_train_config, merge_config, parse_overrides
     from clover.training.data import prepare_token_shards
-    from clover.training.checkpointing import latest_checkpoint
+    from clover.training.checkpointing import latest_checkpoint, restore_milestone, save_milestone
     from clover.training.trainer import train
 
     start = time.monotonic()
@@ -150,7 +151,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         overrides |= GPU
     if args.tiny:
         overrides |= TINY
-    config = load_train_config(CONFIG, overrides)
+    config = load_train_config(CONFIG, merge_config(overrides, parse_overrides(
+        [f"--{item}" for item in args.set])))
     prepare_token_shards("chat", sources, base, data / "shards", max_len=config.max_seq_len, overwrite=True)
     checksums = {p.name: sha256(p) for p in [data / "train.jsonl", *sources, data / "shards"]}
     (data / "manifest.json").write_text(json.dumps({"python": python, "device": device, "scale": args.scale,
@@ -166,9 +168,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             raise SystemExit(f"the data stages took {figures['data_s']} s: under a minute of the "
                              f"{args.budget_minutes}-minute budget is left for training")
         config.max_minutes = left / 60
+    durable = not (args.gpu or args.tiny)  # a CPU run spans sessions: it resumes from the committed milestone
+    if durable and MILESTONE.is_dir() and (step := restore_milestone(MILESTONE, run_dir)) is not None:
+        figures["resumed_from_milestone"] = step
     result = train(config)
     figures["train"] = {"step": result.step, "stopped_early": result.stopped_early,
                         "last_loss": result.losses[-1] if result.losses else None}
+    if durable:
+        figures["milestone"] = save_milestone(latest_checkpoint(run_dir), MILESTONE, log=run_dir / "train_log.jsonl")
 
     # 5. package
     checkpoint = latest_checkpoint(run_dir)
@@ -196,6 +203,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget-minutes", type=float, default=8.0)
     parser.add_argument("--tiny", type=int, nargs="?", const=6, default=0,
                         help="dry run: this many prompts (6), short answers, 2 training steps")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a training config key (dotted, YAML value), e.g. --set max_minutes=30 "
+                             "--set noise.position_decay=0.8; repeatable")
     parser.add_argument("--record", action="store_true", help="record the data checksums in data_v2.json")
     parser.add_argument("--quiet", action="store_true")
     args = parser.parse_args(argv)

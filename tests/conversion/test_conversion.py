@@ -199,6 +199,53 @@ def test_llama_conversion_matches_reference(tmp_path: Path, tie: bool) -> None:
     assert ("lm_head.weight" in load_file(tmp_path / "clover" / "model.safetensors")) is not tie
 
 
+def qwen_reference(family: str, seed: int = 0, tie: bool = False, **overrides):
+    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    config_class, model_class = {"qwen3": (Qwen3Config, Qwen3ForCausalLM),
+                                 "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[family]
+    torch.manual_seed(seed)
+    config = {**ATTN, "num_hidden_layers": 2, "intermediate_size": 48, "tie_word_embeddings": tie, **overrides}
+    model = model_class(config_class(**config))
+    with torch.no_grad():  # biases start at zero: random ones make a missing or misplaced bias show
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0.0, 0.5)
+    return _perturb_vectors(model)
+
+
+@pytest.mark.parametrize("family,tie", [("qwen3", False), ("qwen3", True), ("qwen2", False), ("qwen2", True)])
+def test_qwen_conversion_matches_reference(tmp_path: Path, family: str, tie: bool) -> None:
+    reference = qwen_reference(family, tie=tie)
+    reference.save_pretrained(tmp_path / "hf")
+    convert(family, tmp_path / "hf", tmp_path / "clover")
+    model = assert_matches_reference(reference, tmp_path / "clover")
+    config = model.config
+    assert (config.qk_norm, config.attention_bias) == ((True, False) if family == "qwen3" else (False, True))
+    assert (config.norm_type, config.mlp_type, config.tie_word_embeddings) == ("plain", "dense", tie)
+    ids = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(1))
+    want = reference.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0)[0, 6:].tolist()
+    from clover.engine import generate
+    assert generate(model, [ids[0].tolist()], max_new_tokens=8, block_size=1,
+                    threshold=1.0).sequences[0] == want  # greedy tokens equal
+
+
+@pytest.mark.parametrize("family,overrides,message", [
+    ("qwen3", {"attention_bias": True}, "also biases o_proj"),
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 0}, "sliding-window"),
+    ("qwen3", {"rope_scaling": {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 64}},
+     "RoPE scaling"),
+])
+def test_qwen_conversion_refuses_what_clover_cannot_compute(tmp_path: Path, family: str, overrides: dict,
+                                                             message: str) -> None:
+    qwen_reference(family, **overrides).save_pretrained(tmp_path / "hf")
+    with pytest.raises(ValueError, match=message):
+        convert(family, tmp_path / "hf", tmp_path / "clover")
+    assert not (tmp_path / "clover").exists()
+    with pytest.raises(ValueError, match=f"--from {'qwen2' if family == 'qwen3' else 'qwen3'} expects"):
+        convert("qwen2" if family == "qwen3" else "qwen3", tmp_path / "hf", tmp_path / "clover")
+
+
 def test_llama_rope_scaling_is_refused(tmp_path: Path) -> None:
     reference = llama_reference(max_position_embeddings=4096)
     reference.save_pretrained(tmp_path / "hf")
@@ -319,7 +366,7 @@ def test_unknown_format_lists_valid_formats(tmp_path: Path, capsys: pytest.Captu
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert "invalid choice: 'mistral'" in err and all(name in err for name in FORMATS)
-    with pytest.raises(ValueError, match="valid formats: qwen3_5_moe, qwen3_next, llama, gguf"):
+    with pytest.raises(ValueError, match="valid formats: qwen3_5_moe, qwen3_next, llama, qwen3, qwen2, gguf"):
         convert("mistral", tmp_path, tmp_path / "dst")
 
 

@@ -16,21 +16,9 @@ from clover.model.lora import (adapters_disabled, apply_lora, is_gated, merge_an
 from clover.training.objective import bd3_loss, collate, reference_block_loss, sample_noise
 from clover.smol import adapted_model, weights_checksum
 
+from model_helpers import base_and_gated
+
 MASK = 255
-
-
-def base_and_gated(preset: str = "clover-tiny-dense", seed: int = 0, **lora) -> tuple[CloverForBlockDiffusion,
-                                                                                         CloverForBlockDiffusion]:
-    """A random base and a copy with a gated adapter whose factors and [MASK] row are all nonzero."""
-    torch.manual_seed(seed)
-    base = CloverForBlockDiffusion(CloverConfig.from_preset(preset)).eval()
-    model = copy.deepcopy(base)
-    apply_lora(model, LoraConfig(**{"rank": 4, "gated": True, "extra_trainable": [], **lora}))
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_B" in name or "row_delta" in name:
-                param.normal_(0.0, 0.2)
-    return base, model
 
 
 def ids(n: int = 2, t: int = 11, seed: int = 1) -> torch.Tensor:

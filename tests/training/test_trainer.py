@@ -95,6 +95,8 @@ def test_killed_and_resumed_run_has_the_same_loss_curve(tmp_path):
     assert [r["step"] for r in log] == [1, 2, 3, 4, 5, 6]
     for key in ("step", "loss", "lr", "tokens", "tokens_per_s", "grad_norm", "ar_loss", "diffusion_loss"):
         assert key in log[-1]
+    cpu = [r["cpu_hours"] for r in log]  # counted across the resume, never restarting from 0
+    assert cpu[0] > 0 and all(b > a for a, b in zip(cpu, cpu[1:]))
     full_log = [json.loads(x) for x in (tmp_path / "a" / "run" / "train_log.jsonl").read_text().splitlines()]
     assert "eval_loss" in full_log[2] and "eval_loss" in full_log[5]
 
@@ -185,6 +187,15 @@ def test_time_budget_stops_cleanly_with_a_checkpoint_and_resumes(tmp_path):
     assert rest.step == 3 and not rest.stopped_early and len(rest.losses) == 2
 
 
+def test_cpu_budget_counts_across_sessions(tmp_path):
+    docs = documents()
+    first = train(config(tmp_path, max_steps=4), train_documents=docs)
+    spent = json.loads((latest_checkpoint(tmp_path / "run") / "trainer" / "state.json").read_text())["cpu_s"]
+    # a budget already spent by the first session: the resumed run stops after one more step
+    more = train(config(tmp_path, max_steps=50, max_cpu_hours=spent / 3600), train_documents=docs)
+    assert first.step == 4 and more.stopped_early and more.step == 5
+
+
 def test_bf16_autocast_and_block_curriculum_train(tmp_path):
     docs = documents()
     result = train(config(tmp_path, init="clover-tiny", max_steps=3, precision="bf16",
@@ -212,6 +223,36 @@ def test_lora_trains_only_adapters_and_saves_only_them(tmp_path):
     assert not (ckpt / "model.safetensors").exists()
     row = trainer.model.model.embed_tokens.row_delta
     assert row.abs().sum() > 0  # the [MASK] embedding learned something
+
+
+def test_a_committed_milestone_resumes_the_run_on_a_fresh_machine(tmp_path):
+    """Milestone (adapter + bf16 moments + log) -> a fresh output_dir resumes from it and follows the
+    uninterrupted run within the moments' rounding."""
+    docs = documents()
+    lora = {"rank": 4, "alpha": 8, "targets": ["q_proj", "v_proj", "in_proj_qkv", "out_proj"]}
+    full = train(config(tmp_path / "a", init="clover-tiny", max_steps=6, lora=lora), train_documents=docs)
+    train(config(tmp_path / "b", init="clover-tiny", max_steps=3, lora=lora), train_documents=docs)
+    ckpt = latest_checkpoint(tmp_path / "b" / "run")
+    counters = checkpointing.save_milestone(ckpt, tmp_path / "milestone", log=tmp_path / "b" / "run" / "train_log.jsonl")
+    assert counters["step"] == 3 and counters["cpu_s"] > 0
+    moments = tmp_path / "milestone" / "trainer" / "optimizer.safetensors"
+    assert moments.stat().st_size < 0.6 * (ckpt / "trainer" / "optimizer.safetensors").stat().st_size
+
+    fresh = tmp_path / "c" / "run"
+    assert checkpointing.restore_milestone(tmp_path / "milestone", fresh) == 3
+    assert checkpointing.restore_milestone(tmp_path / "milestone", fresh) is None  # not over a checkpoint as new
+    resumed = train(config(tmp_path / "c", init="clover-tiny", max_steps=6, lora=lora), train_documents=docs)
+    assert resumed.step == 6
+    assert max(abs(a - b) for a, b in zip(full.losses[3:], resumed.losses)) < 1e-2
+    log = [json.loads(line) for line in (fresh / "train_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == [1, 2, 3, 4, 5, 6] and log[3]["cpu_hours"] > log[2]["cpu_hours"]
+
+
+def test_a_milestone_refuses_a_full_model_run(tmp_path):
+    train(config(tmp_path, max_steps=1), train_documents=documents())
+    with pytest.raises(ValueError, match="LoRA runs only"):
+        checkpointing.save_milestone(latest_checkpoint(tmp_path / "run"), tmp_path / "milestone")
+    assert not (tmp_path / "milestone").exists()
 
 
 def test_lora_merge_unmerge_and_export(tmp_path):
