@@ -33,7 +33,7 @@ import torch
 from clover.engine.decoding import UnmaskingRule
 from clover.engine.loop import DecodingLoop, Event, StepSnapshot
 from clover.engine.request import Request
-from clover.engine.runner import RunnerCache
+from clover.runners.base import RunnerCache
 from clover.engine.sampling import BatchSampler
 
 

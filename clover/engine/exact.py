@@ -37,7 +37,7 @@ from clover.engine.decoding import ExactRule
 from clover.engine.drafting import Acceptance, best_drafts
 from clover.engine.loop import DecodingLoop, Event
 from clover.engine.request import Request
-from clover.engine.runner import RunnerCache
+from clover.runners.base import RunnerCache
 from clover.engine.sampling import BatchSampler, SamplingParams
 from clover.engine.speculative import verify
 
