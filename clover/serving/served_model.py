@@ -23,6 +23,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
+from clover.assistant_output import CALL
 from clover.chat_template import render_chat
 from clover.engine import SamplingParams
 from clover.runners.base import ModelRunner
@@ -31,7 +32,6 @@ from clover.serving.handles import Output, RequestHandle, merge
 from clover.serving.metrics import ServerMetrics
 from clover.serving.openai_format import (ChatChoice, ChoiceText, chat_body, chat_stream, completion_body,
                                           completion_stream, usage)
-from clover.serving.output_parser import CALL
 from clover.serving.prefix_cache import PrefixCache
 from clover.serving.protocol import APIError, ChatCompletionRequest, CompletionRequest, NamedToolChoice, SamplingFields
 from clover.serving.scheduler import QueueFull, Scheduler
