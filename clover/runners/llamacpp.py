@@ -52,6 +52,7 @@ import torch
 
 from clover.config import CloverConfig
 from clover.conversion.gguf import GGUFSource
+from clover.paths import cache_root
 from clover.runners.base import RunnerOptions
 
 logger = logging.getLogger(__name__)
@@ -264,8 +265,7 @@ class LlamaCppRunner:
         """The GGUF's tokenizer as a `transformers` tokenizer (with Clover's mask token and chat template).
         Converting it takes `transformers` tens of seconds, so the result is kept in Clover's cache directory,
         keyed by the file's name, size and modification time."""
-        from clover.paths import cache_root
-        from clover.tokenizer import load_tokenizer
+        from clover.tokenizer import load_tokenizer  # deferred: transformers (seconds), only when one is read
 
         stat = self.path.stat()
         saved = cache_root() / "gguf-tokenizers" / f"{self.path.stem}-{stat.st_size}-{stat.st_mtime_ns}"
