@@ -273,7 +273,7 @@ def read_calls(answer: Answer, step_id: str) -> tuple[list[Call], int, str]:
 
     The server's calls first, then the well-formed `<tool_call>` blocks of the content (servers that do not parse
     them); a `<tool_call>` that does not parse stays in the content and is counted as malformed."""
-    from clover.chat_template import parse_assistant_output
+    from clover.assistant_output import parse_assistant_output
 
     calls = [Call(c["id"] or f"call_{step_id}_{i}", c["name"], c["arguments"], _parse_args(c["arguments"]))
              for i, c in enumerate(answer.tool_calls)]

@@ -201,9 +201,9 @@ def clover_engine(system: System, job: dict) -> dict[str, list[Record]]:
         from clover.model import CloverForBlockDiffusion
         model: Any = CloverForBlockDiffusion.from_pretrained(job["model_dir"], dtype=torch.float32)
     else:
-        from clover.engine.llamacpp import LlamaCppRunner
+        from clover.runners.llamacpp import LlamaCppRunner
         # batch 1, the same KV budget as llama.cpp's own generation above
-        model = LlamaCppRunner.from_gguf(system.gguf, threads=job["threads"], max_rows=1, n_ctx=job["n_ctx"])
+        model = LlamaCppRunner(system.gguf, threads=job["threads"], max_rows=1, n_ctx=job["n_ctx"])
 
     def one(ids: list[int], max_new: int) -> Record:
         out, stats, wall = run_mode(model, [ids], system.block_size, system.threshold, max_new,
@@ -301,9 +301,9 @@ def spawn(kind: str, spec: str, job_path: Path, result_path: Path, log_path: Pat
 def runner_unavailable() -> str | None:
     """Why Clover's llama.cpp runner cannot run here, or None."""
     try:
-        from clover.engine.llamacpp import LlamaCppRunner  # noqa: F401
+        from clover.runners.llamacpp import LlamaCppRunner  # noqa: F401
     except ImportError as e:
-        return f"clover.engine.llamacpp does not import: {e}"
+        return f"clover.runners.llamacpp does not import: {e}"
     return None
 
 

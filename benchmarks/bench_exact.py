@@ -39,7 +39,7 @@ from bench_smol import prompt_ids, text_sets, tool_sets  # noqa: E402  (benchmar
 
 from clover.engine import Engine, SamplingParams  # noqa: E402
 from clover.engine.cost import cost_table  # noqa: E402
-from clover.engine.runner import as_runner  # noqa: E402
+from clover.runners.torch_runner import as_runner  # noqa: E402
 from clover.model import CloverForBlockDiffusion  # noqa: E402
 from clover.smol import clover_smol_dir, clover_smol_gguf  # noqa: E402
 from clover.tokenizer import eos_token_ids, load_tokenizer  # noqa: E402

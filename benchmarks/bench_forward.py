@@ -45,7 +45,7 @@ from typing import Any
 import torch
 from bench_smol import agreement, prompt_ids, run_mode, text_sets, tool_sets
 
-from clover.chat_template import parse_assistant_output
+from clover.assistant_output import parse_assistant_output
 from clover.cli.generate import DTYPES, torch_dtype
 from clover.model import QUANTIZATIONS, CloverForBlockDiffusion, quantize
 from clover.model.quant import packed_bytes

@@ -31,7 +31,8 @@ from typing import Any
 import torch
 from code_sandbox import CODE_BLOCK  # benchmarks/, next to this script
 
-from clover.chat_template import parse_assistant_output, render_chat
+from clover.assistant_output import parse_assistant_output
+from clover.chat_template import render_chat
 from clover.cli.generate import DTYPES, torch_dtype
 from clover.engine import RULES, generate
 from clover.model import CloverForBlockDiffusion

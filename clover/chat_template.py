@@ -2,7 +2,7 @@
 
 One module for every part that speaks chat — training data, engine, server, CLI: the template (the Jinja asset
 `clover/assets/chat_template.jinja`, also written into every checkpoint's tokenizer), message normalisation,
-rendering, training loss masks, and parsing the model's output back. Rendering goes through `transformers`'
+rendering and training loss masks (parsing the model's output back: `clover.assistant_output`). Rendering goes through `transformers`'
 chat-template renderer, the one that renders the template from a saved checkpoint, so both agree byte for byte.
 
 Format (every line break shown is a literal ``\\n``)::
@@ -67,7 +67,6 @@ at inference time; BPE merges never cross a prompt/answer boundary.
 from __future__ import annotations
 
 import json
-import re
 from importlib import resources
 from typing import Any
 
@@ -187,64 +186,3 @@ def tokenize_chat_for_training(tokenizer: PreTrainedTokenizerBase, messages: lis
         input_ids += ids
         loss_mask += [k % 2] * len(ids)  # odd pieces are assistant answers
     return input_ids, loss_mask
-
-
-# -- parsing model output ------------------------------------------------------------------------------------------
-_TOOL_CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
-
-
-def _parse_tool_call(body: str) -> tuple[str, dict[str, Any]] | None:
-    """(name, arguments) from the JSON inside a ``<tool_call>`` block, or None when it is malformed."""
-    try:
-        obj = json.loads(body)
-    except json.JSONDecodeError:
-        return None
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
-    args = obj.get("arguments", {})
-    if isinstance(args, str):
-        try:
-            args = json.loads(args)
-        except json.JSONDecodeError:
-            return None
-    return (obj["name"], args) if isinstance(args, dict) else None
-
-
-def parse_assistant_output(text: str) -> tuple[str, str | None, list[dict[str, Any]]]:
-    """Split generated assistant text into ``(content, reasoning_content, tool_calls)``.
-
-    - Reasoning is the text before ``</think>`` (after ``<think>`` when the model wrote it; with
-      `enable_thinking` the prompt already holds ``<think>``). An unclosed ``<think>`` makes the rest of the
-      text reasoning. Empty reasoning is None.
-    - Each well-formed ``<tool_call>`` block (a JSON object with a string `name` and object `arguments`)
-      becomes an OpenAI tool call ``{"id": "call_<i>", "type": "function", "function": {"name": ...,
-      "arguments": "<json string>"}}``, ids numbered in order. Malformed blocks stay in the content as text.
-    - Content is what remains, stripped.
-    """
-    reasoning: str | None = None
-    end = text.find("</think>")
-    if end >= 0:
-        head, text = text[:end], text[end + len("</think>"):]
-        start = head.find("<think>")
-        if start >= 0:
-            reasoning, text = head[start + len("<think>"):], head[:start] + text
-        else:
-            reasoning = head
-    elif (start := text.find("<think>")) >= 0:
-        reasoning, text = text[start + len("<think>"):], text[:start]
-    reasoning = (reasoning or "").strip() or None
-
-    calls: list[dict[str, Any]] = []
-    kept: list[str] = []
-    pos = 0
-    for match in _TOOL_CALL_RE.finditer(text):
-        parsed = _parse_tool_call(match.group(1))
-        if parsed is None:
-            continue
-        kept.append(text[pos:match.start()])
-        pos = match.end()
-        name, args = parsed
-        calls.append({"id": f"call_{len(calls)}", "type": "function",
-                      "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False)}})
-    kept.append(text[pos:])
-    return "".join(kept).strip(), reasoning, calls

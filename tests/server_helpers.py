@@ -197,3 +197,29 @@ class ScriptedLM(nn.Module):
             every = clean if query is None else torch.cat([clean, query], dim=1)
             return SimpleNamespace(logits=every[logits_at], query_logits=None)
         return SimpleNamespace(logits=clean, query_logits=query)
+
+
+def decode_alone(engine: Any, prompt: list[int], store: Any, max_new: int = 12,
+                 sampling: Any = None) -> tuple[list[int], torch.Tensor, int]:
+    """What the scheduler does for one request with a prefix store (`clover.serving.prefix_cache`): prefill it
+    alone on the grid from the longest stored prefix, snapshotting on the way, store it, then decode. Returns
+    (tokens, what the first forward decided: block decoding's logits or exact mode's drafts, reused length)."""
+    from clover.engine import SamplingParams
+
+    seq = engine.make_sequences([prompt], max_new, sampling or SamplingParams())[0]
+    reuse = store.lookup(prompt) if store is not None else None
+    states = dict(reuse.states) if reuse is not None else {}
+    prefill = engine.begin_prefill(seq, reuse.cache if reuse is not None else None)
+    batch = None
+    while batch is None:
+        batch = engine.prefill_step(prefill)
+        if store is not None and store.wants_snapshot(prefill.done, len(prompt)):
+            states[prefill.done] = prefill.cache.snapshot()
+    if store is not None:
+        store.insert(prompt, prefill.cache, states)
+    first = (batch.logits if hasattr(batch, "logits") else batch.drafts).clone()
+    tokens = []
+    while batch is not None:
+        events, batch = engine.step(batch)
+        tokens += [t for e in events for t in e.token_ids]
+    return tokens, first, (reuse.length if reuse is not None else 0)

@@ -10,9 +10,9 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
+from clover.assistant_output import parse_assistant_output
 from clover.chat_template import (
     CLOVER_CHAT_TEMPLATE,
-    parse_assistant_output,
     render_chat,
     tokenize_chat_for_training,
 )

@@ -1,4 +1,23 @@
-"""Package layering: inference (model, engine, serving, the inference CLI) never imports training code."""
+"""Package layering: imports only go down the stated order, and no module imports itself back at import time.
+
+The order (a unit is a top-level module or subpackage of `clover`; a unit may import its own modules and any unit of
+a lower layer, never one of its own layer or above):
+
+    paths, choices                  where caches live; names the CLI offers (imports nothing)
+    config
+    checkpoint, tokenizer, assistant_output
+    chat_template
+    ops                             the math on tensors
+    model                           the network and its cache
+    conversion                      other checkpoint formats -> Clover checkpoints (and GGUF export)
+    runners                         what runs the network: torch, llama.cpp (a GGUF: conversion reads it)
+    engine, training, smol          decoding; training; the default model (built from conversion and model)
+    serving
+    cli
+    __init__                        the package's facade (`clover.CloverForBlockDiffusion`, `clover.decide`)
+
+Inference never imports training (checked on its own below, as training sits beside the engine).
+"""
 
 from __future__ import annotations
 
@@ -8,40 +27,145 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "clover"
+LAYERS: list[tuple[str, ...]] = [
+    ("paths", "choices"), ("config",), ("checkpoint", "tokenizer", "assistant_output"), ("chat_template",), ("ops",),
+    ("model",), ("conversion",), ("runners",), ("engine", "training", "smol"), ("serving",), ("cli",), ("__init__",),
+]
+# the one import up, inside the function: `model.generate(...)`, the documented entry point (docs/design.md §5),
+# hands over to the engine
+ALLOWED_UP = {("clover.model.modeling", "clover.engine")}
 # `clover train` and `clover data` are training's front end; every other module serves inference.
-TRAINING_FRONT_ENDS = {PACKAGE / "cli" / "train.py", PACKAGE / "cli" / "data.py"}
-INFERENCE = [p for folder in ("model", "ops", "engine", "serving", "cli")
-             for p in sorted((PACKAGE / folder).glob("*.py")) if p not in TRAINING_FRONT_ENDS]
+TRAINING_FRONT_ENDS = {"clover.cli.train", "clover.cli.data"}
 
 
-def imported_modules(path: Path) -> set[str]:
+def module_name(path: Path, root: Path = PACKAGE) -> str:
+    parts = path.relative_to(root.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def unit(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def imports(path: Path, import_time_only: bool = False) -> set[str]:
+    """The `clover.*` modules (and `module.name` forms of `from module import name`) `path` imports; with
+    `import_time_only`, only those run when it is imported (not in functions, not under `if TYPE_CHECKING`)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    nodes = list(ast.walk(tree))
+    if import_time_only:
+        nodes, todo = [], list(tree.body)
+        while todo:
+            node = todo.pop()
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                continue
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                todo += node.orelse
+                continue
+            nodes.append(node)
+            todo += list(ast.iter_child_nodes(node))
     names: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+    for node in nodes:
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module:
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
             names.add(node.module)
             names.update(f"{node.module}.{alias.name}" for alias in node.names)
-    return names
+    return {n for n in names if n == "clover" or n.startswith("clover.")}
 
 
-@pytest.mark.parametrize("path", INFERENCE, ids=lambda p: str(p.relative_to(PACKAGE)))
+def upward_imports(root: Path = PACKAGE, layers: list[tuple[str, ...]] = LAYERS,
+                   allowed: set[tuple[str, str]] = ALLOWED_UP) -> list[str]:
+    """Every import of a unit of the same or a higher layer (but the unit itself), as 'module -> module'."""
+    rank = {u: i for i, layer in enumerate(layers) for u in layer}
+    bad = []
+    for path in sorted(root.rglob("*.py")):
+        src = module_name(path, root)
+        if unit(src) not in rank:
+            bad.append(f"{src}: its unit {unit(src)!r} has no place in the order")
+            continue
+        for dst in sorted(imports(path)):
+            up = unit(dst) != unit(src) and rank.get(unit(dst), len(layers)) >= rank[unit(src)]
+            if up and not any(src == a and (dst == b or dst.startswith(b + ".")) for a, b in allowed):
+                bad.append(f"{src} -> {dst}")
+    return bad
+
+
+def import_cycles(root: Path = PACKAGE) -> list[list[str]]:
+    """Cycles among the modules' import-time imports (a cycle there fails or half-initialises a module)."""
+    paths = {module_name(p, root): p for p in root.rglob("*.py")}
+    graph = {m: {d for d in imports(p, import_time_only=True) if d in paths and d != m} for m, p in paths.items()}
+    for m in paths:  # importing a.b.c runs a.b's __init__ first (but a module's own packages are already running)
+        ancestors = {".".join(m.split(".")[:i]) for i in range(1, m.count(".") + 1)}
+        parents = {".".join(d.split(".")[:i]) for d in graph[m] for i in range(2, d.count(".") + 1)}
+        graph[m] |= (parents & set(paths)) - ancestors - {m}
+    cycles, state = [], {}
+
+    def visit(m: str, stack: list[str]) -> None:
+        state[m] = 1
+        stack.append(m)
+        for d in sorted(graph[m] & set(paths)):
+            if state.get(d) == 1:
+                cycles.append(stack[stack.index(d):] + [d])
+            elif d not in state:
+                visit(d, stack)
+        stack.pop()
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [])
+    return cycles
+
+
+def test_imports_only_go_down_the_order() -> None:
+    assert not upward_imports(), "\n".join(upward_imports())
+
+
+def test_no_module_imports_itself_back_at_import_time() -> None:
+    assert not import_cycles(), "\n".join(" -> ".join(c) for c in import_cycles())
+
+
+def test_every_unit_is_placed_once() -> None:
+    units = [u for layer in LAYERS for u in layer]
+    found = {unit(module_name(p)) for p in PACKAGE.rglob("*.py")}
+    assert len(units) == len(set(units)) and found <= set(units), sorted(found - set(units))
+
+
+@pytest.mark.parametrize("path", sorted(p for p in PACKAGE.rglob("*.py") if unit(module_name(p)) != "training"
+                                        and module_name(p) not in TRAINING_FRONT_ENDS),
+                         ids=lambda p: str(p.relative_to(PACKAGE)))
 def test_inference_modules_import_nothing_from_training(path: Path) -> None:
-    bad = sorted(m for m in imported_modules(path) if m == "clover.training" or m.startswith("clover.training."))
+    bad = sorted(m for m in imports(path) if unit(m) == "training")
     assert not bad, f"{path.relative_to(PACKAGE)} imports {bad}"
 
 
-ABOVE_THE_NETWORK = ("clover.engine", "clover.serving", "clover.cli", "clover.smol", "clover.conversion",
-                     "clover.training")
-NETWORK = [p for folder in ("model", "ops") for p in sorted((PACKAGE / folder).glob("*.py"))]
-# the one import up, inside the function: `model.generate(...)`, the documented entry point, hands over to the engine
-ALLOWED_UP = {"model/modeling.py": {"clover.engine", "clover.engine.generate"}}
+def _plant(tmp_path: Path, relative: str, line: str) -> Path:
+    """A copy of the package with `line` added to the file at `relative`."""
+    import shutil
+
+    copy = tmp_path / "clover"
+    shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__", "assets"))
+    target = copy / relative
+    target.write_text(target.read_text(encoding="utf-8") + f"\n{line}\n", encoding="utf-8")
+    return copy
 
 
-@pytest.mark.parametrize("path", NETWORK, ids=lambda p: str(p.relative_to(PACKAGE)))
-def test_the_network_imports_nothing_above_it(path: Path) -> None:
-    """`ops/` and `model/` are the bottom layers (with config, paths, choices): a cache location, a default model
-    or the engine is never reached from them."""
-    allowed = ALLOWED_UP.get(str(path.relative_to(PACKAGE)), set())
-    bad = sorted(m for m in imported_modules(path) - allowed if m.startswith(ABOVE_THE_NETWORK))
-    assert not bad, f"{path.relative_to(PACKAGE)} imports {bad}"
+@pytest.mark.parametrize("relative, line, found", [
+    ("ops/delta_rule.py", "from clover.engine import generate", "clover.ops.delta_rule -> clover.engine"),
+    ("runners/base.py", "    from clover.serving import create_app", "clover.runners.base -> clover.serving"),
+    ("engine/sampling.py", "import clover.training.data", "clover.engine.sampling -> clover.training.data"),
+    ("paths.py", "from clover.config import CloverConfig", "clover.paths -> clover.config"),
+])
+def test_a_planted_upward_import_is_caught(tmp_path: Path, relative: str, line: str, found: str) -> None:
+    if line.startswith(" "):  # an import inside a function counts as much as one at the top
+        line = "def _planted():\n" + line
+    copy = _plant(tmp_path, relative, line)
+    assert found in upward_imports(copy)
+    assert not upward_imports(PACKAGE)
+
+
+def test_a_planted_import_cycle_is_caught(tmp_path: Path) -> None:
+    copy = _plant(tmp_path, "engine/sampling.py", "from clover.engine.request import Request")
+    assert any(set(c) == {"clover.engine.request", "clover.engine.sampling"} for c in import_cycles(copy))
+    assert not import_cycles(PACKAGE)

@@ -9,7 +9,7 @@ import argparse
 import sys
 from typing import Any
 
-from clover.cli.generate import add_decoding_options, load_model
+from clover.cli.loading import add_decoding_options, load_model
 
 
 def add_parser(subparsers: Any) -> None:

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from clover.cli.generate import DTYPES, RUNNERS, load_model
+from clover.cli.loading import DTYPES, add_runner_option, load_model
 
 
 def add_parser(subparsers: Any) -> None:
@@ -31,9 +31,7 @@ def add_parser(subparsers: Any) -> None:
                    help="AR constrained decoding instead (block size 1, field by field): the baseline")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None)
     p.add_argument("--threads", type=int, default=None, help="CPU threads (torch, or llama.cpp's)")
-    p.add_argument("--runner", choices=RUNNERS, default="torch",
-                   help="what runs the network: torch (any Clover checkpoint), or llamacpp (--model a GGUF from "
-                        "`clover export --to gguf`, default clover-smol at q8_0; dense models; docs/gguf.md)")
+    add_runner_option(p)
     p.set_defaults(func=run, quant="none", ctx=None)  # load_model's options: weights as stored, default KV cells
 
 

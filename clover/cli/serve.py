@@ -13,7 +13,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from clover.cli.generate import add_decoding_options, load_model
+from clover.cli.loading import add_decoding_options, load_model
+from clover.runners.registry import runner_entry
 
 logger = logging.getLogger(__name__)
 
@@ -66,15 +67,16 @@ def run(args: argparse.Namespace) -> int:
     import torch
     import uvicorn
 
-    from clover.engine.runner import as_runner
     from clover.serving import ServerOptions, create_app
     from clover.serving.served_model import read_generation_defaults
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    device = args.device or ("cuda" if args.runner == "torch" and torch.cuda.is_available() else "cpu")
-    model, tokenizer, source = load_model(args, device=device, max_rows=None)
-    max_running, rows = args.max_num_seqs, as_runner(model).max_rows
+    # the default device: a GPU when there is one and the runner runs there
+    device = args.device or ("cuda" if "cuda" in runner_entry(args.runner).devices and torch.cuda.is_available()
+                             else "cpu")
+    runner, tokenizer, source = load_model(args, device=device, max_rows=None)
+    max_running, rows = args.max_num_seqs, runner.max_rows
     if rows is not None and rows < max_running:
         logger.info("--max-num-seqs %d: the %s runner holds %d sequences at once", max_running, args.runner, rows)
         max_running = rows
@@ -86,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
         prefill_chunk=args.prefill_chunk, prefix_cache_bytes=int(args.prefix_cache_mb * 2**20),
         prefix_snapshot_interval=args.prefix_snapshot_interval)
     defaults = read_generation_defaults(source if source.is_dir() else None)
-    app = create_app(model, tokenizer, options, generation_defaults=defaults)
+    app = create_app(runner, tokenizer, options, generation_defaults=defaults)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not options.api_key:
         logger.warning("serving on %s without --api-key: anyone who can reach this address can use the model",
                        args.host)

@@ -9,10 +9,10 @@
 
 Roles: `sampling` (SamplingParams, logits -> candidates + confidence), `decoding` (rules, by name), `request`
 (one request's state and stats), `engine` (requests in, pieces out), `loop` (what a decoding loop does),
-`block_loop` (block diffusion), `exact` (exact mode), `drafting` + `cost` (how many drafts pay), `runner` (what runs
-the network: the torch model, or `llamacpp`'s runner for an exported GGUF — every entry point taking a `model`
-takes a runner too), `reference` (the uncached recompute decoder the tests compare against), `detokenizer` (ids ->
-text, incrementally).
+`block_loop` (block diffusion), `exact` (exact mode), `drafting` + `cost` (how many drafts pay), `reference` (the
+uncached recompute decoder the tests compare against), `detokenizer` (ids -> text, incrementally). The network runs
+behind `clover.runners` (the torch model, or llama.cpp for an exported GGUF): every entry point taking a `model`
+takes a runner too.
 Semantics and measured figures: docs/decoding.md.
 """
 
@@ -30,7 +30,8 @@ from clover.engine.engine import DEFAULT_PREFILL_CHUNK, Engine
 from clover.engine.loop import Event, StepSnapshot, StreamPiece
 from clover.engine.sampling import SamplingParams
 from clover.engine.request import Detokenize
-from clover.engine.runner import ModelRunner, TorchRunner
+from clover.runners.base import ModelRunner
+from clover.runners.torch_runner import TorchRunner
 
 __all__ = [
     "DEFAULT_PREFILL_CHUNK", "Engine", "GenerationResult", "IncrementalDetokenizer", "RULES", "SamplingParams",

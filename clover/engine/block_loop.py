@@ -32,8 +32,8 @@ import torch
 
 from clover.engine.decoding import UnmaskingRule
 from clover.engine.loop import DecodingLoop, Event, StepSnapshot
-from clover.engine.request import Request
-from clover.engine.runner import RunnerCache
+from clover.engine.request import Request, through_eos
+from clover.runners.base import RunnerCache
 from clover.engine.sampling import BatchSampler
 
 
@@ -132,8 +132,7 @@ class BlockLoop(DecodingLoop):
         masked = block == e.mask_id
         need = limit
         if e.eos_ids:
-            eos = torch.isin(block, e.eos) & ~masked
-            need = torch.where(eos.any(1), torch.minimum(eos.int().argmax(1) + 1, limit), need)
+            need = through_eos(block, e.eos, limit, where=~masked)
         return masked & (self._positions[None] < need[:, None])
 
     def step(self, b: BlockBatch, snapshots: bool = False) -> tuple[list[Event], BlockBatch | None]:

@@ -16,7 +16,7 @@ Continuous batching (the server's scheduler) uses the same loop one request at a
 cache that already holds a prefix of its prompt: prefix reuse), `join` adds it to a running batch at a boundary
 of the loop, `step` advances the batch by one step, and `drop` removes cancelled requests at any step.
 
-The network runs behind `clover.engine.runner` (the torch model, or llama.cpp for a GGUF): `forward` is the one
+The network runs behind `clover.runners.base` (the torch model, or llama.cpp for a GGUF): `forward` is the one
 call into it.
 """
 
@@ -36,7 +36,8 @@ from clover.engine.exact import ExactBatch, ExactLoop
 from clover.engine.loop import Event, StreamPiece
 from clover.engine.prefill import DEFAULT_PREFILL_CHUNK, prefill
 from clover.engine.request import Detokenize, Request
-from clover.engine.runner import ModelRunner, RunnerCache, as_runner
+from clover.runners.base import ModelRunner, RunnerCache
+from clover.runners.torch_runner import as_runner
 from clover.engine.sampling import SamplingParams
 
 
@@ -169,7 +170,7 @@ class Engine:
     # -- what the loops share -----------------------------------------------------------------------------
     def forward(self, ids: torch.Tensor | None, cache: RunnerCache, block_size: int | None = None,
                 **kwargs: Any) -> torch.Tensor:
-        """The runner's logits for one forward (`clover.engine.runner`), timed and counted."""
+        """The runner's logits for one forward (`clover.runners.base`), timed and counted."""
         start = time.perf_counter()
         out = self.runner.forward(ids, block_size or self.block_size, cache=cache, **kwargs)
         self.counters.forward_time_s += time.perf_counter() - start

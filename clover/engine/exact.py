@@ -36,8 +36,8 @@ from clover.engine.cost import ForwardCost, cost_table
 from clover.engine.decoding import ExactRule
 from clover.engine.drafting import Acceptance, best_drafts
 from clover.engine.loop import DecodingLoop, Event
-from clover.engine.request import Request
-from clover.engine.runner import RunnerCache
+from clover.engine.request import Request, through_eos
+from clover.runners.base import RunnerCache
 from clover.engine.sampling import BatchSampler, SamplingParams
 from clover.engine.speculative import verify
 
@@ -212,8 +212,7 @@ class ExactLoop(DecodingLoop):
         e = self.engine
         if not e.eos_ids or not drafts.shape[1]:
             return k
-        eos = torch.isin(drafts, e.eos)
-        return torch.where(eos.any(1), torch.minimum(k, eos.int().argmax(1) + 1), k)
+        return through_eos(drafts, e.eos, k)
 
     def _forward(self, ids: torch.Tensor, cache: RunnerCache, sampler: BatchSampler, acceptance: list[Acceptance],
                  k: torch.Tensor, drafts: int, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

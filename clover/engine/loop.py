@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from clover.engine.request import Request
-from clover.engine.runner import RunnerCache
+from clover.runners.base import RunnerCache
 from clover.engine.sampling import SamplingParams
 
 if TYPE_CHECKING:

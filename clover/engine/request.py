@@ -3,7 +3,8 @@
 The engine owns the tensors (cache, current block) of the whole batch; a `Request` owns the Python-side facts
 of one request: its prompt, sampling parameters, the tokens committed so far, the steps each block took, and the
 timestamps its stats are computed from. Appending a finished block is where EOS, `max_new_tokens` and stop strings
-are applied, so that "what counts as generated" is decided in exactly one place.
+are applied, so that "what counts as generated" is decided in exactly one place; the EOS cut itself is `before_eos`
+(a list of tokens) and `through_eos` (rows of a tensor, for the loops: no step or draft is spent after an EOS).
 """
 
 from __future__ import annotations
@@ -12,11 +13,29 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence as Seq
 
+import torch
+
 from clover.engine.sampling import SamplingParams
 
 Detokenize = Callable[[list[int]], str]
 
 EOS, STOP, LENGTH = "eos", "stop", "length"
+
+
+def before_eos(piece: Seq[int], eos_ids: Seq[int]) -> tuple[list[int], bool]:
+    """The tokens of `piece` before its first EOS (EOS and what follows never count), and whether it had one."""
+    cut = next((i for i, t in enumerate(piece) if t in eos_ids), None)
+    return (list(piece), False) if cut is None else (list(piece[:cut]), True)
+
+
+def through_eos(tokens: torch.Tensor, eos: torch.Tensor, bound: torch.Tensor,
+                where: torch.Tensor | None = None) -> torch.Tensor:
+    """`bound` `[N]` lowered, per row of `tokens` `[N, T]`, to just past its first EOS (among `where`, if given):
+    the positions that can still count."""
+    hit = torch.isin(tokens, eos)
+    if where is not None:
+        hit &= where
+    return torch.where(hit.any(1), torch.minimum(bound, hit.int().argmax(1) + 1), bound)
 
 
 @dataclass
@@ -52,12 +71,10 @@ class Request:
         the token that completes the string (the caller trims the text); reaching `max_new_tokens` ends it too.
         """
         now = time.perf_counter() if now is None else now
-        piece = list(block)
         self.steps_per_block.append(steps)
         self.forwards += forwards
-        eos = next((i for i, t in enumerate(piece) if t in eos_ids), None)
-        if eos is not None:
-            piece = piece[:eos]
+        piece, ended = before_eos(block, eos_ids)
+        if ended:
             self.finish_reason = EOS
         if self.params.stop and piece:
             cut, which = self._find_stop(piece, detokenize)
@@ -75,10 +92,7 @@ class Request:
     def stop_cut(self, prefix: Seq[int], eos_ids: Seq[int], detokenize: Detokenize) -> int | None:
         """The length of `prefix` (a block's decided first tokens) up to the token that completes a stop string,
         or None if none is complete in it yet; text after an EOS does not count (`append_block` drops it)."""
-        piece = list(prefix)
-        eos = next((i for i, t in enumerate(piece) if t in eos_ids), None)
-        if eos is not None:
-            piece = piece[:eos]
+        piece, _ = before_eos(prefix, eos_ids)
         if not piece:
             return None
         cut, which = self._find_stop(piece, detokenize)

@@ -8,8 +8,9 @@
 
 Rows are sequences; `select` keeps a subset (finished requests leave a batch), `concat` stacks caches of
 different lengths into one batch (a request joins a running batch: the shorter attention KV is left-padded
-and the padding marked invalid), `prefix` cuts a cache back to its first positions and `snapshot_recurrent`
-copies the DeltaNet states (prefix reuse), `clone` copies a cache, `memory_bytes` reports what it holds.
+and the padding marked invalid), `prefix` cuts a cache back to its first positions, `snapshot` copies the
+DeltaNet states and `storages` names the memory held (prefix reuse: the runner cache interface of
+`clover.runners.base`), `clone` copies a cache, `memory_bytes` reports what it holds.
 `mark` + `rewind` undo part of one forward's clean tokens (exact mode's rejected drafts), `compact` squeezes out
 the holes rewinding leaves in a batch.
 
@@ -21,6 +22,8 @@ positions written by the forward since `mark` (no `prefix` is ever cut from thos
 """
 
 from __future__ import annotations
+
+from typing import Iterable
 
 import torch
 
@@ -321,25 +324,28 @@ class CloverCache:
     def has_recurrent(self) -> bool:
         return any(isinstance(layer, DeltaNetLayerCache) for layer in self.layers)
 
-    def snapshot_recurrent(self) -> RecurrentSnapshot:
-        """Copies of every DeltaNet layer's state and conv window now (to resume from this point later)."""
+    def snapshot(self) -> RecurrentSnapshot | None:
+        """Copies of every DeltaNet layer's state and conv window now (to resume from this point later); None
+        without DeltaNet layers (attention KV can be cut at any length)."""
+        if not self.has_recurrent:
+            return None
         return [(layer.state.clone(), layer.conv.clone())
                 if isinstance(layer, DeltaNetLayerCache) and layer.state is not None else None
                 for layer in self.layers]
 
-    def prefix(self, length: int, recurrent: RecurrentSnapshot | None = None, copy: bool = False) -> "CloverCache":
+    def prefix(self, length: int, snapshot: RecurrentSnapshot | None = None, copy: bool = False) -> "CloverCache":
         """A cache holding the first `length` cached positions of every row.
 
         Attention KV is sliced: views sharing memory with this cache, or exact-size copies (`copy`, to keep them
         apart from buffers this cache will grow in). A DeltaNet layer summarises its whole history in one state,
-        which cannot be cut: give the states at `length` as `recurrent` (a `snapshot_recurrent()` taken when the
+        which cannot be cut: give the states at `length` as `snapshot` (a `snapshot()` taken when the
         cache held `length` positions; used as given, not copied), or cut nothing (`length == self.length`, the
         current states are shared)."""
         if not 0 <= length <= self.length:
             raise ValueError(f"prefix length must be in [0, {self.length}], got {length}")
-        if self.has_recurrent and recurrent is None and length != self.length:
+        if self.has_recurrent and snapshot is None and length != self.length:
             raise ValueError(f"cutting a cache with DeltaNet layers to {length} of {self.length} positions needs "
-                             "their recurrent states at that point (`recurrent=`)")
+                             "their recurrent states at that point (`snapshot=`)")
         new = CloverCache.__new__(CloverCache)
         new.layers = []
         for i, layer in enumerate(self.layers):
@@ -347,7 +353,7 @@ class CloverCache:
                 new.layers.append(layer.prefix(length, copy))
                 continue
             cut = DeltaNetLayerCache()
-            state = recurrent[i] if recurrent is not None else (
+            state = snapshot[i] if snapshot is not None else (
                 (layer.state, layer.conv) if layer.state is not None else None)
             if state is not None:
                 cut.state, cut.conv = state
@@ -365,6 +371,13 @@ class CloverCache:
         new.valid, new.next_position = self.valid.clone(), self.next_position.clone()
         new.marked = None
         return new
+
+    def storages(self, snapshots: Iterable[RecurrentSnapshot | None] = ()) -> dict[int, int]:
+        """The memory this cache and `snapshots` of it hold: storage data pointer -> bytes, each storage once
+        (tensors shared between caches share a key)."""
+        tensors = [t for layer in self.layers for t in layer.tensors()]
+        tensors += [t for snap in snapshots if snap is not None for pair in snap if pair is not None for t in pair]
+        return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
 
     def memory_bytes(self) -> dict[str, int]:
         attention = sum(l.memory_bytes() for l in self.layers if isinstance(l, AttentionLayerCache))

@@ -25,7 +25,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
-from clover.engine.runner import ModelRunner
+from clover.runners.base import ModelRunner
 from clover.serving.middleware import add_error_handling
 from clover.serving.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse
 from clover.serving.served_model import ServedModel, ServerOptions, load

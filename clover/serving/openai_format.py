@@ -14,7 +14,7 @@ from typing import Any, AsyncIterator, Callable
 
 from clover.engine import StopAwareDetokenizer
 from clover.serving.handles import Output, RequestHandle, merge
-from clover.serving.output_parser import OutputDelta, OutputParser
+from clover.assistant_output import OutputDelta, OutputParser
 from clover.serving.protocol import APIError
 
 logger = logging.getLogger(__name__)

@@ -17,14 +17,18 @@ branches of a conversation, e.g. the same system prompt and tools with different
 Dense models resume at any grid point of an entry (KV is sliced). An entry whose tokens a newer prompt extends
 is superseded by the newer one (which inherits its snapshots), so an agent's conversation is one growing entry.
 
-**Lookup** hashes the prompt chunk by chunk (a hash chain, as in vLLM's block hashes) and probes grid points
-from the longest down; a hit is verified token by token. The returned cache shares the entry's tensors (no copy):
-safe because a cache never writes inside positions it holds (the `CloverCache` invariant: attention KV is cut to
-exact size, so the request's first append reallocates, and DeltaNet states are replaced, not updated in place).
-At least one prompt token is always left to prefill (its logits start decoding).
+**Runner-neutral.** The store asks only what `clover.runners.base` defines of a one-row cache: `snapshot()`,
+`prefix(length, snapshot, copy=True)` to keep an entry, and on the entry `prefix(length, snapshot)` for a new
+request's cache and `storages(snapshots)` for the budget. On the torch runner an entry is an exact-size copy of the
+KV and the cache a lookup returns shares the entry's tensors: safe because a cache never writes inside positions
+it holds (the `CloverCache` invariant: the request's first append reallocates, DeltaNet states are replaced, not
+updated in place). On the llama.cpp runner an entry is a sequence id on the cells of its prefix, and a lookup
+gives a new row those cells (`clover.runners.llamacpp`). At least one prompt token is always left to prefill
+(its logits start decoding).
 
-**Budget.** `budget_bytes` of KV and snapshots (tensors shared between entries counted once); least recently
-used entries are evicted first. One scheduler thread owns the store: it is not thread-safe.
+**Budget.** `budget_bytes` of KV and snapshots (storage shared between entries counted once where the runner can
+tell), and at most `max_entries` entries (a runner that keeps each in a scarce slot says how many); least
+recently used entries are evicted first. One scheduler thread owns the store: it is not thread-safe.
 """
 
 from __future__ import annotations
@@ -32,9 +36,9 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Hashable
 
-from clover.model.cache import CloverCache, RecurrentSnapshot
+from clover.runners.base import RunnerCache, StoredPrefix
 
 logger = logging.getLogger(__name__)
 
@@ -51,8 +55,8 @@ def chain_hashes(tokens: list[int], grid: int, upto: int) -> list[int]:
 @dataclass
 class _Entry:
     tokens: list[int]  # the cached prefix; len == cache.length == a grid multiple
-    cache: CloverCache  # one row
-    states: dict[int, RecurrentSnapshot]  # grid point -> DeltaNet snapshot (hybrid models; includes len(tokens))
+    cache: StoredPrefix  # one row
+    states: dict[int, Any]  # grid point -> the cache's snapshot (hybrid models; includes len(tokens))
     hashes: list[int]
     points: list[int] = field(default_factory=list)  # grid points this entry can resume at
 
@@ -63,8 +67,8 @@ class Reuse:
     which the request never writes into: see the module docstring)."""
 
     length: int
-    cache: CloverCache
-    states: dict[int, RecurrentSnapshot]  # snapshots at grid points <= length (inherited by the next entry)
+    cache: RunnerCache
+    states: dict[int, Any]  # snapshots at grid points <= length (inherited by the next entry)
 
 
 @dataclass
@@ -78,13 +82,17 @@ class PrefixCacheStats:
 
 
 class PrefixCache:
-    def __init__(self, grid: int, budget_bytes: int, recurrent: bool, snapshot_interval: int | None = None) -> None:
+    def __init__(self, grid: int, budget_bytes: int, recurrent: bool, snapshot_interval: int | None = None,
+                 max_entries: int | None = None) -> None:
         if grid < 1:
             raise ValueError(f"prefix cache grid must be >= 1 token, got {grid}")
         interval = grid if snapshot_interval is None else snapshot_interval
         if interval < grid or interval % grid:
             raise ValueError(f"snapshot_interval must be a multiple of the grid ({grid}), got {interval}")
+        if max_entries is not None and max_entries < 1:
+            raise ValueError(f"max_entries must be >= 1 (or None), got {max_entries}")
         self.grid, self.budget_bytes, self.recurrent, self.snapshot_interval = grid, budget_bytes, recurrent, interval
+        self.max_entries = max_entries
         self.entries: OrderedDict[int, _Entry] = OrderedDict()  # LRU order: oldest first
         self.index: dict[int, dict[int, _Entry]] = {}  # chain hash at a resumable point -> entries
         self.stats = PrefixCacheStats()
@@ -113,13 +121,12 @@ class PrefixCache:
                 self.entries.move_to_end(id(entry))
                 self.stats.hits += 1
                 self.stats.hit_tokens += g
-                snapshot = entry.states.get(g)
-                cache = entry.cache.prefix(g, recurrent=snapshot)
+                cache = entry.cache.prefix(g, entry.states.get(g))
                 return Reuse(g, cache, {p: s for p, s in entry.states.items() if p <= g})
         return None
 
     # -- insert / evict ---------------------------------------------------------------------------------------
-    def insert(self, tokens: list[int], cache: CloverCache, states: dict[int, RecurrentSnapshot]) -> None:
+    def insert(self, tokens: list[int], cache: RunnerCache, states: dict[int, Any]) -> None:
         """Store the prompt `tokens` whose prefill left `cache` (one row, `len(tokens)` positions, not stored:
         the KV up to the last grid point is copied out) and the snapshots `states` taken on the way (and
         inherited from the entry it resumed from)."""
@@ -130,10 +137,13 @@ class PrefixCache:
             if end != len(tokens):
                 logger.warning("prefix cache: no recurrent snapshot at %d; prompt not stored", end)
                 return
-            states = {**states, end: cache.snapshot_recurrent()}
+            states = {**states, end: cache.snapshot()}
         kept = {p: s for p, s in states.items() if p <= end}
-        # KV: an exact-size copy, apart from the request's growing buffers; the state at `end` is the snapshot itself
-        stored = cache.prefix(end, recurrent=kept.get(end), copy=True)
+        if self.max_entries is not None:  # make room first: the runner may have no slot for one more
+            while len(self.entries) >= self.max_entries:
+                self._evict_oldest()
+        # KV kept apart from the request's (torch: an exact-size copy); the state at `end` is the snapshot itself
+        stored = cache.prefix(end, kept.get(end), copy=True)
         entry = _Entry(tokens[:end], stored, kept, chain_hashes(tokens, self.grid, end))
         # entries that this one extends are superseded: inherit their snapshots, drop them
         for k, h in enumerate(entry.hashes):
@@ -160,13 +170,16 @@ class PrefixCache:
             for ptr in _storages(entry):
                 holders[ptr] = holders.get(ptr, 0) + 1
         while self.memory_bytes > self.budget_bytes and self.entries:
-            entry = next(iter(self.entries.values()))
-            self._remove(entry)
-            self.stats.evictions += 1
-            for ptr, nbytes in _storages(entry).items():
+            for ptr, nbytes in _storages(self._evict_oldest()).items():
                 holders[ptr] -= 1
                 if not holders[ptr]:
                     self.memory_bytes -= nbytes
+
+    def _evict_oldest(self) -> _Entry:
+        entry = next(iter(self.entries.values()))
+        self._remove(entry)
+        self.stats.evictions += 1
+        return entry
 
     def _remove(self, entry: _Entry) -> None:
         self.entries.pop(id(entry), None)
@@ -191,9 +204,6 @@ class PrefixCache:
         self.memory_bytes = 0
 
 
-def _storages(entry: _Entry) -> dict[int, int]:
-    """The storages an entry's tensors live in (data pointer -> bytes), each once."""
-    out: list[Any] = [t for layer in entry.cache.layers for t in layer.tensors()]
-    for snap in entry.states.values():
-        out += [t for pair in snap if pair is not None for t in pair]
-    return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in out}
+def _storages(entry: _Entry) -> dict[Hashable, int]:
+    """The storages an entry holds (its cache's and snapshots'), by key, each once."""
+    return entry.cache.storages(entry.states.values())

@@ -39,7 +39,8 @@ import torch
 
 from clover.engine import Engine, SamplingParams
 from clover.engine.decision import Decision, DecisionRun
-from clover.engine.runner import ModelRunner, as_runner
+from clover.runners.base import ModelRunner
+from clover.runners.torch_runner import as_runner
 from clover.serving.handles import RequestHandle
 from clover.serving.metrics import ServerMetrics
 from clover.serving.prefix_cache import PrefixCache
@@ -66,8 +67,6 @@ class Scheduler:
             raise ValueError(f"the prefix cache grid ({prefix_cache.grid}) must equal the prefill chunk "
                              f"({prefill_chunk}): reuse is exact only on the chunk grid")
         self.runner = as_runner(model)  # one runner for every engine: they share its cache slots (llama.cpp)
-        if prefix_cache is not None and not self.runner.supports_prefix_reuse:
-            raise ValueError(f"prefix reuse needs the torch runner; the {self.runner.name} runner has no prefix cache")
         if self.runner.max_rows is not None and max_running > self.runner.max_rows:
             raise ValueError(f"max_running={max_running} exceeds the {self.runner.name} runner's "
                              f"{self.runner.max_rows} rows (its max_rows)")

@@ -27,7 +27,6 @@ from clover.engine import Engine
 from clover.engine.decision import Decision, DecisionRun
 from clover.engine.engine import DecodeBatch, Prefill
 from clover.engine.request import Request
-from clover.model.cache import RecurrentSnapshot
 from clover.serving.handles import Output, RequestHandle
 from clover.serving.metrics import ServerMetrics
 from clover.serving.prefix_cache import PrefixCache
@@ -47,7 +46,7 @@ class Job:
     key: EngineKey  # which engine / batch
     arrival: float
     prefill: Prefill | None = None
-    states: dict[int, RecurrentSnapshot] = field(default_factory=dict)  # prefix-cache snapshots taken so far
+    states: dict[int, Any] = field(default_factory=dict)  # prefix-cache snapshots taken so far
     rows = 1  # cache rows (and sequences) it holds
 
 
@@ -124,7 +123,7 @@ class SchedulePolicy:
             return
         done, total = job.prefill.done, len(job.seq.prompt)
         if self.prefix_cache is not None and self.prefix_cache.wants_snapshot(done, total):
-            job.states[done] = job.prefill.cache.snapshot_recurrent()
+            job.states[done] = job.prefill.cache.snapshot()
         if batch is None:
             return
         self.prefilling = None

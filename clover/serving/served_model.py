@@ -23,14 +23,15 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
+from clover.assistant_output import CALL
 from clover.chat_template import render_chat
 from clover.engine import SamplingParams
-from clover.engine.runner import ModelRunner, as_runner
+from clover.runners.base import ModelRunner
+from clover.runners.torch_runner import as_runner
 from clover.serving.handles import Output, RequestHandle, merge
 from clover.serving.metrics import ServerMetrics
 from clover.serving.openai_format import (ChatChoice, ChoiceText, chat_body, chat_stream, completion_body,
                                           completion_stream, usage)
-from clover.serving.output_parser import CALL
 from clover.serving.prefix_cache import PrefixCache
 from clover.serving.protocol import APIError, ChatCompletionRequest, CompletionRequest, NamedToolChoice, SamplingFields
 from clover.serving.scheduler import QueueFull, Scheduler
@@ -119,13 +120,11 @@ class ServedModel:
         eos = eos_token_ids(config, tokenizer)
         self.metrics = ServerMetrics()
         prefix_cache = None
-        if options.prefix_cache_bytes > 0 and not self.runner.supports_prefix_reuse:
-            logger.info("prefix reuse is off: the %s runner does not support it (the torch runner does)",
-                        self.runner.name)
-        elif options.prefix_cache_bytes > 0:
-            prefix_cache = PrefixCache(options.prefill_chunk, options.prefix_cache_bytes,
-                                       recurrent=config.has_linear_attention,
-                                       snapshot_interval=options.prefix_snapshot_interval)
+        budget = min(options.prefix_cache_bytes, self.runner.prefix_budget_bytes or options.prefix_cache_bytes)
+        if budget > 0 and self.runner.max_stored_prefixes != 0:
+            prefix_cache = PrefixCache(options.prefill_chunk, budget, recurrent=config.has_linear_attention,
+                                       snapshot_interval=options.prefix_snapshot_interval,
+                                       max_entries=self.runner.max_stored_prefixes)
         self.scheduler = Scheduler(
             self.runner, block_size=options.block_size, threshold=options.threshold, rule=options.rule,
             eos_token_ids=eos, vocab_limit=len(self.tokenizer), detokenize=self.tokenizer.decode,

@@ -16,7 +16,7 @@ from clover.cli.main import main
 from clover.conversion.gguf_export import export_gguf
 from clover.engine import generate
 from clover.engine.decision import decide
-from clover.engine.llamacpp import LlamaCppRunner
+from clover.runners.llamacpp import LlamaCppRunner
 from clover.serving import ServerOptions, create_app
 
 PROMPT = "Hello world. What is the weather?"

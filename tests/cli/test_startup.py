@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -11,8 +12,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-HEAVY = ("torch", "transformers", "clover.model", "clover.engine", "clover.serving", "clover.training",
-         "clover.conversion")
+HEAVY = ("torch", "transformers", "llama_cpp", "clover.model", "clover.engine", "clover.serving", "clover.training",
+         "clover.conversion", "clover.runners.base", "clover.runners.torch_runner", "clover.runners.llamacpp")
 
 
 def imported_modules(*argv: str) -> tuple[int, str, set[str]]:
@@ -30,13 +31,13 @@ def imported_modules(*argv: str) -> tuple[int, str, set[str]]:
     return proc.returncode, "\n".join(errors), modules
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["generate", "--help"], ["serve", "--help"],
+@pytest.mark.parametrize("argv", [["--help"], ["generate", "--help"], ["serve", "--help"], ["info", "--runners"],
                                   ["generate", "--quant", "int3", "hi"], ["export", "a", "b", "--quant", "q3"]],
                          ids=" ".join)
 def test_help_and_argument_errors_do_not_import_torch(argv: list[str]) -> None:
     status, errors, modules = imported_modules(*argv)
     assert "clover.choices" in modules  # this tree ran, with -X importtime
-    assert status == (0 if "--help" in argv else 2), errors
+    assert status == (0 if "--help" in argv or "--runners" in argv else 2), errors
     if status:
         assert "invalid choice" in errors
     heavy = [h for h in HEAVY if any(m == h or m.startswith(h + ".") for m in modules)]
@@ -49,3 +50,17 @@ def test_the_rule_names_offered_are_the_registered_rules() -> None:
     from clover.engine.decoding import RULES
 
     assert sorted(RULE_NAMES) == sorted(RULES)
+
+
+def test_the_runners_offered_are_the_registered_runners(capsys) -> None:
+    """`--runner` offers and `clover info --runners` lists the registry's names; each name opens its class."""
+    from clover.cli.main import build_parser, main
+    from clover.runners import RUNNERS, runner_class
+
+    assert sorted(RUNNERS) == ["llamacpp", "torch"]
+    runner_option = next(a for a in build_parser()._subparsers._group_actions[0].choices["serve"]._actions
+                         if a.dest == "runner")
+    assert sorted(runner_option.choices) == sorted(RUNNERS)
+    assert main(["info", "--runners", "--json"]) == 0
+    assert [r["name"] for r in json.loads(capsys.readouterr().out)] == list(RUNNERS)
+    assert {name: runner_class(name).name for name in RUNNERS} == {name: name for name in RUNNERS}

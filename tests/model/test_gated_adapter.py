@@ -13,7 +13,8 @@ from clover.model.layout import BlockLayout
 from clover.training.config import LoraConfig, NoiseConfig
 from clover.model.lora import (adapters_disabled, apply_lora, is_gated, merge_and_unload, merge_lora,
                                   save_adapter, load_adapter)
-from clover.training.objective import bd3_loss, collate, reference_block_loss, sample_noise
+from clover.training.batches import collate
+from clover.training.objective import bd3_loss, reference_block_loss, sample_noise
 from clover.smol import adapted_model, weights_checksum
 
 from model_helpers import base_and_gated

@@ -9,6 +9,7 @@ from clover.engine import Engine, SamplingParams
 from clover.model.cache import CloverCache
 from clover.serving.prefix_cache import PrefixCache, chain_hashes
 from model_helpers import tiny_model
+from server_helpers import decode_alone as _decode
 
 GRID = 8
 
@@ -20,29 +21,6 @@ def models():
 
 def _prompt(n: int, seed: int) -> list[int]:
     return torch.randint(0, 250, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def _decode(engine: Engine, prompt: list[int], store: PrefixCache | None, max_new: int = 12,
-            sampling: SamplingParams = SamplingParams()):
-    """Prefill alone on the grid (from the longest stored prefix), snapshot and store, then decode — what the
-    scheduler does for one request. Returns (tokens, first-step logits, reused length)."""
-    seq = engine.make_sequences([prompt], max_new, sampling)[0]
-    reuse = store.lookup(prompt) if store is not None else None
-    states = dict(reuse.states) if reuse is not None else {}
-    prefill = engine.begin_prefill(seq, reuse.cache if reuse is not None else None)
-    batch = None
-    while batch is None:
-        batch = engine.prefill_step(prefill)
-        if store is not None and store.wants_snapshot(prefill.done, len(prompt)):
-            states[prefill.done] = prefill.cache.snapshot_recurrent()
-    if store is not None:
-        store.insert(prompt, prefill.cache, states)
-    first = batch.logits.clone()
-    tokens = []
-    while batch is not None:
-        events, batch = engine.step(batch)
-        tokens += [t for e in events for t in e.token_ids]
-    return tokens, first, (reuse.length if reuse is not None else 0)
 
 
 @pytest.mark.parametrize("preset", ["clover-tiny", "clover-tiny-dense"])

@@ -1,4 +1,4 @@
-"""The incremental output parser agrees with the chat template's parser, however the text is split."""
+"""The output parser gives the same result however the text is split (streamed or whole)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from clover.chat_template import parse_assistant_output, render_chat
-from clover.serving.output_parser import OutputParser, parse_output
+from clover.assistant_output import OutputParser, parse_assistant_output
+from clover.chat_template import render_chat
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
@@ -40,17 +40,18 @@ def _stream(text: str, thinking: bool, tools: bool, rng: random.Random) -> tuple
     return content + d.content, (reasoning + d.reasoning) or None, calls + d.tool_calls
 
 
-def _reference(text: str, thinking: bool) -> tuple[str, str | None, list]:
-    content, reasoning, calls = parse_assistant_output(("<think>" if thinking else "") + text)
+def _whole(text: str, thinking: bool | None, tools: bool = True) -> tuple[str, str | None, list]:
+    content, reasoning, calls = parse_assistant_output(text, thinking, tools)
     return content, reasoning, [c["function"] for c in calls]
 
 
 @pytest.mark.parametrize("thinking", [False, True])
-def test_streamed_equals_whole_equals_template_parser(thinking):
+def test_streamed_equals_whole(thinking):
     rng = random.Random(0)
     for text in TEXTS:
-        want = _reference(text, thinking)
-        assert parse_output(text, thinking, tools=True) == want, text
+        want = _whole(text, thinking)
+        # a whole text says itself whether it starts inside reasoning
+        assert _whole(("<think>" if thinking else "") + text, None) == want, text
         for _ in range(20):
             assert _stream(text, thinking, True, rng) == want, text
 
@@ -88,4 +89,4 @@ def test_reasoning_streams_before_the_closing_tag_and_calls_only_when_complete()
 
 def test_without_tools_tool_call_text_is_content():
     text = '<tool_call>{"name": "f", "arguments": {}}</tool_call>'
-    assert parse_output(text, tools=False) == (text, None, [])
+    assert _whole(text, False, tools=False) == (text, None, [])

@@ -11,7 +11,8 @@ from clover import CloverConfig, CloverForBlockDiffusion
 from clover.model.layout import BlockLayout
 from clover.model.lora import apply_lora
 from clover.training.config import LoraConfig, NoiseConfig
-from clover.training.objective import (Noise, _draft_kl, bd3_loss, collate, loss_denominators, position_weights,
+from clover.training.batches import collate
+from clover.training.objective import (Noise, _draft_kl, bd3_loss, loss_denominators, position_weights,
                                        reference_block_loss, sample_noise)
 
 MASK, EOS = 255, 254

@@ -1,24 +1,24 @@
-"""Assistant text -> content, reasoning and tool calls, incrementally, for streamed and whole responses alike.
+"""Assistant text -> content, reasoning and tool calls (the chat template's format, `clover.chat_template`): the
+one parser, for streamed and whole texts alike.
 
-`clover.chat_template.parse_assistant_output` splits a *finished* text. A stream cannot wait for the
-end: reasoning must flow as `reasoning_content` deltas before `</think>` arrives, content must never include the
-start of a tag that later turns out to open a tool call, and a tool call can only be emitted once its JSON is
-complete. `OutputParser` is a small state machine fed with text deltas that holds back only what it must (a
-suffix that may be the start of a tag, trailing whitespace, an unfinished tool call). The server uses it for
-non-streamed responses too (one `feed` + `finish`), so streamed and whole responses agree by construction.
+A stream cannot wait for the end: reasoning must flow as `reasoning_content` deltas before `</think>` arrives,
+content must never include the start of a tag that later turns out to open a tool call, and a tool call can only
+be emitted once its JSON is complete. `OutputParser` is a small state machine fed with text deltas that holds back
+only what it must (a suffix that may be the start of a tag, trailing whitespace, an unfinished tool call).
+`parse_assistant_output` is the same parser fed the whole text at once, so streamed and whole responses agree by
+construction (tested on random splits).
 
-It agrees with `parse_assistant_output(("<think>" if thinking else "") + text)` on every text the chat template
-can produce (tested on random splits): reasoning and content are stripped, well-formed `<tool_call>` blocks
-become calls (their JSON is parsed by `parse_assistant_output` itself), malformed or unclosed ones stay in the
-content verbatim. One deliberate difference: without thinking, a stray `</think>` is content, because a stream
-cannot reclassify text it has already sent.
+Reasoning and content are stripped, well-formed `<tool_call>` blocks (a JSON object with a string `name` and
+object `arguments`) become calls, malformed or unclosed ones stay in the content verbatim, an unclosed `<think>`
+makes the rest reasoning. Whether the text starts inside reasoning (`thinking`: the prompt opened `<think>`) a
+stream must be told; a whole text may say so itself, by a `</think>` with no `<think>` before it.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
-
-from clover.chat_template import parse_assistant_output
+from typing import Any
 
 THINK, END_THINK, CALL, END_CALL = "<think>", "</think>", "<tool_call>", "</tool_call>"
 _CONTENT, _REASONING, _CALL = "content", "reasoning", "call"
@@ -55,9 +55,23 @@ class _Trimmed:
 
 
 def parse_tool_call(body: str) -> dict[str, str] | None:
-    """`{"name", "arguments"}` from the text inside one `<tool_call>` block, or None when it is malformed."""
-    calls = parse_assistant_output(f"{CALL}{body}{END_CALL}")[2]
-    return dict(calls[0]["function"]) if calls else None
+    """`{"name", "arguments": "<json>"}` from the text inside one `<tool_call>` block (surrounding whitespace
+    allowed; `arguments` an object or a JSON string of one), or None when it is malformed."""
+    try:
+        obj = json.loads(body)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = obj.get("arguments", {})
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except json.JSONDecodeError:
+            return None
+    if not isinstance(args, dict):
+        return None
+    return {"name": obj["name"], "arguments": json.dumps(args, ensure_ascii=False)}
 
 
 def _partial_tag(text: str, tags: list[str]) -> int:
@@ -138,9 +152,15 @@ class OutputParser:
         return out
 
 
-def parse_output(text: str, thinking: bool = False,
-                 tools: bool = False) -> tuple[str, str | None, list[dict[str, str]]]:
-    """The whole text at once: `(content, reasoning or None, tool calls)`."""
+def parse_assistant_output(text: str, thinking: bool | None = None,
+                           tools: bool = True) -> tuple[str, str | None, list[dict[str, Any]]]:
+    """The whole text at once: `(content, reasoning or None, tool calls)`, each call in OpenAI's form
+    `{"id": "call_<i>", "type": "function", "function": {"name", "arguments": "<json>"}}`. `thinking` None: the
+    text starts inside reasoning when it closes a `</think>` it did not open."""
+    if thinking is None:
+        end = text.find(END_THINK)
+        thinking = end >= 0 and THINK not in text[:end]
     parser = OutputParser(thinking, tools)
     a, b = parser.feed(text), parser.finish()
-    return a.content + b.content, (a.reasoning + b.reasoning) or None, a.tool_calls + b.tool_calls
+    calls = [{"id": f"call_{i}", "type": "function", "function": c} for i, c in enumerate(a.tool_calls + b.tool_calls)]
+    return a.content + b.content, (a.reasoning + b.reasoning) or None, calls

@@ -1,4 +1,4 @@
-"""The llama.cpp runner (`clover.engine.llamacpp`) decodes what the torch runner decodes.
+"""The llama.cpp runner (`clover.runners.llamacpp`) decodes what the torch runner decodes.
 
 A tiny random dense model is exported at f32 (`clover export --to gguf`) and run by llama.cpp with f32 KV; the
 engine's greedy tokens must equal the torch runner's — block size 1 and 4, thresholds 1.0 and 0.9, exact mode,
@@ -24,7 +24,7 @@ from clover.conversion.gguf_export import export_gguf
 from clover.engine import Engine, SamplingParams, generate
 from clover.engine.decision import decide_autoregressive, decide_batch, render_layout
 from clover.engine.form import parse_form
-from clover.engine.llamacpp import LlamaCppRunner
+from clover.runners.llamacpp import LlamaCppRunner
 from model_helpers import PROMPTS
 
 MAX_NEW = 20

@@ -1,14 +1,14 @@
 """The llama.cpp runner: Clover's block decoding on llama.cpp's (quantised) CPU kernels, for a GGUF written by
 `clover export --to gguf` (dense Llama-family models; `llama-cpp-python`'s low-level API).
 
-    from clover.engine.llamacpp import LlamaCppRunner
-    runner = LlamaCppRunner.from_gguf("clover-smol-q8_0.gguf", threads=2)
+    from clover.runners.llamacpp import LlamaCppRunner
+    runner = LlamaCppRunner("clover-smol-q8_0.gguf", threads=2)
     result = clover.engine.generate(runner, prompts, max_new_tokens=64)   # any engine entry point
 
 **Attention masks from sequence ids.** llama.cpp has one causal switch per decode (`llama_set_causal_attn`) and
 otherwise decides who sees whom by sequence ids: a token attends to every cached cell that carries *its own* id
 (the last id given for it; with causal attention off, whatever the position), and its own cell is written with
-all the ids given. A forward of Clover's layout (`clover.engine.runner`) then takes one non-causal decode: each
+all the ids given. A forward of Clover's layout (`clover.runners.base`) then takes one non-causal decode: each
 row of the batch owns a slot of `K = max_block_size + 1` ids `s_0 … s_{K-2}, q`; its history cells carry them all;
 
 * clean token in group `g` (a causal token is a group of its own, a committed block one group) is written with
@@ -23,9 +23,17 @@ independent sequences, so batches need no padding: each row's positions are its 
 not fit one decode is split between rows. A query block costs no sequence ids, so it may be longer than
 `max_block_size` (decision mode's answer block); blocks of clean tokens may not.
 
+**Prefix reuse** (`clover.runners.base`). A pure-attention model's KV can be cut at any length, and in a unified
+KV cache a cell may carry many sequence ids: keeping a prefix adds one more. `stored_prefixes` ids beyond the
+rows' slots are set aside for it; `LlamaCppCache.prefix(n, copy=True)` gives the first `n` cells of a row a
+stored id (`llama_memory_seq_cp`: no KV is copied), and `LlamaCppPrefix.prefix(n)` gives a new row a slot whose
+every id carries those cells, so its prefill starts at `n`. No token is ever decoded with a stored id, so nothing
+attends through one; a stored prefix holds its cells until it is dropped (its id is then cleared), which is why
+the server's store keeps to `prefix_budget_bytes`, half the KV cells, leaving the rest to running requests.
+
 What needs the torch runner: hybrid (Gated DeltaNet) models — llama.cpp's DeltaNet is causal, Clover's reads a
 block in both directions; gated adapters (they act only at query positions; llama.cpp applies weights to every
-token); the server's prefix reuse.
+token).
 """
 
 from __future__ import annotations
@@ -37,16 +45,20 @@ import gc
 import logging
 import weakref
 from pathlib import Path
-from typing import Any
+from typing import Any, Hashable, Iterable
 
 import numpy as np
 import torch
 
 from clover.config import CloverConfig
+from clover.conversion.gguf import GGUFSource
+from clover.paths import cache_root
+from clover.runners.base import RunnerOptions
 
 logger = logging.getLogger(__name__)
 
 MAX_SEQ_IDS = 256  # llama.cpp's LLAMA_MAX_SEQ: every row's slot of ids must fit in it
+DEFAULT_STORED_PREFIXES = 8  # sequence ids kept apart for stored prefixes (the server's prefix cache)
 DEFAULT_MAX_CELLS = 16384  # the default KV budget (SmolLM2-135M: 23 KB per cell in f16, so ~380 MB)
 INSTALL_HINT = ("the llama.cpp runner needs llama-cpp-python: `bash scripts/setup.sh` builds it (portable CPU "
                 "flags), or pip install llama-cpp-python; the torch runner (--runner torch) needs nothing more")
@@ -109,6 +121,17 @@ class LlamaCppCache:
             self.runner._trim(slot, self.lengths[r])
         self.marked = None
 
+    def snapshot(self) -> None:
+        """Nothing: every layer is attention, and attention KV can be cut at any length."""
+        return None
+
+    def prefix(self, length: int, snapshot: None = None, copy: bool = False) -> LlamaCppCache | LlamaCppPrefix:
+        """This one row's first `length` tokens: stored apart (`copy`), or as a new row to continue from."""
+        if self.batch_size != 1 or length > self.lengths[0]:
+            raise ValueError(f"a prefix is cut from one row of at least its length; this cache has "
+                             f"{self.batch_size} rows of {self.lengths} tokens, asked for {length}")
+        return self.runner._prefix_of(self.runner._ids(self.slots[0])[-1], length, copy)
+
     @classmethod
     def concat(cls, caches: list[LlamaCppCache]) -> LlamaCppCache:
         if not caches:
@@ -121,6 +144,26 @@ class LlamaCppCache:
         return new
 
 
+class LlamaCppPrefix:
+    """A stored prefix: the first `length` cells of a sequence, held by one sequence id of the runner's stored-prefix
+    ids (see the module docstring). It gives its id back when it is garbage."""
+
+    def __init__(self, runner: LlamaCppRunner, seq_id: int, length: int) -> None:
+        self.runner, self.seq_id, self.length = runner, seq_id, length
+        self._finalizer = weakref.finalize(self, runner._release_stored, seq_id)
+
+    batch_size = 1
+
+    def prefix(self, length: int, snapshot: None = None, copy: bool = False) -> LlamaCppCache | LlamaCppPrefix:
+        if length > self.length:
+            raise ValueError(f"this stored prefix holds {self.length} tokens, asked for {length}")
+        return self.runner._prefix_of(self.seq_id, length, copy)
+
+    def storages(self, snapshots: Iterable[None] = ()) -> dict[Hashable, int]:
+        """Its cells' bytes, under its own key (cells shared with another stored prefix are counted by each)."""
+        return {(id(self.runner), self.seq_id): self.length * self.runner.cell_bytes}
+
+
 class LlamaCppRunner:
     """A GGUF exported by `clover export --to gguf`, run by llama.cpp (see the module docstring).
 
@@ -128,16 +171,14 @@ class LlamaCppRunner:
     `n_ctx`: KV cells shared by all rows (default `max_rows * min(max_position_embeddings, 4096)`, at most 16384);
     `max_block_size`: the largest block size an engine may use with it (default: 16, or the model's block size if
     larger); `kv_type`: "f16" (llama.cpp's default) or "f32"; `flash_attn`: llama.cpp's flash attention (off by
-    default: on a CPU it rounds through f16)."""
+    default: on a CPU it rounds through f16); `stored_prefixes`: prefixes the server's prefix cache may keep."""
 
     name = "llamacpp"
-    supports_prefix_reuse = False
 
     def __init__(self, path: str | Path, *, threads: int | None = None, max_rows: int | None = 8,
                  n_ctx: int | None = None, max_block_size: int | None = None, kv_type: str = "f16",
-                 flash_attn: bool = False, verbose: bool = False) -> None:
-        from clover.conversion.gguf import GGUFSource
-
+                 flash_attn: bool = False, stored_prefixes: int = DEFAULT_STORED_PREFIXES,
+                 verbose: bool = False) -> None:
         llama_cpp = import_llama_cpp()
         self.path = Path(path)
         if not self.path.is_file():
@@ -157,14 +198,17 @@ class LlamaCppRunner:
         if kv_type not in ("f16", "f32"):
             raise ValueError(f"kv_type must be 'f16' or 'f32', got {kv_type!r}")
         max_block_size = max_block_size or max(16, self.config.block_size)
-        max_rows = max_rows or MAX_SEQ_IDS // (max_block_size + 1)
+        if stored_prefixes < 0:
+            raise ValueError(f"stored_prefixes must be >= 0, got {stored_prefixes}")
+        max_rows = max_rows or (MAX_SEQ_IDS - stored_prefixes) // (max_block_size + 1)
         if max_rows < 1 or max_block_size < 1:
             raise ValueError(f"max_rows and max_block_size must be >= 1, got {max_rows}, {max_block_size}")
         self.ids_per_slot = max_block_size + 1
-        if max_rows * self.ids_per_slot > MAX_SEQ_IDS:
+        if max_rows * self.ids_per_slot + stored_prefixes > MAX_SEQ_IDS:
             raise ValueError(f"max_rows={max_rows} rows of {self.ids_per_slot} sequence ids (max_block_size + 1) "
-                             f"exceed llama.cpp's {MAX_SEQ_IDS}: lower max_rows or max_block_size")
-        self.max_rows, self.max_block_size = max_rows, max_block_size
+                             f"and {stored_prefixes} stored prefixes exceed llama.cpp's {MAX_SEQ_IDS}: lower "
+                             "max_rows, max_block_size or stored_prefixes")
+        self.max_rows, self.max_block_size, self.max_stored_prefixes = max_rows, max_block_size, stored_prefixes
         self.threads = threads or torch.get_num_threads()
         self._lib = llama_cpp
         if not verbose:
@@ -184,7 +228,7 @@ class LlamaCppRunner:
         self.n_batch = max(512, 2 * max_rows * max_block_size)
         ctx_params = llama_cpp.llama_context_default_params()
         ctx_params.n_ctx, ctx_params.n_batch, ctx_params.n_ubatch = self.n_ctx, self.n_batch, self.n_batch
-        ctx_params.n_seq_max = max_rows * self.ids_per_slot
+        ctx_params.n_seq_max = max_rows * self.ids_per_slot + stored_prefixes
         ctx_params.kv_unified = True  # cells carry several sequence ids: the masks above need one shared cache
         ctx_params.n_threads = ctx_params.n_threads_batch = self.threads
         kv = llama_cpp.GGML_TYPE_F32 if kv_type == "f32" else llama_cpp.GGML_TYPE_F16
@@ -199,18 +243,29 @@ class LlamaCppRunner:
         self._memory = llama_cpp.llama_get_memory(self._ctx)
         self._batch = llama_cpp.llama_batch_init(self.n_batch, 0, self.ids_per_slot)
         self._free = list(range(max_rows))
+        self._free_stored = list(range(max_rows * self.ids_per_slot, max_rows * self.ids_per_slot + stored_prefixes))
+        # K and V of every layer, per cell; the server's prefix store may hold half the cells
+        self.cell_bytes = (2 * self.config.num_hidden_layers * self.config.num_key_value_heads * self.config.head_dim
+                           * (4 if kv_type == "f32" else 2))
+        self.prefix_budget_bytes = self.n_ctx // 2 * self.cell_bytes
         self._finalizer = weakref.finalize(self, _close, llama_cpp, self._batch, self._ctx, self._model)
 
     @classmethod
-    def from_gguf(cls, path: str | Path, **kwargs: Any) -> LlamaCppRunner:
-        return cls(path, **kwargs)
+    def open(cls, path: str | Path, options: RunnerOptions) -> LlamaCppRunner:
+        """The GGUF file `path` with `options`' threads, rows and KV cells; it keeps the GGUF's weight types and
+        runs on the CPU, so a dtype, quantisation or device is refused."""
+        if options.dtype or options.quant not in ("none", "auto"):
+            raise ValueError("--dtype / --quant: the llama.cpp runner keeps the GGUF's weight types (choose them "
+                             "with `clover export --to gguf --quant`)")
+        if options.device not in (None, "cpu"):
+            raise ValueError(f"--device {options.device}: the llama.cpp runner runs on the CPU; use --runner torch")
+        return cls(path, threads=options.threads, max_rows=options.max_rows, n_ctx=options.ctx)
 
     def tokenizer(self) -> Any:
         """The GGUF's tokenizer as a `transformers` tokenizer (with Clover's mask token and chat template).
         Converting it takes `transformers` tens of seconds, so the result is kept in Clover's cache directory,
         keyed by the file's name, size and modification time."""
-        from clover.paths import cache_root
-        from clover.tokenizer import load_tokenizer
+        from clover.tokenizer import load_tokenizer  # deferred: transformers (seconds), only when one is read
 
         stat = self.path.stat()
         saved = cache_root() / "gguf-tokenizers" / f"{self.path.stem}-{stat.st_size}-{stat.st_mtime_ns}"
@@ -239,6 +294,30 @@ class LlamaCppRunner:
         for slot in slots:
             self._trim(slot, 0)
             self._free.append(slot)
+
+    # -- stored prefixes ----------------------------------------------------------------------------------
+    def _prefix_of(self, source: int, length: int, copy: bool) -> LlamaCppCache | LlamaCppPrefix:
+        """The first `length` cells of the sequence `source` under a stored-prefix id (`copy`), or as a new row
+        of one slot (every id of the slot carries them: they are its history)."""
+        if copy:
+            if not self._free_stored:
+                gc.collect()  # a stored prefix kept alive only by a reference cycle gives its id back
+            if not self._free_stored:
+                raise ValueError(f"the llama.cpp runner keeps at most {self.max_stored_prefixes} stored prefixes "
+                                 "(stored_prefixes), all in use")
+            targets = [self._free_stored.pop()]
+            stored = LlamaCppPrefix(self, targets[0], length)
+        else:
+            row = self.new_cache(1)
+            row.lengths[0] = length
+            targets = list(self._ids(row.slots[0]))
+        for s in targets:
+            self._lib.llama_memory_seq_cp(self._memory, source, s, 0, length)
+        return stored if copy else row
+
+    def _release_stored(self, seq_id: int) -> None:
+        self._lib.llama_memory_seq_rm(self._memory, seq_id, 0, -1)
+        self._free_stored.append(seq_id)
 
     # -- forward ----------------------------------------------------------------------------------------
     def forward(self, ids: torch.Tensor | None, block_size: int, *, cache: LlamaCppCache, prefix_len: int = 0,

