@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 
-from clover.training.objective import Noise, collate, masked_logits
+from clover.training.batches import collate
+from clover.training.objective import Noise, masked_logits
 
 
 @torch.no_grad()
