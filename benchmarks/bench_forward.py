@@ -46,7 +46,7 @@ import torch
 from bench_smol import agreement, prompt_ids, run_mode, text_sets, tool_sets
 
 from clover.assistant_output import parse_assistant_output
-from clover.cli.generate import DTYPES, torch_dtype
+from clover.cli.loading import DTYPES
 from clover.model import QUANTIZATIONS, CloverForBlockDiffusion, quantize
 from clover.model.quant import packed_bytes
 from clover.ops.woq import ACTIVATIONS
@@ -181,7 +181,7 @@ def main() -> None:
         models = {}
         for dtype, quant, *extra in variants:
             activations = [x for x in extra if x != "modules"]
-            model = quantize(CloverForBlockDiffusion.from_pretrained(model_dir(quant), dtype=torch_dtype(dtype)), quant,
+            model = quantize(CloverForBlockDiffusion.from_pretrained(model_dir(quant), dtype=getattr(torch, dtype)), quant,
                              activations=activations[0] if activations else None)
             for layer in model.model.layers:
                 layer.fused = layer.fused and "modules" not in extra

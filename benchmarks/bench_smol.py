@@ -33,7 +33,7 @@ from code_sandbox import CODE_BLOCK  # benchmarks/, next to this script
 
 from clover.assistant_output import parse_assistant_output
 from clover.chat_template import render_chat
-from clover.cli.generate import DTYPES, torch_dtype
+from clover.cli.loading import DTYPES
 from clover.engine import RULES, generate
 from clover.model import CloverForBlockDiffusion
 from clover.tokenizer import load_tokenizer
@@ -190,7 +190,7 @@ def main() -> None:
     if args.model is None:
         from clover.smol import clover_smol_dir
         args.model = clover_smol_dir()
-    model = CloverForBlockDiffusion.from_pretrained(args.model, dtype=torch_dtype(args.dtype))
+    model = CloverForBlockDiffusion.from_pretrained(args.model, dtype=getattr(torch, args.dtype))
     tokenizer = load_tokenizer(args.model)
     block = model.config.block_size
     thresholds = thresholds or [model.config.threshold]
