@@ -213,11 +213,13 @@ class ExactLoop(DecodingLoop):
         acc = accepted.tolist()
         extra: dict[int, list[int]] = {}
         for r in rows:
+            if any(t in self.engine.eos_ids for t in decided[r][: acc[r] + 1]):
+                extra[r] = []  # the request ends here: its grammar is done with
+                continue
             matcher = b.seqs[r].matcher
             matcher.rollback(consumed[r] - acc[r])
-            bonus = decided[r][acc[r]]
-            matcher.consume([bonus])
-            extra[r] = [] if bonus in self.engine.eos_ids else matcher.forced()
+            matcher.consume([decided[r][acc[r]]])
+            extra[r] = matcher.forced()
         width = max(int(b.n_decided.max()), max(int(b.n_decided[r]) + len(extra[r]) for r in rows))
         b.decided = _pad(b.decided, width)
         for r in rows:

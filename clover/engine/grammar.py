@@ -112,7 +112,8 @@ def tool_call_grammar(tools: Sequence[tuple[str, dict[str, Any] | None]], tokeni
     for i, (name, schema) in enumerate(tools):
         lead = head.format(name=json.dumps(name))
         args = json.dumps({**(schema if schema is not None else {"type": "object"}), "x-guidance": JSON_OPTIONS})
-        rules.append(f"call_{i}: {_lark_string(lead)} args_{i} {_lark_string(tail)}")
+        parts = [_lark_string(lead)] * bool(lead) + [f"args_{i}"] + [_lark_string(tail)] * bool(tail)
+        rules.append(f"call_{i}: " + " ".join(parts))
         rules.append(f"args_{i}: %json {args}")
         alternatives.append(f"call_{i}")
     lark = "start: " + " | ".join(alternatives) + "\n" + "\n".join(rules) + "\n"
