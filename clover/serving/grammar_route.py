@@ -4,7 +4,7 @@ the grammar each one gets.
     response_format json_schema   a schema outside decision mode's form subset (or `structured_mode="grammar"`):
                                   the content is JSON valid against it
     response_format json_object   any JSON object
-    tool_choice "required" / a named function
+    tool_choice "required" / a named function, with `strict: true` tools (the named one; for "required", any)
                                   one call whose arguments are valid against the tool's `parameters` (any object
                                   when a tool has none); the call is the chat template's `<tool_call>` block
 
@@ -42,9 +42,12 @@ def route(req: ChatCompletionRequest) -> str | None:
         return "grammar"
     if fmt is not None and fmt.type == "json_object":
         return "grammar"
-    if req.tools and (req.tool_choice == "required" or isinstance(req.tool_choice, NamedToolChoice)):
+    if req.tools and req.tool_choice == "required" and any(t.function.strict for t in req.tools):
         return "grammar"
-    return None
+    if req.tools and isinstance(req.tool_choice, NamedToolChoice) and any(
+            t.function.strict for t in req.tools if t.function.name == req.tool_choice.function.name):
+        return "grammar"
+    return None  # a forced call of a non-strict tool: forced by prefix only (served_model.chat_prompt)
 
 
 def request_grammar(req: ChatCompletionRequest, tokenizer: Any) -> Grammar:
