@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from clover.cli.loading import add_decoding_options, load_model
@@ -41,6 +42,9 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--repetition-penalty", type=float, default=1.0)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--json-schema", type=Path, default=None, metavar="FILE",
+                   help="constrain the answer to JSON valid against this JSON Schema (grammar-constrained decoding, in "
+                        "exact mode unless --rule says otherwise; docs/structured.md)")
     p.add_argument("--json", action="store_true", help="print one JSON object with the text and figures")
     p.add_argument("--show-steps", action="store_true", help="draw each block filling in, step by step (stderr)")
     p.set_defaults(func=run)
@@ -78,8 +82,19 @@ def run(args: argparse.Namespace) -> int:
     ids = _prompt_ids(tokenizer, args)
     eos = eos_token_ids(runner.config, tokenizer)
     decode = lambda t: tokenizer.decode(t, skip_special_tokens=True)  # noqa: E731
+    grammar = None
+    if args.json_schema is not None:
+        from clover.engine.grammar import json_schema_grammar
+
+        try:
+            schema = json.loads(args.json_schema.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ValueError(f"--json-schema {args.json_schema}: not a readable JSON file ({exc})") from exc
+        grammar = json_schema_grammar(schema, tokenizer)
+        args.rule = args.rule or "exact"  # block decoding cannot follow a grammar
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                              repetition_penalty=args.repetition_penalty, seed=args.seed, stop=tuple(args.stop))
+                              repetition_penalty=args.repetition_penalty, seed=args.seed, stop=tuple(args.stop),
+                              grammar=grammar)
     rule_options = {"k": args.tokens_per_step} if args.tokens_per_step is not None else None
     engine = Engine(runner, args.block_size, args.threshold, args.rule, rule_options, detokenize=decode,
                     vocab_limit=len(tokenizer), eos_token_ids=eos)

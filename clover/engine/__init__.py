@@ -40,7 +40,7 @@ __all__ = [
     "register_rule", "stream",
 ]
 
-_SAMPLING_KEYS = {"temperature", "top_p", "top_k", "repetition_penalty", "seed", "stop"}
+_SAMPLING_KEYS = {"temperature", "top_p", "top_k", "repetition_penalty", "seed", "stop", "grammar"}
 
 
 @dataclass

@@ -34,7 +34,7 @@ from clover.engine.decoding import UnmaskingRule
 from clover.engine.loop import DecodingLoop, Event, StepSnapshot
 from clover.engine.request import Request, through_eos
 from clover.runners.base import RunnerCache
-from clover.engine.sampling import BatchSampler
+from clover.engine.sampling import BatchSampler, SamplingParams
 
 
 @dataclass
@@ -64,6 +64,14 @@ class BlockLoop(DecodingLoop):
         super().__init__(engine)
         self.rule = rule
         self._positions = torch.arange(engine.block_size, device=engine.device)
+
+    def check(self, params: list[SamplingParams]) -> None:
+        for i, p in enumerate(params):
+            if p.grammar is not None:
+                raise ValueError(
+                    f"rule {self.rule.name!r} cannot follow a grammar (request {i}): its steps fill a block's "
+                    f"positions in any order, and a grammar decides what may come next only left to right; use rule "
+                    f"'exact' (its output is constrained block-size-1 decoding)")
 
     @staticmethod
     def room(context: int, prompt_len: int, block_size: int) -> tuple[int, str]:

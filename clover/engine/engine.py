@@ -165,7 +165,9 @@ class Engine:
                 f"needs its positions in {unit}, within the model's max_position_embeddings={limit}; at most "
                 f"{max(room, 0)} new tokens fit")
         now = time.perf_counter()
-        return [Request(i, p, params[i], int(max_new_tokens), start_time=now) for i, p in enumerate(prompts)]
+        return [Request(i, p, params[i], int(max_new_tokens), start_time=now,
+                        matcher=params[i].grammar.matcher(self.vocab_size, self.eos_ids)
+                        if params[i].grammar is not None else None) for i, p in enumerate(prompts)]
 
     # -- what the loops share -----------------------------------------------------------------------------
     def forward(self, ids: torch.Tensor | None, cache: RunnerCache, block_size: int | None = None,

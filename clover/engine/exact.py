@@ -19,6 +19,13 @@ runner's measured cost (`clover.engine.cost`) and the request's acceptance so fa
 always the whole block (`adaptive=False`: `m = B - 1`, every draft verified). `m = 0` is a one-row forward with
 no query block: block size 1 itself.
 
+With a grammar (clover.engine.grammar, a request's `SamplingParams.grammar`) the causal logits are masked to the
+allowed tokens before the choice, each draft's position with the grammar advanced past the drafts before it, so a
+draft is checked against the masked choice; the query block drafts the allowed argmax. The tokens the grammar
+forces after a decision (and an EOS when it can only end) are decided at once: they are emitted with it and fed,
+with the last decided token, at the head of the next forward's clean tokens, so they cost no forward of their
+own. Block size 1 (`m = 0`) does the same, so the output is constrained block-size-1 decoding, token for token.
+
 In floating point, verifying `k + 1` tokens in one forward and feeding them one at a time are different sums
 (~1e-5 apart in fp32), so a near-tie between the two best tokens can flip; exact mode is block size 1 in exact
 arithmetic, and token for token wherever the model's choice is not a near-tie (docs/decoding.md).
@@ -55,6 +62,8 @@ class ExactBatch:
     sampler: BatchSampler  # the rows' sampling (speculative sampling's target distribution and random streams)
     decided: torch.Tensor  # [N, W]: the first `n_decided` columns count
     n_decided: torch.Tensor  # [N], >= 1
+    n_feed: torch.Tensor  # [N], >= 1: the last decided tokens not yet in the cache (the last one, and tokens a
+    # grammar forced after it), fed at the head of the next forward
     drafts: torch.Tensor  # [N, D]: the tokens after the last decided one, as the query block predicted them
     n_drafts: torch.Tensor  # [N]: drafts usable next forward (0 where they were made after a rejected token)
     acceptance: list[Acceptance]
@@ -110,7 +119,7 @@ class ExactLoop(DecodingLoop):
         return ExactBatch(b.seqs + new.seqs, type(b.cache).concat([b.cache, new.cache]),
                           BatchSampler.concat([b.sampler, new.sampler]),
                           torch.cat([_pad(b.decided, width), _pad(new.decided, width)]),
-                          torch.cat([b.n_decided, new.n_decided]),
+                          torch.cat([b.n_decided, new.n_decided]), torch.cat([b.n_feed, new.n_feed]),
                           torch.cat([_pad(b.drafts, drafts), _pad(new.drafts, drafts)]),
                           torch.cat([b.n_drafts, new.n_drafts]), b.acceptance + new.acceptance)
 
@@ -119,7 +128,7 @@ class ExactLoop(DecodingLoop):
         b.seqs = [b.seqs[r] for r in keep]
         b.cache.select(idx)
         b.sampler.select(keep)
-        b.decided, b.n_decided = b.decided[idx], b.n_decided[idx]
+        b.decided, b.n_decided, b.n_feed = b.decided[idx], b.n_decided[idx], b.n_feed[idx]
         b.drafts, b.n_drafts = b.drafts[idx], b.n_drafts[idx]
         b.acceptance = [b.acceptance[r] for r in keep]
 
@@ -132,9 +141,14 @@ class ExactLoop(DecodingLoop):
         acceptance = [Acceptance(e.block_size - 1, self.prior) for _ in seqs]
         none = torch.zeros(n, dtype=torch.long, device=e.device)
         m = self._plan(seqs, acceptance, none, cache.length + t)[1]
-        ones = torch.ones(n, dtype=torch.long, device=e.device)
-        decided, _, drafts = self._forward(ids, cache, sampler, acceptance, none, int(m.max()), **kwargs)
-        return ExactBatch(seqs, cache, sampler, decided, ones, drafts, ones * drafts.shape[1], acceptance)
+        start = torch.full((n,), t - 1, dtype=torch.long, device=e.device)
+        masks = [s.matcher.masks_for([])[0] if s.matcher is not None else None for s in seqs]
+        tokens, accepted, query = self._forward(ids, start, none, cache, sampler, acceptance, int(m.max()), masks,
+                                                **kwargs)
+        ones = accepted + 1
+        b = ExactBatch(seqs, cache, sampler, tokens, ones, ones.clone(), query, ones * query.shape[1], acceptance)
+        self._after_commit(b, accepted, none, [0] * n, query)
+        return b
 
     def step(self, b: ExactBatch, snapshots: bool = False) -> tuple[list[Event], ExactBatch | None]:
         """Emit what the last forward decided; then one forward verifies drafts and drafts anew."""
@@ -148,29 +162,78 @@ class ExactLoop(DecodingLoop):
 
         k, m = self._plan(b.seqs, b.acceptance, b.n_drafts, b.cache.length + 1 + b.drafts.shape[1])
         k = self._before_eos(b.drafts, k)
-        width = 1 + int(k.max())
-        last = b.decided.gather(1, (b.n_decided - 1)[:, None])
-        real = self._positions[None, :width] < (1 + k)[:, None]  # [N, width]: the row's tokens, then padding
-        ids = torch.cat([last, _pad(b.drafts, width - 1)[:, : width - 1]], dim=1).masked_fill(~real, e.mask_id)
+        feed = int(b.n_feed.max())
+        width = int((b.n_feed + k).max())
+        # per row: the tokens to feed (left-aligned), its k drafts, then padding
+        cols = torch.arange(width, device=e.device)[None]
+        index = ((b.n_decided - b.n_feed)[:, None] + cols.clamp(max=feed - 1)).clamp(max=b.decided.shape[1] - 1)
+        fed = b.decided.gather(1, index)
+        drafts_in = _pad(b.drafts, width)[:, :width]
+        at_draft = (cols - b.n_feed[:, None]).clamp(min=0)
+        ids = torch.where(cols < b.n_feed[:, None], fed, drafts_in.gather(1, at_draft))
+        real = cols < (b.n_feed + k)[:, None]
+        ids = ids.masked_fill(~real, e.mask_id)
+        kk = int(k.max())
+        drafts_k = _pad(b.drafts, kk)[:, :kk]
+        masks, consumed = [], []
+        for r, s in enumerate(b.seqs):  # a grammar masks the decision and the position after each draft
+            mask, c = s.matcher.masks_for(drafts_k[r, : int(k[r])].tolist()) if s.matcher is not None else (None, 0)
+            masks.append(mask)
+            consumed.append(c)
         if width > 1:  # drafts to verify: the cache must be able to forget the rejected ones
             b.cache.mark()
-        tokens, accepted, drafts = self._forward(ids, b.cache, b.sampler, b.acceptance, k, int(m.max()),
-                                                 prefix_len=width,
-                                                 attention_mask=None if bool(real.all()) else real)
+        tokens, accepted, query = self._forward(ids, b.n_feed - 1, k, b.cache, b.sampler, b.acceptance,
+                                                int(m.max()), masks, prefix_len=width,
+                                                attention_mask=None if bool(real.all()) else real, drafts_in=drafts_k)
         if width > 1:
-            b.cache.rewind(1 + accepted)
+            b.cache.rewind(b.n_feed + accepted)
         for acc, verified, took in zip(b.acceptance, k.tolist(), accepted.tolist()):
             acc.tick()
             acc.observe(verified, took)
             for i in range(min(took + 1, verified)):  # positions reached: accepted up to `took`, then one rejected
                 self.tally[i][0] += i < took
                 self.tally[i][1] += 1
-        b.decided, b.n_decided = tokens, 1 + accepted
-        b.drafts = drafts
-        b.n_drafts = torch.where(accepted == k, drafts.shape[1], 0)
+        b.decided, b.n_decided, b.n_feed = tokens, 1 + accepted, torch.ones_like(accepted)
+        b.drafts = query
+        b.n_drafts = torch.where(accepted == k, query.shape[1], 0)
+        self._after_commit(b, accepted, k, consumed, query)
         self._timed(len(b.seqs) * (width + (int(m.max()) + 1 if int(m.max()) else 0)), start,
                     e.counters.forward_time_s - forward_time)
         return events, b
+
+    def _after_commit(self, b: ExactBatch, accepted: torch.Tensor, k: torch.Tensor, consumed: list[int],
+                      query: torch.Tensor) -> None:
+        """Grammar rows: the matcher follows what was committed (rejected drafts rolled back, the causal choice
+        consumed), then the tokens it forces join the decided ones (fed at the next forward's head), and the drafts
+        are redrawn as the allowed argmax after them (`query` holds the drafter's logits)."""
+        rows = [r for r, s in enumerate(b.seqs) if s.matcher is not None]
+        if not rows:
+            return
+        decided = b.decided.tolist()
+        acc = accepted.tolist()
+        extra: dict[int, list[int]] = {}
+        for r in rows:
+            if any(t in self.engine.eos_ids for t in decided[r][: acc[r] + 1]):
+                extra[r] = []  # the request ends here: its grammar is done with
+                continue
+            matcher = b.seqs[r].matcher
+            matcher.rollback(consumed[r] - acc[r])
+            matcher.consume([decided[r][acc[r]]])
+            extra[r] = matcher.forced()
+        width = max(int(b.n_decided.max()), max(int(b.n_decided[r]) + len(extra[r]) for r in rows))
+        b.decided = _pad(b.decided, width)
+        for r in rows:
+            n, f = int(b.n_decided[r]), extra[r]
+            if f:
+                b.decided[r, n:n + len(f)] = torch.tensor(f, dtype=torch.long, device=b.decided.device)
+            b.n_decided[r] += len(f)
+            b.n_feed[r] += len(f)
+            ends = bool(f) and f[-1] in self.engine.eos_ids
+            logits = self._query_logits[r, len(f):]  # query output j drafts slot j after the decided token
+            drafts = b.seqs[r].matcher.draft(logits) if int(b.n_drafts[r]) and not ends and len(logits) else []
+            b.drafts[r] = -1
+            b.drafts[r, :len(drafts)] = torch.tensor(drafts, dtype=torch.long, device=b.drafts.device)
+            b.n_drafts[r] = len(drafts)
 
     def _timed(self, rows: int, start: float, forward: float) -> None:
         """What a step of a forward of `rows` rows took, whole (the runner's forward, undoing rejected drafts,
@@ -214,32 +277,45 @@ class ExactLoop(DecodingLoop):
             return k
         return through_eos(drafts, e.eos, k)
 
-    def _forward(self, ids: torch.Tensor, cache: RunnerCache, sampler: BatchSampler, acceptance: list[Acceptance],
-                 k: torch.Tensor, drafts: int, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Forward `ids` `[N, T]` as causal clean tokens (written to the cache) whose last `1 + k` per row are
-        the last decided token and `k` drafts (the rest padding, or the prompt), and, when `drafts > 0`, a query
-        block of `drafts + 1` masks. Returns the committed tokens `[N, 1 + max k]` (-1 after each row's), the
-        drafts accepted `[N]` and `[N, drafts]` new drafts: query output `j` predicts the token two positions after
-        the last clean one plus `j` (the mask at query position 0 stands for the token this forward decides)."""
+    def _forward(self, ids: torch.Tensor, start: torch.Tensor, k: torch.Tensor, cache: RunnerCache,
+                 sampler: BatchSampler, acceptance: list[Acceptance], drafts: int,
+                 masks: list[torch.Tensor | None], drafts_in: torch.Tensor | None = None,
+                 **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Forward `ids` `[N, T]` as causal clean tokens (written to the cache) and, when `drafts > 0`, a query
+        block of `drafts + 1` masks. Row `r`'s logits at clean positions `start[r] .. start[r] + k[r]` decide the
+        token after the last fed token and after each of its `k[r]` drafts `drafts_in[r]` (masked by the row's
+        grammar, `masks[r]` `[1 + k[r], V]`, where it has one). Returns the committed tokens `[N, 1 + max k]` (-1
+        after each row's), the drafts accepted `[N]` and `[N, drafts]` new drafts: query output `j` predicts the
+        token two positions after the last clean one plus `j` (the mask at query position 0 stands for the token
+        this forward decides); their logits stay in `_query_logits` for a grammar's drafts."""
         e = self.engine
         n, t = ids.shape
         self.drafted[drafts] += 1
-        width = 1 + int(k.max()) if k.numel() else 1
+        kk = int(k.max()) if k.numel() else 0
         query = drafts + 1 if drafts else 0
-        # logits at the last `width` clean positions (the row's own ones) and the query outputs that draft
+        # logits at each row's deciding positions and the query outputs that draft
+        cols = torch.arange(kk + 1, device=e.device)
         at = torch.zeros(n, t + query, dtype=torch.bool, device=e.device)
-        at[:, t - width:t] = self._positions[None, :width] <= k[:, None]
+        rows = torch.arange(n, device=e.device)[:, None].expand(n, kk + 1)
+        wanted = cols[None] <= k[:, None]
+        at[rows[wanted], (start[:, None] + cols[None])[wanted]] = True
         at[:, t:t + drafts] = True
         out = e.forward(ids, cache, block_size=max(query, 1), query_ids=e.masks(n, query) if query else None,
                         logits_at=at, **kwargs)
-        logits = out.new_zeros(n, width + drafts, out.shape[-1])
-        logits[at[:, t - width:t + drafts]] = out
-        confidence = logits[:, :width].float().softmax(-1).amax(-1) if self.rule.adaptive else None
-        accepted, tokens = verify(sampler, logits[:, :width], ids[:, t - width + 1:], k)
+        logits = out.new_zeros(n, kk + 1 + drafts, out.shape[-1])
+        logits[torch.cat([wanted, torch.ones(n, drafts, dtype=torch.bool, device=e.device)], dim=1)] = out
+        for r, mask in enumerate(masks):
+            if mask is not None:
+                logits[r, : mask.shape[0]].masked_fill_(~mask.to(logits.device), float("-inf"))
+        confidence = logits[:, :kk + 1].float().softmax(-1).amax(-1) if self.rule.adaptive else None
+        if drafts_in is None:
+            drafts_in = torch.zeros(n, kk, dtype=torch.long, device=e.device)
+        accepted, tokens = verify(sampler, logits[:, :kk + 1], drafts_in, k)
         if confidence is not None:  # the causal path's probability of each token it committed
             for acc, row, took in zip(acceptance, confidence.tolist(), accepted.tolist()):
                 acc.observe_confidence(row[: took + 1])
-        return tokens, accepted, self._greedy(logits[:, width:])
+        self._query_logits = logits[:, kk + 1:]
+        return tokens, accepted, self._greedy(logits[:, kk + 1:])
 
     def _greedy(self, logits: torch.Tensor) -> torch.Tensor:
         """The drafter's choice: argmax over the ids that may be emitted (drafts are point masses)."""

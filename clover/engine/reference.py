@@ -15,7 +15,7 @@ first) whose only candidate is position 0, whose prediction comes from committed
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -66,3 +66,25 @@ def recompute_decode(model: torch.nn.Module, prompt: Sequence[int], max_new_toke
         generated += piece if eos is None else piece[:eos]
         if eos is not None or len(generated) >= max_new_tokens:
             return ReferenceResult(generated, steps_per_block, forwards)
+
+
+@torch.inference_mode()
+def constrained_greedy(model: torch.nn.Module, prompt: Sequence[int], max_new_tokens: int, grammar: Any,
+                       eos_ids: Sequence[int]) -> list[int]:
+    """Block-size-1 greedy decoding under a grammar (`clover.engine.grammar`), recomputing the whole sequence for
+    every token: the forced tokens first, else the argmax among the allowed ones. Exact mode must give the same."""
+    matcher = grammar.matcher(model.config.vocab_size, eos_ids)
+    prompt, generated = list(prompt), []
+    while len(generated) < max_new_tokens:
+        forced = matcher.forced()
+        if not forced:
+            logits = model(torch.tensor([prompt + generated]), block_size=1).logits[0, -1].float()
+            logits[model.config.mask_token_id] = float("-inf")
+            choice = int(logits.masked_fill(~matcher.allowed(), float("-inf")).argmax())
+            matcher.consume([choice])
+            forced = [choice]
+        if any(t in eos_ids for t in forced):
+            forced = forced[: min(i for i, t in enumerate(forced) if t in eos_ids)]
+            return (generated + forced)[:max_new_tokens]
+        generated += forced
+    return generated[:max_new_tokens]

@@ -15,6 +15,7 @@ from typing import Any, Callable, Sequence as Seq
 
 import torch
 
+from clover.engine.grammar import Matcher
 from clover.engine.sampling import SamplingParams
 
 Detokenize = Callable[[list[int]], str]
@@ -53,6 +54,7 @@ class Request:
     start_time: float = 0.0
     first_output_time: float | None = None
     end_time: float | None = None
+    matcher: Matcher | None = None  # where the request is in its grammar (`params.grammar`), if it has one
 
     @property
     def finished(self) -> bool:
@@ -152,4 +154,5 @@ class Request:
             "prefill_forwards": self.prefill_forwards,
             "finish_reason": self.finish_reason,
             "stop_string": self.stop_string,
+            **({"forced_tokens": self.matcher.forced_tokens} if self.matcher is not None else {}),
         }

@@ -24,7 +24,7 @@ whether it runs alone or in a batch.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -39,6 +39,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # 1: off
     seed: int | None = None  # per-request generator; None: drawn from torch's global RNG
     stop: tuple[str, ...] = field(default_factory=tuple)  # stop strings (need a detokenizer in the engine)
+    # a `clover.engine.grammar.Grammar` the output must follow (exact mode); None: free text
+    grammar: Any = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -6,8 +6,9 @@
 Roles: `protocol` (request models, error format), `app` (routes), `served_model` (options, model and tokenizer,
 request flow), `openai_format` (response bodies, SSE), `middleware` (request ids, auth, errors), `scheduler` (the
 batch's background thread), `scheduler_policy` (admit / join / step / drop), `handles` (asyncio side),
-`prefix_cache` (reused prompt prefixes), `output_parser` (reasoning / tool calls), `structured` (response_format),
-`metrics` (Prometheus). Semantics and measured figures: docs/serving.md.
+`prefix_cache` (reused prompt prefixes), `structured` (response_format by decision mode), `grammar_route`
+(response_format and strict tools by grammar), `metrics` (Prometheus); reasoning / tool calls are parsed by
+`clover.assistant_output`. Semantics and measured figures: docs/serving.md.
 """
 
 from typing import Any

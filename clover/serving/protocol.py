@@ -264,6 +264,9 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: ChatTemplateKwargs | None = None
     logprobs: StrictBool | None = None
     parallel_tool_calls: StrictBool | None = None
+    # Clover's own: how a json_schema is served ("decision": slot filling, for the form subset; "grammar":
+    # constrained decoding; None: decision mode where the schema is a form, else the grammar)
+    structured_mode: Literal["decision", "grammar"] | None = None
 
     @model_validator(mode="after")
     def _tool_choice_names_a_tool(self) -> "ChatCompletionRequest":

@@ -9,6 +9,7 @@ owns the model), then stream the committed blocks as SSE or collect them into on
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import threading
@@ -35,7 +36,8 @@ from clover.serving.openai_format import (ChatChoice, ChoiceText, chat_body, cha
 from clover.serving.prefix_cache import PrefixCache
 from clover.serving.protocol import APIError, ChatCompletionRequest, CompletionRequest, NamedToolChoice, SamplingFields
 from clover.serving.scheduler import QueueFull, Scheduler
-from clover.serving.structured import decision_response, wants_decision
+from clover.serving.grammar_route import request_grammar, route
+from clover.serving.structured import decision_response
 from clover.tokenizer import eos_token_ids
 
 logger = logging.getLogger(__name__)
@@ -175,11 +177,15 @@ class ServedModel:
         except ValueError as exc:
             raise APIError(400, str(exc), code="invalid_value") from exc
 
+    def _grammar(self, req: ChatCompletionRequest) -> Any:
+        with self.tokenizer.lock:
+            return request_grammar(req, self.tokenizer.tokenizer)
+
     def submit(self, prompt: list[int], max_new: int, sampling: list[SamplingParams],
-               req: SamplingFields) -> RequestHandle:
+               req: SamplingFields, rule: str | None = None) -> RequestHandle:
         try:
             return self.scheduler.submit(prompt, max_new, sampling, block_size=req.block_size,
-                                         threshold=req.threshold, rule=req.rule, ignore_eos=req.ignore_eos)
+                                         threshold=req.threshold, rule=rule or req.rule, ignore_eos=req.ignore_eos)
         except QueueFull as exc:
             raise APIError(429, f"{exc}; retry later", type="rate_limit_error", code="server_busy") from exc
         except ValueError as exc:
@@ -189,15 +195,16 @@ class ServedModel:
 
 
     # -- chat ----------------------------------------------------------------------------------------------------
-    def chat_prompt(self, req: ChatCompletionRequest) -> tuple[list[int], str, bool, bool]:
-        """(prompt ids, forced start of the answer, thinking, parse tool calls)."""
+    def chat_prompt(self, req: ChatCompletionRequest, constrained: bool = False) -> tuple[list[int], str, bool, bool]:
+        """(prompt ids, forced start of the answer, thinking, parse tool calls). `constrained`: a grammar writes the
+        answer (no reasoning first)."""
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         forced = ""
         if tools and req.tool_choice == "required":
             forced = CALL + "\n"
         elif isinstance(req.tool_choice, NamedToolChoice):
             forced = CALL + '\n{"name": ' + json.dumps(req.tool_choice.function.name) + ', "arguments": '
-        thinking = req.enable_thinking and not forced  # a forced call answers at once
+        thinking = req.enable_thinking and not forced and not constrained  # a forced call answers at once
         try:
             text = self.tokenizer.render_chat([m.to_template() for m in req.messages], tools, thinking)
         except ValueError as exc:
@@ -207,13 +214,19 @@ class ServedModel:
 
     async def chat(self, req: ChatCompletionRequest, request: Request) -> Response:
         self.check_model(req.model)
-        if wants_decision(req):  # structured outputs: decision decoding (structured.py)
+        path = route(req)
+        if path == "decision":  # structured outputs in the form subset: decision decoding (structured.py)
             return await decision_response(self, req)
         sampling = self.sampling(req)
-        ids, forced, thinking, tools = await run_in_threadpool(self.chat_prompt, req)
+        rule = req.rule
+        if path == "grammar":  # grammar-constrained decoding, in exact mode (grammar_route.py)
+            grammar = await run_in_threadpool(self._grammar, req)
+            sampling = [dataclasses.replace(p, grammar=grammar) for p in sampling]
+            rule = rule or "exact"
+        ids, forced, thinking, tools = await run_in_threadpool(self.chat_prompt, req, path == "grammar")
         param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
-        max_new = self.max_new_tokens(req.max_new_tokens(), len(ids), req.block_size, req.rule, param, "messages")
-        handle = self.submit(ids, max_new, sampling, req)
+        max_new = self.max_new_tokens(req.max_new_tokens(), len(ids), req.block_size, rule, param, "messages")
+        handle = self.submit(ids, max_new, sampling, req, rule)
         stops = req.stop_strings()
         choices = [ChatChoice(self.tokenizer.decode, stops, thinking, tools, forced) for _ in range(req.n)]
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())

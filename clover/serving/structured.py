@@ -3,7 +3,8 @@
 `response_format: {"type": "json_schema", "json_schema": {"name", "schema"}}` with a schema inside the decision
 subset (`clover.engine.form`: a flat object of enum / boolean / bounded integer / bounded string fields) is
 answered by `clover.engine.decision.decide` on the chat messages: the message content is the JSON object,
-valid against the schema, and the response carries a `decision` object (each field's probability, forward
+valid against the schema (routing: `clover.serving.grammar_route.route`; other schemas take the grammar path),
+and the response carries a `decision` object (each field's probability, forward
 passes, the order the fields were decided in). A schema outside the subset, `json_object`, or options that do
 not apply (`n > 1`, tools) are a 400 naming the parameter — for a schema, the field and the keyword.
 
@@ -30,10 +31,6 @@ from clover.serving.protocol import APIError, ChatCompletionRequest
 from clover.serving.scheduler import QueueFull
 
 SCHEMA_PARAM = "response_format.json_schema.schema"
-
-
-def wants_decision(req: ChatCompletionRequest) -> bool:
-    return req.response_format is not None and req.response_format.type != "text"
 
 
 def check_form(req: ChatCompletionRequest) -> Form:

@@ -42,7 +42,7 @@ HERE = Path(__file__).resolve().parent
 CONFIG = HERE / "v2.yaml"
 RECORD = HERE / "data_v2.json"
 DISTILLED = HERE / "distilled"  # the base's answers as packed token ids, committed: a run resumes from them
-MILESTONE = HERE / "milestone"  # the CPU run's latest checkpoint, compact and committed: a run resumes from it
+MILESTONE = HERE / "milestone"  # the CPU run's newest checkpoint, compact and committed: a run resumes from it
 PACKAGE_RESERVE_S = 90.0  # packaging (load base, apply adapter, checksum) + margin, kept out of training's budget
 GPU = {"device": "cuda", "batch_size": 128, "micro_batch_size": 64, "threads": 0, "save_every": 200,
        "max_steps": 3000, "warmup_steps": 100}
@@ -168,14 +168,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             raise SystemExit(f"the data stages took {figures['data_s']} s: under a minute of the "
                              f"{args.budget_minutes}-minute budget is left for training")
         config.max_minutes = left / 60
-    durable = not (args.gpu or args.tiny)  # a CPU run spans sessions: it resumes from the committed milestone
-    if durable and MILESTONE.is_dir() and (step := restore_milestone(MILESTONE, run_dir)) is not None:
+    # a CPU run spans sessions: it resumes from the committed milestone, and leaves its newest one there
+    milestone = None if args.gpu or args.tiny or args.milestone == Path("none") else args.milestone
+    if milestone is not None and milestone.is_dir() and (step := restore_milestone(milestone, run_dir)) is not None:
         figures["resumed_from_milestone"] = step
     result = train(config)
     figures["train"] = {"step": result.step, "stopped_early": result.stopped_early,
                         "last_loss": result.losses[-1] if result.losses else None}
-    if durable:
-        figures["milestone"] = save_milestone(latest_checkpoint(run_dir), MILESTONE, log=run_dir / "train_log.jsonl")
+    if milestone is not None:
+        figures["milestone"] = save_milestone(latest_checkpoint(run_dir), milestone, log=run_dir / "train_log.jsonl")
 
     # 5. package
     checkpoint = latest_checkpoint(run_dir)
@@ -203,6 +204,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget-minutes", type=float, default=8.0)
     parser.add_argument("--tiny", type=int, nargs="?", const=6, default=0,
                         help="dry run: this many prompts (6), short answers, 2 training steps")
+    parser.add_argument("--milestone", type=Path, default=MILESTONE,
+                        help="the committed milestone a CPU run resumes from and updates when it stops (default "
+                             "recipes/clover_smol/milestone; 'none': neither, e.g. for a side experiment)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override a training config key (dotted, YAML value), e.g. --set max_minutes=30 "
                              "--set noise.position_decay=0.8; repeatable")

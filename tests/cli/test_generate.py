@@ -129,3 +129,23 @@ def test_cli_default_model_at_int4_loads_its_quantised_build(checkpoint: Path, t
     assert asked == ["int4"] and out["model"] == str(tmp_path / "int4")
     assert main([*args, "--model", str(tmp_path / "int4")]) == 0  # the same checkpoint named: the same answer
     assert json.loads(capsys.readouterr().out)["token_ids"] == out["token_ids"]
+
+
+def test_cli_generate_json_schema(chat_tokenizer, tmp_path: Path, capsys) -> None:
+    """`--json-schema FILE`: the answer is JSON valid against it (an enum and a boolean end within the limit)."""
+    from clover.cli.main import main
+    from server_helpers import build_checkpoint
+
+    checkpoint = build_checkpoint(tmp_path / "model", chat_tokenizer, preset="clover-tiny")
+
+    schema = {"type": "object", "properties": {"pick": {"enum": ["yes", "no"]}, "ok": {"type": "boolean"}},
+              "required": ["pick", "ok"], "additionalProperties": False}
+    (tmp_path / "s.json").write_text(json.dumps(schema))
+    assert main(["generate", "hello", "--model", str(checkpoint), "--max-new-tokens", "40", "--json",
+                 "--block-size", "4", "--threads", "1", "--json-schema", str(tmp_path / "s.json")]) == 0
+    out = json.loads(capsys.readouterr().out)
+    answer = json.loads(out["text"])
+    assert answer["pick"] in ("yes", "no") and isinstance(answer["ok"], bool) and out["forced_tokens"] > 0
+    (tmp_path / "bad.json").write_text(json.dumps({"type": "array", "uniqueItems": True}))
+    assert main(["generate", "hello", "--model", str(checkpoint), "--json-schema", str(tmp_path / "bad.json")]) != 0
+    assert "uniqueItems" in capsys.readouterr().err

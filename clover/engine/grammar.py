@@ -1,0 +1,201 @@
+"""Grammars that constrain decoding: a JSON Schema (or any JSON object, or a tool call) compiled for a tokenizer,
+and the per-request matcher the decoding loop asks which tokens may come next.
+
+The engine is llguidance (chosen by measurement: docs/structured.md): one wheel with no dependencies, ~1 ms to
+compile a schema, tens of microseconds per mask on a 49k vocabulary, and a refusal that names the keyword it
+cannot enforce (`uniqueItems`, `if`/`then`) instead of silently ignoring it.
+
+    grammar = json_schema_grammar(schema, tokenizer)       # GrammarError (a ValueError) naming the keyword
+    generate(model, prompts, grammar=grammar, rule="exact")
+
+What a grammar changes in decoding (clover.engine.exact): the causal choice is made among the allowed tokens
+only, and the tokens the grammar forces (llguidance's fast-forward tokens: the canonical tokenization of bytes no
+choice can change, e.g. `", "` and the next key) are committed with no forward of their own; when the grammar can
+only end, an EOS is forced too. This is part of the definition of constrained decoding, the same at every block
+size, so exact mode's output stays constrained block-size-1 greedy decoding, token for token.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+try:
+    import llguidance
+    import llguidance.hf
+    import llguidance.torch
+except ImportError:  # pragma: no cover - a dependency; the error says what to install
+    llguidance = None
+
+# JSON without optional whitespace, separated as json.dumps does: whitespace the grammar allows anywhere is what a
+# model can repeat forever (a small or uncertain model does), and one layout gives the grammar tokens to force
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+_UNIMPLEMENTED = re.compile(r'Unimplemented keys: \[([^\]]*)\]')
+
+
+class GrammarError(ValueError):
+    """A schema the grammar engine cannot compile; `keyword`: the JSON Schema keyword at fault, when known."""
+
+    def __init__(self, message: str, keyword: str | None = None) -> None:
+        super().__init__(message)
+        self.keyword = keyword
+
+
+def _require() -> None:
+    if llguidance is None:
+        raise ImportError("grammar-constrained decoding needs llguidance: pip install llguidance")
+
+
+@functools.lru_cache(maxsize=8)
+def _ll_tokenizer(tokenizer: Any) -> Any:
+    """llguidance's view of a Hugging Face fast tokenizer (~1-2 s to build on a 49k vocabulary: built once)."""
+    _require()
+    return llguidance.hf.from_tokenizer(tokenizer)
+
+
+@dataclass(frozen=True, eq=False)
+class Grammar:
+    """A grammar compiled (validated) for one tokenizer; `matcher()` gives a request its own state."""
+
+    source: str  # llguidance's grammar (JSON of a TopLevelGrammar)
+    tokenizer: Any  # llguidance's tokenizer
+    description: str  # what it accepts, for errors and logs
+
+    def matcher(self, vocab_size: int, eos_ids: Sequence[int]) -> Matcher:
+        return Matcher(self, vocab_size, eos_ids)
+
+
+def _compile(source: str, tokenizer: Any, description: str) -> Grammar:
+    ll_tok = _ll_tokenizer(tokenizer)
+    failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(source, ll_tok)
+    if failed:
+        message = messages[0] if messages else "invalid grammar"
+        found = _UNIMPLEMENTED.search(message)
+        keyword = json.loads(f"[{found.group(1)}]")[0] if found else None
+        raise GrammarError(f"{description}: {message}" + (f" (the keyword {keyword!r} is not supported)"
+                                                          if keyword else ""), keyword)
+    return Grammar(source, ll_tok, description)
+
+
+def json_schema_grammar(schema: dict[str, Any] | None, tokenizer: Any) -> Grammar:
+    """A JSON value valid against `schema` (None: any JSON object, OpenAI's `json_object`). Raises `GrammarError`
+    naming the keyword the engine cannot enforce."""
+    _require()
+    if schema is not None and not isinstance(schema, dict):
+        raise GrammarError(f"a JSON Schema must be an object, got {type(schema).__name__}")
+    try:
+        source = llguidance.LLMatcher.grammar_from_json_schema(
+            schema if schema is not None else {"type": "object"}, overrides=JSON_OPTIONS)
+    except ValueError as exc:
+        raise GrammarError(f"the JSON Schema cannot be compiled: {exc}") from exc
+    return _compile(source, tokenizer, "JSON Schema" if schema is not None else "JSON object")
+
+
+def _lark_string(text: str) -> str:
+    return json.dumps(text)  # a Lark string literal: JSON's escapes are Lark's
+
+
+def tool_call_grammar(tools: Sequence[tuple[str, dict[str, Any] | None]], tokenizer: Any, head: str = "",
+                      tail: str = "") -> Grammar:
+    """One call of one of `tools` (name, parameters schema or None for any object) in the chat template's form:
+    `head` (what the prompt does not already hold, e.g. `{"name": "f", "arguments": ` after a forced start of a
+    named call, or the whole `{"name": ...` for `tool_choice="required"`), the arguments, then `tail`."""
+    _require()
+    if not tools:
+        raise GrammarError("a tool call grammar needs at least one tool")
+    rules, alternatives = [], []
+    for i, (name, schema) in enumerate(tools):
+        lead = head.format(name=json.dumps(name))
+        args = json.dumps({**(schema if schema is not None else {"type": "object"}), "x-guidance": JSON_OPTIONS})
+        parts = [_lark_string(lead)] * bool(lead) + [f"args_{i}"] + [_lark_string(tail)] * bool(tail)
+        rules.append(f"call_{i}: " + " ".join(parts))
+        rules.append(f"args_{i}: %json {args}")
+        alternatives.append(f"call_{i}")
+    lark = "start: " + " | ".join(alternatives) + "\n" + "\n".join(rules) + "\n"
+    try:
+        source = llguidance.LLMatcher.grammar_from_lark(lark)
+    except ValueError as exc:
+        raise GrammarError(f"the tool schemas cannot be compiled: {exc}") from exc
+    return _compile(source, tokenizer, "tool parameters schema")
+
+
+class Matcher:
+    """One request's position in its grammar, with rollback (exact mode undoes rejected drafts).
+
+    Masks are `[vocab_size]` bools over the model's vocabulary (ids the tokenizer lacks are never allowed); the
+    engine's EOS ids are allowed exactly when the grammar may end here."""
+
+    def __init__(self, grammar: Grammar, vocab_size: int, eos_ids: Sequence[int]) -> None:
+        self.grammar = grammar
+        self.m = llguidance.LLMatcher(grammar.tokenizer, grammar.source)
+        self.vocab_size = vocab_size
+        self.eos_ids = list(eos_ids)
+        self._bits = llguidance.torch.allocate_token_bitmask(1, grammar.tokenizer.vocab_size)
+        self._shifts = torch.arange(32, dtype=torch.int32)
+        self.forced_tokens = 0  # tokens committed because the grammar forced them (a request's stats)
+
+    def _error(self) -> RuntimeError:
+        return RuntimeError(f"grammar matcher failed ({self.grammar.description}): {self.m.get_error()}")
+
+    def allowed(self) -> torch.Tensor:
+        """`[vocab_size]` bool: the tokens the grammar allows next."""
+        llguidance.torch.fill_next_token_bitmask(self.m, self._bits, 0)
+        bits = ((self._bits[0, :, None] >> self._shifts) & 1).bool().flatten()
+        out = torch.zeros(self.vocab_size, dtype=torch.bool)
+        n = min(self.vocab_size, bits.numel())
+        out[:n] = bits[:n]
+        eos = [e for e in self.eos_ids if e < self.vocab_size]
+        out[eos] = self.m.is_accepting()
+        if not bool(out.any()):  # a dead end (not expected of a validated grammar): let the request end
+            out[eos] = True
+        return out
+
+    def consume(self, tokens: Sequence[int]) -> None:
+        """Advance past `tokens` (EOS ids end the request and are not fed to the grammar)."""
+        tokens = [t for t in tokens if t not in self.eos_ids]
+        if tokens and not self.m.consume_tokens(tokens):
+            raise self._error()
+
+    def rollback(self, n: int) -> None:
+        if n and not self.m.rollback(n):
+            raise self._error()
+
+    def forced(self) -> list[int]:
+        """The tokens the grammar forces from here (consumed), then an EOS when it can only end."""
+        tokens = list(self.m.compute_ff_tokens())
+        self.consume(tokens)
+        if self.m.is_stopped() and self.eos_ids:
+            tokens.append(self.eos_ids[0])
+        self.forced_tokens += len(tokens)
+        return tokens
+
+    def masks_for(self, drafts: Sequence[int]) -> tuple[torch.Tensor, int]:
+        """Masks `[1 + len(drafts), vocab_size]` for deciding the next token and the token after each draft,
+        consuming the drafts the grammar allows; the positions after the first disallowed draft are unreachable
+        (that draft is rejected there) and left unmasked. Returns the masks and how many drafts were consumed."""
+        masks = torch.ones(1 + len(drafts), self.vocab_size, dtype=torch.bool)
+        for i, d in enumerate(drafts):
+            masks[i] = self.allowed()
+            if not masks[i, d] or d in self.eos_ids:
+                return masks, i
+            self.consume([d])
+        masks[len(drafts)] = self.allowed()
+        return masks, len(drafts)
+
+    def draft(self, logits: torch.Tensor) -> list[int]:
+        """The drafter's choice `[m]` for the next `m` positions (`logits` `[m, V]`): the argmax among the
+        allowed tokens at each position given the drafts before it; the state is left unchanged."""
+        out: list[int] = []
+        for row in logits:
+            choice = int(row.float().masked_fill(~self.allowed(), float("-inf")).argmax())
+            out.append(choice)
+            if choice in self.eos_ids:
+                break
+            self.consume([choice])
+        self.rollback(len([t for t in out if t not in self.eos_ids]))
+        return out

@@ -1,0 +1,115 @@
+"""Grammar-constrained decoding (clover.engine.grammar): exact mode under a grammar is constrained block-size-1
+greedy decoding token for token (alone, batched, with drafts accepted and rejected), every answer follows the
+grammar, forced tokens cost no forward, and what the engine cannot enforce is refused by name."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema_rs
+import pytest
+
+from clover.engine import Engine, SamplingParams, generate
+from clover.engine.decoding import ExactRule
+from clover.engine.grammar import GrammarError, json_schema_grammar, tool_call_grammar
+from clover.engine.reference import constrained_greedy
+from model_helpers import tiny_model
+from test_exact_mode import OracleLoop
+
+SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 12},
+    "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "maxItems": 3},
+    "size": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 999}, {"type": "null"}]},
+    "ok": {"type": "boolean"}}, "required": ["name", "tags", "size", "ok"], "additionalProperties": False}
+MAX_NEW = 40
+
+
+@pytest.fixture(scope="module")
+def model(chat_tokenizer):
+    return tiny_model("clover-tiny", vocab_size=len(chat_tokenizer), mask_token_id=chat_tokenizer.mask_token_id,
+                      eos_token_id=chat_tokenizer.eos_token_id, logit_scale=3.0)
+
+
+@pytest.fixture(scope="module")
+def grammar(chat_tokenizer):
+    return json_schema_grammar(SCHEMA, chat_tokenizer)
+
+
+def _prompts(tok):
+    return [tok("Describe a thing as JSON:", add_special_tokens=False)["input_ids"],
+            tok("def add(x, y):", add_special_tokens=False)["input_ids"],
+            tok("The weather is", add_special_tokens=False)["input_ids"]]
+
+
+def _eos(tok):
+    return [tok.eos_token_id]
+
+
+def test_exact_mode_under_a_grammar_equals_constrained_block_size_1_greedy(model, chat_tokenizer, grammar):
+    prompts, eos = _prompts(chat_tokenizer), _eos(chat_tokenizer)
+    want = [constrained_greedy(model, p, MAX_NEW, grammar, eos) for p in prompts]
+    for block_size in (1, 4):
+        got = generate(model, prompts, MAX_NEW, block_size=block_size, rule="exact", eos_token_ids=eos,
+                       grammar=grammar).sequences
+        assert got == want, block_size
+    for p, w in zip(prompts, want):  # alone as in the batch
+        assert generate(model, [p], MAX_NEW, block_size=4, rule="exact", eos_token_ids=eos,
+                        grammar=grammar).sequences[0] == w
+
+
+@pytest.mark.parametrize("wrong", [0.0, 0.3])
+def test_drafts_checked_against_the_masked_choice(model, chat_tokenizer, grammar, wrong):
+    """Drafts from the reference continuation (some wrong): accepted while equal to the masked causal choice."""
+    prompts, eos = _prompts(chat_tokenizer), _eos(chat_tokenizer)
+    want = [constrained_greedy(model, p, MAX_NEW, grammar, eos) for p in prompts]
+    engine = Engine(model, 4, rule="exact", eos_token_ids=eos)
+    engine.loop = OracleLoop(engine, dict(enumerate(want)), wrong)
+    out = [[] for _ in prompts]
+    for ev in engine.run(prompts, MAX_NEW, SamplingParams(grammar=grammar)):
+        if hasattr(ev, "token_ids"):
+            out[ev.index] += ev.token_ids
+    assert out == want
+
+
+def test_answers_follow_the_schema_and_forced_tokens_cost_no_forward(model, chat_tokenizer, grammar):
+    prompts, eos = _prompts(chat_tokenizer), _eos(chat_tokenizer)
+    result = generate(model, prompts, 200, block_size=4, rule="exact", eos_token_ids=eos, grammar=grammar)
+    for ids, stats in zip(result.sequences, result.stats):
+        assert stats["finish_reason"] == "eos"
+        jsonschema_rs.validate(SCHEMA, json.loads(chat_tokenizer.decode(ids)))
+        assert stats["forced_tokens"] > 0
+        # every token is decided by a forward or forced (the last forced one may be the EOS, not counted)
+        assert stats["forward_passes"] <= stats["tokens"] - stats["forced_tokens"] + 2
+
+
+def test_sampling_under_a_grammar_follows_it(model, chat_tokenizer, grammar):
+    eos = _eos(chat_tokenizer)
+    result = generate(model, _prompts(chat_tokenizer), 200, block_size=4, rule="exact", eos_token_ids=eos,
+                      grammar=grammar, temperature=1.0, seed=3)
+    for ids, stats in zip(result.sequences, result.stats):
+        if stats["finish_reason"] == "eos":
+            json.loads(chat_tokenizer.decode(ids))
+
+
+def test_a_tool_call_grammar_gives_arguments_of_the_schema(model, chat_tokenizer):
+    params = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"]}
+    noop = {"type": "object", "properties": {}, "additionalProperties": False}
+    grammar = tool_call_grammar([("get_weather", params), ("noop", noop)], chat_tokenizer,
+                                head='{{"name": {name}, "arguments": ', tail="}\n</tool_call>")
+    ids = generate(model, _prompts(chat_tokenizer)[:1], 100, rule="exact", block_size=4,
+                   eos_token_ids=_eos(chat_tokenizer), grammar=grammar).sequences[0]
+    text = chat_tokenizer.decode(ids)
+    assert text.endswith("}\n</tool_call>")
+    call = json.loads(text[: -len("\n</tool_call>")])
+    jsonschema_rs.validate(params if call["name"] == "get_weather" else {"type": "object"}, call["arguments"])
+
+
+def test_what_the_engine_cannot_enforce_is_refused_by_name(chat_tokenizer):
+    with pytest.raises(GrammarError, match="uniqueItems") as err:
+        json_schema_grammar({"type": "array", "uniqueItems": True}, chat_tokenizer)
+    assert err.value.keyword == "uniqueItems"
+
+
+def test_block_decoding_refuses_a_grammar(model, chat_tokenizer, grammar):
+    with pytest.raises(ValueError, match="cannot follow a grammar"):
+        generate(model, _prompts(chat_tokenizer)[:1], 8, block_size=4, rule="threshold", grammar=grammar)

@@ -1,0 +1,173 @@
+"""Structured outputs by grammar-constrained decoding, through the official `openai` client: `parse` with pydantic
+models outside decision mode's form subset (unbounded strings and integers, nested models, lists, Optional,
+Literal, a recursive model), streamed and not, every answer valid; json_object; strict tool calls; routing and
+refusals."""
+
+from __future__ import annotations
+
+import json
+import random
+from typing import Literal, Optional
+
+import jsonschema_rs
+import openai
+import pytest
+import torch
+from pydantic import BaseModel, Field, create_model
+
+from clover.serving import ServerOptions, create_app
+from model_helpers import tiny_model
+from server_helpers import server_thread
+
+NAME = "clover-grammar"
+MAX_TOKENS = 400
+
+
+class Item(BaseModel):
+    sku: str
+    qty: int
+
+
+class Node(BaseModel):  # recursive
+    value: int
+    children: list["Node"] = Field(max_length=2)
+
+
+FIELD_TYPES = [(str, ...), (int, ...), (bool, ...), (Optional[str], ...), (Literal["a", "b", "c"], ...),
+               (list[int], ...), (Item, ...), (list[Item], ...), (Optional[Item], ...), (float, ...)]
+WORDS = ["order", "weather", "person", "invoice", "ticket", "recipe", "flight", "book"]
+
+
+def generated_models(n: int, seed: int = 0) -> list[tuple[type[BaseModel], str]]:
+    """`n` pydantic models of 1-4 random fields, each with a prompt."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        fields = {f"f{j}_{rng.choice(WORDS)}": rng.choice(FIELD_TYPES) for j in range(rng.randint(1, 4))}
+        out.append((create_model(f"Model{i}", **fields), f"Describe a {rng.choice(WORDS)} as JSON ({i})."))
+    return out
+
+
+class ConciseLM(torch.nn.Module):
+    """A random tiny model with a logit bias towards tokens that close JSON values (quotes, brackets, commas): its
+    answers are arbitrary but end, where an unbiased random model can write one string forever (max_tokens)."""
+
+    def __init__(self, model: torch.nn.Module, tokenizer, bias: float = 4.0) -> None:
+        super().__init__()
+        self.model, self.config = model, model.config
+        closing = torch.zeros(model.config.vocab_size)
+        for token, i in tokenizer.get_vocab().items():
+            if any(c in tokenizer.convert_tokens_to_string([token]) for c in '"}],'):
+                closing[i] = bias
+        self.register_buffer("bias", closing)
+
+    def new_cache(self, batch_size: int):
+        return self.model.new_cache(batch_size)
+
+    def forward(self, *args, **kwargs):
+        out = self.model(*args, **kwargs)
+        out.logits = out.logits + self.bias
+        return out
+
+
+@pytest.fixture(scope="module")
+def client(chat_tokenizer):
+    model = tiny_model("clover-tiny-dense", vocab_size=len(chat_tokenizer), mask_token_id=chat_tokenizer.mask_token_id,
+                       eos_token_id=chat_tokenizer.eos_token_id, logit_scale=3.0)
+    app = create_app(ConciseLM(model, chat_tokenizer), chat_tokenizer,
+                     ServerOptions(served_model_name=NAME, prefill_chunk=16))
+    with server_thread(app) as url:
+        yield openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def _user(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+@pytest.mark.parametrize("count", [12, pytest.param(40, marks=pytest.mark.slow)])
+def test_parse_answers_validate_on_generated_models(client, count):
+    finished = 0
+    for i, (model, prompt) in enumerate(generated_models(count)):
+        out = client.chat.completions.parse(model=NAME, messages=_user(prompt), response_format=model,
+                                            max_tokens=MAX_TOKENS, seed=i, temperature=0.0)
+        choice = out.choices[0]
+        assert choice.finish_reason == "stop", (model.model_json_schema(), choice.message.content)
+        assert isinstance(choice.message.parsed, model)
+        finished += 1
+    assert finished == count
+
+
+def test_streamed_answers_validate(client):
+    for i, (model, prompt) in enumerate(generated_models(6, seed=1)):
+        with client.chat.completions.stream(model=NAME, messages=_user(prompt), response_format=model,
+                                            max_tokens=MAX_TOKENS) as stream:
+            final = stream.get_final_completion()
+        assert isinstance(final.choices[0].message.parsed, model)
+
+
+def test_nested_recursive_and_decision_routing(client):
+    out = client.chat.completions.parse(model=NAME, messages=_user("A tree."), response_format=Node,
+                                        max_tokens=MAX_TOKENS)
+    assert isinstance(out.choices[0].message.parsed, Node)
+    assert out.model_extra.get("decision") is None  # the grammar path
+
+    class Form(BaseModel):
+        kind: Literal["a", "b"]
+        ok: bool
+
+    form = client.chat.completions.parse(model=NAME, messages=_user("Pick."), response_format=Form)
+    assert form.model_extra["decision"]  # the form subset still goes to decision mode
+    asked = client.chat.completions.parse(model=NAME, messages=_user("Pick."), response_format=Form,
+                                          extra_body={"structured_mode": "grammar"})
+    assert asked.model_extra.get("decision") is None and isinstance(asked.choices[0].message.parsed, Form)
+
+
+def test_json_object(client):
+    out = client.chat.completions.create(model=NAME, messages=_user("Any JSON object."), max_tokens=MAX_TOKENS,
+                                         response_format={"type": "json_object"})
+    if out.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(out.choices[0].message.content), dict)
+    else:  # an object with free keys may outgrow max_tokens: said plainly
+        assert out.choices[0].finish_reason == "length"
+
+
+def test_too_few_tokens_finish_with_length(client):
+    out = client.chat.completions.create(model=NAME, messages=_user("x"), max_tokens=3,
+                                         response_format={"type": "json_schema", "json_schema": {
+                                             "name": "p", "schema": Item.model_json_schema()}})
+    assert out.choices[0].finish_reason == "length"
+    with pytest.raises(openai.LengthFinishReasonError):
+        client.chat.completions.parse(model=NAME, messages=_user("x"), response_format=Item, max_tokens=3)
+
+
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "strict": True, "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]},
+                                         "days": {"type": "integer"}},
+        "required": ["city", "unit", "days"], "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "book", "strict": True, "parameters": {
+        "type": "object", "properties": {"items": {"type": "array", "items": Item.model_json_schema()}},
+        "required": ["items"], "additionalProperties": False}}}]
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "book"}}])
+def test_strict_tool_calls_validate(client, choice):
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    for i in range(4):
+        out = client.chat.completions.create(model=NAME, messages=_user(f"Call a tool ({i})."), tools=TOOLS,
+                                             tool_choice=choice, max_tokens=MAX_TOKENS, seed=i)
+        calls = out.choices[0].message.tool_calls
+        assert out.choices[0].finish_reason == "tool_calls" and len(calls) == 1
+        if isinstance(choice, dict):
+            assert calls[0].function.name == "book"
+        jsonschema_rs.validate(schemas[calls[0].function.name], json.loads(calls[0].function.arguments))
+
+
+def test_refusals_name_what_is_wrong(client):
+    with pytest.raises(openai.BadRequestError, match="uniqueItems") as err:
+        client.chat.completions.create(model=NAME, messages=_user("x"), response_format={
+            "type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "array", "uniqueItems": True}}})
+    assert err.value.body["param"] == "response_format.json_schema.schema"
+    with pytest.raises(openai.BadRequestError, match="cannot follow a grammar"):
+        client.chat.completions.parse(model=NAME, messages=_user("x"), response_format=Item,
+                                      extra_body={"rule": "threshold"})
