@@ -71,10 +71,10 @@ def _cpu_hours(packed: Path) -> float:
         return float(json.loads(f.metadata()["figures"])["cpu_hours"])
 
 
-def sha256(path: Path) -> str:
-    """sha256 of a file, or of a directory's files (names and bytes, in name order)."""
+def sha256(path: Path, pattern: str = "*") -> str:
+    """sha256 of a file, or of a directory's files matching `pattern` (names and bytes, in name order)."""
     digest = hashlib.sha256()
-    for f in sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]:
+    for f in sorted(p for p in path.rglob(pattern) if p.is_file()) if path.is_dir() else [path]:
         if path.is_dir():
             digest.update(str(f.relative_to(path)).encode() + b"\0")
         digest.update(f.read_bytes())
@@ -154,7 +154,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     config = load_train_config(CONFIG, merge_config(overrides, parse_overrides(
         [f"--{item}" for item in args.set])))
     prepare_token_shards("chat", sources, base, data / "shards", max_len=config.max_seq_len, overwrite=True)
-    checksums = {p.name: sha256(p) for p in [data / "train.jsonl", *sources, data / "shards"]}
+    checksums = {p.name: sha256(p) for p in [data / "train.jsonl", *sources]}
+    checksums["shards"] = sha256(data / "shards", "*.safetensors")  # the token ids (meta.json names local paths)
     (data / "manifest.json").write_text(json.dumps({"python": python, "device": device, "scale": args.scale,
                                                     "seed": args.seed, "sha256": checksums}, indent=2) + "\n")
     if not args.tiny:
