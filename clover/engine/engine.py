@@ -153,16 +153,18 @@ class Engine:
             bad = [t for t in p if not 0 <= t < self.vocab_size]
             if bad:
                 raise ValueError(f"prompt {i} has token ids outside [0, {self.vocab_size}): {bad[:5]}")
-        limit = self.runner.config.max_position_embeddings
+        limit = self.runner.max_context
         longest = max(len(p) for p in prompts)
+        source = ("the model's max_position_embeddings" if limit == self.runner.config.max_position_embeddings
+                  else "its KV cache; --ctx sets it")
+        where = f"the {self.runner.name} runner's context of {limit} positions ({source})"
         if longest >= limit:
-            raise ValueError(f"a prompt of {longest} tokens leaves no room for max_new_tokens within the model's "
-                             f"max_position_embeddings={limit}")
+            raise ValueError(f"a prompt of {longest} tokens leaves no room for max_new_tokens within {where}")
         room, unit = self.loop.room(limit, longest, self.block_size)
         if max_new_tokens > room:
             raise ValueError(
                 f"max_new_tokens={max_new_tokens} is too large: the prompt has {longest} tokens and generation "
-                f"needs its positions in {unit}, within the model's max_position_embeddings={limit}; at most "
+                f"needs its positions in {unit}, within {where}; at most "
                 f"{max(room, 0)} new tokens fit")
         now = time.perf_counter()
         return [Request(i, p, params[i], int(max_new_tokens), start_time=now,

@@ -86,6 +86,7 @@ class ModelRunner(Protocol):
     config: CloverConfig
     device: torch.device
     max_rows: int | None  # rows one runner holds at once (None: as memory allows)
+    max_context: int  # positions one row may hold, prompt and answer together
     max_block_size: int | None  # the largest block an engine may decode with (None: any); a query block alone
     # (decision mode's answer block) may be longer
     # what the server's prefix store may hold (bytes; None: as its own budget says): a runner whose prefixes live

@@ -168,7 +168,8 @@ class LlamaCppRunner:
     """A GGUF exported by `clover export --to gguf`, run by llama.cpp (see the module docstring).
 
     `max_rows`: rows decoded together (the server's batch; None: as many as llama.cpp's sequence ids allow);
-    `n_ctx`: KV cells shared by all rows (default `max_rows * min(max_position_embeddings, 4096)`, at most 16384);
+    `n_ctx`: KV cells shared by all rows (default `max_rows * max_position_embeddings`, at most 16384); one row
+    may hold `max_context = min(max_position_embeddings, n_ctx)` positions;
     `max_block_size`: the largest block size an engine may use with it (default: 16, or the model's block size if
     larger); `kv_type`: "f16" (llama.cpp's default) or "f32"; `flash_attn`: llama.cpp's flash attention (off by
     default: on a CPU it rounds through f16); `stored_prefixes`: prefixes the server's prefix cache may keep."""
@@ -223,7 +224,8 @@ class LlamaCppRunner:
         if n_vocab != self.config.vocab_size:
             raise ValueError(f"{self.path}: the tokenizer has {n_vocab} tokens but the embeddings "
                              f"{self.config.vocab_size} rows; llama.cpp's logits would not cover Clover's vocabulary")
-        self.n_ctx = n_ctx or min(max_rows * min(self.config.max_position_embeddings, 4096), DEFAULT_MAX_CELLS)
+        self.n_ctx = n_ctx or min(max_rows * self.config.max_position_embeddings, DEFAULT_MAX_CELLS)
+        self.max_context = min(self.config.max_position_embeddings, self.n_ctx)
         # one ubatch holds a whole non-causal decode: every row's clean tokens (at most a slot's groups) and block
         self.n_batch = max(512, 2 * max_rows * max_block_size)
         ctx_params = llama_cpp.llama_context_default_params()

@@ -24,6 +24,7 @@ class TorchRunner:
     def __init__(self, model: torch.nn.Module, directory: Path | None = None) -> None:
         self.model = model
         self.config: CloverConfig = model.config
+        self.max_context = self.config.max_position_embeddings
         self.device = next(model.parameters()).device
         self.directory = directory  # the checkpoint it was opened from (its tokenizer), when known
 

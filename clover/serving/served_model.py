@@ -114,7 +114,7 @@ class ServedModel:
         config = self.runner.config
         self.options, self.config = options, config
         self.tokenizer = LockedTokenizer(tokenizer)
-        limit = config.max_position_embeddings
+        limit = self.runner.max_context
         self.context = min(options.max_model_len or limit, limit)
         self.temperature = options.temperature if options.temperature is not None else \
             float(generation_defaults.get("temperature") or 0.0)

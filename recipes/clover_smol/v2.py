@@ -1,6 +1,6 @@
 """clover-smol v2 in one command: prompts -> distilled answers -> token shards -> gated-adapter training -> package.
 
-    python recipes/clover_smol/v2.py                  # CPU, the config as written (days); run again to resume
+    python recipes/clover_smol/v2.py                  # CPU: within v2.yaml's CPU-hour budget, in resumable pieces
     python recipes/clover_smol/v2.py --gpu            # one H200: the whole adaptation in --budget-minutes (8)
     python recipes/clover_smol/v2.py --tiny --data /tmp/v2 --run /tmp/v2-run --package-to /tmp/v2-asset
                                                       # a dry run of every stage on the CPU in about a minute
@@ -17,7 +17,11 @@ Stages (each one resumes or is rebuilt identically, so running the command again
    into `data_v2.json` (per device type: greedy answers can differ between CPU and GPU arithmetic), and a later
    run on the same device type is checked against them.
 4. **train**: `v2.yaml` (gated LoRA, causal context reading, complementary masks, EOS after the answer, the
-   confidence term) with this command's overrides -> RUN/checkpoints (resumed from the latest one).
+   confidence term) with this command's `--set` overrides -> RUN/checkpoints, resumed from the latest one, or,
+   on a fresh machine, from the committed milestone (`--milestone`, recipes/clover_smol/milestone: the adapter,
+   Adam's moments in bf16, counters and the training log), which the run replaces with its newest checkpoint when
+   it stops (SIGTERM or `max_cpu_hours`: the budget counts every session's CPU time). Commit it to carry the run
+   to the next machine.
 5. **package**: the adapter and its manifest (checksum of base + adapter, decoding defaults) -> `--package-to`
    (`clover/assets/clover-smol` to ship it).
 

