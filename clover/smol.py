@@ -29,8 +29,14 @@ from pathlib import Path
 
 import torch
 
+from clover.conversion import convert
+from clover.conversion.gguf_export import export_gguf
 from clover.model import CloverForBlockDiffusion
+from clover.model import quant as packed_format
+from clover.model.lora import is_gated, load_adapter, merge_and_unload
+from clover.ops import woq
 from clover.paths import cache_root
+from clover.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -75,8 +81,6 @@ def weights_checksum(model: torch.nn.Module) -> str:
 
 def base_dir() -> Path:
     """SmolLM2-135M-Instruct converted to a Clover checkpoint (once, into the cache)."""
-    from clover.conversion import convert
-
     target = cache_root() / "smollm2-135m-instruct"
     if not (target / "config.json").is_file():
         logger.info("converting %s into %s (once)", smollm2_gguf().name, target)
@@ -89,8 +93,6 @@ def adapted_model(adapter_dir: Path, block_size: int, threshold: float, merge: b
     """The base with an adapter (a trainer checkpoint or the shipped one), with its decoding defaults: merged
     into the weights (unless `merge=False`), or, for a gated adapter (query positions only), kept next to them
     unmerged."""
-    from clover.model.lora import is_gated, load_adapter, merge_and_unload
-
     model = CloverForBlockDiffusion.from_pretrained(base_dir())
     load_adapter(model, adapter_dir)
     if merge and not is_gated(model):
@@ -124,8 +126,7 @@ def _check_merged(model: CloverForBlockDiffusion, info: dict) -> None:
 
 
 def _save(model: CloverForBlockDiffusion, asset_dir: Path, out_dir: Path) -> Path:
-    from clover.chat_template import CLOVER_CHAT_TEMPLATE
-    from clover.tokenizer import load_tokenizer
+    from clover.chat_template import CLOVER_CHAT_TEMPLATE  # deferred: it loads transformers (~0.5 s), for a build only
 
     with tempfile.TemporaryDirectory() as tmp:
         tokenizer = load_tokenizer(base_dir())
@@ -154,9 +155,6 @@ def build_quantized(quant: str, asset_dir: Path | None = None, out_dir: Path | N
     gated adapter's at query rows only).
     The merged weights' checksum is verified as `build` does, on a merged copy. The kernel rounds activations in
     two int8 passes (`BUILD_ACTIVATIONS`). Cached per `_packing_tag`."""
-    from clover.model.lora import is_gated, merge_and_unload
-    from clover.model.quant import quantize
-
     if quant not in ("int8", "int4"):
         raise ValueError(f"clover-smol is built quantised as int8 or int4, got {quant!r}")
     asset_dir = asset_dir or ASSET_DIR
@@ -168,16 +166,13 @@ def build_quantized(quant: str, asset_dir: Path | None = None, out_dir: Path | N
     # the manifest's checksum is of the adapted weights as `build` keeps them: merged, or a gated adapter unmerged
     _check_merged(model if is_gated(model) else merge_and_unload(copy.deepcopy(model)), info)
     logger.info("quantising %s to %s into %s (once)", NAME, quant, out_dir)
-    return _save(quantize(model, quant, activations=BUILD_ACTIVATIONS), asset_dir, out_dir)
+    return _save(packed_format.quantize(model, quant, activations=BUILD_ACTIVATIONS), asset_dir, out_dir)
 
 
 def _packing_tag() -> str:
     """A hash of the code that lays out packed checkpoints and of the builds' activation rounding: a quantised
     build in the cache is named by it, so a change of either builds anew instead of loading a stale one."""
-    from clover.model import quant
-    from clover.ops import woq
-
-    code = b"".join(Path(m.__file__).read_bytes() for m in (quant, woq))
+    code = b"".join(Path(m.__file__).read_bytes() for m in (packed_format, woq))
     return hashlib.sha256(code + BUILD_ACTIVATIONS.encode()).hexdigest()[:8]
 
 
@@ -190,8 +185,6 @@ def clover_smol_dir(quant: str = "none") -> Path:
 def clover_smol_gguf(quant: str = "q8_0") -> Path:
     """The default model as a GGUF for the llama.cpp runner (`clover export --to gguf`), written beside its
     checkpoint on first use."""
-    from clover.conversion.gguf_export import export_gguf
-
     directory = clover_smol_dir()
     path = directory / f"{directory.name}-{quant}.gguf"
     if not path.is_file():

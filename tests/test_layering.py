@@ -22,6 +22,9 @@ Inference never imports training (checked on its own below, as training sits bes
 from __future__ import annotations
 
 import ast
+import io
+import shutil
+import tokenize
 from pathlib import Path
 
 import pytest
@@ -142,8 +145,6 @@ def test_inference_modules_import_nothing_from_training(path: Path) -> None:
 
 def _plant(tmp_path: Path, relative: str, line: str) -> Path:
     """A copy of the package with `line` added to the file at `relative`."""
-    import shutil
-
     copy = tmp_path / "clover"
     shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__", "assets"))
     target = copy / relative
@@ -169,3 +170,59 @@ def test_a_planted_import_cycle_is_caught(tmp_path: Path) -> None:
     copy = _plant(tmp_path, "engine/sampling.py", "from clover.engine.request import Request")
     assert any(set(c) == {"clover.engine.request", "clover.engine.sampling"} for c in import_cycles(copy))
     assert not import_cycles(PACKAGE)
+
+
+def undeferred_imports(root: Path = PACKAGE) -> list[str]:
+    """Imports inside functions that do not say what deferring them saves, as 'file:line: statement'.
+
+    An import runs at a function's call, not the module's import, only where that cuts a real cost (torch for
+    `clover --help`, an optional runtime, a heavy library a rare path needs, the one import up the order): such an
+    import carries a comment starting `deferred` on its line, or just above the run of imports it belongs to."""
+    bad = []
+    for path in sorted(root.rglob("*.py")):
+        text = path.read_text(encoding="utf-8")
+        lines = text.splitlines()
+        comments = {tok.start[0]: tok.string.lstrip("#").strip()
+                    for tok in tokenize.generate_tokens(io.StringIO(text).readline) if tok.type == tokenize.COMMENT}
+
+        def said_above(lineno: int) -> bool:  # the comment lines just above `lineno` (a block of them)
+            above = lineno - 1
+            while above >= 1 and lines[above - 1].lstrip().startswith("#"):
+                if comments.get(above, "").startswith("deferred"):
+                    return True
+                above -= 1
+            return False
+
+        def check(body: list[ast.stmt]) -> None:
+            run_start = None
+            for stmt in body:
+                if not isinstance(stmt, (ast.Import, ast.ImportFrom)):
+                    run_start = None
+                    continue
+                run_start = run_start or stmt.lineno
+                own = any(comments.get(n, "").startswith("deferred") for n in range(stmt.lineno, stmt.end_lineno + 1))
+                if not (own or said_above(run_start)):
+                    bad.append(f"{path.relative_to(root.parent)}:{stmt.lineno}: {ast.unparse(stmt)}")
+
+        for func in ast.walk(ast.parse(text)):
+            if isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                for node in ast.walk(func):
+                    for field in ("body", "orelse", "finalbody"):
+                        block = getattr(node, field, None)
+                        if isinstance(block, list) and block and isinstance(block[0], ast.stmt):
+                            check(block)
+    return sorted(set(bad))
+
+
+def test_every_function_level_import_says_what_deferring_it_saves() -> None:
+    assert not undeferred_imports(), "\n".join(undeferred_imports())
+
+
+def test_a_planted_undeferred_import_is_caught(tmp_path: Path) -> None:
+    copy = _plant(tmp_path, "engine/sampling.py", "def _planted():\n    import json\n\n    return json")
+    assert any(b.startswith("clover/engine/sampling.py:") and b.endswith("import json")
+               for b in undeferred_imports(copy))
+    said = _plant(tmp_path / "said", "engine/sampling.py",
+                  "def _planted():\n    # deferred: a planted cost\n    import json\n    import os\n\n"
+                  "    return json, os")
+    assert not [b for b in undeferred_imports(said) if b.startswith("clover/engine/sampling.py:")]

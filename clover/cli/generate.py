@@ -74,6 +74,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from clover.engine import Engine, SamplingParams, StepSnapshot, StopAwareDetokenizer, StreamPiece
+    from clover.engine.grammar import json_schema_grammar
     from clover.tokenizer import eos_token_ids
 
     if args.threads:
@@ -84,8 +85,6 @@ def run(args: argparse.Namespace) -> int:
     decode = lambda t: tokenizer.decode(t, skip_special_tokens=True)  # noqa: E731
     grammar = None
     if args.json_schema is not None:
-        from clover.engine.grammar import json_schema_grammar
-
         try:
             schema = json.loads(args.json_schema.read_text())
         except (OSError, json.JSONDecodeError) as exc:
@@ -133,13 +132,13 @@ class _StepPainter:
     """Draws a block after each denoising step on stderr: `░` masked, new tokens highlighted."""
 
     def __init__(self, tokenizer: Any) -> None:
-        from rich.console import Console
+        from rich.console import Console  # deferred for start-up time: rich, for --show-steps only
 
         self.console = Console(stderr=True, highlight=False)
         self.tokenizer = tokenizer
 
     def draw(self, snap: StepSnapshot) -> None:
-        from rich.text import Text
+        from rich.text import Text  # deferred for start-up time: rich, for --show-steps only
 
         line = Text(f"block {snap.block:>3} step {snap.step:>2} │ ", style="dim")
         for token, new in zip(snap.tokens, snap.new):
@@ -151,7 +150,7 @@ class _StepPainter:
         self.console.print(line)
 
     def commit(self, piece: StreamPiece) -> None:
-        from rich.text import Text
+        from rich.text import Text  # deferred for start-up time: rich, for --show-steps only
 
         line = Text(f"block {piece.block:>3} final   │ ", style="dim")
         line.append("".join(self._show(t) for t in piece.token_ids), style="bold")

@@ -34,10 +34,10 @@ def read_log(path: Path) -> list[dict]:
 
 def plot_log(path: Path, output: Path, x: str = "tokens") -> Path:
     """Write a PNG of loss (and eval loss, AR loss when logged) against tokens or steps."""
-    import matplotlib
+    import matplotlib  # deferred for start-up time: matplotlib loads only when a plot is drawn
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # deferred: after the backend is chosen
 
     records = read_log(path)
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=110)

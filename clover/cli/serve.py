@@ -56,7 +56,7 @@ def served_model_names(given: list[str] | None, model_arg: str | None, source: P
         return list(dict.fromkeys(given))
     name = source.stem if source.suffix == ".gguf" else source.name
     if model_arg is None:
-        from clover.smol import NAME
+        from clover.smol import NAME  # deferred for start-up time: clover.smol imports torch
 
         return list(dict.fromkeys([NAME, name]))
     return [name]

@@ -162,7 +162,7 @@ def require_silu(hf_config: Any) -> None:
 
 def load_hf_tokenizer(src: Path) -> Any | None:
     """The tokenizer of an HF directory (from tokenizer.json when present), or None when it has none."""
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast  # deferred: transformers (~0.5 s), only when a tokenizer is read
 
     if (src / "tokenizer.json").is_file():
         return PreTrainedTokenizerFast.from_pretrained(str(src))
@@ -303,6 +303,7 @@ def resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
 def run_conversion(source: Source, dst: Path, *, force: bool = False, dtype: torch.dtype | None = None,
                    progress: bool = False) -> Path:
     """Convert `source` into a Clover checkpoint at `dst` (see the module docstring for the steps)."""
+    # deferred: reading a source (the llama.cpp runner reads GGUFs through this package) needs no torch model
     from clover.model.modeling import CloverForBlockDiffusion
 
     tokenizer = source.tokenizer()

@@ -34,6 +34,9 @@ from tqdm.auto import tqdm
 from clover.choices import GGUF_QUANTS as QUANTS
 from clover.config import FULL_ATTENTION, CloverConfig
 from clover.conversion.gguf import CLOVER_KEYS, gguf_name, permute_qk
+from clover.model import CloverForBlockDiffusion
+from clover.model.lora import has_lora, is_gated, merge_and_unload
+from clover.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +62,7 @@ def check_exportable(config: CloverConfig) -> None:
 
 
 def _ggml_type(quant: str, name: str, tensor: torch.Tensor) -> Any:
-    import gguf
+    import gguf  # deferred: gguf (~0.1 s), for an export only
 
     t = gguf.GGMLQuantizationType
     if tensor.dim() == 1 or quant == "f32":
@@ -77,6 +80,7 @@ def _ggml_type(quant: str, name: str, tensor: torch.Tensor) -> Any:
 
 
 def _encode(tensor: torch.Tensor, qtype: Any) -> np.ndarray:
+    # deferred: gguf (~0.1 s), for an export only
     import gguf
     from gguf.quants import quantize
 
@@ -90,8 +94,6 @@ def _encode(tensor: torch.Tensor, qtype: Any) -> np.ndarray:
 
 def _tokenizer_metadata(writer: Any, directory: Path, config: CloverConfig, tokenizer_pre: str | None) -> None:
     """`tokenizer.ggml.*` from the checkpoint's tokenizer.json (byte-level BPE only) and its chat template."""
-    from clover.tokenizer import load_tokenizer
-
     path = directory / "tokenizer.json"
     if not path.is_file():
         raise FileNotFoundError(f"{directory} has no tokenizer.json: a GGUF needs the tokenizer inside it")
@@ -150,10 +152,7 @@ def export_gguf(src: str | Path, out: str | Path, quant: str = "f16", *, tokeniz
 
     The file is written to a temporary name beside `out` and renamed when complete: a failure leaves nothing.
     """
-    import gguf
-
-    from clover.model import CloverForBlockDiffusion
-    from clover.model.lora import has_lora, is_gated, merge_and_unload
+    import gguf  # deferred: gguf (~0.1 s), for an export only
 
     if quant not in QUANTS:
         raise ValueError(f"unknown quantisation {quant!r}; choose one of {', '.join(QUANTS)}")

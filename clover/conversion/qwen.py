@@ -24,7 +24,7 @@ from clover.conversion.llama import dense_config
 
 class QwenSource(HFSource):
     def __init__(self, src: Path, model_type: str) -> None:
-        from transformers import Qwen2Config, Qwen3Config
+        from transformers import Qwen2Config, Qwen3Config  # deferred: transformers (~1 s), only when a checkpoint of this family is read
 
         raw, generation = read_hf_dir(src)
         if raw.get("model_type") != model_type:

@@ -69,6 +69,7 @@ def hybrid_config(text: Any, token_ids: dict[str, Any], tie_word_embeddings: boo
 
 class Qwen35MoeSource(HFSource):
     def __init__(self, src: Path) -> None:
+        # deferred: transformers (~1 s), only when a checkpoint of this family is read
         from transformers import Qwen3_5MoeConfig, Qwen3_5MoeTextConfig
 
         raw, generation = read_hf_dir(src)

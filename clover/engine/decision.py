@@ -136,9 +136,10 @@ def render_layout(form: Form, tokenizer: Any, config: Any) -> Layout:
     return Layout(form, ids, slots, tables, pad[0], mask_id, answer_len)
 
 
-def render_prompt(tokenizer: Any, context: Context, form: Form) -> list[int]:
-    """The prompt ids: with a chat template, a system turn carrying the schema then the context as a user turn
-    (or the given messages); without one, the context text and a newline (a model trained on its forms)."""
+def render_prompt(tokenizer: Any, context: Context, schema: Form | dict[str, Any]) -> list[int]:
+    """The prompt ids: with a chat template, a system turn carrying the schema (a form's, or any JSON Schema: what
+    `clover decide` puts before a grammar-constrained answer) then the context as a user turn (or the given
+    messages); without one, the context text and a newline (a model trained on its forms)."""
     if isinstance(context, str):
         if not context:
             raise ValueError("the context is empty")
@@ -151,7 +152,8 @@ def render_prompt(tokenizer: Any, context: Context, form: Form) -> list[int]:
             raise ValueError("the context has no messages")
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("chat messages need a tokenizer with a chat template")
-    system = {"role": "system", "content": INSTRUCTION + json.dumps(form.schema)}
+    system = {"role": "system", "content": INSTRUCTION + json.dumps(schema.schema if isinstance(schema, Form)
+                                                                   else schema)}
     return _tokenize(tokenizer, render_chat(tokenizer, [system, *messages], add_generation_prompt=True))
 
 

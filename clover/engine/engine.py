@@ -168,7 +168,8 @@ class Engine:
                 f"{max(room, 0)} new tokens fit")
         now = time.perf_counter()
         return [Request(i, p, params[i], int(max_new_tokens), start_time=now,
-                        matcher=params[i].grammar.matcher(self.vocab_size, self.eos_ids)
+                        matcher=params[i].grammar.matcher(self.vocab_size, self.eos_ids,
+                                                          self.runner.config.eos_token_ids)
                         if params[i].grammar is not None else None) for i, p in enumerate(prompts)]
 
     # -- what the loops share -----------------------------------------------------------------------------
@@ -192,7 +193,9 @@ class Engine:
         events: list[Event] = []
         keep = []
         for r, (seq, (tokens, steps, forwards)) in enumerate(zip(b.seqs, pieces)):
-            piece = seq.append_block(tokens, steps, forwards, self.eos_ids, self.detokenize, now)
+            # a grammar's request ends on its matcher's EOS (the model's, under ignore_eos: clover.engine.grammar)
+            eos = seq.matcher.eos_ids if seq.matcher is not None else self.eos_ids
+            piece = seq.append_block(tokens, steps, forwards, eos, self.detokenize, now)
             events.append(StreamPiece(seq.index, piece, len(seq.steps_per_block) - 1, seq.finished,
                                       seq.finish_reason, seq.stats() if seq.finished else None))
             if not seq.finished:

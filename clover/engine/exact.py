@@ -213,10 +213,10 @@ class ExactLoop(DecodingLoop):
         acc = accepted.tolist()
         extra: dict[int, list[int]] = {}
         for r in rows:
-            if any(t in self.engine.eos_ids for t in decided[r][: acc[r] + 1]):
+            matcher = b.seqs[r].matcher
+            if any(t in matcher.eos_ids for t in decided[r][: acc[r] + 1]):
                 extra[r] = []  # the request ends here: its grammar is done with
                 continue
-            matcher = b.seqs[r].matcher
             matcher.rollback(consumed[r] - acc[r])
             matcher.consume([decided[r][acc[r]]])
             extra[r] = matcher.forced()
@@ -228,7 +228,7 @@ class ExactLoop(DecodingLoop):
                 b.decided[r, n:n + len(f)] = torch.tensor(f, dtype=torch.long, device=b.decided.device)
             b.n_decided[r] += len(f)
             b.n_feed[r] += len(f)
-            ends = bool(f) and f[-1] in self.engine.eos_ids
+            ends = bool(f) and f[-1] in b.seqs[r].matcher.eos_ids
             logits = self._query_logits[r, len(f):]  # query output j drafts slot j after the decided token
             drafts = b.seqs[r].matcher.draft(logits) if int(b.n_drafts[r]) and not ends and len(logits) else []
             b.drafts[r] = -1

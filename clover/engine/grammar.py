@@ -13,6 +13,10 @@ only, and the tokens the grammar forces (llguidance's fast-forward tokens: the c
 choice can change, e.g. `", "` and the next key) are committed with no forward of their own; when the grammar can
 only end, an EOS is forced too. This is part of the definition of constrained decoding, the same at every block
 size, so exact mode's output stays constrained block-size-1 greedy decoding, token for token.
+
+With `ignore_eos` (an engine with no EOS ids) a grammar still ends its answer: the model's EOS (`end_ids`) is
+allowed only where the grammar can only end, so the answer never stops where the grammar could go on (a
+top-level number may take more digits) and ends, with that EOS, where it is complete.
 """
 
 from __future__ import annotations
@@ -66,8 +70,8 @@ class Grammar:
     tokenizer: Any  # llguidance's tokenizer
     description: str  # what it accepts, for errors and logs
 
-    def matcher(self, vocab_size: int, eos_ids: Sequence[int]) -> Matcher:
-        return Matcher(self, vocab_size, eos_ids)
+    def matcher(self, vocab_size: int, eos_ids: Sequence[int], end_ids: Sequence[int] = ()) -> Matcher:
+        return Matcher(self, vocab_size, eos_ids, end_ids)
 
 
 def _compile(source: str, tokenizer: Any, description: str) -> Grammar:
@@ -128,13 +132,19 @@ class Matcher:
     """One request's position in its grammar, with rollback (exact mode undoes rejected drafts).
 
     Masks are `[vocab_size]` bools over the model's vocabulary (ids the tokenizer lacks are never allowed); the
-    engine's EOS ids are allowed exactly when the grammar may end here."""
+    engine's EOS ids `eos_ids` are allowed exactly when the grammar may end here. With none (`ignore_eos`), the
+    model's `end_ids` end the answer, allowed only where the grammar can only end (module docstring). `eos_ids`
+    (the attribute): the tokens that end this request."""
 
-    def __init__(self, grammar: Grammar, vocab_size: int, eos_ids: Sequence[int]) -> None:
+    def __init__(self, grammar: Grammar, vocab_size: int, eos_ids: Sequence[int], end_ids: Sequence[int] = ()) -> None:
         self.grammar = grammar
         self.m = llguidance.LLMatcher(grammar.tokenizer, grammar.source)
         self.vocab_size = vocab_size
-        self.eos_ids = list(eos_ids)
+        self.only_at_end = not eos_ids
+        self.eos_ids = list(eos_ids) or list(end_ids)
+        if not self.eos_ids:
+            raise ValueError(f"a grammar's answer ends with an EOS, and neither the engine nor the model has an EOS "
+                             f"id ({grammar.description})")
         self._bits = llguidance.torch.allocate_token_bitmask(1, grammar.tokenizer.vocab_size)
         self._shifts = torch.arange(32, dtype=torch.int32)
         self.forced_tokens = 0  # tokens committed because the grammar forced them (a request's stats)
@@ -150,7 +160,7 @@ class Matcher:
         n = min(self.vocab_size, bits.numel())
         out[:n] = bits[:n]
         eos = [e for e in self.eos_ids if e < self.vocab_size]
-        out[eos] = self.m.is_accepting()
+        out[eos] = self.m.is_stopped() if self.only_at_end else self.m.is_accepting()
         if not bool(out.any()):  # a dead end (not expected of a validated grammar): let the request end
             out[eos] = True
         return out

@@ -17,6 +17,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from clover.model.attention import Attention
+from clover.model.moe import SwiGLU
+from clover.model.quant import PackedLinear
 from clover.ops import woq
 
 if TYPE_CHECKING:
@@ -25,10 +28,6 @@ if TYPE_CHECKING:
 
 def can_fuse(layer: nn.Module) -> bool:
     """Whether `layer` has the structure the fused layer computes."""
-    from clover.model.attention import Attention
-    from clover.model.moe import SwiGLU
-    from clover.model.quant import PackedLinear
-
     attn, mlp = getattr(layer, "self_attn", None), layer.mlp
     norms = (layer.input_layernorm, layer.post_attention_layernorm)
     return (isinstance(attn, Attention) and isinstance(attn.qkv_proj, PackedLinear)

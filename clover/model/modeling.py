@@ -19,14 +19,17 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from clover.checkpoint import load_state_dict_strict, save_checkpoint
 from clover.config import CONTEXT_READINGS, LINEAR_ATTENTION, CloverConfig
 from clover.model.attention import Attention
 from clover.model.cache import CloverCache
 from clover.model.deltanet import GatedDeltaNet
 from clover.model.fused import fused_forward, runs_fused
 from clover.model.layout import BlockLayout
+from clover.model.lora import ADAPTER_CONFIG, adapter_tensor_names, has_lora, load_adapter, save_adapter
 from clover.model.moe import Experts, SparseMoE, SwiGLU, TopKRouter
 from clover.model.norms import RMSNorm
+from clover.model.quant import QUANT_CONFIG, prepare_quantized, save_quantization
 from clover.model.rope import RotaryEmbedding
 
 
@@ -310,7 +313,7 @@ class CloverForBlockDiffusion(nn.Module):
         """Block-diffusion decoding (docs/design.md §6): token-id lists or a 2-D tensor in; a `GenerationResult`
         with `.sequences` (new ids, EOS excluded) and `.stats` out. `block_size` / `threshold` default to the
         config's; other keywords go to `clover.engine.generate` (temperature, top_p, top_k, seed, rule, ...)."""
-        from clover.engine import generate
+        from clover.engine import generate  # deferred: the one import up the layers (the engine imports the model)
 
         return generate(self, input_ids, max_new_tokens, block_size=block_size, threshold=threshold, **sampling)
 
@@ -344,10 +347,6 @@ class CloverForBlockDiffusion(nn.Module):
         """Load a checkpoint directory; an adapter stored next to the weights (`adapter_config.json`, as
         `save_pretrained` writes for a model with an unmerged, e.g. gated, adapter) is applied and loaded; a
         quantised checkpoint (`quantization.json`, clover.model.quant) loads as the packed modules it stores."""
-        from clover.checkpoint import load_state_dict_strict
-        from clover.model.lora import ADAPTER_CONFIG, load_adapter
-        from clover.model.quant import QUANT_CONFIG, prepare_quantized
-
         config = CloverConfig.from_file(directory)
         with torch.device("meta"):  # no random init, no second copy of the weights
             model = cls(config)
@@ -365,10 +364,6 @@ class CloverForBlockDiffusion(nn.Module):
     def save_pretrained(self, directory: str | Path, tokenizer_dir: str | Path | None = None) -> None:
         """Save as a checkpoint directory; an unmerged adapter goes next to the base weights
         (`adapter.safetensors` + `adapter_config.json`), which `from_pretrained` restores."""
-        from clover.checkpoint import save_checkpoint
-        from clover.model.lora import adapter_tensor_names, has_lora, save_adapter
-        from clover.model.quant import save_quantization
-
         if getattr(self, "quantization", None):  # quantised models carry no adapter (clover.model.quant)
             save_checkpoint(self, directory, tokenizer_dir=tokenizer_dir,
                             extra=lambda tmp: save_quantization(self, tmp))

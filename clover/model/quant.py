@@ -47,6 +47,9 @@ import torch
 from torch import nn
 
 from clover.choices import QUANTIZATIONS
+from clover.model.attention import Attention
+from clover.model.lora import AdapterGate, LoRALinear, TrainableRowsEmbedding, has_lora, merge_and_unload
+from clover.model.moe import SwiGLU
 from clover.ops import woq
 
 logger = logging.getLogger(__name__)
@@ -171,8 +174,6 @@ def quantize(model: nn.Module, quant: str = "int4", group_size: int = woq.DEFAUL
     head's format (default `default_head(quant)`). `activations`: how int8 / int4 layers round their input on the
     CPU (`woq.ACTIVATIONS`, default `default_activations(quant)`). An unmerged adapter is kept as a low-rank
     correction beside the quantised base weights, a gated one applied at query rows only (module docstring)."""
-    from clover.model.lora import TrainableRowsEmbedding, has_lora, merge_and_unload
-
     check_quantization(quant)
     if activations is not None:
         woq.check_activations(activations)
@@ -244,8 +245,6 @@ def prepare_quantized(model: nn.Module, directory: Path) -> None:
         raise ValueError(f"{path}: low_rank names layers the model does not have: {unknown[:4]}")
     model.quantization = {**spec, "activations": activations}
     if spec.get("gated"):
-        from clover.model.lora import AdapterGate
-
         _gate_corrections(model, AdapterGate())
 
 
@@ -280,8 +279,6 @@ def _low_rank(layers: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor] | No
     """The unmerged adapters of `layers` (fused along their outputs) as one correction `(A, B')`: the A's
     concatenated, `[sum r_i, in]`, and `B' [sum r_i, sum out_i]` holding `scaling_i * B_i^T` block-diagonally,
     so `(x A^T) B'` is the concatenation of each layer's `scaling_i * (x A_i^T) B_i^T`."""
-    from clover.model.lora import LoRALinear
-
     adapted = [m for m in layers if isinstance(m, LoRALinear) and not m.merged]
     if not adapted:
         return None
@@ -300,11 +297,9 @@ def _convert(model: nn.Module, kind: str, group_size: int, head: str, activation
              ranks: dict[str, int] | None = None) -> dict[str, int]:
     """Fuse and pack: from the weights (and adapters), or, given the stored layers' correction `ranks`, empty
     modules on the meta device of the right shapes for a checkpoint to fill. Returns the corrected layers' ranks."""
-    from clover.model.attention import Attention
+    # deferred: clover.model.fused and clover.model.modeling import this module (PackedLinear, from_pretrained)
     from clover.model.fused import can_fuse
-    from clover.model.lora import LoRALinear
     from clover.model.modeling import DecoderLayer
-    from clover.model.moe import SwiGLU
 
     meta = ranks is not None
     corrected: dict[str, int] = {}

@@ -57,6 +57,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from clover.paths import cache_root
+
 logger = logging.getLogger(__name__)
 
 KINDS = {"fp32": 0, "bf16": 1, "int8": 2, "int4": 3}
@@ -82,9 +84,7 @@ def extension() -> Any:
     """The compiled kernel module (built once per source and torch version, then loaded from the cache)."""
     global _extension
     if _extension is None:
-        from torch.utils import cpp_extension
-
-        from clover.paths import cache_root
+        from torch.utils import cpp_extension  # deferred: ~30 ms on every model import, for a first build only
 
         compiler = os.environ.get("CXX", "c++")
         if shutil.which(compiler) is None:

@@ -66,7 +66,7 @@ INSTALL_HINT = ("the llama.cpp runner needs llama-cpp-python: `bash scripts/setu
 
 def import_llama_cpp() -> Any:
     try:
-        import llama_cpp
+        import llama_cpp  # deferred: an optional runtime, needed only when a GGUF is opened
     except ImportError as e:
         raise ImportError(INSTALL_HINT) from e
     return llama_cpp

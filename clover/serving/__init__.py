@@ -18,7 +18,7 @@ __all__ = ["ServerOptions", "create_app"]
 
 def __getattr__(name: str) -> Any:  # lazy: the parser and protocol modules do not need FastAPI or the engine
     if name in __all__:
-        from clover.serving import app
+        from clover.serving import app  # deferred: FastAPI and the engine, for the app only
 
         return getattr(app, name)
     raise AttributeError(f"module 'clover.serving' has no attribute {name!r}")

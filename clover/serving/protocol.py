@@ -119,7 +119,8 @@ class SamplingFields(_Model):
     block_size: Annotated[StrictInt, Field(ge=1, le=256)] | None = None
     threshold: UnitFloat | None = None
     rule: Literal[tuple(sorted(RULES))] | None = None  # type: ignore[valid-type]  # an unmasking rule's name
-    ignore_eos: StrictBool = False  # vLLM's extension: always generate max_tokens (benchmarks)
+    # vLLM's extension: always generate max_tokens (benchmarks); under a grammar, up to where it can only end
+    ignore_eos: StrictBool = False
     # accepted for compatibility, ignored: they have no meaning for this server
     user: Text | None = None
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None

@@ -27,6 +27,7 @@ from starlette.concurrency import run_in_threadpool
 from clover.assistant_output import CALL
 from clover.chat_template import render_chat
 from clover.engine import SamplingParams
+from clover.model import CloverForBlockDiffusion
 from clover.runners.base import ModelRunner
 from clover.runners.torch_runner import as_runner
 from clover.serving.handles import Output, RequestHandle, merge
@@ -38,7 +39,7 @@ from clover.serving.protocol import APIError, ChatCompletionRequest, CompletionR
 from clover.serving.scheduler import QueueFull, Scheduler
 from clover.serving.grammar_route import request_grammar, route
 from clover.serving.structured import decision_response
-from clover.tokenizer import eos_token_ids
+from clover.tokenizer import eos_token_ids, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -324,9 +325,6 @@ class ServedModel:
 
 
 def load(directory: str | Path) -> tuple[torch.nn.Module, Any, dict[str, Any]]:
-    from clover.model import CloverForBlockDiffusion
-    from clover.tokenizer import load_tokenizer
-
     directory = Path(directory)
     model = CloverForBlockDiffusion.from_pretrained(directory)
     return model, load_tokenizer(directory), read_generation_defaults(directory)

@@ -27,6 +27,7 @@ import logging
 import math
 import signal
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from contextlib import nullcontext
@@ -36,6 +37,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from tqdm import tqdm
 
 from clover.config import PRESETS, CloverConfig
 from clover.model import CloverForBlockDiffusion
@@ -362,8 +364,6 @@ class Trainer:
             signal.signal(signal.SIGTERM, self._on_sigterm)
         bar = None
         if d.rank == 0 and c.progress:
-            from tqdm import tqdm
-
             bar = tqdm(total=c.max_steps, initial=self.state["step"], unit="step", dynamic_ncols=True,
                        mininterval=1.0 if sys.stderr.isatty() else 30.0, desc="train")
         losses: list[float] = []
@@ -456,8 +456,6 @@ class Trainer:
 
 
 def _main_thread() -> bool:
-    import threading
-
     return threading.current_thread() is threading.main_thread()
 
 

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from clover import CloverConfig
-from clover.engine.decision import decide, decide_autoregressive, decide_batch, render_layout
+from clover.engine.decision import decide, decide_autoregressive, decide_batch, render_layout, render_prompt
 from clover.engine.form import MAX_CHOICES, FormError, parse_form
 from clover.model.cache import CloverCache
 from model_helpers import tiny_model
@@ -167,6 +167,32 @@ def test_cli_decide(tmp_path, chat_tokenizer, capsys):
     out = json.loads(capsys.readouterr().out)
     parse_form(FORM).validate(out["values"])
     assert set(out["probabilities"]) == set(FORM["properties"]) and 1 <= out["forward_passes"] <= 4
-    schema.write_text(json.dumps({"properties": {"note": {"type": "string"}}}))
+    assert out["path"] == "decision"
+
+
+def test_cli_decide_routes_other_schemas_to_the_grammar(tmp_path, chat_tokenizer, capsys):
+    """A schema outside the form subset is decoded under its grammar (exact mode, after decision mode's prompt): the
+    constrained block-size-1 greedy answer; what the grammar cannot enforce, or --autoregressive, is refused by name."""
+    from clover import CloverForBlockDiffusion
+    from clover.cli.main import main
+    from clover.engine.grammar import json_schema_grammar
+    from clover.engine.reference import constrained_greedy
+    from server_helpers import build_checkpoint
+
+    model_dir = build_checkpoint(tmp_path / "m", chat_tokenizer, max_position_embeddings=1024)
+    other = {"type": "object", "properties": {"tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2},
+                                              "ok": {"type": "boolean"}}, "required": ["tags", "ok"]}
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps(other))
+    assert main(["decide", "--json-schema", str(schema), "--model", str(model_dir), "Paris weather?"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    model = CloverForBlockDiffusion.from_pretrained(model_dir)
+    want = constrained_greedy(model, render_prompt(chat_tokenizer, "Paris weather?", other), 512,
+                              json_schema_grammar(other, chat_tokenizer), [chat_tokenizer.eos_token_id])
+    assert out["path"] == "grammar" and out["tokens"] == len(want)
+    assert out["values"] == json.loads(chat_tokenizer.decode(want, skip_special_tokens=True))
+    assert main(["decide", "--schema", str(schema), "--model", str(model_dir), "--autoregressive", "x"]) == 2
+    assert "outside the form subset" in capsys.readouterr().err
+    schema.write_text(json.dumps({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}))
     assert main(["decide", "--schema", str(schema), "--model", str(model_dir), "x"]) == 2
-    assert "properties.note" in capsys.readouterr().err
+    assert "uniqueItems" in capsys.readouterr().err

@@ -113,3 +113,27 @@ def test_what_the_engine_cannot_enforce_is_refused_by_name(chat_tokenizer):
 def test_block_decoding_refuses_a_grammar(model, chat_tokenizer, grammar):
     with pytest.raises(ValueError, match="cannot follow a grammar"):
         generate(model, _prompts(chat_tokenizer)[:1], 8, block_size=4, rule="threshold", grammar=grammar)
+
+
+SMALL = {"type": "object", "properties": {"ok": {"type": "boolean"}, "tags": {"type": "array", "items": {
+    "enum": ["red", "blue"]}, "maxItems": 2}}, "required": ["ok", "tags"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("schema", [SMALL, {"type": "integer", "minimum": 0, "maximum": 99999}],
+                         ids=["object", "number"])
+def test_ignore_eos_under_a_grammar_ends_where_the_grammar_can_only_end(model, chat_tokenizer, schema):
+    """With no EOS ids (ignore_eos) the model cannot stop where the grammar could go on (a number may take more
+    digits); the answer ends, with the model's EOS, where the grammar is complete: constrained block-size-1 greedy
+    decoding under the same rule, token for token, and valid."""
+    grammar, prompts = json_schema_grammar(schema, chat_tokenizer), _prompts(chat_tokenizer)
+    want = [constrained_greedy(model, p, MAX_NEW, grammar, []) for p in prompts]
+    for block_size in (1, 4):
+        result = generate(model, prompts, MAX_NEW, block_size=block_size, rule="exact", eos_token_ids=[],
+                          grammar=grammar)
+        assert result.sequences == want, block_size
+    for ids, stats in zip(result.sequences, result.stats):
+        assert stats["finish_reason"] == "eos"
+        jsonschema_rs.validate(schema, json.loads(chat_tokenizer.decode(ids)))
+    if schema is SMALL:  # an object's end is the grammar's only end: the same answers as with the EOS
+        eos = _eos(chat_tokenizer)
+        assert want == [constrained_greedy(model, p, MAX_NEW, grammar, eos) for p in prompts]

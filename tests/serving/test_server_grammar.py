@@ -140,6 +140,22 @@ def test_too_few_tokens_finish_with_length(client):
         client.chat.completions.parse(model=NAME, messages=_user("x"), response_format=Item, max_tokens=3)
 
 
+def test_ignore_eos_with_a_grammar_ends_where_the_grammar_ends(client):
+    """ignore_eos keeps the model from ending where the grammar could go on; a complete answer still ends (with the
+    model's EOS), the same answer as without ignore_eos for an object, whose end is the grammar's only end."""
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "tags": {
+        "type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2}}, "required": ["ok", "tags"],
+        "additionalProperties": False}  # bounded (a random model ends it) and outside the form subset
+    fmt = {"type": "json_schema", "json_schema": {"name": "p", "schema": schema}}
+    outs = [client.chat.completions.create(model=NAME, messages=_user("An item."), max_tokens=MAX_TOKENS,
+                                           response_format=fmt, extra_body={"ignore_eos": ignore})
+            for ignore in (True, False)]
+    assert [o.choices[0].finish_reason for o in outs] == ["stop", "stop"]
+    assert outs[0].choices[0].message.content == outs[1].choices[0].message.content
+    jsonschema_rs.validate(schema, json.loads(outs[0].choices[0].message.content))
+    assert outs[0].usage.completion_tokens == outs[1].usage.completion_tokens < MAX_TOKENS
+
+
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "strict": True, "parameters": {
         "type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]},
