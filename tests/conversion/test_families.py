@@ -203,3 +203,19 @@ def test_a_released_checkpoint_of_another_family_is_refused(tmp_path: Path) -> N
     reference.save_pretrained(tmp_path / "src")  # model_type "qwen3": not a released SDAR checkpoint
     with pytest.raises(ValueError, match="--from sdar expects one of"):
         convert("sdar", tmp_path / "src", tmp_path / "dst")
+
+
+def test_info_names_the_family_its_conventions_and_what_clover_can_do(twin, capsys, tmp_path: Path) -> None:
+    from clover.cli.main import main
+
+    name, _, model = twin
+    target = tmp_path / name
+    model.save_pretrained(target)
+    assert main(["info", str(target), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert (info["family"], info["token_shift"], info["prompt_reading"]) == (name, PUBLISHED[name]["shift"], "blocks")
+    can = {c["what"]: c["can"] for c in info["can"]}
+    assert can["exact mode (rule 'exact')"] is PUBLISHED[name]["shift"]
+    assert can["prefix reuse in the server"] is False
+    assert main(["info", str(target)]) == 0
+    assert FAMILIES[name].title in capsys.readouterr().out
