@@ -20,6 +20,10 @@ FORMATS: dict[str, str] = {
     "qwen3": "qwen3",
     "qwen2": "qwen2",
     "gguf": "gguf",
+    # released block-diffusion checkpoints (clover.conversion.families)
+    "sdar": "sdar",
+    "fast_dllm_v2": "fast_dllm_v2",
+    "dllm_bd3lm": "dllm_bd3lm",
 }
 
 # clover.conversion.gguf_export: the GGUF weight formats it writes

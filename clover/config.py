@@ -18,6 +18,7 @@ LINEAR_ATTENTION = "linear_attention"
 FULL_ATTENTION = "full_attention"
 LAYER_TYPES = (LINEAR_ATTENTION, FULL_ATTENTION)
 CONTEXT_READINGS = ("block_causal", "causal")
+PROMPT_READINGS = ("causal", "blocks")
 
 
 def _hybrid_layer_types(num_layers: int, interval: int = 4) -> list[str]:
@@ -77,6 +78,18 @@ class CloverConfig:
     # BD3-LM clean stream is trained) or "causal" (committed tokens are read exactly as the AR base reads them;
     # only the block being decoded is bidirectional). Exact mode's verification reads drafts causally either way.
     context_reading: str = "block_causal"
+    # Where a masked position's prediction is read: True (token shift, the AR base's convention: the output at
+    # position i predicts token i + 1, so a block's first token comes from the last committed one; Clover, Dream,
+    # Fast-dLLM v2) or False (the output at a masked position predicts that position itself; SDAR, LLaDA, dllm's
+    # BD3LM). Without the shift no output at a committed token predicts the next one: exact mode is undefined.
+    token_shift: bool = True
+    # How the prompt is read: "causal" (as the AR base reads it; Clover) or "blocks" (on the block grid, left-padded
+    # to whole blocks so the grid ends where the prompt ends and generation starts a fresh block, each block read
+    # in both directions; dllm's BD3LM sampler). "blocks" needs context_reading "block_causal".
+    prompt_reading: str = "causal"
+    # The released family whose conventions this checkpoint follows (clover.conversion.families); descriptive only:
+    # the fields above carry the conventions themselves.
+    family: str = "clover"
 
     model_type: str = "clover"
 
@@ -134,6 +147,13 @@ class CloverConfig:
             raise bad("draft_acceptance", "must be probabilities in [0, 1]")
         if self.context_reading not in CONTEXT_READINGS:
             raise bad("context_reading", f"must be one of {list(CONTEXT_READINGS)}")
+        if self.prompt_reading not in PROMPT_READINGS:
+            raise bad("prompt_reading", f"must be one of {list(PROMPT_READINGS)}")
+        if self.prompt_reading == "blocks" and self.context_reading != "block_causal":
+            raise bad("prompt_reading", "'blocks' reads committed context block-causally, so it needs "
+                                        "context_reading 'block_causal'")
+        if not isinstance(self.token_shift, bool):
+            raise bad("token_shift", "must be true or false")
 
     # -- (de)serialisation --------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

@@ -40,6 +40,25 @@ def describe(config: CloverConfig) -> dict:
         "active_parameters_without_embeddings": model.num_active_parameters(include_embeddings=False),
         "weights_gib": {k: total * b / 2**30 for k, b in BYTES_PER_PARAM.items()},
         "kv_cache_bytes_per_token_bf16": 2 * attention * config.num_key_value_heads * config.head_dim * 2,
+        **conventions(config),
+    }
+
+
+def conventions(config: CloverConfig) -> dict:
+    """The family, how it reads and predicts, its decoding defaults, and what Clover can do with it."""
+    from clover.conversion.families import FAMILIES, capabilities
+
+    family = FAMILIES.get(config.family)
+    return {
+        "family": config.family,
+        "family_title": family.title if family else "Clover",
+        "conventions_source": family.source if family else "docs/design.md",
+        "token_shift": config.token_shift,
+        "context_reading": config.context_reading,
+        "prompt_reading": config.prompt_reading,
+        "defaults": {"block_size": config.block_size, "threshold": config.threshold, "rule": config.rule,
+                     "mask_token_id": config.mask_token_id},
+        "can": [{"what": what, "can": can, "why": why} for what, can, why in capabilities(config)],
     }
 
 
@@ -122,4 +141,14 @@ def run(args: argparse.Namespace) -> int:
     print(f"  weights           {mem}")
     print(f"  KV cache (bf16)   {info['kv_cache_bytes_per_token_bf16'] / 1024:.1f} KiB per token "
           "(DeltaNet state: fixed size)")
+    print(f"  family            {info['family_title']} ({info['family']}; conventions from {info['conventions_source']})")
+    shift = ("token shift: block position p is predicted from the output at p - 1" if info["token_shift"]
+             else "no token shift: a masked position is predicted from its own output")
+    print(f"  prediction        {shift}")
+    print(f"  reading           committed context {info['context_reading']}; prompt {info['prompt_reading']}")
+    d = info["defaults"]
+    print(f"  defaults          block {d['block_size']}, threshold {d['threshold']}, rule {d['rule']}, "
+          f"mask token id {d['mask_token_id']}")
+    for c in info["can"]:
+        print(f"  {'can   ' if c['can'] else 'cannot'}            {c['what']}: {c['why']}")
     return 0

@@ -56,6 +56,7 @@ class Source:
     """An AR checkpoint seen through Clover's names. Subclasses set `config` and implement `tensor`."""
 
     config: CloverConfig
+    mask_token_id: int | None = None  # a block-diffusion checkpoint's own mask token (its row is kept as it is)
 
     def tensor(self, name: str) -> torch.Tensor:
         """The source tensor for Clover state-dict entry `name` (any dtype; the driver casts)."""
@@ -307,7 +308,10 @@ def run_conversion(source: Source, dst: Path, *, force: bool = False, dtype: tor
     from clover.model.modeling import CloverForBlockDiffusion
 
     tokenizer = source.tokenizer()
-    plan = plan_mask_token(tokenizer, source.config.vocab_size, source.config.tie_word_embeddings)
+    if source.mask_token_id is not None:  # trained with its mask token: row and tokenizer stay as they are
+        plan = MaskPlan(source.mask_token_id, grow=False, init_rows=None, tokenizer_changed=False)
+    else:
+        plan = plan_mask_token(tokenizer, source.config.vocab_size, source.config.tie_word_embeddings)
     config = dataclasses.replace(source.config, mask_token_id=plan.token_id,
                                  vocab_size=source.config.vocab_size + int(plan.grow))
     with torch.device("meta"):

@@ -57,6 +57,9 @@ def check_exportable(config: CloverConfig) -> None:
         why = "it uses partial RoPE"
     elif config.mask_token_id is None:
         why = "it has no mask token (convert it with `clover convert` first)"
+    elif not config.token_shift or config.prompt_reading != "causal":
+        why = (f"its conventions (token_shift={config.token_shift}, prompt_reading={config.prompt_reading!r}) are not "
+               "carried by the GGUF metadata, and the llama.cpp runner reads Clover's (token shift, causal prompt)")
     if why:
         raise ValueError(f"cannot export to GGUF: only dense Llama-family Clover checkpoints can be, and {why}")
 

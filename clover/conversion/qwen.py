@@ -23,14 +23,19 @@ from clover.conversion.llama import dense_config
 
 
 class QwenSource(HFSource):
-    def __init__(self, src: Path, model_type: str) -> None:
+    """`model_type` is the base layout ("qwen3" / "qwen2"); `released` the config.json `model_type` a checkpoint
+    in that layout carries (a block-diffusion family's: clover.conversion.released), by default the base's own."""
+
+    def __init__(self, src: Path, model_type: str, released: str | None = None) -> None:
         from transformers import Qwen2Config, Qwen3Config  # deferred: transformers (~1 s), only when a checkpoint of this family is read
 
         raw, generation = read_hf_dir(src)
-        if raw.get("model_type") != model_type:
-            raise ValueError(f"{src}/config.json has model_type {raw.get('model_type')!r}; --from {model_type} "
-                             f"expects {model_type!r}")
-        hf = (Qwen3Config if model_type == "qwen3" else Qwen2Config).from_dict(raw)
+        expected = released or model_type
+        if raw.get("model_type") != expected:
+            raise ValueError(f"{src}/config.json has model_type {raw.get('model_type')!r}; --from {expected} "
+                             f"expects {expected!r}")
+        fields = {k: v for k, v in raw.items() if k not in ("model_type", "auto_map", "architectures")}
+        hf = (Qwen3Config if model_type == "qwen3" else Qwen2Config).from_dict(fields)
         sliding = [i for i, kind in enumerate(getattr(hf, "layer_types", None) or []) if kind != "full_attention"]
         if getattr(hf, "use_sliding_window", False) or sliding:
             raise ValueError(f"sliding-window attention (layers {sliding or 'per use_sliding_window'}) is not "

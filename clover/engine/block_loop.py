@@ -10,7 +10,10 @@ One request, block size `B` (docs/decoding.md has the full semantics):
 The prediction for block position `p` is the output one position to its left (token shift): for `p = 0` the
 clean logits of the last committed token, for `p >= 1` query output `p - 1`. So every step consumes exactly one
 forward, and a block decided in one step costs one forward. With `B = 1` no query block is needed at all and the
-loop is exactly AR decoding. The LM head runs only for positions that can still be filled (`logits_at`): on a
+loop is exactly AR decoding. A model without the shift (`token_shift` false: SDAR, dllm's BD3LM) predicts
+position `p` from query output `p` itself; every position then needs the query block, `B = 1` included (one mask
+read against the context). A model whose `prompt_reading` is "blocks" reads the prompt on the block grid
+(`prompt_grid`; clover.engine.prefill). The LM head runs only for positions that can still be filled (`logits_at`): on a
 small model with a large vocabulary it is a fifth of a token's compute, and after the first step of a block
 most positions are decided. When only position 0 is left, whose prediction does not depend on the block, the
 step needs no forward at all.
@@ -64,6 +67,9 @@ class BlockLoop(DecodingLoop):
         super().__init__(engine)
         self.rule = rule
         self._positions = torch.arange(engine.block_size, device=engine.device)
+        config = engine.runner.config
+        self.shift = config.token_shift  # position p read from query output p - 1 (True) or p (False)
+        self.prompt_grid = engine.block_size if config.prompt_reading == "blocks" else 1
 
     def check(self, params: list[SamplingParams]) -> None:
         for i, p in enumerate(params):
@@ -92,16 +98,20 @@ class BlockLoop(DecodingLoop):
 
     def _open_block(self, ids: torch.Tensor, cache: RunnerCache, limit: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         """Forward clean `ids` `[N, T]` with a fresh block of masks as the query: `[N, B, V]` predictions for the
-        block's positions (0 from the last clean token, `p >= 1` from query output `p - 1`), computed only
-        before each row's `limit` (zeros beyond it)."""
+        block's positions (with the shift: 0 from the last clean token, `p >= 1` from query output `p - 1`;
+        without: `p` from query output `p`), computed only before each row's `limit` (zeros beyond it)."""
         e = self.engine
         n, t = ids.shape
         b = e.block_size
         wanted = self._positions[None] < limit[:, None]  # [N, B]
-        at = torch.zeros(n, t + (b if b > 1 else 0), dtype=torch.bool, device=e.device)
-        at[:, t - 1] = wanted[:, 0]
-        at[:, t:t + b - 1] = wanted[:, 1:]
-        out = e.forward(ids, cache, query_ids=e.masks(n) if b > 1 else None, logits_at=at, **kwargs)
+        query = b > 1 or not self.shift
+        at = torch.zeros(n, t + (b if query else 0), dtype=torch.bool, device=e.device)
+        if self.shift:
+            at[:, t - 1] = wanted[:, 0]
+            at[:, t:t + b - 1] = wanted[:, 1:]
+        else:
+            at[:, t:] = wanted
+        out = e.forward(ids, cache, query_ids=e.masks(n) if query else None, logits_at=at, **kwargs)
         logits = out.new_zeros(n, b, out.shape[-1])
         logits[wanted] = out
         return logits
@@ -162,12 +172,14 @@ class BlockLoop(DecodingLoop):
 
         b.needed = self._needed(b.block, b.limit)
         if bool(b.needed.any()):
-            # query output p - 1 predicts position p: recompute it only where p is still needed. Position 0's
-            # prediction comes from the committed tokens and stays valid, so it alone needs no forward.
-            wanted = b.needed[:, 1:]
+            # with the shift, query output p - 1 predicts position p: recompute it only where p is still needed;
+            # position 0's prediction comes from the committed tokens and stays valid, so it alone needs no
+            # forward. Without the shift, query output p predicts p.
+            first = 1 if self.shift else 0
+            wanted = b.needed[:, first:]
             if bool(wanted.any()):
-                at = torch.cat([wanted, torch.zeros_like(wanted[:, :1])], dim=1)
-                b.logits[:, 1:][wanted] = e.forward(None, b.cache, query_ids=b.block, logits_at=at)
+                at = torch.cat([wanted, torch.zeros_like(wanted[:, :first])], dim=1)
+                b.logits[:, first:][wanted] = e.forward(None, b.cache, query_ids=b.block, logits_at=at)
                 b.forwards += wanted.any(1)  # a row whose block is final (or needs only position 0) was not fed
             return events, b
         events += self._finish_block(b)

@@ -224,9 +224,12 @@ class DecisionRun:
         banned = banned.clone()
         banned[layout.mask_id] = True
         self.text_banned = banned  # applied to logits on the CPU
-        # logits are needed at the output left of every slot position (token shift)
+        # logits are needed at the output left of every slot position (token shift), or at the position itself
+        # for a model without the shift (`token_shift` false)
         self.slot_pos = [torch.arange(s, s + n) for s, n in layout.slots]
-        self.read_at = torch.cat(self.slot_pos) - 1
+        self.read_at = torch.cat(self.slot_pos) - int(runner.config.token_shift)
+        # a model that reads prompts on its block grid (`prompt_reading` "blocks") gets them so
+        self.grid = runner.config.block_size if runner.config.prompt_reading == "blocks" else 1
         self.offsets = [0]
         for s in self.slot_pos:
             self.offsets.append(self.offsets[-1] + len(s))
@@ -293,9 +296,14 @@ class DecisionRun:
         clean, kwargs = None, {}
         if not any(self.forwards):  # the first step
             self.cache = self.runner.new_cache(n)
+            size = a if self.grid == 1 else self.grid
             last = prefill(self.prompts, self.layout.mask_id, self.prefill_chunk,
-                           lambda ids, **kw: self.runner.forward(ids, a, cache=self.cache, **kw), self.device)
+                           lambda ids, **kw: self.runner.forward(ids, size, cache=self.cache, **kw), self.device,
+                           self.grid)
             clean, kwargs = last.ids, last.kwargs  # chunks before it are prefill, not steps (as in generation)
+            if self.grid > 1:  # the answer block is longer than the grid's blocks: the last chunk goes alone
+                self.runner.forward(clean, self.grid, cache=self.cache, logits_to_keep=0, **kwargs)
+                clean, kwargs = None, {}
         t = 0 if clean is None else clean.shape[1]
         at = torch.zeros(n, t + a, dtype=torch.bool, device=self.device)
         at[:, t + self.read_at.to(self.device)] = True
@@ -369,6 +377,9 @@ def decide_autoregressive(model: torch.nn.Module | ModelRunner, tokenizer: Any, 
     """Fill the same layout as an AR model does constrained decoding (block size 1): field by field, token by
     token, each token the most probable of those that continue an allowed value; forced tokens cost no forward."""
     runner = as_runner(model)
+    if not runner.config.token_shift:
+        raise ValueError(f"decide_autoregressive reads each token from the output at the one before it, which a model "
+                         f"without the token shift (family {runner.config.family!r}) does not predict; use decide")
     form = parse_form(schema)
     layout = render_layout(form, tokenizer, runner.config)
     prompt = render_prompt(tokenizer, context, form)

@@ -34,7 +34,7 @@ from clover.engine.cost import ForwardCost
 from clover.engine.decoding import ExactRule, UnmaskingRule, make_rule
 from clover.engine.exact import ExactBatch, ExactLoop
 from clover.engine.loop import Event, StreamPiece
-from clover.engine.prefill import DEFAULT_PREFILL_CHUNK, prefill
+from clover.engine.prefill import DEFAULT_PREFILL_CHUNK, grid_chunk, prefill
 from clover.engine.request import Detokenize, Request
 from clover.runners.base import ModelRunner, RunnerCache
 from clover.runners.torch_runner import as_runner
@@ -51,6 +51,7 @@ class Prefill:
     seq: Request
     cache: RunnerCache  # one row; holds `done` prompt tokens
     done: int = 0
+    pad: int = 0  # columns of padding before the prompt: a prompt read on a block grid starts a whole block
 
 
 @dataclass
@@ -108,6 +109,8 @@ class Engine:
         self.banned_ids = torch.tensor(self._banned(), dtype=torch.long, device=self.device)
         self.counters = EngineCounters()
         self.loop = ExactLoop(self, self.rule, cost) if isinstance(self.rule, ExactRule) else BlockLoop(self, self.rule)
+        # the block grid prompts are read on (1: causally); the loop decides (exact mode is block-size-1 decoding)
+        self.prompt_grid = self.loop.prompt_grid
 
     def settings(self) -> dict[str, Any]:
         """The decoding settings this engine runs with (what `--json` and the server report)."""
@@ -215,7 +218,7 @@ class Engine:
         chunk opens the loop."""
         cache = self.runner.new_cache(len(seqs))
         last = prefill([s.prompt for s in seqs], self.mask_id, self.prefill_chunk,
-                       lambda ids, **kwargs: self.forward(ids, cache, **kwargs), self.device)
+                       lambda ids, **kwargs: self.forward(ids, cache, **kwargs), self.device, self.prompt_grid)
         for s in seqs:
             s.prefill_forwards = last.forwards
         return self.loop.open(seqs, last.ids, cache, **last.kwargs)
@@ -224,28 +227,36 @@ class Engine:
     def begin_prefill(self, seq: Request, cache: RunnerCache | None = None) -> Prefill:
         """Start prefilling `seq` alone. `cache` (one row) may already hold a prefix of its prompt (prefix reuse);
         it must end on the chunk grid and leave at least one prompt token, whose logits start decoding."""
+        if cache is not None and self.prompt_grid > 1:
+            raise ValueError("a prompt read on a block grid (prompt_reading 'blocks') is left-padded to whole blocks, "
+                             "so a prefix cached for another prompt does not line up: prefill it whole")
         cache = cache if cache is not None else self.runner.new_cache(1)
         done = cache.length
         if cache.batch_size != 1 or done % self.prefill_chunk or done >= len(seq.prompt):
             raise ValueError(f"a reused prefix must be one row ending on the {self.prefill_chunk}-token grid before "
                              f"the prompt's end; got {cache.batch_size} rows, {done} of {len(seq.prompt)} tokens")
         seq.prefill_forwards = 0
-        return Prefill(seq, cache, done)
+        return Prefill(seq, cache, done, pad=-len(seq.prompt) % self.prompt_grid)
 
     def prefill_step(self, p: Prefill) -> DecodeBatch | None:
         """One prefill chunk, ending on the absolute grid of `prefill_chunk` tokens — so a prefill resumed from a
         reused prefix runs exactly the forwards of a cold one, and gives the same bits. The last chunk opens the
         loop (as `_prefill` does) and returns the request as a one-row batch; earlier ones return None."""
-        prompt = p.seq.prompt
-        end = min((p.done // self.prefill_chunk + 1) * self.prefill_chunk, len(prompt))
+        grid = self.prompt_grid
+        prompt = [self.mask_id] * p.pad + p.seq.prompt  # padding (invalid) to whole blocks on a block grid
+        chunk = grid_chunk(self.prefill_chunk, grid)
+        end = min((p.done // chunk + 1) * chunk, len(prompt))
         ids = torch.tensor([prompt[p.done:end]], dtype=torch.long, device=self.device)
+        kwargs: dict[str, Any] = {"prefix_len": end - p.done if grid == 1 else 0}
+        if p.done < p.pad:
+            kwargs["attention_mask"] = torch.arange(p.done, end, device=self.device)[None] >= p.pad
         p.seq.prefill_forwards += 1
         with torch.inference_mode():
             if end < len(prompt):
-                self.forward(ids, p.cache, prefix_len=end - p.done, logits_to_keep=0)
+                self.forward(ids, p.cache, logits_to_keep=0, **kwargs)
                 opened = None
             else:
-                opened = self.loop.open([p.seq], ids, p.cache, prefix_len=end - p.done)
+                opened = self.loop.open([p.seq], ids, p.cache, **kwargs)
         p.done = end
         return opened
 

@@ -10,7 +10,9 @@ query block of `m + 1` masks that drafts the `m` tokens after the one this forwa
     drafts       query output j predicts the token 2 + j positions after the last clean one; usable next
                  forward only where all k drafts were accepted (else they were made after a wrong token)
 
-Every forward commits at least one token, each the model's causal choice given everything before it. With
+Every forward commits at least one token, each the model's causal choice given everything before it. Prompts are
+read causally whatever the model's `prompt_reading` (block-size-1 decoding reads every token as its own block), and
+a model without the token shift is refused: the causal path's choice is the output at the last committed token. With
 sampling (temperature, top-k, top-p) the causal path's choice is speculative sampling's (clover.engine.speculative):
 draft `d_i` is accepted with the probability the sampler gives it there, a rejection draws from that distribution
 without `d_i`, so the output is distributed as sampling one token at a time. `k` and `m`
@@ -77,6 +79,13 @@ class ExactLoop(DecodingLoop):
 
     def __init__(self, engine: Any, rule: ExactRule, cost: ForwardCost | None = None) -> None:
         super().__init__(engine)
+        config = engine.runner.config
+        if not config.token_shift:
+            raise ValueError(
+                f"rule 'exact' is undefined for this model (family {config.family!r}, token_shift false): exact mode "
+                "verifies drafts against the causal path's next-token choice, the output at each committed token, and "
+                "a model that predicts a masked position at that position has no next-token output there; use a "
+                "block rule (e.g. 'threshold')")
         self.rule = rule
         self.cost = cost if cost is not None or not rule.adaptive else cost_table(engine.runner)
         self.learns = cost is None  # a given table is the policy's whole cost model

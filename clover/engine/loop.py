@@ -12,6 +12,7 @@ picks the loop, once, when the engine is made: the engine never checks which loo
     at_boundary(batch)         whether requests can join now
     join(a, b) / keep_rows     batches merge; finished or cancelled rows leave
     room(context, prompt)      how many new tokens fit (one rule for the engine and the server)
+    prompt_grid                the block grid the prefill reads prompts on (1: causally)
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ class DecodingLoop:
     """The interface of a loop (module docstring); `engine` gives it the runner call, emission and settings."""
 
     name: ClassVar[str] = ""
+    prompt_grid: int = 1
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine

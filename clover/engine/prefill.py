@@ -6,7 +6,10 @@ invalid (`attention_mask` 0): attention skips them and a DeltaNet layer neither 
 row computes what it computes alone (docs/architecture.md).
 
 The padded prompts are read causally in chunks of `chunk` tokens (bounding the activation memory of long
-prompts); every chunk but the last is written to the cache without logits. The last chunk is returned to the
+prompts); every chunk but the last is written to the cache without logits. With a block `grid` (a model whose
+`prompt_reading` is "blocks") the prompts are read on that grid instead: left-padded further to whole blocks, so
+the grid ends where every prompt ends (padding is invalid, so each row still reads what it reads alone: its first
+block holds its first `len % grid` tokens), each block read in both directions and chunks cut on block boundaries. The last chunk is returned to the
 caller, whose first forward carries it with its first query block (the prefill's last forward is decoding's
 first step).
 """
@@ -32,20 +35,22 @@ class LastChunk:
     ids: torch.Tensor  # [N, T] clean tokens, left-padded
     attention_mask: torch.Tensor | None  # [N, T]: False at padding; None when no row is padded
     forwards: int  # forwards the prefill takes, this last one included
+    grid: int = 1  # the block grid the prompt is read on (1: causally)
 
     @property
     def kwargs(self) -> dict[str, Any]:
-        """The runner `forward` arguments that read this chunk causally."""
-        return {"prefix_len": self.ids.shape[1], "attention_mask": self.attention_mask}
+        """The runner `forward` arguments that read this chunk as the prefill reads it (causally, or as blocks of
+        the grid: a causal prefix of none)."""
+        return {"prefix_len": self.ids.shape[1] if self.grid == 1 else 0, "attention_mask": self.attention_mask}
 
 
-def left_pad(prompts: Sequence[Sequence[int]], pad_id: int,
-             device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`[N, longest]` ids with each prompt right-aligned (`pad_id` before it) and the `[N, longest]` mask of real
-    tokens; the mask is None when every prompt has the longest length."""
+def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device: torch.device,
+             grid: int = 1) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`[N, W]` ids with each prompt right-aligned (`pad_id` before it) and the `[N, W]` mask of real tokens, `W`
+    the longest length rounded up to a multiple of `grid`; the mask is None when no row is padded."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("left_pad needs at least one prompt, each of at least one token")
-    longest = max(len(p) for p in prompts)
+    longest = -(-max(len(p) for p in prompts) // grid) * grid
     ids = torch.full((len(prompts), longest), pad_id, dtype=torch.long)
     valid = torch.zeros(len(prompts), longest, dtype=torch.bool)
     for r, p in enumerate(prompts):
@@ -54,17 +59,23 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_id: int,
     return ids.to(device), None if bool(valid.all()) else valid.to(device)
 
 
-def prefill(prompts: Sequence[Sequence[int]], pad_id: int, chunk: int, forward: ChunkForward,
-            device: torch.device) -> LastChunk:
-    """Left-pad `prompts`, write every chunk of `chunk` tokens but the last through `forward` (no logits), and
-    return the last chunk."""
+def grid_chunk(chunk: int, grid: int) -> int:
+    """The prefill chunk on a block grid: whole blocks (at least one), so no block is cut between forwards."""
     if chunk < 1:
         raise ValueError(f"the prefill chunk must be >= 1, got {chunk}")
-    ids, valid = left_pad(prompts, pad_id, device)
+    return max(grid, chunk // grid * grid)
+
+
+def prefill(prompts: Sequence[Sequence[int]], pad_id: int, chunk: int, forward: ChunkForward,
+            device: torch.device, grid: int = 1) -> LastChunk:
+    """Left-pad `prompts` (to whole blocks of `grid`), write every chunk of `chunk` tokens but the last through
+    `forward` (no logits), and return the last chunk."""
+    chunk = grid_chunk(chunk, grid)
+    ids, valid = left_pad(prompts, pad_id, device, grid)
     starts = range(0, ids.shape[1], chunk)
     for start in starts[:-1]:
         end = start + chunk
-        forward(ids[:, start:end], prefix_len=end - start,
+        forward(ids[:, start:end], prefix_len=end - start if grid == 1 else 0,
                 attention_mask=None if valid is None else valid[:, start:end], logits_to_keep=0)
     last = starts[-1]
-    return LastChunk(ids[:, last:], None if valid is None else valid[:, last:], len(starts))
+    return LastChunk(ids[:, last:], None if valid is None else valid[:, last:], len(starts), grid)

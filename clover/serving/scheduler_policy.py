@@ -110,7 +110,9 @@ class SchedulePolicy:
         engine = self.engines[job.key]
         try:  # lookup and begin_prefill too: what one request makes them raise must not kill the loop
             if job.prefill is None:
-                reuse = self.prefix_cache.lookup(job.seq.prompt) if self.prefix_cache is not None else None
+                # a prompt read on a block grid is padded to whole blocks: no prefix of another prompt lines up
+                caches = self.prefix_cache is not None and engine.prompt_grid == 1
+                reuse = self.prefix_cache.lookup(job.seq.prompt) if caches else None
                 if reuse is not None:
                     job.handle.cached_tokens[job.choice] = reuse.length
                     job.states = dict(reuse.states)
@@ -122,12 +124,13 @@ class SchedulePolicy:
             self.fail(job, exc)
             return
         done, total = job.prefill.done, len(job.seq.prompt)
-        if self.prefix_cache is not None and self.prefix_cache.wants_snapshot(done, total):
+        caches = self.prefix_cache is not None and engine.prompt_grid == 1  # (see the lookup above)
+        if caches and self.prefix_cache.wants_snapshot(done, total):
             job.states[done] = job.prefill.cache.snapshot()
         if batch is None:
             return
         self.prefilling = None
-        if self.prefix_cache is not None:
+        if caches:
             before = self.prefix_cache.stats.evictions
             self.prefix_cache.insert(job.seq.prompt, job.prefill.cache, job.states)
             self.metrics.prefix_cache_evictions.inc(self.prefix_cache.stats.evictions - before)

@@ -1,0 +1,11 @@
+"""`--from dllm_bd3lm`: released checkpoints of this family (clover.conversion.released, conventions in .families)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from clover.conversion.released import ReleasedSource, open_source as _open
+
+
+def open_source(src: Path) -> ReleasedSource:
+    return _open(src, "dllm_bd3lm")

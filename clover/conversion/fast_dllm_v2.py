@@ -1,0 +1,11 @@
+"""`--from fast_dllm_v2`: released checkpoints of this family (clover.conversion.released, conventions in .families)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from clover.conversion.released import ReleasedSource, open_source as _open
+
+
+def open_source(src: Path) -> ReleasedSource:
+    return _open(src, "fast_dllm_v2")
