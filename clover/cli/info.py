@@ -46,7 +46,7 @@ def describe(config: CloverConfig) -> dict:
 
 def conventions(config: CloverConfig) -> dict:
     """The family, how it reads and predicts, its decoding defaults, and what Clover can do with it."""
-    from clover.conversion.families import FAMILIES, capabilities
+    from clover.conversion.families import FAMILIES, capabilities  # deferred for start-up time: torch
 
     family = FAMILIES.get(config.family)
     return {

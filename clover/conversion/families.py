@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from clover.config import CloverConfig
+from clover.conversion.gguf_export import check_exportable
 
 
 @dataclass(frozen=True)
@@ -78,8 +79,6 @@ CLOVER = {"family": "clover", "token_shift": True, "context_reading": "block_cau
 
 def capabilities(config: CloverConfig) -> list[tuple[str, bool, str]]:
     """What Clover can and cannot do with a model of these conventions: `(what, can, why)`."""
-    from clover.conversion.gguf_export import check_exportable
-
     shift = config.token_shift
     out = [
         ("block decoding (every block rule, the server)", config.mask_token_id is not None,
