@@ -8,8 +8,9 @@ Held-out documents: the prompts of `bench_smol.py`'s sets (chat, code, structure
 tokens exact decoding of the int4 build reproduces. They are built once into `--docs` (a run of a minute or two)
 and reused. Each checkpoint of each run whose step is a multiple of `--every` (and the newest; step 0 is the
 base with no adapter) is measured by `clover.training.acceptance.draft_acceptance` at the run's block size:
-per set, the acceptance of drafts 1..B-1 and tokens per forward when every forward drafts the whole block
-(teacher-forced, fp32, one forward per batch of documents). Supervised tokens and CPU-hours come from the run's
+per set, the acceptance of drafts 1..B-1, tokens per forward if every forward verified a whole block of drafts
+(`tpf`), and as exact decoding pipelines them (`exact_tpf`: a miss leaves the next forward without drafts;
+clover.training.acceptance) -- teacher-forced, fp32, one forward per batch of documents. Supervised tokens and CPU-hours come from the run's
 `train_log.jsonl` (`cpu_hours`; logs written before it was counted have none). Rows are appended to `--out`
 as each checkpoint finishes; a checkpoint already measured with the same settings is skipped.
 """
@@ -95,6 +96,7 @@ def measure(model: torch.nn.Module, sets: dict[str, list[dict[str, Any]]], block
                       len(d["prompt"])) for d in docs]
         figures = draft_acceptance(model, documents, block_size, eos_token_id=eos, max_seq_len=max_seq_len)
         row[name] = {"tpf": round(figures["tokens_per_forward"], 4),
+                     "exact_tpf": round(figures["exact_tokens_per_forward"], 4),
                      "accept": [round(a, 4) for a in figures["accept"]], "blocks": figures["blocks"]}
     return row
 
@@ -122,10 +124,10 @@ def plot(rows: list[dict[str, Any]], output: Path) -> Path:
         for ax, key in zip(axes, ("supervised_tokens", "cpu_hours")):
             points = [r for r in mine if r.get(key) is not None]
             for name in names:
-                ax.plot([r[key] for r in points], [r[name]["tpf"] for r in points], "o-", markersize=3,
+                ax.plot([r[key] for r in points], [r[name]["exact_tpf"] for r in points], "o-", markersize=3,
                         label=f"{Path(run).name}: {name}")
-    axes[0].set(xlabel="supervised training tokens", ylabel="tokens per forward (B = 4, teacher-forced)")
-    axes[1].set(xlabel="training CPU-hours", ylabel="tokens per forward (B = 4, teacher-forced)")
+    axes[0].set(xlabel="supervised training tokens", ylabel="exact mode's tokens per forward (B = 4, estimated)")
+    axes[1].set(xlabel="training CPU-hours", ylabel="exact mode's tokens per forward (B = 4, estimated)")
     for ax in axes:
         ax.axhline(2.0, color="grey", linestyle=":", linewidth=1)
         ax.grid(alpha=0.3)
@@ -173,7 +175,7 @@ def main() -> None:
             row = {"run": str(run), "step": step, **counters.get(step, {}), **settings, **figures}
             with args.out.open("a") as f:
                 f.write(json.dumps(row) + "\n")
-            tqdm.write(json.dumps({k: v if not isinstance(v, dict) else v["tpf"] for k, v in row.items()}))
+            tqdm.write(json.dumps({k: v if not isinstance(v, dict) else v["exact_tpf"] for k, v in row.items()}))
     if args.plot:
         rows = [r for r in read_rows(args.out) if all(r.get(k) == settings[k] for k in SETTINGS)]
         print(plot(rows, args.plot))

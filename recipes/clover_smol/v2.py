@@ -49,7 +49,7 @@ DISTILLED = HERE / "distilled"  # the base's answers as packed token ids, commit
 MILESTONE = HERE / "milestone"  # the CPU run's newest checkpoint, compact and committed: a run resumes from it
 PACKAGE_RESERVE_S = 90.0  # packaging (load base, apply adapter, checksum) + margin, kept out of training's budget
 GPU = {"device": "cuda", "batch_size": 128, "micro_batch_size": 64, "threads": 0, "save_every": 200,
-       "max_steps": 3000, "warmup_steps": 100}
+       "max_steps": 3000, "warmup_steps": 100, "max_cpu_hours": 0}
 TINY = {"device": "cpu", "max_steps": 2, "batch_size": 2, "micro_batch_size": 2, "max_seq_len": 96,
         "warmup_steps": 1, "save_every": 0, "precision": "fp32", "threads": 1,
         "lora": {"rank": 2, "alpha": 4.0, "gated": True, "extra_trainable": []}}

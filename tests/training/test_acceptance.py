@@ -33,7 +33,8 @@ def test_a_models_own_drafts_are_all_accepted_and_a_wrong_token_ends_the_run(gat
     answers = [own_answer(gated, p, 3) for p in prompts]
     docs = [(p + a, [False] * len(p) + [True] * len(a), len(p)) for p, a in zip(prompts, answers)]
     full = draft_acceptance(gated, docs, B, eos_token_id=None, pad_target="none", batch_size=1)
-    assert full == {"blocks": 6, "accept": [1.0, 1.0, 1.0], "tokens_per_forward": 4.0, "draft_accuracy": 1.0}
+    assert full == {"blocks": 6, "accept": [1.0, 1.0, 1.0], "tokens_per_forward": 4.0,
+                    "exact_tokens_per_forward": 4.0, "draft_accuracy": 1.0}
 
     # the last block's second draft replaced: that block accepts one draft (the third, though right, is not
     # reached); the other blocks read nothing of it
@@ -44,6 +45,8 @@ def test_a_models_own_drafts_are_all_accepted_and_a_wrong_token_ends_the_run(gat
     assert got["accept"] == pytest.approx([1.0, 5 / 6, 5 / 6])
     assert got["tokens_per_forward"] == pytest.approx(1 + (3 * 5 + 1) / 6)
     assert got["draft_accuracy"] == pytest.approx(17 / 18)
+    mean, whole = (3 * 5 + 1) / 6, 5 / 6  # a miss costs the next forward its drafts
+    assert got["exact_tokens_per_forward"] == pytest.approx((2 + mean - whole) / (2 - whole))
 
 
 def test_block_size_one_has_no_drafts(gated):
