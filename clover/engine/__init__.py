@@ -91,9 +91,8 @@ def generate(model: torch.nn.Module | ModelRunner, prompts: Any, max_new_tokens:
              prefill_chunk: int = DEFAULT_PREFILL_CHUNK, **sampling_kwargs: Any) -> GenerationResult:
     """Generate for a batch of prompts (decoded together, each getting what it would get alone).
 
-    `block_size`, `threshold` and `rule` default to the model config's. Sampling: `sampling=SamplingParams(...)` (one,
-    or
-    one per prompt) or keywords `temperature`, `top_p`, `top_k`, `repetition_penalty`, `seed`, `stop`.
+    `block_size`, `threshold` and `rule` default to the model config's. Sampling: `sampling=SamplingParams(...)`
+    (one, or one per prompt) or keywords `temperature`, `top_p`, `top_k`, `repetition_penalty`, `seed`, `stop`.
     """
     rows = _prompts(prompts, attention_mask)
     engine = Engine(model, block_size, threshold, rule, rule_options, eos_token_ids=eos_token_ids,
