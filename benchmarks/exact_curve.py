@@ -123,9 +123,8 @@ def plot(rows: list[dict[str, Any]], output: Path) -> Path:
         mine = sorted((r for r in rows if r["run"] == run), key=lambda r: r["step"])
         for ax, key in zip(axes, ("supervised_tokens", "cpu_hours")):
             points = [r for r in mine if r.get(key) is not None]
-            for name in names:
-                ax.plot([r[key] for r in points], [r[name]["exact_tpf"] for r in points], "o-", markersize=3,
-                        label=f"{Path(run).name}: {name}")
+            ax.plot([r[key] for r in points], [sum(r[n]["exact_tpf"] for n in names) / len(names) for r in points],
+                    "o-", markersize=3, label=f"{Path(run).name}: mean of {len(names)} sets")
     axes[0].set(xlabel="supervised training tokens", ylabel="exact mode's tokens per forward (B = 4, estimated)")
     axes[1].set(xlabel="training CPU-hours", ylabel="exact mode's tokens per forward (B = 4, estimated)")
     for ax in axes:
