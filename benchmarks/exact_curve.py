@@ -30,6 +30,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_smol import prompt_ids, text_sets, tool_sets  # noqa: E402  (benchmarks/, next to this script)
+from smol_curve import read_rows  # noqa: E402
 
 from clover.engine import generate  # noqa: E402
 from clover.model import CloverForBlockDiffusion  # noqa: E402
@@ -99,16 +100,6 @@ def measure(model: torch.nn.Module, sets: dict[str, list[dict[str, Any]]], block
                      "exact_tpf": round(figures["exact_tokens_per_forward"], 4),
                      "accept": [round(a, 4) for a in figures["accept"]], "blocks": figures["blocks"]}
     return row
-
-
-def read_rows(path: Path) -> list[dict[str, Any]]:
-    rows = []
-    for line in path.read_text().splitlines() if path.is_file() else []:
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            logger.warning("skipping an unreadable line of %s: %.60s", path, line)
-    return rows
 
 
 def plot(rows: list[dict[str, Any]], output: Path) -> Path:

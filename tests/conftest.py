@@ -37,3 +37,9 @@ def build_chat_tokenizer():
 @pytest.fixture(scope="session")
 def chat_tokenizer():
     return build_chat_tokenizer()
+
+
+@pytest.fixture
+def temp_clover_cache(tmp_path_factory, monkeypatch):
+    """Clover's cache directory (a GGUF's converted tokenizer, built extensions) in a temporary one."""
+    monkeypatch.setenv("CLOVER_CACHE", str(tmp_path_factory.getbasetemp() / "clover-cache"))

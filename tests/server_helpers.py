@@ -223,3 +223,11 @@ def decode_alone(engine: Any, prompt: list[int], store: Any, max_new: int = 12,
         events, batch = engine.step(batch)
         tokens += [t for e in events for t in e.token_ids]
     return tokens, first, (reuse.length if reuse is not None else 0)
+
+
+def checkpoint_and_gguf(directory: Path, tokenizer: Any, context: int) -> tuple[Path, Path]:
+    """A tiny random checkpoint (block size 4, `context` positions) and its f32 GGUF export, for runner tests."""
+    from clover.conversion.gguf_export import export_gguf
+
+    checkpoint = build_checkpoint(directory / "model", tokenizer, block_size=4, max_position_embeddings=context)
+    return checkpoint, export_gguf(checkpoint, directory / "model.gguf", "f32")

@@ -8,12 +8,11 @@ from pathlib import Path
 
 import openai
 import pytest
-from server_helpers import build_checkpoint, server_thread
+from server_helpers import checkpoint_and_gguf, server_thread
 
 from clover import CloverForBlockDiffusion
 from clover.chat_template import render_chat
 from clover.cli.main import main
-from clover.conversion.gguf_export import export_gguf
 from clover.engine import generate
 from clover.engine.decision import decide
 from clover.runners.llamacpp import LlamaCppRunner
@@ -24,17 +23,12 @@ FORM = {"type": "object", "properties": {"category": {"enum": ["billing", "bug",
                                          "urgent": {"type": "boolean"}, "note": {"type": "string", "maxLength": 4}}}
 
 
+pytestmark = pytest.mark.usefixtures("temp_clover_cache")  # the GGUF's converted tokenizer is cached there
+
+
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory, chat_tokenizer) -> tuple[Path, Path]:
-    directory = tmp_path_factory.mktemp("runner-cli")
-    checkpoint = build_checkpoint(directory / "model", chat_tokenizer, block_size=4, max_position_embeddings=256)
-    return checkpoint, export_gguf(checkpoint, directory / "model.gguf", "f32")
-
-
-@pytest.fixture(autouse=True)
-def cache_dir(tmp_path_factory, monkeypatch):
-    """The GGUF's converted tokenizer is kept in Clover's cache directory: a temporary one here."""
-    monkeypatch.setenv("CLOVER_CACHE", str(tmp_path_factory.getbasetemp() / "clover-cache"))
+    return checkpoint_and_gguf(tmp_path_factory.mktemp("runner-cli"), chat_tokenizer, 256)
 
 
 def _generate(capsys, *args: str) -> dict:

@@ -10,11 +10,10 @@ from pathlib import Path
 import jsonschema_rs
 import openai
 import pytest
-from server_helpers import build_checkpoint, server_thread
+from server_helpers import checkpoint_and_gguf, server_thread
 
 from clover import CloverForBlockDiffusion
 from clover.cli.main import main
-from clover.conversion.gguf_export import export_gguf
 from clover.engine.form import parse_form
 from clover.runners.llamacpp import LlamaCppRunner
 from clover.serving import ServerOptions, create_app
@@ -30,17 +29,12 @@ SCHEMA = {"type": "object", "properties": {
     "urgent": {"type": "boolean"}}, "required": ["tags", "where", "urgent"], "additionalProperties": False}
 
 
+pytestmark = pytest.mark.usefixtures("temp_clover_cache")  # the GGUF's converted tokenizer is cached there
+
+
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory, chat_tokenizer) -> tuple[Path, Path]:
-    directory = tmp_path_factory.mktemp("llamacpp-structured")
-    checkpoint = build_checkpoint(directory / "model", chat_tokenizer, block_size=4, max_position_embeddings=512)
-    return checkpoint, export_gguf(checkpoint, directory / "model.gguf", "f32")
-
-
-@pytest.fixture(autouse=True)
-def cache_dir(tmp_path_factory, monkeypatch):
-    """The GGUF's converted tokenizer is kept in Clover's cache directory: a temporary one here."""
-    monkeypatch.setenv("CLOVER_CACHE", str(tmp_path_factory.getbasetemp() / "clover-cache"))
+    return checkpoint_and_gguf(tmp_path_factory.mktemp("llamacpp-structured"), chat_tokenizer, 512)
 
 
 def _decide(capsys, tmp_path: Path, schema: dict, *args: str) -> dict:
