@@ -10,6 +10,7 @@ slow minute of a shared machine hits them alike):
   * `default`     what `clover generate` runs: the int4 build, exact mode, drafts sized by the measured cost
   * `int4-b1`     the int4 build at block size 1 (one token a forward: the speed reference)
   * `int4-full`   the int4 build, exact mode drafting the whole block every forward (not adaptive)
+  * `no-lookup`   the default without drafts copied from the context after a rejection (clover.engine.lookup)
   * `fp32-exact`, `fp32-b1`   the same two in fp32 torch (`--systems` adds them; slow)
   * `llama-q4_0`, `llama-q8_0`   llama.cpp's own AR generation (llama-cpp-python `create_completion`) of the same
                   model exported to GGUF (`clover export`), on the same token ids
@@ -45,9 +46,9 @@ from clover.smol import clover_smol_dir, clover_smol_gguf  # noqa: E402
 from clover.tokenizer import eos_token_ids, load_tokenizer  # noqa: E402
 from clover.training.bfcl import bfcl_to_chats  # noqa: E402
 
-SYSTEMS = ("default", "int4-b1", "int4-full", "llama-q4_0", "llama-q8_0")
-REFERENCE = {"default": "int4-b1", "int4-full": "int4-b1", "fp32-exact": "fp32-b1", "llama-q4_0": "int4-b1",
-             "llama-q8_0": "int4-b1"}
+SYSTEMS = ("default", "int4-b1", "int4-full", "no-lookup", "llama-q4_0", "llama-q8_0")
+REFERENCE = {"default": "int4-b1", "int4-full": "int4-b1", "no-lookup": "int4-b1", "fp32-exact": "fp32-b1",
+             "llama-q4_0": "int4-b1", "llama-q8_0": "int4-b1"}
 
 Decode = Callable[[list[int], int], tuple[list[int], int]]  # (prompt ids, max new) -> (new ids, forwards)
 
@@ -95,9 +96,9 @@ def load(system: str, threads: int, recalibrate: bool) -> tuple[Decode, Engine |
     options: dict[str, Any] = {"block_size": 1, "rule": "threshold"} if system.endswith("b1") else {}
     if system == "int4-full":
         options = {"rule": "exact", "rule_options": {"adaptive": False}}
-    if system in ("default", "fp32-exact"):  # as `clover generate` runs: the cached table, refined as it runs
+    if system in ("default", "no-lookup", "fp32-exact"):  # as `clover generate` runs: the cached cost table
         cost_table(as_runner(model), recalibrate=recalibrate)
-        options = {"rule": "exact"}
+        options = {"rule": "exact", "rule_options": {"lookup": system != "no-lookup"}}
     return engine_system(model, tokenizer, **options)
 
 

@@ -169,7 +169,10 @@ class ExactRule:
     choice plus that choice at the first difference, undoes the cache state of the rest, and drafts anew from a
     query block of masks (clover.engine.exact, docs/decoding.md "Exact mode"). `adaptive`: how many drafts to
     verify and to make is chosen per step from the runner's measured cost and the request's acceptance so far
-    (clover.engine.drafting); False: always the whole block."""
+    (clover.engine.drafting); False: always the whole block. `lookup`: a forward left without the query block's
+    drafts (after a rejection) verifies drafts copied from the request's own context instead
+    (clover.engine.lookup), when the context offers a continuation."""
 
     name: ClassVar[str] = "exact"
     adaptive: bool = True
+    lookup: bool = True

@@ -107,3 +107,15 @@ def best_drafts(p: Sequence[float], cost: Callable[[float], float], most: int) -
         if r > best_rate * (1 + 1e-9):
             best, best_rate = m, r
     return best
+
+
+def best_verified(p: Sequence[float], cost: Callable[[float], float], most: int, query: int) -> int:
+    """Drafts (0 .. `most`) to verify in a forward that also carries `query` masks, when the drafts cost nothing to
+    make (copied from the context): the most committed tokens per second of this forward, `E_k / t(1 + k + query)`;
+    the fewer on a tie."""
+    best, best_rate = 0, 1.0 / cost(1 + query)
+    for k in range(1, most + 1):
+        r = expected_tokens(p, k) / cost(1 + k + query)
+        if r > best_rate * (1 + 1e-9):
+            best, best_rate = k, r
+    return best

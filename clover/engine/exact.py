@@ -15,7 +15,13 @@ read causally whatever the model's `prompt_reading` (block-size-1 decoding reads
 a model without the token shift is refused: the causal path's choice is the output at the last committed token. With
 sampling (temperature, top-k, top-p) the causal path's choice is speculative sampling's (clover.engine.speculative):
 draft `d_i` is accepted with the probability the sampler gives it there, a rejection draws from that distribution
-without `d_i`, so the output is distributed as sampling one token at a time. `k` and `m`
+without `d_i`, so the output is distributed as sampling one token at a time.
+
+After a rejection the query block's drafts were made after a wrong token: the next forward would verify nothing.
+With `lookup` (the default) it verifies drafts copied from the request's own context instead
+(clover.engine.lookup: the tokens that followed the latest earlier occurrence of the context's last n-gram), when
+the context has one; they have their own acceptance estimate. Any draft is verified the same way, so where drafts
+come from changes only the cost. `k` and `m`
 change nothing in the output, only in the cost: `clover.engine.drafting` picks them per step and row from the
 runner's measured cost (`clover.engine.cost`) and the request's acceptance so far (`adaptive`, the default), or
 always the whole block (`adaptive=False`: `m = B - 1`, every draft verified). `m = 0` is a one-row forward with
@@ -35,7 +41,9 @@ arithmetic, and token for token wherever the model's choice is not a near-tie (d
 
 from __future__ import annotations
 
+import statistics
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,21 +51,25 @@ import torch
 
 from clover.engine.cost import ForwardCost, cost_table
 from clover.engine.decoding import ExactRule
-from clover.engine.drafting import Acceptance, best_drafts
+from clover.engine.drafting import Acceptance, best_drafts, best_verified
+from clover.engine.lookup import ContextLookup
 from clover.engine.loop import DecodingLoop, Event
 from clover.engine.request import Request, through_eos
 from clover.runners.base import RunnerCache
 from clover.engine.sampling import BatchSampler, SamplingParams
 from clover.engine.speculative import verify
 
-STEP_EMA = 0.2  # weight of the newest step in the running estimate of a step's time, per forward size
+STEP_EMA = 0.2  # weight of the newest step in the running estimate of the engine's own time per step
+STEP_WINDOW = 9  # a step's time by forward size: the median of the last this many (a shared machine's slow
+# moments are outliers: measured on clover-smol's int4 build, one-row steps took 14 ms at the median, up to 30)
 
 
 @dataclass
 class ExactBatch:
     """Exact mode's running batch. Between steps, per row: the tokens the last forward decided (the causal
     path's tokens; emitted at the next step; all but the last already in the cache), the drafts for the next
-    forward and the request's acceptance estimate."""
+    forward and the request's acceptance estimate; with `lookup`, its context index and the acceptance of drafts
+    copied from it."""
 
     seqs: list[Request]
     cache: RunnerCache
@@ -69,6 +81,16 @@ class ExactBatch:
     drafts: torch.Tensor  # [N, D]: the tokens after the last decided one, as the query block predicted them
     n_drafts: torch.Tensor  # [N]: drafts usable next forward (0 where they were made after a rejected token)
     acceptance: list[Acceptance]
+    lookups: list[Lookup | None]
+    looked_up: torch.Tensor  # [N] bool: this row's drafts were copied from its context, not drafted
+
+
+@dataclass
+class Lookup:
+    """A request's drafts from its own context: the n-gram index and how often its drafts are accepted."""
+
+    index: ContextLookup
+    acceptance: Acceptance
 
 
 class ExactLoop(DecodingLoop):
@@ -91,10 +113,12 @@ class ExactLoop(DecodingLoop):
         self.learns = cost is None  # a given table is the policy's whole cost model
         self.prior = list(getattr(engine.runner.config, "draft_acceptance", None) or []) or None
         self.overhead = 0.0  # seconds per step outside the runner, until a forward of a size has been timed
-        self.step_time: dict[int, float] = {}  # measured seconds of a whole step, by the forward's rows
+        self.step_time: dict[int, deque[float]] = {}  # the last seconds of a whole step, by the forward's rows
         self.drafted = [0] * engine.block_size  # forwards by the number of drafts their query block made
         # every request's drafts, by position: [accepted, verified]
         self.tally = [[0, 0] for _ in range(engine.block_size - 1)]
+        self.lookup_most = engine.block_size - 1  # drafts copied at most (longer did not pay: docs/decoding.md)
+        self.lookup_tally = [0, 0, 0]  # forwards that verified drafts from the context, drafts accepted, verified
         self._positions = torch.arange(engine.block_size, device=engine.device)
 
     @staticmethod
@@ -108,6 +132,7 @@ class ExactLoop(DecodingLoop):
                 "drafts_per_forward": round(sum(m * n for m, n in enumerate(self.drafted)) / total, 3) if total else 0,
                 "forwards_by_drafts": list(self.drafted),
                 "acceptance_by_position": [round(a / n, 4) if n else None for a, n in self.tally],
+                "lookup": dict(zip(("forwards", "accepted", "verified"), self.lookup_tally)),
                 "forward_cost": self.cost.summary() if self.cost is not None else None}
 
     def check(self, params: list[SamplingParams]) -> None:
@@ -130,7 +155,8 @@ class ExactLoop(DecodingLoop):
                           torch.cat([_pad(b.decided, width), _pad(new.decided, width)]),
                           torch.cat([b.n_decided, new.n_decided]), torch.cat([b.n_feed, new.n_feed]),
                           torch.cat([_pad(b.drafts, drafts), _pad(new.drafts, drafts)]),
-                          torch.cat([b.n_drafts, new.n_drafts]), b.acceptance + new.acceptance)
+                          torch.cat([b.n_drafts, new.n_drafts]), b.acceptance + new.acceptance,
+                          b.lookups + new.lookups, torch.cat([b.looked_up, new.looked_up]))
 
     def keep_rows(self, b: ExactBatch, keep: list[int]) -> None:
         idx = torch.tensor(keep, dtype=torch.long, device=self.engine.device)
@@ -140,6 +166,8 @@ class ExactLoop(DecodingLoop):
         b.decided, b.n_decided, b.n_feed = b.decided[idx], b.n_decided[idx], b.n_feed[idx]
         b.drafts, b.n_drafts = b.drafts[idx], b.n_drafts[idx]
         b.acceptance = [b.acceptance[r] for r in keep]
+        b.lookups = [b.lookups[r] for r in keep]
+        b.looked_up = b.looked_up[idx]
 
     # -- the loop --------------------------------------------------------------------------------------
     def open(self, seqs: list[Request], ids: torch.Tensor, cache: RunnerCache, **kwargs: Any) -> ExactBatch:
@@ -155,7 +183,10 @@ class ExactLoop(DecodingLoop):
         tokens, accepted, query = self._forward(ids, start, none, cache, sampler, acceptance, int(m.max()), masks,
                                                 **kwargs)
         ones = accepted + 1
-        b = ExactBatch(seqs, cache, sampler, tokens, ones, ones.clone(), query, ones * query.shape[1], acceptance)
+        lookups = [Lookup(ContextLookup(s.prompt), Acceptance(self.lookup_most)) if self.rule.lookup else None
+                   for s in seqs]
+        b = ExactBatch(seqs, cache, sampler, tokens, ones, ones.clone(), query, ones * query.shape[1], acceptance,
+                       lookups, none.bool())
         self._after_commit(b, accepted, none, [0] * n, query)
         return b
 
@@ -169,7 +200,9 @@ class ExactLoop(DecodingLoop):
         if not b.seqs:
             return events, None
 
-        k, m = self._plan(b.seqs, b.acceptance, b.n_drafts, b.cache.length + 1 + b.drafts.shape[1])
+        if self.rule.lookup:
+            self._look_up(b)
+        k, m = self._plan(b.seqs, b.acceptance, b.n_drafts, b.cache.length + 1 + b.drafts.shape[1], b)
         k = self._before_eos(b.drafts, k)
         feed = int(b.n_feed.max())
         width = int((b.n_feed + k).max())
@@ -196,8 +229,18 @@ class ExactLoop(DecodingLoop):
                                                 attention_mask=None if bool(real.all()) else real, drafts_in=drafts_k)
         if width > 1:
             b.cache.rewind(b.n_feed + accepted)
-        for acc, verified, took in zip(b.acceptance, k.tolist(), accepted.tolist()):
+        for r, (acc, verified, took) in enumerate(zip(b.acceptance, k.tolist(), accepted.tolist())):
+            lookup = b.lookups[r]
             acc.tick()
+            if lookup is not None:
+                lookup.acceptance.tick()
+                lookup.acceptance.confidence = acc.confidence
+            if bool(b.looked_up[r]):
+                lookup.acceptance.observe(verified, took)
+                self.lookup_tally[0] += verified > 0
+                self.lookup_tally[1] += took
+                self.lookup_tally[2] += min(took + 1, verified)
+                continue
             acc.observe(verified, took)
             for i in range(min(took + 1, verified)):  # positions reached: accepted up to `took`, then one rejected
                 self.tally[i][0] += i < took
@@ -205,6 +248,7 @@ class ExactLoop(DecodingLoop):
         b.decided, b.n_decided, b.n_feed = tokens, 1 + accepted, torch.ones_like(accepted)
         b.drafts = query
         b.n_drafts = torch.where(accepted == k, query.shape[1], 0)
+        b.looked_up = torch.zeros_like(b.looked_up)
         self._after_commit(b, accepted, k, consumed, query)
         self._timed(len(b.seqs) * (width + (int(m.max()) + 1 if int(m.max()) else 0)), start,
                     e.counters.forward_time_s - forward_time)
@@ -249,18 +293,35 @@ class ExactLoop(DecodingLoop):
         the engine's own work): the policy's cost of that size from now on (the table gives the rest)."""
         total = time.perf_counter() - start
         self.overhead += STEP_EMA * (total - forward - self.overhead)
-        before = self.step_time.get(rows, total)
-        self.step_time[rows] = before + STEP_EMA * (total - before)
+        self.step_time.setdefault(rows, deque(maxlen=STEP_WINDOW)).append(total)
 
     def _step_cost(self, rows: int, context: int) -> float:
         """Seconds a step of `rows` rows costs: as timed, or the table's forward plus the engine's time."""
         timed = self.step_time.get(rows) if self.learns else None
-        return timed if timed is not None else self.cost(rows, context) + self.overhead
+        return statistics.median(timed) if timed else self.cost(rows, context) + self.overhead
+
+    def _look_up(self, b: ExactBatch) -> None:
+        """Rows left without drafts take the continuation their context offers (module docstring). Each row's
+        index first reads the tokens the request committed since (emitted at this step's start)."""
+        most = self.lookup_most
+        for r, (s, lookup) in enumerate(zip(b.seqs, b.lookups)):
+            lookup.index.extend(s.generated[len(lookup.index) - len(s.prompt):])
+            if int(b.n_drafts[r]) or s.remaining <= 1:
+                continue
+            drafts = lookup.index.drafts(most)
+            if drafts:
+                b.drafts = _pad(b.drafts, len(drafts))
+                b.drafts[r] = -1
+                b.drafts[r, :len(drafts)] = torch.tensor(drafts, dtype=torch.long, device=b.drafts.device)
+                b.n_drafts[r] = len(drafts)
+                b.looked_up[r] = True
 
     def _plan(self, seqs: list[Request], acceptance: list[Acceptance], available: torch.Tensor,
-              context: int) -> tuple[torch.Tensor, torch.Tensor]:
+              context: int, b: ExactBatch | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Per row: `k` drafts to verify (of those available) and `m` to draft next. None past the request's
-        last token: the decided token is one, the drafts verified next time need one more each."""
+        last token: the decided token is one, the drafts verified next time need one more each. Drafts copied
+        from the context (`b.looked_up`) are verified as far as they pay in this forward by their own acceptance
+        estimate (`best_verified`)."""
         e = self.engine
         most = e.block_size - 1
         remaining = [s.remaining for s in seqs]
@@ -271,9 +332,13 @@ class ExactLoop(DecodingLoop):
                 n = len(seqs)  # rows share a forward: each row pays its share of the batch's rows
                 cost = lambda rows: self._step_cost(n * rows, context) / n  # noqa: E731
                 want = best_drafts(acc.optimistic(), cost, most)
+                verify = want
+                if b is not None and bool(b.looked_up[r]):
+                    verify = best_verified(b.lookups[r].acceptance.optimistic(), cost, avail[r],
+                                           want + 1 if want else 0)
             else:
-                want = most
-            k = min(avail[r], want, max(remaining[r] - 1, 0))
+                want = verify = most
+            k = min(avail[r], verify, max(remaining[r] - 1, 0))
             ks.append(k)
             ms.append(min(want, max(remaining[r] - k - 2, 0)))
         device = e.device

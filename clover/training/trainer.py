@@ -45,7 +45,7 @@ from clover.model.lora import adapters_disabled, apply_lora, is_gated
 from clover.training.checkpointing import (CHECKPOINTS, COUNTERS, TRAINER_DIR, checkpoint_name, latest_checkpoint,
                                            load_training_state, load_weights, remove_stale_temporaries,
                                            save_training_checkpoint)
-from clover.training.config import TrainConfig
+from clover.training.config import TrainConfig, native_bf16
 from clover.training.distributed import close_distributed, init_distributed, parallelize
 from clover.training.batches import Batch, collate, document_shape
 from clover.training.objective import Noise, bd3_loss, loss_denominators, sample_noise
@@ -135,6 +135,9 @@ class Trainer:
             raise ValueError(f"batch_size {config.batch_size} must be a multiple of micro_batch_size "
                              f"{config.micro_batch_size} x {d.world} processes")
         self.accum = per_rank // config.micro_batch_size
+        self.bf16 = config.precision == "bf16" or (config.precision == "auto" and native_bf16(d.device.type))
+        if config.precision == "auto" and d.rank == 0:
+            logger.info("precision auto: %s on this %s", "bf16 autocast" if self.bf16 else "fp32", d.device.type)
         self.output_dir = Path(config.output_dir)
         self.ckpt_root = self.output_dir / CHECKPOINTS
 
@@ -223,7 +226,7 @@ class Trainer:
         return out
 
     def _autocast(self):
-        if self.config.precision == "bf16":
+        if self.bf16:
             return torch.autocast(self.dist.device.type, dtype=torch.bfloat16)
         return nullcontext()
 

@@ -13,7 +13,7 @@ import torch
 from clover.engine import Engine, SamplingParams, StreamPiece, generate, stream
 from clover.engine.cost import ForwardCost
 from clover.engine.decoding import ExactRule
-from clover.engine.drafting import Acceptance, best_drafts
+from clover.engine.drafting import Acceptance, best_drafts, best_verified
 from clover.engine.exact import ExactBatch, ExactLoop
 from clover.serving.prefix_cache import PrefixCache
 from clover.serving.scheduler import Scheduler
@@ -332,6 +332,27 @@ def test_drafts_follow_the_cost_of_rows_and_the_output_does_not(models, preset):
     assert sum(flat[:3]) <= 2 * len(PROMPTS) < flat[3], flat
 
 
+def test_drafts_copied_from_the_context_fill_the_forwards_after_a_rejection(models):
+    """The dense tiny model's greedy text loops, so its context predicts it: with `lookup` the forwards that the
+    query block left without drafts verify copies from the context, fewer forwards give the same tokens."""
+    model = models["clover-tiny-dense"]
+    ref = _greedy_b1(model, PROMPTS, 48)
+    runs = {}
+    for lookup in (False, True):
+        engine = Engine(model, 4, rule="exact", cost=ForwardCost.flat(), rule_options={"lookup": lookup},
+                        eos_token_ids=[])
+        got, stats = [[] for _ in PROMPTS], {}
+        for e in engine.run(PROMPTS, 48, SamplingParams()):
+            got[e.index] += e.token_ids
+            stats[e.index] = e.stats or stats.get(e.index)
+        assert got == ref
+        runs[lookup] = engine.settings()["lookup"], [stats[i]["forward_passes"] for i in range(len(PROMPTS))]
+    (off, forwards_off), (on, forwards_on) = runs[False], runs[True]
+    assert off == {"forwards": 0, "accepted": 0, "verified": 0}
+    assert on["forwards"] > 0 and 0 < on["accepted"] <= on["verified"]
+    assert all(a <= b for a, b in zip(forwards_on, forwards_off)) and sum(forwards_on) < sum(forwards_off)
+
+
 def test_acceptance_estimates_learn_from_verified_drafts():
     acc = Acceptance(3, prior=[0.5, 0.5, 0.5], strength=2)
     acc.observe_confidence([0.99] * 20)  # the causal path is sure of its tokens: no cap below the estimate
@@ -349,6 +370,10 @@ def test_acceptance_estimates_learn_from_verified_drafts():
 
 
 def test_the_number_of_drafts_follows_acceptance_and_cost():
+    # drafts copied from the context cost only their rows: verified while they raise this forward's tokens/s
+    assert best_verified([0.9] * 3, lambda rows: 1.0 + 0.1 * rows, 3, query=4) == 3
+    assert best_verified([0.9] * 3, lambda rows: float(rows), 3, query=0) == 0
+    assert best_verified([0.05] * 3, lambda rows: 1.0 + 0.1 * rows, 3, query=0) == 0
     assert best_drafts([0.99] * 3, lambda rows: 1.0 + 0.1 * rows, 3) == 3
     assert best_drafts([0.5] * 3, lambda rows: float(rows), 3) == 0  # rows cost their count: nothing pays
     # free rows, but a second draft that is mostly rejected makes the next forward one without drafts: one draft

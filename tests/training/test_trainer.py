@@ -205,6 +205,34 @@ def test_bf16_autocast_and_block_curriculum_train(tmp_path):
     assert all(torch.isfinite(torch.tensor(x)) for x in result.losses)
 
 
+@pytest.mark.parametrize("native", [True, False])
+def test_auto_precision_takes_bf16_only_where_the_cpu_multiplies_it_natively(tmp_path, monkeypatch, native):
+    from clover.training import trainer as trainer_mod
+
+    monkeypatch.setattr(trainer_mod, "native_bf16", lambda device_type: native)
+    trainer = Trainer(config(tmp_path, precision="auto", max_steps=1), train_documents=documents())
+    assert trainer.bf16 is native
+    with trainer._autocast():
+        assert torch.is_autocast_enabled("cpu") is native
+
+
+def test_native_bf16_reads_the_cpu_flags(monkeypatch, tmp_path):
+    from clover.training import config as config_mod
+
+    flags = tmp_path / "cpuinfo"
+    real_open = open
+
+    def fake_open(path, *args, **kwargs):
+        return real_open(flags if path == "/proc/cpuinfo" else path, *args, **kwargs)
+
+    monkeypatch.setattr("builtins.open", fake_open)
+    flags.write_text("processor\t: 0\nflags\t\t: fpu sse avx2 fma\n")
+    assert not config_mod.native_bf16("cpu")
+    flags.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_bf16\n")
+    assert config_mod.native_bf16("cpu")
+    assert config_mod.native_bf16("cuda") and not config_mod.native_bf16("mps")
+
+
 # -- LoRA --------------------------------------------------------------------------------------------------
 def test_lora_trains_only_adapters_and_saves_only_them(tmp_path):
     docs = documents()
