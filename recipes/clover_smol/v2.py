@@ -4,6 +4,7 @@
     python recipes/clover_smol/v2.py --gpu            # one H200: the whole adaptation in --budget-minutes (8)
     python recipes/clover_smol/v2.py --tiny --data /tmp/v2 --run /tmp/v2-run --package-to /tmp/v2-asset
                                                       # a dry run of every stage on the CPU in about a minute
+    python recipes/clover_smol/v2.py --gpu --tiny --device cpu ...   # the same for the --gpu path
 
 Stages (each one resumes or is rebuilt identically, so running the command again continues where it stopped):
 
@@ -48,9 +49,9 @@ RECORD = HERE / "data_v2.json"
 DISTILLED = HERE / "distilled"  # the base's answers as packed token ids, committed: a run resumes from them
 MILESTONE = HERE / "milestone"  # the CPU run's newest checkpoint, compact and committed: a run resumes from it
 PACKAGE_RESERVE_S = 90.0  # packaging (load base, apply adapter, checksum) + margin, kept out of training's budget
-GPU = {"device": "cuda", "batch_size": 128, "micro_batch_size": 64, "threads": 0, "save_every": 200,
+GPU = {"batch_size": 128, "micro_batch_size": 64, "threads": 0, "save_every": 200,
        "max_steps": 3000, "warmup_steps": 100, "max_cpu_hours": 0}
-TINY = {"device": "cpu", "max_steps": 2, "batch_size": 2, "micro_batch_size": 2, "max_seq_len": 96,
+TINY = {"max_steps": 2, "batch_size": 2, "micro_batch_size": 2, "max_seq_len": 96,
         "warmup_steps": 1, "save_every": 0, "precision": "fp32", "threads": 1,
         "lora": {"rank": 2, "alpha": 4.0, "gated": True, "extra_trainable": []}}
 
@@ -113,7 +114,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     prompts, distill, packaging = _load("prompts"), _load("distill"), _load("package")
     data, run_dir = args.data, args.run
     base = distill.ensure_base(args.base or data / "base")
-    device = "cuda" if args.gpu else "cpu"
+    device = args.device or ("cuda" if args.gpu else "cpu")
     figures: dict[str, Any] = {}
 
     # 1. prompts
@@ -155,6 +156,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         overrides |= GPU
     if args.tiny:
         overrides |= TINY
+    overrides["device"] = device
     config = load_train_config(CONFIG, merge_config(overrides, parse_overrides(
         [f"--{item}" for item in args.set])))
     prepare_token_shards("chat", sources, base, data / "shards", max_len=config.max_seq_len, overwrite=True)
@@ -207,6 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="CPU threads of distillation")
     parser.add_argument("--gpu", action="store_true", help="one CUDA GPU, everything within --budget-minutes")
     parser.add_argument("--budget-minutes", type=float, default=8.0)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                        help="default: cuda with --gpu, else cpu (--gpu --tiny --device cpu checks the GPU path)")
     parser.add_argument("--tiny", type=int, nargs="?", const=6, default=0,
                         help="dry run: this many prompts (6), short answers, 2 training steps")
     parser.add_argument("--milestone", type=Path, default=MILESTONE,
