@@ -50,37 +50,38 @@ SYSTEMS = ("default", "int4-b1", "int4-full", "no-lookup", "llama-q4_0", "llama-
 REFERENCE = {"default": "int4-b1", "int4-full": "int4-b1", "no-lookup": "int4-b1", "fp32-exact": "fp32-b1",
              "llama-q4_0": "int4-b1", "llama-q8_0": "int4-b1"}
 
-Decode = Callable[[list[int], int], tuple[list[int], int]]  # (prompt ids, max new) -> (new ids, forwards)
+Decode = Callable[[list[int], int], tuple[list[int], dict[str, Any]]]  # (prompt ids, max new) -> (new ids, stats)
 
 
 def engine_system(model: Any, tokenizer: Any, **options: Any) -> tuple[Decode, Engine]:
     engine = Engine(model, vocab_limit=len(tokenizer), eos_token_ids=eos_token_ids(model.config, tokenizer),
                     **options)
 
-    def decode(ids: list[int], max_new: int) -> tuple[list[int], int]:
+    def decode(ids: list[int], max_new: int) -> tuple[list[int], dict[str, Any]]:
         out, stats = [], {}
         for piece in engine.run([ids], max_new, SamplingParams()):
             out += piece.token_ids
             stats = piece.stats or stats
-        return out, stats["forward_passes"]
+        return out, stats
 
     return decode, engine
 
 
-def llama_system(quant: str, threads: int, eos: list[int]) -> Decode:
+def llama_system(quant: str, threads: int, eos: list[int], n_ctx: int = 4096) -> Decode:
     import llama_cpp
 
-    llm = llama_cpp.Llama(model_path=str(clover_smol_gguf(quant)), n_ctx=4096, n_threads=threads, n_batch=512,
+    llm = llama_cpp.Llama(model_path=str(clover_smol_gguf(quant)), n_ctx=n_ctx, n_threads=threads, n_batch=512,
                           verbose=False)
 
-    def decode(ids: list[int], max_new: int) -> tuple[list[int], int]:
+    def decode(ids: list[int], max_new: int) -> tuple[list[int], dict[str, Any]]:
         llm.reset()  # no prefix reuse between prompts: each system prefills every prompt
-        out = []
+        out, start, first = [], time.perf_counter(), None
         for token in llm.generate(ids, temp=0.0, top_k=1, reset=True):
+            first = first if first is not None else time.perf_counter() - start
             if token in eos or len(out) == max_new:
                 break
             out.append(token)
-        return out, len(out)
+        return out, {"forward_passes": len(out), "time_to_first_token_s": first}
 
     return decode
 
@@ -113,8 +114,8 @@ def run(systems: list[str], sets: dict[str, list[list[int]]], max_new: int, thre
         for ids in prompts:
             for s in systems:
                 start = time.perf_counter()
-                out, forwards = loaded[s][0](ids, max_new)
-                rows[s].append((out, forwards, time.perf_counter() - start))
+                out, stats = loaded[s][0](ids, max_new)
+                rows[s].append((out, stats["forward_passes"], time.perf_counter() - start))
         report[name] = {}
         for s in systems:
             tokens = sum(len(r[0]) for r in rows[s])

@@ -31,9 +31,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_agent import load_tasks, openai_tools  # noqa: E402  (benchmarks/, next to this script)
+from bench_exact import Decode, engine_system, llama_system  # noqa: E402
 from bench_smol import prompt_ids  # noqa: E402
 
-from clover.engine import Engine, SamplingParams  # noqa: E402
 from clover.model import CloverForBlockDiffusion  # noqa: E402
 from clover.runners.base import RunnerOptions  # noqa: E402
 from clover.runners.registry import runner_entry  # noqa: E402
@@ -61,44 +61,17 @@ def long_prompt(classes: list[str]) -> dict[str, Any]:
     return {"messages": task.turns[0].messages, "tools": openai_tools(docs), "task": task.id}
 
 
-def engine_decode(runner: Any, eos: list[int], **options: Any) -> Any:
-    engine = Engine(runner, eos_token_ids=eos, **options)
-
-    def decode(ids: list[int], new: int) -> tuple[list[int], float]:
-        out, stats = [], {}
-        for piece in engine.run([ids], new, SamplingParams()):
-            out += piece.token_ids
-            stats = piece.stats or stats
-        return out, stats["time_to_first_token_s"]
-
-    return decode
-
-
-def load(system: str, threads: int, ctx: int, eos: list[int]) -> Any:
-    if system == "fp32":
-        return engine_decode(CloverForBlockDiffusion.from_pretrained(clover_smol_dir("none")), eos, block_size=1,
-                             rule="threshold")
-    if system == "int4":
-        return engine_decode(CloverForBlockDiffusion.from_pretrained(clover_smol_dir("int4")), eos)
-    gguf = clover_smol_gguf("q8_0")
+def load(system: str, tokenizer: Any, threads: int, ctx: int, eos: list[int]) -> Decode:
+    """`system`'s decode: (prompt ids, new tokens) -> (new ids, stats with `time_to_first_token_s`)."""
+    if system == "llama.cpp":
+        return llama_system("q8_0", threads, eos, n_ctx=ctx)
     if system == "clover-llamacpp":
+        gguf = clover_smol_gguf("q8_0")
         runner = runner_entry("llamacpp").load().open(gguf, RunnerOptions(threads=threads, ctx=ctx))
-        return engine_decode(runner, eos, rule="exact")
-    import llama_cpp
-
-    llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=ctx, n_threads=threads, n_batch=512, verbose=False)
-
-    def decode(ids: list[int], new: int) -> tuple[list[int], float]:
-        llm.reset()
-        out, first, start = [], None, time.perf_counter()
-        for token in llm.generate(ids, temp=0.0, top_k=1, reset=True):
-            first = first if first is not None else time.perf_counter() - start
-            if token in eos or len(out) == new:
-                break
-            out.append(token)
-        return out, first
-
-    return decode
+        return engine_system(runner, tokenizer, rule="exact")[0]
+    quant = "none" if system == "fp32" else "int4"
+    options: dict[str, Any] = {"block_size": 1, "rule": "threshold"} if system == "fp32" else {}
+    return engine_system(CloverForBlockDiffusion.from_pretrained(clover_smol_dir(quant)), tokenizer, **options)[0]
 
 
 def main() -> None:
@@ -123,11 +96,11 @@ def main() -> None:
     report: dict[str, Any] = {"prompt_tokens": len(ids), "classes": args.classes, "systems": {}}
     reference = None
     for system in systems:
-        decode = load(system, args.threads, ctx, eos)
+        decode = load(system, tokenizer, args.threads, ctx, eos)
         decode(ids[:32], 2)  # kernels built, caches sized: not timed
         start = time.perf_counter()
-        out, ttft = decode(ids, args.new_tokens)
-        total = time.perf_counter() - start
+        out, stats = decode(ids, args.new_tokens)
+        total, ttft = time.perf_counter() - start, stats["time_to_first_token_s"]
         reference = out if system == "fp32" else reference
         same = "" if reference is None or system == "fp32" else ("same tokens as fp32" if out == reference
                                                                    else "other tokens than fp32")
