@@ -10,20 +10,24 @@ QUANTIZATIONS = ("none", "fp32", "bf16", "int8", "int4")
 
 # clover.engine.decoding: the built-in unmasking rules (its registry, RULES, is filled as the classes are defined;
 # tests/cli/test_startup.py checks that it holds exactly these)
-RULE_NAMES = ("threshold", "top_k_per_step", "no_adjacent_repeat", "product_threshold", "left_to_right", "exact")
+RULE_NAMES = ("threshold", "top_k_per_step", "no_adjacent_repeat", "product_threshold", "left_to_right", "sub_blocks",
+              "exact")
 
 # clover.conversion: --from name -> module under clover.conversion
 FORMATS: dict[str, str] = {
     "qwen3_5_moe": "qwen3_5_moe",
+    "qwen3_5": "qwen3_5",
     "qwen3_next": "qwen3_next",
     "llama": "llama",
     "qwen3": "qwen3",
+    "qwen3_moe": "qwen3_moe",
     "qwen2": "qwen2",
     "gguf": "gguf",
     # released block-diffusion checkpoints (clover.conversion.families)
     "sdar": "sdar",
     "fast_dllm_v2": "fast_dllm_v2",
     "dllm_bd3lm": "dllm_bd3lm",
+    "arclm": "arclm",
 }
 
 # clover.conversion.gguf_export: the GGUF weight formats it writes

@@ -19,6 +19,8 @@ FULL_ATTENTION = "full_attention"
 LAYER_TYPES = (LINEAR_ATTENTION, FULL_ATTENTION)
 CONTEXT_READINGS = ("block_causal", "causal")
 PROMPT_READINGS = ("causal", "blocks")
+DELTANET_READINGS = ("block_bidirectional", "causal")
+BLOCK_GRIDS = ("prompt_end", "absolute")
 
 
 def _hybrid_layer_types(num_layers: int, interval: int = 4) -> list[str]:
@@ -60,7 +62,7 @@ class CloverConfig:
     num_experts: int = 256
     num_experts_per_tok: int = 8
     moe_intermediate_size: int = 512
-    shared_expert_intermediate_size: int = 512
+    shared_expert_intermediate_size: int = 512  # 0: no shared expert (Qwen3-MoE)
     norm_topk_prob: bool = True
     mlp_only_layers: list[int] = field(default_factory=list)
     # -- tokens ------------------------------------------------------------------------------------------
@@ -87,6 +89,16 @@ class CloverConfig:
     # to whole blocks so the grid ends where the prompt ends and generation starts a fresh block, each block read
     # in both directions; dllm's BD3LM sampler). "blocks" needs context_reading "block_causal".
     prompt_reading: str = "causal"
+    # Where that grid lies ("blocks" only): "prompt_end" (it ends where the prompt ends; generation starts a fresh
+    # block: dllm's sampler) or "absolute" (blocks at positions 0, B, 2B, ...: SDAR's and Fast-dLLM v2's generators;
+    # the prompt's last `len % B` tokens open the first generated block, which the first tokens complete).
+    block_grid: str = "prompt_end"
+    # How a Gated DeltaNet layer reads the block being decoded: "block_bidirectional" (Clover: every token of the
+    # block reads the whole block, docs/design.md §4) or "causal" (arcLM: the recurrence runs on through the block
+    # from the committed state, as the AR base reads it; only attention layers read a block in both directions).
+    # Committed blocks on the grid (`context_reading` "block_causal") are read the same way; with "causal", every
+    # Gated DeltaNet layer is exactly the AR base's recurrence and only the attention layers see the block grid.
+    deltanet_reading: str = "block_bidirectional"
     # The released family whose conventions this checkpoint follows (clover.conversion.families); descriptive only:
     # the fields above carry the conventions themselves.
     family: str = "clover"
@@ -135,6 +147,8 @@ class CloverConfig:
             raise bad("partial_rotary_factor", "head_dim * partial_rotary_factor must be even")
         if self.mlp_type == "moe" and self.num_experts_per_tok > self.num_experts:
             raise bad("num_experts_per_tok", "cannot exceed num_experts")
+        if self.shared_expert_intermediate_size < 0:
+            raise bad("shared_expert_intermediate_size", "must be >= 0 (0: no shared expert)")
         if (self.mlp_type == "dense" or self.mlp_only_layers) and self.intermediate_size <= 0:
             raise bad("intermediate_size", "a dense MLP needs intermediate_size > 0")
         if self.mask_token_id is not None and not 0 <= self.mask_token_id < self.vocab_size:
@@ -152,6 +166,13 @@ class CloverConfig:
         if self.prompt_reading == "blocks" and self.context_reading != "block_causal":
             raise bad("prompt_reading", "'blocks' reads committed context block-causally, so it needs "
                                         "context_reading 'block_causal'")
+        if self.block_grid not in BLOCK_GRIDS:
+            raise bad("block_grid", f"must be one of {list(BLOCK_GRIDS)}")
+        if self.block_grid == "absolute" and self.prompt_reading != "blocks":
+            raise bad("block_grid", "'absolute' places the block grid prompts are read on, so it needs "
+                                    "prompt_reading 'blocks'")
+        if self.deltanet_reading not in DELTANET_READINGS:
+            raise bad("deltanet_reading", f"must be one of {list(DELTANET_READINGS)}")
         if not isinstance(self.token_shift, bool):
             raise bad("token_shift", "must be true or false")
 

@@ -36,6 +36,8 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--max-new-tokens", type=int, default=256)
     add_decoding_options(p)
     p.add_argument("--tokens-per-step", type=int, default=None, help="k of --rule top_k_per_step")
+    p.add_argument("--sub-block-size", type=int, default=None,
+                   help="size of --rule sub_blocks (default 8, Fast-dLLM v2's)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
@@ -94,7 +96,8 @@ def run(args: argparse.Namespace) -> int:
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                               repetition_penalty=args.repetition_penalty, seed=args.seed, stop=tuple(args.stop),
                               grammar=grammar)
-    rule_options = {"k": args.tokens_per_step} if args.tokens_per_step is not None else None
+    rule_options = {name: value for name, value in (("k", args.tokens_per_step), ("size", args.sub_block_size))
+                    if value is not None} or None
     engine = Engine(runner, args.block_size, args.threshold, args.rule, rule_options, detokenize=decode,
                     vocab_limit=len(tokenizer), eos_token_ids=eos)
     events = engine.run([ids], args.max_new_tokens, sampling, snapshots=args.show_steps)

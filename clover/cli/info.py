@@ -30,7 +30,8 @@ def describe(config: CloverConfig) -> dict:
         "layers": config.num_hidden_layers,
         "full_attention_layers": attention,
         "linear_attention_layers": config.num_hidden_layers - attention,
-        "mlp": (f"moe: {config.num_experts} experts, top-{config.num_experts_per_tok} + shared"
+        "mlp": (f"moe: {config.num_experts} experts, top-{config.num_experts_per_tok}"
+                + (" + shared" if config.shared_expert_intermediate_size else "")
                 if config.mlp_type == "moe" else f"dense SwiGLU {config.intermediate_size}"),
         "hidden_size": config.hidden_size,
         "vocab_size": config.vocab_size,
@@ -56,6 +57,8 @@ def conventions(config: CloverConfig) -> dict:
         "token_shift": config.token_shift,
         "context_reading": config.context_reading,
         "prompt_reading": config.prompt_reading,
+        "block_grid": config.block_grid if config.prompt_reading == "blocks" else None,
+        "deltanet_reading": config.deltanet_reading if config.has_linear_attention else None,
         "defaults": {"block_size": config.block_size, "threshold": config.threshold, "rule": config.rule,
                      "mask_token_id": config.mask_token_id},
         "can": [{"what": what, "can": can, "why": why} for what, can, why in capabilities(config)],
@@ -145,7 +148,11 @@ def run(args: argparse.Namespace) -> int:
     shift = ("token shift: block position p is predicted from the output at p - 1" if info["token_shift"]
              else "no token shift: a masked position is predicted from its own output")
     print(f"  prediction        {shift}")
-    print(f"  reading           committed context {info['context_reading']}; prompt {info['prompt_reading']}")
+    deltanet = f"; Gated DeltaNet reads a block {info['deltanet_reading']}" if info["deltanet_reading"] else ""
+    grid = {"prompt_end": " (grid ending at the prompt's end)", "absolute": " (grid at absolute positions: the "
+            "prompt's last partial block opens the first generated one)", None: ""}[info["block_grid"]]
+    print(f"  reading           committed context {info['context_reading']}; prompt {info['prompt_reading']}{grid}"
+          f"{deltanet}")
     d = info["defaults"]
     print(f"  defaults          block {d['block_size']}, threshold {d['threshold']}, rule {d['rule']}, "
           f"mask token id {d['mask_token_id']}")

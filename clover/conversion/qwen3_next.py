@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from clover.conversion.common import HFSource, read_hf_dir, special_token_ids
-from clover.conversion.qwen3_5_moe import hybrid_config
+from clover.conversion.qwen3_5 import hybrid_config
 
 _SPLIT = {"in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"}
 

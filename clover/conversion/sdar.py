@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from clover.conversion.released import ReleasedSource, open_source as _open
+from clover.conversion.common import HFSource
+from clover.conversion.released import open_source as _open
 
 
-def open_source(src: Path) -> ReleasedSource:
+def open_source(src: Path) -> HFSource:
     return _open(src, "sdar")

@@ -13,7 +13,9 @@ forward, and a block decided in one step costs one forward. With `B = 1` no quer
 loop is exactly AR decoding. A model without the shift (`token_shift` false: SDAR, dllm's BD3LM) predicts
 position `p` from query output `p` itself; every position then needs the query block, `B = 1` included (one mask
 read against the context). A model whose `prompt_reading` is "blocks" reads the prompt on the block grid
-(`prompt_grid`; clover.engine.prefill). The LM head runs only for positions that can still be filled (`logits_at`): on a
+(`prompt_grid`; clover.engine.prefill); on an "absolute" `block_grid` the prompt's last `len % B` tokens are not
+prefilled but open the first block (its `head`: decided, never emitted), which the first generated tokens complete.
+The LM head runs only for positions that can still be filled (`logits_at`): on a
 small model with a large vocabulary it is a fifth of a token's compute, and after the first step of a block
 most positions are decided. When only position 0 is left, whose prediction does not depend on the block, the
 step needs no forward at all.
@@ -54,6 +56,7 @@ class BlockBatch:
     limit: torch.Tensor  # [N] positions of this block that can count: min(B, tokens the row may still produce),
     # or fewer once a stop string is complete in the block's decided prefix
     forwards: torch.Tensor  # [N] forwards that fed this row's steps in this block (a step may need none)
+    head: torch.Tensor  # [N] the block's first positions that hold prompt tokens (an "absolute" grid's first block)
     step_index: int = 0
     needed: torch.Tensor | None = None  # [N, B] `_needed` as the last step left it; None on a fresh block
 
@@ -70,6 +73,14 @@ class BlockLoop(DecodingLoop):
         config = engine.runner.config
         self.shift = config.token_shift  # position p read from query output p - 1 (True) or p (False)
         self.prompt_grid = engine.block_size if config.prompt_reading == "blocks" else 1
+        self.absolute_grid = self.prompt_grid > 1 and config.block_grid == "absolute"
+
+    def _head(self, prompt: list[int]) -> int:
+        """Prompt tokens that open the first block: those past the last whole block of an absolute grid."""
+        return len(prompt) % self.prompt_grid if self.absolute_grid else 0
+
+    def prefilled(self, prompt: list[int]) -> list[int]:
+        return prompt[: len(prompt) - self._head(prompt)]
 
     def check(self, params: list[SamplingParams]) -> None:
         for i, p in enumerate(params):
@@ -79,46 +90,56 @@ class BlockLoop(DecodingLoop):
                     f"positions in any order, and a grammar decides what may come next only left to right; use rule "
                     f"'exact' (its output is constrained block-size-1 decoding)")
 
-    @staticmethod
-    def room(context: int, prompt_len: int, block_size: int) -> tuple[int, str]:
-        # the last block occupies B positions
-        return (context - prompt_len) // block_size * block_size, f"whole blocks of {block_size}"
+    def room(self, context: int, prompt_len: int, block_size: int) -> tuple[int, str]:
+        # the last block occupies B positions; on an absolute grid the first block starts up to B - 1 positions
+        # before the prompt's end
+        early = block_size - 1 if self.absolute_grid else 0
+        return max(context - prompt_len - early, 0) // block_size * block_size, f"whole blocks of {block_size}"
 
     # -- open ------------------------------------------------------------------------------------------
     def open(self, seqs: list[Request], ids: torch.Tensor, cache: RunnerCache, **kwargs: Any) -> BlockBatch:
         """The prefill's last chunk carries block 1's masks as a query block: it is also block 1's first step."""
         e = self.engine
         n = len(seqs)
-        limit = self._limits(seqs)
-        logits = self._open_block(ids, cache, limit, **kwargs)
+        block = e.masks(n)
+        head = torch.tensor([self._head(s.prompt) for s in seqs], dtype=torch.long, device=e.device)
+        for r, (s, h) in enumerate(zip(seqs, head.tolist())):
+            if h:
+                block[r, :h] = torch.tensor(s.prompt[-h:], dtype=torch.long, device=e.device)
+        limit = self._limits(seqs, head)
+        logits = self._open_block(ids if ids.shape[1] else None, block, head, cache, limit, **kwargs)
         sampler = BatchSampler([s.params for s in seqs], e.vocab_size, e.banned_ids, e.device)
         sampler.observe([s.prompt for s in seqs])
         zeros = torch.zeros(n, dtype=torch.long, device=e.device)
-        return BlockBatch(seqs, cache, sampler, e.masks(n), logits, zeros, limit, zeros + 1)
+        return BlockBatch(seqs, cache, sampler, block, logits, zeros, limit, zeros + 1, head)
 
-    def _open_block(self, ids: torch.Tensor, cache: RunnerCache, limit: torch.Tensor, **kwargs: Any) -> torch.Tensor:
-        """Forward clean `ids` `[N, T]` with a fresh block of masks as the query: `[N, B, V]` predictions for the
-        block's positions (with the shift: 0 from the last clean token, `p >= 1` from query output `p - 1`;
-        without: `p` from query output `p`), computed only before each row's `limit` (zeros beyond it)."""
+    def _open_block(self, ids: torch.Tensor | None, block: torch.Tensor, head: torch.Tensor, cache: RunnerCache,
+                    limit: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        """Forward clean `ids` `[N, T]` (None: nothing to commit) with the fresh `block` (masks after each row's
+        `head`) as the query: `[N, B, V]` predictions for the block's positions (with the shift: 0 from the last
+        clean token, `p >= 1` from query output `p - 1`; without: `p` from query output `p`), computed only from
+        each row's `head` and before its `limit` (zeros elsewhere)."""
         e = self.engine
-        n, t = ids.shape
-        b = e.block_size
-        wanted = self._positions[None] < limit[:, None]  # [N, B]
+        n, b = block.shape
+        t = 0 if ids is None else ids.shape[1]
+        wanted = (self._positions[None] < limit[:, None]) & (self._positions[None] >= head[:, None])  # [N, B]
         query = b > 1 or not self.shift
         at = torch.zeros(n, t + (b if query else 0), dtype=torch.bool, device=e.device)
         if self.shift:
-            at[:, t - 1] = wanted[:, 0]
+            if t:
+                at[:, t - 1] = wanted[:, 0]
             at[:, t:t + b - 1] = wanted[:, 1:]
         else:
             at[:, t:] = wanted
-        out = e.forward(ids, cache, query_ids=e.masks(n) if query else None, logits_at=at, **kwargs)
+        out = e.forward(ids, cache, query_ids=block if query else None, logits_at=at, **kwargs)
         logits = out.new_zeros(n, b, out.shape[-1])
         logits[wanted] = out
         return logits
 
-    def _limits(self, seqs: list[Request]) -> torch.Tensor:
-        return torch.tensor([min(self.engine.block_size, s.remaining) for s in seqs], dtype=torch.long,
-                            device=self.engine.device)
+    def _limits(self, seqs: list[Request], head: torch.Tensor | None = None) -> torch.Tensor:
+        """Positions of the block that can count: its `head` and the tokens each row may still produce."""
+        remaining = torch.tensor([s.remaining for s in seqs], dtype=torch.long, device=self.engine.device)
+        return (remaining if head is None else remaining + head).clamp(max=self.engine.block_size)
 
     # -- batches ---------------------------------------------------------------------------------------
     def at_boundary(self, b: BlockBatch) -> bool:
@@ -129,7 +150,8 @@ class BlockLoop(DecodingLoop):
         return BlockBatch(b.seqs + new.seqs, type(b.cache).concat([b.cache, new.cache]),
                           BatchSampler.concat([b.sampler, new.sampler]), torch.cat([b.block, new.block]),
                           torch.cat([b.logits, new.logits]), torch.cat([b.steps, new.steps]),
-                          torch.cat([b.limit, new.limit]), torch.cat([b.forwards, new.forwards]), 0)
+                          torch.cat([b.limit, new.limit]), torch.cat([b.forwards, new.forwards]),
+                          torch.cat([b.head, new.head]), 0)
 
     def keep_rows(self, b: BlockBatch, keep: list[int]) -> None:
         idx = torch.tensor(keep, dtype=torch.long, device=self.engine.device)
@@ -137,20 +159,21 @@ class BlockLoop(DecodingLoop):
         b.cache.select(idx)
         b.sampler.select(keep)
         b.block, b.steps, b.limit, b.logits = b.block[idx], b.steps[idx], b.limit[idx], b.logits[idx]
-        b.forwards = b.forwards[idx]
+        b.forwards, b.head = b.forwards[idx], b.head[idx]
         if b.needed is not None:
             b.needed = b.needed[idx]
 
     # -- the block loop --------------------------------------------------------------------------------
-    def _needed(self, block: torch.Tensor, limit: torch.Tensor) -> torch.Tensor:
+    def _needed(self, block: torch.Tensor, limit: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
         """`[N, B]`: masked positions that can still count — before the row's `limit` (a block cut by
-        `max_new_tokens`) and before the first decided EOS (what follows an EOS is dropped). Only these are
-        candidates for a step, so no step is ever spent on a token that would be thrown away."""
+        `max_new_tokens`) and before the first decided EOS (what follows an EOS is dropped; the prompt tokens of a
+        block's `head` are not output). Only these are candidates for a step, so no step is ever spent on a token
+        that would be thrown away."""
         e = self.engine
         masked = block == e.mask_id
         need = limit
         if e.eos_ids:
-            need = through_eos(block, e.eos, limit, where=~masked)
+            need = through_eos(block, e.eos, limit, where=~masked & (self._positions[None] >= head[:, None]))
         return masked & (self._positions[None] < need[:, None])
 
     def step(self, b: BlockBatch, snapshots: bool = False) -> tuple[list[Event], BlockBatch | None]:
@@ -158,7 +181,7 @@ class BlockLoop(DecodingLoop):
         e = self.engine
         logits = b.logits.clone()  # the sampler consumes its input
         # the previous step's check of what is still needed is this step's candidates: one `_needed` per step
-        candidates = b.needed if b.needed is not None else self._needed(b.block, b.limit)
+        candidates = b.needed if b.needed is not None else self._needed(b.block, b.limit, b.head)
         active = candidates.any(1)  # rows whose block is final sit this step out
         tokens, confidence = b.sampler(logits, active)
         accept = self.rule.select(tokens, confidence, candidates)
@@ -170,7 +193,7 @@ class BlockLoop(DecodingLoop):
         events: list[Event] = self._snapshots(b, accept, active) if snapshots else []
         self._stop_early(b, active)
 
-        b.needed = self._needed(b.block, b.limit)
+        b.needed = self._needed(b.block, b.limit, b.head)
         if bool(b.needed.any()):
             # with the shift, query output p - 1 predicts position p: recompute it only where p is still needed;
             # position 0's prediction comes from the committed tokens and stays valid, so it alone needs no
@@ -197,16 +220,16 @@ class BlockLoop(DecodingLoop):
         rows = [r for r, s in enumerate(b.seqs) if s.params.stop]
         if not rows or e.detokenize is None:
             return
-        act, block, limit = active.tolist(), b.block.tolist(), b.limit.tolist()
+        act, block, limit, head = active.tolist(), b.block.tolist(), b.limit.tolist(), b.head.tolist()
         for r in rows:
             if not act[r]:
                 continue
-            prefix = block[r][: limit[r]]
+            prefix = block[r][head[r]: limit[r]]
             if e.mask_id in prefix:
                 prefix = prefix[: prefix.index(e.mask_id)]
             cut = b.seqs[r].stop_cut(prefix, e.eos_ids, e.detokenize)
             if cut is not None:
-                b.limit[r] = cut
+                b.limit[r] = head[r] + cut
 
     def _snapshots(self, b: BlockBatch, accept: torch.Tensor, active: torch.Tensor) -> list[Event]:
         mask_id = self.engine.mask_id
@@ -218,15 +241,19 @@ class BlockLoop(DecodingLoop):
     def _finish_block(self, b: BlockBatch) -> list[Event]:
         """Every row's block is final: apply EOS / stop / length, emit the pieces, drop finished rows."""
         rows, steps, limits, forwards = b.block.tolist(), b.steps.tolist(), b.limit.tolist(), b.forwards.tolist()
-        return self.engine.emit(b, [(rows[r][: limits[r]], steps[r], forwards[r]) for r in range(len(b.seqs))])
+        head = b.head.tolist()
+        return self.engine.emit(b, [(rows[r][head[r]: limits[r]], steps[r], forwards[r])
+                                    for r in range(len(b.seqs))])
 
     def _commit(self, b: BlockBatch) -> None:
         """The finished block joins the cache, in the same forward as the next block's first step."""
         e = self.engine
         n = len(b.seqs)
         b.limit = self._limits(b.seqs)
-        b.logits = self._open_block(b.block, b.cache, b.limit, prefix_len=e.block_size if e.causal_context else 0)
-        b.block = e.masks(n)
+        b.head = torch.zeros(n, dtype=torch.long, device=e.device)
+        committed, b.block = b.block, e.masks(n)
+        b.logits = self._open_block(committed, b.block, b.head, b.cache, b.limit,
+                                    prefix_len=e.block_size if e.causal_context else 0)
         b.steps = torch.zeros(n, dtype=torch.long, device=e.device)
         b.forwards = b.steps + 1  # this forward feeds the new block's first step
         b.step_index = 0

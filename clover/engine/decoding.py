@@ -163,6 +163,27 @@ class LeftToRightRule(ThresholdRule):
 
 @register_rule
 @dataclass
+class SubBlocksRule(ThresholdRule):
+    """Fast-dLLM v2's schedule: a block decoded in sub-blocks of `size` from left to right, `threshold` applied
+    inside the leftmost sub-block that still has masked positions; the positions right of it stay masked (and are
+    read as masks) until it is full. With `size` >= the block size it is `threshold`."""
+
+    name: ClassVar[str] = "sub_blocks"
+    size: int = 8  # Fast-dLLM v2's `small_block_size`
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.size < 1:
+            raise ValueError(f"size must be >= 1, got {self.size}")
+
+    def select(self, tokens: torch.Tensor, confidence: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
+        sub = torch.arange(masked.shape[1], device=masked.device) // self.size
+        current = torch.where(masked, sub, masked.shape[1]).amin(dim=1, keepdim=True)  # leftmost with masks
+        return super().select(tokens, confidence, masked & (sub == current))
+
+
+@register_rule
+@dataclass
 class ExactRule:
     """Exact mode: the output is the model's causal choice (block size 1), token for token, at fewer forwards:
     every forward verifies drafted tokens causally, commits the longest prefix of drafts equal to the causal

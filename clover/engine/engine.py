@@ -217,7 +217,7 @@ class Engine:
         """Prompts, left-padded, read causally in chunks of `prefill_chunk` (`clover.engine.prefill`); the last
         chunk opens the loop."""
         cache = self.runner.new_cache(len(seqs))
-        last = prefill([s.prompt for s in seqs], self.mask_id, self.prefill_chunk,
+        last = prefill([self.loop.prefilled(s.prompt) for s in seqs], self.mask_id, self.prefill_chunk,
                        lambda ids, **kwargs: self.forward(ids, cache, **kwargs), self.device, self.prompt_grid)
         for s in seqs:
             s.prefill_forwards = last.forwards
@@ -236,14 +236,15 @@ class Engine:
             raise ValueError(f"a reused prefix must be one row ending on the {self.prefill_chunk}-token grid before "
                              f"the prompt's end; got {cache.batch_size} rows, {done} of {len(seq.prompt)} tokens")
         seq.prefill_forwards = 0
-        return Prefill(seq, cache, done, pad=-len(seq.prompt) % self.prompt_grid)
+        return Prefill(seq, cache, done, pad=-len(self.loop.prefilled(seq.prompt)) % self.prompt_grid)
 
     def prefill_step(self, p: Prefill) -> DecodeBatch | None:
         """One prefill chunk, ending on the absolute grid of `prefill_chunk` tokens — so a prefill resumed from a
         reused prefix runs exactly the forwards of a cold one, and gives the same bits. The last chunk opens the
         loop (as `_prefill` does) and returns the request as a one-row batch; earlier ones return None."""
         grid = self.prompt_grid
-        prompt = [self.mask_id] * p.pad + p.seq.prompt  # padding (invalid) to whole blocks on a block grid
+        # padding (invalid) to whole blocks on a block grid
+        prompt = [self.mask_id] * p.pad + self.loop.prefilled(p.seq.prompt)
         chunk = grid_chunk(self.prefill_chunk, grid)
         end = min((p.done // chunk + 1) * chunk, len(prompt))
         ids = torch.tensor([prompt[p.done:end]], dtype=torch.long, device=self.device)

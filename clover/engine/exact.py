@@ -121,8 +121,7 @@ class ExactLoop(DecodingLoop):
         self.lookup_tally = [0, 0, 0]  # forwards that verified drafts from the context, drafts accepted, verified
         self._positions = torch.arange(engine.block_size, device=engine.device)
 
-    @staticmethod
-    def room(context: int, prompt_len: int, block_size: int) -> tuple[int, str]:
+    def room(self, context: int, prompt_len: int, block_size: int) -> tuple[int, str]:
         # the last forward still carries a query block after at most B - 1 drafts
         return context - prompt_len - (block_size - 1), f"{block_size - 1} positions for drafting"
 

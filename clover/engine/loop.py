@@ -13,6 +13,7 @@ picks the loop, once, when the engine is made: the engine never checks which loo
     join(a, b) / keep_rows     batches merge; finished or cancelled rows leave
     room(context, prompt)      how many new tokens fit (one rule for the engine and the server)
     prompt_grid                the block grid the prefill reads prompts on (1: causally)
+    prefilled(prompt)          the part of a prompt the prefill reads (the rest opens the first block)
 """
 
 from __future__ import annotations
@@ -68,6 +69,10 @@ class DecodingLoop:
     def check(self, params: list[SamplingParams]) -> None:
         """Raise `ValueError` naming the request whose sampling parameters this loop cannot serve."""
 
+    def prefilled(self, prompt: list[int]) -> list[int]:
+        """The part of `prompt` the prefill reads: all of it, unless the loop opens its first block with the rest."""
+        return prompt
+
     def open(self, seqs: list[Request], ids: torch.Tensor, cache: RunnerCache, **kwargs: Any) -> Any:
         raise NotImplementedError
 
@@ -83,8 +88,7 @@ class DecodingLoop:
     def keep_rows(self, b: Any, keep: list[int]) -> None:
         raise NotImplementedError
 
-    @staticmethod
-    def room(context: int, prompt_len: int, block_size: int) -> tuple[int, str]:
+    def room(self, context: int, prompt_len: int, block_size: int) -> tuple[int, str]:
         """New tokens that fit after a prompt of `prompt_len` in `context` positions, and why no more (the unit
         the positions are spent in)."""
         raise NotImplementedError

@@ -47,8 +47,10 @@ class LastChunk:
 def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device: torch.device,
              grid: int = 1) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`[N, W]` ids with each prompt right-aligned (`pad_id` before it) and the `[N, W]` mask of real tokens, `W`
-    the longest length rounded up to a multiple of `grid`; the mask is None when no row is padded."""
-    if not prompts or any(len(p) == 0 for p in prompts):
+    the longest length rounded up to a multiple of `grid`; the mask is None when no row is padded. On a block grid
+    a prompt may be empty (an absolute grid whose prompt fits in the first generated block: clover.engine.block_loop);
+    its row is all padding."""
+    if not prompts or (grid == 1 and any(len(p) == 0 for p in prompts)):
         raise ValueError("left_pad needs at least one prompt, each of at least one token")
     longest = -(-max(len(p) for p in prompts) // grid) * grid
     ids = torch.full((len(prompts), longest), pad_id, dtype=torch.long)
@@ -72,6 +74,8 @@ def prefill(prompts: Sequence[Sequence[int]], pad_id: int, chunk: int, forward: 
     `forward` (no logits), and return the last chunk."""
     chunk = grid_chunk(chunk, grid)
     ids, valid = left_pad(prompts, pad_id, device, grid)
+    if ids.shape[1] == 0:  # every prompt opens its first block whole: nothing to prefill
+        return LastChunk(ids, None, 1, grid)  # (the caller's first forward, which carries the first block)
     starts = range(0, ids.shape[1], chunk)
     for start in starts[:-1]:
         end = start + chunk

@@ -124,12 +124,18 @@ class AttentionLayerCache:
         return 0 if kv is None else sum(t.numel() * t.element_size() for t in kv)
 
     @staticmethod
-    def concat(layers: list["AttentionLayerCache"], lengths: list[int]) -> "AttentionLayerCache":
-        """Rows of several caches, each left-padded with zeros to the longest (`lengths`: each cache's length)."""
+    def concat(layers: list["AttentionLayerCache"], lengths: list[int], sizes: list[int]) -> "AttentionLayerCache":
+        """Rows of several caches, each left-padded with zeros to the longest (`lengths`: each cache's length,
+        `sizes`: its rows). An empty cache (a request whose prompt opened its first block whole) is all padding."""
         longest = max(lengths)
+        held = next((layer.keys_values() for layer in layers if layer.k is not None), None)
+        if held is None:
+            return AttentionLayerCache()
         ks, vs = [], []
-        for layer, length in zip(layers, lengths):
-            k, v = layer.keys_values()  # every cache being joined holds at least one position
+        for layer, length, size in zip(layers, lengths, sizes):
+            kv = layer.keys_values()
+            k, v = kv if kv is not None else (held[0].new_zeros(size, *held[0].shape[1:2], 0, held[0].shape[3]),
+                                              held[1].new_zeros(size, *held[1].shape[1:2], 0, held[1].shape[3]))
             pad = longest - length
             ks.append(torch.nn.functional.pad(k, (0, 0, pad, 0)) if pad else k)
             vs.append(torch.nn.functional.pad(v, (0, 0, pad, 0)) if pad else v)
@@ -200,12 +206,17 @@ class DeltaNetLayerCache:
         return sum(t.numel() * t.element_size() for t in (self.state, self.conv))
 
     @staticmethod
-    def concat(layers: list["DeltaNetLayerCache"]) -> "DeltaNetLayerCache":
-        if any(layer.state is None for layer in layers):
-            raise ValueError("cannot join a DeltaNet cache without history (an empty cache) into a batch")
+    def concat(layers: list["DeltaNetLayerCache"], sizes: list[int]) -> "DeltaNetLayerCache":
+        """Rows of several caches (`sizes`: the rows of each); an empty one joins as zeros, the empty history."""
         new = DeltaNetLayerCache()
-        new.state = torch.cat([layer.state for layer in layers])
-        new.conv = torch.cat([layer.conv for layer in layers])
+        held = next((layer for layer in layers if layer.state is not None), None)
+        if held is not None:
+            new.state = torch.cat([layer.state if layer.state is not None else
+                                   held.state.new_zeros(size, *held.state.shape[1:])
+                                   for layer, size in zip(layers, sizes)])
+            new.conv = torch.cat([layer.conv if layer.conv is not None else
+                                  held.conv.new_zeros(size, *held.conv.shape[1:])
+                                  for layer, size in zip(layers, sizes)])
         return new
 
 
@@ -303,16 +314,16 @@ class CloverCache:
         states are per row and need no padding. Positions stay per row (`next_position`)."""
         if not caches:
             raise ValueError("concat needs at least one cache")
-        lengths = [c.length for c in caches]
+        lengths, sizes = [c.length for c in caches], [c.batch_size for c in caches]
         longest = max(lengths)
         new = cls.__new__(cls)
         new.layers = []
         for i, layer in enumerate(caches[0].layers):
             group = [c.layers[i] for c in caches]
             if isinstance(layer, AttentionLayerCache):
-                new.layers.append(AttentionLayerCache.concat(group, lengths))
+                new.layers.append(AttentionLayerCache.concat(group, lengths, sizes))
             else:
-                new.layers.append(DeltaNetLayerCache.concat(group))
+                new.layers.append(DeltaNetLayerCache.concat(group, sizes))
         new.valid = torch.cat([torch.nn.functional.pad(c.valid, (longest - c.length, 0), value=False)
                                for c in caches])
         new.next_position = torch.cat([c.next_position for c in caches])

@@ -12,6 +12,10 @@ What Clover adds, inside a block of n tokens (docs/design.md §4; all identities
     * the block-bidirectional read of `clover.ops.delta_rule.block_bidirectional_read`, whose memory term is
       scaled by `lambda(n) = n ** memory_calibration[h]` (starts at 0, so lambda = 1; lambda(1) = 1 always);
     * the history stays the causal recurrent state: committing a block advances it by the ordinary rule.
+
+With `deltanet_reading: causal` (arcLM's convention: only its attention layers read a block both ways) none of this
+applies: the causal conv alone, and every block, committed or being decoded, read by the AR recurrence from the
+state before it, so the layer is the AR base's whatever the block grid.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ class GatedDeltaNet(nn.Module):
         self.value_dim = self.num_v_heads * self.head_v_dim
         self.kernel = config.linear_conv_kernel_dim
         self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.causal_read = config.deltanet_reading == "causal"
         h = config.hidden_size
         self.in_proj_qkv = nn.Linear(h, self.conv_dim, bias=False)
         self.in_proj_z = nn.Linear(h, self.value_dim, bias=False)
@@ -101,14 +106,17 @@ class GatedDeltaNet(nn.Module):
             if layout.blocked_len:
                 blocks, _ = self._blocked(clean[:, :, p:], bsz)
                 right.append(self._unblocked(self._right_conv(blocks), n, layout.blocked_len))
-            out.append(F.conv1d(full, self.conv1d.weight, groups=self.conv_dim) + torch.cat(right, dim=2))
+            clean_out = F.conv1d(full, self.conv1d.weight, groups=self.conv_dim)
+            out.append(clean_out if self.causal_read else clean_out + torch.cat(right, dim=2))
         if layout.query_blocks:
             starts = range(layout.query_start, layout.query_start + layout.query_len, bsz)
             windows = torch.stack([self._tail(full, clean_valid) if s == lc else full[:, :, s : s + k1]
                                    for s in starts], dim=1)  # [N, nq, C, K-1]
             query, nq = self._blocked(mixed[:, :, lc:], bsz)
             query_in = torch.cat([windows.reshape(n * nq, self.conv_dim, k1), query], dim=2)
-            query_out = F.conv1d(query_in, self.conv1d.weight, groups=self.conv_dim) + self._right_conv(query)
+            query_out = F.conv1d(query_in, self.conv1d.weight, groups=self.conv_dim)
+            if not self.causal_read:
+                query_out = query_out + self._right_conv(query)
             out.append(self._unblocked(query_out, n, layout.query_len))
         return torch.cat(out, dim=2), full
 
@@ -159,12 +167,15 @@ class GatedDeltaNet(nn.Module):
         starts = state[:, :, None]  # history state before each clean block, then the final state
         if layout.blocked_len:
             sl = slice(p, lc)
-            _, final, block_states = chunk_gated_delta_rule(None, k[:, :, sl], v[:, :, sl], g[:, :, sl],
-                                                            beta[:, :, sl], state, chunk_size=bsz, chunk_states=True)
-            nb = block_states.shape[2]
-            sizes = torch.full((nb,), float(bsz), device=x.device)
-            sizes[-1] = layout.blocked_len - (nb - 1) * bsz
-            o = self._read(q[:, :, sl], k[:, :, sl], v[:, :, sl], g[:, :, sl], beta[:, :, sl], block_states, sizes, bsz)
+            o, final, block_states = chunk_gated_delta_rule(q[:, :, sl] if self.causal_read else None, k[:, :, sl],
+                                                            v[:, :, sl], g[:, :, sl], beta[:, :, sl], state,
+                                                            chunk_size=bsz, chunk_states=True)
+            if not self.causal_read:
+                nb = block_states.shape[2]
+                sizes = torch.full((nb,), float(bsz), device=x.device)
+                sizes[-1] = layout.blocked_len - (nb - 1) * bsz
+                o = self._read(q[:, :, sl], k[:, :, sl], v[:, :, sl], g[:, :, sl], beta[:, :, sl], block_states,
+                               sizes, bsz)
             outs.append(o[:, :, : layout.blocked_len])
             starts = torch.cat([block_states, final[:, :, None]], dim=2)
             state = final
@@ -174,9 +185,13 @@ class GatedDeltaNet(nn.Module):
             idx = torch.arange(first, first + layout.query_blocks, device=x.device)
             past_clean = torch.arange(layout.query_blocks, device=x.device) * bsz + layout.query_start >= lc
             idx[past_clean] = starts.shape[2] - 1
-            sizes = torch.full((layout.query_blocks,), float(bsz), device=x.device)
-            outs.append(self._read(q[:, :, sl], k[:, :, sl], v[:, :, sl], g[:, :, sl], beta[:, :, sl],
-                                   starts[:, :, idx], sizes, bsz))
+            if self.causal_read:
+                outs.append(self._read_causal(q[:, :, sl], k[:, :, sl], v[:, :, sl], g[:, :, sl], beta[:, :, sl],
+                                              starts[:, :, idx], bsz))
+            else:
+                sizes = torch.full((layout.query_blocks,), float(bsz), device=x.device)
+                outs.append(self._read(q[:, :, sl], k[:, :, sl], v[:, :, sl], g[:, :, sl], beta[:, :, sl],
+                                       starts[:, :, idx], sizes, bsz))
 
         if cache is not None and lc:
             cache.state = state
@@ -198,3 +213,18 @@ class GatedDeltaNet(nn.Module):
         scale = torch.exp(self.memory_calibration.float()[:, None] * sizes.log()[None, :])  # lambda(n) [H, nb]
         out = block_bidirectional_read(*blocks, g, beta, states, scale)
         return out.reshape(n, h, nb * bsz, -1)
+
+    @staticmethod
+    def _read_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                     states: torch.Tensor, bsz: int) -> torch.Tensor:
+        """Causal outputs of consecutive whole blocks of `bsz` `[N, H, nb * bsz, d]`, each block's recurrence
+        started from its own state `states[:, :, b]` -> `[N, H, nb * bsz, dv]`."""
+        n, h, length, _ = q.shape
+        nb = states.shape[2]
+
+        def fold(x: torch.Tensor) -> torch.Tensor:  # [N, H, nb * bsz, ...] -> [N * nb, H, bsz, ...]
+            return x.reshape(n, h, nb, bsz, *x.shape[3:]).transpose(1, 2).reshape(n * nb, h, bsz, *x.shape[3:])
+
+        start = states.transpose(1, 2).reshape(n * nb, h, *states.shape[3:])
+        out, _, _ = chunk_gated_delta_rule(fold(q), fold(k), fold(v), fold(g), fold(beta), start, chunk_size=bsz)
+        return out.reshape(n, nb, h, bsz, -1).transpose(1, 2).reshape(n, h, length, -1)

@@ -1,4 +1,5 @@
-"""Feed-forward blocks: dense SwiGLU, and the sparse MoE (softmax top-k router + shared expert) of Qwen3.5."""
+"""Feed-forward blocks: dense SwiGLU, and the sparse MoE: softmax top-k router, routed experts, and the sigmoid-gated
+shared expert of Qwen3.5 (Qwen3-MoE has none: `shared_expert_intermediate_size` 0)."""
 
 from __future__ import annotations
 
@@ -73,19 +74,24 @@ class Experts(nn.Module):
 
 
 class SparseMoE(nn.Module):
-    """`sum_k w_k expert_k(x) + sigmoid(shared_expert_gate(x)) * shared_expert(x)`."""
+    """`sum_k w_k expert_k(x) + sigmoid(shared_expert_gate(x)) * shared_expert(x)`, the second term only with a
+    shared expert."""
 
     def __init__(self, config: CloverConfig) -> None:
         super().__init__()
         self.gate = TopKRouter(config)
         self.experts = Experts(config)
-        self.shared_expert = SwiGLU(config.hidden_size, config.shared_expert_intermediate_size)
-        self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
+        self.shared_expert: SwiGLU | None = None
+        self.shared_expert_gate: nn.Linear | None = None
+        if config.shared_expert_intermediate_size:
+            self.shared_expert = SwiGLU(config.hidden_size, config.shared_expert_intermediate_size)
+            self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         weights, experts = self.gate(x)
         out = self.experts(x, weights, experts)
-        out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out.reshape(shape)

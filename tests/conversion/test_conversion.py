@@ -48,6 +48,15 @@ def qwen3_5_moe_reference(seed: int = 0):
     return _perturb_vectors(Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**HYBRID)))
 
 
+def qwen3_5_reference(seed: int = 0):
+    """A dense Qwen3.5 (the 0.8B ... 27B models' layout): the hybrid mixers, a SwiGLU feed-forward."""
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    torch.manual_seed(seed)
+    dims = {k: v for k, v in HYBRID.items() if "expert" not in k}
+    return _perturb_vectors(Qwen3_5ForCausalLM(Qwen3_5TextConfig(**dims, intermediate_size=48)))
+
+
 def qwen3_next_reference(seed: int = 0, **overrides):
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
@@ -143,6 +152,21 @@ def test_qwen3_5_moe_conversion_matches_reference(tmp_path: Path, layout: str) -
         assert not attn.conv1d_right.weight.any() and not attn.memory_calibration.any()
 
 
+@pytest.mark.parametrize("multimodal", [False, True])
+def test_dense_qwen3_5_conversion_matches_reference(tmp_path: Path, multimodal: bool) -> None:
+    reference = qwen3_5_reference()
+    src = tmp_path / "hf"
+    reference.save_pretrained(src)
+    if multimodal:
+        src = rewrite_checkpoint(src, tmp_path / "mm", as_multimodal, lambda text: {
+            **multimodal_config(text), "model_type": "qwen3_5", "architectures": ["Qwen3_5ForConditionalGeneration"]})
+    convert("qwen3_5", src, tmp_path / "clover")
+    model = assert_matches_reference(reference, tmp_path / "clover")
+    assert (model.config.mlp_type, model.config.intermediate_size, model.config.attn_output_gate) == ("dense", 48, True)
+    with pytest.raises(ValueError, match="--from qwen3_5_moe expects one of"):
+        convert("qwen3_5_moe", src, tmp_path / "other")
+
+
 def test_mask_token_row_is_the_mean_embedding(tmp_path: Path) -> None:
     reference = qwen3_5_moe_reference()
     reference.save_pretrained(tmp_path / "hf")
@@ -200,12 +224,17 @@ def test_llama_conversion_matches_reference(tmp_path: Path, tie: bool) -> None:
 
 
 def qwen_reference(family: str, seed: int = 0, tie: bool = False, **overrides):
-    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    from transformers import (Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig,
+                              Qwen3MoeForCausalLM)
 
     config_class, model_class = {"qwen3": (Qwen3Config, Qwen3ForCausalLM),
-                                 "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[family]
+                                 "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+                                 "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM)}[family]
     torch.manual_seed(seed)
     config = {**ATTN, "num_hidden_layers": 2, "intermediate_size": 48, "tie_word_embeddings": tie, **overrides}
+    if family == "qwen3_moe":  # layers 0 and 2 dense (decoder_sparse_step 2, mlp_only_layers), 1 and 3 sparse
+        config.update(num_hidden_layers=4, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=24,
+                      decoder_sparse_step=2, mlp_only_layers=[2], norm_topk_prob=True)
     model = model_class(config_class(**config))
     with torch.no_grad():  # biases start at zero: random ones make a missing or misplaced bias show
         for name, p in model.named_parameters():
@@ -228,6 +257,23 @@ def test_qwen_conversion_matches_reference(tmp_path: Path, family: str, tie: boo
     from clover.engine import generate
     assert generate(model, [ids[0].tolist()], max_new_tokens=8, block_size=1,
                     threshold=1.0).sequences[0] == want  # greedy tokens equal
+
+
+def test_qwen3_moe_conversion_matches_reference(tmp_path: Path) -> None:
+    """Qwen3-MoE: Qwen3's attention, routed experts stored per expert, no shared expert, dense layers where
+    `decoder_sparse_step` / `mlp_only_layers` put them."""
+    reference = qwen_reference("qwen3_moe")
+    reference.save_pretrained(tmp_path / "hf")
+    convert("qwen3_moe", tmp_path / "hf", tmp_path / "clover")
+    model = assert_matches_reference(reference, tmp_path / "clover")
+    config = model.config
+    assert (config.mlp_type, config.mlp_only_layers, config.shared_expert_intermediate_size) == ("moe", [0, 2], 0)
+    assert (config.qk_norm, config.norm_topk_prob, config.num_experts) == (True, True, 6)
+    assert model.model.layers[1].mlp.shared_expert is None
+    ids = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(1))
+    want = reference.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0)[0, 6:].tolist()
+    from clover.engine import generate
+    assert generate(model, [ids[0].tolist()], max_new_tokens=8, block_size=1).sequences[0] == want
 
 
 @pytest.mark.parametrize("family,overrides,message", [
@@ -366,7 +412,8 @@ def test_unknown_format_lists_valid_formats(tmp_path: Path, capsys: pytest.Captu
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert "invalid choice: 'mistral'" in err and all(name in err for name in FORMATS)
-    with pytest.raises(ValueError, match="valid formats: qwen3_5_moe, qwen3_next, llama, qwen3, qwen2, gguf"):
+    with pytest.raises(ValueError, match="valid formats: qwen3_5_moe, qwen3_5, qwen3_next, llama, qwen3, "
+                                         "qwen3_moe, qwen2, gguf"):
         convert("mistral", tmp_path, tmp_path / "dst")
 
 

@@ -64,6 +64,26 @@ def test_left_to_right_fills_a_run_from_the_leftmost_masked_position() -> None:
     assert accept.tolist() == [[True, True, False, False], [False, True, False, False], [False, False, True, True]]
 
 
+def test_sub_blocks_fill_the_leftmost_sub_block_with_masks_first() -> None:
+    confidence = torch.tensor([[0.30, 0.95, 0.99, 0.99, 0.99, 0.99],
+                               [0.99, 0.20, 0.50, 0.99, 0.95, 0.10],
+                               [0.99, 0.99, 0.99, 0.99, 0.99, 0.99]])
+    masked = torch.tensor([[True, True, True, True, True, True],
+                           [False, False, True, True, True, True],
+                           [False, False, False, False, False, False]])
+    accept = make_rule("sub_blocks", threshold=0.9, size=2).select(torch.zeros(3, 6, dtype=torch.long), confidence,
+                                                                    masked)
+    # row 0: sub-block {0, 1} only (0.95, not the 0.99s right of it); row 1: sub-block {0, 1} is full, so {2, 3}:
+    # 0.99 and nothing else; row 2: nothing masked, nothing accepted
+    assert accept.tolist() == [[False, True, False, False, False, False],
+                               [False, False, False, True, False, False],
+                               [False] * 6]
+    whole = make_rule("sub_blocks", threshold=0.9, size=6).select(torch.zeros(3, 6, dtype=torch.long), confidence,
+                                                                  masked)
+    plain = make_rule("threshold", threshold=0.9).select(torch.zeros(3, 6, dtype=torch.long), confidence, masked)
+    assert torch.equal(whole, plain)
+
+
 def test_top_k_per_step_fills_exactly_k() -> None:
     tokens, confidence, masked = _random_case(0)
     accept = make_rule("top_k_per_step", k=3).select(tokens, confidence, masked)
@@ -98,6 +118,8 @@ def test_rule_registry_errors_and_instances() -> None:
         make_rule("threshold", threshold=0.0)
     with pytest.raises(ValueError, match="k must be"):
         make_rule("top_k_per_step", k=0)
+    with pytest.raises(ValueError, match="size must be"):
+        make_rule("sub_blocks", size=0)
     rule = make_rule("threshold", threshold=0.3)
     assert make_rule(rule) is rule and isinstance(rule, UnmaskingRule) and rule.threshold == 0.3
     assert make_rule("top_k_per_step", threshold=0.5).k == 2  # a threshold is ignored by rules without one

@@ -9,10 +9,15 @@ from clover.config import FULL_ATTENTION, LINEAR_ATTENTION
 LAYERS = [LINEAR_ATTENTION, FULL_ATTENTION, LINEAR_ATTENTION, FULL_ATTENTION]
 
 
+# the tiny models the layout tests run on: hybrid (Gated DeltaNet reading a block both ways, or causally as arcLM
+# does) and dense
+MODELS = {"clover-tiny": {}, "clover-tiny-dense": {}, "clover-tiny+causal-deltanet": dict(deltanet_reading="causal")}
+
+
 def tiny(preset: str, seed: int = 0, clover_params: bool = True) -> CloverForBlockDiffusion:
-    """A tiny random model; with `clover_params`, the block-only parameters are randomised too."""
+    """A tiny random model (a `MODELS` name); with `clover_params`, the block-only parameters are randomised too."""
     torch.manual_seed(seed)
-    model = CloverForBlockDiffusion(CloverConfig.from_preset(preset)).eval()
+    model = CloverForBlockDiffusion(CloverConfig.from_preset(preset.split("+")[0], **MODELS[preset])).eval()
     if clover_params:
         for name, p in model.named_parameters():
             if "conv1d_right" in name or "memory_calibration" in name:
@@ -62,7 +67,7 @@ def test_block_size_one_equals_transformers_llama():
     assert _max_diff(model(ids).logits, ref(ids).logits) < 1e-4
 
 
-@pytest.mark.parametrize("preset", ["clover-tiny", "clover-tiny-dense"])
+@pytest.mark.parametrize("preset", sorted(MODELS))
 @torch.no_grad()
 def test_cached_steps_equal_uncached_forward(preset):
     model = tiny(preset)
@@ -75,7 +80,7 @@ def test_cached_steps_equal_uncached_forward(preset):
     assert cache.length == 90 and cache.next_position.tolist() == [90, 90]
 
 
-@pytest.mark.parametrize("preset", ["clover-tiny", "clover-tiny-dense"])
+@pytest.mark.parametrize("preset", sorted(MODELS))
 @pytest.mark.parametrize("block_size", [2, 4, 7])
 @pytest.mark.parametrize("tail", [0, 1, -1])  # the last block whole, with one token, or one token short
 @torch.no_grad()
@@ -91,7 +96,7 @@ def test_cached_blocks_equal_block_causal_forward(preset, block_size, tail):
     assert _max_diff(torch.cat(pieces, 1), full) < 1e-4
 
 
-@pytest.mark.parametrize("preset", ["clover-tiny", "clover-tiny-dense"])
+@pytest.mark.parametrize("preset", sorted(MODELS))
 @torch.no_grad()
 def test_query_blocks_read_like_the_clean_block_they_copy(preset):
     model, b, p = tiny(preset), 4, 6
@@ -141,7 +146,28 @@ def test_in_block_tokens_read_both_ways_and_blocks_stay_causal():
     assert _max_diff(changed[:, :4], base[:, :4]) < 1e-6  # block 0 does not see block 1 (float noise only)
 
 
-@pytest.mark.parametrize("preset", ["clover-tiny", "clover-tiny-dense"])
+@torch.no_grad()
+def test_causal_deltanet_reading_is_the_ar_recurrence_inside_a_block():
+    """arcLM's reading: Gated DeltaNet layers run the AR recurrence through a block (and its conv has no right
+    context), so a model of Gated DeltaNet layers only reads every block exactly as block size 1 does; Clover's
+    reading lets a block's first token see its last."""
+    torch.manual_seed(0)
+    dims = dict(num_hidden_layers=2, layer_types=[LINEAR_ATTENTION] * 2)
+    causal = CloverForBlockDiffusion(CloverConfig.from_preset("clover-tiny", deltanet_reading="causal", **dims)).eval()
+    for name, p in causal.named_parameters():
+        if "conv1d_right" in name or "memory_calibration" in name:
+            torch.nn.init.normal_(p, std=0.3)
+    bidirectional = CloverForBlockDiffusion(CloverConfig.from_preset("clover-tiny", **dims)).eval()
+    bidirectional.load_state_dict(causal.state_dict())
+    ids = torch.randint(0, 250, (2, 19))
+    ar = causal(ids, block_size=1).logits
+    assert _max_diff(causal(ids, block_size=4, prefix_len=3).logits, ar) < 1e-4
+    query = causal(ids[:, :11], block_size=4, prefix_len=3, query_ids=ids[:, 3:11], query_start=3).query_logits
+    assert _max_diff(query, ar[:, 3:11]) < 1e-4  # the training layout's query blocks too
+    assert _max_diff(bidirectional(ids, block_size=4, prefix_len=3).logits, ar) > 1e-3
+
+
+@pytest.mark.parametrize("preset", sorted(MODELS))
 @torch.no_grad()
 def test_left_padding_does_not_change_a_sequence(preset):
     model = tiny(preset)
