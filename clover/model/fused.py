@@ -37,8 +37,11 @@ def can_fuse(layer: nn.Module) -> bool:
 
 
 def runs_fused(h: torch.Tensor, ctx: _ForwardContext) -> bool:
-    """Whether a forward's marked layers take the fused path: fp32 on a CPU, nothing for autograd to record."""
-    return h.dtype == torch.float32 and h.device.type == "cpu" and not (h.requires_grad and torch.is_grad_enabled())
+    """Whether a forward's marked layers take the fused path: fp32 on a CPU, nothing for autograd to record, and
+    fewer rows than a prefill chunk's (from `woq.DENSE_ROWS` rows the module path's dequantised matmuls are faster,
+    and the fused layer saves nothing there: its gain is dispatch, which many rows amortise)."""
+    return (h.dtype == torch.float32 and h.device.type == "cpu" and h.shape[0] * h.shape[1] < woq.DENSE_ROWS
+            and not (h.requires_grad and torch.is_grad_enabled()))
 
 
 def fused_forward(layer: DecoderLayer, h: torch.Tensor, ctx: _ForwardContext, cache: Any) -> torch.Tensor:

@@ -114,10 +114,16 @@ class PackedLinear(nn.Module):
         args = (x, self.qweight, self.scale, self.zero, self.kind, self.out_features, self.group_size,
                 (self.correction_a, self.correction_b) if self.rank else None)
         gate = self.gate.grid() if self.gate is not None and self.rank else None
-        if x.device.type == "cpu":
-            return woq.woq_linear(*args, correction_tiles=(self.correction_tiles, self.correction_index)
-                                  if self.rank else None, activations=self.activations, gate=gate)
-        return woq.reference_linear(*args, gate=gate)  # elsewhere: the dequantised matmul, x not rounded
+        if x.device.type != "cpu":
+            return woq.reference_linear(*args, gate=gate)  # elsewhere: the dequantised matmul, x not rounded
+        if self.activations == "int8x2" and x.numel() >= woq.DENSE_ROWS * self.in_features:
+            # many rows (a prefill chunk) rounded twice: the weights decoded once, then torch's fp32 matmul, x not
+            # rounded (faster here than the kernel's two integer passes; one pass stays faster: docs/cpu.md)
+            weight = woq.dequantize(self.qweight, self.scale, self.zero, self.kind, self.out_features,
+                                    self.in_features, self.group_size)
+            return woq.reference_linear(*args, gate=gate, weight=weight)
+        return woq.woq_linear(*args, correction_tiles=(self.correction_tiles, self.correction_index)
+                              if self.rank else None, activations=self.activations, gate=gate)
 
     def kernel_args(self) -> tuple:
         """The layer as the C++ decoder layer takes it (clover.model.fused): `(qweight, scale, zero, kind code,

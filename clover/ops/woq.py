@@ -68,6 +68,10 @@ LAYOUT_VERSION = 3  # of the packed layout; 1: int8 / int4 codes as [o // 16, k,
 # 2: low-rank corrections in fp32
 DEFAULT_GROUP_SIZE = 32  # llama.cpp's Q4_1/Q8_0 block, the format clover-smol's base weights come in
 ACTIVATIONS = {"int8": 1, "int8x2": 2}  # int8 / int4 layers' rounding of x: int8 passes (the kernel's `passes`)
+# From this many rows an int8 / int4 layer that rounds its input twice (`int8x2`) dequantises its weights on a CPU
+# (`dequantize`) for torch's fp32 matmul instead of running the integer kernel, built for the few rows of a decoding
+# step (measured on an AVX2 EPYC: the crossover near 256 rows, 1.3-1.5x faster from 512; docs/cpu.md)
+DENSE_ROWS = 256
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = (CSRC / "woq.cpp", CSRC / "layer.cpp")  # the kernels; a decoder layer built on them (clover.model.fused)
 HEADERS = (CSRC / "woq.h",)
@@ -215,15 +219,24 @@ def unpack(qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, kind:
     return w.view(out_features, in_features)
 
 
+def dequantize(qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, kind: str, out_features: int,
+               in_features: int, group_size: int = DEFAULT_GROUP_SIZE) -> torch.Tensor:
+    """`unpack` of int8 / int4 weights by the extension (the same values, one C++ pass: for a forward of many rows
+    on a CPU, where `unpack`'s tensor ops cost more than the matmul they feed gains)."""
+    check(kind, in_features, group_size)
+    return extension().dequantize(qweight, scale, zero, KINDS[kind], out_features, in_features, group_size)
+
+
 def reference_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, kind: str,
                      out_features: int, group_size: int = DEFAULT_GROUP_SIZE,
                      correction: tuple[torch.Tensor, torch.Tensor] | None = None,
-                     gate: tuple[int, int] | None = None) -> torch.Tensor:
+                     gate: tuple[int, int] | None = None, weight: torch.Tensor | None = None) -> torch.Tensor:
     """Dequantise, then an fp32 matmul: `x [..., K]` -> `[..., O]` in x's dtype; `correction`: `(A [r, K],
     B' [r, O])`, fp16 stored as int16 bits (`pack_correction`), adds `(x A^T) B'` (a low-rank term kept beside
     the packed weights); `gate` `(T, start)`: a gated adapter's correction, added only where a row's position
-    in its sequence of `T` tokens (the rows of `x` in order) is `>= start` (its query stream)."""
-    w = unpack(qweight, scale, zero, kind, out_features, x.shape[-1], group_size)
+    in its sequence of `T` tokens (the rows of `x` in order) is `>= start` (its query stream). `weight`: the
+    dequantised weights when the caller has them (`dequantize`)."""
+    w = weight if weight is not None else unpack(qweight, scale, zero, kind, out_features, x.shape[-1], group_size)
     y = F.linear(x.float(), w.to(x.device))
     if correction is not None:
         a, b = (t.view(torch.float16).float() for t in correction)

@@ -81,6 +81,39 @@ def test_a_gated_correction_acts_at_query_rows_only(kind, vectorised):
                                                                       if k != "vectorised"})[:, :start])
 
 
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+@pytest.mark.parametrize("group_size", [8, 32])
+def test_dequantize_equals_unpack(kind, group_size):
+    """The extension's `dequantize` gives `unpack`'s weights bit for bit (37: a partial 16-column block)."""
+    torch.manual_seed(0)
+    packed = woq.pack(torch.randn(37, 64), kind, group_size=group_size)
+    want = woq.unpack(**packed, kind=kind, out_features=37, in_features=64, group_size=group_size)
+    got = woq.dequantize(**packed, kind=kind, out_features=37, in_features=64, group_size=group_size)
+    assert got.shape == (37, 64) and torch.equal(got, want)
+    with pytest.raises(RuntimeError, match="do not match"):
+        woq.dequantize(**packed, kind=kind, out_features=64, in_features=64, group_size=group_size)
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_many_rows_rounded_twice_take_the_dequantised_matmul(kind):
+    """From `woq.DENSE_ROWS` rows a layer that rounds its input twice computes the dequantised weights' fp32 matmul
+    (its gated correction included), which stays within the kernel's activation rounding of it; one pass, or
+    fewer rows, keep the kernel."""
+    torch.manual_seed(0)
+    layer = PackedLinear.from_weight(torch.randn(40, 64), kind, group_size=8, activations="int8x2",
+                                     correction=(torch.randn(4, 64), torch.randn(4, 40)))
+    args = dict(qweight=layer.qweight, scale=layer.scale, zero=layer.zero, kind=kind, out_features=40, group_size=8,
+                correction=(layer.correction_a, layer.correction_b))
+    rows = woq.DENSE_ROWS // 4
+    x = torch.randn(4, rows, 64)
+    assert torch.equal(layer(x), woq.reference_linear(x, **args))
+    assert_close_up_to_activation_rounding(layer(x), woq.woq_linear(x, **args, activations="int8x2"))
+    few = x[:, : rows - 1]
+    assert torch.equal(layer(few), woq.woq_linear(few, **args, activations="int8x2"))
+    layer.activations = "int8"
+    assert torch.equal(layer(x), woq.woq_linear(x, **args, activations="int8"))
+
+
 def test_correction_is_stored_in_fp16_balanced_per_rank():
     """`pack_correction` rescales each rank's rows of A and B' to the same peak before rounding to fp16: the
     product stays to fp16's precision even where B' alone sits far below fp16's normal range (an adapter with a

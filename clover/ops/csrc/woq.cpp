@@ -618,6 +618,53 @@ torch::Tensor woq_linear(torch::Tensor input, torch::Tensor w, torch::Tensor sca
   return input.scalar_type() == torch::kFloat ? y : y.to(input.scalar_type());
 }
 
+// The dense fp32 weights [O, K] a packed int8 / int4 layer stands for, s * q (+ m), as `woq.unpack` computes them:
+// a forward of many rows (a prefill chunk) multiplies these with torch's matmul, which is faster there than the
+// integer kernel above (clover.model.quant.PackedLinear). One thread per block of 16 output columns.
+torch::Tensor woq_dequantize(torch::Tensor w, torch::Tensor scale, torch::Tensor zero, int64_t kind,
+                             int64_t out_features, int64_t K, int64_t group) {
+  TORCH_CHECK(kind == INT8 || kind == INT4, "dequantize takes int8 / int4 weights, got kind ", kind);
+  TORCH_CHECK(group > 0 && group % 8 == 0 && K % group == 0, "group size must be a multiple of 8 dividing K");
+  TORCH_CHECK(w.is_contiguous() && scale.is_contiguous() && zero.is_contiguous(), "packed tensors must be contiguous");
+  const int64_t blocks = (out_features + NB - 1) / NB, groups = K / group, per_byte = kind == INT4 ? 2 : 1;
+  TORCH_CHECK(w.numel() * w.element_size() == blocks * K * NB / per_byte &&
+                  scale.numel() * scale.element_size() == blocks * groups * NB * 2 &&
+                  (kind == INT8 || zero.numel() * zero.element_size() == blocks * groups * NB * 2),
+              "packed tensors do not match [", out_features, ", ", K, "] weights in groups of ", group);
+  auto out = torch::empty({out_features, K}, torch::kFloat);
+  const uint8_t* wp = static_cast<const uint8_t*>(w.data_ptr());
+  const uint16_t* sp = static_cast<const uint16_t*>(scale.data_ptr());
+  const uint16_t* zp = kind == INT4 ? static_cast<const uint16_t*>(zero.data_ptr()) : nullptr;
+  float* y = out.data_ptr<float>();
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const uint8_t* wb = wp + b * K * NB / per_byte;
+      for (int64_t j = 0; j < std::min<int64_t>(NB, out_features - b * NB); ++j) {
+        float* row = y + (b * NB + j) * K;
+        for (int64_t g = 0; g < groups; ++g) {
+          const float s = half_to_f32(sp[(b * groups + g) * NB + j]);
+          const float m = zp ? half_to_f32(zp[(b * groups + g) * NB + j]) : 0.f;
+          for (int64_t k = g * group; k < (g + 1) * group; k += 8) {
+            if (kind == INT4) {  // [k / 8][j][k % 4]: k % 8 < 4 in the low nibble, k + 4 in the high one
+              const uint8_t* p = wb + ((k / 8) * NB + j) * 4;
+              for (int t = 0; t < 4; ++t) {
+                row[k + t] = s * static_cast<float>(p[t] & 15) + m;
+                row[k + t + 4] = s * static_cast<float>(p[t] >> 4) + m;
+              }
+            } else {  // [k / 4][j][k % 4], two steps of 4 k
+              for (int h = 0; h < 2; ++h) {
+                const int8_t* p = reinterpret_cast<const int8_t*>(wb + (((k + 4 * h) / 4) * NB + j) * 4);
+                for (int t = 0; t < 4; ++t) row[k + 4 * h + t] = s * static_cast<float>(p[t]);
+              }
+            }
+          }
+        }
+      }
+    }
+  });
+  return out;
+}
+
 bool woq_has_avx2() { return has_avx2(); }
 
 float woq_dot(const float* x, const float* w, int64_t n, bool vector) {
@@ -635,6 +682,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("chunk"), py::arg("vector"), py::arg("corr_a") = py::none(), py::arg("corr_tiles") = py::none(),
         py::arg("corr_index") = py::none(), py::arg("passes") = 1, py::arg("corr_period") = 1,
         py::arg("corr_from") = 0);
+  m.def("dequantize", &woq_dequantize, "the dense fp32 weights of a packed int8 / int4 layer", py::arg("w"),
+        py::arg("scale"), py::arg("zero"), py::arg("kind"), py::arg("out_features"), py::arg("K"), py::arg("group"));
   m.def("has_avx2", &woq_has_avx2, "whether the AVX2+FMA path can run on this CPU");
   m.def("decoder_layer", &decoder_layer, "a Llama-form decoder layer over packed weights (layer.cpp)");
 }
