@@ -520,3 +520,31 @@ def test_a_client_gone_before_the_response_counts_as_499_not_500():
         return metrics.registry.get_sample_value("clover_requests_total",
                                                  {"route": "/v1/completions", "status": status})
     assert count("499") == 1 and count("500") == 1
+
+
+# -- a released family's conventions ----------------------------------------------------------------------------
+def test_a_model_of_sdar_conventions_serves_what_the_engine_gives_alone(tmp_path, chat_tokenizer):
+    """No token shift, the prompt on the absolute block grid (its last partial block opens the first generated
+    one): concurrent chats, prefilled one by one in chunks and joined into one batch, each get what the engine gives
+    the chat alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    checkpoint = build_checkpoint(tmp_path / "sdar-like", chat_tokenizer, max_position_embeddings=CONTEXT,
+                                  token_shift=False, prompt_reading="blocks", block_grid="absolute", block_size=4,
+                                  family="sdar")
+    model = CloverForBlockDiffusion.from_pretrained(checkpoint)
+    chats = [_user(text) for text in ("Hello world.", "What is the weather today in Paris?", "Hi")]
+    want = []
+    for msgs in chats:
+        ids = chat_tokenizer(render_chat(chat_tokenizer, msgs, add_generation_prompt=True),
+                             add_special_tokens=False)["input_ids"]
+        out = generate(model, [ids], 12, eos_token_ids=[chat_tokenizer.eos_token_id], vocab_limit=len(chat_tokenizer))
+        want.append(chat_tokenizer.decode(out.sequences[0], skip_special_tokens=True).strip())
+    assert {len(chat_tokenizer(render_chat(chat_tokenizer, m, add_generation_prompt=True),
+                               add_special_tokens=False)["input_ids"]) % 4 for m in chats} != {0}
+    with server_process(checkpoint, "--prefill-chunk", "8") as (url, _):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
+        with ThreadPoolExecutor(len(chats)) as pool:
+            got = list(pool.map(lambda m: client.chat.completions.create(model="clover-test", messages=m,
+                                                                        max_tokens=12), chats))
+    assert [r.choices[0].message.content for r in got] == want
