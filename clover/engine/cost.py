@@ -67,8 +67,18 @@ class ForwardCost:
                 return s[i - 1] + (s[i] - s[i - 1]) * (rows - r[i - 1]) / (r[i] - r[i - 1])
         if len(r) == 1:
             return s[0] * rows
-        slope = max((s[-1] - s[-2]) / (r[-1] - r[-2]), 0.0)  # arithmetic-bound: linear past the last count
-        return s[-1] + slope * (rows - r[-1])
+        return s[-1] + self._tail_slope() * (rows - r[-1])
+
+    def _tail_slope(self) -> float:
+        """Seconds per row past the last count (arithmetic-bound: linear there): the least-squares slope over the
+        upper half of the table, which one noisy timing cannot flatten (two neighbouring counts can time alike)."""
+        pairs = [(r, s) for r, s in zip(self.rows, self.seconds) if 2 * r >= self.rows[-1]]
+        if len(pairs) < 2:
+            pairs = list(zip(self.rows, self.seconds))[-2:]
+        mean_r = sum(r for r, _ in pairs) / len(pairs)
+        mean_s = sum(s for _, s in pairs) / len(pairs)
+        spread = sum((r - mean_r) ** 2 for r, _ in pairs)
+        return max(sum((r - mean_r) * (s - mean_s) for r, s in pairs) / spread, 0.0)
 
     @classmethod
     def proportional(cls, max_rows: int = 64, seconds: float = 1e-2) -> ForwardCost:

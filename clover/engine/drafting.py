@@ -16,6 +16,12 @@ The policy "draft `M` every forward, verify all of them" alternates between forw
 and exact mode picks the `M` with the highest rate at every step, from the current context length and the
 request's own acceptance estimate (`Acceptance`). `M = 0` is block size 1: one row, nothing drafted. Where rows
 cost nearly nothing (a GPU), `M = B - 1`. The output never depends on the choice: only the cost does.
+
+A batch of `n` requests shares each forward, a rectangle as wide as its widest row: one row's extra draft widens
+every row. So a batch drafts one `M` for all (from its mean acceptance, each row paying `t(n R) / n`), and verifies
+one `k` for all (`best_batch_verified`: the batch's expected tokens over the whole forward's cost), which is the
+single-request choice when `n = 1`. On two CPU cores a batch of 16 then rarely drafts: its rows are already
+arithmetic-bound (docs/decoding.md).
 """
 
 from __future__ import annotations
@@ -116,6 +122,21 @@ def best_verified(p: Sequence[float], cost: Callable[[float], float], most: int,
     best, best_rate = 0, 1.0 / cost(1 + query)
     for k in range(1, most + 1):
         r = expected_tokens(p, k) / cost(1 + k + query)
+        if r > best_rate * (1 + 1e-9):
+            best, best_rate = k, r
+    return best
+
+
+def best_batch_verified(ps: Sequence[Sequence[float]], available: Sequence[int], cost: Callable[[float], float],
+                        query: int) -> int:
+    """A batch's one count of drafts to verify (0 .. the most any row has), every row as wide as the widest: the
+    most committed tokens per second of the whole forward, `sum_r E_r(min(k, available_r)) / t(n (1 + k + query))`
+    (`cost`: seconds of a forward of that many rows, the whole batch's); the fewer on a tie."""
+    n = len(ps)
+    best, best_rate = 0, n / cost(n * (1 + query))
+    for k in range(1, max(available, default=0) + 1):
+        tokens = sum(expected_tokens(p, min(k, a)) for p, a in zip(ps, available))
+        r = tokens / cost(n * (1 + k + query))
         if r > best_rate * (1 + 1e-9):
             best, best_rate = k, r
     return best

@@ -13,8 +13,9 @@ drafts against the causal path. The engine drives whichever it was given and nev
 
 Continuous batching (the server's scheduler) uses the same loop one request at a time: `begin_prefill` +
 `prefill_step` prefill a request alone, chunk by chunk on the absolute grid of `prefill_chunk` (optionally from a
-cache that already holds a prefix of its prompt: prefix reuse), `join` adds it to a running batch at a boundary
-of the loop, `step` advances the batch by one step, and `drop` removes cancelled requests at any step.
+cache that already holds a prefix of its prompt: prefix reuse), or `prefill_together` several short prompts in one
+forward; `join` adds them to a running batch at a boundary of the loop, `step` advances the batch by one step, and
+`drop` removes cancelled requests at any step.
 
 The network runs behind `clover.runners.base` (the torch model, or llama.cpp for a GGUF): `forward` is the one
 call into it.
@@ -224,6 +225,14 @@ class Engine:
         return self.loop.open(seqs, last.ids, cache, **last.kwargs)
 
     # -- continuous batching: one request at a time -------------------------------------------------------
+    def prefill_together(self, seqs: list[Request]) -> DecodeBatch:
+        """Prefill `seqs` in one batch (left-padded, as `run` does: each row gets what it gets alone), ready to
+        join a running one. For prompts of at most `prefill_chunk` tokens this is one forward for all of them,
+        where `prefill_step` takes one each: a forward of a few dozen rows leaves most of a CPU's arithmetic
+        unused."""
+        with torch.inference_mode():
+            return self._prefill(seqs)
+
     def begin_prefill(self, seq: Request, cache: RunnerCache | None = None) -> Prefill:
         """Start prefilling `seq` alone. `cache` (one row) may already hold a prefix of its prompt (prefix reuse);
         it must end on the chunk grid and leave at least one prompt token, whose logits start decoding."""

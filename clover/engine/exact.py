@@ -41,6 +41,7 @@ arithmetic, and token for token wherever the model's choice is not a near-tie (d
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections import deque
@@ -51,7 +52,7 @@ import torch
 
 from clover.engine.cost import ForwardCost, cost_table
 from clover.engine.decoding import ExactRule
-from clover.engine.drafting import Acceptance, best_drafts, best_verified
+from clover.engine.drafting import Acceptance, best_batch_verified, best_drafts, best_verified
 from clover.engine.lookup import ContextLookup
 from clover.engine.loop import DecodingLoop, Event
 from clover.engine.request import Request, through_eos
@@ -295,9 +296,16 @@ class ExactLoop(DecodingLoop):
         self.step_time.setdefault(rows, deque(maxlen=STEP_WINDOW)).append(total)
 
     def _step_cost(self, rows: int, context: int) -> float:
-        """Seconds a step of `rows` rows costs: as timed, or the table's forward plus the engine's time."""
-        timed = self.step_time.get(rows) if self.learns else None
-        return statistics.median(timed) if timed else self.cost(rows, context) + self.overhead
+        """Seconds a step of `rows` rows costs: as timed; else the table's forward scaled as the nearest timed
+        size compares with the table (a batch's rows are separate sequences, dearer than one sequence's rows,
+        which the table times); else, before any step was timed, the table's forward plus the engine's time."""
+        if not (self.learns and self.step_time):
+            return self.cost(rows, context) + self.overhead
+        timed = self.step_time.get(rows)
+        if timed:
+            return statistics.median(timed)
+        near = min(self.step_time, key=lambda size: abs(math.log(size / rows)))
+        return self.cost(rows, context) * statistics.median(self.step_time[near]) / self.cost(near, context)
 
     def _look_up(self, b: ExactBatch) -> None:
         """Rows left without drafts take the continuation their context offers (module docstring). Each row's
@@ -325,23 +333,42 @@ class ExactLoop(DecodingLoop):
         most = e.block_size - 1
         remaining = [s.remaining for s in seqs]
         avail = available.tolist()
-        ks, ms = [], []
-        for r, acc in enumerate(acceptance):
-            if self.rule.adaptive:
-                n = len(seqs)  # rows share a forward: each row pays its share of the batch's rows
-                cost = lambda rows: self._step_cost(n * rows, context) / n  # noqa: E731
-                want = best_drafts(acc.optimistic(), cost, most)
-                verify = want
-                if b is not None and bool(b.looked_up[r]):
-                    verify = best_verified(b.lookups[r].acceptance.optimistic(), cost, avail[r],
-                                           want + 1 if want else 0)
-            else:
-                want = verify = most
-            k = min(avail[r], verify, max(remaining[r] - 1, 0))
-            ks.append(k)
-            ms.append(min(want, max(remaining[r] - k - 2, 0)))
+        if self.rule.adaptive and len(seqs) > 1:
+            ks, ms = self._plan_batch(acceptance, avail, remaining, context, b)
+        else:
+            ks, ms = [], []
+            for r, acc in enumerate(acceptance):
+                if self.rule.adaptive:
+                    cost = lambda rows: self._step_cost(rows, context)  # noqa: E731
+                    want = best_drafts(acc.optimistic(), cost, most)
+                    verify = want
+                    if b is not None and bool(b.looked_up[r]):
+                        verify = best_verified(b.lookups[r].acceptance.optimistic(), cost, avail[r],
+                                               want + 1 if want else 0)
+                else:
+                    want = verify = most
+                k = min(avail[r], verify, max(remaining[r] - 1, 0))
+                ks.append(k)
+                ms.append(min(want, max(remaining[r] - k - 2, 0)))
         device = e.device
         return torch.tensor(ks, dtype=torch.long, device=device), torch.tensor(ms, dtype=torch.long, device=device)
+
+    def _plan_batch(self, acceptance: list[Acceptance], avail: list[int], remaining: list[int], context: int,
+                    b: ExactBatch | None) -> tuple[list[int], list[int]]:
+        """`_plan` for a batch, whose forward is as wide as its widest row (clover.engine.drafting): one number
+        of drafts to make for every row, from the rows' mean acceptance with each row paying its share of the
+        batch's rows, and one number to verify, the best for the whole forward, each row's drafts judged by their
+        own estimate (copied ones by the lookup's)."""
+        n, most = len(acceptance), self.engine.block_size - 1
+        estimates = [acc.optimistic() for acc in acceptance]
+        mean = [sum(column) / n for column in zip(*estimates)]
+        want = best_drafts(mean, lambda rows: self._step_cost(n * rows, context) / n, most)
+        ps = [b.lookups[r].acceptance.optimistic() if b is not None and bool(b.looked_up[r]) else estimates[r]
+              for r in range(n)]
+        usable = [min(a, max(left - 1, 0)) for a, left in zip(avail, remaining)]
+        k = best_batch_verified(ps, usable, lambda rows: self._step_cost(rows, context), want + 1 if want else 0)
+        ks = [min(k, a) for a in usable]
+        return ks, [min(want, max(left - kr - 2, 0)) for left, kr in zip(remaining, ks)]
 
     def _before_eos(self, drafts: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         """No draft after a drafted EOS is worth verifying (what follows an EOS is dropped)."""

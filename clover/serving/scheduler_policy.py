@@ -2,7 +2,10 @@
 requests join their batch, what a step commits, what a cancellation drops.
 
     admit:   the oldest waiting request starts prefilling once fewer than `max_running` sequences run
-             (prefilling and prefilled-but-not-joined ones count); one prefill at a time, one chunk per call
+             (prefilling and prefilled-but-not-joined ones count); one prefill at a time, one chunk per call;
+             a short prompt (one chunk: no cached prefix to reuse, nothing to cache) is prefilled together with
+             the waiting short prompts right behind it of the same engine, in one forward (up to `GROUP_ROWS`
+             padded rows)
     join:    a prefilled request joins its batch only at a block boundary (every row then starts a fresh block)
     step:    one denoising step of every batch; committed blocks go to their requests' handles
     drop:    cancelled requests leave the queue, the prefill, the ready list and their batch at once
@@ -34,6 +37,7 @@ from clover.serving.prefix_cache import PrefixCache
 logger = logging.getLogger(__name__)
 
 EngineKey = tuple[int, float, str, bool]  # (block_size, threshold, rule, ignore_eos)
+GROUP_ROWS = 2048  # padded prompt rows of one grouped prefill forward (bounds its activation memory)
 
 
 @dataclass
@@ -71,7 +75,8 @@ class SchedulePolicy:
         self.engines, self.prefix_cache, self.max_running = engines, prefix_cache, max_running
         self.metrics, self.released = metrics, released
         self.batches: dict[EngineKey, DecodeBatch] = {}
-        self.ready: list[tuple[Job, DecodeBatch]] = []  # prefilled, waiting for their batch's next block boundary
+        # prefilled (alone, or short prompts together), waiting for their batch's next block boundary
+        self.ready: list[tuple[list[Job], DecodeBatch]] = []
         self.waiting: deque[Job] = deque()
         self.prefilling: Job | None = None
         self.jobs: dict[int, Job] = {}  # by Request.index, every job not finished
@@ -91,19 +96,51 @@ class SchedulePolicy:
         running = sum(len(b.seqs) for b in list(self.batches.values())) + sum(d.rows for d in list(self.deciding))
         waiting = len(self.waiting) + sum(d.rows for d in list(self.decisions_waiting))
         return {"running": running, "waiting": waiting, "prefilling": int(self.prefilling is not None),
-                "ready": len(self.ready)}
+                "ready": sum(len(jobs) for jobs, _ in list(self.ready))}
 
     def busy(self) -> bool:
         return bool(self.waiting or self.prefilling or self.ready or self.batches or self.decisions_waiting
                     or self.deciding)
 
     def running_count(self) -> int:
-        return (sum(len(b.seqs) for b in self.batches.values()) + len(self.ready) + (self.prefilling is not None)
-                + sum(d.rows for d in self.deciding))
+        return (sum(len(b.seqs) for b in self.batches.values()) + sum(len(jobs) for jobs, _ in self.ready)
+                + (self.prefilling is not None) + sum(d.rows for d in self.deciding))
+
+    def _short(self, job: Job) -> bool:
+        """Whether `job`'s prompt fits one prefill chunk: it needs exactly one forward, which it can share, and has
+        no cached prefix to start from (a reused prefix ends on the chunk grid before the prompt's end)."""
+        return len(job.seq.prompt) <= self.engines[job.key].prefill_chunk
+
+    def _prefill_group(self) -> bool:
+        """If the oldest waiting request is short, prefill it with the short ones right behind it (same engine,
+        within the free capacity and `GROUP_ROWS`) in one forward; whether it did."""
+        first = self.waiting[0]
+        if not self._short(first):
+            return False
+        group, longest = [first], len(first.seq.prompt)
+        for job in list(self.waiting)[1:self.max_running - self.running_count()]:
+            longest_with = max(longest, len(job.seq.prompt))
+            if job.key != first.key or not self._short(job) or longest_with * (len(group) + 1) > GROUP_ROWS:
+                break
+            group.append(job)
+            longest = longest_with
+        for _ in group:
+            self.waiting.popleft()
+        try:
+            batch = self.engines[first.key].prefill_together([job.seq for job in group])
+        except Exception as exc:  # noqa: BLE001 - these requests' failure, not the server's
+            logger.exception("prefill failed")
+            for job in group:
+                self.fail(job, exc)
+            return True
+        self.ready.append((group, batch))
+        return True
 
     def prefill_once(self) -> None:
         if self.prefilling is None:
             if not self.waiting or self.running_count() >= self.max_running:
+                return
+            if self._prefill_group():
                 return
             self.prefilling = self.waiting.popleft()
         job = self.prefilling
@@ -135,17 +172,18 @@ class SchedulePolicy:
             self.prefix_cache.insert(job.seq.prompt, job.prefill.cache, job.states)
             self.metrics.prefix_cache_evictions.inc(self.prefix_cache.stats.evictions - before)
         job.prefill, job.states = None, {}
-        self.ready.append((job, batch))
+        self.ready.append(([job], batch))
 
     def join_ready(self) -> None:
         keep = []
-        for job, new in self.ready:
-            engine = self.engines[job.key]
-            current = self.batches.get(job.key)
+        for jobs, new in self.ready:
+            key = jobs[0].key
+            engine = self.engines[key]
+            current = self.batches.get(key)
             if current is None or engine.at_block_boundary(current):
-                self.batches[job.key] = engine.join(current, new)
+                self.batches[key] = engine.join(current, new)
             else:
-                keep.append((job, new))
+                keep.append((jobs, new))
         self.ready = keep
 
     def step_batches(self) -> None:
@@ -208,7 +246,14 @@ class SchedulePolicy:
         self.waiting = deque(j for j in self.waiting if j.seq.index not in gone)
         if self.prefilling is not None and self.prefilling.seq.index in gone:
             self.prefilling = None
-        self.ready = [(j, b) for j, b in self.ready if j.seq.index not in gone]
+        ready = []
+        for jobs, batch in self.ready:
+            kept = [j for j in jobs if j.seq.index not in gone]
+            if len(kept) < len(jobs) and kept:
+                batch = self.engines[kept[0].key].drop(batch, gone)
+            if kept:
+                ready.append((kept, batch))
+        self.ready = ready
         for key in list(self.batches):
             batch = self.engines[key].drop(self.batches[key], gone)
             if batch is None:

@@ -13,7 +13,7 @@ import torch
 from clover.engine import Engine, SamplingParams, StreamPiece, generate, stream
 from clover.engine.cost import ForwardCost
 from clover.engine.decoding import ExactRule
-from clover.engine.drafting import Acceptance, best_drafts, best_verified
+from clover.engine.drafting import Acceptance, best_batch_verified, best_drafts, best_verified
 from clover.engine.exact import ExactBatch, ExactLoop
 from clover.serving.prefix_cache import PrefixCache
 from clover.serving.scheduler import Scheduler
@@ -380,6 +380,36 @@ def test_the_number_of_drafts_follows_acceptance_and_cost():
     assert best_drafts([0.95, 0.1, 0.5], lambda rows: 1.0, 3) == 1
     assert best_drafts([0.3, 0.3, 0.3], lambda rows: 1.0, 3) == 3  # free rows, drafts as likely at every position
     assert best_drafts([0.99, 0.2, 0.2], lambda rows: 1.0 + 0.1 * rows, 3) == 1
+
+
+def test_a_batch_verifies_one_number_of_drafts_for_its_whole_forward():
+    """Every row is as wide as the widest: one row's drafts widen all of them."""
+    cheap = lambda rows: 1.0 + 0.1 * rows  # noqa: E731
+    for p, most, query in (([0.9] * 3, 3, 4), ([0.05] * 3, 3, 0), ([0.6] * 3, 2, 1)):  # one row: best_verified
+        assert best_batch_verified([p], [most], cheap, query) == best_verified(p, cheap, most, query)
+    linear = lambda rows: 0.01 * rows  # noqa: E731  (16 sequences on two CPU cores: arithmetic-bound)
+    assert best_batch_verified([[0.95] * 3] * 2 + [[0.5] * 3] * 14, [3, 3] + [0] * 14, linear, 0) == 0
+    assert best_batch_verified([[0.95] * 3] * 16, [3] * 16, cheap, 0) == 3  # rows nearly free: all verified
+    assert best_batch_verified([[0.9] * 3] * 4, [0] * 4, cheap, 0) == 0  # nothing to verify
+
+
+def test_step_costs_not_yet_timed_follow_the_nearest_timed_size(models):
+    """A batch's forward costs more than the table's one sequence of as many rows; a size not yet timed is
+    priced as the nearest timed one compares with the table, so 32 rows never look cheaper than a timed 16."""
+    engine = Engine(models["clover-tiny-dense"], 4, rule="exact", cost=ForwardCost.proportional(), eos_token_ids=[])
+    loop = engine.loop
+    loop.learns = True  # (a table given to the engine is otherwise its whole cost model)
+    table = loop._step_cost(16, 32)
+    assert table == pytest.approx(ForwardCost.proportional()(16, 32))  # nothing timed: the table
+    loop.step_time[16] = [2 * table] * 3  # the batch's 16 rows took twice the table's time
+    assert loop._step_cost(16, 32) == pytest.approx(2 * table)
+    assert loop._step_cost(32, 32) == pytest.approx(2 * ForwardCost.proportional()(32, 32))
+
+
+def test_the_table_extrapolates_past_its_last_count_by_its_upper_half():
+    """Two neighbouring counts can time alike (noise): the slope past the table comes from its upper half."""
+    cost = ForwardCost([1, 2, 4, 8, 12, 16], [1.0, 1.1, 1.3, 2.0, 3.0, 3.0])
+    assert cost(32) > cost(16) + 16 * 0.1
 
 
 def test_exact_mode_departs_from_block1_only_at_near_ties(models):

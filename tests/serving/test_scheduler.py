@@ -225,8 +225,8 @@ def test_a_prefix_lookup_error_fails_one_request_not_the_loop(models):
     store = PrefixCache(8, 1 << 30, recurrent=True)
     lookup = store.lookup
 
-    def picky_lookup(tokens):
-        if tokens == PROMPTS[1]:
+    def picky_lookup(tokens):  # (only prompts longer than a chunk are looked up: PROMPTS[2] is)
+        if tokens == PROMPTS[2]:
             raise ValueError("bad prompt")
         return lookup(tokens)
 
@@ -235,7 +235,7 @@ def test_a_prefix_lookup_error_fails_one_request_not_the_loop(models):
     sched.start()
 
     async def run():
-        bad = sched.submit(PROMPTS[1], 8, [SamplingParams()])
+        bad = sched.submit(PROMPTS[2], 8, [SamplingParams()])
         good = sched.submit(PROMPTS[0], 8, [SamplingParams()])
         error = await _error(bad)
         assert sched.alive  # one request failed; the loop lives on
@@ -323,12 +323,12 @@ def test_policy_admits_up_to_max_running_and_joins_only_at_block_boundaries(mode
         while policy.busy():
             policy.prefill_once()
             assert policy.running_count() <= 2  # admission never exceeds max_running
-            before = {j.seq.index for j, _ in policy.ready}
+            before = {j.seq.index for group, _ in policy.ready for j in group}
             had_batch = bool(policy.batches)
             policy.join_ready()
-            for job, _ in policy.ready:  # what stays ready waits for its batch's block boundary
-                assert not engine.at_block_boundary(policy.batches[job.key])
-            joined_mid_run += had_batch and len(before) > len(policy.ready)
+            for group, _ in policy.ready:  # what stays ready waits for its batch's block boundary
+                assert not engine.at_block_boundary(policy.batches[group[0].key])
+            joined_mid_run += had_batch and len(before) > sum(len(group) for group, _ in policy.ready)
             policy.step_batches()
             iterations += 1
             assert iterations < 1000
@@ -338,6 +338,41 @@ def test_policy_admits_up_to_max_running_and_joins_only_at_block_boundaries(mode
         out = job.handle.items
         assert out[-1].finished and not any(o.finished for o in out[:-1])
         assert [t for o in out for t in o.token_ids] == _alone(model, prompt, max_new, SamplingParams(), [])
+
+
+def test_short_prompts_are_prefilled_together_in_one_forward(models):
+    """Prompts of one prefill chunk or less share one forward (within the free capacity), longer ones go alone,
+    chunk by chunk; every request still gets what it gets alone, and a cancelled one leaves its group."""
+    model = models["clover-tiny"]
+    for max_running, groups in ((4, [[0, 1]]), (1, [[0]])):
+        policy, engine, jobs, _ = _policy(model, max_running=max_running)
+        assert [len(p) <= engine.prefill_chunk for p in PROMPTS] == [True, True, False, False]
+        policy.add(jobs)
+        with torch.inference_mode():
+            before = engine.counters.forwards
+            policy.prefill_once()
+            assert engine.counters.forwards == before + 1
+            assert [[j.seq.index for j in group] for group, _ in policy.ready] == groups
+            while policy.busy():
+                policy.prefill_once()
+                policy.join_ready()
+                policy.step_batches()
+        for job, prompt, max_new in zip(jobs, PROMPTS, MAX_NEW):
+            assert [t for o in job.handle.items for t in o.token_ids] == _alone(model, prompt, max_new,
+                                                                                SamplingParams(), [])
+    policy, _, jobs, released = _policy(model, max_running=4)
+    policy.add(jobs)
+    with torch.inference_mode():
+        policy.prefill_once()
+        policy.cancel({0})
+        assert [[j.seq.index for j in group] for group, _ in policy.ready] == [[1]]
+        while policy.busy():
+            policy.prefill_once()
+            policy.join_ready()
+            policy.step_batches()
+    assert jobs[0].handle.items == [] and sorted(j.seq.index for j in released) == [0, 1, 2, 3]
+    assert [t for o in jobs[1].handle.items for t in o.token_ids] == _alone(model, PROMPTS[1], MAX_NEW[1],
+                                                                           SamplingParams(), [])
 
 
 def test_policy_cancellation_drops_waiting_and_running_requests(models):
