@@ -15,10 +15,9 @@ position `p` from query output `p` itself; every position then needs the query b
 read against the context). A model whose `prompt_reading` is "blocks" reads the prompt on the block grid
 (`prompt_grid`; clover.engine.prefill); on an "absolute" `block_grid` the prompt's last `len % B` tokens are not
 prefilled but open the first block (its `head`: decided, never emitted), which the first generated tokens complete.
-The LM head runs only for positions that can still be filled (`logits_at`): on a
-small model with a large vocabulary it is a fifth of a token's compute, and after the first step of a block
-most positions are decided. When only position 0 is left, whose prediction does not depend on the block, the
-step needs no forward at all.
+The LM head runs only for positions that can still be filled (`logits_at`): on a small model with a large
+vocabulary it is a fifth of a token's compute, and after the first step of a block most positions are decided.
+When only position 0 is left, whose prediction does not depend on the block, the step needs no forward at all.
 
 Batches run in lockstep, block by block: every row's block is committed in the same forward, and a row whose
 block is already final sits out the remaining steps of the others (its outputs are ignored and it draws no random
