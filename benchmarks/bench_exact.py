@@ -14,12 +14,14 @@ slow minute of a shared machine hits them alike):
   * `fp32-exact`, `fp32-b1`   the same two in fp32 torch (`--systems` adds them; slow)
   * `llama-q4_0`, `llama-q8_0`   llama.cpp's own AR generation (llama-cpp-python `create_completion`) of the same
                   model exported to GGUF (`clover export`), on the same token ids
+  * `candidate`, `candidate-b1`   `default` and `int4-b1` of another clover-smol adapter (`--candidate DIR`: a
+                  directory `recipes/clover_smol/package.py` wrote), to compare a new adapter with the shipped one
 
 Per set and system: tokens/s end to end (prefill included), tokens per forward, the ratio to `int4-b1`, and how
 many answers are token for token the reference's (`default` and `int4-full` against `int4-b1`, `fp32-exact`
 against `fp32-b1`, llama.cpp against `int4-b1`: a different quantisation, so agreement, not identity).
 `--prior` prints the acceptance by draft position of `int4-full` on training prompts (what clover-smol's manifest
-records as `draft_acceptance`, exact mode's prior).
+records as `draft_acceptance`, exact mode's prior; with `--candidate`, the candidate's).
 """
 
 from __future__ import annotations
@@ -42,13 +44,14 @@ from clover.engine import Engine, SamplingParams  # noqa: E402
 from clover.engine.cost import cost_table  # noqa: E402
 from clover.runners.torch_runner import as_runner  # noqa: E402
 from clover.model import CloverForBlockDiffusion  # noqa: E402
-from clover.smol import clover_smol_dir, clover_smol_gguf  # noqa: E402
+from clover.smol import build_quantized, clover_smol_dir, clover_smol_gguf  # noqa: E402
 from clover.tokenizer import eos_token_ids, load_tokenizer  # noqa: E402
 from clover.training.bfcl import bfcl_to_chats  # noqa: E402
 
 SYSTEMS = ("default", "int4-b1", "int4-full", "no-lookup", "llama-q4_0", "llama-q8_0")
+EXTRA = ("fp32-exact", "fp32-b1", "candidate", "candidate-b1")
 REFERENCE = {"default": "int4-b1", "int4-full": "int4-b1", "no-lookup": "int4-b1", "fp32-exact": "fp32-b1",
-             "llama-q4_0": "int4-b1", "llama-q8_0": "int4-b1"}
+             "llama-q4_0": "int4-b1", "llama-q8_0": "int4-b1", "candidate": "candidate-b1"}
 
 Decode = Callable[[list[int], int], tuple[list[int], dict[str, Any]]]  # (prompt ids, max new) -> (new ids, stats)
 
@@ -86,9 +89,14 @@ def llama_system(quant: str, threads: int, eos: list[int], n_ctx: int = 4096) ->
     return decode
 
 
-def load(system: str, threads: int, recalibrate: bool) -> tuple[Decode, Engine | None]:
+def load(system: str, threads: int, recalibrate: bool, candidate: Path | None = None) -> tuple[Decode, Engine | None]:
     quant = "none" if system.startswith("fp32") else "int4"
-    directory = clover_smol_dir(quant)
+    if system.startswith("candidate"):
+        if candidate is None:
+            raise SystemExit(f"system {system} needs --candidate DIR (an adapter package)")
+        directory = build_quantized(quant, asset_dir=candidate)
+    else:
+        directory = clover_smol_dir(quant)
     tokenizer = load_tokenizer(directory)
     if system.startswith("llama"):
         return llama_system(system.split("-")[1], threads, eos_token_ids(CloverForBlockDiffusion.from_pretrained(
@@ -97,15 +105,15 @@ def load(system: str, threads: int, recalibrate: bool) -> tuple[Decode, Engine |
     options: dict[str, Any] = {"block_size": 1, "rule": "threshold"} if system.endswith("b1") else {}
     if system == "int4-full":
         options = {"rule": "exact", "rule_options": {"adaptive": False}}
-    if system in ("default", "no-lookup", "fp32-exact"):  # as `clover generate` runs: the cached cost table
+    if system in ("default", "no-lookup", "fp32-exact", "candidate"):  # as `clover generate` runs: cached costs
         cost_table(as_runner(model), recalibrate=recalibrate)
         options = {"rule": "exact", "rule_options": {"lookup": system != "no-lookup"}}
     return engine_system(model, tokenizer, **options)
 
 
 def run(systems: list[str], sets: dict[str, list[list[int]]], max_new: int, threads: int,
-        recalibrate: bool) -> dict[str, Any]:
-    loaded = {s: load(s, threads, recalibrate) for s in systems}
+        recalibrate: bool, candidate: Path | None = None) -> dict[str, Any]:
+    loaded = {s: load(s, threads, recalibrate, candidate) for s in systems}
     for decode, _ in loaded.values():  # first calls build kernels and caches: not timed
         decode([1, 2, 3], 4)
     report: dict[str, Any] = {}
@@ -144,11 +152,13 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--systems", default=",".join(SYSTEMS),
-                        help=f"comma-separated, of {', '.join(SYSTEMS + ('fp32-exact', 'fp32-b1'))}")
+                        help=f"comma-separated, of {', '.join(SYSTEMS + EXTRA)}")
     parser.add_argument("--sets", default=None, help="comma-separated subset of chat,code,structured,tools_heldout,"
                         "tools_live_simple (default: all)")
     parser.add_argument("--recalibrate", action="store_true", help="measure the forward cost again first")
     parser.add_argument("--prior", action="store_true", help="measure exact mode's prior on training prompts")
+    parser.add_argument("--candidate", type=Path, default=None,
+                        help="another adapter package (package.py's output) for the candidate systems")
     parser.add_argument("--out", default=None, help="write the figures as JSON here")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -161,13 +171,17 @@ def main() -> None:
         chats = [{"messages": p.row()["messages"], "tools": None} for p in train[: 6 * args.limit]]
         chats += [{"messages": c["messages"][:-1], "tools": c["tools"]}
                   for c in bfcl_to_chats("train")[: 2 * args.limit]]
-        decode, engine = load("int4-full", args.threads, False)
+        if args.candidate is not None:  # the candidate's own drafts, drafting the whole block
+            model = CloverForBlockDiffusion.from_pretrained(build_quantized("int4", asset_dir=args.candidate))
+            decode, engine = engine_system(model, tokenizer, rule="exact", rule_options={"adaptive": False})
+        else:
+            decode, engine = load("int4-full", args.threads, False)
         for chat in chats:
             decode(prompt_ids(tokenizer, chat), args.max_new_tokens)
         print(json.dumps({"draft_acceptance": engine.settings()["acceptance_by_position"], "prompts": len(chats)}))
         return
     systems = args.systems.split(",")
-    unknown = set(systems) - set(SYSTEMS) - {"fp32-exact", "fp32-b1"}
+    unknown = set(systems) - set(SYSTEMS) - set(EXTRA)
     if unknown:
         parser.error(f"unknown systems {sorted(unknown)}")
     sets = {**text_sets(args.limit), **tool_sets(args.limit)}
@@ -179,7 +193,7 @@ def main() -> None:
     prompts = {name: [prompt_ids(tokenizer, chat) for chat, _ in chats] for name, chats in sets.items()}
     print(f"machine: {platform.processor() or platform.machine()}, {args.threads} threads, torch "
           f"{torch.__version__}; {args.limit} prompts per set, {args.max_new_tokens} new tokens")
-    report = run(systems, prompts, args.max_new_tokens, args.threads, args.recalibrate)
+    report = run(systems, prompts, args.max_new_tokens, args.threads, args.recalibrate, args.candidate)
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
 

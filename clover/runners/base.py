@@ -89,10 +89,6 @@ class ModelRunner(Protocol):
     max_context: int  # positions one row may hold, prompt and answer together
     max_block_size: int | None  # the largest block an engine may decode with (None: any); a query block alone
     # (decision mode's answer block) may be longer
-    # what the server's prefix store may hold (bytes; None: as its own budget says): a runner whose prefixes live
-    # in a fixed KV pool keeps room there for running requests
-    prefix_budget_bytes: int | None
-    max_stored_prefixes: int | None  # prefixes the store may keep at once (None: as its budget allows)
 
     @classmethod
     def open(cls, path: str | Path, options: RunnerOptions) -> ModelRunner: ...

@@ -23,13 +23,15 @@ independent sequences, so batches need no padding: each row's positions are its 
 not fit one decode is split between rows. A query block costs no sequence ids, so it may be longer than
 `max_block_size` (decision mode's answer block); blocks of clean tokens may not.
 
-**Prefix reuse** (`clover.runners.base`). A pure-attention model's KV can be cut at any length, and in a unified
-KV cache a cell may carry many sequence ids: keeping a prefix adds one more. `stored_prefixes` ids beyond the
-rows' slots are set aside for it; `LlamaCppCache.prefix(n, copy=True)` gives the first `n` cells of a row a
-stored id (`llama_memory_seq_cp`: no KV is copied), and `LlamaCppPrefix.prefix(n)` gives a new row a slot whose
-every id carries those cells, so its prefill starts at `n`. No token is ever decoded with a stored id, so nothing
-attends through one; a stored prefix holds its cells until it is dropped (its id is then cleared), which is why
-the server's store keeps to `prefix_budget_bytes`, half the KV cells, leaving the rest to running requests.
+**Prefix reuse** (`clover.runners.base`). A stored prefix is kept out of the KV cache, in host memory: the
+first `n` cells of a row are copied to the runner's scratch sequence id (`llama_memory_seq_cp`: no KV is copied),
+saved with `llama_state_seq_get_data` (their positions, keys and values, ~23 KB a token for SmolLM2-135M in f16)
+and the scratch id cleared (`LlamaCppCache.prefix(n, copy=True)`); `LlamaCppPrefix.prefix(n)` writes them back into
+a new row's slot (`llama_state_seq_set_data`, then every id of the slot carries them), so its prefill starts at
+`n`. Why not keep them as cells: in one unified KV cache every decode attends over every cell up to the highest
+one in use, masked or not, so cells kept for later cost every forward of every row (measured: each stored
+3000-token prefix added ~1.5x of a fresh 1500-token prefill and ~0.8x of a fresh decode step). Saving 2000 cells
+takes ~80 ms, restoring them ~10 ms; restored cells equal the saved ones bit for bit.
 
 What needs the torch runner: hybrid (Gated DeltaNet) models — llama.cpp's DeltaNet is causal, Clover's reads a
 block in both directions; gated adapters (they act only at query positions; llama.cpp applies weights to every
@@ -57,8 +59,7 @@ from clover.runners.base import RunnerOptions
 
 logger = logging.getLogger(__name__)
 
-MAX_SEQ_IDS = 256  # llama.cpp's LLAMA_MAX_SEQ: every row's slot of ids must fit in it
-DEFAULT_STORED_PREFIXES = 8  # sequence ids kept apart for stored prefixes (the server's prefix cache)
+MAX_SEQ_IDS = 256  # llama.cpp's LLAMA_MAX_SEQ: every row's slot of ids (and the scratch id) must fit in it
 DEFAULT_MAX_CELLS = 16384  # the default KV budget (SmolLM2-135M: 23 KB per cell in f16, so ~380 MB)
 INSTALL_HINT = ("the llama.cpp runner needs llama-cpp-python: `bash scripts/setup.sh` builds it (portable CPU "
                 "flags), or pip install llama-cpp-python; the torch runner (--runner torch) needs nothing more")
@@ -145,23 +146,24 @@ class LlamaCppCache:
 
 
 class LlamaCppPrefix:
-    """A stored prefix: the first `length` cells of a sequence, held by one sequence id of the runner's stored-prefix
-    ids (see the module docstring). It gives its id back when it is garbage."""
+    """A stored prefix: the first `length` cells of a sequence saved out of the KV cache (`llama_state_seq_get_data`,
+    see the module docstring), in host memory until it is garbage."""
 
-    def __init__(self, runner: LlamaCppRunner, seq_id: int, length: int) -> None:
-        self.runner, self.seq_id, self.length = runner, seq_id, length
-        self._finalizer = weakref.finalize(self, runner._release_stored, seq_id)
+    def __init__(self, runner: LlamaCppRunner, data: ctypes.Array, length: int) -> None:
+        self.runner, self.data, self.length = runner, data, length
 
     batch_size = 1
 
     def prefix(self, length: int, snapshot: None = None, copy: bool = False) -> LlamaCppCache | LlamaCppPrefix:
         if length > self.length:
             raise ValueError(f"this stored prefix holds {self.length} tokens, asked for {length}")
-        return self.runner._prefix_of(self.seq_id, length, copy)
+        if copy and length == self.length:
+            return LlamaCppPrefix(self.runner, self.data, length)  # the same bytes: shared, counted once
+        return self.runner._restore(self, length, copy)
 
     def storages(self, snapshots: Iterable[None] = ()) -> dict[Hashable, int]:
-        """Its cells' bytes, under its own key (cells shared with another stored prefix are counted by each)."""
-        return {(id(self.runner), self.seq_id): self.length * self.runner.cell_bytes}
+        """Its saved bytes, by buffer (prefixes of the same length share one)."""
+        return {id(self.data): len(self.data)}
 
 
 class LlamaCppRunner:
@@ -172,14 +174,13 @@ class LlamaCppRunner:
     may hold `max_context = min(max_position_embeddings, n_ctx)` positions;
     `max_block_size`: the largest block size an engine may use with it (default: 16, or the model's block size if
     larger); `kv_type`: "f16" (llama.cpp's default) or "f32"; `flash_attn`: llama.cpp's flash attention (off by
-    default: on a CPU it rounds through f16); `stored_prefixes`: prefixes the server's prefix cache may keep."""
+    default: on a CPU it rounds through f16)."""
 
     name = "llamacpp"
 
     def __init__(self, path: str | Path, *, threads: int | None = None, max_rows: int | None = 8,
                  n_ctx: int | None = None, max_block_size: int | None = None, kv_type: str = "f16",
-                 flash_attn: bool = False, stored_prefixes: int = DEFAULT_STORED_PREFIXES,
-                 verbose: bool = False) -> None:
+                 flash_attn: bool = False, verbose: bool = False) -> None:
         llama_cpp = import_llama_cpp()
         self.path = Path(path)
         if not self.path.is_file():
@@ -199,17 +200,14 @@ class LlamaCppRunner:
         if kv_type not in ("f16", "f32"):
             raise ValueError(f"kv_type must be 'f16' or 'f32', got {kv_type!r}")
         max_block_size = max_block_size or max(16, self.config.block_size)
-        if stored_prefixes < 0:
-            raise ValueError(f"stored_prefixes must be >= 0, got {stored_prefixes}")
-        max_rows = max_rows or (MAX_SEQ_IDS - stored_prefixes) // (max_block_size + 1)
+        max_rows = max_rows or (MAX_SEQ_IDS - 1) // (max_block_size + 1)
         if max_rows < 1 or max_block_size < 1:
             raise ValueError(f"max_rows and max_block_size must be >= 1, got {max_rows}, {max_block_size}")
         self.ids_per_slot = max_block_size + 1
-        if max_rows * self.ids_per_slot + stored_prefixes > MAX_SEQ_IDS:
+        if max_rows * self.ids_per_slot + 1 > MAX_SEQ_IDS:
             raise ValueError(f"max_rows={max_rows} rows of {self.ids_per_slot} sequence ids (max_block_size + 1) "
-                             f"and {stored_prefixes} stored prefixes exceed llama.cpp's {MAX_SEQ_IDS}: lower "
-                             "max_rows, max_block_size or stored_prefixes")
-        self.max_rows, self.max_block_size, self.max_stored_prefixes = max_rows, max_block_size, stored_prefixes
+                             f"and a scratch id exceed llama.cpp's {MAX_SEQ_IDS}: lower max_rows or max_block_size")
+        self.max_rows, self.max_block_size = max_rows, max_block_size
         self.threads = threads or torch.get_num_threads()
         self._lib = llama_cpp
         if not verbose:
@@ -230,7 +228,7 @@ class LlamaCppRunner:
         self.n_batch = max(512, 2 * max_rows * max_block_size)
         ctx_params = llama_cpp.llama_context_default_params()
         ctx_params.n_ctx, ctx_params.n_batch, ctx_params.n_ubatch = self.n_ctx, self.n_batch, self.n_batch
-        ctx_params.n_seq_max = max_rows * self.ids_per_slot + stored_prefixes
+        ctx_params.n_seq_max = max_rows * self.ids_per_slot + 1
         ctx_params.kv_unified = True  # cells carry several sequence ids: the masks above need one shared cache
         ctx_params.n_threads = ctx_params.n_threads_batch = self.threads
         kv = llama_cpp.GGML_TYPE_F32 if kv_type == "f32" else llama_cpp.GGML_TYPE_F16
@@ -245,11 +243,7 @@ class LlamaCppRunner:
         self._memory = llama_cpp.llama_get_memory(self._ctx)
         self._batch = llama_cpp.llama_batch_init(self.n_batch, 0, self.ids_per_slot)
         self._free = list(range(max_rows))
-        self._free_stored = list(range(max_rows * self.ids_per_slot, max_rows * self.ids_per_slot + stored_prefixes))
-        # K and V of every layer, per cell; the server's prefix store may hold half the cells
-        self.cell_bytes = (2 * self.config.num_hidden_layers * self.config.num_key_value_heads * self.config.head_dim
-                           * (4 if kv_type == "f32" else 2))
-        self.prefix_budget_bytes = self.n_ctx // 2 * self.cell_bytes
+        self._scratch = max_rows * self.ids_per_slot  # the sequence id a prefix passes through to be saved
         self._finalizer = weakref.finalize(self, _close, llama_cpp, self._batch, self._ctx, self._model)
 
     @classmethod
@@ -299,27 +293,43 @@ class LlamaCppRunner:
 
     # -- stored prefixes ----------------------------------------------------------------------------------
     def _prefix_of(self, source: int, length: int, copy: bool) -> LlamaCppCache | LlamaCppPrefix:
-        """The first `length` cells of the sequence `source` under a stored-prefix id (`copy`), or as a new row
-        of one slot (every id of the slot carries them: they are its history)."""
+        """The first `length` cells of the sequence `source`, saved to host memory (`copy`) or as a new row of one
+        slot (every id of the slot carries them: they are its history)."""
         if copy:
-            if not self._free_stored:
-                gc.collect()  # a stored prefix kept alive only by a reference cycle gives its id back
-            if not self._free_stored:
-                raise ValueError(f"the llama.cpp runner keeps at most {self.max_stored_prefixes} stored prefixes "
-                                 "(stored_prefixes), all in use")
-            targets = [self._free_stored.pop()]
-            stored = LlamaCppPrefix(self, targets[0], length)
-        else:
-            row = self.new_cache(1)
-            row.lengths[0] = length
-            targets = list(self._ids(row.slots[0]))
-        for s in targets:
+            self._lib.llama_memory_seq_cp(self._memory, source, self._scratch, 0, length)
+            return self._save_scratch(length)
+        row = self.new_cache(1)
+        row.lengths[0] = length
+        for s in self._ids(row.slots[0]):
             self._lib.llama_memory_seq_cp(self._memory, source, s, 0, length)
-        return stored if copy else row
+        return row
 
-    def _release_stored(self, seq_id: int) -> None:
-        self._lib.llama_memory_seq_rm(self._memory, seq_id, 0, -1)
-        self._free_stored.append(seq_id)
+    def _save_scratch(self, length: int) -> LlamaCppPrefix:
+        """The scratch id's cells saved to host memory; the scratch id is cleared."""
+        try:
+            size = self._lib.llama_state_seq_get_size(self._ctx, self._scratch)
+            data = (ctypes.c_uint8 * size)()
+            if self._lib.llama_state_seq_get_data(self._ctx, data, size, self._scratch) != size:
+                raise RuntimeError(f"llama.cpp could not save a prefix of {length} tokens")
+        finally:
+            self._lib.llama_memory_seq_rm(self._memory, self._scratch, 0, -1)
+        return LlamaCppPrefix(self, data, length)
+
+    def _restore(self, stored: LlamaCppPrefix, length: int, copy: bool) -> LlamaCppCache | LlamaCppPrefix:
+        """The first `length` tokens of a stored prefix: written back as a new row (or saved again, shorter)."""
+        row = None if copy else self.new_cache(1)
+        target = self._scratch if copy else self._ids(row.slots[0])[-1]
+        if not self._lib.llama_state_seq_set_data(self._ctx, stored.data, len(stored.data), target):
+            self._lib.llama_memory_seq_rm(self._memory, target, 0, -1)
+            raise RuntimeError(f"llama.cpp's KV cache has no room for a stored prefix of {stored.length} tokens "
+                               f"({self.n_ctx} cells shared by all rows): a larger n_ctx (--ctx)")
+        self._lib.llama_memory_seq_rm(self._memory, target, length, -1)
+        if copy:
+            return self._save_scratch(length)
+        row.lengths[0] = length
+        for s in self._ids(row.slots[0])[:-1]:
+            self._lib.llama_memory_seq_cp(self._memory, target, s, 0, length)
+        return row
 
     # -- forward ----------------------------------------------------------------------------------------
     def forward(self, ids: torch.Tensor | None, block_size: int, *, cache: LlamaCppCache, prefix_len: int = 0,

@@ -18,8 +18,6 @@ class TorchRunner:
     name = "torch"
     max_rows = None
     max_block_size = None
-    prefix_budget_bytes = None
-    max_stored_prefixes = None
 
     def __init__(self, model: torch.nn.Module, directory: Path | None = None) -> None:
         self.model = model

@@ -22,13 +22,12 @@ is superseded by the newer one (which inherits its snapshots), so an agent's con
 request's cache and `storages(snapshots)` for the budget. On the torch runner an entry is an exact-size copy of the
 KV and the cache a lookup returns shares the entry's tensors: safe because a cache never writes inside positions
 it holds (the `CloverCache` invariant: the request's first append reallocates, DeltaNet states are replaced, not
-updated in place). On the llama.cpp runner an entry is a sequence id on the cells of its prefix, and a lookup
-gives a new row those cells (`clover.runners.llamacpp`). At least one prompt token is always left to prefill
+updated in place). On the llama.cpp runner an entry is its prefix's cells saved to host memory, and a lookup
+writes them back into a new row (`clover.runners.llamacpp`). At least one prompt token is always left to prefill
 (its logits start decoding).
 
 **Budget.** `budget_bytes` of KV and snapshots (storage shared between entries counted once where the runner can
-tell), and at most `max_entries` entries (a runner that keeps each in a scarce slot says how many); least
-recently used entries are evicted first. One scheduler thread owns the store: it is not thread-safe.
+tell); least recently used entries are evicted first. One scheduler thread owns the store: it is not thread-safe.
 """
 
 from __future__ import annotations
@@ -82,17 +81,13 @@ class PrefixCacheStats:
 
 
 class PrefixCache:
-    def __init__(self, grid: int, budget_bytes: int, recurrent: bool, snapshot_interval: int | None = None,
-                 max_entries: int | None = None) -> None:
+    def __init__(self, grid: int, budget_bytes: int, recurrent: bool, snapshot_interval: int | None = None) -> None:
         if grid < 1:
             raise ValueError(f"prefix cache grid must be >= 1 token, got {grid}")
         interval = grid if snapshot_interval is None else snapshot_interval
         if interval < grid or interval % grid:
             raise ValueError(f"snapshot_interval must be a multiple of the grid ({grid}), got {interval}")
-        if max_entries is not None and max_entries < 1:
-            raise ValueError(f"max_entries must be >= 1 (or None), got {max_entries}")
         self.grid, self.budget_bytes, self.recurrent, self.snapshot_interval = grid, budget_bytes, recurrent, interval
-        self.max_entries = max_entries
         self.entries: OrderedDict[int, _Entry] = OrderedDict()  # LRU order: oldest first
         self.index: dict[int, dict[int, _Entry]] = {}  # chain hash at a resumable point -> entries
         self.stats = PrefixCacheStats()
@@ -139,9 +134,6 @@ class PrefixCache:
                 return
             states = {**states, end: cache.snapshot()}
         kept = {p: s for p, s in states.items() if p <= end}
-        if self.max_entries is not None:  # make room first: the runner may have no slot for one more
-            while len(self.entries) >= self.max_entries:
-                self._evict_oldest()
         # KV kept apart from the request's (torch: an exact-size copy); the state at `end` is the snapshot itself
         stored = cache.prefix(end, kept.get(end), copy=True)
         entry = _Entry(tokens[:end], stored, kept, chain_hashes(tokens, self.grid, end))

@@ -123,11 +123,10 @@ class ServedModel:
         eos = eos_token_ids(config, tokenizer)
         self.metrics = ServerMetrics()
         prefix_cache = None
-        budget = min(options.prefix_cache_bytes, self.runner.prefix_budget_bytes or options.prefix_cache_bytes)
-        if budget > 0 and self.runner.max_stored_prefixes != 0:
-            prefix_cache = PrefixCache(options.prefill_chunk, budget, recurrent=config.has_linear_attention,
-                                       snapshot_interval=options.prefix_snapshot_interval,
-                                       max_entries=self.runner.max_stored_prefixes)
+        if options.prefix_cache_bytes > 0:
+            prefix_cache = PrefixCache(options.prefill_chunk, options.prefix_cache_bytes,
+                                       recurrent=config.has_linear_attention,
+                                       snapshot_interval=options.prefix_snapshot_interval)
         self.scheduler = Scheduler(
             self.runner, block_size=options.block_size, threshold=options.threshold, rule=options.rule,
             eos_token_ids=eos, vocab_limit=len(self.tokenizer), detokenize=self.tokenizer.decode,

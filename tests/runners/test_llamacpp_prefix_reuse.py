@@ -1,9 +1,9 @@
 """Prefix reuse on the llama.cpp runner: a request resumed from a stored prefix prefills only its new tokens and
-gives what a cold start gives (`clover.runners.llamacpp`, `clover.serving.prefix_cache`)."""
+gives what a cold start gives; stored prefixes live in host memory, not in the KV cache
+(`clover.runners.llamacpp`, `clover.serving.prefix_cache`)."""
 
 from __future__ import annotations
 
-import gc
 
 import openai
 import pytest
@@ -49,7 +49,7 @@ class CountingRunner:
 def test_a_reused_prefix_prefills_only_new_tokens_and_equals_the_cold_start(gguf, rule):
     runner = CountingRunner(LlamaCppRunner(gguf, threads=1, kv_type="f32", max_rows=2, max_block_size=4))
     engine = Engine(runner, 4, 0.9, rule, {"adaptive": False} if rule == "exact" else None, prefill_chunk=GRID)
-    store = PrefixCache(GRID, 1 << 30, recurrent=False, max_entries=runner.max_stored_prefixes)
+    store = PrefixCache(GRID, 1 << 30, recurrent=False)
     turn1 = _prompt(37, 0)
     turn2 = turn1 + _prompt(15, 1)  # an agent's next turn: the same conversation and a few new messages
     branch = turn1[:21] + _prompt(9, 2)  # the same start, another continuation
@@ -63,21 +63,68 @@ def test_a_reused_prefix_prefills_only_new_tokens_and_equals_the_cold_start(gguf
         assert runner.written == cold_written - reused  # the same forwards, but for the stored prefix's tokens
         assert warm_tokens == cold_tokens
         assert torch.equal(warm_first, cold_first)
-    del store
-    gc.collect()
-    assert sorted(runner._free) == [0, 1] and len(runner._free_stored) == runner.max_stored_prefixes
+    assert store.entries and sorted(runner._free) == [0, 1]
+    assert _cells_in_use(runner.runner) == 0  # the stored prefixes hold no KV cells: no forward attends over them
 
 
-def test_the_store_keeps_no_more_prefixes_than_the_runner_has_ids_for(gguf):
-    runner = LlamaCppRunner(gguf, threads=1, max_rows=1, stored_prefixes=2)
+def _cells_in_use(runner: LlamaCppRunner) -> int:
+    lib, memory = runner._lib, runner._memory
+    return sum(lib.llama_memory_seq_pos_max(memory, s) + 1 for s in range(runner._scratch + 1))
+
+
+def test_the_store_keeps_more_prefixes_than_the_kv_cache_holds(gguf):
+    runner = LlamaCppRunner(gguf, threads=1, max_rows=1, n_ctx=64)  # room for one row of 64 tokens
     engine = Engine(runner, 4, 0.9, prefill_chunk=GRID)
-    store = PrefixCache(GRID, 1 << 30, recurrent=False, max_entries=runner.max_stored_prefixes)
-    prompts = [_prompt(20, seed) for seed in range(4)]  # four conversations, two ids: the oldest are evicted
+    store = PrefixCache(GRID, 1 << 30, recurrent=False)
+    prompts = [_prompt(40, seed) for seed in range(4)]  # four conversations of 32 stored tokens each
+    cold = [decode_alone(engine, p + [1, 2], None, max_new=4)[0] for p in prompts]
     for prompt in prompts:
         decode_alone(engine, prompt, store, max_new=4)
-    assert len(store.entries) == 2 and store.stats.evictions == 2 and not runner._free_stored
-    assert store.lookup(prompts[0] + [1]) is None
-    assert decode_alone(engine, prompts[3] + [1, 2], store, max_new=4)[2] == 16
+    assert len(store.entries) == 4 and store.stats.evictions == 0 and _cells_in_use(runner) == 0
+    for prompt, want in zip(prompts, cold):
+        tokens, _, reused = decode_alone(engine, prompt + [1, 2], store, max_new=4)
+        assert (tokens, reused) == (want, 40)
+
+
+def test_a_stored_prefix_restores_exactly_and_cuts_shorter(gguf):
+    """Saved cells come back bit for bit (saved again, the bytes are the same), and logits after a restored prefix,
+    whole or cut (directly, or saved again shorter), are those of a row that prefilled the same tokens and was cut
+    as long (up to the summation order of attention over cells at other places in the cache)."""
+    runner = LlamaCppRunner(gguf, threads=1, kv_type="f32", max_rows=2, max_block_size=4)
+    ids = torch.tensor([_prompt(30, 3)])
+    block = torch.tensor([_prompt(4, 4)])
+    at = torch.ones(1, 4, dtype=torch.bool)
+
+    def next_block(cache) -> torch.Tensor:
+        return runner.forward(block, 4, cache=cache, prefix_len=0, logits_at=at)
+
+    def cold(n: int) -> torch.Tensor:
+        cache = runner.new_cache(1)
+        cache.mark()
+        runner.forward(ids, 1, cache=cache, prefix_len=30, logits_to_keep=0)
+        cache.rewind(torch.tensor([n]))
+        out = next_block(cache)
+        cache.select([])
+        return out
+
+    row = runner.new_cache(1)
+    runner.forward(ids, 1, cache=row, prefix_len=30, logits_to_keep=0)
+    stored = row.prefix(24, copy=True)
+    row.select([])
+    shorter = stored.prefix(16, copy=True)
+    assert stored.length == 24 and shorter.length == 16 and len(shorter.data) < len(stored.data)
+    assert stored.prefix(24, copy=True).storages() == stored.storages()  # the same bytes, counted once
+    restored = stored.prefix(24)
+    assert bytes(restored.prefix(24, copy=True).data) == bytes(stored.data)
+    restored.select([])
+    for source, n in ((stored, 24), (stored, 20), (shorter, 16)):
+        restored = source.prefix(n)
+        assert restored.lengths == [n]
+        got, want = next_block(restored), cold(n)
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
+        restored.select([])
+    assert _cells_in_use(runner) == 0 and sorted(runner._free) == [0, 1]
 
 
 def test_the_server_reuses_a_conversations_prefix_on_the_llamacpp_runner(gguf, chat_tokenizer):
