@@ -68,22 +68,23 @@ def test_a_reused_prefix_prefills_only_new_tokens_and_equals_the_cold_start(gguf
 
 
 def _cells_in_use(runner: LlamaCppRunner) -> int:
+    """Positions held, summed over every sequence id (rows' slots and the scratch id)."""
     lib, memory = runner._lib, runner._memory
     return sum(lib.llama_memory_seq_pos_max(memory, s) + 1 for s in range(runner._scratch + 1))
 
 
 def test_the_store_keeps_more_prefixes_than_the_kv_cache_holds(gguf):
-    runner = LlamaCppRunner(gguf, threads=1, max_rows=1, n_ctx=64)  # room for one row of 64 tokens
+    runner = LlamaCppRunner(gguf, threads=1, max_rows=1, n_ctx=256)  # llama.cpp's smallest KV: 256 cells
     engine = Engine(runner, 4, 0.9, prefill_chunk=GRID)
     store = PrefixCache(GRID, 1 << 30, recurrent=False)
-    prompts = [_prompt(40, seed) for seed in range(4)]  # four conversations of 32 stored tokens each
+    prompts = [_prompt(120, seed) for seed in range(4)]  # four conversations of 120 stored tokens each
     cold = [decode_alone(engine, p + [1, 2], None, max_new=4)[0] for p in prompts]
     for prompt in prompts:
         decode_alone(engine, prompt, store, max_new=4)
     assert len(store.entries) == 4 and store.stats.evictions == 0 and _cells_in_use(runner) == 0
     for prompt, want in zip(prompts, cold):
         tokens, _, reused = decode_alone(engine, prompt + [1, 2], store, max_new=4)
-        assert (tokens, reused) == (want, 40)
+        assert (tokens, reused) == (want, 120)
 
 
 def test_a_stored_prefix_restores_exactly_and_cuts_shorter(gguf):
@@ -145,3 +146,15 @@ def test_the_server_reuses_a_conversations_prefix_on_the_llamacpp_runner(gguf, c
     cold = generate(LlamaCppRunner(gguf, threads=1, max_rows=1), [ids], 8, eos_token_ids=[chat_tokenizer.eos_token_id],
                     vocab_limit=len(chat_tokenizer), prefill_chunk=8).sequences[0]
     assert second.choices[0].message.content == chat_tokenizer.decode(cold, skip_special_tokens=True).strip()
+
+
+def test_a_prefix_that_finds_no_room_is_a_clear_error_and_leaves_no_cells(gguf):
+    runner = LlamaCppRunner(gguf, threads=1, max_rows=2, n_ctx=256)
+    row = runner.new_cache(1)
+    runner.forward(torch.tensor([_prompt(200, 5)]), 1, cache=row, prefix_len=200, logits_to_keep=0)
+    stored = row.prefix(200, copy=True)  # 200 cells saved; the row keeps its own 200 of the 256
+    with pytest.raises(RuntimeError, match="no room for a stored prefix of 200 tokens.*--ctx"):
+        stored.prefix(200)
+    assert _cells_in_use(runner) == 200 * runner.ids_per_slot  # the row's cells, under every id of its slot only
+    row.select([])
+    assert stored.prefix(200).lengths == [200]  # room again
