@@ -184,10 +184,11 @@ def clover_smol_dir(quant: str = "none") -> Path:
 
 def clover_smol_gguf(quant: str = "q8_0") -> Path:
     """The default model as a GGUF for the llama.cpp runner (`clover export --to gguf`), written beside its
-    checkpoint on first use."""
+    checkpoint on first use. A gated adapter (query positions only) cannot go into a GGUF: the file then holds the
+    causal path (the base), which block size 1 and exact mode decode to clover-smol's own answers."""
     directory = clover_smol_dir()
     path = directory / f"{directory.name}-{quant}.gguf"
     if not path.is_file():
         logger.info("exporting %s to %s (once)", NAME, path)
-        export_gguf(directory, path, quant)
+        export_gguf(directory, path, quant, drop_gated_adapter=True)
     return path

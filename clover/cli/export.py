@@ -23,6 +23,9 @@ def add_parser(subparsers: Any) -> None:
                         help="weight format: f32 (exact), f16, q8_0, q4_0 (blocks of 32; default f16)")
     parser.add_argument("--tokenizer-pre", default=None,
                         help="llama.cpp pre-tokenizer name, when it cannot be told from tokenizer.json")
+    parser.add_argument("--drop-gated-adapter", action="store_true",
+                        help="a gated adapter (query positions only) cannot be merged: export the model without it, "
+                             "its causal path (block size 1 and exact mode give its answers)")
     parser.add_argument("--force", action="store_true", help="replace an existing file")
     parser.set_defaults(func=run)
 
@@ -31,6 +34,6 @@ def run(args: argparse.Namespace) -> int:
     from clover.conversion.gguf_export import export_gguf  # deferred for start-up time: it imports torch
 
     src = resolve_model_dir(None if args.src == "clover-smol" else args.src)
-    print(export_gguf(src, args.out, args.quant, tokenizer_pre=args.tokenizer_pre, force=args.force,
-                      progress=True))
+    print(export_gguf(src, args.out, args.quant, tokenizer_pre=args.tokenizer_pre,
+                      drop_gated_adapter=args.drop_gated_adapter, force=args.force, progress=True))
     return 0

@@ -3,8 +3,9 @@
 The file is an ordinary llama.cpp `llama` model, so plain llama.cpp decodes it autoregressively unchanged,
 and it carries what block decoding needs:
 
-* the weights, already merged (a Clover checkpoint stores no separate adapter), Q/K rows permuted to ggml's
-  RoPE layout (`permute_qk`, the inverse of `gguf.unpermute_qk`);
+* the weights, with an adapter merged (a gated one, which acts at query positions only, cannot be: it is refused,
+  or with `drop_gated_adapter` left out, so the file holds the model's causal path, exactly what block size 1 and
+  exact mode compute), Q/K rows permuted to ggml's RoPE layout (`permute_qk`, the inverse of `gguf.unpermute_qk`);
 * the tokenizer as `tokenizer.ggml.*` (byte-level BPE: tokens, token types, merges, special ids), the mask
   token included as a control token, and the checkpoint's chat template;
 * Clover's decoding defaults under the `clover.` namespace (`CLOVER_KEYS`), which `clover convert --from gguf`
@@ -35,7 +36,7 @@ from clover.choices import GGUF_QUANTS as QUANTS
 from clover.config import FULL_ATTENTION, CloverConfig
 from clover.conversion.gguf import CLOVER_KEYS, gguf_name, permute_qk
 from clover.model import CloverForBlockDiffusion
-from clover.model.lora import has_lora, is_gated, merge_and_unload
+from clover.model.lora import drop_adapter, has_lora, is_gated, merge_and_unload
 from clover.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -150,7 +151,7 @@ def _pre_tokenizer_name(pre: dict | None) -> str:
 
 
 def export_gguf(src: str | Path, out: str | Path, quant: str = "f16", *, tokenizer_pre: str | None = None,
-                force: bool = False, progress: bool = False) -> Path:
+                drop_gated_adapter: bool = False, force: bool = False, progress: bool = False) -> Path:
     """Write the Clover checkpoint directory `src` as a llama GGUF file `out` (see the module docstring).
 
     The file is written to a temporary name beside `out` and renamed when complete: a failure leaves nothing.
@@ -165,11 +166,14 @@ def export_gguf(src: str | Path, out: str | Path, quant: str = "f16", *, tokeniz
     config = CloverConfig.from_file(src)
     check_exportable(config)
     model = CloverForBlockDiffusion.from_pretrained(src, dtype=torch.float32)
-    if has_lora(model):  # an adapter stored beside the weights: a GGUF holds merged weights only
-        if is_gated(model):
-            raise ValueError(f"cannot export {src} to GGUF: its adapter is gated (it acts at query positions only, "
-                             "so it cannot be merged into the weights, and llama.cpp applies adapters everywhere); "
-                             "run it with the torch runner")
+    if is_gated(model) and drop_gated_adapter:  # the causal path: what block size 1 and exact mode compute
+        model = drop_adapter(model)
+    elif is_gated(model):
+        raise ValueError(f"cannot export {src} to GGUF: its adapter is gated (it acts at query positions only, "
+                         "so it cannot be merged into the weights, and llama.cpp applies adapters everywhere); "
+                         "run it with the torch runner, or export its causal path alone (--drop-gated-adapter: "
+                         "block size 1 and exact mode give the model's own answers, drafting without the adapter)")
+    elif has_lora(model):  # an adapter stored beside the weights: a GGUF holds merged weights only
         model = merge_and_unload(model)
     state = model.state_dict()
 

@@ -330,15 +330,29 @@ def merge_and_unload(model: nn.Module) -> nn.Module:
     """Fold every adapter into its weights and put plain `nn.Linear` / `nn.Embedding` modules back."""
     if is_gated(model):
         _refuse_gated_merge(model.adapter_gate)
+    return _unload(model, merge=True)
+
+
+def drop_adapter(model: nn.Module) -> nn.Module:
+    """Put plain `nn.Linear` / `nn.Embedding` modules back without the adapter: the base model. For a gated adapter
+    that is the model's causal path exactly (the adapter acts at query positions only)."""
+    _unload(model, merge=False)
+    model.adapter_gate = None
+    return model
+
+
+def _unload(model: nn.Module, merge: bool) -> nn.Module:
     for name, module in list(model.named_modules()):
         if isinstance(module, LoRALinear):
-            module.merge()
+            if merge:
+                module.merge()
             plain = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None,
                               device="meta")
             plain.weight, plain.bias = module.weight, module.bias
             _set_child(model, name, plain)
         elif isinstance(module, TrainableRowsEmbedding):
-            module.merge()
+            if merge:
+                module.merge()
             plain = nn.Embedding(module.num_embeddings, module.embedding_dim, module.padding_idx, device="meta")
             plain.weight = module.weight
             _set_child(model, name, plain)

@@ -34,8 +34,9 @@ one in use, masked or not, so cells kept for later cost every forward of every r
 takes ~80 ms, restoring them ~10 ms; restored cells equal the saved ones bit for bit.
 
 What needs the torch runner: hybrid (Gated DeltaNet) models — llama.cpp's DeltaNet is causal, Clover's reads a
-block in both directions; gated adapters (they act only at query positions; llama.cpp applies weights to every
-token).
+block in both directions; gated adapters' drafts (they act only at query positions; llama.cpp applies weights to
+every token: `clover export --drop-gated-adapter` writes the causal path alone, which this runner decodes to the
+model's own answers at block size 1 and in exact mode, drafting with the base).
 """
 
 from __future__ import annotations

@@ -96,7 +96,8 @@ def test_unrecognised_pre_tokenizer_asks_for_a_name(checkpoint: Path, tmp_path: 
 @pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
 def test_a_stored_adapter_is_merged_or_refused_when_gated(checkpoint: Path, tmp_path: Path, gated: bool) -> None:
     """A GGUF holds merged weights: a plain adapter saved beside the weights is merged into them; a gated one
-    (query positions only) cannot be, and is refused by name."""
+    (query positions only) cannot be, and is refused by name, or with `drop_gated_adapter` left out: the file is
+    the base, the gated model's causal path."""
     from clover import CloverForBlockDiffusion
     from clover.model.lora import LoraConfig, apply_lora, merge_and_unload
 
@@ -111,6 +112,9 @@ def test_a_stored_adapter_is_merged_or_refused_when_gated(checkpoint: Path, tmp_
         with pytest.raises(ValueError, match="adapter is gated"):
             export_gguf(tmp_path / "adapted", tmp_path / "m.gguf", "f32")
         assert not list(tmp_path.glob("*.gguf")) and not list(tmp_path.glob(".m.gguf*"))
+        causal = export_gguf(tmp_path / "adapted", tmp_path / "m.gguf", "f32", drop_gated_adapter=True)
+        restored, base = _weights(convert("gguf", causal, tmp_path / "back")), _weights(checkpoint)
+        assert restored.keys() == base.keys() and all(torch.equal(restored[k], base[k]) for k in base)
         return
     back = convert("gguf", export_gguf(tmp_path / "adapted", tmp_path / "m.gguf", "f32"), tmp_path / "back")
     merged = merge_and_unload(model).state_dict()
