@@ -13,21 +13,21 @@ QUANTIZATIONS = ("none", "fp32", "bf16", "int8", "int4")
 RULE_NAMES = ("threshold", "top_k_per_step", "no_adjacent_repeat", "product_threshold", "left_to_right", "sub_blocks",
               "exact")
 
-# clover.conversion: --from name -> module under clover.conversion
+# clover.conversion: --from name -> the module under clover.conversion whose open_source(src, name) reads it
 FORMATS: dict[str, str] = {
-    "qwen3_5_moe": "qwen3_5_moe",
+    "qwen3_5_moe": "qwen3_5",
     "qwen3_5": "qwen3_5",
     "qwen3_next": "qwen3_next",
     "llama": "llama",
-    "qwen3": "qwen3",
-    "qwen3_moe": "qwen3_moe",
-    "qwen2": "qwen2",
+    "qwen3": "qwen",
+    "qwen3_moe": "qwen",
+    "qwen2": "qwen",
     "gguf": "gguf",
     # released block-diffusion checkpoints (clover.conversion.families)
-    "sdar": "sdar",
-    "fast_dllm_v2": "fast_dllm_v2",
-    "dllm_bd3lm": "dllm_bd3lm",
-    "arclm": "arclm",
+    "sdar": "released",
+    "fast_dllm_v2": "released",
+    "dllm_bd3lm": "released",
+    "arclm": "released",
 }
 
 # clover.conversion.gguf_export: the GGUF weight formats it writes

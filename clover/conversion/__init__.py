@@ -1,7 +1,8 @@
 """Conversion of AR checkpoints into Clover checkpoints: `convert(source_format, src, dst)`.
 
-One module per source family, each exposing `open_source(src) -> Source` (see `common.Source`); the shared
-driver `common.run_conversion` does the rest (mask token, Clover-only parameters, dtype, checks, atomic
+One module per source layout (`clover.choices.FORMATS` names it for each `--from` format), each exposing
+`open_source(src, source_format) -> Source` (see `common.Source`); the shared driver `common.run_conversion` does
+the rest (mask token, Clover-only parameters, dtype, checks, atomic
 write). `clover convert --from FORMAT SRC DST` is a thin wrapper over `convert`.
 """
 
@@ -35,7 +36,7 @@ def convert(source_format: str, src: str | Path, dst: str | Path, force: bool = 
         raise FileExistsError(f"destination {dst} already exists; pass force=True (--force) to replace it")
     resolved = resolve_dtype(dtype)
     module = importlib.import_module(f"clover.conversion.{FORMATS[source_format]}")
-    with module.open_source(src) as source:
+    with module.open_source(src, source_format) as source:
         return run_conversion(source, dst, force=force, dtype=resolved, progress=progress)
 
 

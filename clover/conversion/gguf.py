@@ -168,5 +168,5 @@ class GGUFSource(Source):
         return self._tokenizer
 
 
-def open_source(src: Path) -> GGUFSource:
+def open_source(src: Path, source_format: str = "gguf") -> GGUFSource:
     return GGUFSource(src)

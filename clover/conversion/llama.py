@@ -68,5 +68,5 @@ class LlamaSource(HFSource):
         super().__init__(src, "model.", tie_word_embeddings=bool(hf.tie_word_embeddings))
 
 
-def open_source(src: Path) -> LlamaSource:
+def open_source(src: Path, source_format: str = "llama") -> LlamaSource:
     return LlamaSource(src)

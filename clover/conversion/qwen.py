@@ -65,3 +65,8 @@ class QwenSource(HFSource):
                               qk_norm=model_type != "qwen2")
         self.config = moe_config(hf, config) if model_type == "qwen3_moe" else config
         super().__init__(src, "model.", tie_word_embeddings=bool(hf.tie_word_embeddings))
+
+
+def open_source(src: Path, source_format: str) -> QwenSource:
+    """`--from qwen3 | qwen3_moe | qwen2`."""
+    return QwenSource(src, source_format)

@@ -103,5 +103,6 @@ class Qwen35Source(HFSource):
                          tie_word_embeddings=tied)
 
 
-def open_source(src: Path) -> Qwen35Source:
-    return Qwen35Source(src, "qwen3_5")
+def open_source(src: Path, source_format: str) -> Qwen35Source:
+    """`--from qwen3_5` (dense Qwen3.5 hybrids) or `--from qwen3_5_moe` (Qwen3.5-MoE / Qwen3.6-MoE)."""
+    return Qwen35Source(src, source_format)

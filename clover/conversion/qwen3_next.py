@@ -85,5 +85,5 @@ class Qwen3NextSource(HFSource):
         return b if proj == "in_proj_b" else a
 
 
-def open_source(src: Path) -> Qwen3NextSource:
+def open_source(src: Path, source_format: str = "qwen3_next") -> Qwen3NextSource:
     return Qwen3NextSource(src)

@@ -16,8 +16,9 @@ from clover.conversion.qwen import QwenSource
 from clover.conversion.qwen3_5 import Qwen35Source
 
 
-def open_source(src: Path, family_name: str) -> HFSource:
-    family = FAMILIES[family_name]
+def open_source(src: Path, source_format: str) -> HFSource:
+    """`--from sdar | fast_dllm_v2 | dllm_bd3lm | arclm`: the family's checkpoint."""
+    family = FAMILIES[source_format]
     raw, _ = read_hf_dir(src)
     model_type = raw.get("model_type")
     if model_type not in family.model_types:
