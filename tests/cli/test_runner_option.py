@@ -122,3 +122,26 @@ def test_the_exported_gguf_runs_ar_in_plain_llama_cpp(exported):
         if len(got) == len(want):
             break
     assert got == want
+
+
+def test_a_gated_model_exports_its_causal_path_and_decodes_its_own_answer_on_llamacpp(exported, tmp_path, capsys):
+    """`clover export` refuses a gated adapter by naming --drop-gated-adapter; with it, the GGUF is the causal path,
+    on which exact mode gives what block size 1 gives, and block size 1 what the gated model gives on torch."""
+    from clover.model.lora import LoraConfig, apply_lora
+
+    checkpoint, _ = exported
+    model = CloverForBlockDiffusion.from_pretrained(checkpoint)
+    apply_lora(model, LoraConfig(rank=2, gated=True, extra_trainable=[]))
+    for name, param in model.named_parameters():
+        if "lora_B" in name:
+            param.data.normal_(0.0, 0.2)
+    model.save_pretrained(tmp_path / "gated", tokenizer_dir=checkpoint)
+    gguf = tmp_path / "gated.gguf"
+    assert main(["export", str(tmp_path / "gated"), str(gguf), "--quant", "f32"]) == 2
+    assert "--drop-gated-adapter" in capsys.readouterr().err and not gguf.exists()
+    assert main(["export", str(tmp_path / "gated"), str(gguf), "--quant", "f32", "--drop-gated-adapter"]) == 0
+    capsys.readouterr()
+    torch_b1 = _generate(capsys, "--model", str(tmp_path / "gated"), "--block-size", "1")
+    llama_b1 = _generate(capsys, "--runner", "llamacpp", "--model", str(gguf), "--block-size", "1")
+    llama_exact = _generate(capsys, "--runner", "llamacpp", "--model", str(gguf), "--rule", "exact")
+    assert llama_exact["token_ids"] == llama_b1["token_ids"] == torch_b1["token_ids"]
