@@ -17,7 +17,8 @@ def add_parser(subparsers: Any) -> None:
                     "clover.* metadata. Plain llama.cpp runs it autoregressively; `clover convert --from gguf` "
                     "reads it back.")
     parser.add_argument("--to", dest="target_format", choices=["gguf"], default="gguf", help="target format")
-    parser.add_argument("src", help="a Clover checkpoint directory, or clover-smol for the default model")
+    parser.add_argument("src", help="a Clover checkpoint directory, or clover-smol for the default model (with a "
+                                    "gated adapter: its causal path, as --drop-gated-adapter)")
     parser.add_argument("out", help="the .gguf file to write (must not exist unless --force)")
     parser.add_argument("--quant", choices=GGUF_QUANTS, default="f16",
                         help="weight format: f32 (exact), f16, q8_0, q4_0 (blocks of 32; default f16)")
@@ -33,7 +34,9 @@ def add_parser(subparsers: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from clover.conversion.gguf_export import export_gguf  # deferred for start-up time: it imports torch
 
-    src = resolve_model_dir(None if args.src == "clover-smol" else args.src)
+    default = args.src == "clover-smol"
+    src = resolve_model_dir(None if default else args.src)
+    # the default model's GGUF is what `--runner llamacpp` runs (clover.smol.clover_smol_gguf): its causal path
     print(export_gguf(src, args.out, args.quant, tokenizer_pre=args.tokenizer_pre,
-                      drop_gated_adapter=args.drop_gated_adapter, force=args.force, progress=True))
+                      drop_gated_adapter=args.drop_gated_adapter or default, force=args.force, progress=True))
     return 0
