@@ -116,7 +116,9 @@ def plot(rows: list[dict[str, Any]], output: Path) -> Path:
             points = [r for r in mine if r.get(key) is not None]
             ax.plot([r[key] for r in points], [sum(r[n]["exact_tpf"] for n in names) / len(names) for r in points],
                     "o-", markersize=3, label=f"{Path(run).name}: mean of {len(names)} sets")
-    axes[0].set(xlabel="supervised training tokens", ylabel="exact mode's tokens per forward (B = 4, estimated)")
+    axes[0].set(xlabel="supervised training tokens",
+                ylabel="exact mode's tokens per forward (B = 4, estimated)")
+    axes[0].xaxis.set_major_formatter(lambda x, _: f"{x / 1000:g}k")
     axes[1].set(xlabel="training CPU-hours", ylabel="exact mode's tokens per forward (B = 4, estimated)")
     for ax in axes:
         ax.axhline(2.0, color="grey", linestyle=":", linewidth=1)

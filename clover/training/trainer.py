@@ -372,10 +372,13 @@ class Trainer:
         losses: list[float] = []
         eval_losses: list[tuple[int, float]] = []
         last_saved = self.state["step"] if self.resumed_from is not None else -1
-        stopped_early = False
         step_time = 0.0
+        # a resumed run whose budget is spent stops before training: its next step (estimated by the mean so far)
+        # would cross the budget, as the check after each step would have found
+        mean_step_cpu = self.state["cpu_s"] / self.state["step"] if self.state["step"] else 0.0
+        stopped_early = self.resumed_from is not None and self._out_of_time(start_time, 0.0, mean_step_cpu)
         try:
-            while self.state["step"] < c.max_steps:
+            while self.state["step"] < c.max_steps and not stopped_early:
                 t0, cpu0 = time.monotonic(), time.process_time()
                 metrics = self.train_step(self.state["step"])
                 step_time = time.monotonic() - t0

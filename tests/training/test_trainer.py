@@ -191,9 +191,13 @@ def test_cpu_budget_counts_across_sessions(tmp_path):
     docs = documents()
     first = train(config(tmp_path, max_steps=4), train_documents=docs)
     spent = json.loads((latest_checkpoint(tmp_path / "run") / "trainer" / "state.json").read_text())["cpu_s"]
-    # a budget already spent by the first session: the resumed run stops after one more step
+    # a budget already spent by the first session: the resumed run trains nothing and leaves the checkpoint as it was
     more = train(config(tmp_path, max_steps=50, max_cpu_hours=spent / 3600), train_documents=docs)
-    assert first.step == 4 and more.stopped_early and more.step == 5
+    assert first.step == 4 and more.stopped_early and more.step == 4 and not more.losses
+    assert latest_checkpoint(tmp_path / "run").name == "step-00000004"
+    # room for more steps: the run takes them, then stops at the budget
+    again = train(config(tmp_path, max_steps=50, max_cpu_hours=spent * 1.5 / 3600), train_documents=docs)
+    assert again.stopped_early and 4 < again.step < 50
 
 
 def test_bf16_autocast_and_block_curriculum_train(tmp_path):
