@@ -466,11 +466,10 @@ class ServerProcess:
 def token_counter(args: argparse.Namespace) -> Callable[[str], int]:
     """Completion tokens of a text, for servers that report no usage in streams (the GGUF shares clover-smol's
     vocabulary)."""
-    from transformers import AutoTokenizer
-
     from clover.smol import clover_smol_dir
+    from clover.tokenizer import load_tokenizer  # not AutoTokenizer: it reads config.json and warns on `clover`
 
-    tokenizer = AutoTokenizer.from_pretrained(args.model or clover_smol_dir())
+    tokenizer = load_tokenizer(args.model or clover_smol_dir())
     return lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
