@@ -11,6 +11,7 @@ from clover.model import quantize
 from clover.model.cache import CloverCache
 from clover.ops import woq
 from clover.serving.prefix_cache import PrefixCache, chain_hashes
+from clover.smol import BUILD_ACTIVATIONS
 from model_helpers import tiny_model
 from server_helpers import decode_alone as _decode
 
@@ -47,11 +48,12 @@ def test_reused_prefix_gives_exactly_the_cold_start_tokens(models, preset, sampl
 @pytest.mark.parametrize("quant", ["int4", "int8"])
 @pytest.mark.parametrize("preset", ["clover-tiny", "clover-tiny-dense"])
 def test_reuse_on_a_packed_build_gives_exactly_the_cold_start_tokens(preset, quant):
-    """The int4 / int8 builds take two paths through a layer (the integer kernels below `woq.DENSE_ROWS` rows,
-    the dequantised matmul from there, which round differently), so the grid is a dense chunk: a warm start runs
-    the chunks a cold start runs after the reused point, each through the path the cold start took."""
+    """The int4 / int8 builds that round activations twice (clover-smol's) take two paths through a layer: the
+    integer kernels below `woq.DENSE_ROWS` rows, the dequantised matmul from there, which round differently. With
+    the grid a dense chunk, a warm start runs the chunks a cold start runs after the reused point, each through the
+    path the cold start took."""
     grid = woq.DENSE_ROWS
-    model = quantize(tiny_model(preset, max_position_embeddings=4 * grid), quant)
+    model = quantize(tiny_model(preset, max_position_embeddings=4 * grid), quant, activations=BUILD_ACTIVATIONS)
     # a given cost table: the policy learns no step timings, so both runs make the same drafts
     engine = Engine(model, 4, rule="exact", prefill_chunk=grid, cost=ForwardCost.flat())
     store = PrefixCache(grid, 1 << 30, recurrent=model.config.has_linear_attention)
