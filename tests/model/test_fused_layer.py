@@ -84,6 +84,29 @@ def test_fused_generation_equals_the_module_path():
     assert model.generate(prompts, max_new_tokens=24, threshold=0.7).sequences == want
 
 
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+@torch.no_grad()
+def test_a_step_of_several_tokens_equals_one_token_at_a_time_bit_for_bit(kind):
+    """On integer weights every row's arithmetic is its own: the kernels round and multiply row by row, and the
+    attention reads a kv head's keys once for all its queries (several heads, several positions) but computes each
+    query's scores, softmax and sums in one fixed order. So verifying drafts in one forward gives exactly the logits
+    of feeding them one at a time (exact mode's output then equals block size 1's, not just up to rounding), at
+    context lengths past the loops' key chunks and not a multiple of their 8-key steps, and with a query block
+    drafting after the verified tokens (its rows are masked from the clean ones)."""
+    model = quantize(tiny_model("clover-tiny-dense"), kind, activations="int8x2")
+    gen = torch.Generator().manual_seed(0)
+    context, step = torch.randint(0, 250, (1, 150), generator=gen), torch.randint(0, 250, (1, 5), generator=gen)
+    alone, together, drafting = (model.new_cache(1) for _ in range(3))
+    for cache in (alone, together, drafting):
+        model(context, cache=cache, logits_to_keep=0)
+    want = torch.cat([model(step[:, i:i + 1], cache=alone).logits for i in range(step.shape[1])], dim=1)
+    assert torch.equal(model(step, cache=together).logits, want)
+    masks = torch.full((1, 4), model.config.mask_token_id)
+    at = torch.ones(1, 9, dtype=torch.bool)  # every clean position and every query position, as exact mode asks
+    got = model(step, block_size=4, prefix_len=5, query_ids=masks, cache=drafting, logits_at=at).logits
+    assert torch.equal(got[:5], want[0])
+
+
 def test_only_layers_of_the_fused_form_are_marked(tmp_path):
     dense, hybrid = tiny_model("clover-tiny-dense"), tiny_model("clover-tiny")
     assert not any(layer.fused for layer in dense.model.layers)  # unquantised: torch's modules

@@ -1,0 +1,94 @@
+"""The C++ kernels of this tree against those of a git revision: forwards of clover-smol's int4 build, same process.
+
+    python benchmarks/bench_kernel_ab.py --baseline REV [--contexts 32,300,1500,4600] [--rows 1,2,4,8]
+        [--repeats 15] [--threads 2]
+
+`clover/ops/csrc` at `REV` is compiled beside this tree's (`$CLOVER_CACHE/extensions/`), and the two take turns
+forward by forward on the same model and cache, so a slow moment of a shared machine hits both alike. Per context
+length (tokens already cached) and row count (causal tokens fed, logits at each, as exact mode's verification
+asks): the median milliseconds of each and their ratio; and whether the two computed the same logits bit for bit
+(a kernel change that only reorders memory traffic should).
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from clover.model import CloverForBlockDiffusion
+from clover.ops import woq
+from clover.paths import cache_root
+from clover.runners.torch_runner import as_runner
+from clover.smol import clover_smol_dir
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def baseline_extension(rev: str):
+    """The extension built from `clover/ops/csrc` as it was at `rev`."""
+    from torch.utils import cpp_extension
+
+    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short=12", rev], check=True,
+                            capture_output=True, text=True).stdout.strip()
+    src = Path(tempfile.mkdtemp(prefix=f"clover-csrc-{commit}-"))
+    for name in ("woq.cpp", "layer.cpp", "woq.h"):
+        text = subprocess.run(["git", "-C", str(ROOT), "show", f"{commit}:clover/ops/csrc/{name}"], check=True,
+                              capture_output=True, text=True).stdout
+        (src / name).write_text(text)
+    build = cache_root() / "extensions" / f"woq-baseline-{commit}"
+    build.mkdir(parents=True, exist_ok=True)
+    return cpp_extension.load(name=f"clover_woq_baseline_{commit}", sources=[str(src / "woq.cpp"),
+                              str(src / "layer.cpp")], build_directory=str(build), extra_cflags=woq.FLAGS,
+                              extra_ldflags=["-fopenmp"], verbose=False)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--baseline", required=True, help="a git revision whose kernels to compare against")
+    parser.add_argument("--contexts", default="32,300,1500,4600")
+    parser.add_argument("--rows", default="1,2,4,8")
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    runner = as_runner(CloverForBlockDiffusion.from_pretrained(clover_smol_dir("int4")))
+    kernels = {"baseline": baseline_extension(args.baseline), "this tree": woq.extension()}
+    print(f"machine: {platform.processor() or platform.machine()}, {args.threads} threads, torch {torch.__version__};"
+          f" clover-smol int4, baseline {args.baseline}")
+    gen = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for context in (int(c) for c in args.contexts.split(",")):
+            cache = runner.new_cache(1)
+            for start in range(0, context, 512):  # the prefill, in chunks as the engine reads a prompt
+                n = min(512, context - start)
+                runner.forward(torch.randint(0, 1000, (1, n), generator=gen), 1, cache=cache, prefix_len=n,
+                               logits_to_keep=0)
+            for rows in (int(r) for r in args.rows.split(",")):
+                ids = torch.randint(0, 1000, (1, rows), generator=gen)
+                at = torch.ones(1, rows, dtype=torch.bool)
+                times: dict[str, list[float]] = {name: [] for name in kernels}
+                logits: dict[str, torch.Tensor] = {}
+                for _ in range(args.repeats + 1):  # the first round warms caches up: not counted
+                    for name, extension in kernels.items():
+                        woq._extension = extension
+                        cache.mark()
+                        start = time.perf_counter()
+                        logits[name] = runner.forward(ids, 1, cache=cache, prefix_len=rows, logits_at=at)
+                        times[name].append(time.perf_counter() - start)
+                        cache.rewind(torch.zeros(1, dtype=torch.long))
+                base, new = (statistics.median(times[name][1:]) * 1e3 for name in kernels)
+                same = torch.equal(logits["baseline"], logits["this tree"])
+                print(f"context {context:5}  rows {rows:2}  baseline {base:7.2f} ms  this tree {new:7.2f} ms  "
+                      f"x{new / base:.3f}  {'same logits' if same else 'logits differ'}", flush=True)
+    woq._extension = kernels["this tree"]
+
+
+if __name__ == "__main__":
+    main()
