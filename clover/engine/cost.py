@@ -11,9 +11,9 @@ measured, not assumed:
 measured counts, extended linearly past the last), and `a`, `b` from a second context length: reading the keys
 and values grows with `L` once per forward, their arithmetic once per row.
 
-`cost_table(runner)` measures once per combination of model shape, runner, weight format, threads, torch and
-processor (`fingerprint`), in about two seconds, and keeps the table in `$CLOVER_CACHE/costs/`; a later process
-with the same combination reads it back.
+`cost_table(runner)` measures once per combination of model shape, runner, weight format (and the build of the
+kernels that run packed weights), threads, torch and processor (`fingerprint`), in about two seconds, and keeps the
+table in `$CLOVER_CACHE/costs/`; a later process with the same combination reads it back.
 """
 
 from __future__ import annotations
@@ -98,8 +98,8 @@ class ForwardCost:
 
 
 def fingerprint(runner: Any) -> dict[str, Any]:
-    """What a forward's time depends on: the network's shape and weight format, the runner, its threads, the
-    software and the processor (not the weights' values)."""
+    """What a forward's time depends on: the network's shape and weight format (and the kernels that run packed
+    weights), the runner, its threads, the software and the processor (not the weights' values)."""
     config = runner.config.to_dict()
     for name in ("block_size", "threshold", "draft_acceptance", "eos_token_id", "mask_token_id"):
         config.pop(name, None)
@@ -107,6 +107,10 @@ def fingerprint(runner: Any) -> dict[str, Any]:
     weights: Any = getattr(runner, "path", None)
     if model is not None:
         weights = {"dtype": str(next(model.parameters()).dtype), "quantization": getattr(model, "quantization", None)}
+        if weights["quantization"] is not None:  # packed weights run on Clover's own kernels, as built now
+            from clover.ops.woq import kernel_tag
+
+            weights["kernels"] = kernel_tag()
     return {"runner": runner.name, "model_shape": _digest(config), "weights": _digest(weights),
             "device": str(runner.device), "threads": getattr(runner, "threads", None) or torch.get_num_threads(),
             "torch": torch.__version__, "cpu": _processor()}

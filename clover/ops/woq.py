@@ -97,8 +97,7 @@ def extension() -> Any:
         if not cpp_extension.is_ninja_available():
             raise RuntimeError("clover's quantised CPU kernels are compiled on first use with ninja, which was not "
                                "found: pip install ninja")
-        source = "".join(path.read_text() for path in SOURCES + HEADERS)
-        tag = hashlib.sha256(f"{source}|{FLAGS}|{torch.__version__}".encode()).hexdigest()[:12]
+        tag = kernel_tag()
         build = cache_root() / "extensions" / f"woq-{tag}"
         build.mkdir(parents=True, exist_ok=True)
         logger.info("loading the weight-only-quantisation kernel from %s (compiled there on first use)", build)
@@ -106,6 +105,13 @@ def extension() -> Any:
                                         build_directory=str(build), extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
                                         verbose=False)
     return _extension
+
+
+def kernel_tag() -> str:
+    """What the compiled kernels are: their sources, flags and torch version (the build's name; a forward's cost
+    depends on it, clover.engine.cost)."""
+    source = "".join(path.read_text() for path in SOURCES + HEADERS)
+    return hashlib.sha256(f"{source}|{FLAGS}|{torch.__version__}".encode()).hexdigest()[:12]
 
 
 def check_activations(activations: str) -> None:
