@@ -17,7 +17,8 @@ slow minute of a shared machine hits them alike):
   * `candidate`, `candidate-b1`   `default` and `int4-b1` of another clover-smol adapter (`--candidate DIR`: a
                   directory `recipes/clover_smol/package.py` wrote), to compare a new adapter with the shipped one
 
-Per set and system: tokens/s end to end (prefill included), tokens per forward, the ratio to `int4-b1`, and how
+Per set and system: tokens/s end to end (prefill included), tokens per forward, the ratio to `int4-b1`, the
+seconds to each answer's first token (its prefill) summed over the prompts, tokens/s after it, and how
 many answers are token for token the reference's (`default` and `int4-full` against `int4-b1`, `fp32-exact`
 against `fp32-b1`, llama.cpp against `int4-b1`: a different quantisation, so agreement, not identity).
 `--prior` prints the acceptance by draft position of `int4-full` on training prompts (what clover-smol's manifest
@@ -123,13 +124,16 @@ def run(systems: list[str], sets: dict[str, list[list[int]]], max_new: int, thre
             for s in systems:
                 start = time.perf_counter()
                 out, stats = loaded[s][0](ids, max_new)
-                rows[s].append((out, stats["forward_passes"], time.perf_counter() - start))
+                rows[s].append((out, stats["forward_passes"], time.perf_counter() - start,
+                                stats["time_to_first_token_s"]))
         report[name] = {}
         for s in systems:
             tokens = sum(len(r[0]) for r in rows[s])
             seconds = sum(r[2] for r in rows[s])
+            first = sum(r[3] for r in rows[s])  # the prefills (and each first token)
             figures = {"tokens_per_second": tokens / seconds, "tokens": tokens,
-                       "tokens_per_forward": tokens / max(sum(r[1] for r in rows[s]), 1)}
+                       "tokens_per_forward": tokens / max(sum(r[1] for r in rows[s]), 1), "prefill_s": first,
+                       "decode_tokens_per_second": (tokens - len(rows[s])) / max(seconds - first, 1e-9)}
             ref = REFERENCE.get(s)
             if ref in rows:
                 figures["same_as_" + ref] = sum(a[0] == b[0] for a, b in zip(rows[s], rows[ref]))
@@ -141,7 +145,8 @@ def run(systems: list[str], sets: dict[str, list[list[int]]], max_new: int, thre
             f = report[name][s]
             same = next((f"{v}/{len(prompts)} same as {k[8:]}" for k, v in f.items() if k.startswith("same_as")), "")
             print(f"{name:18} {s:11} {f['tokens_per_second']:7.1f} tok/s  x{f.get('vs_int4_b1', 0):.2f}  "
-                  f"TPF {f['tokens_per_forward']:.2f}  {same}", flush=True)
+                  f"TPF {f['tokens_per_forward']:.2f}  prefill {f['prefill_s']:5.2f} s  decoding "
+                  f"{f['decode_tokens_per_second']:6.1f} tok/s  {same}", flush=True)
     report["_engines"] = {s: e.settings() for s, (_, e) in loaded.items() if e is not None}
     return report
 

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from clover.ops import woq
 from clover.paths import cache_root
 
 logger = logging.getLogger(__name__)
@@ -108,9 +109,7 @@ def fingerprint(runner: Any) -> dict[str, Any]:
     if model is not None:
         weights = {"dtype": str(next(model.parameters()).dtype), "quantization": getattr(model, "quantization", None)}
         if weights["quantization"] is not None:  # packed weights run on Clover's own kernels, as built now
-            from clover.ops.woq import kernel_tag
-
-            weights["kernels"] = kernel_tag()
+            weights["kernels"] = woq.kernel_tag()
     return {"runner": runner.name, "model_shape": _digest(config), "weights": _digest(weights),
             "device": str(runner.device), "threads": getattr(runner, "threads", None) or torch.get_num_threads(),
             "torch": torch.__version__, "cpu": _processor()}

@@ -34,9 +34,11 @@ forces after a decision (and an EOS when it can only end) are decided at once: t
 with the last decided token, at the head of the next forward's clean tokens, so they cost no forward of their
 own. Block size 1 (`m = 0`) does the same, so the output is constrained block-size-1 decoding, token for token.
 
-In floating point, verifying `k + 1` tokens in one forward and feeding them one at a time are different sums
-(~1e-5 apart in fp32), so a near-tie between the two best tokens can flip; exact mode is block size 1 in exact
-arithmetic, and token for token wherever the model's choice is not a near-tie (docs/decoding.md).
+In floating point, verifying `k + 1` tokens in one forward and feeding them one at a time may be different sums
+(~1e-5 apart in fp32 torch), so a near-tie between the two best tokens can flip; exact mode is block size 1 in
+exact arithmetic, and token for token wherever the model's choice is not a near-tie. The int4 / int8 builds' CPU
+kernels compute every row as a one-token forward does, bit for bit, so there it is block size 1 near-ties
+included (docs/decoding.md).
 """
 
 from __future__ import annotations
