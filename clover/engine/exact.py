@@ -65,6 +65,8 @@ from clover.engine.speculative import verify
 STEP_EMA = 0.2  # weight of the newest step in the running estimate of the engine's own time per step
 STEP_WINDOW = 9  # a step's time by forward size: the median of the last this many (a shared machine's slow
 # moments are outliers: measured on clover-smol's int4 build, one-row steps took 14 ms at the median, up to 30)
+STEP_MEMORY = 512  # steps after which a size's timings no longer count: a size priced high during a slow moment
+# is then no longer run, so never re-timed; once its timings age out it is priced from the sizes timed since
 
 
 @dataclass
@@ -116,7 +118,10 @@ class ExactLoop(DecodingLoop):
         self.learns = cost is None  # a given table is the policy's whole cost model
         self.prior = list(getattr(engine.runner.config, "draft_acceptance", None) or []) or None
         self.overhead = 0.0  # seconds per step outside the runner, until a forward of a size has been timed
-        self.step_time: dict[int, deque[float]] = {}  # the last seconds of a whole step, by the forward's rows
+        self.steps = 0  # steps timed so far
+        # the last (step, seconds) of a whole step, by the forward's rows; their medians, once per step
+        self.step_time: dict[int, deque[tuple[int, float]]] = {}
+        self._timed_cost: dict[int, float] | None = None
         self.drafted = [0] * engine.block_size  # forwards by the number of drafts their query block made
         # every request's drafts, by position: [accepted, verified]
         self.tally = [[0, 0] for _ in range(engine.block_size - 1)]
@@ -295,19 +300,26 @@ class ExactLoop(DecodingLoop):
         the engine's own work): the policy's cost of that size from now on (the table gives the rest)."""
         total = time.perf_counter() - start
         self.overhead += STEP_EMA * (total - forward - self.overhead)
-        self.step_time.setdefault(rows, deque(maxlen=STEP_WINDOW)).append(total)
+        self.steps += 1
+        self.step_time.setdefault(rows, deque(maxlen=STEP_WINDOW)).append((self.steps, total))
+        self._timed_cost = None
 
     def _step_cost(self, rows: int, context: int) -> float:
-        """Seconds a step of `rows` rows costs: as timed; else the table's forward scaled as the nearest timed
-        size compares with the table (a batch's rows are separate sequences, dearer than one sequence's rows,
-        which the table times); else, before any step was timed, the table's forward plus the engine's time."""
-        if not (self.learns and self.step_time):
+        """Seconds a step of `rows` rows costs: as timed in the last `STEP_MEMORY` steps; else the table's
+        forward scaled as the nearest size timed then compares with the table (a batch's rows are separate
+        sequences, dearer than one sequence's rows, which the table times); else, before any step was timed, the
+        table's forward plus the engine's time."""
+        if self._timed_cost is None:
+            recent = {size: [t for step, t in timed if step > self.steps - STEP_MEMORY]
+                      for size, timed in self.step_time.items()}
+            self._timed_cost = {size: statistics.median(times) for size, times in recent.items() if times}
+        timed = self._timed_cost if self.learns else {}
+        if not timed:
             return self.cost(rows, context) + self.overhead
-        timed = self.step_time.get(rows)
-        if timed:
-            return statistics.median(timed)
-        near = min(self.step_time, key=lambda size: abs(math.log(size / rows)))
-        return self.cost(rows, context) * statistics.median(self.step_time[near]) / self.cost(near, context)
+        if rows in timed:
+            return timed[rows]
+        near = min(timed, key=lambda size: abs(math.log(size / rows)))
+        return self.cost(rows, context) * timed[near] / self.cost(near, context)
 
     def _look_up(self, b: ExactBatch) -> None:
         """Rows left without drafts take the continuation their context offers (module docstring). Each row's

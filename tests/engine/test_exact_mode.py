@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from clover.engine import Engine, SamplingParams, StreamPiece, generate, stream
 from clover.engine.cost import ForwardCost
 from clover.engine.decoding import ExactRule
 from clover.engine.drafting import Acceptance, best_batch_verified, best_drafts, best_verified
-from clover.engine.exact import ExactBatch, ExactLoop
+from clover.engine.exact import STEP_MEMORY, ExactBatch, ExactLoop
 from clover.serving.prefix_cache import PrefixCache
 from clover.serving.scheduler import Scheduler
 from model_helpers import PROMPTS, tiny_model
@@ -401,9 +402,26 @@ def test_step_costs_not_yet_timed_follow_the_nearest_timed_size(models):
     loop.learns = True  # (a table given to the engine is otherwise its whole cost model)
     table = loop._step_cost(16, 32)
     assert table == pytest.approx(ForwardCost.proportional()(16, 32))  # nothing timed: the table
-    loop.step_time[16] = [2 * table] * 3  # the batch's 16 rows took twice the table's time
-    assert loop._step_cost(16, 32) == pytest.approx(2 * table)
-    assert loop._step_cost(32, 32) == pytest.approx(2 * ForwardCost.proportional()(32, 32))
+    for _ in range(3):  # the batch's 16 rows took twice the table's time
+        loop._timed(16, time.perf_counter() - 2 * table, 0.0)
+    assert loop._step_cost(16, 32) == pytest.approx(2 * table, rel=0.01)
+    assert loop._step_cost(32, 32) == pytest.approx(2 * ForwardCost.proportional()(32, 32), rel=0.01)
+
+
+def test_a_size_priced_in_a_slow_moment_is_priced_again_once_its_timings_age_out(models):
+    """Steps of 2 rows timed during a slow moment make drafting look too dear, so the policy stops running them
+    and never re-times them; after `STEP_MEMORY` steps of other sizes their price follows what is timed now."""
+    engine = Engine(models["clover-tiny-dense"], 4, rule="exact", cost=ForwardCost.proportional(), eos_token_ids=[])
+    loop = engine.loop
+    loop.learns = True
+    one = ForwardCost.proportional()(1, 32)
+    for _ in range(3):
+        loop._timed(2, time.perf_counter() - 50 * one, 0.0)  # 25x the table's 2 rows
+    for _ in range(STEP_MEMORY - 1):
+        loop._timed(1, time.perf_counter() - one, 0.0)
+    assert loop._step_cost(2, 32) > 20 * ForwardCost.proportional()(2, 32)  # still remembered
+    loop._timed(1, time.perf_counter() - one, 0.0)
+    assert loop._step_cost(2, 32) == pytest.approx(ForwardCost.proportional()(2, 32), rel=0.05)
 
 
 def test_the_table_extrapolates_past_its_last_count_by_its_upper_half():
