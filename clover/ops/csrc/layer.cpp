@@ -24,7 +24,7 @@ namespace {
 
 constexpr int64_t LOOP_ROWS = 32;  // query rows up to which attention runs as loops (a block step), else SDPA
 constexpr int64_t MAX_ROTARY = 1024;
-constexpr int64_t KEY_CHUNK = 64;  // keys (and values) per chunk of the loops' attention: 16 KiB of fp32 at D = 64, in L1
+constexpr int64_t KEY_CHUNK = 64;  // keys (values) per chunk of the loops' attention: 16 KiB of fp32 at D = 64, in L1
 
 // x [N, T, F]; a gated adapter's correction acts from position `gated_from` of each row's T tokens on (0: all)
 torch::Tensor linear(const PackedArgs& p, const torch::Tensor& x, int64_t chunk, bool vector, int64_t gated_from) {
@@ -110,7 +110,8 @@ __attribute__((target("avx2,fma"))) void attend_rows_avx2(const float* const* qs
   const float ninf = -std::numeric_limits<float>::infinity();
   const int64_t whole = S - S % 8, padded = whole + (S % 8 ? 8 : 0);  // scores' row stride
   std::vector<float> tail(8 * D, 0.f);  // the keys past `whole`, then zeros
-  for (int64_t s = whole; s < S; ++s) std::copy(keys + s * key_stride, keys + s * key_stride + D, &tail[(s - whole) * D]);
+  for (int64_t s = whole; s < S; ++s)
+    std::copy(keys + s * key_stride, keys + s * key_stride + D, &tail[(s - whole) * D]);
   for (int64_t s0 = 0; s0 < padded; s0 += KEY_CHUNK)
     for (int64_t i = 0; i < nq; ++i)
       for (int64_t s = s0; s < std::min(padded, s0 + KEY_CHUNK); s += 8) {
