@@ -14,6 +14,7 @@ from model_helpers import assert_close_up_to_activation_rounding, tiny_model
 from clover.model import CloverForBlockDiffusion, quantize
 from clover.model.fused import can_fuse
 from clover.model.lora import LoraConfig, apply_lora
+from clover.ops import woq
 
 
 def _set_fused(model: CloverForBlockDiffusion, on: bool) -> None:
@@ -43,6 +44,21 @@ def _forwards(model: CloverForBlockDiffusion) -> list[torch.Tensor]:
     return out
 
 
+class _Portable:
+    """The compiled extension with the fused layer's AVX2 paths off: its portable loops, which a CPU without AVX2
+    (an ARM machine) runs."""
+
+    def __init__(self, extension):
+        self.extension = extension
+
+    def __getattr__(self, name):
+        return getattr(self.extension, name)
+
+    def decoder_layer(self, *args):
+        *head, _vector, gated_from = args
+        return self.extension.decoder_layer(*head, False, gated_from)
+
+
 @pytest.mark.parametrize("kind,adapter,activations", [
     ("fp32", False, None), ("bf16", False, None), ("int8", False, "int8"), ("int8", False, "int8x2"),
     ("int4", False, "int8"), ("int4", True, "int8x2")])
@@ -70,6 +86,20 @@ def test_fused_layer_equals_the_module_path(kind, adapter, activations, override
             torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5 * w.abs().max().item())
 
 
+@pytest.mark.parametrize("kind,activations", [("fp32", None), ("int4", "int8x2")])
+@torch.no_grad()
+def test_the_portable_loops_equal_the_module_path(kind, activations, monkeypatch):
+    model = quantize(tiny_model("clover-tiny-dense"), kind, activations=activations)
+    want = _forwards(_unfused(model))
+    monkeypatch.setattr(woq, "_extension", _Portable(woq.extension()))
+    got = _forwards(model)
+    for w, g in zip(want, got, strict=True):
+        if activations == "int8x2":
+            assert (g - w).abs().max() <= 1e-4 * w.abs().max()
+        else:
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5 * w.abs().max().item())
+
+
 def _unfused(model: CloverForBlockDiffusion) -> CloverForBlockDiffusion:
     ref = copy.deepcopy(model)
     _set_fused(ref, False)
@@ -85,15 +115,19 @@ def test_fused_generation_equals_the_module_path():
 
 
 @pytest.mark.parametrize("kind", ["int8", "int4"])
+@pytest.mark.parametrize("portable", [False, True])
 @torch.no_grad()
-def test_a_step_of_several_tokens_equals_one_token_at_a_time_bit_for_bit(kind):
+def test_a_step_of_several_tokens_equals_one_token_at_a_time_bit_for_bit(kind, portable, monkeypatch):
     """On integer weights every row's arithmetic is its own: the kernels round and multiply row by row, and the
     attention reads a kv head's keys once for all its queries (several heads, several positions) but computes each
     query's scores, softmax and sums in one fixed order. So verifying drafts in one forward gives exactly the logits
     of feeding them one at a time (exact mode's output then equals block size 1's, not just up to rounding), at
     context lengths past the loops' key chunks and not a multiple of their 8-key steps, and with a query block
-    drafting after the verified tokens (its rows are masked from the clean ones)."""
+    drafting after the verified tokens (its rows are masked from the clean ones); on the AVX2 path and the portable
+    loops alike."""
     model = quantize(tiny_model("clover-tiny-dense"), kind, activations="int8x2")
+    if portable:
+        monkeypatch.setattr(woq, "_extension", _Portable(woq.extension()))
     gen = torch.Generator().manual_seed(0)
     context, step = torch.randint(0, 250, (1, 150), generator=gen), torch.randint(0, 250, (1, 5), generator=gen)
     alone, together, drafting = (model.new_cache(1) for _ in range(3))
