@@ -24,7 +24,6 @@ import torch
 
 from clover.model import CloverForBlockDiffusion
 from clover.ops import woq
-from clover.paths import cache_root
 from clover.runners.torch_runner import as_runner
 from clover.smol import clover_smol_dir
 
@@ -33,20 +32,20 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def baseline_extension(rev: str):
     """The extension built from `clover/ops/csrc` as it was at `rev`."""
-    from torch.utils import cpp_extension
-
-    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short=12", rev], check=True,
-                            capture_output=True, text=True).stdout.strip()
+    git = ["git", "-C", str(ROOT)]
+    found = subprocess.run(git + ["rev-parse", "--short=12", "--verify", "--quiet", f"{rev}^{{commit}}"],
+                           capture_output=True, text=True)
+    if found.returncode:
+        raise SystemExit(f"--baseline {rev!r} is not a commit of this repository ({ROOT})")
+    commit = found.stdout.strip()
     src = Path(tempfile.mkdtemp(prefix=f"clover-csrc-{commit}-"))
-    for name in ("woq.cpp", "layer.cpp", "woq.h"):
-        text = subprocess.run(["git", "-C", str(ROOT), "show", f"{commit}:clover/ops/csrc/{name}"], check=True,
-                              capture_output=True, text=True).stdout
-        (src / name).write_text(text)
-    build = cache_root() / "extensions" / f"woq-baseline-{commit}"
-    build.mkdir(parents=True, exist_ok=True)
-    return cpp_extension.load(name=f"clover_woq_baseline_{commit}", sources=[str(src / "woq.cpp"),
-                              str(src / "layer.cpp")], build_directory=str(build), extra_cflags=woq.FLAGS,
-                              extra_ldflags=["-fopenmp"], verbose=False)
+    for path in woq.SOURCES + woq.HEADERS:
+        shown = subprocess.run(git + ["show", f"{commit}:clover/ops/csrc/{path.name}"], capture_output=True, text=True)
+        if shown.returncode:
+            raise SystemExit(f"--baseline {commit} has no clover/ops/csrc/{path.name}: its kernels predate this "
+                             "layout")
+        (src / path.name).write_text(shown.stdout)
+    return woq.compile_kernels(tuple(src / path.name for path in woq.SOURCES), f"baseline_{commit}")
 
 
 def main() -> None:

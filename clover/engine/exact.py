@@ -309,11 +309,11 @@ class ExactLoop(DecodingLoop):
         forward scaled as the nearest size timed then compares with the table (a batch's rows are separate
         sequences, dearer than one sequence's rows, which the table times); else, before any step was timed, the
         table's forward plus the engine's time."""
-        if self._timed_cost is None:
+        if self.learns and self._timed_cost is None:
             recent = {size: [t for step, t in timed if step > self.steps - STEP_MEMORY]
                       for size, timed in self.step_time.items()}
             self._timed_cost = {size: statistics.median(times) for size, times in recent.items() if times}
-        timed = self._timed_cost if self.learns else {}
+        timed = self._timed_cost if self.learns else None
         if not timed:
             return self.cost(rows, context) + self.overhead
         if rows in timed:

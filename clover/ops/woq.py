@@ -88,23 +88,29 @@ def extension() -> Any:
     """The compiled kernel module (built once per source and torch version, then loaded from the cache)."""
     global _extension
     if _extension is None:
-        from torch.utils import cpp_extension  # deferred: ~30 ms on every model import, for a first build only
-
-        compiler = os.environ.get("CXX", "c++")
-        if shutil.which(compiler) is None:
-            raise RuntimeError(f"clover's quantised CPU kernels are compiled on first use and need a C++ compiler, "
-                               f"but {compiler!r} was not found: install one (e.g. `apt-get install g++`) or set CXX")
-        if not cpp_extension.is_ninja_available():
-            raise RuntimeError("clover's quantised CPU kernels are compiled on first use with ninja, which was not "
-                               "found: pip install ninja")
-        tag = kernel_tag()
-        build = cache_root() / "extensions" / f"woq-{tag}"
-        build.mkdir(parents=True, exist_ok=True)
-        logger.info("loading the weight-only-quantisation kernel from %s (compiled there on first use)", build)
-        _extension = cpp_extension.load(name=f"clover_woq_{tag}", sources=[str(path) for path in SOURCES],
-                                        build_directory=str(build), extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
-                                        verbose=False)
+        _extension = compile_kernels(SOURCES, kernel_tag())
     return _extension
+
+
+def compile_kernels(sources: tuple[Path, ...], tag: str) -> Any:
+    """The kernels of `sources` (woq.cpp, layer.cpp and the header beside them) as an extension module named by
+    `tag`, compiled into `$CLOVER_CACHE/extensions/woq-<tag>` on first use and loaded from there after
+    (`benchmarks/bench_kernel_ab.py` builds another revision's sources this way)."""
+    from torch.utils import cpp_extension  # deferred: ~30 ms on every model import, for a first build only
+
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        raise RuntimeError(f"clover's quantised CPU kernels are compiled on first use and need a C++ compiler, "
+                           f"but {compiler!r} was not found: install one (e.g. `apt-get install g++`) or set CXX")
+    if not cpp_extension.is_ninja_available():
+        raise RuntimeError("clover's quantised CPU kernels are compiled on first use with ninja, which was not "
+                           "found: pip install ninja")
+    build = cache_root() / "extensions" / f"woq-{tag}"
+    build.mkdir(parents=True, exist_ok=True)
+    logger.info("loading the weight-only-quantisation kernel from %s (compiled there on first use)", build)
+    return cpp_extension.load(name=f"clover_woq_{tag}", sources=[str(path) for path in sources],
+                              build_directory=str(build), extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
+                              verbose=False)
 
 
 def kernel_tag() -> str:

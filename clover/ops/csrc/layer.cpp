@@ -290,24 +290,22 @@ torch::Tensor decoder_layer(torch::Tensor h, torch::Tensor norm1, torch::Tensor 
       std::vector<float> scores(queries * ((S + 7) / 8 * 8)), acc(queries * 65);
       std::vector<const float*> qs(queries);
       std::vector<float*> outs(queries);
-      std::vector<int64_t> rows(queries);
       for (int64_t task = begin; task < end; ++task) {
         const int64_t n = task / kv_heads, j = task % kv_heads;
         for (int64_t i = 0; i < queries; ++i) {  // query i: position t = i / group, head j * group + i % group
           const int64_t t = i / group, hd = j * group + i % group;
           qs[i] = pp + (n * T + t) * (qw + 2 * kw) + hd * D;
           outs[i] = ap + (n * T + t) * qw + hd * D;
-          rows[i] = t;
         }
         const float *keys = kc + n * ks0 + j * ks1, *values = vc + n * vs0 + j * vs1;
         if (mp) {
           const bool* m = mp + n * ms0;
           attend_rows(qs.data(), outs.data(), queries, keys, ks2, values, vs2, S, D, scale,
-                      [&](int64_t i, int64_t s) { return m[rows[i] * ms2 + s * ms3]; }, scores.data(), acc.data(),
+                      [&](int64_t i, int64_t s) { return m[i / group * ms2 + s * ms3]; }, scores.data(), acc.data(),
                       vector);
         } else {
           attend_rows(qs.data(), outs.data(), queries, keys, ks2, values, vs2, S, D, scale,
-                      [&](int64_t i, int64_t s) { return !is_causal || s <= past + rows[i]; }, scores.data(),
+                      [&](int64_t i, int64_t s) { return !is_causal || s <= past + i / group; }, scores.data(),
                       acc.data(), vector);
         }
       }
