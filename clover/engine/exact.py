@@ -416,18 +416,23 @@ class ExactLoop(DecodingLoop):
         at[:, t:t + drafts] = True
         out = e.forward(ids, cache, block_size=max(query, 1), query_ids=e.masks(n, query) if query else None,
                         logits_at=at, **kwargs)
-        logits = out.new_zeros(n, kk + 1 + drafts, out.shape[-1])
-        logits[torch.cat([wanted, torch.ones(n, drafts, dtype=torch.bool, device=e.device)], dim=1)] = out
+        if n == 1 or bool(wanted.all()):  # every row verifies `kk` drafts: `out` is already [N, kk + 1 + drafts]
+            logits = out.view(n, kk + 1 + drafts, out.shape[-1])
+        else:
+            logits = out.new_zeros(n, kk + 1 + drafts, out.shape[-1])
+            logits[torch.cat([wanted, torch.ones(n, drafts, dtype=torch.bool, device=e.device)], dim=1)] = out
         for r, mask in enumerate(masks):
             if mask is not None:
                 logits[r, : mask.shape[0]].masked_fill_(~mask.to(logits.device), float("-inf"))
-        confidence = logits[:, :kk + 1].float().softmax(-1).amax(-1) if self.rule.adaptive else None
         if drafts_in is None:
             drafts_in = torch.zeros(n, kk, dtype=torch.long, device=e.device)
-        accepted, tokens = verify(sampler, logits[:, :kk + 1], drafts_in, k)
-        if confidence is not None:  # the causal path's probability of each token it committed
-            for acc, row, took in zip(acceptance, confidence.tolist(), accepted.tolist()):
-                acc.observe_confidence(row[: took + 1])
+        accepted, tokens = verify(sampler, logits[:, :kk + 1], drafts_in, k, check=False)
+        if self.rule.adaptive:  # the causal path's probability of each token it committed (banned ids excluded:
+            # `verify` set them to -inf), over the positions some row committed
+            took = accepted.tolist()
+            confidence = logits[:, :max(took) + 1].float().softmax(-1).amax(-1).tolist()
+            for acc, row, a in zip(acceptance, confidence, took):
+                acc.observe_confidence(row[: a + 1])
         self._query_logits = logits[:, kk + 1:]
         return tokens, accepted, self._greedy(logits[:, kk + 1:])
 

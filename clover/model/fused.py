@@ -12,6 +12,7 @@ autograd, and the module path otherwise, which stays the reference (tests/model/
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -44,35 +45,44 @@ def runs_fused(h: torch.Tensor, ctx: _ForwardContext) -> bool:
             and not (h.requires_grad and torch.is_grad_enabled()))
 
 
-def fused_forward(layer: DecoderLayer, h: torch.Tensor, ctx: _ForwardContext, cache: Any) -> torch.Tensor:
-    """`layer(h)` by the C++ layer; the first `clean_len` keys/values are committed to `cache` as
-    `Attention.forward` does (the rest are written past its length, where the next append overwrites them)."""
+def layer_weights(layer: DecoderLayer) -> tuple:
+    """The layer's weights as the C++ layer takes them: `(norm1, norm2, eps, qkv, o, gate_up, down)`, each
+    projection its `PackedLinear.kernel_args()`."""
     # submodules and parameters from the modules' dicts: `nn.Module.__getattr__` costs ~0.5 us an access, and
-    # this runs once per layer and step
+    # this runs once per layer and forward
     modules = layer._modules
     attn, mlp = modules["self_attn"]._modules, modules["mlp"]._modules
     norm1, norm2 = modules["input_layernorm"], modules["post_attention_layernorm"]
     try:
-        projections = (attn["qkv_proj"].kernel_args(), attn["o_proj"].kernel_args(),
-                       mlp["gate_up_proj"].kernel_args(), mlp["down_proj"].kernel_args())
+        return (norm1._parameters["weight"], norm2._parameters["weight"], norm1.eps,
+                attn["qkv_proj"].kernel_args(), attn["o_proj"].kernel_args(), mlp["gate_up_proj"].kernel_args(),
+                mlp["down_proj"].kernel_args())
     except (KeyError, AttributeError) as error:  # `fused` is set once, by `quantize`
         raise RuntimeError("a decoder layer marked for the fused C++ path no longer has packed projections (its "
                            "modules were replaced after quantising): set `layer.fused = "
                            "clover.model.fused.can_fuse(layer)` after changing a quantised layer") from error
+
+
+def fused_layers(layers: Sequence[DecoderLayer], h: torch.Tensor, ctx: _ForwardContext,
+                 caches: Sequence[Any] | None) -> torch.Tensor:
+    """`layer(h)` of each layer in turn by the C++ layer, in one call; each layer's first `clean_len` keys/values
+    are committed to its cache (`caches[i]`, or none) as `Attention.forward` does (the rest are written past its
+    length, where the next append overwrites them)."""
     n, t, _ = h.shape
-    config = modules["self_attn"]
-    heads, kv_heads, d = config.num_heads, config.num_kv_heads, config.head_dim
-    if cache is None:
+    attn = layers[0]._modules["self_attn"]
+    heads, kv_heads, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
+    if caches is None:
         past = 0
-        k, v = h.new_empty(n, kv_heads, t, d), h.new_empty(n, kv_heads, t, d)
+        buffers = [(h.new_empty(n, kv_heads, t, d), h.new_empty(n, kv_heads, t, d)) for _ in layers]
     else:
-        past = cache.length
-        k, v = cache.reserve(t, n, kv_heads, d, d, h)
+        past = caches[0].length
+        buffers = [cache.reserve(t, n, kv_heads, d, d, h) for cache in caches]
     # a gated adapter's corrections act at the query stream only: from the clean tokens' end of each row on
     gated_from = ctx.layout.clean_len if ctx.gate is not None else 0
-    out = woq.extension().decoder_layer(
-        h.contiguous(), norm1._parameters["weight"], norm2._parameters["weight"], norm1.eps, *projections,
-        *ctx.rope, k, v, past, ctx.mask, ctx.is_causal, heads, kv_heads, d, woq.TILE_K, True, gated_from)
-    if cache is not None:
-        cache.length += ctx.layout.clean_len
+    out = woq.extension().decoder_layers(
+        h.contiguous(), [layer_weights(layer) for layer in layers], *ctx.rope, [k for k, _ in buffers],
+        [v for _, v in buffers], past, ctx.mask, ctx.is_causal, heads, kv_heads, d, woq.TILE_K, True, gated_from)
+    if caches is not None:
+        for cache in caches:
+            cache.length += ctx.layout.clean_len
     return out

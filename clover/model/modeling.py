@@ -24,7 +24,7 @@ from clover.config import CONTEXT_READINGS, LINEAR_ATTENTION, CloverConfig
 from clover.model.attention import Attention
 from clover.model.cache import CloverCache
 from clover.model.deltanet import GatedDeltaNet
-from clover.model.fused import fused_forward, runs_fused
+from clover.model.fused import fused_layers, runs_fused
 from clover.model.layout import BlockLayout
 from clover.model.lora import ADAPTER_CONFIG, adapter_tensor_names, has_lora, load_adapter, save_adapter
 from clover.model.moe import Experts, SparseMoE, SwiGLU, TopKRouter
@@ -59,7 +59,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, h: torch.Tensor, ctx: "_ForwardContext", cache_layer: Any) -> torch.Tensor:
         if self.fused and ctx.fused:
-            return fused_forward(self, h, ctx, cache_layer)
+            return fused_layers([self], h, ctx, None if cache_layer is None else [cache_layer])
         if ctx.gate is not None:  # re-opened per layer: checkpointing recomputes a layer after later forwards
             lc = ctx.layout.clean_len
             ctx.gate.open(h.shape[0], h.shape[1], lc)
@@ -222,6 +222,8 @@ class CloverForBlockDiffusion(nn.Module):
         ctx.fused = runs_fused(h, ctx)
         if self._runs_frozen_clean(ctx, cache):
             h = self._frozen_clean_layers(h, ctx)
+        elif ctx.fused and self._all_fused():
+            h = fused_layers(self.model.layers, h, ctx, cache.layers if cache is not None else None)
         else:
             for i, layer in enumerate(self.model.layers):
                 cache_layer = cache.layers[i] if cache is not None else None
@@ -245,6 +247,12 @@ class CloverForBlockDiffusion(nn.Module):
         if self.gradient_checkpointing and self.training:
             return checkpoint(layer, h, ctx, cache_layer, use_reentrant=False)
         return layer(h, ctx, cache_layer)
+
+    def _all_fused(self) -> bool:
+        """Whether every layer takes the fused C++ path, so the stack can run as one call (no layer hooks to call
+        between them)."""
+        return all(layer.fused and not (layer._forward_hooks or layer._forward_pre_hooks)
+                   for layer in self.model.layers)
 
     def _runs_frozen_clean(self, ctx: _ForwardContext, cache: CloverCache | None) -> bool:
         """Whether a forward takes `_frozen_clean_layers`: a gated adapter under autograd, clean and query tokens,

@@ -232,11 +232,13 @@ def unpack(qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, kind:
 
 
 def dequantize(qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, kind: str, out_features: int,
-               in_features: int, group_size: int = DEFAULT_GROUP_SIZE) -> torch.Tensor:
+               in_features: int, group_size: int = DEFAULT_GROUP_SIZE, vectorised: bool = True) -> torch.Tensor:
     """`unpack` of int8 / int4 weights by the extension (the same values, one C++ pass: for a forward of many rows
-    on a CPU, where `unpack`'s tensor ops cost more than the matmul they feed gains)."""
+    on a CPU, where `unpack`'s tensor ops cost more than the matmul they feed gains); `vectorised=False` takes the
+    portable loops where the CPU has AVX2."""
     check(kind, in_features, group_size)
-    return extension().dequantize(qweight, scale, zero, KINDS[kind], out_features, in_features, group_size)
+    return extension().dequantize(qweight, scale, zero, KINDS[kind], out_features, in_features, group_size,
+                                  vectorised)
 
 
 def reference_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, kind: str,
@@ -252,11 +254,10 @@ def reference_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor
     y = F.linear(x.float(), w.to(x.device))
     if correction is not None:
         a, b = (t.view(torch.float16).float() for t in correction)
-        delta = F.linear(x.float(), a) @ b
-        if gate is not None:
-            rows = torch.arange(delta.numel() // delta.shape[-1], device=x.device).view(delta.shape[:-1])
-            delta = delta * (rows % gate[0] >= gate[1])[..., None]
-        y = y + delta
+        period, start = gate or (1, 0)
+        if start < period:  # rows of the query stream (every row without a gate); a prefill chunk has none
+            queries = y.view(-1, period, out_features)[:, start:]
+            queries += F.linear(x.reshape(-1, period, x.shape[-1])[:, start:].float(), a) @ b
     return y.to(x.dtype)
 
 

@@ -54,9 +54,9 @@ class _Portable:
     def __getattr__(self, name):
         return getattr(self.extension, name)
 
-    def decoder_layer(self, *args):
+    def decoder_layers(self, *args):
         *head, _vector, gated_from = args
-        return self.extension.decoder_layer(*head, False, gated_from)
+        return self.extension.decoder_layers(*head, False, gated_from)
 
 
 @pytest.mark.parametrize("kind,adapter,activations", [
@@ -166,21 +166,38 @@ def test_a_marked_layer_whose_projections_were_replaced_is_a_clear_error():
     assert not layer.fused and model(ids).logits.isfinite().all()
 
 
+@torch.no_grad()
+def test_a_layer_with_a_hook_runs_the_fused_layers_one_call_each_with_the_same_logits():
+    """The stack runs as one C++ call; a hook on a layer (which that call would skip) makes every layer its own
+    call, and the results are bit for bit the stack's."""
+    model = quantize(tiny_model("clover-tiny-dense"), "int4")
+    ids = torch.randint(0, 250, (2, 11))
+    cache = model.new_cache(2)
+    want = [model(ids, cache=cache).logits, model(ids[:, :3], cache=cache).logits]
+    seen = []
+    model.model.layers[1].register_forward_hook(lambda module, args, out: seen.append(out.shape))
+    cache = model.new_cache(2)
+    got = [model(ids, cache=cache).logits, model(ids[:, :3], cache=cache).logits]
+    assert seen == [(2, 11, model.config.hidden_size), (2, 3, model.config.hidden_size)]
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
 def test_autograd_and_other_dtypes_take_the_module_path(monkeypatch):
     from clover.model import modeling
 
     model = quantize(tiny_model("clover-tiny-dense"), "int4")
     model.model.embed_tokens.weight.requires_grad_(True)
     ids = torch.randint(0, 250, (1, 9))
-    calls = []
-    fused_forward = modeling.fused_forward
-    monkeypatch.setattr(modeling, "fused_forward", lambda *a: calls.append(1) or fused_forward(*a))
+    calls = []  # the layers of each fused call
+    fused_layers = modeling.fused_layers
+    monkeypatch.setattr(modeling, "fused_layers", lambda layers, *a: calls.append(len(layers)) or fused_layers(
+        layers, *a))
     with torch.no_grad():
         want = model(ids).logits
-    assert len(calls) == model.config.num_hidden_layers
+    assert calls == [model.config.num_hidden_layers]  # the whole stack in one call
     got = model(ids).logits  # grad enabled and the embedding trainable: the modules, which autograd records
-    assert len(calls) == model.config.num_hidden_layers
+    assert calls == [model.config.num_hidden_layers]
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
     with torch.no_grad():
         assert model.to(torch.bfloat16)(ids).logits.dtype == torch.bfloat16  # bf16 activations: the modules
-    assert len(calls) == model.config.num_hidden_layers
+    assert calls == [model.config.num_hidden_layers]

@@ -83,12 +83,15 @@ def test_a_gated_correction_acts_at_query_rows_only(kind, vectorised):
 
 @pytest.mark.parametrize("kind", ["int8", "int4"])
 @pytest.mark.parametrize("group_size", [8, 32])
-def test_dequantize_equals_unpack(kind, group_size):
-    """The extension's `dequantize` gives `unpack`'s weights bit for bit (37: a partial 16-column block)."""
+@pytest.mark.parametrize("vectorised", [True, False])
+def test_dequantize_equals_unpack(kind, group_size, vectorised):
+    """The extension's `dequantize` gives `unpack`'s weights bit for bit (37: a partial 16-column block), on the
+    AVX2 path and on the portable loops."""
     torch.manual_seed(0)
-    packed = woq.pack(torch.randn(37, 64), kind, group_size=group_size)
+    packed = woq.pack(torch.randn(37, 64) * 3 + 1, kind, group_size=group_size)
     want = woq.unpack(**packed, kind=kind, out_features=37, in_features=64, group_size=group_size)
-    got = woq.dequantize(**packed, kind=kind, out_features=37, in_features=64, group_size=group_size)
+    got = woq.dequantize(**packed, kind=kind, out_features=37, in_features=64, group_size=group_size,
+                         vectorised=vectorised)
     assert got.shape == (37, 64) and torch.equal(got, want)
     with pytest.raises(RuntimeError, match="do not match"):
         woq.dequantize(**packed, kind=kind, out_features=64, in_features=64, group_size=group_size)

@@ -618,11 +618,64 @@ torch::Tensor woq_linear(torch::Tensor input, torch::Tensor w, torch::Tensor sca
   return input.scalar_type() == torch::kFloat ? y : y.to(input.scalar_type());
 }
 
+// One output row of a packed int8 / int4 layer as dense fp32, s * q (+ m) per group, rounded as `woq.unpack` rounds
+// (a product, then a sum: no FMA, so the two paths agree bit for bit). `wb` is the row's block of 16 columns, `j`
+// its column there, `sp` / `zp` the block's scales / minima.
+void dequantize_row(int64_t kind, const uint8_t* wb, int64_t j, const uint16_t* sp, const uint16_t* zp, int64_t K,
+                    int64_t group, float* row) {
+  for (int64_t g = 0; g < K / group; ++g) {
+    const float s = half_to_f32(sp[g * NB + j]), m = zp ? half_to_f32(zp[g * NB + j]) : 0.f;
+    for (int64_t k = g * group; k < (g + 1) * group; k += 8) {
+      if (kind == INT4) {  // [k / 8][j][k % 4]: k % 8 < 4 in the low nibble, k + 4 in the high one
+        const uint8_t* p = wb + ((k / 8) * NB + j) * 4;
+        for (int t = 0; t < 4; ++t) {
+          row[k + t] = s * static_cast<float>(p[t] & 15) + m;
+          row[k + t + 4] = s * static_cast<float>(p[t] >> 4) + m;
+        }
+      } else {  // [k / 4][j][k % 4], two steps of 4 k
+        for (int h = 0; h < 2; ++h) {
+          const int8_t* p = reinterpret_cast<const int8_t*>(wb + (((k + 4 * h) / 4) * NB + j) * 4);
+          for (int t = 0; t < 4; ++t) row[k + 4 * h + t] = s * static_cast<float>(p[t]);
+        }
+      }
+    }
+  }
+}
+
+#ifdef WOQ_X86
+// `dequantize_row` 8 k at a time: the step's 8 codes as one 8-byte vector (int4: the 4 low nibbles, then the 4
+// high), widened to 8 floats. Compiled without "fma", so the product and the sum stay two roundings.
+__attribute__((target("avx2"))) void dequantize_row_avx2(int64_t kind, const uint8_t* wb, int64_t j,
+                                                         const uint16_t* sp, const uint16_t* zp, int64_t K,
+                                                         int64_t group, float* row) {
+  const __m128i low = _mm_set1_epi8(15);
+  for (int64_t g = 0; g < K / group; ++g) {
+    const __m256 s = _mm256_set1_ps(half_to_f32(sp[g * NB + j]));
+    const __m256 m = _mm256_set1_ps(zp ? half_to_f32(zp[g * NB + j]) : 0.f);
+    for (int64_t k = g * group; k < (g + 1) * group; k += 8) {
+      int32_t a, b;
+      __m256 q;
+      if (kind == INT4) {
+        std::memcpy(&a, wb + ((k / 8) * NB + j) * 4, 4);
+        const __m128i v = _mm_cvtsi32_si128(a);
+        const __m128i codes = _mm_unpacklo_epi32(_mm_and_si128(v, low), _mm_and_si128(_mm_srli_epi16(v, 4), low));
+        q = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(codes));
+      } else {
+        std::memcpy(&a, wb + ((k / 4) * NB + j) * 4, 4);
+        std::memcpy(&b, wb + ((k / 4 + 1) * NB + j) * 4, 4);
+        q = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpacklo_epi32(_mm_cvtsi32_si128(a), _mm_cvtsi32_si128(b))));
+      }
+      _mm256_storeu_ps(row + k, kind == INT4 ? _mm256_add_ps(_mm256_mul_ps(s, q), m) : _mm256_mul_ps(s, q));
+    }
+  }
+}
+#endif
+
 // The dense fp32 weights [O, K] a packed int8 / int4 layer stands for, s * q (+ m), as `woq.unpack` computes them:
 // a forward of many rows (a prefill chunk) multiplies these with torch's matmul, which is faster there than the
 // integer kernel above (clover.model.quant.PackedLinear). One thread per block of 16 output columns.
 torch::Tensor woq_dequantize(torch::Tensor w, torch::Tensor scale, torch::Tensor zero, int64_t kind,
-                             int64_t out_features, int64_t K, int64_t group) {
+                             int64_t out_features, int64_t K, int64_t group, bool vector) {
   TORCH_CHECK(kind == INT8 || kind == INT4, "dequantize takes int8 / int4 weights, got kind ", kind);
   TORCH_CHECK(group > 0 && group % 8 == 0 && K % group == 0, "group size must be a multiple of 8 dividing K");
   TORCH_CHECK(w.is_contiguous() && scale.is_contiguous() && zero.is_contiguous(), "packed tensors must be contiguous");
@@ -636,29 +689,20 @@ torch::Tensor woq_dequantize(torch::Tensor w, torch::Tensor scale, torch::Tensor
   const uint16_t* sp = static_cast<const uint16_t*>(scale.data_ptr());
   const uint16_t* zp = kind == INT4 ? static_cast<const uint16_t*>(zero.data_ptr()) : nullptr;
   float* y = out.data_ptr<float>();
+  vector = vector && has_avx2();
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const uint8_t* wb = wp + b * K * NB / per_byte;
+      const uint16_t *sb = sp + b * groups * NB, *zb = zp ? zp + b * groups * NB : nullptr;
       for (int64_t j = 0; j < std::min<int64_t>(NB, out_features - b * NB); ++j) {
         float* row = y + (b * NB + j) * K;
-        for (int64_t g = 0; g < groups; ++g) {
-          const float s = half_to_f32(sp[(b * groups + g) * NB + j]);
-          const float m = zp ? half_to_f32(zp[(b * groups + g) * NB + j]) : 0.f;
-          for (int64_t k = g * group; k < (g + 1) * group; k += 8) {
-            if (kind == INT4) {  // [k / 8][j][k % 4]: k % 8 < 4 in the low nibble, k + 4 in the high one
-              const uint8_t* p = wb + ((k / 8) * NB + j) * 4;
-              for (int t = 0; t < 4; ++t) {
-                row[k + t] = s * static_cast<float>(p[t] & 15) + m;
-                row[k + t + 4] = s * static_cast<float>(p[t] >> 4) + m;
-              }
-            } else {  // [k / 4][j][k % 4], two steps of 4 k
-              for (int h = 0; h < 2; ++h) {
-                const int8_t* p = reinterpret_cast<const int8_t*>(wb + (((k + 4 * h) / 4) * NB + j) * 4);
-                for (int t = 0; t < 4; ++t) row[k + 4 * h + t] = s * static_cast<float>(p[t]);
-              }
-            }
-          }
+#ifdef WOQ_X86
+        if (vector) {
+          dequantize_row_avx2(kind, wb, j, sb, zb, K, group, row);
+          continue;
         }
+#endif
+        dequantize_row(kind, wb, j, sb, zb, K, group, row);
       }
     }
   });
@@ -683,7 +727,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("corr_index") = py::none(), py::arg("passes") = 1, py::arg("corr_period") = 1,
         py::arg("corr_from") = 0);
   m.def("dequantize", &woq_dequantize, "the dense fp32 weights of a packed int8 / int4 layer", py::arg("w"),
-        py::arg("scale"), py::arg("zero"), py::arg("kind"), py::arg("out_features"), py::arg("K"), py::arg("group"));
+        py::arg("scale"), py::arg("zero"), py::arg("kind"), py::arg("out_features"), py::arg("K"), py::arg("group"),
+        py::arg("vector") = true);
   m.def("has_avx2", &woq_has_avx2, "whether the AVX2+FMA path can run on this CPU");
-  m.def("decoder_layer", &decoder_layer, "a Llama-form decoder layer over packed weights (layer.cpp)");
+  m.def("decoder_layers", &decoder_layers, "Llama-form decoder layers over packed weights, in turn (layer.cpp)");
 }

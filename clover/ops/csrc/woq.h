@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <tuple>
+#include <vector>
 
 // y = x W^T (+ (x A^T) B', B' as tiles of 16 columns and their index), x [..., K] any float dtype ->
 // [..., out_features] in x's dtype (woq.cpp); `passes`: int8 / int4 round x to int8 once or twice (its residual);
@@ -26,9 +27,12 @@ using PackedArgs = std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, int64
                               c10::optional<torch::Tensor>, c10::optional<torch::Tensor>,
                               c10::optional<torch::Tensor>, int64_t>;
 
-torch::Tensor decoder_layer(torch::Tensor h, torch::Tensor norm1, torch::Tensor norm2, double eps,
-                            const PackedArgs& qkv, const PackedArgs& o, const PackedArgs& gate_up,
-                            const PackedArgs& down, torch::Tensor cos, torch::Tensor signed_sin,
-                            torch::Tensor k_cache, torch::Tensor v_cache, int64_t past,
-                            c10::optional<torch::Tensor> mask, bool is_causal, int64_t heads, int64_t kv_heads,
-                            int64_t head_dim, int64_t chunk, bool vector, int64_t gated_from);
+// One decoder layer's weights as Python passes them: its two RMSNorm weights, their epsilon and the four projections
+// (qkv, o, gate_up, down) (clover.model.fused.layer_weights).
+using LayerWeights = std::tuple<torch::Tensor, torch::Tensor, double, PackedArgs, PackedArgs, PackedArgs, PackedArgs>;
+
+torch::Tensor decoder_layers(torch::Tensor h, const std::vector<LayerWeights>& layers, torch::Tensor cos,
+                             torch::Tensor signed_sin, const std::vector<torch::Tensor>& k_caches,
+                             const std::vector<torch::Tensor>& v_caches, int64_t past,
+                             c10::optional<torch::Tensor> mask, bool is_causal, int64_t heads, int64_t kv_heads,
+                             int64_t head_dim, int64_t chunk, bool vector, int64_t gated_from);
