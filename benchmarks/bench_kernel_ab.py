@@ -45,7 +45,11 @@ def baseline_extension(rev: str):
             raise SystemExit(f"--baseline {commit} has no clover/ops/csrc/{path.name}: its kernels predate this "
                              "layout")
         (src / path.name).write_text(shown.stdout)
-    return woq.compile_kernels(tuple(src / path.name for path in woq.SOURCES), f"baseline_{commit}")
+    extension = woq.compile_kernels(tuple(src / path.name for path in woq.SOURCES), f"baseline_{commit}")
+    if not hasattr(extension, "decoder_layers"):
+        raise SystemExit(f"--baseline {commit}'s kernels predate the layers' one-call stack (`decoder_layers`, "
+                         "7779ddf) that this tree's model calls: compare against that commit or a later one")
+    return extension
 
 
 def main() -> None:

@@ -97,7 +97,8 @@ def _greedy(x: torch.Tensor, drafts: torch.Tensor, k: torch.Tensor) -> tuple[tor
         accepted.append(a)
         tokens.append(row[:a] + [choice[a]] + [-1] * (len(row) - a))
     device = drafts.device
-    return torch.tensor(accepted, dtype=torch.long, device=device), torch.tensor(tokens, dtype=torch.long, device=device)
+    return (torch.tensor(accepted, dtype=torch.long, device=device),
+            torch.tensor(tokens, dtype=torch.long, device=device))
 
 
 def _uniforms(generators: list[torch.Generator | None], k: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

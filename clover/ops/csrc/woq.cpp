@@ -621,8 +621,8 @@ torch::Tensor woq_linear(torch::Tensor input, torch::Tensor w, torch::Tensor sca
 // One output row of a packed int8 / int4 layer as dense fp32, s * q (+ m) per group, rounded as `woq.unpack` rounds
 // (a product, then a sum: no FMA, so the two paths agree bit for bit). `wb` is the row's block of 16 columns, `j`
 // its column there, `sp` / `zp` the block's scales / minima.
-void dequantize_row(int64_t kind, const uint8_t* wb, int64_t j, const uint16_t* sp, const uint16_t* zp, int64_t K,
-                    int64_t group, float* row) {
+static void dequantize_row(int64_t kind, const uint8_t* wb, int64_t j, const uint16_t* sp, const uint16_t* zp,
+                           int64_t K, int64_t group, float* row) {
   for (int64_t g = 0; g < K / group; ++g) {
     const float s = half_to_f32(sp[g * NB + j]), m = zp ? half_to_f32(zp[g * NB + j]) : 0.f;
     for (int64_t k = g * group; k < (g + 1) * group; k += 8) {
@@ -645,9 +645,9 @@ void dequantize_row(int64_t kind, const uint8_t* wb, int64_t j, const uint16_t* 
 #ifdef WOQ_X86
 // `dequantize_row` 8 k at a time: the step's 8 codes as one 8-byte vector (int4: the 4 low nibbles, then the 4
 // high), widened to 8 floats. Compiled without "fma", so the product and the sum stay two roundings.
-__attribute__((target("avx2"))) void dequantize_row_avx2(int64_t kind, const uint8_t* wb, int64_t j,
-                                                         const uint16_t* sp, const uint16_t* zp, int64_t K,
-                                                         int64_t group, float* row) {
+__attribute__((target("avx2"))) static void dequantize_row_avx2(int64_t kind, const uint8_t* wb, int64_t j,
+                                                                const uint16_t* sp, const uint16_t* zp, int64_t K,
+                                                                int64_t group, float* row) {
   const __m128i low = _mm_set1_epi8(15);
   for (int64_t g = 0; g < K / group; ++g) {
     const __m256 s = _mm256_set1_ps(half_to_f32(sp[g * NB + j]));
