@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -125,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"text": text, "token_ids": token_ids, "prompt_tokens": len(ids), **stats,
                           **engine.settings(), "runner": args.runner, "model": str(source),
-                          "quantization": getattr(runner, "quantization", None)}))
+                          "quantization": _quantization_summary(getattr(runner, "quantization", None))}))
     else:
         sys.stdout.write("\n")
     return 0
@@ -163,3 +164,13 @@ class _StepPainter:
 
     def _show(self, token: int) -> str:
         return self.tokenizer.decode([token]).replace("\n", "⏎").replace("\t", "⇥") or "∅"
+
+
+def _quantization_summary(spec: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The runner's quantisation as `--json` reports it: the per-layer low-rank table (one entry per corrected
+    layer: 120 for clover-smol's int4 build) as its layer count by rank."""
+    if not spec or not spec.get("low_rank"):
+        return spec
+    ranks = Counter(spec["low_rank"].values())
+    return {**spec, "low_rank": {"layers": len(spec["low_rank"]),
+                                 "layers_by_rank": {str(rank): n for rank, n in sorted(ranks.items())}}}

@@ -62,7 +62,7 @@ def verify(sampler: BatchSampler, logits: torch.Tensor, drafts: torch.Tensor,
     drafts, k = drafts.long(), k.long()
     x = sampler.model_logits(logits)
     if sampler.all_greedy:  # no [N, K + 1, V] probabilities: the argmax is the whole distribution
-        return _greedy(x, drafts, k)
+        return _verify_greedy(x, drafts, k)
 
     real = torch.arange(drafts.shape[1], device=drafts.device)[None] < k[:, None]
     probs = _processed(sampler, x)
@@ -85,7 +85,7 @@ def _processed(sampler: BatchSampler, x: torch.Tensor) -> torch.Tensor:
     return probs
 
 
-def _greedy(x: torch.Tensor, drafts: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _verify_greedy(x: torch.Tensor, drafts: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`verify` of greedy rows: accept while a draft is the argmax, then commit the argmax. On a few integers per
     row (the tensor ops of the general rule cost more than the arithmetic at a batch's size)."""
     best = x.max(dim=-1).indices.tolist()  # argmax's choice (the first maximum), ~2x faster than argmax on a CPU

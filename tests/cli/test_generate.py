@@ -115,7 +115,9 @@ def test_cli_default_model_at_int4_loads_its_quantised_build(checkpoint: Path, t
 
     model = tiny_model("clover-tiny")
     apply_lora(model, LoraConfig(rank=2, alpha=4.0))
-    quantize(model, "int4").save_pretrained(tmp_path / "int4", tokenizer_dir=checkpoint)
+    quantised = quantize(model, "int4")
+    quantised.save_pretrained(tmp_path / "int4", tokenizer_dir=checkpoint)
+    ranks = list(quantised.quantization["low_rank"].values())  # a fused projection's is the sum of its parts
     asked = []
 
     def clover_smol_dir(quant: str = "none") -> Path:
@@ -127,6 +129,9 @@ def test_cli_default_model_at_int4_loads_its_quantised_build(checkpoint: Path, t
     assert main(args) == 0
     out = json.loads(capsys.readouterr().out)
     assert asked == ["int4"] and out["model"] == str(tmp_path / "int4")
+    # the per-layer low-rank table, counted by rank
+    assert ranks and out["quantization"]["low_rank"] == {
+        "layers": len(ranks), "layers_by_rank": {str(r): ranks.count(r) for r in sorted(set(ranks))}}
     assert main([*args, "--model", str(tmp_path / "int4")]) == 0  # the same checkpoint named: the same answer
     assert json.loads(capsys.readouterr().out)["token_ids"] == out["token_ids"]
 
