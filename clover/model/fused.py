@@ -76,6 +76,9 @@ def fused_layers(layers: Sequence[DecoderLayer], h: torch.Tensor, ctx: _ForwardC
         buffers = [(h.new_empty(n, kv_heads, t, d), h.new_empty(n, kv_heads, t, d)) for _ in layers]
     else:
         past = caches[0].length
+        if any(cache.length != past for cache in caches):  # one `past` for the whole stack
+            raise RuntimeError(f"the layers' caches hold different lengths {sorted({c.length for c in caches})}: "
+                               "a forward appends at one position in every layer")
         buffers = [cache.reserve(t, n, kv_heads, d, d, h) for cache in caches]
     # a gated adapter's corrections act at the query stream only: from the clean tokens' end of each row on
     gated_from = ctx.layout.clean_len if ctx.gate is not None else 0

@@ -182,6 +182,18 @@ def test_a_layer_with_a_hook_runs_the_fused_layers_one_call_each_with_the_same_l
     assert all(torch.equal(g, w) for g, w in zip(got, want))
 
 
+@torch.no_grad()
+def test_the_stack_refuses_caches_of_different_lengths():
+    """One call appends at one position in every layer: a cache whose layers disagree is an error, not keys and
+    values written at the wrong place."""
+    model = quantize(tiny_model("clover-tiny-dense"), "int4")
+    cache = model.new_cache(1)
+    model(torch.randint(0, 250, (1, 5)), cache=cache)
+    cache.layers[1].length -= 1
+    with pytest.raises(RuntimeError, match="different lengths"):
+        model(torch.randint(0, 250, (1, 2)), cache=cache)
+
+
 def test_autograd_and_other_dtypes_take_the_module_path(monkeypatch):
     from clover.model import modeling
 
