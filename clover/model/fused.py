@@ -7,7 +7,8 @@ gate), RMSNorm and a dense SwiGLU, runs instead as `clover/ops/csrc/layer.cpp`: 
 norms, RoPE, the attention of a block step and SiLU as loops, keys and values written straight into the cache.
 
 `quantize` marks such layers (`DecoderLayer.fused`); they take this path for fp32 activations on a CPU without
-autograd, and the module path otherwise, which stays the reference (tests/model/test_fused_layer.py).
+autograd, and the module path otherwise, which stays the reference (tests/model/test_fused_layer.py). When every
+layer of a model is marked (and none has a hook) the model runs the whole stack in one call (`fused_layers`).
 """
 
 from __future__ import annotations
