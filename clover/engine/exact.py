@@ -427,8 +427,8 @@ class ExactLoop(DecodingLoop):
         if drafts_in is None:
             drafts_in = torch.zeros(n, kk, dtype=torch.long, device=e.device)
         accepted, tokens = verify(sampler, logits[:, :kk + 1], drafts_in, k, check=False)
-        if self.rule.adaptive:  # the causal path's probability of each token it committed (banned ids excluded:
-            # `verify` set them to -inf), over the positions some row committed
+        if self.rule.adaptive:  # the causal path's probability of each token it committed, over the positions
+            # some row committed (a policy signal: on fp32 logits `verify` has set banned ids to -inf in place)
             took = accepted.tolist()
             confidence = logits[:, :max(took) + 1].float().softmax(-1).amax(-1).tolist()
             for acc, row, a in zip(acceptance, confidence, took):
