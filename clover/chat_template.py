@@ -2,8 +2,9 @@
 
 One module for every part that speaks chat — training data, engine, server, CLI: the template (the Jinja asset
 `clover/assets/chat_template.jinja`, also written into every checkpoint's tokenizer), message normalisation,
-rendering and training loss masks (parsing the model's output back: `clover.assistant_output`). Rendering goes through `transformers`'
-chat-template renderer, the one that renders the template from a saved checkpoint, so both agree byte for byte.
+rendering and training loss masks (parsing the model's output back: `clover.assistant_output`). Rendering goes through
+`clover.tokenizer`'s renderer, which renders a template as `transformers` does (the one that renders it from a saved
+checkpoint elsewhere), so both agree byte for byte.
 
 Format (every line break shown is a literal ``\\n``)::
 
@@ -70,7 +71,6 @@ import json
 from importlib import resources
 from typing import Any
 
-from transformers import PreTrainedTokenizerBase
 
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
@@ -145,7 +145,7 @@ def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 # -- rendering ------------------------------------------------------------------------------------------------------
-def render_chat(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]],
+def render_chat(tokenizer: Any, messages: list[dict[str, Any]],
                 tools: list[dict[str, Any]] | None = None, add_generation_prompt: bool = False,
                 enable_thinking: bool = False) -> str:
     """The conversation as text in Clover's format (module docstring); tokenize it with
@@ -155,7 +155,7 @@ def render_chat(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any
         add_generation_prompt=add_generation_prompt, enable_thinking=enable_thinking, tokenize=False)
 
 
-def tokenize_chat_for_training(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]],
+def tokenize_chat_for_training(tokenizer: Any, messages: list[dict[str, Any]],
                                tools: list[dict[str, Any]] | None = None) -> tuple[list[int], list[int]]:
     """Token ids of the rendered chat and a loss mask (1 = trained) over the assistant turns.
 

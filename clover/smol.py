@@ -126,12 +126,12 @@ def _check_merged(model: CloverForBlockDiffusion, info: dict) -> None:
 
 
 def _save(model: CloverForBlockDiffusion, asset_dir: Path, out_dir: Path) -> Path:
-    from clover.chat_template import CLOVER_CHAT_TEMPLATE  # deferred: it loads transformers (~0.5 s), for a build only
+    from clover.chat_template import CLOVER_CHAT_TEMPLATE  # deferred: for a build only
 
     with tempfile.TemporaryDirectory() as tmp:
         tokenizer = load_tokenizer(base_dir())
         tokenizer.chat_template = CLOVER_CHAT_TEMPLATE
-        tokenizer.save_pretrained(tmp)
+        tokenizer.save(tmp)
         model.save_pretrained(out_dir, tokenizer_dir=tmp)
     shutil.copy(asset_dir / MANIFEST, out_dir / MANIFEST)
     return out_dir

@@ -54,7 +54,7 @@ def add_parser(subparsers: Any) -> None:
 
 
 def _prompt_ids(tokenizer: Any, args: argparse.Namespace) -> list[int]:
-    from clover.chat_template import render_chat  # deferred for start-up time: it imports transformers
+    from clover.chat_template import render_chat  # deferred for start-up time: jinja2, for chat prompts only
 
     text = args.prompt
     if text is None:

@@ -75,7 +75,7 @@ def load_model(args: argparse.Namespace, device: str | None = None, max_rows: in
                             ctx=getattr(args, "ctx", None))
     runner = entry.load().open(source, options)
     if args.model is None and entry.takes != "checkpoint":  # the default model's own tokenizer: no GGUF conversion
-        from clover.tokenizer import load_tokenizer  # deferred: transformers
+        from clover.tokenizer import load_tokenizer  # deferred: tokenizers, only when one is read
 
         return runner, load_tokenizer(resolve_model_dir(None)), source
     return runner, runner.tokenizer(), source

@@ -21,6 +21,7 @@ top-level number may take more digits) and ends, with that EOS, where it is comp
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import re
@@ -29,12 +30,6 @@ from typing import Any, Sequence
 
 import torch
 
-try:
-    import llguidance
-    import llguidance.hf
-    import llguidance.torch
-except ImportError:  # pragma: no cover - a dependency; the error says what to install
-    llguidance = None
 
 # JSON without optional whitespace, separated as json.dumps does: whitespace the grammar allows anywhere is what a
 # model can repeat forever (a small or uncertain model does), and one layout gives the grammar tokens to force
@@ -50,16 +45,26 @@ class GrammarError(ValueError):
         self.keyword = keyword
 
 
-def _require() -> None:
-    if llguidance is None:
-        raise ImportError("grammar-constrained decoding needs llguidance: pip install llguidance")
+@functools.cache
+def _llguidance() -> Any:
+    """The grammar engine, imported on first use: `llguidance.torch` imports `torch._dynamo` (seconds), which a
+    command that constrains nothing should not pay."""
+    try:
+        import llguidance
+        import llguidance.torch
+    except ImportError as exc:  # a dependency; the error says what to install
+        raise ImportError("grammar-constrained decoding needs llguidance: pip install llguidance") from exc
+    return llguidance
 
 
 @functools.lru_cache(maxsize=8)
 def _ll_tokenizer(tokenizer: Any) -> Any:
-    """llguidance's view of a Hugging Face fast tokenizer (~1-2 s to build on a 49k vocabulary: built once)."""
-    _require()
-    return llguidance.hf.from_tokenizer(tokenizer)
+    """llguidance's view of a fast tokenizer (`clover.tokenizer.Tokenizer` or `transformers`'; ~1-2 s to build on a
+    49k vocabulary: built once): its Rust tokenizer serialised without padding or truncation."""
+    backend = copy.copy(tokenizer.backend_tokenizer)
+    backend.no_padding()
+    backend.no_truncation()
+    return _llguidance().LLTokenizer(backend.to_str(), eos_token=tokenizer.eos_token_id)
 
 
 @dataclass(frozen=True, eq=False)
@@ -76,7 +81,7 @@ class Grammar:
 
 def _compile(source: str, tokenizer: Any, description: str) -> Grammar:
     ll_tok = _ll_tokenizer(tokenizer)
-    failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(source, ll_tok)
+    failed, messages = _llguidance().LLMatcher.validate_grammar_with_warnings(source, ll_tok)
     if failed:
         message = messages[0] if messages else "invalid grammar"
         found = _UNIMPLEMENTED.search(message)
@@ -89,11 +94,10 @@ def _compile(source: str, tokenizer: Any, description: str) -> Grammar:
 def json_schema_grammar(schema: dict[str, Any] | None, tokenizer: Any) -> Grammar:
     """A JSON value valid against `schema` (None: any JSON object, OpenAI's `json_object`). Raises `GrammarError`
     naming the keyword the engine cannot enforce."""
-    _require()
     if schema is not None and not isinstance(schema, dict):
         raise GrammarError(f"a JSON Schema must be an object, got {type(schema).__name__}")
     try:
-        source = llguidance.LLMatcher.grammar_from_json_schema(
+        source = _llguidance().LLMatcher.grammar_from_json_schema(
             schema if schema is not None else {"type": "object"}, overrides=JSON_OPTIONS)
     except ValueError as exc:
         raise GrammarError(f"the JSON Schema cannot be compiled: {exc}") from exc
@@ -109,7 +113,6 @@ def tool_call_grammar(tools: Sequence[tuple[str, dict[str, Any] | None]], tokeni
     """One call of one of `tools` (name, parameters schema or None for any object) in the chat template's form:
     `head` (what the prompt does not already hold, e.g. `{"name": "f", "arguments": ` after a forced start of a
     named call, or the whole `{"name": ...` for `tool_choice="required"`), the arguments, then `tail`."""
-    _require()
     if not tools:
         raise GrammarError("a tool call grammar needs at least one tool")
     rules, alternatives = [], []
@@ -122,7 +125,7 @@ def tool_call_grammar(tools: Sequence[tuple[str, dict[str, Any] | None]], tokeni
         alternatives.append(f"call_{i}")
     lark = "start: " + " | ".join(alternatives) + "\n" + "\n".join(rules) + "\n"
     try:
-        source = llguidance.LLMatcher.grammar_from_lark(lark)
+        source = _llguidance().LLMatcher.grammar_from_lark(lark)
     except ValueError as exc:
         raise GrammarError(f"the tool schemas cannot be compiled: {exc}") from exc
     return _compile(source, tokenizer, "tool parameters schema")
@@ -138,14 +141,15 @@ class Matcher:
 
     def __init__(self, grammar: Grammar, vocab_size: int, eos_ids: Sequence[int], end_ids: Sequence[int] = ()) -> None:
         self.grammar = grammar
-        self.m = llguidance.LLMatcher(grammar.tokenizer, grammar.source)
+        self._ll = _llguidance()
+        self.m = self._ll.LLMatcher(grammar.tokenizer, grammar.source)
         self.vocab_size = vocab_size
         self.only_at_end = not eos_ids
         self.eos_ids = list(eos_ids) or list(end_ids)
         if not self.eos_ids:
             raise ValueError(f"a grammar's answer ends with an EOS, and neither the engine nor the model has an EOS "
                              f"id ({grammar.description})")
-        self._bits = llguidance.torch.allocate_token_bitmask(1, grammar.tokenizer.vocab_size)
+        self._bits = self._ll.torch.allocate_token_bitmask(1, grammar.tokenizer.vocab_size)
         self._shifts = torch.arange(32, dtype=torch.int32)
         self.forced_tokens = 0  # tokens committed because the grammar forced them (a request's stats)
 
@@ -154,7 +158,7 @@ class Matcher:
 
     def allowed(self) -> torch.Tensor:
         """`[vocab_size]` bool: the tokens the grammar allows next."""
-        llguidance.torch.fill_next_token_bitmask(self.m, self._bits, 0)
+        self._ll.torch.fill_next_token_bitmask(self.m, self._bits, 0)
         bits = ((self._bits[0, :, None] >> self._shifts) & 1).bool().flatten()
         out = torch.zeros(self.vocab_size, dtype=torch.bool)
         n = min(self.vocab_size, bits.numel())

@@ -36,7 +36,6 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from pydantic import ConfigDict
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -49,7 +48,8 @@ DEFAULT_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "
 class LoraConfig:
     """Low-rank adapters (off when rank is 0)."""
 
-    __pydantic_config__ = ConfigDict(extra="forbid", coerce_numbers_to_str=True)  # as the training config
+    # as the training config reads it (pydantic's ConfigDict is a plain dict: no pydantic import to load a model)
+    __pydantic_config__ = {"extra": "forbid", "coerce_numbers_to_str": True}
 
     rank: int = 0
     alpha: float = 16.0  # delta W = (alpha / rank) B A

@@ -11,9 +11,10 @@ and no query blocks it is exactly the AR base's forward.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -356,7 +357,7 @@ class CloverForBlockDiffusion(nn.Module):
         `save_pretrained` writes for a model with an unmerged, e.g. gated, adapter) is applied and loaded; a
         quantised checkpoint (`quantization.json`, clover.model.quant) loads as the packed modules it stores."""
         config = CloverConfig.from_file(directory)
-        with torch.device("meta"):  # no random init, no second copy of the weights
+        with torch.device("meta"), _no_init():  # no random init, no second copy of the weights
             model = cls(config)
         if dtype is not None:
             model.to(dtype=dtype)  # free on meta; loading then casts tensor by tensor (no full-precision copy)
@@ -382,3 +383,19 @@ class CloverForBlockDiffusion(nn.Module):
         adapter = adapter_tensor_names(self)
         save_checkpoint(self, directory, tokenizer_dir=tokenizer_dir, exclude=adapter,
                         extra=lambda tmp: save_adapter(self, tmp, self.lora_config))
+
+
+@contextmanager
+def _no_init() -> Iterator[None]:
+    """`torch.nn.init`'s initialisers as no-ops, for a model built on the meta device whose weights are loaded next:
+    on meta tensors they run through `torch._refs`, whose first call imports `torch._dynamo` (about 2 s of a
+    command's start on a small CPU) to initialise values that do not exist."""
+    names = [n for n in dir(nn.init) if n.endswith("_") and not n.startswith("_") and callable(getattr(nn.init, n))]
+    saved = {n: getattr(nn.init, n) for n in names}
+    for name in names:
+        setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(nn.init, name, fn)

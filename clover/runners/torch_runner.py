@@ -39,7 +39,7 @@ class TorchRunner:
         return getattr(self.model, "quantization", None)
 
     def tokenizer(self) -> Any:
-        from clover.tokenizer import load_tokenizer  # deferred: transformers (seconds), only when one is read
+        from clover.tokenizer import load_tokenizer  # deferred: tokenizers, only when one is read
 
         if self.directory is None:
             raise ValueError("this torch runner wraps a model in memory: it has no checkpoint to read a tokenizer from")

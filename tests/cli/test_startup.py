@@ -64,3 +64,21 @@ def test_the_runners_offered_are_the_registered_runners(capsys) -> None:
     assert main(["info", "--runners", "--json"]) == 0
     assert [r["name"] for r in json.loads(capsys.readouterr().out)] == list(RUNNERS)
     assert {name: runner_class(name).name for name in RUNNERS} == {name: name for name in RUNNERS}
+
+
+# what `clover generate` must not import: each costs from a tenth of a second to seconds on a small CPU, and a plain
+# prompt uses none of them (the grammar engine, transformers, the server, llama.cpp, plotting, training)
+NOT_FOR_GENERATE = ("transformers", "llguidance", "torch._dynamo", "fastapi", "uvicorn", "llama_cpp", "xllamacpp",
+                    "matplotlib", "clover.serving", "clover.training", "clover.conversion")
+
+
+def test_generate_imports_only_what_it_runs(tmp_path: Path, chat_tokenizer) -> None:
+    from server_helpers import build_checkpoint
+
+    model = build_checkpoint(tmp_path / "model", chat_tokenizer)
+    status, errors, modules = imported_modules("generate", "--model", str(model), "--quant", "none", "--threads", "1",
+                                               "--max-new-tokens", "3", "Hello")
+    assert status == 0, errors
+    assert "clover.engine.exact" in modules or "clover.engine.block_loop" in modules  # it decoded here
+    heavy = [h for h in NOT_FOR_GENERATE if any(m == h or m.startswith(h + ".") for m in modules)]
+    assert not heavy, f"clover generate imported {heavy}"
