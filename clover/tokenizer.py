@@ -27,6 +27,16 @@ _CLEAN_UP = [(" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (
              (" 's", "'s"), (" 've", "'ve"), (" 're", "'re")]  # where transformers keeps a template beside tokenizer_config.json
 
 
+class Encoded(dict):
+    """`{"input_ids": ...}`, also read as `.input_ids` (as `transformers`' `BatchEncoding` is)."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
 class Tokenizer:
     """A fast tokenizer and its special tokens; `name_or_path`: the directory it was read from."""
 
@@ -76,10 +86,10 @@ class Tokenizer:
             (directory / CHAT_TEMPLATE_FILE).write_text(self.chat_template, encoding="utf-8")
 
     # -- text <-> ids ----------------------------------------------------------------------------------------------
-    def __call__(self, text: str | Sequence[str], add_special_tokens: bool = True) -> dict[str, Any]:
+    def __call__(self, text: str | Sequence[str], add_special_tokens: bool = True) -> Encoded:
         if isinstance(text, str):
-            return {"input_ids": self.encode(text, add_special_tokens)}
-        return {"input_ids": [e.ids for e in self.backend_tokenizer.encode_batch(list(text), add_special_tokens)]}
+            return Encoded(input_ids=self.encode(text, add_special_tokens))
+        return Encoded(input_ids=[e.ids for e in self.backend_tokenizer.encode_batch(list(text), add_special_tokens)])
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.backend_tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
