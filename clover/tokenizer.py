@@ -86,7 +86,8 @@ class Tokenizer:
             (directory / CHAT_TEMPLATE_FILE).write_text(self.chat_template, encoding="utf-8")
 
     # -- text <-> ids ----------------------------------------------------------------------------------------------
-    def __call__(self, text: str | Sequence[str], add_special_tokens: bool = True) -> Encoded:
+    def __call__(self, text: str | Sequence[str], add_special_tokens: bool = True, verbose: bool = True) -> Encoded:
+        """`verbose`: `transformers`' switch for its long-input warning; this tokenizer has none to give."""
         if isinstance(text, str):
             return Encoded(input_ids=self.encode(text, add_special_tokens))
         return Encoded(input_ids=[e.ids for e in self.backend_tokenizer.encode_batch(list(text), add_special_tokens)])
@@ -129,7 +130,7 @@ class Tokenizer:
     # -- chat ------------------------------------------------------------------------------------------------------
     def apply_chat_template(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
                             chat_template: str | None = None, add_generation_prompt: bool = False,
-                            tokenize: bool = False, **kwargs: Any) -> str | list[int]:
+                            tokenize: bool = True, **kwargs: Any) -> str | list[int]:
         """The conversation rendered by `chat_template` (default: the tokenizer's own), with the special tokens
         and `kwargs` (e.g. `enable_thinking`) in scope, as `transformers` renders it; `tokenize`: its ids."""
         template = chat_template or self.chat_template

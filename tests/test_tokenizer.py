@@ -70,10 +70,10 @@ def test_chat_templates_render_as_transformers_renders_them(pair) -> None:
         assert render_chat(ours, chat, tools, add_generation_prompt=generation, enable_thinking=generation) == \
             render_chat(ref, chat, tools, add_generation_prompt=generation, enable_thinking=generation)
     assert ours.chat_template == CLOVER_CHAT_TEMPLATE
-    ids = ours.apply_chat_template(MESSAGES, chat_template=TEMPLATE, tokenize=True)
-    assert ours.decode(ids) == ours.apply_chat_template(MESSAGES, chat_template=TEMPLATE)
+    ids = ours.apply_chat_template(MESSAGES, chat_template=TEMPLATE)  # tokenized by default, as in transformers
+    assert ours.decode(ids) == ours.apply_chat_template(MESSAGES, chat_template=TEMPLATE, tokenize=False)
     with pytest.raises(Exception, match="too many"):
-        ours.apply_chat_template(MESSAGES * 4, chat_template=TEMPLATE)
+        ours.apply_chat_template(MESSAGES * 4, chat_template=TEMPLATE, tokenize=False)
 
 
 def test_saved_tokenizer_reads_back_in_both(pair, tmp_path: Path) -> None:
