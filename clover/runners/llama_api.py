@@ -109,6 +109,7 @@ _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "llama_batch_free": (None, [LlamaBatch]),
     "llama_set_causal_attn": (None, [_ptr, ctypes.c_bool]),
     "llama_decode": (ctypes.c_int32, [_ptr, LlamaBatch]),
+    "llama_synchronize": (None, [_ptr]),
     "llama_get_logits": (ctypes.POINTER(ctypes.c_float), [_ptr]),
     "llama_print_system_info": (ctypes.c_char_p, []),
 }
@@ -169,3 +170,10 @@ def _check_layout(name: str, params: ctypes.Structure, expected: dict[str, Any])
 def quiet_log() -> Any:
     """A log callback that drops llama.cpp's messages; one for the process, as C keeps calling it for good."""
     return LogCallback(lambda level, text, data: None)
+
+
+def free_all(lib: SimpleNamespace, batch: LlamaBatch, ctx: int, model: int) -> None:
+    """Free a batch, its context and its model (a `weakref.finalize` callback of their owner, or its close())."""
+    lib.llama_batch_free(batch)
+    lib.llama_free(ctx)
+    lib.llama_model_free(model)

@@ -248,7 +248,7 @@ class LlamaCppRunner:
         self._free = list(range(max_rows))
         self._abandoned: collections.deque[list[int]] = collections.deque()  # slots of caches dropped unreleased
         self._scratch = max_rows * self.ids_per_slot  # the sequence id a prefix passes through to be saved
-        self._finalizer = weakref.finalize(self, _close, lib, self._batch, self._ctx, self._model)
+        self._finalizer = weakref.finalize(self, llama_api.free_all, lib, self._batch, self._ctx, self._model)
 
     def close(self) -> None:
         """Free llama.cpp's context and model now (otherwise when the runner is garbage)."""
@@ -489,9 +489,3 @@ def _complete(directory: Path) -> bool:
         return bool(hashes) and all(_sha256(directory / name) == h for name, h in hashes.items())
     except (OSError, ValueError, AttributeError, TypeError):
         return False
-
-
-def _close(lib: Any, batch: Any, ctx: Any, model: Any) -> None:
-    lib.llama_batch_free(batch)
-    lib.llama_free(ctx)
-    lib.llama_model_free(model)
