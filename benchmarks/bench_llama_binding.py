@@ -2,7 +2,7 @@
 llama-cpp-python built from source, A/B on the same GGUF in one run.
 
     python benchmarks/bench_llama_binding.py --old-tree DIR [--rounds 3] [--threads 2] [--max-new-tokens 128]
-        [--out benchmarks/results/bench_llama_binding.json]
+        [--ar-only] [--out benchmarks/results/bench_llama_binding.json]
 
 `--old-tree`: a Clover tree whose llama.cpp runner still runs on llama-cpp-python (main before the switch:
 `git archive dd3062c | tar -x -C DIR`), with llama-cpp-python importable in this Python. Each measurement is a
@@ -12,7 +12,8 @@ subprocess, the two sides taking turns round by round (a slow minute of a shared
   Clover's block decoding on llama.cpp's kernels), one warm-up run per side, then its tokens/s per round, and
   whether both sides give the same tokens;
 * `ar`: llama.cpp's plain greedy generation of the same prompt ids (old: `llama_cpp.Llama.generate`; new:
-  `clover.runners.llamacpp_ar.LlamaCppAR`, what bench_exact's llama systems run), tokens/s after the prompt;
+  `clover.runners.llamacpp_ar.LlamaCppAR`, what bench_exact's llama systems run), tokens/s after the prompt
+  (`--ar-only`: this alone);
 * `install`: `pip install --no-deps` of the pinned xllamacpp wheel into a fresh virtual environment (from pip's
   cache when it holds the wheel: say so), and the installed sizes of both libraries.
 """
@@ -64,7 +65,7 @@ else:
     from clover.runners.llamacpp_ar import LlamaCppAR
     llm = LlamaCppAR(gguf, threads=threads, n_ctx=4096, n_batch=512)
     def generate():
-        return llm.generate(ids, 10 ** 6)
+        return llm.generate(ids, max_new)
 def once():
     out, start, first = [], time.perf_counter(), None
     for token in generate():
@@ -115,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--ar-only", action="store_true", help="only llama.cpp's plain generation, not the runner")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "bench_llama_binding.json"))
     args = p.parse_args(argv)
     sys.path.insert(0, str(ROOT))
@@ -130,25 +132,29 @@ def main(argv: list[str] | None = None) -> int:
                     "installed_MiB": {d: installed_mib(d) for d in ("llama-cpp-python", "xllamacpp")},
                     "gguf": Path(gguf).name, "runner": {"old": [], "new": []}, "ar": {"old": [], "new": []}}
     print(f"{report['versions']}, installed MiB {report['installed_MiB']}", flush=True)
-    for side, tree in trees.items():  # warm-up: the cost table, the tokenizer cache
-        runner_once(tree, gguf, args)
     ids = json.loads(_run([sys.executable, "-c", "import json, sys; from clover.smol import clover_smol_dir; "
                            "from clover.tokenizer import load_tokenizer; t = load_tokenizer(clover_smol_dir()); "
-                           "print(json.dumps(t.apply_chat_template([{'role': 'user', 'content': sys.argv[1]}], "
-                           "add_generation_prompt=True, tokenize=True)))", PROMPT], ROOT).strip().splitlines()[-1])
+                           "text = t.apply_chat_template([{'role': 'user', 'content': sys.argv[1]}], "
+                           "add_generation_prompt=True, tokenize=False); "
+                           "print(json.dumps(t(text, add_special_tokens=False)['input_ids']))", PROMPT],
+                          ROOT).strip().splitlines()[-1])
+    kinds = ("ar",) if args.ar_only else ("runner", "ar")
+    for side, tree in trees.items() if "runner" in kinds else ():  # warm-up: the cost table, the tokenizer cache
+        runner_once(tree, gguf, args)
     tokens: dict[str, dict[str, list[int]]] = {"runner": {}, "ar": {}}
     for r in range(args.rounds):
         for side, tree in (trees.items() if r % 2 == 0 else reversed(list(trees.items()))):
-            res = runner_once(tree, gguf, args)
-            report["runner"][side].append(res["tokens_per_second"])
-            tokens["runner"][side] = res.get("token_ids") or res["tokens"]
+            if "runner" in kinds:
+                res = runner_once(tree, gguf, args)
+                report["runner"][side].append(res["tokens_per_second"])
+                tokens["runner"][side] = res["token_ids"]
+                print(f"round {r} {side}: runner {res['tokens_per_second']:.1f} tok/s (TPF "
+                      f"{res['tokens_per_forward']:.2f})", flush=True)
             ar = ar_once(tree, side, gguf, ids, args)
             report["ar"][side].append(ar["decode_tokens_per_second"])
             tokens["ar"][side] = ar["tokens"]
-            print(f"round {r} {side}: runner {res['tokens_per_second']:.1f} tok/s (TPF "
-                  f"{res['tokens_per_forward']:.2f}), llama.cpp AR {ar['decode_tokens_per_second']:.1f} tok/s",
-                  flush=True)
-    for kind in ("runner", "ar"):
+            print(f"round {r} {side}: llama.cpp AR {ar['decode_tokens_per_second']:.1f} tok/s", flush=True)
+    for kind in kinds:
         med = {side: statistics.median(v) for side, v in report[kind].items()}
         report[f"{kind}_median_tokens_per_second"] = med
         report[f"{kind}_new_over_old"] = med["new"] / med["old"]
