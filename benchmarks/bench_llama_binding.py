@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     trees = {"old": args.old_tree.resolve(), "new": ROOT}
     report: dict = {"command": "python benchmarks/bench_llama_binding.py " + " ".join(sys.argv[1:] if argv is None
                                                                                        else argv),
-                    "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+                    "machine": {"cpu": _cpu(), "cores": os.cpu_count(),
                                 "load_average_at_start": os.getloadavg()},
                     "versions": {"llama-cpp-python": _version("llama-cpp-python"), "xllamacpp": _version("xllamacpp")},
                     "installed_MiB": {d: installed_mib(d) for d in ("llama-cpp-python", "xllamacpp")},
@@ -165,6 +165,13 @@ def main(argv: list[str] | None = None) -> int:
     Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
     print(json.dumps({k: v for k, v in report.items() if k not in ("runner", "ar")}, indent=1))
     return 0
+
+
+def _cpu() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else ():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
 
 
 def _version(distribution: str) -> str | None:
