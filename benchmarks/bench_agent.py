@@ -10,15 +10,16 @@ Each system is a server the script starts itself on a free 127.0.0.1 port, waits
 * `clover`: `clover serve` with its defaults (clover-smol, int4, exact mode);
 * `clover-b1`: `clover serve --block-size 1 --rule threshold` (one token per forward, the AR baseline);
 * `clover-llamacpp`: `clover serve --runner llamacpp` (Clover's engine on llama.cpp's kernels, the q8_0 GGUF);
-* `llamacpp-server`: llama-cpp-python's own OpenAI server (`python -m llama_cpp.server`) on the same GGUF,
-  with the chat template the GGUF carries (Clover's).
+* `llamacpp-server`: llama.cpp's own OpenAI server (its C++ `llama-server`, through xllamacpp:
+  benchmarks/llama_server.py) on the same GGUF, with the chat template the GGUF carries (Clover's) and llama.cpp's
+  tool-call parsing.
 
 The agent (`run_agent`) is the loop agent frameworks run, on the official `openai` client: send the conversation
 and the tools, stream the answer, execute its tool calls, append the results as `tool` messages, repeat until
 the model answers without a call (then the next user turn) or `--max-steps` requests in one user turn (BFCL's
 limit, 20: the task is then failed, as BFCL fails a forced quit). Tool calls are the server's `tool_calls` plus
-any Hermes `<tool_call>` blocks left in the content, read by the client: llama-cpp-python's server, given a chat
-template, returns the model's calls as text, and `clover serve` leaves malformed ones there.
+any Hermes `<tool_call>` blocks left in the content, read by the client: a server may return a call it does not
+parse as text, and `clover serve` leaves malformed ones there.
 
 Tasks are BFCL's multi-turn categories (`bfcl-eval`'s data): the tools of the task's classes (BFCL's schema
 dialect converted to JSON Schema), executed by bfcl-eval's own back-end classes (GorillaFileSystem, TwitterAPI,
@@ -386,9 +387,8 @@ def _llamacpp_server(port: int, args: argparse.Namespace) -> list[str]:
     from clover.smol import clover_smol_gguf
 
     gguf = args.gguf or str(clover_smol_gguf("q8_0"))
-    return [sys.executable, "-m", "llama_cpp.server", "--model", gguf, "--model_alias", MODEL_ID, "--host",
-            "127.0.0.1", "--port", str(port), "--n_ctx", str(args.ctx), "--n_threads", str(args.threads),
-            "--n_threads_batch", str(args.threads), "--verbose", "False"]
+    return [sys.executable, str(ROOT / "benchmarks" / "llama_server.py"), gguf, "--alias", MODEL_ID, "--port",
+            str(port), "--ctx", str(args.ctx), "--threads", str(args.threads)]
 
 
 SYSTEMS = {s.name: s for s in (
@@ -396,8 +396,8 @@ SYSTEMS = {s.name: s for s in (
     System("clover-b1", "clover serve --block-size 1 --rule threshold", _clover("--block-size", "1", "--rule",
                                                                                    "threshold"), "/health"),
     System("clover-llamacpp", "clover serve --runner llamacpp", _clover("--runner", "llamacpp"), "/health"),
-    # llama-cpp-python samples with repeat_penalty 1.1 unless told: 1.0 keeps it greedy, as the others are
-    System("llamacpp-server", "python -m llama_cpp.server (same GGUF)", _llamacpp_server, "/v1/models",
+    # no repetition penalty, greedy as the others are (llama-server's default already; kept explicit)
+    System("llamacpp-server", "llama.cpp's llama-server (same GGUF)", _llamacpp_server, "/health",
            {"repeat_penalty": 1.0}),
 )}
 
@@ -610,8 +610,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--budget-s", type=float, default=1800.0,
                    help="total time for the tasks, shared equally by the systems (server start-up not counted)")
     p.add_argument("--model", help="clover serve --model (default: clover-smol)")
-    p.add_argument("--gguf", help="llama_cpp.server's model (default: clover-smol's q8_0 export)")
-    p.add_argument("--ctx", type=int, default=8192, help="llama_cpp.server's context (clover-smol's: 8192)")
+    p.add_argument("--gguf", help="llama-server's model (default: clover-smol's q8_0 export)")
+    p.add_argument("--ctx", type=int, default=8192, help="llama-server's context (clover-smol's: 8192)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "bench_agent"))
     return p.parse_args(argv)
 

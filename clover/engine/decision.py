@@ -50,7 +50,7 @@ import torch
 from clover.chat_template import render_chat
 from clover.engine.form import Field, Form, parse_form, value_text
 from clover.engine.prefill import DEFAULT_PREFILL_CHUNK, prefill
-from clover.runners.base import ModelRunner
+from clover.runners.base import ModelRunner, release_cache
 from clover.runners.torch_runner import as_runner
 
 Context = str | Sequence[dict[str, Any]]
@@ -280,7 +280,8 @@ class DecisionRun:
             if self.rows:
                 self.cache.select(keep)
             else:
-                self.cache = None  # its rows go back to the runner now (llama.cpp: its slots)
+                release_cache(self.cache)  # its rows go back to the runner now (llama.cpp: its slots)
+                self.cache = None
         return not self.rows
 
     def results(self) -> list[Decision]:
@@ -434,4 +435,5 @@ def decide_autoregressive(model: torch.nn.Module | ModelRunner, tokenizer: Any, 
             order.append([f.name])
             end = layout.slots[i + 1][0] if i + 1 < len(layout.slots) else s + length
             pending += layout.ids[s + length:end]
+    release_cache(cache)
     return Decision(values, probs, forwards, order, time.perf_counter() - start, len(prompt), layout.answer_len)

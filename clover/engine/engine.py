@@ -37,7 +37,7 @@ from clover.engine.exact import ExactBatch, ExactLoop
 from clover.engine.loop import Event, StreamPiece
 from clover.engine.prefill import DEFAULT_PREFILL_CHUNK, grid_chunk, prefill
 from clover.engine.request import Detokenize, Request
-from clover.runners.base import ModelRunner, RunnerCache
+from clover.runners.base import ModelRunner, RunnerCache, release_cache
 from clover.runners.torch_runner import as_runner
 from clover.engine.sampling import SamplingParams
 
@@ -206,6 +206,7 @@ class Engine:
                 keep.append(r)
         if not keep:
             b.seqs = []
+            release_cache(b.cache)  # the batch ends here (its loop returns None): llama.cpp's slots come back now
         elif len(keep) < len(b.seqs):
             self.loop.keep_rows(b, keep)
         return events
@@ -295,6 +296,7 @@ class Engine:
         if len(keep) == len(b.seqs):
             return b
         if not keep:
+            release_cache(b.cache)
             return None
         self.loop.keep_rows(b, keep)
         return b

@@ -13,7 +13,9 @@ One call, `forward`, covers every pass the engine makes (its layout is `clover.m
 
 The cache is the runner's own (`new_cache`). The engine keeps it per batch and calls `select(rows)` (rows leave),
 `type(cache).concat(caches)` (batches join), `mark()` / `rewind(keep)` (exact mode undoes rejected drafts: each
-row keeps the first `keep[r]` clean tokens of the forward after `mark`), and reads `length` / `batch_size`.
+row keeps the first `keep[r]` clean tokens of the forward after `mark`), and reads `length` / `batch_size`. When
+a batch ends it calls `release_cache(cache)`: a cache that holds a runner's scarce resource (llama.cpp's slots)
+gives it back then, on the owner's thread; tensors need nothing (reference counting frees them).
 
 **Prefix reuse** (the server's `clover.serving.prefix_cache`) asks three more things of a one-row cache:
 `snapshot()` (what a cut at the current length cannot recover: a DeltaNet layer's recurrent state; None where
@@ -78,6 +80,13 @@ class RunnerCache(Protocol):
     def snapshot(self) -> Any: ...
 
     def prefix(self, length: int, snapshot: Any = None, copy: bool = False) -> Any: ...
+
+
+def release_cache(cache: Any) -> None:
+    """Give back what `cache` holds of its runner now (its `release()`, where it has one: see the module docstring)."""
+    release = getattr(cache, "release", None)
+    if release is not None:
+        release()
 
 
 @runtime_checkable

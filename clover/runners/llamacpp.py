@@ -1,5 +1,5 @@
 """The llama.cpp runner: Clover's block decoding on llama.cpp's (quantised) CPU kernels, for a GGUF written by
-`clover export --to gguf` (dense Llama-family models; `llama-cpp-python`'s low-level API).
+`clover export --to gguf` (dense Llama-family models; llama.cpp's C API through `clover.runners.llama_api`).
 
     from clover.runners.llamacpp import LlamaCppRunner
     runner = LlamaCppRunner("clover-smol-q8_0.gguf", threads=2)
@@ -41,10 +41,12 @@ model's own answers at block size 1 and in exact mode, drafting with the base).
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import dataclasses
-import functools
 import gc
+import hashlib
+import json
 import logging
 import weakref
 from pathlib import Path
@@ -53,25 +55,18 @@ from typing import Any, Hashable, Iterable
 import numpy as np
 import torch
 
+from clover.checkpoint import atomic_directory
 from clover.config import CloverConfig
 from clover.conversion.gguf import GGUFSource
 from clover.paths import cache_root
+from clover.runners import llama_api
 from clover.runners.base import RunnerOptions
 
 logger = logging.getLogger(__name__)
 
 MAX_SEQ_IDS = 256  # llama.cpp's LLAMA_MAX_SEQ: every row's slot of ids (and the scratch id) must fit in it
 DEFAULT_MAX_CELLS = 16384  # the default KV budget (SmolLM2-135M: 23 KB per cell in f16, so ~380 MB)
-INSTALL_HINT = ("the llama.cpp runner needs llama-cpp-python: `bash scripts/setup.sh` builds it (portable CPU "
-                "flags), or pip install llama-cpp-python; the torch runner (--runner torch) needs nothing more")
-
-
-def import_llama_cpp() -> Any:
-    try:
-        import llama_cpp  # deferred: an optional runtime, needed only when a GGUF is opened
-    except ImportError as e:
-        raise ImportError(INSTALL_HINT) from e
-    return llama_cpp
+TOKENIZER_MANIFEST = "clover-manifest.json"  # a cached tokenizer's files and their sha256, written last
 
 
 @dataclasses.dataclass
@@ -86,15 +81,22 @@ class _Row:
 class LlamaCppCache:
     """The rows of a batch in the runner's one llama.cpp KV cache: a slot of sequence ids and a length per row.
 
-    Dropped rows (`select`) and caches that are garbage (a finished batch) give their slots back; `concat` moves
-    the slots into the joined cache."""
+    Its owner gives the slots back: `select` for the rows that leave, `release()` for all of them; `concat` moves
+    the slots into the joined cache. A cache dropped without `release()` (a failed request's batch) only queues its
+    slots: the runner frees them at its next call, on its owner's thread, never from a garbage collector's."""
 
     def __init__(self, runner: LlamaCppRunner, slots: list[int]) -> None:
         self.runner = runner
         self.slots = slots
         self.lengths = [0] * len(slots)
         self.marked: list[int] | None = None
-        self._finalizer = weakref.finalize(self, runner._release, self.slots)
+        self._finalizer = weakref.finalize(self, runner._abandon, self.slots)
+
+    def release(self) -> None:
+        """Give every row's slot back now: the cache is empty afterwards (0 rows). Safe to call twice."""
+        self.runner._release(list(self.slots))
+        self.slots.clear()  # in place: the finalizer holds this list
+        self.lengths = []
 
     @property
     def batch_size(self) -> int:
@@ -182,7 +184,7 @@ class LlamaCppRunner:
     def __init__(self, path: str | Path, *, threads: int | None = None, max_rows: int | None = 8,
                  n_ctx: int | None = None, max_block_size: int | None = None, kv_type: str = "f16",
                  flash_attn: bool = False, verbose: bool = False) -> None:
-        llama_cpp = import_llama_cpp()
+        lib = llama_api.load()
         self.path = Path(path)
         if not self.path.is_file():
             raise FileNotFoundError(f"GGUF file {self.path} not found (make one with `clover export --to gguf`)")
@@ -210,16 +212,15 @@ class LlamaCppRunner:
                              f"and a scratch id exceed llama.cpp's {MAX_SEQ_IDS}: lower max_rows or max_block_size")
         self.max_rows, self.max_block_size = max_rows, max_block_size
         self.threads = threads or torch.get_num_threads()
-        self._lib = llama_cpp
+        self._lib = lib
         if not verbose:
-            llama_cpp.llama_log_set(_quiet_log(llama_cpp), ctypes.c_void_p(0))
-        llama_cpp.llama_backend_init()
-        params = llama_cpp.llama_model_default_params()
+            lib.llama_log_set(llama_api.quiet_log(), None)
+        params = lib.llama_model_default_params()
         params.n_gpu_layers = 0
-        self._model = llama_cpp.llama_model_load_from_file(str(self.path).encode(), params)
+        self._model = lib.llama_model_load_from_file(str(self.path).encode(), params)
         if not self._model:
             raise RuntimeError(f"llama.cpp could not load {self.path}")
-        n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(self._model))
+        n_vocab = lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(self._model))
         if n_vocab != self.config.vocab_size:
             raise ValueError(f"{self.path}: the tokenizer has {n_vocab} tokens but the embeddings "
                              f"{self.config.vocab_size} rows; llama.cpp's logits would not cover Clover's vocabulary")
@@ -227,25 +228,31 @@ class LlamaCppRunner:
         self.max_context = min(self.config.max_position_embeddings, self.n_ctx)
         # one ubatch holds a whole non-causal decode: every row's clean tokens (at most a slot's groups) and block
         self.n_batch = max(512, 2 * max_rows * max_block_size)
-        ctx_params = llama_cpp.llama_context_default_params()
+        ctx_params = lib.llama_context_default_params()
         ctx_params.n_ctx, ctx_params.n_batch, ctx_params.n_ubatch = self.n_ctx, self.n_batch, self.n_batch
         ctx_params.n_seq_max = max_rows * self.ids_per_slot + 1
         ctx_params.kv_unified = True  # cells carry several sequence ids: the masks above need one shared cache
         ctx_params.n_threads = ctx_params.n_threads_batch = self.threads
-        kv = llama_cpp.GGML_TYPE_F32 if kv_type == "f32" else llama_cpp.GGML_TYPE_F16
+        kv = llama_api.GGML_TYPE_F32 if kv_type == "f32" else llama_api.GGML_TYPE_F16
         ctx_params.type_k = ctx_params.type_v = kv
         # llama.cpp's CPU flash attention rounds through f16 (logits ~1e-2 off at f32, enough to flip near ties
         # between batch layouts); the plain path matches the torch runner to ~1e-5 at f32
-        ctx_params.flash_attn_type = (llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn
-                                      else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED)
-        self._ctx = llama_cpp.llama_init_from_model(self._model, ctx_params)
+        ctx_params.flash_attn_type = (llama_api.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn
+                                      else llama_api.LLAMA_FLASH_ATTN_TYPE_DISABLED)
+        self._ctx = lib.llama_init_from_model(self._model, ctx_params)
         if not self._ctx:
+            lib.llama_model_free(self._model)
             raise RuntimeError(f"llama.cpp could not create a context for {self.path} (n_ctx={self.n_ctx})")
-        self._memory = llama_cpp.llama_get_memory(self._ctx)
-        self._batch = llama_cpp.llama_batch_init(self.n_batch, 0, self.ids_per_slot)
+        self._memory = lib.llama_get_memory(self._ctx)
+        self._batch = lib.llama_batch_init(self.n_batch, 0, self.ids_per_slot)
         self._free = list(range(max_rows))
+        self._abandoned: collections.deque[list[int]] = collections.deque()  # slots of caches dropped unreleased
         self._scratch = max_rows * self.ids_per_slot  # the sequence id a prefix passes through to be saved
-        self._finalizer = weakref.finalize(self, _close, llama_cpp, self._batch, self._ctx, self._model)
+        self._finalizer = weakref.finalize(self, llama_api.free_all, lib, self._batch, self._ctx, self._model)
+
+    def close(self) -> None:
+        """Free llama.cpp's context and model now (otherwise when the runner is garbage)."""
+        self._finalizer()
 
     @classmethod
     def open(cls, path: str | Path, options: RunnerOptions) -> LlamaCppRunner:
@@ -261,19 +268,28 @@ class LlamaCppRunner:
     def tokenizer(self) -> Any:
         """The GGUF's tokenizer as a `transformers` tokenizer (with Clover's mask token and chat template).
         Converting it takes `transformers` tens of seconds, so the result is kept in Clover's cache directory,
-        keyed by the file's name, size and modification time."""
+        keyed by the file's name, size and modification time: published whole (written apart, then renamed into
+        place) with a manifest of its files' hashes, and rebuilt where the manifest is missing or disagrees (a
+        directory cut short, or written in place by an older Clover)."""
         from clover.tokenizer import load_tokenizer  # deferred: transformers (seconds), only when one is read
 
         stat = self.path.stat()
         saved = cache_root() / "gguf-tokenizers" / f"{self.path.stem}-{stat.st_size}-{stat.st_mtime_ns}"
-        if not (saved / "tokenizer_config.json").is_file():
-            self._source.tokenizer().save_pretrained(saved)
+        if not _complete(saved):
+            if saved.exists():
+                logger.warning("the tokenizer cached in %s is incomplete or damaged: rebuilding it", saved)
+            with atomic_directory(saved) as tmp:
+                self._source.tokenizer().save_pretrained(tmp)
+                hashes = {f.name: _sha256(f) for f in sorted(tmp.iterdir()) if f.is_file()}
+                (tmp / TOKENIZER_MANIFEST).write_text(json.dumps(hashes, indent=1))
         return load_tokenizer(saved)
 
     # -- cache ------------------------------------------------------------------------------------------
     def new_cache(self, batch_size: int) -> LlamaCppCache:
+        self._reclaim()
         if batch_size > len(self._free):
             gc.collect()  # a cache kept alive only by a reference cycle (a failed request's traceback) frees its rows
+            self._reclaim()
         if batch_size > len(self._free):
             raise ValueError(f"the llama.cpp runner decodes at most {self.max_rows} rows at once (max_rows) and "
                              f"{self.max_rows - len(self._free)} are in use: {batch_size} more do not fit")
@@ -291,6 +307,16 @@ class LlamaCppRunner:
         for slot in slots:
             self._trim(slot, 0)
             self._free.append(slot)
+
+    def _abandon(self, slots: list[int]) -> None:
+        """A cache dropped without `release()` (its finalizer, on any thread): queue its slots, touch nothing."""
+        if slots:
+            self._abandoned.append(slots)  # deque.append is atomic: safe from any thread
+
+    def _reclaim(self) -> None:
+        """Free the slots of caches dropped without `release()` (queued by their finalizers), on this thread."""
+        while self._abandoned:
+            self._release(self._abandoned.popleft())
 
     # -- stored prefixes ----------------------------------------------------------------------------------
     def _prefix_of(self, source: int, length: int, copy: bool) -> LlamaCppCache | LlamaCppPrefix:
@@ -336,6 +362,7 @@ class LlamaCppRunner:
     def forward(self, ids: torch.Tensor | None, block_size: int, *, cache: LlamaCppCache, prefix_len: int = 0,
                 attention_mask: torch.Tensor | None = None, query_ids: torch.Tensor | None = None,
                 logits_at: torch.Tensor | None = None, logits_to_keep: int | None = None) -> torch.Tensor:
+        self._reclaim()
         n = cache.batch_size
         clean = ids.tolist() if ids is not None else [[] for _ in range(n)]
         lc = len(clean[0]) if clean else 0
@@ -451,13 +478,14 @@ class LlamaCppRunner:
         return {rc: out[i] for i, rc in enumerate(wanted)}
 
 
-@functools.cache
-def _quiet_log(llama_cpp: Any) -> Any:
-    """A log callback that drops llama.cpp's messages; one for the process, as C keeps calling it for good."""
-    return llama_cpp.llama_log_callback(lambda level, text, data: None)
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def _close(llama_cpp: Any, batch: Any, ctx: Any, model: Any) -> None:
-    llama_cpp.llama_batch_free(batch)
-    llama_cpp.llama_free(ctx)
-    llama_cpp.llama_model_free(model)
+def _complete(directory: Path) -> bool:
+    """Whether `directory` holds every file its manifest lists, each with the hash listed."""
+    try:
+        hashes = json.loads((directory / TOKENIZER_MANIFEST).read_text())
+        return bool(hashes) and all(_sha256(directory / name) == h for name, h in hashes.items())
+    except (OSError, ValueError, AttributeError, TypeError):
+        return False

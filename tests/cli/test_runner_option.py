@@ -108,19 +108,15 @@ def test_scheduler_refuses_more_rows_than_the_runner_holds(exported, chat_tokeni
 
 
 def test_the_exported_gguf_runs_ar_in_plain_llama_cpp(exported):
-    """llama.cpp's own generation (its `Llama` class, greedy) of the export equals Clover's block-size-1 decoding."""
-    import llama_cpp
+    """llama.cpp's plain generation (one causal sequence, greedy) of the export equals Clover's block-size-1
+    decoding."""
+    from clover.runners.llamacpp_ar import LlamaCppAR
 
     checkpoint, gguf = exported
     model = CloverForBlockDiffusion.from_pretrained(checkpoint)
     prompt = [5, 17, 3, 99, 42, 7, 11]
     want = generate(model, [prompt], 12, block_size=1, eos_token_ids=[]).sequences[0]
-    llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=128, n_threads=1, verbose=False)
-    got = []
-    for token in llm.generate(prompt, top_k=1, temp=0.0):
-        got.append(token)
-        if len(got) == len(want):
-            break
+    got = list(LlamaCppAR(gguf, threads=1, n_ctx=128, n_batch=4).generate(prompt, len(want)))  # 2 prompt chunks
     assert got == want
 
 

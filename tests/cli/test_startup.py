@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-HEAVY = ("torch", "transformers", "llama_cpp", "clover.model", "clover.engine", "clover.serving", "clover.training",
+HEAVY = ("torch", "transformers", "clover.runners.llama_api", "clover.model", "clover.engine", "clover.serving", "clover.training",
          "clover.conversion", "clover.runners.base", "clover.runners.torch_runner", "clover.runners.llamacpp")
 
 

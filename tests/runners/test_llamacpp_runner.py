@@ -6,13 +6,13 @@ both ways of reading committed blocks, a batch of mixed lengths, continuous batc
 decision mode's decisions (its answer block is one query block longer than the runner's `max_block_size`). The
 two runners' logits differ by float rounding only (about 1e-5: the runner uses llama.cpp's plain attention path,
 whose CPU flash attention rounds through f16). Bad input: a GGUF without a mask token, a non-Llama GGUF, a
-missing llama-cpp-python, too many rows — each a clear error naming the fix.
+missing llama.cpp library, too many rows — each a clear error naming the fix.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import sys
+import importlib.metadata
 from pathlib import Path
 
 import pytest
@@ -24,6 +24,7 @@ from clover.conversion.gguf_export import export_gguf
 from clover.engine import Engine, SamplingParams, generate
 from clover.engine.decision import decide_autoregressive, decide_batch, render_layout
 from clover.engine.form import parse_form
+from clover.runners import llama_api
 from clover.runners.llamacpp import LlamaCppRunner
 from model_helpers import PROMPTS
 
@@ -185,9 +186,13 @@ def test_a_non_llama_gguf_is_refused(tmp_path):
         LlamaCppRunner(path)
 
 
-def test_a_missing_llama_cpp_python_names_the_fix(monkeypatch, tmp_path):
-    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # `import llama_cpp` now raises ImportError
-    with pytest.raises(ImportError, match="scripts/setup.sh.*llama-cpp-python"):
+def test_a_missing_llama_cpp_library_names_the_fix(monkeypatch, tmp_path):
+    def not_installed(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(llama_api, "load", llama_api.load.__wrapped__)  # not the process's loaded library
+    monkeypatch.setattr(llama_api.importlib.metadata, "version", not_installed)
+    with pytest.raises(ImportError, match=r"pip install 'clover\[llamacpp\]'.*--runner torch"):
         LlamaCppRunner(tmp_path / "model.gguf")
 
 
