@@ -72,9 +72,8 @@ class PackedLinear(nn.Module):
         woq.check_activations(activations)
         self.in_features, self.out_features, self.kind, self.group_size = in_features, out_features, kind, group_size
         self.rank, self.activations = rank, activations
-        shapes = woq.pack(torch.zeros(out_features, in_features, device="meta"), kind, group_size)
-        for name, t in shapes.items():
-            self.register_buffer(name, torch.empty(t.shape, dtype=t.dtype, device=device))
+        for name, (shape, dtype) in woq.packed_shapes(out_features, in_features, kind, group_size).items():
+            self.register_buffer(name, torch.empty(shape, dtype=dtype, device=device))
         if rank:
             self.register_buffer("correction_a", torch.empty(rank, in_features, dtype=torch.int16, device=device))
             self.register_buffer("correction_b", torch.empty(rank, out_features, dtype=torch.int16, device=device))

@@ -183,6 +183,23 @@ def pack(weight: torch.Tensor, kind: str, group_size: int = DEFAULT_GROUP_SIZE,
     return {"qweight": blocks.to(torch.bfloat16).view(torch.int16), "scale": w.new_zeros(0), "zero": w.new_zeros(0)}
 
 
+def packed_shapes(out_features: int, in_features: int, kind: str,
+                  group_size: int = DEFAULT_GROUP_SIZE) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """The shape and dtype of each tensor `pack` returns for `[out_features, in_features]` weights, computed
+    without packing (packing a meta tensor runs `torch._refs`, whose first call imports `torch._dynamo`: seconds
+    of a model's load)."""
+    check(kind, in_features, group_size)
+    blocks, none = -(-out_features // BLOCK), ((0,), torch.float32)
+    if kind in ("fp32", "bf16"):
+        return {"qweight": ((blocks, in_features, BLOCK), torch.int32 if kind == "fp32" else torch.int16),
+                "scale": none, "zero": none}
+    scale = ((blocks, in_features // group_size, BLOCK), torch.int16)
+    if kind == "int8":
+        return {"qweight": ((blocks, in_features // 4, BLOCK, 4), torch.int8), "scale": scale,
+                "zero": ((0,), torch.float16)}
+    return {"qweight": ((blocks, in_features // 8, BLOCK, 4), torch.uint8), "scale": scale, "zero": scale}
+
+
 def pack_codes(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, kind: str) -> dict[str, torch.Tensor]:
     """Logical codes and fp16 scales / minima (`quantize_groups`' output) -> the packed layout."""
     in_features = q.shape[1]

@@ -631,3 +631,12 @@ def test_bad_input_is_refused():
 def test_none_leaves_the_model_alone():
     model = tiny_model("clover-tiny-dense")
     assert quantize(model, "none") is model and isinstance(model.lm_head, nn.Linear)
+
+
+@pytest.mark.parametrize("kind", ["fp32", "bf16", "int8", "int4"])
+@pytest.mark.parametrize("shape", [(48, 64), (40, 96)])  # out features a multiple of 16, and not
+def test_packed_shapes_are_what_pack_returns(kind, shape):
+    """Empty packed modules are laid out from `packed_shapes` (no packing on the meta device): it must describe
+    exactly the tensors `pack` makes."""
+    packed = woq.pack(torch.randn(*shape), kind, 32)
+    assert woq.packed_shapes(*shape, kind, 32) == {name: (tuple(t.shape), t.dtype) for name, t in packed.items()}
