@@ -30,7 +30,8 @@ def test_clover_smol_on_vllm_equals_block_size_1(tmp_path) -> None:
     prompts = [list(tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True, return_dict=False))
                for c in chats]
     want = model.generate(prompts, max_new_tokens=MAX_TOKENS, block_size=1).sequences
-    with vllm_server(None, tmp_path / "vllm.log", "--dtype", "float32", name="clover-smol") as url:
+    with vllm_server(None, tmp_path / "vllm.log", "--dtype", "float32", "--", "--enforce-eager",
+                     name="clover-smol") as url:
         client = OpenAI(base_url=f"{url}/v1", api_key="none")
         for chat, prompt, expected in zip(chats, prompts, want):
             out = client.chat.completions.create(model="clover-smol", messages=chat, max_tokens=MAX_TOKENS,

@@ -16,10 +16,10 @@ import pytest
 from server_helpers import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
-VLLM = Path(os.environ.get("CLOVER_VLLM", ROOT / ".venv-vllm" / "bin" / "vllm"))
+VLLM_PYTHON = Path(os.environ.get("CLOVER_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
 
-needs_vllm = pytest.mark.skipif(not os.access(VLLM, os.X_OK),
-                                reason=f"vLLM's environment is absent ({VLLM}): run scripts/setup_vllm.sh")
+needs_vllm = pytest.mark.skipif(not os.access(VLLM_PYTHON, os.X_OK),
+                                reason=f"vLLM's environment is absent ({VLLM_PYTHON}): run scripts/setup_vllm.sh")
 
 
 @contextmanager
@@ -32,7 +32,7 @@ def vllm_server(model_dir: Path | None, log: Path, *args: str, name: str = "clov
     cmd = [sys.executable, "-m", "clover.cli.main", "serve", "--engine", "vllm",
            *(["--model", str(model_dir)] if model_dir else []), "--port", str(port), "--served-model-name", name,
            "--max-num-seqs", "16", "--max-model-len", "1024", *args]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "CLOVER_VLLM": str(VLLM), "VLLM_CPU_KVCACHE_SPACE": "1"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "CLOVER_VLLM_PYTHON": str(VLLM_PYTHON), "VLLM_CPU_KVCACHE_SPACE": "1"}
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
@@ -51,12 +51,22 @@ def vllm_server(model_dir: Path | None, log: Path, *args: str, name: str = "clov
             time.sleep(1.0)
         yield url
     finally:
-        os.killpg(proc.pid, 15)  # vLLM's engine runs in child processes of its own: the whole group
+        _stop_group(proc)
+
+
+def _stop_group(proc: subprocess.Popen) -> None:
+    """SIGTERM to the server's process group (vLLM's engine runs in child processes of its own), SIGKILL if it
+    lingers."""
+    for sig, wait in ((15, 30), (9, 10)):
         try:
-            proc.wait(30)
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:  # the group is gone
+            return
+        try:
+            proc.wait(wait)
+            return
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            proc.wait(10)
+            continue
 
 
 def greedy_matches(got: list[int], want: list[int], eos: int | list[int] | None) -> bool:
