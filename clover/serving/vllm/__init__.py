@@ -13,7 +13,8 @@ from __future__ import annotations
 def register() -> None:
     """vLLM's plugin hook, run in each of its processes: transformers learns `model_type: clover` and vLLM's
     registry the architectures (by name: vLLM imports the classes when a model needs them)."""
-    from vllm import ModelRegistry  # deferred: vLLM, which only its own processes have
+    # deferred: vLLM, which only its own processes have, and transformers (the config module's)
+    from vllm import ModelRegistry
 
     from clover.serving.vllm.config import ARCHITECTURES, register_transformers_config
 
