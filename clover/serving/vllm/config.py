@@ -25,13 +25,8 @@ from typing import Any
 
 from clover.config import CloverConfig
 
-# the architectures the plugin registers -> the vLLM class each extends (vllm.model_executor.models.<module>)
-ARCHITECTURES: dict[str, tuple[str, str]] = {
-    "CloverLlamaForCausalLM": ("llama", "LlamaForCausalLM"),
-    "CloverQwen3NextForCausalLM": ("qwen3_next", "Qwen3NextForCausalLM"),
-}
-QUANT_CONFIG = "quantization.json"  # clover.model.quant's marker of a packed (int8 / int4) build
-ADAPTER_CONFIG = "adapter_config.json"  # clover.model.lora: an adapter stored beside the weights
+# the architectures the plugin registers (their classes: clover.serving.vllm.models)
+ARCHITECTURES = ("CloverLlamaForCausalLM", "CloverQwen3NextForCausalLM")
 
 
 class NotServable(ValueError):
@@ -64,19 +59,20 @@ def architecture(config: CloverConfig) -> str:
 
 def check_checkpoint(directory: str | Path) -> CloverConfig:
     """The config of the Clover checkpoint at `directory` if vLLM can serve it, else NotServable."""
+    # deferred: torch (the modules that name these files), only when a checkpoint is checked
+    from clover.model.lora import ADAPTER_CONFIG, read_adapter_config
+    from clover.model.quant import QUANT_CONFIG
+
     directory = Path(directory)
     config = CloverConfig.from_file(directory)
     architecture(config)
     if (directory / QUANT_CONFIG).is_file():
         raise NotServable(f"{directory} is a quantised Clover build ({QUANT_CONFIG}): serve its unquantised "
                           "checkpoint (`--quant none`) and let vLLM quantise (`--quantization`)")
-    if (directory / ADAPTER_CONFIG).is_file():
-        from clover.model.lora import read_adapter_config  # deferred: torch, for a checkpoint with an adapter
-
-        if not read_adapter_config(directory)[0].gated:
-            raise NotServable(f"{directory} stores an ungated adapter beside its weights: it changes the causal "
-                              "path, and vLLM loads the weights as they are; merge it first "
-                              "(clover.model.lora.merge_and_unload, then save_pretrained)")
+    if (directory / ADAPTER_CONFIG).is_file() and not read_adapter_config(directory)[0].gated:
+        raise NotServable(f"{directory} stores an ungated adapter beside its weights: it changes the causal path, "
+                          "and vLLM loads the weights as they are; merge it first (clover.model.lora.merge_and_unload, "
+                          "then save_pretrained)")
     return config
 
 
