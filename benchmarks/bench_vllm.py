@@ -10,8 +10,9 @@ Three servers, one after the other, each driven by benchmarks/bench_server.py's 
 * the same with vLLM's `ngram` speculation (prompt lookup, lossless: verified by the model), 4 tokens per draft.
 
 Per server: `--single` requests one at a time (time to first token, tokens/s over the request), then `--streams`
-concurrent clients of `--requests-per-stream` requests; tokens per forward from the server's metrics. Writes benchmarks/results/bench_vllm.json. Needs the
-environment scripts/setup_vllm.sh makes. On a shared machine, other load moves every figure.
+concurrent clients of `--requests-per-stream` requests; tokens per forward from the server's metrics. Writes
+benchmarks/results/bench_vllm.json. Needs the environment scripts/setup_vllm.sh makes. On a shared machine, other
+load moves every figure.
 """
 
 from __future__ import annotations

@@ -36,7 +36,10 @@ if complete; then
 fi
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 # pip, niced (the machine is shared), quiet but for errors (a local index warns once per package it lacks)
-pip_quiet() { nice -n 10 "$VENV/bin/python" -m pip "$@" 2>&1 | { grep -v -e "is ignored: it is neither" -e "^WARNING: Skipping" || true; }; }
+pip_quiet() {
+    nice -n 10 "$VENV/bin/python" -m pip "$@" 2>&1 \
+        | { grep -v -e "is ignored: it is neither" -e "^WARNING: Skipping" || true; }
+}
 constraints=$(mktemp)
 trap 'rm -f "$constraints"' EXIT
 echo "torch==$TORCH_VERSION" > "$constraints"  # nothing below may swap the torch vLLM was built against
@@ -54,4 +57,5 @@ if ! complete; then
          "Clover's plugin); see pip's output above" >&2
     exit 1
 fi
-"$VENV/bin/python" -c "import torch, vllm, clover; print(f'$VENV ready: vllm {vllm.__version__}, torch {torch.__version__}')"
+"$VENV/bin/python" -c "import torch, vllm, clover
+print(f'$VENV ready: vllm {vllm.__version__}, torch {torch.__version__}')"

@@ -45,9 +45,9 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--engine", choices=("clover", "vllm"), default="clover",
-                   help="clover: Clover's engine (block decoding, exact mode, decision mode); vllm: vLLM's OpenAI server "
-                        "on the model's causal path, from the environment scripts/setup_vllm.sh makes; flags after "
-                        "`--` go to `vllm serve` (--tensor-parallel-size, --pipeline-parallel-size, "
+                   help="clover: Clover's engine (block decoding, exact mode, decision mode); vllm: vLLM's OpenAI "
+                        "server on the model's causal path, from the environment scripts/setup_vllm.sh makes; "
+                        "flags after `--` go to vLLM (--tensor-parallel-size, --pipeline-parallel-size, "
                         "--data-parallel-size, --enable-expert-parallel, ...): docs/scale.md")
     p.add_argument("engine_args", nargs="*", help=argparse.SUPPRESS)  # after `--`: vLLM's own flags
     p.set_defaults(func=run)

