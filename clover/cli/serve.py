@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from clover.cli.loading import add_decoding_options, load_model
+from clover.cli.loading import add_decoding_options, load_model, resolve_model_dir
 from clover.runners.registry import runner_entry
 
 logger = logging.getLogger(__name__)
@@ -44,6 +44,12 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--max-body-mb", type=float, default=4.0, help="largest request body accepted")
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--engine", choices=("clover", "vllm"), default="clover",
+                   help="clover: Clover's engine (block decoding, exact mode, decision mode); vllm: vLLM's OpenAI "
+                        "server on the model's causal path, from the environment scripts/setup_vllm.sh makes; "
+                        "flags after `--` go to vLLM (--tensor-parallel-size, --pipeline-parallel-size, "
+                        "--data-parallel-size, --enable-expert-parallel, ...): docs/scale.md")
+    p.add_argument("engine_args", nargs="*", help=argparse.SUPPRESS)  # after `--`: vLLM's own flags
     p.set_defaults(func=run)
 
 
@@ -63,6 +69,13 @@ def served_model_names(given: list[str] | None, model_arg: str | None, source: P
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.engine == "vllm":
+        from clover.serving.vllm.launch import exec_vllm  # deferred: the launcher, for --engine vllm only
+
+        source = resolve_model_dir(args.model, "none")  # vLLM takes the unquantised checkpoint
+        exec_vllm(source, served_model_names(args.served_model_name, args.model, source), args)
+    if args.engine_args:
+        raise ValueError(f"flags after `--` ({' '.join(args.engine_args)}) are vLLM's: add --engine vllm")
     # deferred for start-up time: torch, the engine and the server load only when the command runs
     import torch
     import uvicorn
