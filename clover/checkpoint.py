@@ -11,8 +11,8 @@ A checkpoint directory holds::
 
 Writes are atomic: everything goes into a hidden sibling directory which is renamed onto the destination
 only once complete, so an interrupted save leaves either the old checkpoint or the new one, never half of
-one (`atomic_directory`; the trainer writes its step directories through it too, `durable`: fsynced). Tensors
-are streamed shard by shard, so a converter can write a checkpoint far larger than memory.
+one (`clover.atomic_files.atomic_directory`; the trainer writes its step directories through it too, `durable`:
+fsynced). Tensors are streamed shard by shard, so a converter can write a checkpoint far larger than memory.
 
 When `tie_word_embeddings` is set, `lm_head.weight` is the embedding matrix and is not stored.
 """
@@ -23,15 +23,14 @@ import json
 import logging
 import os
 import shutil
-import uuid
-from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Collection, Iterable, Mapping
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from clover.atomic_files import atomic_directory
 from clover.config import CloverConfig
 
 logger = logging.getLogger(__name__)
@@ -121,78 +120,6 @@ def write_checkpoint_files(directory: Path, config: CloverConfig,
     _write_shards(directory, items, max_shard_bytes)
     if tokenizer_dir is not None:
         copy_tokenizer_files(tokenizer_dir, directory)
-
-
-@contextmanager
-def atomic_directory(directory: Path, *, durable: bool = False) -> Iterator[Path]:
-    """Yield a fresh hidden sibling of `directory`; on success move it onto `directory`, on any error
-    (KeyboardInterrupt included) delete it. An existing `directory` is swapped out, then removed.
-
-    `durable`: fsync every file and directory written before the rename, and the parent after it, so that once
-    this returns the new directory survives a power loss (a pointer written next may name it)."""
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    token = uuid.uuid4().hex[:8]
-    tmp = directory.parent / f".{directory.name}.tmp-{token}"
-    tmp.mkdir()
-    try:
-        yield tmp
-        if durable:
-            _fsync_tree(tmp)
-        old = None
-        if directory.exists():
-            old = directory.parent / f".{directory.name}.old-{token}"
-            os.replace(directory, old)
-        try:
-            os.replace(tmp, directory)
-        except BaseException:
-            if old is not None:  # put the previous checkpoint back
-                os.replace(old, directory)
-            raise
-        if durable:
-            _fsync_dir(directory.parent)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Replace the file `path` by one holding `text`, atomically and durably: written to a hidden sibling,
-    fsynced, renamed onto `path`, and the directory fsynced. A kill leaves the old file or the new one (and at
-    worst the hidden temporary, for the next start to remove)."""
-    tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
-def _fsync_tree(root: Path) -> None:
-    for dirpath, _, files in os.walk(root):
-        for name in files:
-            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        _fsync_dir(Path(dirpath))
-
-
-def _fsync_dir(path: Path) -> None:
-    """fsync a directory (its entries); a no-op where the platform cannot open or sync one."""
-    try:
-        fd = os.open(str(path), os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def _write_generation_config(directory: Path, config: CloverConfig) -> None:

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from clover.atomic_files import atomic_directory
 from clover.conversion import convert
 from clover.conversion.gguf_export import export_gguf
 from clover.model import CloverForBlockDiffusion
@@ -126,14 +127,16 @@ def _check_merged(model: CloverForBlockDiffusion, info: dict) -> None:
 
 
 def _save(model: CloverForBlockDiffusion, asset_dir: Path, out_dir: Path) -> Path:
+    """The checkpoint, its tokenizer and the manifest it was built from, published together: a reader (or a
+    second process building the same directory) sees all of them or none."""
     from clover.chat_template import CLOVER_CHAT_TEMPLATE  # deferred: for a build only
 
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, atomic_directory(out_dir) as staging:
         tokenizer = load_tokenizer(base_dir())
         tokenizer.chat_template = CLOVER_CHAT_TEMPLATE
         tokenizer.save(tmp)
-        model.save_pretrained(out_dir, tokenizer_dir=tmp)
-    shutil.copy(asset_dir / MANIFEST, out_dir / MANIFEST)
+        model.save_pretrained(staging, tokenizer_dir=tmp)
+        shutil.copy(asset_dir / MANIFEST, staging / MANIFEST)
     return out_dir
 
 

@@ -1,6 +1,20 @@
-"""Shared fixtures."""
+"""Shared fixtures, and the suite's own Clover cache.
+
+Every test, and every process a test starts (servers, CLI runs, torchrun), keeps Clover's cache (`CLOVER_CACHE`:
+cost tables, converted tokenizers, compiled kernels, built models) in one temporary directory per session, so a
+run leaves nothing in the user's `~/.cache/clover` and reads nothing stale from it. The one thing copied in is the
+compiled CPU kernel of the current sources (`extensions/woq-<tag>`, ~1.5 MB; compiling it takes minutes on two
+cores), when the user's cache has it: a build product named by the hash of what it was built from, copied, never
+linked, so nothing the suite does can reach the original. The default model's builds are not copied: the tests that
+need them (tests/test_smol.py) build them from its package as they test the build itself, once per session.
+"""
 
 from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -39,7 +53,28 @@ def chat_tokenizer():
     return build_chat_tokenizer()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def suite_clover_cache(tmp_path_factory) -> Iterator[Path]:
+    """The session's Clover cache (module docstring), set in the environment, which subprocesses inherit."""
+    from clover.ops import woq
+    from clover.paths import cache_root
+
+    cache = tmp_path_factory.mktemp("clover-cache")
+    kernel = Path("extensions") / f"woq-{woq.kernel_tag()}"
+    if (cache_root() / kernel).is_dir():  # copy2 keeps the files' times: ninja finds the build up to date
+        shutil.copytree(cache_root() / kernel, cache / kernel, ignore=shutil.ignore_patterns("lock"))
+    previous = os.environ.get("CLOVER_CACHE")
+    os.environ["CLOVER_CACHE"] = str(cache)
+    try:
+        yield cache
+    finally:
+        if previous is None:
+            os.environ.pop("CLOVER_CACHE", None)
+        else:
+            os.environ["CLOVER_CACHE"] = previous
+
+
 @pytest.fixture
-def temp_clover_cache(tmp_path_factory, monkeypatch):
-    """Clover's cache directory (a GGUF's converted tokenizer, built extensions) in a temporary one."""
-    monkeypatch.setenv("CLOVER_CACHE", str(tmp_path_factory.getbasetemp() / "clover-cache"))
+def temp_clover_cache(suite_clover_cache) -> Path:
+    """The suite's temporary Clover cache (every test has it; a test names this fixture to get its path)."""
+    return suite_clover_cache

@@ -3,7 +3,7 @@
 The order (a unit is a top-level module or subpackage of `clover`; a unit may import its own modules and any unit of
 a lower layer, never one of its own layer or above):
 
-    paths, choices                  where caches live; names the CLI offers (imports nothing)
+    paths, choices, atomic_files    where caches live; names the CLI offers; whole-or-nothing writes (import nothing)
     config
     checkpoint, tokenizer, assistant_output
     chat_template
@@ -31,7 +31,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "clover"
 LAYERS: list[tuple[str, ...]] = [
-    ("paths", "choices"), ("config",), ("checkpoint", "tokenizer", "assistant_output"), ("chat_template",), ("ops",),
+    ("paths", "choices", "atomic_files"), ("config",), ("checkpoint", "tokenizer", "assistant_output"), ("chat_template",), ("ops",),
     ("model",), ("conversion",), ("runners",), ("engine", "training", "smol"), ("serving",), ("cli",), ("__init__",),
 ]
 # the one import up, inside the function: `model.generate(...)`, the documented entry point (docs/design.md §5),

@@ -13,10 +13,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import tempfile
 from pathlib import Path
 
+from clover.atomic_files import atomic_path
 from clover.choices import BFCL_SPLITS, DEFAULT_MAX_LEN, DEFAULT_SHARD_TOKENS, OVERLONG_POLICIES, TRAIN_CATEGORIES
 
 _KINDS = {
@@ -65,19 +64,9 @@ def _write_jsonl(rows: list[dict], out: Path, overwrite: bool) -> None:
     """One JSON object per line, written to a temporary file next to `out` and renamed into place."""
     if out.exists() and not overwrite:
         raise FileExistsError(f"{out} exists; pass --overwrite to replace it")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.tmp-", dir=out.parent)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it private; the result should be like any new file
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            for row in rows:
-                f.write(json.dumps(row, ensure_ascii=False) + "\n")
-        os.replace(tmp, out)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_path(out) as tmp, open(tmp, "w", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +30,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from clover.atomic_files import atomic_path
 from clover.choices import GGUF_QUANTS as QUANTS
 from clover.config import FULL_ATTENTION, CloverConfig
 from clover.conversion.gguf import CLOVER_KEYS, gguf_name, permute_qk
@@ -177,11 +176,8 @@ def export_gguf(src: str | Path, out: str | Path, quant: str = "f16", *, tokeniz
         model = merge_and_unload(model)
     state = model.state_dict()
 
-    tmp = tempfile.NamedTemporaryFile(dir=out.parent if str(out.parent) else ".", prefix=f".{out.name}.tmp-",
-                                      delete=False)
-    tmp.close()
-    try:
-        writer = gguf.GGUFWriter(tmp.name, "llama")
+    with atomic_path(out) as tmp:
+        writer = gguf.GGUFWriter(str(tmp), "llama")
         writer.add_name(src.resolve().name)
         writer.add_context_length(config.max_position_embeddings)
         writer.add_embedding_length(config.hidden_size)
@@ -218,12 +214,5 @@ def export_gguf(src: str | Path, out: str | Path, quant: str = "f16", *, tokeniz
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file(progress=False)
         writer.close()
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp.name, 0o666 & ~umask)  # a temporary file is private; the export is an ordinary file
-        os.replace(tmp.name, out)
-    except BaseException:
-        Path(tmp.name).unlink(missing_ok=True)
-        raise
     logger.info("wrote %s (%s, vocab %d, mask token id %d)", out, quant, config.vocab_size, config.mask_token_id)
     return out

@@ -13,7 +13,12 @@ and values grows with `L` once per forward, their arithmetic once per row.
 
 `cost_table(runner)` measures once per combination of model shape, runner, weight format (and the build of the
 kernels that run packed weights), threads, torch and processor (`fingerprint`), in about two seconds, and keeps the
-table in `$CLOVER_CACHE/costs/`; a later process with the same combination reads it back.
+table in `$CLOVER_CACHE/costs/` (written atomically: two processes measuring the same combination each publish a
+whole table); a later process with the same combination reads it back. A kept table is trusted only while it is
+plausible and fresh: one whose rows contradict each other (`implausibility`: a load spike during one count of a
+calibration on a shared machine) or older than `MAX_AGE_S` (what the fingerprint cannot see: the machine's power
+settings, a firmware or microcode update) is measured again. A fresh calibration that is itself implausible is
+measured once more; if that one is too, it is used by this process only, with a warning, and not kept.
 """
 
 from __future__ import annotations
@@ -22,13 +27,14 @@ import hashlib
 import json
 import logging
 import platform
-import statistics
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from clover.atomic_files import atomic_write_text
 from clover.ops import woq
 from clover.paths import cache_root
 
@@ -36,6 +42,12 @@ logger = logging.getLogger(__name__)
 
 SHORT_CONTEXT, LONG_CONTEXT = 32, 288  # L0 and the second length (prefilling it is part of the calibration)
 CALIBRATION_ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16)
+MAX_AGE_S = 7 * 24 * 3600.0  # a kept table is measured again after a week (two seconds, once a week)
+# how far timings may stray from the shape every forward cost has (`implausibility`): more rows at most 25 %
+# cheaper than fewer (timing noise), at most twice dearer than proportionally (a kernel switching from its one-row
+# path to a matrix product may lose that much)
+CHEAPER_SLACK, DEARER_FACTOR = 0.25, 2.0
+CALIBRATION_TRIES = 2
 
 
 @dataclass
@@ -48,6 +60,7 @@ class ForwardCost:
     per_token: float = 0.0  # a: seconds per context token, once per forward
     per_row_token: float = 0.0  # b: seconds per context token and row
     key: dict[str, Any] = field(default_factory=dict)  # what was measured (fingerprint)
+    measured_at: float = 0.0  # when (Unix seconds; 0: unknown, as in tables kept before this field)
 
     def __post_init__(self) -> None:
         if not self.rows or self.rows[0] != 1 or sorted(set(self.rows)) != self.rows:
@@ -98,6 +111,23 @@ class ForwardCost:
                 "us_per_context_token_and_row": round(self.per_row_token * 1e6, 4), **self.key}
 
 
+def implausibility(table: ForwardCost) -> str | None:
+    """What makes a measured table contradict itself, or None. More rows share one read of the weights, so for
+    `i < j` rows `t(i) <= t(j)` (rows never make a forward cheaper) and `t(j) <= t(i) * j / i` (a forward of `j`
+    rows is never dearer than `j / i` forwards of `i`): a timing outside these bounds by more than
+    `CHEAPER_SLACK` / `DEARER_FACTOR` was disturbed (tables found in a real cache: 878 / 501 / 471 ms and
+    28 / 783 / 85 ms for 1 / 2 / 3 rows)."""
+    pairs = list(zip(table.rows, table.seconds))
+    for k, (i, ti) in enumerate(pairs):
+        for j, tj in pairs[k + 1:]:
+            if tj < ti * (1 - CHEAPER_SLACK):
+                return f"{j} rows took {tj * 1e3:.3g} ms, less than {i} rows' {ti * 1e3:.3g} ms"
+            if tj > ti * j / i * DEARER_FACTOR:
+                return (f"{j} rows took {tj * 1e3:.3g} ms, more than {DEARER_FACTOR:g} x {j / i:g} times {i} rows' "
+                        f"{ti * 1e3:.3g} ms")
+    return None
+
+
 def fingerprint(runner: Any) -> dict[str, Any]:
     """What a forward's time depends on: the network's shape and weight format (and the kernels that run packed
     weights), the runner, its threads, the software and the processor (not the weights' values)."""
@@ -132,8 +162,9 @@ def _processor() -> str:
 
 def calibrate(runner: Any, rows: tuple[int, ...] = CALIBRATION_ROWS, repeats: int = 5) -> ForwardCost:
     """Measure `t(R, L)` through `runner.forward` on one row of random tokens: `R` causal clean tokens after a
-    cached context, logits at each (as exact mode asks), the cache rewound after each forward. The median of
-    `repeats` counts (a slow moment of a shared machine should not set the table)."""
+    cached context, logits at each (as exact mode asks), the cache rewound after each forward. Each count is
+    timed `repeats` times, the counts taking turns (a slow moment of a shared machine then falls on every count
+    alike, not on one), and its fastest time kept: another process's work only ever adds time."""
     vocab = min(runner.config.vocab_size, 1000)
     gen = torch.Generator().manual_seed(0)
     cache = runner.new_cache(1)
@@ -141,15 +172,15 @@ def calibrate(runner: Any, rows: tuple[int, ...] = CALIBRATION_ROWS, repeats: in
     try:
         with torch.inference_mode():
             _extend(runner, cache, SHORT_CONTEXT, vocab, gen)
-            short = [_median_forward(runner, cache, r, vocab, gen, repeats) for r in rows]
+            short = _fastest_forwards(runner, cache, rows, vocab, gen, repeats)
             _extend(runner, cache, long - SHORT_CONTEXT, vocab, gen)
-            one, most = (_median_forward(runner, cache, r, vocab, gen, repeats) for r in (rows[0], rows[-1]))
+            one, most = _fastest_forwards(runner, cache, (rows[0], rows[-1]), vocab, gen, repeats)
     finally:
         cache.select([])  # frees a runner's rows (llama.cpp's sequence slots)
     span = long - SHORT_CONTEXT
     per_row_token = max((most - short[-1]) - (one - short[0]), 0.0) / ((rows[-1] - rows[0]) * span)
     per_token = max((one - short[0]) / span - per_row_token * rows[0], 0.0)
-    return ForwardCost(list(rows), short, SHORT_CONTEXT, per_token, per_row_token, fingerprint(runner))
+    return ForwardCost(list(rows), short, SHORT_CONTEXT, per_token, per_row_token, fingerprint(runner), time.time())
 
 
 def _extend(runner: Any, cache: Any, n: int, vocab: int, gen: torch.Generator) -> None:
@@ -157,33 +188,59 @@ def _extend(runner: Any, cache: Any, n: int, vocab: int, gen: torch.Generator) -
     runner.forward(ids, 1, cache=cache, prefix_len=n, logits_to_keep=0)
 
 
-def _median_forward(runner: Any, cache: Any, rows: int, vocab: int, gen: torch.Generator, repeats: int) -> float:
-    ids = torch.randint(0, vocab, (1, rows), generator=gen).to(runner.device)
-    at = torch.ones(1, rows, dtype=torch.bool, device=runner.device)
-    times = []
-    for _ in range(repeats + 1):  # the first forward of a shape warms allocators and caches up: not counted
-        cache.mark()
-        start = time.perf_counter()
-        runner.forward(ids, 1, cache=cache, prefix_len=rows, logits_at=at)
-        times.append(time.perf_counter() - start)
-        cache.rewind(torch.zeros(1, dtype=torch.long))
-    return statistics.median(times[1:])
+def _fastest_forwards(runner: Any, cache: Any, rows: tuple[int, ...], vocab: int, gen: torch.Generator,
+                      repeats: int) -> list[float]:
+    """The fastest of `repeats` forwards of each count of `rows`, the counts taking turns; a first round warms
+    allocators and caches up for each shape and is not counted."""
+    ids = {r: torch.randint(0, vocab, (1, r), generator=gen).to(runner.device) for r in rows}
+    at = {r: torch.ones(1, r, dtype=torch.bool, device=runner.device) for r in rows}
+    best = dict.fromkeys(rows, float("inf"))
+    for round_ in range(repeats + 1):
+        for r in rows:
+            cache.mark()
+            start = time.perf_counter()
+            runner.forward(ids[r], 1, cache=cache, prefix_len=r, logits_at=at[r])
+            took = time.perf_counter() - start
+            cache.rewind(torch.zeros(1, dtype=torch.long))
+            if round_:
+                best[r] = min(best[r], took)
+    return [best[r] for r in rows]
 
 
 def cost_table(runner: Any, recalibrate: bool = False) -> ForwardCost:
-    """The runner's cost table: read from `$CLOVER_CACHE/costs/` when this combination was measured before,
-    else measured now (about two seconds) and kept there."""
+    """The runner's cost table: read from `$CLOVER_CACHE/costs/` when this combination was measured before (and
+    the kept table is readable, plausible and fresh), else measured now (about two seconds) and kept there."""
     path = cache_root() / "costs" / f"{_digest(fingerprint(runner))}.json"
     if path.is_file() and not recalibrate:
-        try:
-            return ForwardCost(**json.loads(path.read_text()))
-        except (ValueError, TypeError) as error:  # a torn or foreign file: measure again
-            logger.warning("ignoring the unreadable cost table %s (%s)", path, error)
+        kept = _trusted(path)
+        if kept is not None:
+            return kept
     logger.info("measuring the forward cost of %s rows at %d and %d context tokens (once for this model, runner "
                 "and machine)", CALIBRATION_ROWS[-1], SHORT_CONTEXT, LONG_CONTEXT)
-    table = calibrate(runner)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(asdict(table), indent=1))
-    tmp.replace(path)
+    for attempt in range(1, CALIBRATION_TRIES + 1):
+        table = calibrate(runner)
+        problem = implausibility(table)
+        if problem is None:
+            atomic_write_text(path, json.dumps(asdict(table), indent=1))
+            return table
+        logger.warning("the forward-cost calibration contradicts itself (%s, a busy machine?): %s", problem,
+                       "measuring again" if attempt < CALIBRATION_TRIES else "using it for now, not keeping it")
+    return table
+
+
+def _trusted(path: Path) -> ForwardCost | None:
+    """The table kept at `path`, or None (logged) when it cannot be read, contradicts itself or is too old."""
+    try:
+        table = ForwardCost(**json.loads(path.read_text()))
+    except (ValueError, TypeError) as error:  # a foreign file, or a format before this one
+        logger.warning("measuring again: the cost table %s is unreadable (%s)", path, error)
+        return None
+    problem = implausibility(table)
+    if problem is not None:
+        logger.warning("measuring again: the cost table %s contradicts itself (%s)", path, problem)
+        return None
+    age = time.time() - table.measured_at
+    if age > MAX_AGE_S:
+        logger.info("measuring again: the cost table %s is %.0f days old", path, age / 86400)
+        return None
     return table

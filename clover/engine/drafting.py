@@ -39,9 +39,9 @@ CONFIDENCE_EMA = 0.3  # weight of the newest committed token in the running caus
 class Acceptance:
     """One request's running estimate of `p`, the chance that a draft is accepted when the drafts before it were:
     a Beta posterior from the model's measured prior (`config.draft_acceptance`, averaged over positions) and
-    every draft the request has had verified, at any position (clover-smol's measured acceptance is flat across
-    positions, 0.55 / 0.50 / 0.52: one parameter learns three times as fast, and a position rarely reached is not
-    left at its prior). Evidence fades by `MEMORY` a forward (`tick`), so the estimate follows the text the
+    every draft the request has had verified, at any position (clover-smol's measured prior, its manifest's
+    `draft_acceptance` from `benchmarks/bench_exact.py --prior`, falls with the position, 0.47 / 0.41 / 0.28; one
+    parameter still learns three times as fast as three, and a position rarely reached is not left at its prior). Evidence fades by `MEMORY` a forward (`tick`), so the estimate follows the text the
     request is writing now.
 
     Decisions read `optimistic()`: the mean plus `OPTIMISM` standard deviations, so that with little evidence

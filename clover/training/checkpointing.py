@@ -10,7 +10,7 @@
             trainer/rng-rankN.safetensors         the torch RNG state of each rank
             trainer/state.json                    step, tokens, data position, world size, the config
 
-No pickle. A step directory is written through `clover.checkpoint.atomic_directory` (a hidden temporary
+No pickle. A step directory is written through `clover.atomic_files.atomic_directory` (a hidden temporary
 directory, fsynced, renamed into place) and only then is `latest` replaced (`atomic_write_text`): a failed save
 (disk full, a crash) leaves `latest` on the previous complete checkpoint, and `remove_stale_temporaries` clears
 what a killed one left at the next start. Resuming restores weights, optimizer, RNG and counters, so a killed and
@@ -30,8 +30,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from clover.checkpoint import (TOKENIZER_FILES, atomic_directory, atomic_write_text, load_state_dict_strict,
-                               write_checkpoint_files)
+from clover.atomic_files import atomic_directory, atomic_write_text
+from clover.checkpoint import TOKENIZER_FILES, load_state_dict_strict, write_checkpoint_files
 from clover.model import CloverForBlockDiffusion
 from clover.training.config import TrainConfig
 from clover.training.distributed import DistInfo
@@ -149,7 +149,7 @@ def save_training_checkpoint(root: Path, model: CloverForBlockDiffusion, optimiz
                 state = {"version": STATE_VERSION, **counters, "data_position": step * config.batch_size,
                          "world_size": info.world, "lora": lora, "config": config.to_dict(), "saved_at": time.time()}
                 (trainer_dir / "state.json").write_text(json.dumps(state, indent=2) + "\n")
-            atomic_write_text(root / LATEST, name + "\n")
+            atomic_write_text(root / LATEST, name + "\n", durable=True)
             prune_checkpoints(root, config.keep_checkpoints, keep=name)
         except Exception as exc:  # noqa: BLE001 - reported to every rank below
             error = exc
@@ -271,8 +271,8 @@ def restore_milestone(milestone: Path, output_dir: Path) -> int | None:
         (tmp / MILESTONE_LOG).unlink(missing_ok=True)
         _cast_moments(tmp / TRAINER_DIR / "optimizer.safetensors", torch.float32)
     if (milestone / MILESTONE_LOG).is_file():
-        shutil.copy(milestone / MILESTONE_LOG, Path(output_dir) / MILESTONE_LOG)
-    atomic_write_text(root / LATEST, name + "\n")
+        atomic_write_text(Path(output_dir) / MILESTONE_LOG, (milestone / MILESTONE_LOG).read_text())
+    atomic_write_text(root / LATEST, name + "\n", durable=True)
     return state["step"]
 
 

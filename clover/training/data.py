@@ -46,8 +46,8 @@ from safetensors.numpy import save_file
 from tqdm import tqdm
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from clover.atomic_files import atomic_directory
 from clover.chat_template import tokenize_chat_for_training
-from clover.checkpoint import atomic_directory
 from clover.choices import DEFAULT_MAX_LEN, DEFAULT_SHARD_TOKENS, OVERLONG_POLICIES
 from clover.tokenizer import load_tokenizer
 

@@ -39,6 +39,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from clover.atomic_files import atomic_write_text
 from clover.config import PRESETS, CloverConfig
 from clover.model import CloverForBlockDiffusion
 from clover.model.lora import adapters_disabled, apply_lora, is_gated
@@ -54,6 +55,7 @@ from clover.training.stream import DocumentStream, load_documents, mix_seed
 logger = logging.getLogger(__name__)
 
 LOG_FILE = "train_log.jsonl"
+SAVE_RETRY_DELAYS = (5.0, 30.0)  # seconds before the second and the third try of a failed checkpoint save
 # per-step sums reduced across micro-batches and ranks
 _SUM_KEYS = ("loss", "diffusion_sum", "ce_sum", "first_sum", "masked_tokens", "first_tokens", "correct",
              "supervised_tokens", "ar_sum", "kl_sum", "confidence_sum", "confident", "draft_kl_sum", "tokens",
@@ -331,7 +333,19 @@ class Trainer:
 
     # -- checkpoints ---------------------------------------------------------------------------------------
     def save_checkpoint(self) -> Path:
-        """Write a complete checkpoint of the current state, atomically; then point `latest` at it."""
+        """Write a complete checkpoint of the current state, atomically; then point `latest` at it. A failed
+        save is tried again after each of `SAVE_RETRY_DELAYS` (a full disk may be cleared, a network filesystem
+        come back); when the last try fails too, its RuntimeError stops training: a run that cannot save would
+        otherwise spend its budget on steps a crash loses."""
+        for delay in SAVE_RETRY_DELAYS:
+            try:
+                return self._save_once()
+            except RuntimeError as exc:  # raised on every rank alike, so every rank retries (or stops) together
+                logger.error("%s; trying again in %g s", exc, delay)
+                time.sleep(delay)
+        return self._save_once()
+
+    def _save_once(self) -> Path:
         return save_training_checkpoint(self.ckpt_root, self.model, self.optimizer, self.state, self.config,
                                         self.dist)
 
@@ -347,9 +361,10 @@ class Trainer:
                 try:
                     if json.loads(line).get("step", 0) <= self.state["step"]:
                         kept.append(line)
-                except json.JSONDecodeError:
+                except json.JSONDecodeError:  # a line a kill cut short
                     continue
-        path.write_text("".join(line + "\n" for line in kept))
+        # replaced whole (a kill now leaves the old log or the kept one), then appended to, a line at a time
+        atomic_write_text(path, "".join(line + "\n" for line in kept))
         return open(path, "a", buffering=1)
 
     # -- the loop ------------------------------------------------------------------------------------------
@@ -358,7 +373,7 @@ class Trainer:
         start_time = time.monotonic()
         if d.rank == 0:
             self.output_dir.mkdir(parents=True, exist_ok=True)
-            (self.output_dir / "config.yaml").write_text(c.to_yaml())
+            atomic_write_text(self.output_dir / "config.yaml", c.to_yaml())
             self.ckpt_root.mkdir(parents=True, exist_ok=True)
             remove_stale_temporaries(self.ckpt_root)
         log_file = self._open_log()
@@ -420,11 +435,8 @@ class Trainer:
                     stopped_early = step < c.max_steps
                     break
                 if c.save_every and step % c.save_every == 0:
-                    try:
-                        self.save_checkpoint()
-                        last_saved = step
-                    except RuntimeError as exc:  # keep training; the next save may succeed
-                        logger.error("%s", exc)
+                    self.save_checkpoint()
+                    last_saved = step
             if self.state["step"] != last_saved:
                 self.save_checkpoint()
                 last_saved = self.state["step"]

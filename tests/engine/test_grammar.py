@@ -71,9 +71,14 @@ def test_drafts_checked_against_the_masked_choice(model, chat_tokenizer, grammar
     assert out == want
 
 
-def test_answers_follow_the_schema_and_forced_tokens_cost_no_forward(model, chat_tokenizer, grammar):
-    prompts, eos = _prompts(chat_tokenizer), _eos(chat_tokenizer)
-    result = generate(model, prompts, 200, block_size=4, rule="exact", eos_token_ids=eos, grammar=grammar)
+@pytest.fixture(scope="module")
+def greedy_answers(model, chat_tokenizer, grammar):
+    return generate(model, _prompts(chat_tokenizer), 200, block_size=4, rule="exact",
+                    eos_token_ids=_eos(chat_tokenizer), grammar=grammar)
+
+
+def test_answers_follow_the_schema_and_forced_tokens_cost_no_forward(chat_tokenizer, greedy_answers):
+    result = greedy_answers
     for ids, stats in zip(result.sequences, result.stats):
         assert stats["finish_reason"] == "eos"
         jsonschema_rs.validate(SCHEMA, json.loads(chat_tokenizer.decode(ids)))
@@ -82,13 +87,15 @@ def test_answers_follow_the_schema_and_forced_tokens_cost_no_forward(model, chat
         assert stats["forward_passes"] <= stats["tokens"] - stats["forced_tokens"] + 2
 
 
-def test_sampling_under_a_grammar_follows_it(model, chat_tokenizer, grammar):
-    eos = _eos(chat_tokenizer)
-    result = generate(model, _prompts(chat_tokenizer), 200, block_size=4, rule="exact", eos_token_ids=eos,
-                      grammar=grammar, temperature=1.0, seed=3)
+def test_sampling_under_a_grammar_follows_it(model, chat_tokenizer, grammar, greedy_answers):
+    """Sampled answers (not the greedy ones) all end and all validate: the schema is bounded (a 12-character name,
+    at most 3 tags, a 3-digit size), so within 200 tokens every answer must be complete."""
+    result = generate(model, _prompts(chat_tokenizer), 200, block_size=4, rule="exact",
+                      eos_token_ids=_eos(chat_tokenizer), grammar=grammar, temperature=1.0, seed=3)
     for ids, stats in zip(result.sequences, result.stats):
-        if stats["finish_reason"] == "eos":
-            json.loads(chat_tokenizer.decode(ids))
+        assert stats["finish_reason"] == "eos", chat_tokenizer.decode(ids)
+        jsonschema_rs.validate(SCHEMA, json.loads(chat_tokenizer.decode(ids)))
+    assert result.sequences != greedy_answers.sequences  # sampling ran
 
 
 def test_a_tool_call_grammar_gives_arguments_of_the_schema(model, chat_tokenizer):

@@ -162,24 +162,6 @@ def test_overwrite_replaces_a_checkpoint_but_never_an_unrelated_directory(tmp_pa
     assert (tmp_path / "notes" / "todo.txt").read_text() == "keep me"
 
 
-def test_durable_directory_and_text_writes_replace_whole_and_leave_nothing_behind(tmp_path: Path) -> None:
-    target = tmp_path / "step"
-    for text in ("old", "new"):
-        with ckpt.atomic_directory(target, durable=True) as tmp:
-            (tmp / "sub").mkdir()
-            (tmp / "sub" / "f.txt").write_text(text)
-            assert not target.exists() or (target / "sub" / "f.txt").read_text() == "old"  # not yet published
-    assert (target / "sub" / "f.txt").read_text() == "new"
-    with pytest.raises(KeyboardInterrupt), ckpt.atomic_directory(target, durable=True) as tmp:
-        (tmp / "half").write_text("x")
-        raise KeyboardInterrupt
-    assert sorted(p.name for p in target.iterdir()) == ["sub"]
-    ckpt.atomic_write_text(tmp_path / "latest", "step-1\n")
-    ckpt.atomic_write_text(tmp_path / "latest", "step-2\n")
-    assert (tmp_path / "latest").read_text() == "step-2\n"
-    assert leftovers(tmp_path) == []
-
-
 def _tiny_tokenizer_dir(path: Path) -> Path:
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast

@@ -122,13 +122,23 @@ def test_nested_recursive_and_decision_routing(client):
     assert asked.model_extra.get("decision") is None and isinstance(asked.choices[0].message.parsed, Form)
 
 
-def test_json_object(client):
-    out = client.chat.completions.create(model=NAME, messages=_user("Any JSON object."), max_tokens=MAX_TOKENS,
-                                         response_format={"type": "json_object"})
-    if out.choices[0].finish_reason == "stop":
-        assert isinstance(json.loads(out.choices[0].message.content), dict)
-    else:  # an object with free keys may outgrow max_tokens: said plainly
-        assert out.choices[0].finish_reason == "length"
+def test_json_object_answers_are_objects_and_a_cut_one_is_the_beginning_of_a_longer_one(client):
+    """`json_object`: every answer that ends is an object (sampled answers, some of which end: which ones varies
+    with the drafts exact mode chooses from the machine's cost table); one that max_tokens cuts says so (`length`)
+    and is the beginning of the answer the same greedy request gives with more room (the same tokens, the grammar
+    enforced up to the cut)."""
+    def ask(max_tokens: int, **sampling):
+        return client.chat.completions.create(model=NAME, messages=_user("Any JSON object."), max_tokens=max_tokens,
+                                              response_format={"type": "json_object"}, **sampling).choices[0]
+
+    ended = [out for seed in range(6) if (out := ask(100, temperature=1.0, seed=seed)).finish_reason == "stop"]
+    assert ended
+    for out in ended:
+        assert isinstance(json.loads(out.message.content), dict), out.message.content
+    longer, cut = ask(40, temperature=0.0), ask(4, temperature=0.0)  # greedy nests objects past any budget
+    assert cut.finish_reason == longer.finish_reason == "length"
+    assert cut.message.content.startswith("{") and longer.message.content.startswith(cut.message.content)
+    assert len(longer.message.content) > len(cut.message.content)
 
 
 def test_too_few_tokens_finish_with_length(client):

@@ -16,6 +16,7 @@ from clover.model import lora as lora_mod
 from clover.training import checkpointing
 from clover.training.checkpointing import latest_checkpoint
 from clover.training.config import LoraConfig, TrainConfig, config_from_dict, load_train_config, parse_overrides
+from clover.training import trainer as trainer_mod
 from clover.training.trainer import Trainer, train
 from training_helpers import documents
 
@@ -123,8 +124,10 @@ def test_failed_save_leaves_latest_on_the_previous_complete_checkpoint(tmp_path,
         real(tensors, path)
 
     monkeypatch.setattr(checkpointing, "_write_tensors", flaky)
+    monkeypatch.setattr(trainer_mod, "SAVE_RETRY_DELAYS", (0.0, 0.0))
     with pytest.raises(RuntimeError, match="still points to the previous complete checkpoint"):
-        trainer.train()  # the periodic save at step 2 fails (logged), then the final save fails (raised)
+        trainer.train()  # the save at step 2 fails, is tried twice more, and the third failure is raised
+    assert calls["n"] == 4  # step 1's save, then three tries of step 2's
     root = tmp_path / "run" / "checkpoints"
     assert (root / "latest").read_text().strip() == "step-00000001"
     assert latest_checkpoint(tmp_path / "run").name == "step-00000001"
@@ -134,10 +137,36 @@ def test_failed_save_leaves_latest_on_the_previous_complete_checkpoint(tmp_path,
     assert model.config.vocab_size == 256
 
 
+def test_a_save_that_keeps_failing_stops_training_after_its_retries(tmp_path, monkeypatch):
+    """A periodic save that fails once is tried again and training goes on; one that fails every try stops the
+    run at that step (it would otherwise train on with nothing to resume from)."""
+    docs = documents()
+    real = checkpointing._write_tensors
+    failures = {"left": 1}
+
+    def flaky(tensors, path):
+        if failures["left"]:
+            failures["left"] -= 1
+            raise OSError(5, "Input/output error")
+        real(tensors, path)
+
+    monkeypatch.setattr(checkpointing, "_write_tensors", flaky)
+    monkeypatch.setattr(trainer_mod, "SAVE_RETRY_DELAYS", (0.0, 0.0))
+    result = train(config(tmp_path / "once", max_steps=2, save_every=1), train_documents=docs)
+    assert result.step == 2 and latest_checkpoint(tmp_path / "once" / "run").name == "step-00000002"
+
+    failures["left"] = 3  # every try of the first save
+    with pytest.raises(RuntimeError, match="checkpoint at step 1 failed"):
+        train(config(tmp_path / "always", max_steps=4, save_every=1), train_documents=docs)
+    log = (tmp_path / "always" / "run" / "train_log.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in log] == [1]  # no step trained after the failed save
+    assert latest_checkpoint(tmp_path / "always" / "run") is None
+
+
 def test_a_save_killed_before_latest_moves_leaves_no_temporaries_after_the_resume(tmp_path, monkeypatch):
     """A kill between renaming the step directory and replacing `latest` (simulated: `os.replace` onto `latest`
-    never returns, as under `kill -9`) leaves `.latest.tmp-*`; temporaries of every kind a save writes are gone
-    once the run resumes, and it resumes from the complete checkpoint `latest` still names."""
+    never returns; under `kill -9` it also leaves `.latest.tmp-*`, planted here); temporaries of every kind a save
+    writes are gone once the run resumes, and it resumes from the complete checkpoint `latest` still names."""
     docs = documents()
     real_replace = os.replace
 
@@ -151,7 +180,8 @@ def test_a_save_killed_before_latest_moves_leaves_no_temporaries_after_the_resum
         train(config(tmp_path, max_steps=2, save_every=1), train_documents=docs)
     monkeypatch.setattr(os, "replace", real_replace)
     root = tmp_path / "run" / "checkpoints"
-    assert (root / "step-00000002").is_dir() and len(list(root.glob(".latest.tmp-*"))) == 1
+    assert (root / "step-00000002").is_dir()
+    (root / ".latest.tmp-0badc0de").write_text("step-00000002\n")  # what the kill itself would have left
     assert latest_checkpoint(tmp_path / "run").name == "step-00000001"
     # what kills at the other points of a save leave (a directory being written, replaced, or written inside)
     for name in (".tmp-step-00000003-0badc0de", ".old-step-00000002-0badc0de",
