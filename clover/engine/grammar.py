@@ -50,6 +50,7 @@ def _llguidance() -> Any:
     """The grammar engine, imported on first use: `llguidance.torch` imports `torch._dynamo` (seconds), which a
     command that constrains nothing should not pay."""
     try:
+        # deferred: llguidance.torch imports torch._dynamo (seconds), for constrained requests only
         import llguidance
         import llguidance.torch
     except ImportError as exc:  # a dependency; the error says what to install
