@@ -7,7 +7,8 @@
     for piece in stream(model, [1, 2, 3], max_new_tokens=64):
         print(piece.token_ids)  # one block's committed tokens at a time
 
-Roles: `sampling` (SamplingParams, logits -> candidates + confidence), `decoding` (rules, by name), `request`
+Roles: `sampling` (SamplingParams, logits -> candidates + confidence), `repetition` (DRY's penalty and the loop
+guard on token histories), `decoding` (rules, by name), `request`
 (one request's state and stats), `engine` (requests in, pieces out), `loop` (what a decoding loop does),
 `block_loop` (block diffusion), `exact` (exact mode), `drafting` + `cost` (how many drafts pay), `reference` (the
 uncached recompute decoder the tests compare against), `detokenizer` (ids -> text, incrementally). The network runs

