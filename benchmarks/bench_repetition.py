@@ -1,6 +1,6 @@
 """Repetition on held-out prompts: clover-smol (as `clover generate` runs it) with and without DRY and the loop guard.
 
-    python benchmarks/bench_repetition.py [--limit 4] [--tool-limit 6] [--max-new-tokens 192] [--threads 2] [--out F]
+    python benchmarks/bench_repetition.py [--limit 3] [--tool-limit 4] [--max-new-tokens 128] [--threads 2] [--out F]
 
 Prompts: the README's first prompt, held-out chat and code prompts (recipes/clover_smol/heldout.jsonl) and tool-call
 prompts (our BFCL eval split), batch 1, greedy, the int4 build in exact mode. Settings take turns prompt by prompt
@@ -8,12 +8,13 @@ prompts (our BFCL eval split), batch 1, greedy, the int4 build in exact mode. Se
 
   * `off`           OpenAI's semantics: no DRY, no loop guard
   * `guard`         the loop guard alone (32-token span, 2 earlier copies)
-  * `dry-0.8`       DRY at llama.cpp's suggested strength (multiplier 0.8, base 1.75, allowed length 2)
-  * `dry-0.8+guard` both: what `generate` and `chat` run by default
+  * `dry-0.8+guard` DRY at llama.cpp's suggested strength (multiplier 0.8, base 1.75, allowed length 2) and the
+                    loop guard: what `generate` and `chat` run by default
   * `dry-2.0+guard` a stronger DRY
 
 Per set and setting: the share of 4-grams of an answer that already occurred earlier in it (repeated 4-grams), the
-answer's mean length in tokens, the share that end by themselves (EOS) and by the loop guard, tokens/s end to end;
+answer's mean length in tokens, the share that end by themselves (EOS) and by the loop guard, tokens/s end to end
+and tokens per CPU second of the process (a shared machine may pause a process: CPU time is what a setting costs);
 for code the share whose Python code blocks parse; for tool calls the share with a well-formed call and BFCL's exact
 match. Writes benchmarks/results/bench_repetition.{md,json}.
 """
@@ -49,7 +50,6 @@ GUARD = {"loop_guard_span": 32, "loop_guard_repeats": 2}
 SETTINGS = {
     "off": SamplingParams(),
     "guard": SamplingParams(**GUARD),
-    "dry-0.8": SamplingParams(dry_multiplier=0.8),
     "dry-0.8+guard": SamplingParams(dry_multiplier=0.8, **GUARD),
     "dry-2.0+guard": SamplingParams(dry_multiplier=2.0, **GUARD),
 }
@@ -66,7 +66,7 @@ def repeated_ngrams(tokens: list[int], n: int = 4) -> float:
     return repeated / grams if grams else 0.0
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def run(args: argparse.Namespace, save: Any = None) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     directory = clover_smol_dir("int4")
     tokenizer = load_tokenizer(directory)
@@ -86,14 +86,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     report: dict[str, Any] = {}
     for name, chats in sets.items():
         prompts = [prompt_ids(tokenizer, chat) for chat, _ in chats]
-        runs: dict[str, list[tuple[list[int], dict[str, Any], float]]] = {s: [] for s in SETTINGS}
+        runs: dict[str, list[tuple[list[int], dict[str, Any], float, float]]] = {s: [] for s in SETTINGS}
         for ids in prompts:
             for setting, params in SETTINGS.items():  # taking turns
-                start, out, stats = time.perf_counter(), [], {}
+                start, cpu, out, stats = time.perf_counter(), time.process_time(), [], {}
                 for piece in engine.run([ids], args.max_new_tokens, params):
                     out += piece.token_ids
                     stats = piece.stats or stats
-                runs[setting].append((out, stats, time.perf_counter() - start))
+                runs[setting].append((out, stats, time.perf_counter() - start, time.process_time() - cpu))
         report[name] = {}
         for setting, results in runs.items():
             answers = [decode(r[0]) for r in results]
@@ -104,6 +104,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "ended_eos": statistics.mean(r[1]["finish_reason"] == "eos" for r in results),
                 "ended_guard": statistics.mean(r[1]["finish_reason"] == "repetition" for r in results),
                 "tokens_per_second": sum(len(r[0]) for r in results) / sum(r[2] for r in results),
+                "tokens_per_cpu_second": sum(len(r[0]) for r in results) / sum(r[3] for r in results),
             }
             if name in ("code", "readme"):
                 row["code_parses"] = statistics.mean(code_parses(a) for a in answers)
@@ -114,11 +115,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             report[name][setting] = row
             print(name, setting, {k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()
                                   if k != "answer"}, flush=True)
+        if save is not None:  # after each set: a long run stopped early keeps what it measured
+            save(report)
     return report
 
 
 def table(report: dict[str, Any]) -> str:
-    cols = ["repeated_4grams", "tokens", "ended_eos", "ended_guard", "tokens_per_second", "code_parses",
+    cols = ["repeated_4grams", "tokens", "ended_eos", "ended_guard", "tokens_per_second", "tokens_per_cpu_second",
+            "code_parses",
             "tool_call_well_formed", "tool_call_exact_match"]
     lines = ["| set | setting | " + " | ".join(cols) + " |", "|---|---|" + "---|" * len(cols)]
     for name, settings in report.items():
@@ -138,13 +142,12 @@ def write_atomic(path: Path, text: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--limit", type=int, default=4, help="held-out chat and code prompts each")
-    parser.add_argument("--tool-limit", type=int, default=6, help="tool-call prompts")
-    parser.add_argument("--max-new-tokens", type=int, default=192)
+    parser.add_argument("--limit", type=int, default=3, help="held-out chat and code prompts each")
+    parser.add_argument("--tool-limit", type=int, default=4, help="tool-call prompts")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "bench_repetition")
     args = parser.parse_args()
-    report = run(args)
     machine = f"{platform.processor() or platform.machine()}, {args.threads} threads"
     try:
         machine = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
@@ -153,14 +156,19 @@ def main() -> None:
         pass
     command = ("python benchmarks/bench_repetition.py " + f"--limit {args.limit} --tool-limit {args.tool_limit} "
                f"--max-new-tokens {args.max_new_tokens} --threads {args.threads}")
-    md = (f"# bench_repetition\n\n`{command}` on {machine} (a shared machine: other jobs may have been running; "
-          f"tokens/s are comparable within a run, settings taking turns).\n\n{table(report)}\n\n"
-          f"README prompt, `off`:\n\n```\n{report['readme']['off']['answer']}\n```\n\n"
-          f"README prompt, `dry-0.8+guard`:\n\n```\n{report['readme']['dry-0.8+guard']['answer']}\n```\n")
-    print(table(report))
-    write_atomic(args.out.with_suffix(".md"), md)
-    write_atomic(args.out.with_suffix(".json"), json.dumps({"command": command, "machine": machine,
-                                                            "report": report}, indent=1))
+
+    def save(report: dict[str, Any]) -> None:
+        readme = report.get("readme", {})
+        answers = "".join(f"README prompt, `{s}`:\n\n```\n{row['answer']}\n```\n\n" for s, row in readme.items()
+                          if s in ("off", "dry-0.8+guard"))
+        md = (f"# bench_repetition\n\n`{command}` on {machine} (a shared machine: other jobs may have been running; "
+              f"settings take turns prompt by prompt; tokens per CPU second is the cost a pause does not "
+              f"count).\n\n{table(report)}\n\n{answers}")
+        write_atomic(args.out.with_suffix(".md"), md)
+        write_atomic(args.out.with_suffix(".json"), json.dumps({"command": command, "machine": machine,
+                                                                "report": report}, indent=1))
+
+    print(table(run(args, save)))
 
 
 if __name__ == "__main__":

@@ -110,8 +110,13 @@ def breakers_from_texts(texts: Sequence[str], breakers: Sequence[str], device: t
     """Resolve breaker strings against the vocabulary's token `texts` (module docstring)."""
     single = torch.zeros(len(texts), dtype=torch.bool)
     tails: dict[int, set[tuple[int, ...]]] = {}
+    by_text: dict[str, int] = {}
+    for token, text in enumerate(texts):
+        by_text.setdefault(text, token)
     for breaker in breakers:
         breaker = breaker[:MAX_BREAKER_CHARS]
+        rests = {m: tuple(_longest_match_tokens(breaker[m:], by_text)[:MAX_TAIL_TOKENS])
+                 for m in range(1, len(breaker))}  # the tokens that spell the breaker after its first m characters
         for token, text in enumerate(texts):
             if not text:
                 continue
@@ -119,18 +124,14 @@ def breakers_from_texts(texts: Sequence[str], breakers: Sequence[str], device: t
                 single[token] = True
                 continue
             for m in range(min(len(breaker) - 1, len(text)), 0, -1):  # the text ends with breaker[:m]
-                if text.endswith(breaker[:m]):
-                    tail = _longest_match_tokens(breaker[m:], texts)[:MAX_TAIL_TOKENS]
-                    if tail:
-                        tails.setdefault(token, set()).add(tuple(tail))
+                if text.endswith(breaker[:m]) and rests[m]:
+                    tails.setdefault(token, set()).add(rests[m])
     return Breakers(single.to(device), {h: tuple(sorted(t)) for h, t in tails.items()})
 
 
-def _longest_match_tokens(text: str, texts: Sequence[str]) -> list[int]:
-    """`text` as vocabulary tokens, greedily by the longest token text that starts it ([] if some part has none)."""
-    by_text: dict[str, int] = {}
-    for token, t in enumerate(texts):
-        by_text.setdefault(t, token)
+def _longest_match_tokens(text: str, by_text: dict[str, int]) -> list[int]:
+    """`text` as vocabulary tokens (`by_text`: text -> id), greedily by the longest token text that starts it ([] if
+    some part has none)."""
     out, i = [], 0
     while i < len(text):
         for j in range(len(text), i, -1):
