@@ -121,8 +121,10 @@ def add_repetition_options(p: argparse.ArgumentParser) -> None:
     """DRY (llama.cpp's names and semantics) and the loop guard, for `generate` and `chat`."""
     g = p.add_argument_group("repetition (docs/decoding.md \"Repetition\")")
     g.add_argument("--dry-multiplier", type=float, default=DRY_MULTIPLIER,
-                   help=f"DRY: penalise tokens that would extend a repeated sequence; 0 = off (default {DRY_MULTIPLIER})")
-    g.add_argument("--dry-base", type=float, default=1.75, help="DRY: the penalty grows as base ** (n - allowed length)")
+                   help="DRY: penalise tokens that would extend a repeated sequence; 0 = off "
+                        f"(default {DRY_MULTIPLIER})")
+    g.add_argument("--dry-base", type=float, default=1.75,
+                   help="DRY: the penalty grows as base ** (n - allowed length)")
     g.add_argument("--dry-allowed-length", type=int, default=2, help="DRY: repeats this long are not penalised")
     g.add_argument("--dry-penalty-last-n", type=int, default=-1,
                    help="DRY: tokens of history searched for repeats (-1: all, prompt included; 0: off)")

@@ -3,7 +3,8 @@
 The engine owns the tensors (cache, current block) of the whole batch; a `Request` owns the Python-side facts
 of one request: its prompt, sampling parameters, the tokens committed so far, the steps each block took, and the
 timestamps its stats are computed from. Appending a finished block is where EOS, `max_new_tokens`, stop strings
-and the loop guard (clover.engine.repetition) are applied, so that "what counts as generated" is decided in exactly one place; the EOS cut itself is `before_eos`
+and the loop guard (clover.engine.repetition) are applied, so that "what counts as generated" is decided in exactly
+one place; the EOS cut itself is `before_eos`
 (a list of tokens) and `through_eos` (rows of a tensor, for the loops: no step or draft is spent after an EOS).
 """
 

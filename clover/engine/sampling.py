@@ -22,10 +22,12 @@ gives each row an `extension` (first position, tokens): position `first + j` rea
 committed tokens, `observe`) followed by `tokens[:j]`, for `j = 0 .. len(tokens)` — exact mode's drafts (position
 `j` is only used if drafts `1..j` are accepted, so it is judged as block size 1 would judge it after them), a
 block's decided prefix. DRY leaves other positions alone (the tokens just before them are not known yet); the
-repetition penalty reads the history there, plus what `observe_block` marked. Greedy rows skip temperature/top-k/top-p (they would not change the argmax and
-would only inflate its confidence). Everything is vectorised over the batch and block; the only per-row Python is
-drawing each sampled row's noise from its own seeded generator, which keeps a request's random stream the same
-whether it runs alone or in a batch.
+repetition penalty reads the history there, plus what `observe_block` marked.
+
+Greedy rows skip temperature/top-k/top-p (they would not change the argmax and would only inflate its confidence).
+Everything is vectorised over the batch and block but two per-row loops: DRY's match search (a few tensor operations
+per judged position of a row that uses it) and drawing each sampled row's noise from its own seeded generator, which
+keeps a request's random stream the same whether it runs alone or in a batch.
 """
 
 from __future__ import annotations
