@@ -9,7 +9,7 @@ import argparse
 import sys
 from typing import Any
 
-from clover.cli.loading import add_decoding_options, load_model
+from clover.cli.loading import add_decoding_options, add_repetition_options, load_model, repetition_sampling
 
 
 def add_parser(subparsers: Any) -> None:
@@ -23,6 +23,7 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
+    add_repetition_options(p)
     p.add_argument("--no-stats", action="store_true", help="do not print tokens/forward and tokens/s per reply")
     p.set_defaults(func=run)
 
@@ -32,7 +33,8 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from clover.chat_template import render_chat
-    from clover.engine import SamplingParams, StopAwareDetokenizer, StreamPiece, stream
+    from clover.cli.generate import token_texts
+    from clover.engine import Engine, SamplingParams, StopAwareDetokenizer, StreamPiece
     from clover.tokenizer import eos_token_ids
 
     if args.threads:
@@ -40,7 +42,10 @@ def run(args: argparse.Namespace) -> int:
     model, tokenizer, source = load_model(args)
     decode = lambda t: tokenizer.decode(t, skip_special_tokens=True)  # noqa: E731
     eos = eos_token_ids(model.config, tokenizer)
-    sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+    sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+                              **repetition_sampling(args))
+    engine = Engine(model, args.block_size, args.threshold, args.rule, detokenize=decode, vocab_limit=len(tokenizer),
+                    eos_token_ids=eos, token_texts=token_texts(tokenizer))
     system = [{"role": "system", "content": args.system}] if args.system else []
     messages: list[dict[str, str]] = list(system)
     interactive = sys.stdin.isatty()
@@ -63,8 +68,7 @@ def run(args: argparse.Namespace) -> int:
         detok = StopAwareDetokenizer(decode)
         sys.stdout.write("clover> ")
         stats: dict[str, Any] = {}
-        for event in stream(model, ids, args.max_new_tokens, block_size=args.block_size, threshold=args.threshold,
-                            rule=args.rule, sampling=sampling, vocab_limit=len(tokenizer), eos_token_ids=eos):
+        for event in engine.run([ids], args.max_new_tokens, sampling):
             if isinstance(event, StreamPiece):
                 sys.stdout.write(detok.push(event.token_ids, event.finished))
                 if event.finished:

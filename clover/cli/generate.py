@@ -15,7 +15,7 @@ from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from clover.cli.loading import add_decoding_options, load_model
+from clover.cli.loading import add_decoding_options, add_repetition_options, load_model, repetition_sampling
 
 if TYPE_CHECKING:
     from clover.engine import StepSnapshot, StreamPiece
@@ -44,6 +44,7 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--repetition-penalty", type=float, default=1.0)
+    add_repetition_options(p)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--json-schema", type=Path, default=None, metavar="FILE",
                    help="constrain the answer to JSON valid against this JSON Schema (grammar-constrained decoding, in "
@@ -96,11 +97,11 @@ def run(args: argparse.Namespace) -> int:
         args.rule = args.rule or "exact"  # block decoding cannot follow a grammar
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                               repetition_penalty=args.repetition_penalty, seed=args.seed, stop=tuple(args.stop),
-                              grammar=grammar)
+                              grammar=grammar, **repetition_sampling(args))
     rule_options = {name: value for name, value in (("k", args.tokens_per_step), ("size", args.sub_block_size))
                     if value is not None} or None
     engine = Engine(runner, args.block_size, args.threshold, args.rule, rule_options, detokenize=decode,
-                    vocab_limit=len(tokenizer), eos_token_ids=eos)
+                    vocab_limit=len(tokenizer), eos_token_ids=eos, token_texts=token_texts(tokenizer))
     events = engine.run([ids], args.max_new_tokens, sampling, snapshots=args.show_steps)
 
     steps = _StepPainter(tokenizer) if args.show_steps else None
@@ -130,6 +131,15 @@ def run(args: argparse.Namespace) -> int:
     else:
         sys.stdout.write("\n")
     return 0
+
+
+def token_texts(tokenizer: Any) -> Any:
+    """Every id's text at once, as `detokenize` gives it one id at a time (DRY's sequence breakers read them): the
+    fast tokenizer's own decoder, ~4x faster than the Python wrapper's per call (0.12 s for clover-smol)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    return lambda: [backend.decode([i], skip_special_tokens=True) for i in range(len(tokenizer))]
 
 
 class _StepPainter:

@@ -108,3 +108,42 @@ def add_decoding_options(p: argparse.ArgumentParser) -> None:
                         "(docs/cpu.md): int8 / int4 (group-wise), or fp32 / bf16 weights unquantised; clover-smol at "
                         "int8 / int4 is built quantised once, its adapter kept beside the quantised base. auto "
                         "(default): int4 for clover-smol on a CPU with AVX2, none otherwise")
+
+
+# what `generate` and `chat` use unless told otherwise (docs/decoding.md "Repetition": chosen by
+# benchmarks/bench_repetition.py); the API keeps OpenAI's semantics: no DRY, no loop guard unless a request asks
+DRY_MULTIPLIER = 0.8
+LOOP_GUARD_SPAN = 32
+LOOP_GUARD_REPEATS = 2
+
+
+def add_repetition_options(p: argparse.ArgumentParser) -> None:
+    """DRY (llama.cpp's names and semantics) and the loop guard, for `generate` and `chat`."""
+    g = p.add_argument_group("repetition (docs/decoding.md \"Repetition\")")
+    g.add_argument("--dry-multiplier", type=float, default=DRY_MULTIPLIER,
+                   help="DRY: penalise tokens that would extend a repeated sequence; 0 = off "
+                        f"(default {DRY_MULTIPLIER})")
+    g.add_argument("--dry-base", type=float, default=1.75,
+                   help="DRY: the penalty grows as base ** (n - allowed length)")
+    g.add_argument("--dry-allowed-length", type=int, default=2, help="DRY: repeats this long are not penalised")
+    g.add_argument("--dry-penalty-last-n", type=int, default=-1,
+                   help="DRY: tokens of history searched for repeats (-1: all, prompt included; 0: off)")
+    g.add_argument("--dry-sequence-breaker", action="append", default=None, metavar="STRING",
+                   help="DRY: a string that ends a repeat (repeatable; replaces the defaults \\n : \" *); "
+                        "--dry-sequence-breaker '' for none")
+    g.add_argument("--loop-guard", type=int, default=LOOP_GUARD_SPAN, metavar="SPAN",
+                   help="end the answer (finish reason 'repetition') once its last SPAN tokens occurred "
+                        f"--loop-guard-repeats times before in it; 0 = off (default {LOOP_GUARD_SPAN})")
+    g.add_argument("--loop-guard-repeats", type=int, default=LOOP_GUARD_REPEATS, metavar="R",
+                   help=f"earlier copies that end the answer (default {LOOP_GUARD_REPEATS})")
+
+
+def repetition_sampling(args: argparse.Namespace) -> dict[str, Any]:
+    """`SamplingParams` keywords from the options of `add_repetition_options`."""
+    options: dict[str, Any] = {"dry_multiplier": args.dry_multiplier, "dry_base": args.dry_base,
+                               "dry_allowed_length": args.dry_allowed_length,
+                               "dry_penalty_last_n": args.dry_penalty_last_n,
+                               "loop_guard_span": args.loop_guard, "loop_guard_repeats": args.loop_guard_repeats}
+    if args.dry_sequence_breaker is not None:
+        options["dry_sequence_breakers"] = tuple(b for b in args.dry_sequence_breaker if b)
+    return options

@@ -7,7 +7,8 @@
     for piece in stream(model, [1, 2, 3], max_new_tokens=64):
         print(piece.token_ids)  # one block's committed tokens at a time
 
-Roles: `sampling` (SamplingParams, logits -> candidates + confidence), `decoding` (rules, by name), `request`
+Roles: `sampling` (SamplingParams, logits -> candidates + confidence), `repetition` (DRY's penalty and the loop
+guard on token histories), `decoding` (rules, by name), `request`
 (one request's state and stats), `engine` (requests in, pieces out), `loop` (what a decoding loop does),
 `block_loop` (block diffusion), `exact` (exact mode), `drafting` + `cost` (how many drafts pay), `reference` (the
 uncached recompute decoder the tests compare against), `detokenizer` (ids -> text, incrementally). The network runs
@@ -40,7 +41,9 @@ __all__ = [
     "register_rule", "stream",
 ]
 
-_SAMPLING_KEYS = {"temperature", "top_p", "top_k", "repetition_penalty", "seed", "stop", "grammar"}
+_SAMPLING_KEYS = {"temperature", "top_p", "top_k", "repetition_penalty", "seed", "stop", "grammar", "dry_multiplier",
+                  "dry_base", "dry_allowed_length", "dry_penalty_last_n", "dry_sequence_breakers", "loop_guard_span",
+                  "loop_guard_repeats"}
 
 
 @dataclass
@@ -92,7 +95,8 @@ def generate(model: torch.nn.Module | ModelRunner, prompts: Any, max_new_tokens:
     """Generate for a batch of prompts (decoded together, each getting what it would get alone).
 
     `block_size`, `threshold` and `rule` default to the model config's. Sampling: `sampling=SamplingParams(...)`
-    (one, or one per prompt) or keywords `temperature`, `top_p`, `top_k`, `repetition_penalty`, `seed`, `stop`.
+    (one, or one per prompt) or keywords `temperature`, `top_p`, `top_k`, `repetition_penalty`, `seed`, `stop`,
+    DRY's `dry_*` and the loop guard's `loop_guard_*` (docs/decoding.md "Repetition").
     """
     rows = _prompts(prompts, attention_mask)
     engine = Engine(model, block_size, threshold, rule, rule_options, eos_token_ids=eos_token_ids,

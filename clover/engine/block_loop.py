@@ -107,7 +107,7 @@ class BlockLoop(DecodingLoop):
                 block[r, :h] = torch.tensor(s.prompt[-h:], dtype=torch.long, device=e.device)
         limit = self._limits(seqs, head)
         logits = self._open_block(ids if ids.shape[1] else None, block, head, cache, limit, **kwargs)
-        sampler = BatchSampler([s.params for s in seqs], e.vocab_size, e.banned_ids, e.device)
+        sampler = BatchSampler([s.params for s in seqs], e.vocab_size, e.banned_ids, e.device, e.breakers)
         sampler.observe([s.prompt for s in seqs])
         zeros = torch.zeros(n, dtype=torch.long, device=e.device)
         return BlockBatch(seqs, cache, sampler, block, logits, zeros, limit, zeros + 1, head)
@@ -182,7 +182,7 @@ class BlockLoop(DecodingLoop):
         # the previous step's check of what is still needed is this step's candidates: one `_needed` per step
         candidates = b.needed if b.needed is not None else self._needed(b.block, b.limit, b.head)
         active = candidates.any(1)  # rows whose block is final sit this step out
-        tokens, confidence = b.sampler(logits, active)
+        tokens, confidence = b.sampler(logits, active, self._extension(b))
         accept = self.rule.select(tokens, confidence, candidates)
         b.block = torch.where(accept, tokens, b.block)
         b.sampler.observe_block(tokens, accept)
@@ -209,6 +209,18 @@ class BlockLoop(DecodingLoop):
             return events, None
         self._commit(b)
         return events, b
+
+    def _extension(self, b: BlockBatch) -> list[tuple[int, list[int]]] | None:
+        """Per row, the block's decided tokens from its head to the first masked position: the history of the
+        positions up to there (DRY and the repetition penalty read what comes before a position; after a masked
+        one it is not known yet)."""
+        if not b.sampler.uses_history:
+            return None
+        mask_id, out = self.engine.mask_id, []
+        for row, head in zip(b.block.tolist(), b.head.tolist()):
+            decided = row[head:]
+            out.append((head, decided[: decided.index(mask_id)] if mask_id in decided else decided))
+        return out
 
     def _stop_early(self, b: BlockBatch, active: torch.Tensor) -> None:
         """A row whose block's decided prefix completes a stop string is final now: its `limit` becomes the
@@ -248,6 +260,8 @@ class BlockLoop(DecodingLoop):
         """The finished block joins the cache, in the same forward as the next block's first step."""
         e = self.engine
         n = len(b.seqs)
+        if b.sampler.uses_history:  # the block joins each row's history (its head is the prompt's, already in)
+            b.sampler.observe([row[h:] for row, h in zip(b.block.tolist(), b.head.tolist())])
         b.limit = self._limits(b.seqs)
         b.head = torch.zeros(n, dtype=torch.long, device=e.device)
         committed, b.block = b.block, e.masks(n)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import numbers
 import time
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence as Seq
+from typing import Any, Callable, Iterator, Sequence as Seq
 
 import torch
 
@@ -36,6 +36,7 @@ from clover.engine.decoding import ExactRule, UnmaskingRule, make_rule
 from clover.engine.exact import ExactBatch, ExactLoop
 from clover.engine.loop import Event, StreamPiece
 from clover.engine.prefill import DEFAULT_PREFILL_CHUNK, grid_chunk, prefill
+from clover.engine.repetition import BreakerCache
 from clover.engine.request import Detokenize, Request
 from clover.runners.base import ModelRunner, RunnerCache, release_cache
 from clover.runners.torch_runner import as_runner
@@ -68,7 +69,8 @@ class Engine:
     """Decodes batches of prompts with one model, block size and rule (defaults: the model config's).
 
     `vocab_limit`: ids >= it are never emitted (a padded embedding matrix larger than the tokenizer);
-    `detokenize`: ids -> text, needed only for stop strings; `prefill_chunk`: prompt tokens per prefill forward,
+    `detokenize`: ids -> text, needed for stop strings and DRY's sequence breakers (`token_texts`, every id's text
+    at once, reads those faster); `prefill_chunk`: prompt tokens per prefill forward,
     which bounds the prefill's activation memory for long prompts; `cost`: exact mode's forward cost table
     (`clover.engine.cost`; measured on first use when None).
     """
@@ -78,7 +80,7 @@ class Engine:
                  rule_options: dict[str, Any] | None = None, *,
                  eos_token_ids: Seq[int] | None = None, vocab_limit: int | None = None,
                  detokenize: Detokenize | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
-                 cost: ForwardCost | None = None) -> None:
+                 cost: ForwardCost | None = None, token_texts: Callable[[], Seq[str]] | None = None) -> None:
         self.runner = as_runner(model)
         config = self.runner.config
         self.block_size = config.block_size if block_size is None else int(block_size)
@@ -104,6 +106,8 @@ class Engine:
         self.vocab_size = config.vocab_size
         self.vocab_limit = self.vocab_size if vocab_limit is None else min(int(vocab_limit), self.vocab_size)
         self.detokenize = detokenize
+        self.breakers = (BreakerCache(self.vocab_size, self.vocab_limit, detokenize, token_texts)
+                         if detokenize is not None or token_texts is not None else None)
         self.prefill_chunk = prefill_chunk
         self.device = self.runner.device
         self.eos = torch.tensor(self.eos_ids, dtype=torch.long, device=self.device)
@@ -149,6 +153,9 @@ class Engine:
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
         if self.detokenize is None and any(p.stop for p in params):
             raise ValueError("stop strings need a detokenizer: pass detokenize=tokenizer.decode")
+        if self.breakers is None and any(p.uses_dry and p.dry_sequence_breakers for p in params):
+            raise ValueError("DRY sequence breakers need the vocabulary's texts: pass detokenize=tokenizer.decode "
+                             "(or dry_sequence_breakers=())")
         self.loop.check(params)
         prompts = [list(map(int, p)) for p in prompts]
         for i, p in enumerate(prompts):

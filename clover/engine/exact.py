@@ -59,7 +59,7 @@ from clover.engine.lookup import ContextLookup
 from clover.engine.loop import DecodingLoop, Event
 from clover.engine.request import Request, through_eos
 from clover.runners.base import RunnerCache
-from clover.engine.sampling import BatchSampler, SamplingParams
+from clover.engine.sampling import BatchSampler
 from clover.engine.speculative import verify
 
 STEP_EMA = 0.2  # weight of the newest step in the running estimate of the engine's own time per step
@@ -142,14 +142,6 @@ class ExactLoop(DecodingLoop):
                 "lookup": dict(zip(("forwards", "accepted", "verified"), self.lookup_tally)),
                 "forward_cost": self.cost.summary() if self.cost is not None else None}
 
-    def check(self, params: list[SamplingParams]) -> None:
-        for i, p in enumerate(params):
-            if p.repetition_penalty != 1.0:
-                raise ValueError(
-                    f"rule 'exact' cannot apply a repetition penalty (a draft's penalty would depend on whether "
-                    f"the drafts before it are accepted): request {i} has repetition_penalty="
-                    f"{p.repetition_penalty}; use repetition_penalty=1 or another rule")
-
     # -- batches ---------------------------------------------------------------------------------------
     def at_boundary(self, b: ExactBatch) -> bool:
         return True  # every step ends what it decided
@@ -181,7 +173,8 @@ class ExactLoop(DecodingLoop):
         """The prefill's last chunk: it decides the first token (from the last prompt token) and drafts after it."""
         n, t = ids.shape
         e = self.engine
-        sampler = BatchSampler([s.params for s in seqs], e.vocab_size, e.banned_ids, e.device)
+        sampler = BatchSampler([s.params for s in seqs], e.vocab_size, e.banned_ids, e.device, e.breakers)
+        sampler.observe([s.prompt for s in seqs])
         acceptance = [Acceptance(e.block_size - 1, self.prior) for _ in seqs]
         none = torch.zeros(n, dtype=torch.long, device=e.device)
         m = self._plan(seqs, acceptance, none, cache.length + t)[1]
@@ -195,6 +188,7 @@ class ExactLoop(DecodingLoop):
         b = ExactBatch(seqs, cache, sampler, tokens, ones, ones.clone(), query, ones * query.shape[1], acceptance,
                        lookups, none.bool())
         self._after_commit(b, accepted, none, [0] * n, query)
+        self._observe(b)
         return b
 
     def step(self, b: ExactBatch, snapshots: bool = False) -> tuple[list[Event], ExactBatch | None]:
@@ -257,9 +251,16 @@ class ExactLoop(DecodingLoop):
         b.n_drafts = torch.where(accepted == k, query.shape[1], 0)
         b.looked_up = torch.zeros_like(b.looked_up)
         self._after_commit(b, accepted, k, consumed, query)
+        self._observe(b)
         self._timed(len(b.seqs) * (width + (int(m.max()) + 1 if int(m.max()) else 0)), start,
                     e.counters.forward_time_s - forward_time)
         return events, b
+
+    def _observe(self, b: ExactBatch) -> None:
+        """The decided tokens join each row's history for the penalties that read it (repetition, DRY)."""
+        if b.sampler.uses_history:
+            counts = b.n_decided.tolist()
+            b.sampler.observe([row[:n] for row, n in zip(b.decided.tolist(), counts)])
 
     def _after_commit(self, b: ExactBatch, accepted: torch.Tensor, k: torch.Tensor, consumed: list[int],
                       query: torch.Tensor) -> None:

@@ -2,8 +2,9 @@
 
 The engine owns the tensors (cache, current block) of the whole batch; a `Request` owns the Python-side facts
 of one request: its prompt, sampling parameters, the tokens committed so far, the steps each block took, and the
-timestamps its stats are computed from. Appending a finished block is where EOS, `max_new_tokens` and stop strings
-are applied, so that "what counts as generated" is decided in exactly one place; the EOS cut itself is `before_eos`
+timestamps its stats are computed from. Appending a finished block is where EOS, `max_new_tokens`, stop strings
+and the loop guard (clover.engine.repetition) are applied, so that "what counts as generated" is decided in exactly
+one place; the EOS cut itself is `before_eos`
 (a list of tokens) and `through_eos` (rows of a tensor, for the loops: no step or draft is spent after an EOS).
 """
 
@@ -16,11 +17,12 @@ from typing import Any, Callable, Sequence as Seq
 import torch
 
 from clover.engine.grammar import Matcher
+from clover.engine.repetition import RepeatGuard
 from clover.engine.sampling import SamplingParams
 
 Detokenize = Callable[[list[int]], str]
 
-EOS, STOP, LENGTH = "eos", "stop", "length"
+EOS, STOP, LENGTH, REPETITION = "eos", "stop", "length", "repetition"
 
 
 def before_eos(piece: Seq[int], eos_ids: Seq[int]) -> tuple[list[int], bool]:
@@ -48,13 +50,18 @@ class Request:
     generated: list[int] = field(default_factory=list)
     steps_per_block: list[int] = field(default_factory=list)
     forwards: int = 0  # forwards that fed its steps (the prefill's extra chunks are `prefill_forwards`)
-    finish_reason: str | None = None  # "eos" | "stop" | "length"
+    finish_reason: str | None = None  # "eos" | "stop" | "length" | "repetition"
     stop_string: str | None = None  # the stop string that ended it, if any
     prefill_forwards: int = 0
     start_time: float = 0.0
     first_output_time: float | None = None
     end_time: float | None = None
     matcher: Matcher | None = None  # where the request is in its grammar (`params.grammar`), if it has one
+    guard: RepeatGuard | None = field(default=None, repr=False)  # the loop guard (`params.loop_guard_span`)
+
+    def __post_init__(self) -> None:
+        if self.guard is None and self.params.loop_guard_span:
+            self.guard = RepeatGuard(self.params.loop_guard_span, self.params.loop_guard_repeats)
 
     @property
     def finished(self) -> bool:
@@ -70,7 +77,8 @@ class Request:
         `forwards` forwards; return the piece that counts.
 
         EOS ends the request and is not part of the output, nor is anything after it; a stop string ends it after
-        the token that completes the string (the caller trims the text); reaching `max_new_tokens` ends it too.
+        the token that completes the string (the caller trims the text); the loop guard ends it after the token
+        that completes its repeat; reaching `max_new_tokens` ends it too.
         """
         now = time.perf_counter() if now is None else now
         self.steps_per_block.append(steps)
@@ -82,6 +90,11 @@ class Request:
             cut, which = self._find_stop(piece, detokenize)
             if which is not None:
                 piece, self.finish_reason, self.stop_string = piece[:cut], STOP, which
+        if self.guard is not None:
+            for i, token in enumerate(piece):
+                if self.guard.feed(token):
+                    piece, self.finish_reason, self.stop_string = piece[:i + 1], REPETITION, None
+                    break
         self.generated.extend(piece)
         if self.finish_reason is None and self.remaining <= 0:
             self.finish_reason = LENGTH

@@ -15,18 +15,31 @@ sampler returns, for logits `[N, B, V]`:
 
 Transforms, in order: banned ids (the mask token, ids the tokenizer cannot decode) -> repetition penalty (CTRL /
 `transformers` form over the prompt and every generated token, the block's already-decided tokens included)
--> temperature -> top-k -> top-p. Greedy rows skip temperature/top-k/top-p (they would not change the argmax and
-would only inflate its confidence). Everything is vectorised over the batch and block; the only per-row Python is
-drawing each sampled row's noise from its own seeded generator, which keeps a request's random stream the same
-whether it runs alone or in a batch.
+-> DRY (llama.cpp's "don't repeat yourself", clover.engine.repetition) -> temperature -> top-k -> top-p.
+
+Histories per position. The repetition penalty and DRY read the tokens before the position they judge. A caller
+gives each row an `extension` (first position, tokens): position `first + j` reads the row's history (prompt and
+committed tokens, `observe`) followed by `tokens[:j]`, for `j = 0 .. len(tokens)` — exact mode's drafts (position
+`j` is only used if drafts `1..j` are accepted, so it is judged as block size 1 would judge it after them), a
+block's decided prefix. DRY leaves other positions alone (the tokens just before them are not known yet); the
+repetition penalty reads the history there, plus what `observe_block` marked.
+
+Greedy rows skip temperature/top-k/top-p (they would not change the argmax and would only inflate its confidence).
+Everything is vectorised over the batch and block but two per-row loops: DRY's match search (a few tensor operations
+per judged position of a row that uses it) and drawing each sampled row's noise from its own seeded generator, which
+keeps a request's random stream the same whether it runs alone or in a batch.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
+
+from clover.engine.repetition import DEFAULT_BREAKERS, Breakers, DryConfig, LagMatches, dry_candidates, penalty_of
+
+Extension = Sequence[tuple[int, Sequence[int]]]  # per row: (first position, tokens after the history)
 
 
 @dataclass(frozen=True)
@@ -37,6 +50,16 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0  # 0: off
     repetition_penalty: float = 1.0  # 1: off
+    # DRY, llama.cpp's names and defaults (docs/decoding.md "Repetition"): multiplier 0 is off
+    dry_multiplier: float = 0.0
+    dry_base: float = 1.75
+    dry_allowed_length: int = 2
+    dry_penalty_last_n: int = -1  # -1: the whole history (prompt and output)
+    dry_sequence_breakers: tuple[str, ...] = DEFAULT_BREAKERS
+    # loop guard: end the answer (finish_reason "repetition") once its last `loop_guard_span` tokens occurred
+    # `loop_guard_repeats` times before in it; 0: off
+    loop_guard_span: int = 0
+    loop_guard_repeats: int = 2
     seed: int | None = None  # per-request generator; None: drawn from torch's global RNG
     stop: tuple[str, ...] = field(default_factory=tuple)  # stop strings (need a detokenizer in the engine)
     # a `clover.engine.grammar.Grammar` the output must follow (exact mode); None: free text
@@ -55,12 +78,36 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
         if self.repetition_penalty <= 0:
             raise ValueError(f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty}")
+        self._check_repetition()
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+
+    def _check_repetition(self) -> None:
+        breakers = self.dry_sequence_breakers
+        object.__setattr__(self, "dry_sequence_breakers", (breakers,) if isinstance(breakers, str) else tuple(breakers))
+        if not self.dry_multiplier >= 0 or self.dry_multiplier == float("inf"):
+            raise ValueError(f"dry_multiplier must be a finite number >= 0 (0 = off), got {self.dry_multiplier}")
+        if not self.dry_base >= 1.0 or self.dry_base == float("inf"):
+            raise ValueError(f"dry_base must be a finite number >= 1, got {self.dry_base}")
+        if self.dry_allowed_length < 1:
+            raise ValueError(f"dry_allowed_length must be >= 1, got {self.dry_allowed_length}")
+        if self.dry_penalty_last_n < -1:
+            raise ValueError(f"dry_penalty_last_n must be >= -1 (-1 = the whole history, 0 = off), "
+                             f"got {self.dry_penalty_last_n}")
+        if any(not isinstance(b, str) or not b for b in self.dry_sequence_breakers):
+            raise ValueError(f"dry_sequence_breakers must be non-empty strings, got {list(self.dry_sequence_breakers)}")
+        if self.loop_guard_span < 0:
+            raise ValueError(f"loop_guard_span must be >= 0 (0 = off), got {self.loop_guard_span}")
+        if self.loop_guard_repeats < 1:
+            raise ValueError(f"loop_guard_repeats must be >= 1, got {self.loop_guard_repeats}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def uses_dry(self) -> bool:
+        return self.dry_multiplier > 0 and self.dry_penalty_last_n != 0
 
     def make_generator(self, device: torch.device | str = "cpu") -> torch.Generator | None:
         if self.greedy:
@@ -77,10 +124,12 @@ class BatchSampler:
     """The sampling transforms of a batch of requests, as tensors, so a step costs a handful of kernels.
 
     `banned` ids are never proposed. `select(rows)` follows the engine when finished requests leave the batch.
+    `breakers` resolves a request's DRY sequence breakers to token ids (the engine's, cached per vocabulary).
     """
 
     def __init__(self, params: Sequence[SamplingParams], vocab_size: int, banned: Sequence[int],
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu",
+                 breakers: Callable[[tuple[str, ...]], Breakers] | None = None) -> None:
         self.params = list(params)
         self.generators = [p.make_generator(device) for p in self.params]
         n = len(self.params)
@@ -91,11 +140,17 @@ class BatchSampler:
         self.banned_ids = torch.as_tensor(list(banned), dtype=torch.long, device=device)
         # tokens seen so far per row (prompt + generated), for the repetition penalty; only kept when used
         self.presence = torch.zeros(n, vocab_size, dtype=torch.bool, device=device) if self.uses_penalty else None
+        self.dry = [DryRow(p, breakers, device) if p.uses_dry else None for p in self.params]
         self._update_flags()
 
     @property
     def uses_penalty(self) -> bool:
         return any(p.repetition_penalty != 1.0 for p in self.params)
+
+    @property
+    def uses_history(self) -> bool:
+        """Whether some row's logits depend on the tokens before the position (repetition penalty, DRY)."""
+        return self.presence is not None or any(d is not None for d in self.dry)
 
     def _update_flags(self) -> None:
         self.greedy_rows = [p.greedy for p in self.params]
@@ -109,6 +164,7 @@ class BatchSampler:
         self.generators = [self.generators[i] for i in rows]
         self.temperature, self.top_p = self.temperature[idx], self.top_p[idx]
         self.top_k, self.penalty = self.top_k[idx], self.penalty[idx]
+        self.dry = [self.dry[i] for i in rows]
         if self.presence is not None:
             self.presence = self.presence[idx]
         self._update_flags()
@@ -125,6 +181,7 @@ class BatchSampler:
         new.top_k = torch.cat([s.top_k for s in samplers])
         new.penalty = torch.cat([s.penalty for s in samplers])
         new.banned_ids = samplers[0].banned_ids
+        new.dry = [d for s in samplers for d in s.dry]
         if any(s.presence is not None for s in samplers):  # rows without a penalty never read theirs
             vocab = next(s.presence.shape[1] for s in samplers if s.presence is not None)
             device = new.temperature.device
@@ -137,12 +194,15 @@ class BatchSampler:
         return new
 
     def observe(self, row_tokens: Sequence[Sequence[int]]) -> None:
-        """Mark prompt tokens as seen (repetition penalty)."""
-        if self.presence is None:
-            return
+        """`row_tokens[r]` joined row `r`'s history (its prompt, then what it commits): the repetition penalty
+        marks them seen, DRY appends them."""
         for row, toks in enumerate(row_tokens):
-            if len(toks):
+            if not len(toks):
+                continue
+            if self.presence is not None:
                 self.presence[row, torch.as_tensor(list(toks), dtype=torch.long, device=self.presence.device)] = True
+            if self.dry[row] is not None:
+                self.dry[row].extend(toks)
 
     def observe_block(self, tokens: torch.Tensor, accepted: torch.Tensor) -> None:
         """Mark newly accepted tokens `tokens[accepted]` (`[N, B]`) as seen."""
@@ -151,16 +211,18 @@ class BatchSampler:
         rows = torch.arange(tokens.shape[0], device=tokens.device)[:, None].expand_as(tokens)
         self.presence[rows[accepted], tokens[accepted]] = True
 
-    def __call__(self, logits: torch.Tensor, active: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, logits: torch.Tensor, active: torch.Tensor | None = None,
+                 extension: Extension | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """`logits` `[N, B, V]` -> candidate `tokens` `[N, B]` and `confidence` `[N, B]` (fp32).
 
         `logits` is consumed: when already fp32 it is modified in place (banned ids set to -inf), which saves a
         copy of the largest tensor of the step.
 
         `active` `[N]` (bool): rows that take this step; only they draw noise from their generator, so a request's
-        random stream does not depend on what else is in the batch.
+        random stream does not depend on what else is in the batch. `extension`: per row, the tokens positions
+        read after the history (module docstring).
         """
-        x = self.model_logits(logits)
+        x = self.model_logits(logits, extension)
         if self.all_greedy:  # max prob = exp(max logit - logsumexp): two passes, no probability tensor
             best, tokens = x.max(dim=-1)
             return tokens, torch.exp(best - torch.logsumexp(x, dim=-1))
@@ -174,15 +236,31 @@ class BatchSampler:
         chosen = x.gather(-1, tokens[..., None])[..., 0]
         return tokens, torch.exp(chosen - torch.logsumexp(x, dim=-1))
 
-    def model_logits(self, logits: torch.Tensor) -> torch.Tensor:
+    def model_logits(self, logits: torch.Tensor, extension: Extension | None = None) -> torch.Tensor:
         """`logits` `[N, B, V]` -> the model's distribution as fp32 logits: banned ids, then the repetition
-        penalty (the confidence reads it). Consumes `logits` as `__call__` does."""
+        penalty and DRY (the confidence reads them), each position with its own history when `extension` gives
+        one (module docstring). Consumes `logits` as `__call__` does."""
         x = logits.float()
         x[..., self.banned_ids] = float("-inf")  # in place: the caller hands over a fresh tensor
         if self.presence is not None:
-            pen = torch.where(self.presence, self.penalty[:, None], torch.ones_like(self.penalty)[:, None])[:, None]
+            seen = self._seen(x.shape[1], extension)
+            pen = torch.where(seen, self.penalty[:, None, None], torch.ones_like(self.penalty)[:, None, None])
             x = torch.where(x > 0, x / pen, x * pen)
+        for row, dry in enumerate(self.dry):
+            if dry is not None:
+                first, tokens = extension[row] if extension is not None else (0, ())
+                dry.penalise(x[row], first, tokens)
         return x
+
+    def _seen(self, positions: int, extension: Extension | None) -> torch.Tensor:
+        """`[N, T, V]` (or `[N, 1, V]`): the tokens each position's repetition penalty counts as seen."""
+        if extension is None or not any(len(tokens) for _, tokens in extension):
+            return self.presence[:, None]
+        seen = self.presence[:, None].repeat(1, positions, 1)
+        for row, (first, tokens) in enumerate(extension):
+            for j, token in enumerate(tokens):  # seen from the position after it on
+                seen[row, first + j + 1:, int(token)] = True
+        return seen
 
     def draw_probs(self, x: torch.Tensor) -> torch.Tensor:
         """`model_logits` `[N, B, V]` -> the distribution a sampled row draws from: temperature, top-k, top-p,
@@ -214,3 +292,59 @@ class BatchSampler:
         top_p = torch.where(greedy, torch.ones_like(self.top_p), self.top_p)[:, None, None]
         sorted_x = sorted_x.masked_fill((before >= top_p) & (top_p < 1.0), float("-inf"))
         return torch.full_like(x, float("-inf")).scatter(-1, order, sorted_x)
+
+
+class DryRow:
+    """One request's DRY state: its config (breakers resolved) and the lag matches of its history
+    (clover.engine.repetition), fed by `extend`; `penalise` subtracts the penalty from a row's logits."""
+
+    def __init__(self, params: SamplingParams, breakers: Callable[[tuple[str, ...]], Breakers] | None,
+                 device: torch.device | str) -> None:
+        if breakers is None and params.dry_sequence_breakers:
+            raise ValueError("DRY sequence breakers need the vocabulary's token texts: give the engine a detokenizer "
+                             "(detokenize=tokenizer.decode), or dry_sequence_breakers=()")
+        resolved = breakers(params.dry_sequence_breakers) if params.dry_sequence_breakers else None
+        self.config = DryConfig(params.dry_multiplier, params.dry_base, params.dry_allowed_length,
+                                params.dry_penalty_last_n, resolved or Breakers(torch.zeros(0, dtype=torch.bool)))
+        self.single = self.config.breakers.single_ids()
+        self.state = LagMatches([], self.config.window, device)
+        self.history: list[int] = []  # the same tokens as a list (the breaker scan reads a few from the end)
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        tokens = [int(t) for t in tokens]
+        if not len(self.state):  # a whole prompt: the Z-algorithm at once
+            self.state = LagMatches(tokens, self.config.window, self.state.tokens.device)
+        else:
+            self.state.extend(tokens)
+        self.history += tokens
+        window = self.config.window
+        if window and len(self.history) > 2 * window:  # keep the list bounded (the scan reads at most `window`)
+            self.history = self.history[-window:]
+
+    def penalise(self, x: torch.Tensor, first: int, tokens: Sequence[int]) -> None:
+        """`x` `[T, V]` (one row's logits, in place): position `first + j` loses the DRY penalty after the history
+        and `tokens[:j]`, for `j = 0 .. len(tokens)` within `T`."""
+        positions, vocab = x.shape
+        tokens = [int(t) for t in tokens]
+        state, keys, lengths = self.state, [], []
+        for j in range(len(tokens) + 1):
+            if first + j >= positions:
+                break
+            if j:
+                state = state.copy()
+                state.append(tokens[j - 1])
+            follow, n = dry_candidates(state, self.config, self.single,
+                                       lambda: self.history + tokens[:j])  # noqa: B023 - called at once
+            keys.append(follow + (first + j) * vocab)
+            lengths.append(n)
+        if not keys:
+            return
+        keys_t, n_t = torch.cat(keys), torch.cat(lengths)
+        if self.single:
+            keep = ~self.config.breakers.single.to(keys_t.device)[keys_t % vocab]
+            keys_t, n_t = keys_t[keep], n_t[keep]
+        if not keys_t.numel():
+            return
+        unique, inverse = torch.unique(keys_t, return_inverse=True)
+        longest = torch.zeros_like(unique).scatter_reduce_(0, inverse, n_t, "amax")
+        x[unique // vocab, unique % vocab] -= penalty_of(longest, self.config).to(x.device)

@@ -4,7 +4,9 @@ distribution, so a sampled request's output is distributed exactly as token-by-t
 Exact mode reads, per row, the last decided token and `k` drafts `d_1..d_k` causally; the logits at causal
 position `i` (0-based) predict the token after `d_1..d_i`, so position `i - 1` judges draft `d_i` and position `k`
 gives the bonus token. `p_i` is the *processed* target distribution there: what `BatchSampler` draws from (banned
-ids, temperature, top-k, top-p; `target_probs`).
+ids, repetition penalty, DRY, temperature, top-k, top-p; `target_probs`). The penalties read a history per position:
+position `i` is only used if `d_1..d_i` are accepted, so it is judged after the committed tokens and `d_1..d_i`,
+as block size 1 would judge it (`BatchSampler`'s `extension`).
 
 Speculative sampling (Leviathan et al. 2023, Chen et al. 2023) draws `x ~ q`, accepts it with probability
 `min(1, p(x) / q(x))` and, on rejection, draws from the residual `normalize(max(p - q, 0))`; the result is a draw
@@ -24,8 +26,7 @@ argmax, then commit the argmax), computed without random numbers.
 
 Random numbers: each sampled row draws from its own generator (the `BatchSampler`'s), always `k` uniforms then
 one exponential race over the vocabulary (`BatchSampler.draw`), whatever is accepted; so its result and its
-stream do not depend on the rest of the batch. The repetition penalty is refused: a draft's penalty would depend
-on the drafts before it being accepted.
+stream do not depend on the rest of the batch.
 """
 
 from __future__ import annotations
@@ -35,11 +36,12 @@ import torch
 from clover.engine.sampling import BatchSampler
 
 
-def target_probs(sampler: BatchSampler, logits: torch.Tensor) -> torch.Tensor:
+def target_probs(sampler: BatchSampler, logits: torch.Tensor, drafts: list[list[int]] | None = None) -> torch.Tensor:
     """`logits` `[N, T, V]` -> the processed target distribution `[N, T, V]` (fp32): for a sampled row what
-    `BatchSampler` draws from, for a greedy row the one-hot argmax. Consumes `logits` as the sampler does."""
-    _refuse_penalty(sampler)
-    return _processed(sampler, sampler.model_logits(logits))
+    `BatchSampler` draws from, for a greedy row the one-hot argmax; position `i` of row `r` after `drafts[r][:i]`.
+    Consumes `logits` as the sampler does."""
+    extension = None if drafts is None else [(0, d) for d in drafts]
+    return _processed(sampler, sampler.model_logits(logits, extension))
 
 
 def verify(sampler: BatchSampler, logits: torch.Tensor, drafts: torch.Tensor,
@@ -58,9 +60,8 @@ def verify(sampler: BatchSampler, logits: torch.Tensor, drafts: torch.Tensor,
     """
     if check:
         _check(sampler, logits, drafts, k)
-    _refuse_penalty(sampler)
     drafts, k = drafts.long(), k.long()
-    x = sampler.model_logits(logits)
+    x = sampler.model_logits(logits, _extension(sampler, drafts, k))
     if sampler.all_greedy:  # no [N, K + 1, V] probabilities: the argmax is the whole distribution
         return _verify_greedy(x, drafts, k)
 
@@ -143,10 +144,11 @@ def _committed(drafts: torch.Tensor, accepted: torch.Tensor, last: torch.Tensor)
     return tokens.scatter(1, accepted[:, None], last[:, None])
 
 
-def _refuse_penalty(sampler: BatchSampler) -> None:
-    if sampler.uses_penalty:
-        raise ValueError("speculative verification does not take repetition_penalty != 1: a draft's penalty "
-                         "would depend on which drafts before it are accepted")
+def _extension(sampler: BatchSampler, drafts: torch.Tensor, k: torch.Tensor) -> list[tuple[int, list[int]]] | None:
+    """Each row's real drafts, the tokens its later positions read after the history (None: no penalty reads them)."""
+    if not sampler.uses_history or not drafts.shape[1]:
+        return None
+    return [(0, row[:n]) for row, n in zip(drafts.tolist(), k.tolist())]
 
 
 def _check(sampler: BatchSampler, logits: torch.Tensor, drafts: torch.Tensor, k: torch.Tensor) -> None:

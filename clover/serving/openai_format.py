@@ -23,19 +23,23 @@ logger = logging.getLogger(__name__)
 # -- per-choice text assembly ----------------------------------------------------------------------------------
 class ChoiceText:
     """One choice's text as its blocks arrive (stop strings held back and cut, see `StopAwareDetokenizer`), with
-    its token count and finish reason."""
+    its token count and finish reason. An answer the loop guard ended reports OpenAI's "stop" (clients reject
+    reasons they do not know) with vLLM's `stop_reason` field saying "repetition" (`extra`)."""
 
     def __init__(self, decode: Callable[[list[int]], str], stops: tuple[str, ...]) -> None:
         self.detok = StopAwareDetokenizer(decode, stops)
         self.tokens = 0
         self.finished = False
         self.finish_reason: str | None = None
+        self.extra: dict[str, Any] = {}  # fields beside finish_reason in the choice
 
     def push(self, out: Output) -> str:
         self.tokens += len(out.token_ids)
         if out.finished:
             self.finished = True
             self.finish_reason = "length" if out.finish_reason == "length" else "stop"
+            if out.finish_reason == "repetition":
+                self.extra = {"stop_reason": "repetition"}
         return self.detok.push(out.token_ids, out.finished, (out.stats or {}).get("stop_string"))
 
 
@@ -95,8 +99,8 @@ def chat_body(rid: str, created: int, model: str, choices: list[ChatChoice],
     """A whole chat completion."""
     return {
         "id": rid, "object": "chat.completion", "created": created, "model": model,
-        "choices": [{"index": i, "message": c.message(), "finish_reason": c.finish_reason, "logprobs": None}
-                    for i, c in enumerate(choices)],
+        "choices": [{"index": i, "message": c.message(), "finish_reason": c.finish_reason, **c.extra,
+                     "logprobs": None} for i, c in enumerate(choices)],
         "usage": usage,
     }
 
@@ -106,7 +110,7 @@ def completion_body(rid: str, created: int, model: str, choices: list[ChoiceText
     """A whole text completion (`texts[k]`: choice k's text, echoed prompt included)."""
     return {
         "id": rid, "object": "text_completion", "created": created, "model": model,
-        "choices": [{"index": k, "text": texts[k], "finish_reason": c.finish_reason, "logprobs": None}
+        "choices": [{"index": k, "text": texts[k], "finish_reason": c.finish_reason, **c.extra, "logprobs": None}
                     for k, c in enumerate(choices)],
         "usage": usage,
     }
@@ -126,9 +130,9 @@ async def chat_stream(handle: RequestHandle, choices: list[ChatChoice], rid: str
     """A chat completion's SSE events: a role chunk per choice, the deltas of committed blocks, a finish chunk per
     choice, the usage chunk when asked for, `[DONE]`; an error after the start is reported in-band."""
 
-    def chunk(index: int, delta: dict[str, Any], finish: str | None = None) -> str:
+    def chunk(index: int, delta: dict[str, Any], finish: str | None = None, extra: dict[str, Any] = {}) -> str:
         return chunk_sse(rid, "chat.completion.chunk", created, model, include_usage,
-                         {"index": index, "delta": delta, "finish_reason": finish})
+                         {"index": index, "delta": delta, "finish_reason": finish, **extra})
 
     try:
         for i in range(len(choices)):
@@ -147,7 +151,7 @@ async def chat_stream(handle: RequestHandle, choices: list[ChatChoice], rid: str
             if body:
                 yield chunk(out.choice, body)
             if out.finished:
-                yield chunk(out.choice, {}, c.finish_reason)
+                yield chunk(out.choice, {}, c.finish_reason, c.extra)
         if include_usage:
             yield sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
                        "choices": [], "usage": usage(prompt_tokens, sum(c.tokens for c in choices),
@@ -165,9 +169,9 @@ async def completion_stream(handles: list[RequestHandle], choices: list[ChoiceTe
                             include_usage: bool) -> AsyncIterator[str]:
     """A text completion's SSE events (choice `k` is choice `k % n` of prompt `k // n`), as `chat_stream`."""
 
-    def chunk(index: int, text: str, finish: str | None = None) -> str:
+    def chunk(index: int, text: str, finish: str | None = None, extra: dict[str, Any] = {}) -> str:
         return chunk_sse(rid, "text_completion", created, model, include_usage,
-                         {"index": index, "text": text, "finish_reason": finish})
+                         {"index": index, "text": text, "finish_reason": finish, **extra})
 
     try:
         for k, text in enumerate(echo):
@@ -179,7 +183,7 @@ async def completion_stream(handles: list[RequestHandle], choices: list[ChoiceTe
             if text:
                 yield chunk(k, text)
             if out.finished:
-                yield chunk(k, "", choices[k].finish_reason)
+                yield chunk(k, "", choices[k].finish_reason, choices[k].extra)
         if include_usage:
             yield sse({"id": rid, "object": "text_completion", "created": created, "model": model,
                        "choices": [], "usage": usage(prompt_tokens, sum(c.tokens for c in choices),

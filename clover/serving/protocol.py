@@ -3,8 +3,10 @@
 Only the fields that change what Clover does are declared; unknown fields are ignored (as vLLM and SGLang do:
 agent frameworks send many optional fields). Declared fields are typed strictly — a string where a number
 belongs is a 400, not a silent coercion — and their bounds appear in the OpenAPI schema that the fuzz test reads.
-Clover's own options ride along as extra body fields (`block_size`, `threshold`, `rule`; and vLLM's `ignore_eos`,
-`top_k`, `repetition_penalty`), as in the `extra_body` of the official client;
+Clover's own options ride along as extra body fields (`block_size`, `threshold`, `rule`; vLLM's `ignore_eos`,
+`top_k`, `repetition_penalty`; llama.cpp's DRY `dry_multiplier`, `dry_base`, `dry_allowed_length`,
+`dry_penalty_last_n`, `dry_sequence_breakers`; the loop guard's `loop_guard_span`, `loop_guard_repeats`), as in the
+`extra_body` of the official client;
 `chat_template_kwargs.enable_thinking` switches the `<think>` block on.
 """
 
@@ -119,12 +121,29 @@ class SamplingFields(_Model):
     block_size: Annotated[StrictInt, Field(ge=1, le=256)] | None = None
     threshold: UnitFloat | None = None
     rule: Literal[tuple(sorted(RULES))] | None = None  # type: ignore[valid-type]  # an unmasking rule's name
+    # llama.cpp's DRY (off unless dry_multiplier > 0) and the loop guard (off unless loop_guard_span > 0)
+    dry_multiplier: Annotated[float, Field(ge=0.0, le=100.0, allow_inf_nan=False)] | None = None
+    dry_base: Annotated[float, Field(ge=1.0, le=100.0, allow_inf_nan=False)] | None = None
+    dry_allowed_length: Annotated[StrictInt, Field(ge=1, le=1024)] | None = None
+    dry_penalty_last_n: Annotated[StrictInt, Field(ge=-1)] | None = None
+    dry_sequence_breakers: Annotated[list[Annotated[Text, Field(min_length=1)]], Field(max_length=32)] | None = None
+    loop_guard_span: Annotated[StrictInt, Field(ge=0, le=4096)] | None = None
+    loop_guard_repeats: Annotated[StrictInt, Field(ge=1, le=1024)] | None = None
     # vLLM's extension: always generate max_tokens (benchmarks); under a grammar, up to where it can only end
     ignore_eos: StrictBool = False
     # accepted for compatibility, ignored: they have no meaning for this server
     user: Text | None = None
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+
+    def repetition(self) -> dict[str, Any]:
+        """The DRY and loop-guard fields the request set, as `SamplingParams` keywords."""
+        names = ("dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n", "dry_sequence_breakers",
+                 "loop_guard_span", "loop_guard_repeats")
+        given = {name: getattr(self, name) for name in names if getattr(self, name) is not None}
+        if "dry_sequence_breakers" in given:
+            given["dry_sequence_breakers"] = tuple(given["dry_sequence_breakers"])
+        return given
 
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:

@@ -173,7 +173,8 @@ class ServedModel:
                 temperature=self.temperature if req.temperature is None else req.temperature,
                 top_p=self.top_p if req.top_p is None else req.top_p, top_k=req.top_k or 0,
                 repetition_penalty=req.repetition_penalty or 1.0,
-                seed=None if req.seed is None else (req.seed + i) % 2**64, stop=stops) for i in range(req.n)]
+                seed=None if req.seed is None else (req.seed + i) % 2**64, stop=stops, **req.repetition())
+                for i in range(req.n)]
         except ValueError as exc:
             raise APIError(400, str(exc), code="invalid_value") from exc
 

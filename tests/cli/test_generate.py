@@ -50,6 +50,28 @@ def test_cli_generate_json(checkpoint: Path, capsys) -> None:
     assert "step" in capsys.readouterr().err
 
 
+def test_cli_generate_repetition_options(checkpoint: Path, capsys) -> None:
+    """DRY and the loop guard are on by default (docs/decoding.md "Repetition"); `--dry-multiplier 0 --loop-guard 0`
+    gives the model's own tokens; the guard's cut reports finish_reason "repetition"; a bad value is an error."""
+    from clover.cli.main import main
+    from clover.engine.repetition import RepeatGuard
+
+    def run(*flags: str) -> dict:
+        assert main(["generate", "hello", "--model", str(checkpoint), "--max-new-tokens", "40", "--json",
+                     "--block-size", "1", "--threads", "1", *flags]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    off = run("--dry-multiplier", "0", "--loop-guard", "0")
+    strong = run("--dry-multiplier", "4", "--dry-allowed-length", "1", "--dry-sequence-breaker", "", "--loop-guard", "0")
+    assert strong["token_ids"] != off["token_ids"]
+    guard = RepeatGuard(2, 1)
+    cut = next(i + 1 for i, t in enumerate(off["token_ids"]) if guard.feed(t))  # the tiny model repeats a pair
+    guarded = run("--dry-multiplier", "0", "--loop-guard", "2", "--loop-guard-repeats", "1")
+    assert guarded["token_ids"] == off["token_ids"][:cut] and guarded["finish_reason"] == "repetition"
+    assert main(["generate", "hello", "--model", str(checkpoint), "--dry-base", "0.5", "--threads", "1"]) != 0
+    assert "dry_base must be" in capsys.readouterr().err
+
+
 def test_cli_generate_uses_the_chat_template_unless_told_not_to(checkpoint: Path, capsys) -> None:
     from clover.cli.main import main
 

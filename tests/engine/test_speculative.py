@@ -205,7 +205,20 @@ def test_bad_inputs_are_clear_errors() -> None:
         with pytest.raises(ValueError, match=match):
             verify(sampler, *args)
     verify(sampler, logits.clone(), torch.tensor([[0, 1], [1, -1]]), k)  # padding past k may hold anything
-    penalised = BatchSampler([SamplingParams(temperature=1.0, repetition_penalty=1.2)] * 2, V, banned=BANNED)
-    for call in (lambda: verify(penalised, logits, drafts, k), lambda: target_probs(penalised, logits)):
-        with pytest.raises(ValueError, match="repetition_penalty"):
-            call()
+
+
+def test_a_penalty_judges_each_position_after_the_drafts_before_it() -> None:
+    """Position `i` is used only if drafts `1..i` are accepted: its repetition penalty and DRY count them as seen,
+    as sampling one token at a time would after committing them."""
+    params = SamplingParams(temperature=1.0, repetition_penalty=1.5, dry_multiplier=0.8, dry_allowed_length=1,
+                            dry_sequence_breakers=())
+    history, drafts = [1, 2, 1], [2, 3]
+    logits = torch.randn(1, 3, V)
+    sampler = BatchSampler([params], V, banned=BANNED)
+    sampler.observe([history])
+    probs = target_probs(sampler, logits.clone(), [drafts])
+    for i in range(3):
+        alone = BatchSampler([params], V, banned=BANNED)
+        alone.observe([history + drafts[:i]])
+        assert torch.allclose(probs[0, i], target_probs(alone, logits[:, i:i + 1].clone())[0, 0], atol=1e-6)
+    assert not torch.allclose(probs[0, 1], probs[0, 2])

@@ -96,6 +96,32 @@ def test_decoding_options_per_request(client, reference):
     assert r.choices[0].message.content == reference(msgs, 16, block_size=1)[0].strip()
 
 
+def test_dry_and_the_loop_guard_as_extra_body_fields(client, reference, server):
+    """llama.cpp's DRY fields and the loop guard's reach the engine; an answer the guard ended is OpenAI's "stop"
+    with `stop_reason: "repetition"`, streamed or not."""
+    msgs = _user("Count: one two three.")
+    dry = {"dry_multiplier": 3.0, "dry_base": 2.0, "dry_allowed_length": 1, "dry_sequence_breakers": []}
+    text = reference(msgs, 40, **dry)[0]
+    assert text != reference(msgs, 40)[0]  # DRY changes the answer
+    r = client.chat.completions.create(model=NAME, messages=msgs, max_tokens=40, extra_body=dry)
+    assert r.choices[0].message.content == text.strip()
+    fields = {"loop_guard_span": 2, "loop_guard_repeats": 1}
+    text, _, stats = reference(msgs, 40, **fields)
+    assert stats["finish_reason"] == "repetition"  # the tiny model repeats a pair of tokens within 40
+    r = client.chat.completions.create(model=NAME, messages=msgs, max_tokens=40, extra_body=fields)
+    assert r.choices[0].message.content == text.strip()
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].model_extra["stop_reason"] == "repetition"
+    chunks = list(client.chat.completions.create(model=NAME, messages=msgs, max_tokens=40, extra_body=fields,
+                                                 stream=True))
+    last = [c for c in chunks if c.choices and c.choices[0].finish_reason][-1].choices[0]
+    assert last.finish_reason == "stop" and last.model_extra["stop_reason"] == "repetition"
+    plain = client.chat.completions.create(model=NAME, messages=msgs, max_tokens=40)
+    assert "stop_reason" not in plain.choices[0].model_extra  # OpenAI's semantics unless asked
+    bad = httpx.post(f"{server}/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
+                     json={"model": NAME, "messages": msgs, "dry_base": 0.5})
+    assert bad.status_code == 400 and "dry_base" in bad.text
+
+
 def test_chat_streaming_equals_non_streaming(client):
     msgs = _user("def add(x, y):")
     whole = client.chat.completions.create(model=NAME, messages=msgs, max_tokens=20)
