@@ -55,6 +55,8 @@ class Request:
     first_output_time: float | None = None
     end_time: float | None = None
     matcher: Matcher | None = None  # where the request is in its grammar (`params.grammar`), if it has one
+    threshold: float | None = None  # a block rule's confidence threshold for this row (None: the engine's)
+    ignore_eos: bool = False  # the engine's EOS does not end it (it runs to `max_new_tokens`)
 
     @property
     def finished(self) -> bool:
