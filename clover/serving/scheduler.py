@@ -279,10 +279,11 @@ class Scheduler:
                 self._live[job.key] -= 1
                 if not self._live[job.key]:
                     del self._live[job.key]
+                    self._evict_idle()
 
     def _make_engine(self, key: EngineKey) -> Engine:
         """The engine of `key`, made now if there is none (scheduler thread: exact mode's calibration runs the
-        model); idle engines beyond `MAX_IDLE_ENGINES` are evicted, least recently asked for first."""
+        model)."""
         engine = self.engines.get(key)
         if engine is None:
             engine = Engine(self.runner, key[0], rule=key[1], **self.engine_options)
@@ -291,11 +292,16 @@ class Scheduler:
         with self._lock:
             self.engines[key] = engine
             self.engines.move_to_end(key)
-            idle = [k for k in self.engines if k != self.default_key and k != key and not self._live[k]
-                    and k not in self.policy.batches]
-            for k in idle[:max(len(idle) - MAX_IDLE_ENGINES, 0)]:
-                del self.engines[k]
+            self._evict_idle()
         return engine
+
+    def _evict_idle(self) -> None:
+        """Keep at most `MAX_IDLE_ENGINES` engines without live requests, besides the default (under `_lock`,
+        scheduler thread); the least recently asked for go first."""
+        idle = [k for k in self.engines if k != self.default_key and not self._live[k]
+                and k not in self.policy.batches]
+        for k in idle[:max(len(idle) - MAX_IDLE_ENGINES, 0)]:
+            del self.engines[k]
 
 
 class _SettledFuture(asyncio.Future):
