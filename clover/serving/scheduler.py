@@ -31,7 +31,7 @@ context and slots are touched from one thread).
 
 Backpressure: at most `max_running` sequences decode at once and at most `max_waiting` more wait; `submit`
 raises `QueueFull` beyond that (the server answers 429). Results cross to asyncio through
-`loop.call_soon_threadsafe` into a per-request queue (`handles.py`).
+`loop.call_soon_threadsafe` into per-request queues, once per iteration for all of them (`handles.Outbox`).
 
 This module is the thread and its inbox; what each iteration does with the queues and batches is the policy,
 `scheduler_policy.py`, plain code testable without threads. Metrics are recorded through `metrics.py`.
@@ -54,7 +54,7 @@ from clover.engine.decision import Decision, DecisionRun
 from clover.engine.exact import ExactLoop
 from clover.runners.base import ModelRunner
 from clover.runners.torch_runner import as_runner
-from clover.serving.handles import RequestHandle
+from clover.serving.handles import Outbox, RequestHandle
 from clover.serving.metrics import ServerMetrics
 from clover.serving.prefix_cache import PrefixCache
 from clover.serving.scheduler_policy import DecisionJob, EngineKey, Job, SchedulePolicy
@@ -99,6 +99,7 @@ class Scheduler:
         self.engines: OrderedDict[EngineKey, Engine] = OrderedDict()  # least recently asked for first
         self._live: Counter[EngineKey] = Counter()  # sequences submitted per engine and not finished
         self.policy = SchedulePolicy(self.engines, prefix_cache, max_running, self.metrics, self._release)
+        self.outbox = Outbox()  # the handles' results of an iteration, delivered at its end
         self._ids = itertools.count()
         self._lock = threading.Condition()
         self._inbox: list[Job] = []
@@ -253,6 +254,7 @@ class Scheduler:
                     self.policy.join_ready()
                     self.policy.step_batches()
                     self.policy.step_decisions()
+                self.outbox.flush()
                 self.metrics.record_load(self.load, self.prefix_cache)
         except BaseException as exc:  # a bug: fail every request rather than hang them
             logger.exception("scheduler loop died")
@@ -271,6 +273,7 @@ class Scheduler:
             for job in pending:  # never reached the policy
                 job.handle._deliver(failure)
                 self._release(job)
+            self.outbox.flush()
 
     def _release(self, job: Job | DecisionJob) -> None:  # it left the policy (finished, failed or cancelled)
         with self._lock:
