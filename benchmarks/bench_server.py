@@ -118,16 +118,17 @@ def build_checkpoint(preset: str, directory: Path) -> Path:
 class Server:
     """`clover serve` in a subprocess on a free port; stopped on exit."""
 
-    def __init__(self, model: Path | None, threads: int, *args: str) -> None:
+    def __init__(self, model: Path | None, threads: int | None, *args: str) -> None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(ROOT)}
+        env = {**os.environ, "PYTHONPATH": str(ROOT), **({"OMP_NUM_THREADS": str(threads)} if threads else {})}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "clover.cli.main", "serve", *(["--model", str(model)] if model else []),
              "--port", str(self.port),
-             "--served-model-name", "bench", "--threads", str(threads), "--log-level", "warning", *args],
+             "--served-model-name", "bench", *(["--threads", str(threads)] if threads else []), "--log-level",
+             "warning", *args],
             env=env, cwd=ROOT)
 
     def memory_mib(self) -> tuple[float, float] | None:

@@ -29,6 +29,7 @@ block joins the cache).
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,6 +57,7 @@ class BlockBatch:
     # or fewer once a stop string is complete in the block's decided prefix
     forwards: torch.Tensor  # [N] forwards that fed this row's steps in this block (a step may need none)
     head: torch.Tensor  # [N] the block's first positions that hold prompt tokens (an "absolute" grid's first block)
+    rule: UnmaskingRule  # the rule with each row's threshold (`BlockLoop.rule_for`)
     step_index: int = 0
     needed: torch.Tensor | None = None  # [N, B] `_needed` as the last step left it; None on a fresh block
 
@@ -110,7 +112,21 @@ class BlockLoop(DecodingLoop):
         sampler = BatchSampler([s.params for s in seqs], e.vocab_size, e.banned_ids, e.device, e.breakers)
         sampler.observe([s.prompt for s in seqs])
         zeros = torch.zeros(n, dtype=torch.long, device=e.device)
-        return BlockBatch(seqs, cache, sampler, block, logits, zeros, limit, zeros + 1, head)
+        return BlockBatch(seqs, cache, sampler, block, logits, zeros, limit, zeros + 1, head, self.rule_for(seqs))
+
+    def rule_for(self, seqs: list[Request]) -> UnmaskingRule:
+        """The engine's rule, or a copy of it whose `threshold` is `[N, 1]`, one per row, when the rows ask for
+        different ones: every rule compares confidences `[N, B]` with its threshold by broadcasting, so each row
+        is decided exactly as it would be alone (options per request, one batch: as vLLM keeps sampling settings
+        per sequence)."""
+        if "threshold" not in getattr(self.rule, "__dataclass_fields__", {}):
+            return self.rule  # a rule without a threshold (top_k_per_step): the requests' thresholds do not apply
+        own = [self.rule.threshold if s.threshold is None else s.threshold for s in seqs]
+        if all(t == self.rule.threshold for t in own):
+            return self.rule
+        rule = copy.copy(self.rule)  # not `dataclasses.replace`: its check takes one float
+        rule.threshold = torch.tensor(own, dtype=torch.float32, device=self.engine.device)[:, None]
+        return rule
 
     def _open_block(self, ids: torch.Tensor | None, block: torch.Tensor, head: torch.Tensor, cache: RunnerCache,
                     limit: torch.Tensor, **kwargs: Any) -> torch.Tensor:
@@ -150,7 +166,7 @@ class BlockLoop(DecodingLoop):
                           BatchSampler.concat([b.sampler, new.sampler]), torch.cat([b.block, new.block]),
                           torch.cat([b.logits, new.logits]), torch.cat([b.steps, new.steps]),
                           torch.cat([b.limit, new.limit]), torch.cat([b.forwards, new.forwards]),
-                          torch.cat([b.head, new.head]), 0)
+                          torch.cat([b.head, new.head]), self.rule_for(b.seqs + new.seqs), 0)
 
     def keep_rows(self, b: BlockBatch, keep: list[int]) -> None:
         idx = torch.tensor(keep, dtype=torch.long, device=self.engine.device)
@@ -159,20 +175,23 @@ class BlockLoop(DecodingLoop):
         b.sampler.select(keep)
         b.block, b.steps, b.limit, b.logits = b.block[idx], b.steps[idx], b.limit[idx], b.logits[idx]
         b.forwards, b.head = b.forwards[idx], b.head[idx]
+        b.rule = self.rule_for(b.seqs)
         if b.needed is not None:
             b.needed = b.needed[idx]
 
     # -- the block loop --------------------------------------------------------------------------------
-    def _needed(self, block: torch.Tensor, limit: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
+    def _needed(self, b: BlockBatch) -> torch.Tensor:
         """`[N, B]`: masked positions that can still count — before the row's `limit` (a block cut by
-        `max_new_tokens`) and before the first decided EOS (what follows an EOS is dropped; the prompt tokens of a
-        block's `head` are not output). Only these are candidates for a step, so no step is ever spent on a token
-        that would be thrown away."""
+        `max_new_tokens`) and before the first decided EOS (what follows an EOS is dropped, in rows that heed it;
+        the prompt tokens of a block's `head` are not output). Only these are candidates for a step, so no step is
+        ever spent on a token that would be thrown away."""
         e = self.engine
-        masked = block == e.mask_id
-        need = limit
+        masked = b.block == e.mask_id
+        need = b.limit
         if e.eos_ids:
-            need = through_eos(block, e.eos, limit, where=~masked & (self._positions[None] >= head[:, None]))
+            where = ~masked & (self._positions[None] >= b.head[:, None])
+            heeds = e.heeds_eos(b.seqs)
+            need = through_eos(b.block, e.eos, b.limit, where=where if heeds is None else where & heeds[:, None])
         return masked & (self._positions[None] < need[:, None])
 
     def step(self, b: BlockBatch, snapshots: bool = False) -> tuple[list[Event], BlockBatch | None]:
@@ -180,10 +199,10 @@ class BlockLoop(DecodingLoop):
         e = self.engine
         logits = b.logits.clone()  # the sampler consumes its input
         # the previous step's check of what is still needed is this step's candidates: one `_needed` per step
-        candidates = b.needed if b.needed is not None else self._needed(b.block, b.limit, b.head)
+        candidates = b.needed if b.needed is not None else self._needed(b)
         active = candidates.any(1)  # rows whose block is final sit this step out
         tokens, confidence = b.sampler(logits, active, self._extension(b))
-        accept = self.rule.select(tokens, confidence, candidates)
+        accept = b.rule.select(tokens, confidence, candidates)
         b.block = torch.where(accept, tokens, b.block)
         b.sampler.observe_block(tokens, accept)
         b.steps += active
@@ -192,7 +211,7 @@ class BlockLoop(DecodingLoop):
         events: list[Event] = self._snapshots(b, accept, active) if snapshots else []
         self._stop_early(b, active)
 
-        b.needed = self._needed(b.block, b.limit, b.head)
+        b.needed = self._needed(b)
         if bool(b.needed.any()):
             # with the shift, query output p - 1 predicts position p: recompute it only where p is still needed;
             # position 0's prediction comes from the committed tokens and stays valid, so it alone needs no
@@ -238,7 +257,7 @@ class BlockLoop(DecodingLoop):
             prefix = block[r][head[r]: limit[r]]
             if e.mask_id in prefix:
                 prefix = prefix[: prefix.index(e.mask_id)]
-            cut = b.seqs[r].stop_cut(prefix, e.eos_ids, e.detokenize)
+            cut = b.seqs[r].stop_cut(prefix, e.eos_of(b.seqs[r]), e.detokenize)
             if cut is not None:
                 b.limit[r] = head[r] + cut
 

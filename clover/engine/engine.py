@@ -142,8 +142,13 @@ class Engine:
 
     # -- setup ----------------------------------------------------------------------------------------
     def make_sequences(self, prompts: Seq[Seq[int]], max_new_tokens: int,
-                       sampling: SamplingParams | Seq[SamplingParams]) -> list[Request]:
-        """Validated requests (`ValueError` naming the parameter otherwise), timed from now."""
+                       sampling: SamplingParams | Seq[SamplingParams], *, threshold: float | None = None,
+                       ignore_eos: bool = False) -> list[Request]:
+        """Validated requests (`ValueError` naming the parameter otherwise), timed from now. `threshold` (None:
+        the engine's) and `ignore_eos` (generate exactly `max_new_tokens`) are the requests' own: rows of one
+        batch may differ in them (a block rule reads each row's threshold; EOS ends only rows that heed it)."""
+        if threshold is not None and not 0.0 < threshold <= 1.0:
+            raise ValueError(f"threshold must be in (0, 1], got {threshold}")
         if len(prompts) == 0:
             raise ValueError("prompts is empty: give at least one prompt")
         params = [sampling] * len(prompts) if isinstance(sampling, SamplingParams) else list(sampling)
@@ -178,10 +183,24 @@ class Engine:
                 f"needs its positions in {unit}, within {where}; at most "
                 f"{max(room, 0)} new tokens fit")
         now = time.perf_counter()
-        return [Request(i, p, params[i], int(max_new_tokens), start_time=now,
-                        matcher=params[i].grammar.matcher(self.vocab_size, self.eos_ids,
-                                                          self.runner.config.eos_token_ids)
+        eos = [] if ignore_eos else self.eos_ids
+        return [Request(i, p, params[i], int(max_new_tokens), start_time=now, threshold=threshold,
+                        ignore_eos=bool(ignore_eos),
+                        matcher=params[i].grammar.matcher(self.vocab_size, eos, self.runner.config.eos_token_ids)
                         if params[i].grammar is not None else None) for i, p in enumerate(prompts)]
+
+    def eos_of(self, seq: Request) -> list[int]:
+        """The ids that end `seq`: its grammar's (the model's, under ignore_eos: clover.engine.grammar), none under
+        `ignore_eos`, else the engine's."""
+        if seq.matcher is not None:
+            return seq.matcher.eos_ids
+        return [] if seq.ignore_eos else self.eos_ids
+
+    def heeds_eos(self, seqs: Seq[Request]) -> torch.Tensor | None:
+        """`[N]` bool: the rows an engine EOS ends (None when all do, the common case: no tensor built)."""
+        if not any(s.ignore_eos for s in seqs):
+            return None
+        return torch.tensor([not s.ignore_eos for s in seqs], dtype=torch.bool, device=self.device)
 
     # -- what the loops share -----------------------------------------------------------------------------
     def forward(self, ids: torch.Tensor | None, cache: RunnerCache, block_size: int | None = None,
@@ -204,9 +223,7 @@ class Engine:
         events: list[Event] = []
         keep = []
         for r, (seq, (tokens, steps, forwards)) in enumerate(zip(b.seqs, pieces)):
-            # a grammar's request ends on its matcher's EOS (the model's, under ignore_eos: clover.engine.grammar)
-            eos = seq.matcher.eos_ids if seq.matcher is not None else self.eos_ids
-            piece = seq.append_block(tokens, steps, forwards, eos, self.detokenize, now)
+            piece = seq.append_block(tokens, steps, forwards, self.eos_of(seq), self.detokenize, now)
             events.append(StreamPiece(seq.index, piece, len(seq.steps_per_block) - 1, seq.finished,
                                       seq.finish_reason, seq.stats() if seq.finished else None))
             if not seq.finished:

@@ -114,7 +114,7 @@ class ExactLoop(DecodingLoop):
                 "a model that predicts a masked position at that position has no next-token output there; use a "
                 "block rule (e.g. 'threshold')")
         self.rule = rule
-        self.cost = cost if cost is not None or not rule.adaptive else cost_table(engine.runner)
+        self.cost = cost  # measured by `calibrate`, on the thread that runs the model, before the first forward
         self.learns = cost is None  # a given table is the policy's whole cost model
         self.prior = list(getattr(engine.runner.config, "draft_acceptance", None) or []) or None
         self.overhead = 0.0  # seconds per step outside the runner, until a forward of a size has been timed
@@ -128,6 +128,13 @@ class ExactLoop(DecodingLoop):
         self.lookup_most = engine.block_size - 1  # drafts copied at most (longer did not pay: docs/decoding.md)
         self.lookup_tally = [0, 0, 0]  # forwards that verified drafts from the context, drafts accepted, verified
         self._positions = torch.arange(engine.block_size, device=engine.device)
+
+    def calibrate(self) -> None:
+        """Measure (or read) the runner's forward cost table, once: it runs real forwards, so it is called where
+        the model runs (the first `open`, or the server's scheduler thread when it makes the engine), never where
+        an engine is merely made."""
+        if self.cost is None and self.rule.adaptive:
+            self.cost = cost_table(self.engine.runner)
 
     def room(self, context: int, prompt_len: int, block_size: int) -> tuple[int, str]:
         # the last forward still carries a query block after at most B - 1 drafts
@@ -171,6 +178,7 @@ class ExactLoop(DecodingLoop):
     # -- the loop --------------------------------------------------------------------------------------
     def open(self, seqs: list[Request], ids: torch.Tensor, cache: RunnerCache, **kwargs: Any) -> ExactBatch:
         """The prefill's last chunk: it decides the first token (from the last prompt token) and drafts after it."""
+        self.calibrate()
         n, t = ids.shape
         e = self.engine
         sampler = BatchSampler([s.params for s in seqs], e.vocab_size, e.banned_ids, e.device, e.breakers)
@@ -204,7 +212,7 @@ class ExactLoop(DecodingLoop):
         if self.rule.lookup:
             self._look_up(b)
         k, m = self._plan(b.seqs, b.acceptance, b.n_drafts, b.cache.length + 1 + b.drafts.shape[1], b)
-        k = self._before_eos(b.drafts, k)
+        k = self._before_eos(b, k)
         feed = int(b.n_feed.max())
         width = int((b.n_feed + k).max())
         # per row: the tokens to feed (left-aligned), its k drafts, then padding
@@ -385,12 +393,13 @@ class ExactLoop(DecodingLoop):
         ks = [min(k, a) for a in usable]
         return ks, [min(want, max(left - kr - 2, 0)) for left, kr in zip(remaining, ks)]
 
-    def _before_eos(self, drafts: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-        """No draft after a drafted EOS is worth verifying (what follows an EOS is dropped)."""
+    def _before_eos(self, b: ExactBatch, k: torch.Tensor) -> torch.Tensor:
+        """No draft after a drafted EOS is worth verifying (what follows an EOS is dropped, in rows that heed it)."""
         e = self.engine
-        if not e.eos_ids or not drafts.shape[1]:
+        if not e.eos_ids or not b.drafts.shape[1]:
             return k
-        return through_eos(drafts, e.eos, k)
+        heeds = e.heeds_eos(b.seqs)
+        return through_eos(b.drafts, e.eos, k, where=None if heeds is None else heeds[:, None].expand_as(b.drafts))
 
     def _forward(self, ids: torch.Tensor, start: torch.Tensor, k: torch.Tensor, cache: RunnerCache,
                  sampler: BatchSampler, acceptance: list[Acceptance], drafts: int,

@@ -58,6 +58,8 @@ class Request:
     end_time: float | None = None
     matcher: Matcher | None = None  # where the request is in its grammar (`params.grammar`), if it has one
     guard: RepeatGuard | None = field(default=None, repr=False)  # the loop guard (`params.loop_guard_span`)
+    threshold: float | None = None  # a block rule's confidence threshold for this row (None: the engine's)
+    ignore_eos: bool = False  # the engine's EOS does not end it (it runs to `max_new_tokens`)
 
     def __post_init__(self) -> None:
         if self.guard is None and self.params.loop_guard_span:

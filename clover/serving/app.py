@@ -53,7 +53,7 @@ def create_app(model: torch.nn.Module | ModelRunner | str | Path, tokenizer: Any
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        server.scheduler.start()
+        await run_in_threadpool(server.scheduler.start)  # the default engine is made (calibrated) on its thread
         try:
             yield
         finally:

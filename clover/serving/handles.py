@@ -1,14 +1,21 @@
 """The asyncio side of a request: the scheduler thread delivers each committed block to its request's handle
-through `loop.call_soon_threadsafe`, and the event loop iterates the handle (or several, `merge`)."""
+through `loop.call_soon_threadsafe`, and the event loop iterates the handle (or several, `merge`); a non-streamed
+request's work is cancelled when its client disconnects (`until_disconnect`)."""
 
 from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, AsyncIterator
+from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, TypeVar
+
+from fastapi import Request
+
+from clover.serving.protocol import APIError
 
 if TYPE_CHECKING:
     from clover.serving.scheduler import Scheduler
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -25,8 +32,9 @@ class Output:
 class RequestHandle:
     """The asyncio side of a submitted request: iterate it for `Output`s of all its choices, in commit order.
 
-    An engine failure arrives as the exception itself. `cancel()` (e.g. when the client disconnects) frees the
-    request's slots at the scheduler's next iteration."""
+    An engine failure arrives as the exception itself, and cancels the request's other choices first (a failed
+    choice fails the request: its siblings must not decode on, holding slots). `cancel()` (e.g. when the client
+    disconnects) frees the request's slots at the scheduler's next iteration."""
 
     def __init__(self, scheduler: "Scheduler", request_id: int, n: int, loop: asyncio.AbstractEventLoop) -> None:
         self.scheduler, self.id, self.n, self.loop = scheduler, request_id, n, loop
@@ -36,10 +44,7 @@ class RequestHandle:
         self.done = False
 
     def _deliver(self, item: Output | BaseException) -> None:  # scheduler thread
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        except RuntimeError:  # the event loop is gone (shutdown)
-            pass
+        self.scheduler.outbox.put(self, item)
 
     def cancel(self) -> None:
         if not self.done:
@@ -50,13 +55,41 @@ class RequestHandle:
         while self.remaining:
             item = await self.queue.get()
             if isinstance(item, BaseException):
-                self.done = True
+                self.cancel()  # before `done` is set: the siblings still running leave their batch
                 raise item
             if item.finished:
                 self.remaining -= 1
             yield item
         self.done = True
 
+
+
+class Outbox:
+    """What one scheduler iteration delivered, handed to each event loop in one call at its end (`flush`): one
+    wake-up of the event loop per iteration, not one per request and block (16 streams: 16 wake-ups a step, each
+    taking the GIL from the model thread). Scheduler thread only."""
+
+    def __init__(self) -> None:
+        self.items: list[tuple[RequestHandle, Output | BaseException]] = []
+
+    def put(self, handle: RequestHandle, item: Output | BaseException) -> None:
+        self.items.append((handle, item))
+
+    def flush(self) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestHandle, Output | BaseException]]] = {}
+        for handle, item in self.items:
+            by_loop.setdefault(handle.loop, []).append((handle, item))
+        self.items = []
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # the event loop is gone (shutdown)
+                pass
+
+
+def _put_all(items: list[tuple[RequestHandle, Output | BaseException]]) -> None:  # event loop
+    for handle, item in items:
+        handle.queue.put_nowait(item)
 
 
 async def merge(handles: list[RequestHandle]) -> AsyncIterator[tuple[int, Output]]:
@@ -90,3 +123,25 @@ async def merge(handles: list[RequestHandle]) -> AsyncIterator[tuple[int, Output
         for t in tasks:
             t.cancel()
 
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def until_disconnect(request: Request, work: Awaitable[T]) -> asyncio.Task[T]:
+    """Run `work` (a non-streamed request's) to its end, done or failed (the finished task), or cancel it when the
+    client disconnects first: then a 499."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.create_task(_wait_for_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+    if task not in done:
+        raise APIError(499, "client disconnected", type="client_closed_request", code="client_closed_request")
+    return task

@@ -27,7 +27,12 @@ writes them back into a new row (`clover.runners.llamacpp`). At least one prompt
 (its logits start decoding).
 
 **Budget.** `budget_bytes` of KV and snapshots (storage shared between entries counted once where the runner can
-tell); least recently used entries are evicted first. One scheduler thread owns the store: it is not thread-safe.
+tell); least recently used entries are evicted first. The snapshots a prefill in flight has taken count too
+(`hold`): a long prompt on a hybrid model snapshots every grid point on its way (a 32k-token prompt at a 256-token
+grid, 128 of them: ~8 GB on the 35B preset), and they live until its prefill ends. Stored entries make room for
+them, and the prefill keeps at most a budget's worth (`SnapshotBudget`: it thins its earlier snapshots to every
+other one when the next would not fit, always keeping the newest). One scheduler thread owns the store: it is not
+thread-safe.
 """
 
 from __future__ import annotations
@@ -92,6 +97,7 @@ class PrefixCache:
         self.index: dict[int, dict[int, _Entry]] = {}  # chain hash at a resumable point -> entries
         self.stats = PrefixCacheStats()
         self.memory_bytes = 0
+        self.in_flight_bytes = 0  # snapshots held by prefills in flight (`hold`), not stored yet
 
     # -- what to snapshot while prefilling --------------------------------------------------------------------
     def last_point(self, prompt_len: int) -> int:
@@ -102,6 +108,13 @@ class PrefixCache:
         """Whether the prefill should snapshot the recurrent state after the chunk ending at `position`."""
         return self.recurrent and position > 0 and position % self.grid == 0 and (
             position % self.snapshot_interval == 0 or position == self.last_point(prompt_len))
+
+    def hold(self, nbytes: int) -> None:
+        """`nbytes` more (fewer, when negative) of snapshots held by prefills in flight; stored entries are evicted
+        (least recently used first) so that they and the store stay within the budget together."""
+        self.in_flight_bytes += nbytes
+        if nbytes > 0 and self.memory_bytes + self.in_flight_bytes > self.budget_bytes:
+            self._evict()
 
     # -- lookup -----------------------------------------------------------------------------------------------
     def lookup(self, tokens: list[int]) -> Reuse | None:
@@ -151,7 +164,7 @@ class PrefixCache:
         self.entries[id(entry)] = entry
         self.stats.inserts += 1
         self._recount()
-        if self.memory_bytes > self.budget_bytes:
+        if self.memory_bytes + self.in_flight_bytes > self.budget_bytes:
             self._evict()
 
     def _evict(self) -> None:
@@ -161,7 +174,7 @@ class PrefixCache:
         for entry in self.entries.values():
             for ptr in _storages(entry):
                 holders[ptr] = holders.get(ptr, 0) + 1
-        while self.memory_bytes > self.budget_bytes and self.entries:
+        while self.memory_bytes + self.in_flight_bytes > self.budget_bytes and self.entries:
             for ptr, nbytes in _storages(self._evict_oldest()).items():
                 holders[ptr] -= 1
                 if not holders[ptr]:
@@ -194,6 +207,53 @@ class PrefixCache:
         self.entries.clear()
         self.index.clear()
         self.memory_bytes = 0
+
+
+class SnapshotBudget:
+    """The snapshots one prefill takes on its way, counted against the store's budget (`PrefixCache.hold`): when
+    the next would not fit beside them, every other earlier one is dropped (the grid of resumable points
+    coarsens, the newest always kept) until it does; one larger than the whole budget is not kept."""
+
+    def __init__(self, store: PrefixCache) -> None:
+        self.store = store
+        self.taken: dict[int, int] = {}  # grid point -> bytes, of the snapshots this prefill took (held)
+
+    @property
+    def held_bytes(self) -> int:
+        return sum(self.taken.values())
+
+    def add(self, states: dict[int, Any], point: int, cache: RunnerCache) -> None:
+        """Snapshot `cache` at `point` into `states` (the prefill's snapshots), within the budget."""
+        snapshot = cache.snapshot()
+        nbytes = snapshot_bytes(cache, snapshot)
+        budget = self.store.budget_bytes
+        if nbytes > budget:
+            return
+        while self.taken and self.held_bytes + nbytes > budget:
+            for p in sorted(self.taken)[-2::-2]:  # every other one, counting back from the newest (kept)
+                states.pop(p, None)
+                self.store.hold(-self.taken.pop(p))
+            if len(self.taken) == 1 and self.held_bytes + nbytes > budget:  # only the newest was left
+                p = next(iter(self.taken))
+                states.pop(p, None)
+                self.store.hold(-self.taken.pop(p))
+        states[point] = snapshot
+        self.taken[point] = nbytes
+        self.store.hold(nbytes)
+
+    def release(self) -> None:
+        """The prefill ended (its snapshots stored with its entry, or dropped): they are no longer in flight."""
+        self.store.hold(-self.held_bytes)
+        self.taken.clear()
+
+
+def snapshot_bytes(cache: RunnerCache, snapshot: Any) -> int:
+    """Bytes `snapshot` holds beyond `cache` itself (0 where the runner cannot tell, or has no recurrent state)."""
+    storages = getattr(cache, "storages", None)
+    if snapshot is None or storages is None:
+        return 0
+    own = storages()
+    return sum(n for key, n in storages([snapshot]).items() if key not in own)
 
 
 def _storages(entry: _Entry) -> dict[Hashable, int]:

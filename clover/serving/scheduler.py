@@ -14,13 +14,24 @@ running while requests come and go:
         cancel:  a client that went away leaves the batch at once (`Engine.drop`), freeing its slot
 
 Prefill runs one chunk per iteration, between decode steps, so a long prompt never stalls the streams that
-are already running (chunked prefill, as in vLLM / SGLang). Requests with different `block_size`, `threshold`,
-`rule` or `ignore_eos` cannot share a lockstep batch: each combination has its own engine and batch, and an
-iteration steps all of them.
+are already running (chunked prefill, as in vLLM / SGLang).
+
+Options belong to requests: `threshold` and `ignore_eos` are per-row data of a running batch (the block loop
+compares each row's confidences with its own threshold; EOS ends only the rows that heed it), so they never
+split a batch. `block_size` and `rule` pick the loop itself (a block rule's denoising steps and exact mode's
+verify forwards cannot share one forward), so requests differing in those have their own engine and batch: at
+most one per (block size, rule), and an iteration steps all of them. Engines are kept in a small LRU
+(`MAX_IDLE_ENGINES` without live requests beyond the default's): a client cycling through options cannot grow it.
+
+One owner of the model: engines are created (exact mode's calibration runs real forwards) and run only on this
+thread, at start (the default engine) or when a request asks for options no engine has yet (an order in the
+inbox; the request's coroutine awaits it, the event loop does not stall). Every runner call, llama.cpp's
+included, is made here, so no two forwards ever overlap (a gated adapter's per-forward state, llama.cpp's
+context and slots are touched from one thread).
 
 Backpressure: at most `max_running` sequences decode at once and at most `max_waiting` more wait; `submit`
 raises `QueueFull` beyond that (the server answers 429). Results cross to asyncio through
-`loop.call_soon_threadsafe` into a per-request queue (`handles.py`).
+`loop.call_soon_threadsafe` into per-request queues, once per iteration for all of them (`handles.Outbox`).
 
 This module is the thread and its inbox; what each iteration does with the queues and batches is the policy,
 `scheduler_policy.py`, plain code testable without threads. Metrics are recorded through `metrics.py`.
@@ -33,20 +44,26 @@ import itertools
 import logging
 import threading
 import time
+from collections import Counter, OrderedDict
 from typing import Any, Callable, Sequence as Seq
 
 import torch
 
 from clover.engine import Engine, SamplingParams
 from clover.engine.decision import Decision, DecisionRun
+from clover.engine.exact import ExactLoop
 from clover.runners.base import ModelRunner
 from clover.runners.torch_runner import as_runner
-from clover.serving.handles import RequestHandle
+from clover.serving.handles import Outbox, RequestHandle
 from clover.serving.metrics import ServerMetrics
 from clover.serving.prefix_cache import PrefixCache
 from clover.serving.scheduler_policy import DecisionJob, EngineKey, Job, SchedulePolicy
 
 logger = logging.getLogger(__name__)
+
+MAX_IDLE_ENGINES = 8  # engines kept without live requests (besides the default's): created again when asked for
+
+Settle = Callable[[Any], None]  # delivers a result (or an exception) to an awaiting coroutine
 
 
 class QueueFull(Exception):
@@ -70,54 +87,67 @@ class Scheduler:
         if self.runner.max_rows is not None and max_running > self.runner.max_rows:
             raise ValueError(f"max_running={max_running} exceeds the {self.runner.name} runner's "
                              f"{self.runner.max_rows} rows (its max_rows)")
-        self.defaults = (block_size, threshold, rule)
-        self.engine_options = dict(eos_token_ids=eos_token_ids, vocab_limit=vocab_limit,
+        config = self.runner.config
+        self.default_threshold = config.threshold if threshold is None else float(threshold)
+        self.default_key = self.resolve(block_size, rule, config.block_size, config.rule)
+        self.engine_options = dict(threshold=threshold, eos_token_ids=eos_token_ids, vocab_limit=vocab_limit,
                                    detokenize=detokenize, prefill_chunk=prefill_chunk)
         self.prefix_cache = prefix_cache
         self.max_running, self.max_waiting = max_running, max_waiting
         self.metrics = metrics or ServerMetrics()
-        self.engines: dict[EngineKey, Engine] = {}
-        self._keys: dict[tuple[Any, ...], EngineKey] = {}  # options as asked -> the engine's resolved settings
+        # written on the scheduler thread only (under `_lock`); read by the event loop under `_lock`
+        self.engines: OrderedDict[EngineKey, Engine] = OrderedDict()  # least recently asked for first
+        self._live: Counter[EngineKey] = Counter()  # sequences submitted per engine and not finished
         self.policy = SchedulePolicy(self.engines, prefix_cache, max_running, self.metrics, self._release)
+        self.outbox = Outbox()  # the handles' results of an iteration, delivered at its end
         self._ids = itertools.count()
         self._lock = threading.Condition()
         self._inbox: list[Job] = []
         self._decision_inbox: list[DecisionJob] = []
+        self._orders: list[tuple[EngineKey, Settle]] = []  # engines asked for by the event loop
         self._cancelled: set[int] = set()
+        self._cancelled_decisions: set[int] = set()
         self._outstanding = 0  # sequences submitted and not finished (under _lock)
         self._stop = False
         self._thread: threading.Thread | None = None
-        self.error: BaseException | None = None  # set if the loop itself died
+        self._started = threading.Event()
+        self.error: BaseException | None = None  # set if the loop itself died (or the default engine was refused)
+
+    def resolve(self, block_size: int | None, rule: str | None, default_block: int | None = None,
+                default_rule: str | None = None) -> EngineKey:
+        """The engine a request with these options runs on (None: the server's default)."""
+        if default_block is None:
+            default_block, default_rule = self.default_key
+        return (default_block if block_size is None else int(block_size),
+                default_rule if rule is None else str(rule))
 
     # -- called from the event loop --------------------------------------------------------------------------
-    def engine(self, block_size: int | None = None, threshold: float | None = None, rule: str | None = None,
-               ignore_eos: bool = False) -> tuple[EngineKey, Engine]:
-        """The engine (and its key) decoding with these options (None: the server's default); created on first
-        use."""
-        asked = (self.defaults[0] if block_size is None else int(block_size),
-                 self.defaults[1] if threshold is None else float(threshold),
-                 self.defaults[2] if rule is None else str(rule), bool(ignore_eos))
+    async def engine(self, block_size: int | None = None, rule: str | None = None) -> tuple[EngineKey, Engine]:
+        """The engine (and its key) decoding with this block size and rule (None: the server's default). One not
+        made yet is made on the scheduler thread (its calibration runs the model there), awaited here. Raises
+        `ValueError` for options the engine refuses and `RuntimeError` when no loop will make it."""
+        key = self.resolve(block_size, rule)
         with self._lock:
-            if asked not in self._keys:
-                options = {**self.engine_options, **({"eos_token_ids": []} if ignore_eos else {})}
-                engine = Engine(self.runner, asked[0], asked[1], asked[2], **options)
-                # the settings the engine resolved (None: the model's defaults) are its key: a request naming the
-                # defaults shares the default requests' engine and batches
-                key = (engine.block_size, engine.threshold, engine.rule.name, bool(ignore_eos))
-                self.engines.setdefault(key, engine)
-                self._keys[asked] = key
-            key = self._keys[asked]
-            return key, self.engines[key]
+            engine = self.engines.get(key)
+            if engine is not None:
+                return key, engine
+            if self.error is not None or self._thread is None or self._stop:
+                raise RuntimeError("the scheduler is not running")
+            future = _SettledFuture(loop=asyncio.get_running_loop())
+            self._orders.append((key, future.settle))
+            self._lock.notify()
+        return key, await future
 
-    def submit(self, prompt: list[int], max_new_tokens: int, sampling: Seq[SamplingParams], *,
-               block_size: int | None = None, threshold: float | None = None, rule: str | None = None,
-               ignore_eos: bool = False) -> RequestHandle:
+    async def submit(self, prompt: list[int], max_new_tokens: int, sampling: Seq[SamplingParams], *,
+                     block_size: int | None = None, threshold: float | None = None, rule: str | None = None,
+                     ignore_eos: bool = False) -> RequestHandle:
         """Queue one prompt with one `SamplingParams` per choice. Raises `ValueError` for a request the engine
         refuses (it names the parameter), `QueueFull` when the server is at capacity and `RuntimeError` when no
-        loop will take it (not started, stopped or died: it would wait forever). `ignore_eos`: generate exactly
-        `max_new_tokens` (benchmarks)."""
-        key, engine = self.engine(block_size, threshold, rule, ignore_eos)
-        seqs = engine.make_sequences([prompt] * len(sampling), max_new_tokens, list(sampling))
+        loop will take it (not started, stopped or died: it would wait forever). `threshold` and `ignore_eos`
+        (generate exactly `max_new_tokens`: benchmarks) are the request's own: they never split a batch."""
+        key, engine = await self.engine(block_size, rule)
+        seqs = engine.make_sequences([prompt] * len(sampling), max_new_tokens, list(sampling),
+                                     threshold=threshold, ignore_eos=ignore_eos)
         handle = RequestHandle(self, next(self._ids), len(seqs), asyncio.get_running_loop())
         now = time.perf_counter()
         with self._lock:
@@ -126,33 +156,20 @@ class Scheduler:
             if self._outstanding + len(seqs) > self.max_running + self.max_waiting:
                 raise QueueFull(f"server at capacity ({self.max_running} running + {self.max_waiting} waiting)")
             self._outstanding += len(seqs)
+            self._live[key] += len(seqs)
             for choice, seq in enumerate(seqs):
                 seq.index = next(self._ids)
-                self._inbox.append(Job(handle, choice, seq, key, now))
+                self._inbox.append(Job(handle, choice, seq, key, now, engine))
             self._lock.notify()
         return handle
 
     def decide(self, run: DecisionRun) -> asyncio.Future[list[Decision]]:
         """Queue a decision run (its rows count against `max_running`); the future gets its decisions, or the
         exception a step raised. Raises like `submit` when the server is at capacity or not running."""
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[list[Decision]] = loop.create_future()
-
-        def settle(outcome: list[Decision] | BaseException) -> None:  # event loop
-            if future.done():  # the request went away
-                return
-            if isinstance(outcome, BaseException):
-                future.set_exception(outcome)
-            else:
-                future.set_result(outcome)
-
-        def deliver(outcome: list[Decision] | BaseException) -> None:  # scheduler thread
-            try:
-                loop.call_soon_threadsafe(settle, outcome)
-            except RuntimeError:  # the event loop is gone (shutdown)
-                pass
-
-        job = DecisionJob(run, deliver)
+        future = _SettledFuture(loop=asyncio.get_running_loop())
+        job = DecisionJob(run, future.settle)
+        # a request that went away (its coroutine cancelled: the client left) stops its decision run
+        future.add_done_callback(lambda f: self.cancel_decision(job) if f.cancelled() else None)
         with self._lock:
             if self.error is not None or self._thread is None or self._stop:
                 raise RuntimeError("the scheduler is not running")
@@ -168,6 +185,12 @@ class Scheduler:
             self._cancelled.add(handle.id)
             self._lock.notify()
 
+    def cancel_decision(self, job: DecisionJob) -> None:
+        """Stop a decision run whose client went away (any thread; a finished run is left alone)."""
+        with self._lock:
+            self._cancelled_decisions.add(id(job))
+            self._lock.notify()
+
     @property
     def load(self) -> dict[str, int]:
         """Sequences per stage: the policy's, the inbox counted as waiting (read from any thread)."""
@@ -176,9 +199,13 @@ class Scheduler:
 
     # -- lifecycle ----------------------------------------------------------------------------------------------
     def start(self) -> None:
+        """Start the thread; it makes the default engine first (returns once made, raises what refused it)."""
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="clover-scheduler", daemon=True)
             self._thread.start()
+        self._started.wait()
+        if self.error is not None:
+            raise self.error
 
     def stop(self, timeout: float = 10.0) -> None:
         with self._lock:
@@ -194,24 +221,40 @@ class Scheduler:
     # -- the loop (scheduler thread) --------------------------------------------------------------------------
     def _loop(self) -> None:
         try:
+            try:
+                self._make_engine(self.default_key)
+            finally:
+                self._started.set()
             while True:
                 with self._lock:
                     while not (self._stop or self._inbox or self._decision_inbox or self._cancelled
-                               or self.policy.busy()):
+                               or self._cancelled_decisions or self._orders or self.policy.busy()):
                         self._lock.wait()
                     if self._stop:
                         break
                     new, self._inbox = self._inbox, []
                     decisions, self._decision_inbox = self._decision_inbox, []
                     cancelled, self._cancelled = self._cancelled, set()
+                    gone, self._cancelled_decisions = self._cancelled_decisions, set()
+                    orders, self._orders = self._orders, []
+                    for job in new:  # its engine was evicted after the request got it: it is back
+                        self.engines.setdefault(job.key, job.engine)
+                for key, settle in orders:
+                    try:
+                        settle(self._make_engine(key))
+                    except Exception as exc:  # noqa: BLE001 - options this engine refuses: that request's error
+                        settle(exc)
                 self.policy.add(new, decisions)
                 if cancelled:
                     self.policy.cancel(cancelled)
+                if gone:
+                    self.policy.cancel_decisions(gone)
                 with torch.inference_mode():
                     self.policy.prefill_once()
                     self.policy.join_ready()
                     self.policy.step_batches()
                     self.policy.step_decisions()
+                self.outbox.flush()
                 self.metrics.record_load(self.load, self.prefix_cache)
         except BaseException as exc:  # a bug: fail every request rather than hang them
             logger.exception("scheduler loop died")
@@ -230,7 +273,54 @@ class Scheduler:
             for job in pending:  # never reached the policy
                 job.handle._deliver(failure)
                 self._release(job)
+            self.outbox.flush()
 
     def _release(self, job: Job | DecisionJob) -> None:  # it left the policy (finished, failed or cancelled)
         with self._lock:
             self._outstanding -= job.rows
+            if isinstance(job, Job):
+                self._live[job.key] -= 1
+                if not self._live[job.key]:
+                    del self._live[job.key]
+                    self._evict_idle()
+
+    def _make_engine(self, key: EngineKey) -> Engine:
+        """The engine of `key`, made now if there is none (scheduler thread: exact mode's calibration runs the
+        model)."""
+        engine = self.engines.get(key)
+        if engine is None:
+            engine = Engine(self.runner, key[0], rule=key[1], **self.engine_options)
+            if isinstance(engine.loop, ExactLoop):
+                engine.loop.calibrate()
+        with self._lock:
+            self.engines[key] = engine
+            self.engines.move_to_end(key)
+            self._evict_idle()
+        return engine
+
+    def _evict_idle(self) -> None:
+        """Keep at most `MAX_IDLE_ENGINES` engines without live requests, besides the default (under `_lock`,
+        scheduler thread); the least recently asked for go first."""
+        idle = [k for k in self.engines if k != self.default_key and not self._live[k]
+                and k not in self.policy.batches]
+        for k in idle[:max(len(idle) - MAX_IDLE_ENGINES, 0)]:
+            del self.engines[k]
+
+
+class _SettledFuture(asyncio.Future):
+    """An asyncio future that the scheduler thread settles (`settle(result or exception)`); a future already
+    done (its request went away) is left alone."""
+
+    def settle(self, outcome: Any) -> None:  # scheduler thread
+        def apply() -> None:  # event loop
+            if self.done():
+                return
+            if isinstance(outcome, BaseException):
+                self.set_exception(outcome)
+            else:
+                self.set_result(outcome)
+
+        try:
+            self.get_loop().call_soon_threadsafe(apply)
+        except RuntimeError:  # the event loop is gone (shutdown)
+            pass

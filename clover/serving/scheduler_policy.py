@@ -11,7 +11,7 @@ requests join their batch, what a step commits, what a cancellation drops.
     drop:    cancelled requests leave the queue, the prefill, the ready list and their batch at once
     decide:  decision runs (`response_format`: a form filled by decision mode) start once their rows fit under
              `max_running` and take one forward each per iteration, between the batches' steps, on the same
-             thread: every runner (llama.cpp's too) is only ever called from it
+             thread: every runner (llama.cpp's too) is only ever called from it; a run whose client left stops
 
 `Scheduler` (`scheduler.py`) calls these from its thread, in that order, once per iteration; the capacity bound
 (`max_running` + `max_waiting`) is checked there, where requests arrive. A failure of one request (its prefill, or
@@ -32,11 +32,11 @@ from clover.engine.engine import DecodeBatch, Prefill
 from clover.engine.request import Request
 from clover.serving.handles import Output, RequestHandle
 from clover.serving.metrics import ServerMetrics
-from clover.serving.prefix_cache import PrefixCache
+from clover.serving.prefix_cache import PrefixCache, SnapshotBudget
 
 logger = logging.getLogger(__name__)
 
-EngineKey = tuple[int, float, str, bool]  # (block_size, threshold, rule, ignore_eos)
+EngineKey = tuple[int, str]  # (block_size, rule): what picks the loop; threshold and ignore_eos are per row
 GROUP_ROWS = 2048  # padded prompt rows of one grouped prefill forward (bounds its activation memory)
 
 
@@ -49,8 +49,10 @@ class Job:
     seq: Request
     key: EngineKey  # which engine / batch
     arrival: float
+    engine: Engine  # the engine of `key` that validated it (kept: an idle engine may be evicted meanwhile)
     prefill: Prefill | None = None
-    states: dict[int, Any] = field(default_factory=dict)  # prefix-cache snapshots taken so far
+    states: dict[int, Any] = field(default_factory=dict)  # prefix-cache snapshots taken so far (and inherited)
+    snapshots: SnapshotBudget | None = None  # those it took, held against the prefix cache's budget
     rows = 1  # cache rows (and sequences) it holds
 
 
@@ -163,12 +165,14 @@ class SchedulePolicy:
         done, total = job.prefill.done, len(job.seq.prompt)
         caches = self.prefix_cache is not None and engine.prompt_grid == 1  # (see the lookup above)
         if caches and self.prefix_cache.wants_snapshot(done, total):
-            job.states[done] = job.prefill.cache.snapshot()
+            job.snapshots = job.snapshots or SnapshotBudget(self.prefix_cache)
+            job.snapshots.add(job.states, done, job.prefill.cache)
         if batch is None:
             return
         self.prefilling = None
         if caches:
             before = self.prefix_cache.stats.evictions
+            self._release_snapshots(job)  # stored with the entry (counted there) from now on
             self.prefix_cache.insert(job.seq.prompt, job.prefill.cache, job.states)
             self.metrics.prefix_cache_evictions.inc(self.prefix_cache.stats.evictions - before)
         job.prefill, job.states = None, {}
@@ -239,6 +243,14 @@ class SchedulePolicy:
         job.deliver(outcome)
         self.released(job)
 
+    def cancel_decisions(self, gone: set[int]) -> None:
+        """Stop the decision runs whose `id()` is in `gone` (their clients left): waiting or running, their rows
+        are freed at once; a run already ended is not there any more."""
+        for job in [j for j in [*self.decisions_waiting, *self.deciding] if id(j) in gone]:
+            if job in self.decisions_waiting:
+                self.decisions_waiting.remove(job)
+            self.end_decision(job, RuntimeError("the client went away"))
+
     def cancel(self, request_ids: set[int]) -> None:
         gone = {i for i, job in self.jobs.items() if job.handle.id in request_ids}
         if not gone:
@@ -264,8 +276,15 @@ class SchedulePolicy:
             self._forget(self.jobs[i])
 
     def _forget(self, job: Job) -> None:
+        self._release_snapshots(job)
         self.jobs.pop(job.seq.index, None)
         self.released(job)
+
+    @staticmethod
+    def _release_snapshots(job: Job) -> None:
+        if job.snapshots is not None:
+            job.snapshots.release()
+            job.snapshots = None
 
     def fail(self, job: Job, exc: BaseException) -> None:
         job.handle._deliver(exc)

@@ -30,7 +30,7 @@ from clover.engine import SamplingParams
 from clover.model import CloverForBlockDiffusion
 from clover.runners.base import ModelRunner
 from clover.runners.torch_runner import as_runner
-from clover.serving.handles import Output, RequestHandle, merge
+from clover.serving.handles import Output, RequestHandle, merge, until_disconnect
 from clover.serving.metrics import ServerMetrics
 from clover.serving.openai_format import (ChatChoice, ChoiceText, chat_body, chat_stream, completion_body,
                                           completion_stream, usage)
@@ -98,13 +98,6 @@ class LockedTokenizer:
         return len(self.tokenizer)
 
 
-async def _wait_for_disconnect(request: Request) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
 # -- the server ----------------------------------------------------------------------------------------------------
 class ServedModel:
     """One served model: its tokenizer and scheduler, and what turns a request into engine work and back."""
@@ -127,12 +120,13 @@ class ServedModel:
             prefix_cache = PrefixCache(options.prefill_chunk, options.prefix_cache_bytes,
                                        recurrent=config.has_linear_attention,
                                        snapshot_interval=options.prefix_snapshot_interval)
+        # the default engine (its block size, threshold and rule checked) is made when the scheduler starts, on
+        # its thread
         self.scheduler = Scheduler(
             self.runner, block_size=options.block_size, threshold=options.threshold, rule=options.rule,
             eos_token_ids=eos, vocab_limit=len(self.tokenizer), detokenize=self.tokenizer.decode,
             prefill_chunk=options.prefill_chunk, prefix_cache=prefix_cache, max_running=options.max_running,
             max_waiting=options.max_waiting, metrics=self.metrics)
-        self.scheduler.engine()  # validate the defaults (block size, threshold, rule) now, not at a request
         self.created = int(time.time())
 
     # -- request -> engine ---------------------------------------------------------------------------------
@@ -145,11 +139,16 @@ class ServedModel:
             raise APIError(404, f"the model {name!r} does not exist; this server serves "
                                 f"{' or '.join(map(repr, self.model_names))}", param="model", code="model_not_found")
 
-    def max_new_tokens(self, requested: int | None, prompt_len: int, block_size: int | None, rule: str | None,
-                       param: str, prompt_param: str) -> int:
+    async def max_new_tokens(self, requested: int | None, prompt_len: int, block_size: int | None,
+                             rule: str | None, param: str, prompt_param: str) -> int:
         """`max_tokens` checked against the context (or, when not given, all the room the context leaves), as the
         engine's loop counts the positions it needs (`DecodingLoop.room`)."""
-        _, engine = self.scheduler.engine(block_size, None, rule)
+        try:
+            _, engine = await self.scheduler.engine(block_size, rule)
+        except ValueError as exc:
+            raise APIError(400, str(exc), code="invalid_value") from exc
+        except RuntimeError as exc:
+            raise APIError(503, str(exc), type="server_error", code="unavailable") from exc
         room, unit = engine.loop.room(self.context, prompt_len, engine.block_size)
         if room < 1:
             raise APIError(400, f"the prompt has {prompt_len} tokens; this model's context is {self.context} tokens "
@@ -182,11 +181,12 @@ class ServedModel:
         with self.tokenizer.lock:
             return request_grammar(req, self.tokenizer.tokenizer)
 
-    def submit(self, prompt: list[int], max_new: int, sampling: list[SamplingParams],
-               req: SamplingFields, rule: str | None = None) -> RequestHandle:
+    async def submit(self, prompt: list[int], max_new: int, sampling: list[SamplingParams],
+                     req: SamplingFields, rule: str | None = None) -> RequestHandle:
         try:
-            return self.scheduler.submit(prompt, max_new, sampling, block_size=req.block_size,
-                                         threshold=req.threshold, rule=rule or req.rule, ignore_eos=req.ignore_eos)
+            return await self.scheduler.submit(prompt, max_new, sampling, block_size=req.block_size,
+                                               threshold=req.threshold, rule=rule or req.rule,
+                                               ignore_eos=req.ignore_eos)
         except QueueFull as exc:
             raise APIError(429, f"{exc}; retry later", type="rate_limit_error", code="server_busy") from exc
         except ValueError as exc:
@@ -217,7 +217,7 @@ class ServedModel:
         self.check_model(req.model)
         path = route(req)
         if path == "decision":  # structured outputs in the form subset: decision decoding (structured.py)
-            return await decision_response(self, req)
+            return await decision_response(self, req, request)
         sampling = self.sampling(req)
         rule = req.rule
         if path == "grammar":  # grammar-constrained decoding, in exact mode (grammar_route.py)
@@ -226,8 +226,9 @@ class ServedModel:
             rule = rule or "exact"
         ids, forced, thinking, tools = await run_in_threadpool(self.chat_prompt, req, path == "grammar")
         param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
-        max_new = self.max_new_tokens(req.max_new_tokens(), len(ids), req.block_size, rule, param, "messages")
-        handle = self.submit(ids, max_new, sampling, req, rule)
+        max_new = await self.max_new_tokens(req.max_new_tokens(), len(ids), req.block_size, rule, param,
+                                            "messages")
+        handle = await self.submit(ids, max_new, sampling, req, rule)
         stops = req.stop_strings()
         choices = [ChatChoice(self.tokenizer.decode, stops, thinking, tools, forced) for _ in range(req.n)]
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
@@ -264,13 +265,13 @@ class ServedModel:
                            code="unsupported_parameter")
         sampling = self.sampling(req)
         prompts = await run_in_threadpool(self.completion_prompts, req)
-        max_news = [self.max_new_tokens(req.max_new_tokens(), len(ids), req.block_size, req.rule, "max_tokens",
-                                        "prompt")
+        max_news = [await self.max_new_tokens(req.max_new_tokens(), len(ids), req.block_size, req.rule,
+                                              "max_tokens", "prompt")
                     for ids, _ in prompts]
         handles: list[RequestHandle] = []
         try:
             for (ids, _), max_new in zip(prompts, max_news):
-                handles.append(self.submit(ids, max_new, sampling, req))
+                handles.append(await self.submit(ids, max_new, sampling, req))
         except APIError:
             for h in handles:
                 h.cancel()
@@ -306,18 +307,11 @@ class ServedModel:
             async for i, out in merge(handles):
                 take(i, out)
 
-        work = asyncio.create_task(consume())
-        watch = asyncio.create_task(_wait_for_disconnect(request))
         try:
-            done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+            work = await until_disconnect(request, consume())
         finally:
-            watch.cancel()
-            if not work.done():
-                work.cancel()
-                for h in handles:
-                    h.cancel()
-        if work not in done:
-            raise APIError(499, "client disconnected", type="client_closed_request", code="client_closed_request")
+            for h in handles:  # a no-op for a finished handle; frees what still runs after a failure or a departure
+                h.cancel()
         exc = work.exception()
         if exc is not None:
             logger.error("generation failed: %s", exc)
@@ -331,11 +325,20 @@ def load(directory: str | Path) -> tuple[torch.nn.Module, Any, dict[str, Any]]:
 
 
 def read_generation_defaults(directory: Path | None) -> dict[str, Any]:
-    """A checkpoint's generation_config.json (sampling defaults such as `temperature`), or {}."""
+    """A checkpoint's generation_config.json (sampling defaults such as `temperature`), or {} when it has none.
+    One that cannot be read, or is not a JSON object, is an error naming the file: serving it as greedy decoding
+    would silently change what the checkpoint asks for."""
     path = directory / "generation_config.json" if directory is not None else None
     if path is None or not path.is_file():
         return {}
     try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        return {}
+        defaults = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path}: not a readable JSON file ({exc})") from exc
+    if not isinstance(defaults, dict):
+        raise ValueError(f"{path}: expected a JSON object of generation defaults, got {type(defaults).__name__}")
+    for name in ("temperature", "top_p"):
+        value = defaults.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise ValueError(f"{path}: {name} must be a number, got {value!r}")
+    return defaults

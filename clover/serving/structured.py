@@ -21,11 +21,13 @@ import time
 import uuid
 from typing import Any
 
+from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from clover.engine.decision import DecisionRun
 from clover.engine.form import Form, FormError, parse_form
+from clover.serving.handles import until_disconnect
 from clover.serving.openai_format import sse, usage as usage_of
 from clover.serving.protocol import APIError, ChatCompletionRequest
 from clover.serving.scheduler import QueueFull
@@ -54,11 +56,12 @@ def check_form(req: ChatCompletionRequest) -> Form:
     return form
 
 
-async def decision_response(server: Any, req: ChatCompletionRequest) -> Response:
-    """The chat completion for a request with `response_format` (`server`: the app's `ServedModel`)."""
+async def decision_response(server: Any, req: ChatCompletionRequest, request: Request) -> Response:
+    """The chat completion for a request with `response_format` (`server`: the app's `ServedModel`). A client
+    that leaves before the decision is made stops it (its rows are freed), as a generation's does."""
     form = check_form(req)
     messages = [m.to_template() for m in req.messages]
-    threshold = req.threshold if req.threshold is not None else server.scheduler.engine()[1].threshold
+    threshold = req.threshold if req.threshold is not None else server.scheduler.default_threshold
 
     def prepare() -> DecisionRun:
         with server.tokenizer.lock:
@@ -68,7 +71,7 @@ async def decision_response(server: Any, req: ChatCompletionRequest) -> Response
 
     try:
         run = await run_in_threadpool(prepare)
-        result = (await server.scheduler.decide(run))[0]
+        result = (await until_disconnect(request, server.scheduler.decide(run))).result()[0]
     except QueueFull as exc:
         raise APIError(429, f"{exc}; retry later", type="rate_limit_error", code="server_busy") from exc
     except ValueError as exc:  # e.g. the prompt and the answer block beyond the context

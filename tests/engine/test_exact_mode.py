@@ -210,7 +210,7 @@ def _scheduler_outputs(sched, prompts, max_new):
         return tokens
 
     async def run():
-        handles = [sched.submit(p, max_new, [SamplingParams()]) for p in prompts]
+        handles = [await sched.submit(p, max_new, [SamplingParams()]) for p in prompts]
         return await asyncio.gather(*(collect(h) for h in handles)), handles
 
     sched.start()

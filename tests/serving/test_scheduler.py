@@ -108,7 +108,7 @@ def test_scheduler_serves_concurrent_requests_exactly(models, prefix_cache):
     prompts = PROMPTS + [PROMPTS[3] + [7, 7, 7]]  # the last one shares a prefix with the one before
 
     async def run():
-        handles = [sched.submit(p, 10, [SamplingParams(), SamplingParams(temperature=0.7, seed=1)])
+        handles = [await sched.submit(p, 10, [SamplingParams(), SamplingParams(temperature=0.7, seed=1)])
                    for p in prompts]
         return await asyncio.gather(*(_collect(h) for h in handles)), handles
 
@@ -130,10 +130,10 @@ def test_scheduler_backpressure_and_cancellation_free_slots(models):
     sched.start()
 
     async def run():
-        long = sched.submit(PROMPTS[0], 2000, [SamplingParams()])
-        queued = sched.submit(PROMPTS[1], 2000, [SamplingParams()])
+        long = await sched.submit(PROMPTS[0], 2000, [SamplingParams()])
+        queued = await sched.submit(PROMPTS[1], 2000, [SamplingParams()])
         with pytest.raises(QueueFull):
-            sched.submit(PROMPTS[2], 4, [SamplingParams()])
+            await sched.submit(PROMPTS[2], 4, [SamplingParams()])
         first = await long.__aiter__().__anext__()
         assert first.token_ids
         long.cancel()
@@ -143,7 +143,7 @@ def test_scheduler_backpressure_and_cancellation_free_slots(models):
                 break
             await asyncio.sleep(0.02)
         assert sched._outstanding == 0 and sched.load["running"] == 0
-        return await _collect(sched.submit(PROMPTS[2], 4, [SamplingParams()]))
+        return await _collect(await sched.submit(PROMPTS[2], 4, [SamplingParams()]))
 
     try:
         tokens = asyncio.run(run())
@@ -158,9 +158,9 @@ def test_requests_with_other_decoding_options_run_in_their_own_batch(models):
     sched.start()
 
     async def run():
-        a = sched.submit(PROMPTS[0], 12, [SamplingParams()])
-        b = sched.submit(PROMPTS[1], 12, [SamplingParams()], block_size=2, threshold=0.3)
-        c = sched.submit(PROMPTS[1], 12, [SamplingParams()], rule="left_to_right")
+        a = await sched.submit(PROMPTS[0], 12, [SamplingParams()])
+        b = await sched.submit(PROMPTS[1], 12, [SamplingParams()], block_size=2, threshold=0.3)
+        c = await sched.submit(PROMPTS[1], 12, [SamplingParams()], rule="left_to_right")
         return await asyncio.gather(_collect(a), _collect(b), _collect(c))
 
     try:
@@ -188,7 +188,8 @@ def test_a_commit_failing_after_rows_finished_fails_them_too(models):
     finished must be failed as well (they are no longer in the batch)."""
     model = models["clover-tiny-dense"]
     sched = _scheduler(model)
-    _, engine = sched.engine()
+    sched.start()
+    engine = sched.engines[sched.default_key]
     finish, commit, raised = engine.loop._finish_block, engine.loop._commit, []
 
     def finish_block(b):
@@ -203,13 +204,12 @@ def test_a_commit_failing_after_rows_finished_fails_them_too(models):
         commit(b)
 
     engine.loop._finish_block, engine.loop._commit = finish_block, failing_commit
-    sched.start()
 
     async def run():
-        long = sched.submit(PROMPTS[0], 40, [SamplingParams()])
-        short = sched.submit(PROMPTS[1], 4, [SamplingParams()])  # finishes in its first block, next to `long`
+        long = await sched.submit(PROMPTS[0], 40, [SamplingParams()])
+        short = await sched.submit(PROMPTS[1], 4, [SamplingParams()])  # finishes in its first block, next to `long`
         errors = await asyncio.gather(_error(long), _error(short))
-        return errors, await _collect(sched.submit(PROMPTS[2], 8, [SamplingParams()]))
+        return errors, await _collect(await sched.submit(PROMPTS[2], 8, [SamplingParams()]))
 
     try:
         errors, tokens = asyncio.run(run())
@@ -235,8 +235,8 @@ def test_a_prefix_lookup_error_fails_one_request_not_the_loop(models):
     sched.start()
 
     async def run():
-        bad = sched.submit(PROMPTS[2], 8, [SamplingParams()])
-        good = sched.submit(PROMPTS[0], 8, [SamplingParams()])
+        bad = await sched.submit(PROMPTS[2], 8, [SamplingParams()])
+        good = await sched.submit(PROMPTS[0], 8, [SamplingParams()])
         error = await _error(bad)
         assert sched.alive  # one request failed; the loop lives on
         return error, await _collect(good)
@@ -266,15 +266,15 @@ def test_stop_fails_requests_still_in_the_inbox_and_submit_refuses_after(models)
     sched.start()
 
     async def run():
-        running = sched.submit(PROMPTS[0], 400, [SamplingParams()])
+        running = await sched.submit(PROMPTS[0], 400, [SamplingParams()])
         await asyncio.to_thread(busy.wait, 30)
-        queued = sched.submit(PROMPTS[1], 8, [SamplingParams()])
+        queued = await sched.submit(PROMPTS[1], 8, [SamplingParams()])
         stopper = threading.Thread(target=sched.stop)
         stopper.start()
         while not sched._stop:
             await asyncio.sleep(0.01)
         with pytest.raises(RuntimeError):  # stopping: refused at once
-            sched.submit(PROMPTS[2], 8, [SamplingParams()])
+            await sched.submit(PROMPTS[2], 8, [SamplingParams()])
         release.set()
         await asyncio.to_thread(stopper.join)
         return await _error(running), await _error(queued)
@@ -287,7 +287,7 @@ def test_stop_fails_requests_still_in_the_inbox_and_submit_refuses_after(models)
 
 
 async def _submit_now(sched):
-    return sched.submit(PROMPTS[0], 4, [SamplingParams()])
+    return await sched.submit(PROMPTS[0], 4, [SamplingParams()])
 
 
 # -- the policy, without threads -------------------------------------------------------------------------------------
@@ -303,14 +303,14 @@ class _Handle:
 
 def _policy(model, max_running: int):
     engine = Engine(model, 4, 0.5, eos_token_ids=[], prefill_chunk=8)
-    key = (4, 0.5, "threshold", False)
+    key = (4, "threshold")
     released = []
     policy = SchedulePolicy({key: engine}, None, max_running, ServerMetrics(), released.append)
     jobs = []
     for i, (prompt, max_new) in enumerate(zip(PROMPTS, MAX_NEW)):
         seq = engine.make_sequences([prompt], max_new, [SamplingParams()])[0]
         seq.index = i
-        jobs.append(Job(_Handle(i), 0, seq, key, 0.0))
+        jobs.append(Job(_Handle(i), 0, seq, key, 0.0, engine))
     return policy, engine, jobs, released
 
 

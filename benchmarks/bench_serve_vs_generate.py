@@ -1,0 +1,291 @@
+"""`clover serve` against `clover generate` on the same prompts and build, in one run, taking turns.
+
+    python benchmarks/bench_serve_vs_generate.py [--model DIR] [--rounds 3] [--max-tokens 128] [--threads N]
+        [--sections single batch mixed] [--streams 16] [--out benchmarks/results/bench_serve_vs_generate]
+
+Eight held-out coding prompts (none of them used to tune anything). Sections:
+
+* **single**: one streamed request at a time. Per prompt and round, `clover generate --json` (a fresh process,
+  as a user runs it) and one streamed chat request to a running `clover serve` take turns (the order flips every
+  round, so neither always runs on a warmer machine). Decode rate after the first token, the same definition for
+  both: `(tokens - 1) / (end - first token)`, generate's from its `--json` figures, the server's as its client sees
+  it (first streamed delta to the last chunk). Verdict: the server's median over the generate median, >= 0.9.
+* **batch**: the 16 prompts (the eight, twice) at once: the engine running them as one batch (`Engine.run`, in a
+  fresh process loading the model as `clover generate` does) against 16 concurrent streams to the server.
+  Aggregate tokens/s over the wall time, prefill included.
+* **mixed**: 16 concurrent streams with mixed options per request (thresholds, rules `threshold` / `exact`,
+  `ignore_eos`), against the same 16 with one option set: p95 time to first token of each, their ratio
+  (the event loop must not stall: <= 1.5), errors (0).
+
+`--model` none: the default model and build, as `clover serve` / `clover generate` run it (clover-smol's int4
+build on a CPU with AVX2). Writes `<out>.json` and `<out>.md`. On a shared machine absolute figures move with the
+load: read the ratios, measured taking turns.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from bench_server import Server, cpu_name, percentiles
+
+ROOT = Path(__file__).resolve().parents[1]
+
+PROMPTS = [  # held out: never used to tune drafting, the cost model or the server
+    "Write a Python function that checks whether a string is a palindrome, ignoring case and punctuation.",
+    "Write a Python function that returns the n-th Fibonacci number iteratively.",
+    "Write a Python class for a stack with push, pop and peek methods.",
+    "Write a Python function that counts how often each word occurs in a text.",
+    "Write a Python function that flattens a nested list of integers.",
+    "Write a Python function that converts a Roman numeral to an integer.",
+    "Write a Python function that removes duplicates from a list while keeping the order.",
+    "Write a Python function that reads a CSV file and returns the sum of one column.",
+]
+
+
+def env(threads: int | None) -> dict[str, str]:
+    out = {**os.environ, "PYTHONPATH": str(ROOT)}
+    if threads:
+        out["OMP_NUM_THREADS"] = str(threads)
+    return out
+
+
+def generate_once(model: Path | None, prompt: str, max_tokens: int, threads: int | None) -> dict[str, Any]:
+    """`clover generate --json` on one prompt, in a fresh process: its decode rate after the first token."""
+    cmd = [sys.executable, "-m", "clover.cli.main", "generate", "--json", "--max-new-tokens", str(max_tokens),
+           *(["--model", str(model)] if model else []), *(["--threads", str(threads)] if threads else []), prompt]
+    out = json.loads(subprocess.run(cmd, env=env(threads), cwd=ROOT, check=True, capture_output=True,
+                                    text=True).stdout)
+    decode = out["wall_time_s"] - out["time_to_first_token_s"]
+    return {"tokens": out["tokens"], "tps": (out["tokens"] - 1) / decode if decode > 0 else float("nan"),
+            "ttft": out["time_to_first_token_s"], "tpf": out["tokens_per_forward"]}
+
+
+async def serve_once(url: str, prompt: str, max_tokens: int, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One streamed chat request: the decode rate its client sees after the first token."""
+    from openai import AsyncOpenAI
+
+    async with AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=600) as client:
+        return await stream(client, prompt, max_tokens, extra)
+
+
+async def stream(client: Any, prompt: str, max_tokens: int, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    start = time.perf_counter()
+    first = usage = None
+    chunks = await client.chat.completions.create(
+        model="bench", messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens, stream=True,
+        stream_options={"include_usage": True}, temperature=0.0, extra_body=extra)
+    async for chunk in chunks:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for c in chunk.choices:
+            if first is None and (c.delta.content or getattr(c.delta, "reasoning_content", None)):
+                first = time.perf_counter()
+    end = time.perf_counter()
+    tokens = usage.completion_tokens if usage else 0
+    first = first or end
+    return {"tokens": tokens, "tps": (tokens - 1) / (end - first) if end > first else float("nan"),
+            "ttft": first - start, "total": end - start}
+
+
+def run_single(server: Server, model: Path | None, args: argparse.Namespace) -> dict[str, Any]:
+    rows = []
+    for rnd in range(args.rounds):
+        for i, prompt in enumerate(PROMPTS):
+            order = ("generate", "serve") if (rnd + i) % 2 == 0 else ("serve", "generate")
+            got = {}
+            for side in order:
+                got[side] = (generate_once(model, prompt, args.max_tokens, args.threads) if side == "generate"
+                             else asyncio.run(serve_once(server.url, prompt, args.max_tokens)))
+            rows.append({"round": rnd, "prompt": i, **{f"{s}_{k}": v for s in got for k, v in got[s].items()}})
+            print(f"round {rnd} prompt {i}: generate {got['generate']['tps']:6.1f} tok/s "
+                  f"({got['generate']['tokens']} tokens, TPF {got['generate']['tpf']:.2f}) | serve "
+                  f"{got['serve']['tps']:6.1f} tok/s ({got['serve']['tokens']} tokens)", flush=True)
+    gen = statistics.median(r["generate_tps"] for r in rows)
+    srv = statistics.median(r["serve_tps"] for r in rows)
+    pair = statistics.median(r["serve_tps"] / r["generate_tps"] for r in rows)
+    return {"rows": rows, "generate_tps_median": gen, "serve_tps_median": srv, "ratio_of_medians": srv / gen,
+            "median_paired_ratio": pair}
+
+
+ENGINE_CHILD = """
+import json, sys, time
+import torch
+from clover.cli.loading import load_model
+from clover.cli.main import build_parser
+from clover.chat_template import render_chat
+from clover.engine import Engine, SamplingParams
+from clover.tokenizer import eos_token_ids
+args = build_parser().parse_args(["generate", *sys.argv[3:], "x"])
+if args.threads:
+    torch.set_num_threads(args.threads)
+runner, tok, _ = load_model(args)
+prompts = json.loads(sys.argv[1])
+ids = [tok(render_chat(tok, [{"role": "user", "content": p}], add_generation_prompt=True, enable_thinking=False),
+           add_special_tokens=False)["input_ids"] for p in prompts]
+engine = Engine(runner, detokenize=lambda t: tok.decode(t, skip_special_tokens=True), vocab_limit=len(tok),
+                eos_token_ids=eos_token_ids(runner.config, tok))
+for rep in range(2):  # the first run warms up (first-call costs), the second is timed
+    start = time.perf_counter()
+    tokens = sum(len(e.token_ids) for e in engine.run(ids, int(sys.argv[2]), SamplingParams()))
+    wall = time.perf_counter() - start
+print(json.dumps({"tokens": tokens, "wall_s": wall, "tps": tokens / wall}))
+"""
+
+
+def engine_batch(model: Path | None, prompts: list[str], max_tokens: int, threads: int | None) -> dict[str, Any]:
+    flags = [*(["--model", str(model)] if model else []), *(["--threads", str(threads)] if threads else [])]
+    out = subprocess.run([sys.executable, "-c", ENGINE_CHILD, json.dumps(prompts), str(max_tokens), *flags],
+                         env=env(threads), cwd=ROOT, check=True, capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+async def concurrent(url: str, prompts: list[str], max_tokens: int,
+                     extras: list[dict[str, Any] | None]) -> dict[str, Any]:
+    """All `prompts` at once, one stream each (`extras[i]`: request i's extra body); aggregate figures."""
+    from openai import APIError, AsyncOpenAI
+
+    errors = 0
+
+    async def one(client: Any, prompt: str, extra: dict[str, Any] | None) -> dict[str, Any] | None:
+        nonlocal errors
+        try:
+            return await stream(client, prompt, max_tokens, extra)
+        except APIError:
+            errors += 1
+            return None
+
+    async with AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=600) as client:
+        start = time.perf_counter()
+        results = [r for r in await asyncio.gather(*(one(client, p, e) for p, e in zip(prompts, extras))) if r]
+        wall = time.perf_counter() - start
+    tokens = sum(r["tokens"] for r in results)
+    return {"tokens": tokens, "wall_s": wall, "tps": tokens / wall, "errors": errors,
+            "ttft": percentiles([r["ttft"] for r in results])}
+
+
+def run_batch(server: Server, model: Path | None, args: argparse.Namespace) -> dict[str, Any]:
+    prompts = (PROMPTS * 2)[: args.streams]
+    rows = []
+    for rnd in range(args.rounds):
+        got = {}
+        for side in (("engine", "serve") if rnd % 2 == 0 else ("serve", "engine")):
+            got[side] = (engine_batch(model, prompts, args.max_tokens, args.threads) if side == "engine" else
+                         asyncio.run(concurrent(server.url, prompts, args.max_tokens, [None] * len(prompts))))
+        rows.append({"round": rnd, "engine_tps": got["engine"]["tps"], "serve_tps": got["serve"]["tps"],
+                     "serve_errors": got["serve"]["errors"]})
+        print(f"round {rnd}: {len(prompts)} prompts: engine batch {got['engine']['tps']:6.1f} tok/s | "
+              f"{len(prompts)} server streams {got['serve']['tps']:6.1f} tok/s", flush=True)
+    eng = statistics.median(r["engine_tps"] for r in rows)
+    srv = statistics.median(r["serve_tps"] for r in rows)
+    return {"rows": rows, "engine_tps_median": eng, "serve_tps_median": srv, "ratio": srv / eng}
+
+
+MIXED = [{"rule": "exact"}, {"rule": "threshold", "threshold": 0.9}, {"rule": "threshold", "threshold": 0.7},
+         {"rule": "exact", "ignore_eos": True}, {"rule": "threshold", "threshold": 0.95, "ignore_eos": True},
+         {"rule": "threshold", "threshold": 0.8}, {"rule": "threshold", "threshold": 0.85}, {"rule": "exact"}]
+
+
+def run_mixed(server: Server, args: argparse.Namespace) -> dict[str, Any]:
+    prompts = (PROMPTS * 2)[: args.streams]
+    rows = []
+    for rnd in range(args.rounds):
+        got = {}
+        for side in (("one", "mixed") if rnd % 2 == 0 else ("mixed", "one")):
+            extras = [None] * len(prompts) if side == "one" else [MIXED[i % len(MIXED)] for i in range(len(prompts))]
+            got[side] = asyncio.run(concurrent(server.url, prompts, args.max_tokens, extras))
+        rows.append({"round": rnd, **{f"{s}_{k}": v for s in got for k, v in got[s].items()}})
+        print(f"round {rnd}: one option set: p95 TTFT {got['one']['ttft']['p95']:.2f} s, {got['one']['tps']:.1f} "
+              f"tok/s, {got['one']['errors']} errors | mixed: p95 TTFT {got['mixed']['ttft']['p95']:.2f} s, "
+              f"{got['mixed']['tps']:.1f} tok/s, {got['mixed']['errors']} errors", flush=True)
+    one = statistics.median(r["one_ttft"]["p95"] for r in rows)
+    mixed = statistics.median(r["mixed_ttft"]["p95"] for r in rows)
+    return {"rows": rows, "one_ttft_p95": one, "mixed_ttft_p95": mixed, "ttft_p95_ratio": mixed / one,
+            "one_tps": statistics.median(r["one_tps"] for r in rows),
+            "mixed_tps": statistics.median(r["mixed_tps"] for r in rows),
+            "errors": sum(r["one_errors"] + r["mixed_errors"] for r in rows)}
+
+
+def report(results: dict[str, Any]) -> list[str]:
+    lines = [f"# `clover serve` against `clover generate`", "",
+             f"`{results['command']}`", "",
+             f"Machine: {results['machine']}; load average {results['load_before']:.1f} before, "
+             f"{results['load_after']:.1f} after. Model: {results['model']}. {results['max_tokens']} new tokens, "
+             f"{results['rounds']} rounds taking turns.", ""]
+    verdicts = []
+    if "single" in results:
+        s = results["single"]
+        ok = s["ratio_of_medians"] >= 0.9
+        verdicts.append(f"single stream: serve / generate = {s['ratio_of_medians']:.2f} "
+                        f"({'PASS' if ok else 'FAIL'}: >= 0.90)")
+        lines += ["## One stream (decode tok/s after the first token)", "",
+                  "| | generate | serve | serve / generate |", "|---|---:|---:|---:|",
+                  f"| median | {s['generate_tps_median']:.1f} | {s['serve_tps_median']:.1f} | "
+                  f"{s['ratio_of_medians']:.2f} |",
+                  f"| median of paired ratios | | | {s['median_paired_ratio']:.2f} |", ""]
+    if "batch" in results:
+        b = results["batch"]
+        verdicts.append(f"{results['streams']} streams: serve / engine batch = {b['ratio']:.2f}")
+        lines += [f"## {results['streams']} at once (aggregate tok/s, prefill included)", "",
+                  "| engine, one batch | server, concurrent streams | ratio |", "|---:|---:|---:|",
+                  f"| {b['engine_tps_median']:.1f} | {b['serve_tps_median']:.1f} | {b['ratio']:.2f} |", ""]
+    if "mixed" in results:
+        m = results["mixed"]
+        ok = m["ttft_p95_ratio"] <= 1.5 and m["errors"] == 0
+        verdicts.append(f"mixed options: p95 TTFT ratio {m['ttft_p95_ratio']:.2f}, {m['errors']} errors "
+                        f"({'PASS' if ok else 'FAIL'}: <= 1.5, 0 errors)")
+        lines += [f"## {results['streams']} streams, mixed options against one option set", "",
+                  "| | p95 TTFT (s) | tok/s |", "|---|---:|---:|",
+                  f"| one option set | {m['one_ttft_p95']:.2f} | {m['one_tps']:.1f} |",
+                  f"| mixed (thresholds, rules, ignore_eos) | {m['mixed_ttft_p95']:.2f} | {m['mixed_tps']:.1f} |",
+                  f"| ratio | {m['ttft_p95_ratio']:.2f} | {m['mixed_tps'] / m['one_tps']:.2f} |", "",
+                  f"Errors: {m['errors']}.", ""]
+    return lines + ["## Verdict", "", *[f"- {v}" for v in verdicts], ""]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", type=Path, default=None, help="checkpoint directory (default: the default model)")
+    ap.add_argument("--sections", nargs="+", choices=["single", "batch", "mixed"],
+                    default=["single", "batch", "mixed"])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--streams", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads of both (default: torch's)")
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/bench_serve_vs_generate")
+    args = ap.parse_args()
+    results: dict[str, Any] = {
+        "command": "python benchmarks/bench_serve_vs_generate.py " + " ".join(sys.argv[1:]),
+        "machine": f"{cpu_name()}, {os.cpu_count()} cores", "load_before": os.getloadavg()[0],
+        "model": str(args.model) if args.model else "clover-smol (default build)", "max_tokens": args.max_tokens,
+        "rounds": args.rounds, "streams": args.streams, "prompts": PROMPTS}
+    print(f"machine: {results['machine']}, load average {results['load_before']:.1f}")
+    flags = ["--max-num-seqs", str(max(args.streams, 32))]
+    with Server(args.model, args.threads, *flags) as server:
+        asyncio.run(serve_once(server.url, "Say hello.", 8))  # warm-up (first-call costs)
+        if "single" in args.sections:
+            results["single"] = run_single(server, args.model, args)
+        if "batch" in args.sections:
+            results["batch"] = run_batch(server, args.model, args)
+        if "mixed" in args.sections:
+            results["mixed"] = run_mixed(server, args)
+    results["load_after"] = os.getloadavg()[0]
+    lines = report(results)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    for suffix, text in ((".json", json.dumps(results, indent=1)), (".md", "\n".join(lines))):
+        tmp = args.out.with_name(f"{args.out.name}.{os.getpid()}.tmp")
+        tmp.write_text(text)
+        tmp.replace(args.out.with_suffix(suffix))
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
