@@ -242,6 +242,7 @@ class Engine:
     def _prefill(self, seqs: list[Request]) -> DecodeBatch:
         """Prompts, left-padded, read causally in chunks of `prefill_chunk` (`clover.engine.prefill`); the last
         chunk opens the loop."""
+        self.loop.calibrate()
         cache = self.runner.new_cache(len(seqs))
         last = prefill([self.loop.prefilled(s.prompt) for s in seqs], self.mask_id, self.prefill_chunk,
                        lambda ids, **kwargs: self.forward(ids, cache, **kwargs), self.device, self.prompt_grid)
@@ -264,6 +265,7 @@ class Engine:
         if cache is not None and self.prompt_grid > 1:
             raise ValueError("a prompt read on a block grid (prompt_reading 'blocks') is left-padded to whole blocks, "
                              "so a prefix cached for another prompt does not line up: prefill it whole")
+        self.loop.calibrate()
         cache = cache if cache is not None else self.runner.new_cache(1)
         done = cache.length
         if cache.batch_size != 1 or done % self.prefill_chunk or done >= len(seq.prompt):

@@ -131,8 +131,9 @@ class ExactLoop(DecodingLoop):
 
     def calibrate(self) -> None:
         """Measure (or read) the runner's forward cost table, once: it runs real forwards, so it is called where
-        the model runs (the first `open`, or the server's scheduler thread when it makes the engine), never where
-        an engine is merely made."""
+        the model runs (the engine's first prefill, or the server's scheduler thread when it makes the engine),
+        never where an engine is merely made, and before a cache holds rows (a llama.cpp runner of one row has
+        none to spare)."""
         if self.cost is None and self.rule.adaptive:
             self.cost = cost_table(self.engine.runner)
 
@@ -178,7 +179,6 @@ class ExactLoop(DecodingLoop):
     # -- the loop --------------------------------------------------------------------------------------
     def open(self, seqs: list[Request], ids: torch.Tensor, cache: RunnerCache, **kwargs: Any) -> ExactBatch:
         """The prefill's last chunk: it decides the first token (from the last prompt token) and drafts after it."""
-        self.calibrate()
         n, t = ids.shape
         e = self.engine
         sampler = BatchSampler([s.params for s in seqs], e.vocab_size, e.banned_ids, e.device, e.breakers)

@@ -69,6 +69,10 @@ class DecodingLoop:
     def check(self, params: list[SamplingParams]) -> None:
         """Raise `ValueError` naming the request whose sampling parameters this loop cannot serve."""
 
+    def calibrate(self) -> None:
+        """Measure what the loop needs of the runner before its first request (exact mode: the forward cost table),
+        on the thread that runs the model and before any cache takes the runner's rows."""
+
     def prefilled(self, prompt: list[int]) -> list[int]:
         """The part of `prompt` the prefill reads: all of it, unless the loop opens its first block with the rest."""
         return prompt

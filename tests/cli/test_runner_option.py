@@ -32,7 +32,9 @@ def exported(tmp_path_factory, chat_tokenizer) -> tuple[Path, Path]:
 
 
 def _generate(capsys, *args: str) -> dict:
-    assert main(["generate", "--no-chat", "--json", "--threads", "1", "--max-new-tokens", "12", *args, PROMPT]) == 0
+    """`clover generate` without its repetition defaults (DRY, the loop guard): the plain decoding compared here."""
+    assert main(["generate", "--no-chat", "--json", "--threads", "1", "--max-new-tokens", "12", "--dry-multiplier",
+                 "0", "--loop-guard", "0", *args, PROMPT]) == 0
     return json.loads(capsys.readouterr().out)
 
 
