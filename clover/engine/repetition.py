@@ -115,13 +115,14 @@ def breakers_from_texts(texts: Sequence[str], breakers: Sequence[str], device: t
         by_text.setdefault(text, token)
     for breaker in breakers:
         breaker = breaker[:MAX_BREAKER_CHARS]
+        hits = [token for token, text in enumerate(texts) if breaker in text]  # one pass: start-up time
+        single[hits] = True
+        if len(breaker) == 1:  # a one-character breaker has no tails
+            continue
         rests = {m: tuple(_longest_match_tokens(breaker[m:], by_text)[:MAX_TAIL_TOKENS])
                  for m in range(1, len(breaker))}  # the tokens that spell the breaker after its first m characters
         for token, text in enumerate(texts):
-            if not text:
-                continue
-            if breaker in text:
-                single[token] = True
+            if not text or breaker in text:
                 continue
             for m in range(min(len(breaker) - 1, len(text)), 0, -1):  # the text ends with breaker[:m]
                 if text.endswith(breaker[:m]) and rests[m]:
