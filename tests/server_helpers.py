@@ -44,6 +44,24 @@ def build_checkpoint(directory: Path, tokenizer: Any, preset: str = "clover-tiny
     return directory
 
 
+def wait_healthy(proc: subprocess.Popen, url: str, log: Path, timeout: float, what: str = "server",
+                 poll: float = 0.2) -> None:
+    """Wait (bounded) until `url`/health answers 200; a process that exits or stays unhealthy raises with the end
+    of its `log`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} not healthy after {timeout} s:\n{log.read_text()[-4000:]}")
+        time.sleep(poll)
+
+
 @contextmanager
 def server_process(model_dir: Path, *args: str, name: str | tuple[str, ...] = "clover-test", timeout: float = 120.0,
                    log: Path | None = None) -> Iterator[tuple[str, subprocess.Popen]]:
@@ -59,18 +77,7 @@ def server_process(model_dir: Path, *args: str, name: str | tuple[str, ...] = "c
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + timeout
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-            try:
-                if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"server not healthy after {timeout} s:\n{log.read_text()[-3000:]}")
-            time.sleep(0.2)
+        wait_healthy(proc, url, log, timeout)
         yield url, proc
     finally:
         proc.terminate()

@@ -6,14 +6,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-import httpx
 import pytest
-from server_helpers import free_port
+from server_helpers import free_port, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = Path(os.environ.get("CLOVER_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
@@ -37,18 +35,7 @@ def vllm_server(model_dir: Path | None, log: Path, *args: str, name: str = "clov
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + timeout
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"vLLM exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
-            try:
-                if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"vLLM not healthy after {timeout} s:\n{log.read_text()[-4000:]}")
-            time.sleep(1.0)
+        wait_healthy(proc, url, log, timeout, "vLLM", poll=1.0)
         yield url
     finally:
         _stop_group(proc)
