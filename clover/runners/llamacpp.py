@@ -265,16 +265,20 @@ class LlamaCppRunner:
             raise ValueError(f"--device {options.device}: the llama.cpp runner runs on the CPU; use --runner torch")
         return cls(path, threads=options.threads, max_rows=options.max_rows, n_ctx=options.ctx)
 
+    def tokenizer_cache_dir(self) -> Path:
+        """Where the GGUF's converted tokenizer is kept: named by the file's name, size and modification time."""
+        stat = self.path.stat()
+        return cache_root() / "gguf-tokenizers" / f"{self.path.stem}-{stat.st_size}-{stat.st_mtime_ns}"
+
     def tokenizer(self) -> Any:
-        """The GGUF's tokenizer as a `transformers` tokenizer (with Clover's mask token and chat template).
+        """The GGUF's tokenizer (with Clover's mask token and chat template), converted by `transformers`.
         Converting it takes `transformers` tens of seconds, so the result is kept in Clover's cache directory,
         keyed by the file's name, size and modification time: published whole (written apart, then renamed into
         place) with a manifest of its files' hashes, and rebuilt where the manifest is missing or disagrees (a
         directory cut short, or written in place by an older Clover)."""
-        from clover.tokenizer import load_tokenizer  # deferred: transformers (seconds), only when one is read
+        from clover.tokenizer import load_tokenizer  # deferred: tokenizers, only when one is read
 
-        stat = self.path.stat()
-        saved = cache_root() / "gguf-tokenizers" / f"{self.path.stem}-{stat.st_size}-{stat.st_mtime_ns}"
+        saved = self.tokenizer_cache_dir()
         if not _complete(saved):
             if saved.exists():
                 logger.warning("the tokenizer cached in %s is incomplete or damaged: rebuilding it", saved)

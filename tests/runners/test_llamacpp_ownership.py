@@ -13,7 +13,6 @@ import torch
 from server_helpers import checkpoint_and_gguf
 
 from clover.engine import Engine, SamplingParams
-from clover.runners import llamacpp
 from clover.runners.llamacpp import TOKENIZER_MANIFEST, LlamaCppRunner
 
 
@@ -86,7 +85,7 @@ def test_a_damaged_tokenizer_cache_is_rebuilt_not_trusted(gguf, chat_tokenizer, 
     runner = LlamaCppRunner(gguf, threads=1, max_rows=1)
     text = "def add(a, b): return a + b"
     want = runner.tokenizer().encode(text)
-    saved = next((llamacpp.cache_root() / "gguf-tokenizers").glob(f"{gguf.stem}-*"))
+    saved = runner.tokenizer_cache_dir()  # this file's (the session's cache holds other GGUFs of the same name)
     manifest = json.loads((saved / TOKENIZER_MANIFEST).read_text())
     assert "tokenizer.json" in manifest and not list(saved.parent.glob(".*tmp-*"))  # published whole
     whole = (saved / "tokenizer.json").read_bytes()
