@@ -115,6 +115,19 @@ def build_checkpoint(preset: str, directory: Path) -> Path:
     return out
 
 
+def healthy(url: str, proc: subprocess.Popen, timeout: float, poll: float = 1.0) -> bool:
+    """Whether `url`/health answers 200 within `timeout` seconds while `proc` runs."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return True
+        except httpx.HTTPError:
+            pass
+        time.sleep(poll)
+    return False
+
+
 class Server:
     """`clover serve` in a subprocess on a free port; stopped on exit."""
 
@@ -141,17 +154,12 @@ class Server:
         return int(fields["VmRSS"].split()[0]) / 1024, int(fields["VmHWM"].split()[0]) / 1024
 
     def __enter__(self) -> "Server":
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise SystemExit(f"server exited with {self.proc.returncode}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise SystemExit("server did not become healthy")
+        if healthy(self.url, self.proc, 300, poll=0.5):
+            return self
+        returncode = self.proc.poll()
+        self.__exit__()  # not left running when it never became healthy
+        raise SystemExit(f"server exited with {returncode}" if returncode is not None
+                         else "server did not become healthy")
 
     def __exit__(self, *exc: object) -> None:
         self.proc.terminate()

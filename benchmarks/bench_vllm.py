@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_server import ROOT, Server, cpu_name, load, percentiles, stream_chat  # noqa: E402
+from bench_server import ROOT, Server, cpu_name, healthy, load, percentiles, stream_chat  # noqa: E402
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
 SERVERS = {
@@ -46,20 +46,6 @@ async def single(url: str, count: int, max_tokens: int) -> dict:
     return {"ttft": percentiles([r["ttft"] for r in rs]),
             "tokens_per_s": sum(r["completion"] for r in rs) / sum(r["total"] for r in rs),
             "decode_tokens_per_s": sum(r["completion"] - 1 for r in rs) / sum(r["total"] - r["ttft"] for r in rs)}
-
-
-def healthy(url: str, proc, timeout: float) -> bool:
-    import httpx
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return True
-        except httpx.HTTPError:
-            pass
-        time.sleep(1.0)
-    return False
 
 
 def tokens_per_forward(url: str) -> float | None:
