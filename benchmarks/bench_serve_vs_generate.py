@@ -9,7 +9,9 @@ Eight held-out coding prompts (none of them used to tune anything). Sections:
   as a user runs it) and one streamed chat request to a running `clover serve` take turns (the order flips every
   round, so neither always runs on a warmer machine). Decode rate after the first token, the same definition for
   both: `(tokens - 1) / (end - first token)`, generate's from its `--json` figures, the server's as its client sees
-  it (first streamed delta to the last chunk). Verdict: the server's median over the generate median, >= 0.9.
+  it (first streamed delta to the last chunk). Both decode the same way (greedy; `generate` with the API's
+  defaults `--dry-multiplier 0 --loop-guard 0`), and the run counts the requests whose texts agree. Verdict: the
+  server's median over the generate median, >= 0.9.
 * **batch**: the 16 prompts (the eight, twice) at once: the engine running them as one batch (`Engine.run`, in a
   fresh process loading the model as `clover generate` does) against 16 concurrent streams to the server.
   Aggregate tokens/s over the wall time, prefill included.
@@ -59,14 +61,16 @@ def env(threads: int | None) -> dict[str, str]:
 
 
 def generate_once(model: Path | None, prompt: str, max_tokens: int, threads: int | None) -> dict[str, Any]:
-    """`clover generate --json` on one prompt, in a fresh process: its decode rate after the first token."""
+    """`clover generate --json` on one prompt, in a fresh process: its decode rate after the first token. With the
+    server's decoding (the CLI's DRY and loop guard off, as the API's defaults are), so both write the same text."""
     cmd = [sys.executable, "-m", "clover.cli.main", "generate", "--json", "--max-new-tokens", str(max_tokens),
+           "--dry-multiplier", "0", "--loop-guard", "0",
            *(["--model", str(model)] if model else []), *(["--threads", str(threads)] if threads else []), prompt]
     out = json.loads(subprocess.run(cmd, env=env(threads), cwd=ROOT, check=True, capture_output=True,
                                     text=True).stdout)
     decode = out["wall_time_s"] - out["time_to_first_token_s"]
     return {"tokens": out["tokens"], "tps": (out["tokens"] - 1) / decode if decode > 0 else float("nan"),
-            "ttft": out["time_to_first_token_s"], "tpf": out["tokens_per_forward"]}
+            "ttft": out["time_to_first_token_s"], "tpf": out["tokens_per_forward"], "text": out["text"]}
 
 
 async def serve_once(url: str, prompt: str, max_tokens: int, extra: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -80,6 +84,7 @@ async def serve_once(url: str, prompt: str, max_tokens: int, extra: dict[str, An
 async def stream(client: Any, prompt: str, max_tokens: int, extra: dict[str, Any] | None = None) -> dict[str, Any]:
     start = time.perf_counter()
     first = usage = None
+    text = []
     chunks = await client.chat.completions.create(
         model="bench", messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens, stream=True,
         stream_options={"include_usage": True}, temperature=0.0, extra_body=extra)
@@ -87,13 +92,14 @@ async def stream(client: Any, prompt: str, max_tokens: int, extra: dict[str, Any
         if chunk.usage is not None:
             usage = chunk.usage
         for c in chunk.choices:
+            text.append(c.delta.content or "")
             if first is None and (c.delta.content or getattr(c.delta, "reasoning_content", None)):
                 first = time.perf_counter()
     end = time.perf_counter()
     tokens = usage.completion_tokens if usage else 0
     first = first or end
     return {"tokens": tokens, "tps": (tokens - 1) / (end - first) if end > first else float("nan"),
-            "ttft": first - start, "total": end - start}
+            "ttft": first - start, "total": end - start, "text": "".join(text)}
 
 
 def run_single(server: Server, model: Path | None, args: argparse.Namespace) -> dict[str, Any]:
@@ -105,15 +111,19 @@ def run_single(server: Server, model: Path | None, args: argparse.Namespace) -> 
             for side in order:
                 got[side] = (generate_once(model, prompt, args.max_tokens, args.threads) if side == "generate"
                              else asyncio.run(serve_once(server.url, prompt, args.max_tokens)))
-            rows.append({"round": rnd, "prompt": i, **{f"{s}_{k}": v for s in got for k, v in got[s].items()}})
+            # the server's chat output starts at the answer's first non-blank character; generate prints all
+            same = got["generate"].pop("text").strip() == got["serve"].pop("text").strip()
+            rows.append({"round": rnd, "prompt": i, "same_text": same,
+                         **{f"{s}_{k}": v for s in got for k, v in got[s].items()}})
             print(f"round {rnd} prompt {i}: generate {got['generate']['tps']:6.1f} tok/s "
                   f"({got['generate']['tokens']} tokens, TPF {got['generate']['tpf']:.2f}) | serve "
-                  f"{got['serve']['tps']:6.1f} tok/s ({got['serve']['tokens']} tokens)", flush=True)
+                  f"{got['serve']['tps']:6.1f} tok/s ({got['serve']['tokens']} tokens) | "
+                  f"{'same text' if same else 'TEXT DIFFERS'}", flush=True)
     gen = statistics.median(r["generate_tps"] for r in rows)
     srv = statistics.median(r["serve_tps"] for r in rows)
     pair = statistics.median(r["serve_tps"] / r["generate_tps"] for r in rows)
     return {"rows": rows, "generate_tps_median": gen, "serve_tps_median": srv, "ratio_of_medians": srv / gen,
-            "median_paired_ratio": pair}
+            "median_paired_ratio": pair, "same_text": sum(r["same_text"] for r in rows)}
 
 
 ENGINE_CHILD = """
@@ -230,7 +240,9 @@ def report(results: dict[str, Any]) -> list[str]:
                   "| | generate | serve | serve / generate |", "|---|---:|---:|---:|",
                   f"| median | {s['generate_tps_median']:.1f} | {s['serve_tps_median']:.1f} | "
                   f"{s['ratio_of_medians']:.2f} |",
-                  f"| median of paired ratios | | | {s['median_paired_ratio']:.2f} |", ""]
+                  f"| median of paired ratios | | | {s['median_paired_ratio']:.2f} |", "",
+                  f"Same text from both: {s['same_text']} of {len(s['rows'])} requests (greedy, the API's decoding: "
+                  "DRY and the loop guard off).", ""]
     if "batch" in results:
         b = results["batch"]
         verdicts.append(f"{results['streams']} streams: serve / engine batch = {b['ratio']:.2f}")

@@ -10,13 +10,15 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 from clover.cli.loading import add_decoding_options, load_model, resolve_model_dir
 from clover.runners.registry import runner_entry
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def add_parser(subparsers: Any) -> None:
@@ -68,6 +70,32 @@ def served_model_names(given: list[str] | None, model_arg: str | None, source: P
     return [name]
 
 
+def load_on_passing_thread(load: Callable[[], T]) -> T:
+    """`load()` run on a thread that ends when it returns, so that the scheduler's thread is the only one whose
+    OpenMP pool lives on.
+
+    PyTorch's CPU builds use GNU OpenMP, which keeps a pool of workers for every thread that ran a parallel region,
+    and which stops spinning between regions once its workers outnumber the cores: every region then waits on a
+    futex wake-up. Loading a model runs parallel copies; loaded on the main thread, its pool stays alive beside the
+    scheduler thread's and the served forwards ran 15-25 % slower than `clover generate`'s
+    (`benchmarks/bench_serve_vs_generate.py`). A thread's pool ends with the thread."""
+    box: list[T] = []
+    errors: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            box.append(load())
+        except BaseException as exc:  # noqa: BLE001 - re-raised on the caller's thread
+            errors.append(exc)
+
+    thread = threading.Thread(target=target, name="clover-load")
+    thread.start()
+    thread.join()
+    if errors:
+        raise errors[0]
+    return box[0]
+
+
 def run(args: argparse.Namespace) -> int:
     if args.engine == "vllm":
         from clover.serving.vllm.launch import exec_vllm  # deferred: the launcher, for --engine vllm only
@@ -88,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
     # the default device: a GPU when there is one and the runner runs there
     device = args.device or ("cuda" if "cuda" in runner_entry(args.runner).devices and torch.cuda.is_available()
                              else "cpu")
-    runner, tokenizer, source = load_model(args, device=device, max_rows=None)
+    runner, tokenizer, source = load_on_passing_thread(lambda: load_model(args, device=device, max_rows=None))
     max_running, rows = args.max_num_seqs, runner.max_rows
     if rows is not None and rows < max_running:
         logger.info("--max-num-seqs %d: the %s runner holds %d sequences at once", max_running, args.runner, rows)
