@@ -42,7 +42,8 @@ def dense_config(hf, token_ids: dict, max_position_embeddings: int | None = None
         initializer_range=hf.initializer_range,
         num_attention_heads=hf.num_attention_heads,
         num_key_value_heads=hf.num_key_value_heads,
-        head_dim=hf.head_dim,
+        # as transformers' attention reads it: real Qwen2 / Qwen2.5 config.json files carry no head_dim
+        head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads,
         rope_theta=theta,
         partial_rotary_factor=partial,
         attention_bias=qkv_bias,

@@ -259,6 +259,18 @@ def test_qwen_conversion_matches_reference(tmp_path: Path, family: str, tie: boo
                     threshold=1.0).sequences[0] == want  # greedy tokens equal
 
 
+@pytest.mark.parametrize("family", ["qwen2", "llama"])  # Qwen3Config defaults head_dim to 128, as its files give it
+def test_config_without_head_dim_converts(tmp_path: Path, family: str) -> None:
+    """Published Qwen2 / Qwen2.5 and Llama config.json files have no head_dim: it is hidden_size / heads."""
+    reference = llama_reference() if family == "llama" else qwen_reference(family)
+    reference.save_pretrained(tmp_path / "hf")
+    config_file = tmp_path / "hf" / "config.json"
+    config_file.write_text(json.dumps({k: v for k, v in json.loads(config_file.read_text()).items()
+                                       if k != "head_dim"}))
+    convert(family, tmp_path / "hf", tmp_path / "clover")
+    assert assert_matches_reference(reference, tmp_path / "clover").config.head_dim == 16
+
+
 def test_qwen3_moe_conversion_matches_reference(tmp_path: Path) -> None:
     """Qwen3-MoE: Qwen3's attention, routed experts stored per expert, no shared expert, dense layers where
     `decoder_sparse_step` / `mlp_only_layers` put them."""
