@@ -88,7 +88,7 @@ def load_on_passing_thread(load: Callable[[], T]) -> T:
         except BaseException as exc:  # noqa: BLE001 - re-raised on the caller's thread
             errors.append(exc)
 
-    thread = threading.Thread(target=target, name="clover-load")
+    thread = threading.Thread(target=target, name="clover-load", daemon=True)  # Ctrl-C during a load exits
     thread.start()
     thread.join()
     if errors:
