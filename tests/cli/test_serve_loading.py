@@ -25,14 +25,18 @@ def test_load_errors_reach_the_caller() -> None:
 
 
 CHILD = """
-import os, torch
+import os, time, torch
 from clover.cli.serve import load_on_passing_thread
 torch.set_num_threads(2)
 tasks = lambda: len(os.listdir("/proc/self/task"))
 before = tasks()
 load_on_passing_thread(lambda: torch.ones(1 << 22).add_(1).sum())  # a parallel region: OpenMP starts a pool
+deadline = time.monotonic() + 10  # the pool's workers exit on their own time once its thread has ended
+while tasks() > before and time.monotonic() < deadline:
+    time.sleep(0.05)
 after_passing = tasks()
 torch.ones(1 << 22).add_(1).sum()  # the same on the main thread: its pool stays
+time.sleep(0.5)
 print(before, after_passing, tasks())
 """
 
