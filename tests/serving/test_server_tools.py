@@ -24,7 +24,7 @@ WEATHER = {"type": "object", "properties": {"city": {"type": "string"}, "temp_c"
 def script(prompt: str) -> str:
     """What a trained model writes after this prompt (the prompt is the rendered chat template)."""
     thinking = prompt.endswith("<think>\n")
-    last_turn = prompt[prompt.rindex("<|im_start|>user"):]
+    last_turn = prompt[max(prompt.rfind("<|im_start|>user"), 0):]  # (exact mode calibrates on other text)
     if prompt.endswith('"arguments": '):  # a forced call (tool_choice names the function)
         return '{"city": "Paris"}}\n</tool_call>'
     if prompt.endswith("<tool_call>\n"):  # a forced call (tool_choice "required")
