@@ -140,23 +140,48 @@ class ScriptedLM(nn.Module):
             "clover-tiny-dense", vocab_size=len(tokenizer), num_hidden_layers=1, layer_types=[FULL_ATTENTION],
             mask_token_id=tokenizer.mask_token_id, eos_token_id=tokenizer.eos_token_id,
             max_position_embeddings=context, block_size=block_size, threshold=0.9)
-        self._answers: dict[tuple[int, ...], list[int]] = {}
+        self._answers: dict[tuple[int, ...], tuple[str, list[int]]] = {}
 
     def new_cache(self, batch_size: int) -> CloverCache:
         return CloverCache(self.config, batch_size)
 
-    def _answer(self, prompt: list[int]) -> list[int]:
+    def _answer(self, prompt: list[int]) -> tuple[str, list[int]]:
         key = tuple(prompt)
         if key not in self._answers:
             text = self.script(self.tokenizer.decode(prompt))
             ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-            self._answers[key] = ids + [self.config.eos_token_ids[0]]
+            self._answers[key] = text, ids + [self.config.eos_token_ids[0]]
         return self._answers[key]
+
+    def _written(self, prompt: list[int], generated: list[int]) -> tuple[str, list[int], list[int]]:
+        """(answer text, answer ids, what is written of it). Exact mode feeds what it commits as clean context (as
+        a prompt is fed), so a history that extends a known prompt by the start of its answer's text continues
+        that answer."""
+        key = tuple(prompt)
+        if key not in self._answers:
+            known = [k for k in self._answers if len(k) < len(key) and key[:len(k)] == k]
+            for k in sorted(known, key=len, reverse=True):
+                text, ids = self._answers[k]
+                written = list(key[len(k):]) + generated
+                if text.startswith(self.tokenizer.decode(written)):
+                    return text, ids, written
+        return *self._answer(prompt), generated
+
+    def _next(self, prompt: list[int], generated: list[int]) -> int:
+        """The answer's next token: by position while the history is the answer's tokens; after a split of the same
+        text into other tokens (a grammar's forced tokens), the first token of the rest of the answer's text."""
+        text, answer, written = self._written(prompt, generated)
+        n = len(written)
+        if answer[:n] != written:
+            done = self.tokenizer.decode(written)
+            if text.startswith(done):
+                rest = self.tokenizer(text[len(done):], add_special_tokens=False)["input_ids"]
+                return rest[0] if rest else answer[-1]
+        return answer[min(n, len(answer) - 1)]
 
     def _predict(self, prompt: list[int], generated: list[int]) -> torch.Tensor:
         logits = torch.zeros(self.config.vocab_size)
-        answer = self._answer(prompt)
-        logits[answer[min(len(generated), len(answer) - 1)]] = 30.0
+        logits[self._next(prompt, generated)] = 30.0
         return logits
 
     def forward(self, input_ids: torch.Tensor | None = None, block_size: int = 1, *, prefix_len: int = 0,

@@ -26,7 +26,7 @@ import functools
 import json
 import re
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import torch
 
@@ -109,27 +109,48 @@ def _lark_string(text: str) -> str:
     return json.dumps(text)  # a Lark string literal: JSON's escapes are Lark's
 
 
-def tool_call_grammar(tools: Sequence[tuple[str, dict[str, Any] | None]], tokenizer: Any, head: str = "",
-                      tail: str = "") -> Grammar:
-    """One call of one of `tools` (name, parameters schema or None for any object) in the chat template's form:
-    `head` (what the prompt does not already hold, e.g. `{"name": "f", "arguments": ` after a forced start of a
-    named call, or the whole `{"name": ...` for `tool_choice="required"`), the arguments, then `tail`."""
+class ToolSchema(NamedTuple):
+    """A tool a grammar may call: its name, its parameters' JSON Schema (None: any object), and whether a keyword
+    the engine cannot enforce is refused (`strict`, OpenAI's strict tools) or ignored (the call keeps its form)."""
+
+    name: str
+    parameters: dict[str, Any] | None
+    strict: bool = True
+
+
+def tool_call_grammar(tools: Sequence[tuple[Any, ...]], tokenizer: Any, head: str = "", tail: str = "", *,
+                      more: str | None = None, json_answer: dict[str, Any] | None = None) -> Grammar:
+    """Calls of `tools` (`ToolSchema`s or `(name, parameters[, strict])` tuples) in the chat template's form: a call
+    is `head` (`{name}`: the tool's name as a JSON string), the arguments, then `tail`. `head` is what the prompt
+    does not already hold of the first call: `{"name": ...` after a forced `<tool_call>\\n`, nothing after a forced
+    start of a named call up to its arguments.
+
+    `more`: further calls may follow, each after this text (the separator and what `head` lacks of a call's start,
+    e.g. `\\n<tool_call>\\n`); None: exactly one call. `json_answer`: the answer may instead be a JSON value valid
+    against this schema (a response format offered beside the tools)."""
     if not tools:
         raise GrammarError("a tool call grammar needs at least one tool")
     rules, alternatives = [], []
-    for i, (name, schema) in enumerate(tools):
-        lead = head.format(name=json.dumps(name))
-        args = json.dumps({**(schema if schema is not None else {"type": "object"}), "x-guidance": JSON_OPTIONS})
+    for i, tool in enumerate(ToolSchema(*t) for t in tools):
+        lead = head.format(name=json.dumps(tool.name))
+        options = {**JSON_OPTIONS, "lenient": not tool.strict}
+        args = json.dumps({**(tool.parameters if tool.parameters is not None else {"type": "object"}),
+                           "x-guidance": options})
         parts = [_lark_string(lead)] * bool(lead) + [f"args_{i}"] + [_lark_string(tail)] * bool(tail)
         rules.append(f"call_{i}: " + " ".join(parts))
         rules.append(f"args_{i}: %json {args}")
         alternatives.append(f"call_{i}")
-    lark = "start: " + " | ".join(alternatives) + "\n" + "\n".join(rules) + "\n"
+    calls = "call: " + " | ".join(alternatives)
+    start = "call" if more is None else f"call ({_lark_string(more)} call)*"
+    if json_answer is not None:
+        rules.append(f"answer: %json {json.dumps({**json_answer, 'x-guidance': JSON_OPTIONS})}")
+        start = f"({start}) | answer"
+    lark = f"start: {start}\n{calls}\n" + "\n".join(rules) + "\n"
     try:
         source = _llguidance().LLMatcher.grammar_from_lark(lark)
     except ValueError as exc:
         raise GrammarError(f"the tool schemas cannot be compiled: {exc}") from exc
-    return _compile(source, tokenizer, "tool parameters schema")
+    return _compile(source, tokenizer, "tool parameters schema" + " or JSON answer" * (json_answer is not None))
 
 
 class Matcher:

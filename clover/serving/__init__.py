@@ -7,7 +7,7 @@ Roles: `protocol` (request models, error format), `app` (routes), `served_model`
 request flow), `openai_format` (response bodies, SSE), `middleware` (request ids, auth, errors), `scheduler` (the
 batch's background thread), `scheduler_policy` (admit / join / step / drop), `handles` (asyncio side),
 `prefix_cache` (reused prompt prefixes), `structured` (response_format by decision mode), `grammar_route`
-(response_format and strict tools by grammar), `metrics` (Prometheus); reasoning / tool calls are parsed by
+(response_format and forced tool calls by grammar), `metrics` (Prometheus); reasoning / tool calls are parsed by
 `clover.assistant_output`. Semantics and measured figures: docs/serving.md.
 """
 

@@ -1,39 +1,79 @@
-"""Structured outputs by grammar-constrained decoding (clover.engine.grammar): which requests take this path, and
-the grammar each one gets.
+"""Structured outputs and forced tool calls by grammar-constrained decoding (clover.engine.grammar): which requests
+take this path, and the grammar each one gets.
 
-    response_format json_schema   a schema outside decision mode's form subset (or `structured_mode="grammar"`):
-                                  the content is JSON valid against it
-    response_format json_object   any JSON object
-    tool_choice "required" / a named function, with `strict: true` tools (the named one; for "required", any)
-                                  one call whose arguments are valid against the tool's `parameters` (any object
-                                  when a tool has none); the call is the chat template's `<tool_call>` block
+    tool_choice "required"         one or more calls of the offered tools (exactly one with
+                                   `parallel_tool_calls: false`), each call's arguments valid against its tool's
+                                   `parameters` (any object when a tool has none)
+    tool_choice a named function   one call of that function, its arguments valid against its `parameters`
+    response_format json_schema    a schema outside decision mode's form subset, `structured_mode="grammar"`, or
+                                   `n > 1` (decision mode answers once): the content is JSON valid against it
+    response_format json_object    any JSON object
+    either format, with tools and tool_choice "auto" (or absent)
+                                   either the call(s) or the JSON answer: the model chooses, the grammar holds
+                                   both to their schemas
+
+A forced call ignores `response_format`: the format is for a later turn's text (OpenAI's API behaves so). A call is
+the chat template's `<tool_call>` block; the prompt already holds the forced start of the answer (`forced_start`).
+Each tool's `strict` only decides what happens to a schema keyword the engine cannot enforce: a strict tool's is a
+400 naming it, a non-strict tool's is ignored (the call is still constrained by the rest of its schema). A
+response_format schema the engine cannot compile is a 400 naming the keyword.
 
 The request then runs in exact mode (its output is constrained block-size-1 decoding; a request naming another
-rule is refused, as block decoding cannot follow a grammar). A schema the engine cannot compile is a 400 that
-names the keyword. `tool_choice="auto"` is not constrained: the model may answer in text.
+rule is refused, as block decoding cannot follow a grammar). `tool_choice="auto"` without a response format is not
+constrained: the model may answer in text; with `parallel_tool_calls: false` only its first call is returned
+(`max_calls`).
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from clover.engine.form import FormError, parse_form
-from clover.engine.grammar import Grammar, GrammarError, json_schema_grammar, tool_call_grammar
-from clover.assistant_output import END_CALL
+from clover.engine.grammar import Grammar, GrammarError, ToolSchema, json_schema_grammar, tool_call_grammar
+from clover.assistant_output import CALL, END_CALL
 from clover.serving.protocol import APIError, ChatCompletionRequest, NamedToolChoice
 
 SCHEMA_PARAM = "response_format.json_schema.schema"
+CALL_START = CALL + "\n"
 CALL_HEAD = '{{"name": {name}, "arguments": '  # the template's call after `<tool_call>\n` (`{name}`: JSON string)
 CALL_TAIL = "}\n" + END_CALL
+CALL_SEPARATOR = "\n"  # between two calls, as the template renders them
+
+
+def offers_tools(req: ChatCompletionRequest) -> bool:
+    return bool(req.tools) and req.tool_choice != "none"
+
+
+def forces_call(req: ChatCompletionRequest) -> bool:
+    return offers_tools(req) and (req.tool_choice == "required" or isinstance(req.tool_choice, NamedToolChoice))
+
+
+def max_calls(req: ChatCompletionRequest) -> int | None:
+    """How many calls an answer may make (None: any number): one with `parallel_tool_calls: false` or a named
+    function."""
+    return 1 if req.parallel_tool_calls is False or isinstance(req.tool_choice, NamedToolChoice) else None
+
+
+def forced_start(req: ChatCompletionRequest) -> str:
+    """The start of the answer the prompt holds when a call is forced: `<tool_call>\\n`, and for a named function
+    its call up to the arguments; "" otherwise."""
+    if not forces_call(req):
+        return ""
+    if isinstance(req.tool_choice, NamedToolChoice):
+        return CALL_START + CALL_HEAD.format(name=json.dumps(req.tool_choice.function.name))
+    return CALL_START
 
 
 def route(req: ChatCompletionRequest) -> str | None:
     """"decision", "grammar" or None (free text) for a chat request."""
+    if forces_call(req):
+        return "grammar"  # the call alone, whatever response_format says
     fmt = req.response_format
     if fmt is not None and fmt.type == "json_schema":
         if req.structured_mode == "decision":
             return "decision"  # decision mode refuses what it cannot serve, naming it
-        if req.structured_mode is None and not (req.tools and req.tool_choice != "none"):
+        if req.structured_mode is None and not offers_tools(req) and req.n == 1:
             try:
                 parse_form(fmt.json_schema.schema_)
                 return "decision"
@@ -42,31 +82,36 @@ def route(req: ChatCompletionRequest) -> str | None:
         return "grammar"
     if fmt is not None and fmt.type == "json_object":
         return "grammar"
-    if req.tools and req.tool_choice == "required" and any(t.function.strict for t in req.tools):
-        return "grammar"
-    if req.tools and isinstance(req.tool_choice, NamedToolChoice) and any(
-            t.function.strict for t in req.tools if t.function.name == req.tool_choice.function.name):
-        return "grammar"
-    return None  # a forced call of a non-strict tool: forced by prefix only (served_model.chat_prompt)
+    return None
 
 
 def request_grammar(req: ChatCompletionRequest, tokenizer: Any) -> Grammar:
     """The grammar of a request that `route` sends here (the 400 naming the keyword when it cannot compile)."""
-    fmt = req.response_format
-    if req.tools and req.tool_choice not in (None, "none", "auto") and fmt is not None and fmt.type != "text":
-        raise APIError(400, "a forced tool call and response_format cannot be combined", param="response_format",
-                       code="invalid_value")
+    tools = [ToolSchema(t.function.name, t.function.parameters, bool(t.function.strict))
+             for t in req.tools or []] if offers_tools(req) else []
+    parallel = max_calls(req) is None
     try:
-        if fmt is not None and fmt.type == "json_schema":
-            return json_schema_grammar(fmt.json_schema.schema_, tokenizer)
-        if fmt is not None and fmt.type == "json_object":
-            return json_schema_grammar(None, tokenizer)
-        tools = req.tools or []
-        if isinstance(req.tool_choice, NamedToolChoice):  # the prompt already holds the call up to its arguments
-            tool = next(t for t in tools if t.function.name == req.tool_choice.function.name)
-            return tool_call_grammar([(tool.function.name, tool.function.parameters)], tokenizer, tail=CALL_TAIL)
-        return tool_call_grammar([(t.function.name, t.function.parameters) for t in tools], tokenizer,
-                                 head=CALL_HEAD, tail=CALL_TAIL)
+        if isinstance(req.tool_choice, NamedToolChoice):  # the prompt holds the call up to its arguments
+            return tool_call_grammar([t for t in tools if t.name == req.tool_choice.function.name], tokenizer,
+                                     tail=CALL_TAIL)
+        if req.tool_choice == "required":  # the prompt holds `<tool_call>\n`
+            return tool_call_grammar(tools, tokenizer, head=CALL_HEAD, tail=CALL_TAIL,
+                                     more=CALL_SEPARATOR + CALL_START if parallel else None)
     except GrammarError as exc:
-        param = SCHEMA_PARAM if fmt is not None and fmt.type == "json_schema" else "tools"
+        raise APIError(400, f"tools: {exc}", param="tools", code="unsupported_schema") from exc
+    fmt = req.response_format
+    assert fmt is not None and fmt.type != "text", "route sends only forced calls and JSON formats here"
+    schema = fmt.json_schema.schema_ if fmt.type == "json_schema" else None
+    try:
+        answer = json_schema_grammar(schema, tokenizer)
+    except GrammarError as exc:
+        param = SCHEMA_PARAM if schema is not None else "response_format"
         raise APIError(400, f"{param}: {exc}", param=param, code="unsupported_schema") from exc
+    if not tools:
+        return answer
+    try:  # tool_choice "auto": the call(s) or the answer
+        return tool_call_grammar(tools, tokenizer, head=CALL_START + CALL_HEAD, tail=CALL_TAIL,
+                                 more=CALL_SEPARATOR if parallel else None,
+                                 json_answer=schema if schema is not None else {"type": "object"})
+    except GrammarError as exc:
+        raise APIError(400, f"tools: {exc}", param="tools", code="unsupported_schema") from exc

@@ -45,18 +45,21 @@ class ChoiceText:
 
 class ChatChoice(ChoiceText):
     """A chat choice: its text split into reasoning, content and tool calls (ids given here) as it arrives.
-    `forced`: the start of the answer the server wrote itself (a forced tool call), parsed but never sent."""
+    `forced`: the start of the answer the server wrote itself (a forced tool call), parsed but never sent.
+    `max_calls`: the calls kept (`parallel_tool_calls: false`: the first), None: all."""
 
     def __init__(self, decode: Callable[[list[int]], str], stops: tuple[str, ...], thinking: bool, tools: bool,
-                 forced: str) -> None:
+                 forced: str, max_calls: int | None = None) -> None:
         super().__init__(decode, stops)
         self.parser = OutputParser(thinking, tools)
+        self.max_calls = max_calls
         self.content, self.reasoning, self.calls = "", "", []
         self._take(self.parser.feed(forced))
 
     def _take(self, delta: OutputDelta) -> OutputDelta:
+        calls = delta.tool_calls if self.max_calls is None else delta.tool_calls[:self.max_calls - len(self.calls)]
         delta.tool_calls = [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": c}
-                            for c in delta.tool_calls]
+                            for c in calls]
         self.content += delta.content
         self.reasoning += delta.reasoning
         self.calls += delta.tool_calls

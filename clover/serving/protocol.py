@@ -54,6 +54,15 @@ class ErrorResponse(BaseModel):
 class _Model(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        """A null optional field is its default (`"n": null` is `n=1`), as OpenAI's API takes it."""
+        if not isinstance(data, dict):
+            return data
+        return {k: v for k, v in data.items()
+                if v is not None or k not in cls.model_fields or cls.model_fields[k].is_required()}
+
 
 MAX_NESTING = 64  # JSON values (tool schemas, call arguments): deeper ones would overflow the template's recursion
 

@@ -24,7 +24,6 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from clover.assistant_output import CALL
 from clover.chat_template import render_chat
 from clover.engine import SamplingParams
 from clover.model import CloverForBlockDiffusion
@@ -35,9 +34,9 @@ from clover.serving.metrics import ServerMetrics
 from clover.serving.openai_format import (ChatChoice, ChoiceText, chat_body, chat_stream, completion_body,
                                           completion_stream, usage)
 from clover.serving.prefix_cache import PrefixCache
-from clover.serving.protocol import APIError, ChatCompletionRequest, CompletionRequest, NamedToolChoice, SamplingFields
+from clover.serving.protocol import APIError, ChatCompletionRequest, CompletionRequest, SamplingFields
 from clover.serving.scheduler import QueueFull, Scheduler
-from clover.serving.grammar_route import request_grammar, route
+from clover.serving.grammar_route import forced_start, max_calls, request_grammar, route
 from clover.serving.structured import decision_response
 from clover.tokenizer import eos_token_ids, load_tokenizer
 
@@ -200,11 +199,7 @@ class ServedModel:
         """(prompt ids, forced start of the answer, thinking, parse tool calls). `constrained`: a grammar writes the
         answer (no reasoning first)."""
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-        forced = ""
-        if tools and req.tool_choice == "required":
-            forced = CALL + "\n"
-        elif isinstance(req.tool_choice, NamedToolChoice):
-            forced = CALL + '\n{"name": ' + json.dumps(req.tool_choice.function.name) + ', "arguments": '
+        forced = forced_start(req)
         thinking = req.enable_thinking and not forced and not constrained  # a forced call answers at once
         try:
             text = self.tokenizer.render_chat([m.to_template() for m in req.messages], tools, thinking)
@@ -230,7 +225,8 @@ class ServedModel:
                                             "messages")
         handle = await self.submit(ids, max_new, sampling, req, rule)
         stops = req.stop_strings()
-        choices = [ChatChoice(self.tokenizer.decode, stops, thinking, tools, forced) for _ in range(req.n)]
+        choices = [ChatChoice(self.tokenizer.decode, stops, thinking, tools, forced, max_calls(req))
+                   for _ in range(req.n)]
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)

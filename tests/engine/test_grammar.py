@@ -111,6 +111,36 @@ def test_a_tool_call_grammar_gives_arguments_of_the_schema(model, chat_tokenizer
     jsonschema_rs.validate(params if call["name"] == "get_weather" else {"type": "object"}, call["arguments"])
 
 
+def _accepts(grammar, tok, text: str) -> bool:
+    """Whether `text` is a whole answer of `grammar` (fed as the tokenizer splits it)."""
+    matcher = grammar.matcher(len(tok), _eos(tok))
+    try:
+        matcher.consume(tok(text, add_special_tokens=False)["input_ids"])
+    except RuntimeError:
+        return False
+    return matcher.m.is_accepting()
+
+
+def test_a_calls_grammar_takes_one_or_more_calls_or_the_json_answer(chat_tokenizer):
+    params = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+              "additionalProperties": False}
+    loose = {"type": "object", "properties": {"tags": {"type": "array", "uniqueItems": True}}, "required": ["tags"]}
+    head, tail = '<tool_call>\n{{"name": {name}, "arguments": ', "}\n</tool_call>"
+    tools = [("get_weather", params), ("tag", loose, False)]  # not strict: `uniqueItems` ignored, not refused
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    other = '<tool_call>\n{"name": "tag", "arguments": {"tags": [1, 1]}}\n</tool_call>'
+    one = tool_call_grammar(tools, chat_tokenizer, head, tail)
+    several = tool_call_grammar(tools, chat_tokenizer, head, tail, more="\n", json_answer=SCHEMA)
+    answer = json.dumps({"name": "x", "tags": [], "size": None, "ok": True})
+    assert _accepts(one, chat_tokenizer, call) and _accepts(one, chat_tokenizer, other)
+    assert not _accepts(one, chat_tokenizer, call + "\n" + other)
+    assert _accepts(several, chat_tokenizer, call + "\n" + other) and _accepts(several, chat_tokenizer, answer)
+    assert not _accepts(several, chat_tokenizer, call.replace('"Paris"', "3"))  # the schema still holds
+    assert not _accepts(several, chat_tokenizer, call + "\n" + answer) and not _accepts(one, chat_tokenizer, answer)
+    with pytest.raises(GrammarError, match="uniqueItems"):
+        tool_call_grammar([("tag", loose)], chat_tokenizer, head, tail)  # strict (the default): refused
+
+
 def test_what_the_engine_cannot_enforce_is_refused_by_name(chat_tokenizer):
     with pytest.raises(GrammarError, match="uniqueItems") as err:
         json_schema_grammar({"type": "array", "uniqueItems": True}, chat_tokenizer)

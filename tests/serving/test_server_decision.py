@@ -120,6 +120,6 @@ def test_unsupported_schema_is_a_400_naming_the_field(url, schema, param, word):
 
 def test_other_bad_formats(url):
     for body, param in [({"response_format": {"type": "json_schema"}}, "response_format"),
-                        ({"response_format": _format(FORM), "n": 2}, "n")]:
+                        ({"response_format": _format(FORM), "n": 2, "structured_mode": "decision"}, "n")]:
         r = httpx.post(f"{url}/v1/chat/completions", json={"model": NAME, "messages": USER, **body})
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text

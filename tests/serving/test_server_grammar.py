@@ -9,6 +9,7 @@ import json
 import random
 from typing import Literal, Optional
 
+import httpx
 import jsonschema_rs
 import openai
 import pytest
@@ -181,7 +182,8 @@ def test_strict_tool_calls_validate(client, choice):
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
     for i in range(4):
         out = client.chat.completions.create(model=NAME, messages=_user(f"Call a tool ({i})."), tools=TOOLS,
-                                             tool_choice=choice, max_tokens=MAX_TOKENS, seed=i)
+                                             tool_choice=choice, parallel_tool_calls=False, max_tokens=MAX_TOKENS,
+                                             seed=i)
         calls = out.choices[0].message.tool_calls
         assert out.choices[0].finish_reason == "tool_calls" and len(calls) == 1
         if isinstance(choice, dict):
@@ -197,3 +199,111 @@ def test_refusals_name_what_is_wrong(client):
     with pytest.raises(openai.BadRequestError, match="cannot follow a grammar"):
         client.chat.completions.parse(model=NAME, messages=_user("x"), response_format=Item,
                                       extra_body={"rule": "threshold"})
+
+
+LOOSE_TOOLS = [{"type": "function", "function": {  # no `strict`: how LangChain and instructor offer tools
+    "name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 12}, "unit": {"enum": ["c", "f"]}},
+        "required": ["city", "unit"], "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "tag", "parameters": {  # uniqueItems: not enforced, not refused
+        "type": "object", "properties": {"tags": {"type": "array", "items": {"enum": ["x", "y"]}, "maxItems": 2,
+                                                  "uniqueItems": True}},
+        "required": ["tags"], "additionalProperties": False}}}]
+LOOSE = {t["function"]["name"]: t["function"]["parameters"] for t in LOOSE_TOOLS}
+
+
+def _valid_calls(choice) -> list[str]:
+    """The names of a choice's calls, each call's arguments checked against its tool's schema (`uniqueItems`, which
+    a non-strict tool may break, aside)."""
+    names = []
+    for call in choice.message.tool_calls or []:
+        schema = json.loads(json.dumps(LOOSE[call.function.name]).replace('"uniqueItems": true',
+                                                                          '"uniqueItems": false'))
+        jsonschema_rs.validate(schema, json.loads(call.function.arguments))
+        names.append(call.function.name)
+    return names
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "tag"}}])
+def test_forced_calls_of_tools_that_are_not_strict_are_constrained(client, choice):
+    for i in range(3):
+        out = client.chat.completions.create(model=NAME, messages=_user(f"Call a tool ({i})."), tools=LOOSE_TOOLS,
+                                             tool_choice=choice, parallel_tool_calls=False, max_tokens=MAX_TOKENS,
+                                             seed=i, temperature=1.0)
+        names = _valid_calls(out.choices[0])
+        assert out.choices[0].finish_reason == "tool_calls" and len(names) == 1, out.choices[0]
+        assert out.choices[0].message.content is None
+        if isinstance(choice, dict):
+            assert names == ["tag"]
+
+
+def test_required_allows_several_calls(client):
+    """`parallel_tool_calls` absent: the random model, free to go on after a call, writes more calls; every
+    finished call is valid (`parallel_tool_calls: false`, one call: the tests above)."""
+    counts = []
+    for i in range(3):
+        out = client.chat.completions.create(model=NAME, messages=_user(f"Call tools ({i})."), tools=LOOSE_TOOLS,
+                                             tool_choice="required", max_tokens=MAX_TOKENS, seed=i, temperature=1.0)
+        counts.append(len(_valid_calls(out.choices[0])))
+        assert counts[-1] >= 1 and out.choices[0].finish_reason in ("tool_calls", "length")
+    assert max(counts) >= 2, counts
+
+
+def test_a_strict_tool_the_engine_cannot_enforce_is_refused(client):
+    strict = [{**t, "function": {**t["function"], "strict": True}} for t in LOOSE_TOOLS]
+    with pytest.raises(openai.BadRequestError, match="uniqueItems") as err:
+        client.chat.completions.create(model=NAME, messages=_user("x"), tools=strict, tool_choice="required")
+    assert err.value.body["param"] == "tools"
+
+
+def test_a_forced_call_ignores_the_response_format(client):
+    out = client.chat.completions.create(model=NAME, messages=_user("Call."), tools=LOOSE_TOOLS,
+                                         tool_choice="required", response_format={"type": "json_object"},
+                                         parallel_tool_calls=False, max_tokens=MAX_TOKENS)
+    assert out.choices[0].finish_reason == "tool_calls" and _valid_calls(out.choices[0])
+
+
+def test_auto_with_tools_and_a_response_format_answers_a_call_or_the_format(client):
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
+    for i in range(4):
+        out = client.chat.completions.create(model=NAME, messages=_user(f"Answer or call ({i})."), tools=LOOSE_TOOLS,
+                                             response_format=fmt, max_tokens=MAX_TOKENS, seed=i, temperature=1.0)
+        choice = out.choices[0]
+        if choice.message.tool_calls:
+            assert choice.finish_reason == "tool_calls" and _valid_calls(choice) and choice.message.content is None
+        else:
+            assert choice.finish_reason == "stop"
+            jsonschema_rs.validate(schema, json.loads(choice.message.content))
+
+
+@pytest.mark.parametrize("schema", [Item.model_json_schema(), {  # outside and inside decision mode's form subset
+    "type": "object", "properties": {"kind": {"enum": ["a", "b"]}, "ok": {"type": "boolean"}},
+    "required": ["kind", "ok"], "additionalProperties": False}])
+def test_n_choices_with_structured_output(client, schema):
+    out = client.chat.completions.create(model=NAME, messages=_user("JSON."), n=2, max_tokens=MAX_TOKENS,
+                                         temperature=1.0, seed=3, response_format={
+                                             "type": "json_schema", "json_schema": {"name": "s", "schema": schema}})
+    assert len(out.choices) == 2
+    for choice in out.choices:
+        assert choice.finish_reason == "stop"
+        jsonschema_rs.validate(schema, json.loads(choice.message.content))
+
+
+def test_null_optional_fields_mean_their_defaults(client):
+    """OpenAI's API takes null for an optional field; the answer is the one the field's default gives."""
+    base = str(client.base_url).rstrip("/")
+
+    def post(route: str, **body) -> dict:
+        r = httpx.post(f"{base}/{route}", timeout=60, json={"model": NAME, "max_tokens": 6, "temperature": 0.0, **body})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    nulls = {"n": None, "stream": None, "stream_options": {"include_usage": None}, "tools": None, "tool_choice": None,
+             "parallel_tool_calls": None, "ignore_eos": None, "chat_template_kwargs": {"enable_thinking": None}}
+    chat = post("chat/completions", messages=_user("Hi"), **nulls)
+    assert chat["choices"] == post("chat/completions", messages=_user("Hi"))["choices"]
+    text = post("completions", prompt="Hi there", n=None, stream=None, echo=None)
+    assert text["choices"] == post("completions", prompt="Hi there", echo=False)["choices"]
+    assert len(text["choices"]) == 1

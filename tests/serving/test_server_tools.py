@@ -16,14 +16,23 @@ TOOLS = [{"type": "function", "function": {
 REASONING = "The user wants the weather. I should call get_weather."
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 ANSWER = "It is 21 degrees in Paris."
+JSON_ANSWER = '{"city": "Paris", "temp_c": 21}'
+WEATHER = {"type": "object", "properties": {"city": {"type": "string"}, "temp_c": {"type": "integer"}},
+           "required": ["city", "temp_c"]}
 
 
 def script(prompt: str) -> str:
     """What a trained model writes after this prompt (the prompt is the rendered chat template)."""
     thinking = prompt.endswith("<think>\n")
-    last_turn = prompt[prompt.rindex("<|im_start|>user"):]
+    last_turn = prompt[max(prompt.rfind("<|im_start|>user"), 0):]  # (exact mode calibrates on other text)
     if prompt.endswith('"arguments": '):  # a forced call (tool_choice names the function)
         return '{"city": "Paris"}}\n</tool_call>'
+    if prompt.endswith("<tool_call>\n"):  # a forced call (tool_choice "required")
+        return CALL[len("<tool_call>\n"):]
+    if "as JSON" in last_turn:
+        return JSON_ANSWER
+    if "and Rome" in last_turn:
+        return CALL + "\n" + CALL.replace("Paris", "Rome")
     if "<tool_response>" in last_turn and "21" in last_turn:
         return ("The tool says 21.\n</think>\n\n" if thinking else "") + ANSWER
     if "<tools>" in prompt:
@@ -122,3 +131,54 @@ def test_plain_chat_without_tools(client):
     r = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=32, n=2)
     assert [c.message.content for c in r.choices] == ["Hello world.", "Hello world."]
     assert _stream(client, messages=[{"role": "user", "content": "Hi"}], max_tokens=32)[0] == "Hello world."
+
+
+def _calls(choice) -> list[tuple[str, dict]]:
+    return [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls or []]
+
+
+def test_required_tool_choice_forces_a_call_of_a_tool_that_is_not_strict(client):
+    """The call is constrained (grammar path) whatever `strict` says; the model's call comes through unchanged."""
+    r = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "Hi"}], tools=TOOLS,
+                                       tool_choice="required", max_tokens=64)
+    assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.content is None
+    assert _calls(r.choices[0]) == [("get_weather", {"city": "Paris"})]
+
+
+def test_parallel_tool_calls_false_returns_the_first_call_under_auto(client):
+    two = [{"role": "user", "content": "What is the weather in Paris and Rome?"}]
+    both = client.chat.completions.create(model=NAME, messages=two, tools=TOOLS, max_tokens=96)
+    assert _calls(both.choices[0]) == [("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Rome"})]
+    for stream in (False, True):
+        kwargs = dict(messages=two, tools=TOOLS, max_tokens=96, parallel_tool_calls=False)
+        if stream:
+            _, _, calls, finish, _ = _stream(client, **kwargs)
+            assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [("get_weather", {"city": "Paris"})]
+        else:
+            one = client.chat.completions.create(model=NAME, **kwargs)
+            assert _calls(one.choices[0]) == [("get_weather", {"city": "Paris"})]
+            finish = one.choices[0].finish_reason
+        assert finish == "tool_calls"
+
+
+def test_auto_with_a_response_format_allows_a_call_or_the_formatted_answer(client):
+    """tools + response_format under tool_choice "auto": one grammar of both; the model takes either branch."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "weather", "schema": WEATHER}}
+    call = client.chat.completions.create(model=NAME, messages=USER, tools=TOOLS, response_format=fmt, max_tokens=64)
+    assert call.choices[0].finish_reason == "tool_calls"
+    assert _calls(call.choices[0]) == [("get_weather", {"city": "Paris"})]
+    asked = [{"role": "user", "content": "The weather in Paris as JSON, please."}]
+    text = client.chat.completions.create(model=NAME, messages=asked, tools=TOOLS, response_format=fmt,
+                                         max_tokens=64)
+    assert text.choices[0].finish_reason == "stop" and not text.choices[0].message.tool_calls
+    assert json.loads(text.choices[0].message.content) == json.loads(JSON_ANSWER)
+
+
+def test_a_forced_call_with_a_response_format_is_the_call(client):
+    """OpenAI's API: the format applies to a later text turn; this turn is the call."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "weather", "schema": WEATHER}}
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        r = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "Hi"}], tools=TOOLS,
+                                           tool_choice=choice, response_format=fmt, max_tokens=64)
+        assert r.choices[0].finish_reason == "tool_calls"
+        assert _calls(r.choices[0]) == [("get_weather", {"city": "Paris"})]
