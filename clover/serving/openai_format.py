@@ -113,7 +113,8 @@ def completion_logprobs(tokens: Sequence[int], values: Sequence[TokenLogprob | N
                         offset: int = 0) -> tuple[dict[str, Any], int]:
     """A text completion's legacy `logprobs` for `tokens` (an echoed prompt's first token has no value: None),
     their text starting at character `offset` of the choice's text; and the offset after them. `top_logprobs`
-    holds the asked-for alternatives and the token itself (OpenAI: up to `logprobs + 1` entries)."""
+    holds the asked-for alternatives and the token itself (OpenAI: up to `logprobs + 1` entries), keyed by text:
+    of several ids with one text (fragments of a character), the most probable's."""
     names = _names([v for v in values if v is not None], texts, tokens)
     out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for token, v in zip(tokens, values):
@@ -125,8 +126,9 @@ def completion_logprobs(tokens: Sequence[int], values: Sequence[TokenLogprob | N
             out["top_logprobs"].append(None)
             continue
         out["token_logprobs"].append(max(v.logprob, LOWEST_LOGPROB))
-        top = {names[t]: max(lp, LOWEST_LOGPROB) for t, lp in v.top}
-        top.setdefault(names[token], max(v.logprob, LOWEST_LOGPROB))
+        top: dict[str, float] = {}
+        for t, lp in [*v.top, (token, v.logprob)]:  # ids of one text (byte fragments): the best one's value
+            top.setdefault(names[t], max(lp, LOWEST_LOGPROB))
         out["top_logprobs"].append(top)
     return out, offset
 

@@ -75,7 +75,9 @@ def test_chat_logprobs_are_block_size_1s_streamed_and_not(client, model, chat_to
                                                  top_logprobs=3, extra_body=EXACT, stream=True))
     streamed = [c for chunk in chunks if chunk.choices and chunk.choices[0].logprobs
                 for c in chunk.choices[0].logprobs.content]
-    assert [(c.token, c.logprob) for c in streamed] == [(c.token, c.logprob) for c in content]
+    assert [c.token for c in streamed] == [c.token for c in content]
+    # (how many drafts a forward verifies follows measured timings: its sums may differ in the last bits)
+    assert [c.logprob for c in streamed] == pytest.approx([c.logprob for c in content], abs=1e-5)
     text = "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices)
     assert text == r.choices[0].message.content
 
@@ -102,8 +104,8 @@ def test_completion_echo_logprobs_score_the_prompt_causally(client, model, chat_
     banned = torch.tensor(banned_ids(model.config.mask_token_id, len(chat_tokenizer), model.config.vocab_size))
     causal = log_probs(logits[:-1], banned).gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
     assert lp.token_logprobs[1:len(ids)] == pytest.approx(causal.tolist(), abs=1e-5)
-    for i, top in enumerate(lp.top_logprobs[1:], 1):  # the two best and the token itself
-        assert 2 <= len(top) <= 3 and top[lp.tokens[i]] == pytest.approx(lp.token_logprobs[i])
+    for i, top in enumerate(lp.top_logprobs[1:], 1):  # the two best and the token itself, keyed by text
+        assert 1 <= len(top) <= 3 and top[lp.tokens[i]] >= lp.token_logprobs[i] - 1e-6
     assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
     assert r.choices[0].text.startswith(text)
     chunks = list(client.completions.create(model=NAME, prompt=text, max_tokens=8, echo=True, logprobs=2,
@@ -113,7 +115,9 @@ def test_completion_echo_logprobs_score_the_prompt_causally(client, model, chat_
         if chunk.choices and chunk.choices[0].logprobs:
             for key in streamed:
                 streamed[key] += getattr(chunk.choices[0].logprobs, key)
-    assert streamed == {"tokens": lp.tokens, "token_logprobs": lp.token_logprobs, "text_offset": lp.text_offset}
+    assert streamed["tokens"] == lp.tokens and streamed["text_offset"] == lp.text_offset
+    assert streamed["token_logprobs"][0] is None
+    assert streamed["token_logprobs"][1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-5)
     plain = client.completions.create(model=NAME, prompt=text, max_tokens=8, logprobs=0, extra_body=EXACT)
     assert plain.choices[0].logprobs.tokens == lp.tokens[len(ids):]
     assert plain.choices[0].logprobs.token_logprobs == pytest.approx(lp.token_logprobs[len(ids):], abs=1e-5)
