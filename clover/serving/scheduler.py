@@ -166,7 +166,8 @@ class Scheduler:
 
     def decide(self, run: DecisionRun | PromptScoring) -> asyncio.Future[list[Any]]:
         """Queue a decision run or a prompt scoring (its rows count against `max_running`); the future gets its
-        results (decisions, or each prompt's logprobs), or the exception a step raised. Raises like `submit` when the server is at capacity or not running."""
+        results (decisions, or each prompt's logprobs), or the exception a step raised. Raises like `submit` when
+        the server is at capacity or not running."""
         future = _SettledFuture(loop=asyncio.get_running_loop())
         job = DecisionJob(run, future.settle)
         # a request that went away (its coroutine cancelled: the client left) stops its decision run

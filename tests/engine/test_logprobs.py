@@ -14,6 +14,7 @@ from model_helpers import PROMPTS, tiny_model
 from test_exact_mode import OracleDrafts, _greedy_b1
 
 TOP = 3
+WHOLE = {"adaptive": False}  # exact mode drafting whole blocks: no forward-cost calibration to wait for
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +74,8 @@ def test_exact_mode_logprobs_are_the_causal_forwards_whatever_it_drafts(model, w
 def test_sampled_exact_mode_reports_the_raw_distribution(model):
     """Under temperature and top-k the values are still the model's own log-softmax (before any transform)."""
     params = SamplingParams(temperature=1.5, top_k=5, seed=3, logprobs=TOP)
-    tokens, values = _run(Engine(model, 4, rule="exact", eos_token_ids=[]), PROMPTS[:1], 16, params)
+    engine = Engine(model, 4, rule="exact", rule_options=WHOLE, eos_token_ids=[])
+    tokens, values = _run(engine, PROMPTS[:1], 16, params)
     _assert_causal(model, PROMPTS[0], tokens[0], values[0])
 
 
@@ -94,7 +96,7 @@ def test_block_rule_logprobs_are_the_unmasking_steps(model, rule, block_size):
 
 def test_asking_for_logprobs_changes_no_output_and_mixes_in_a_batch(model):
     """Rows that ask and rows that do not share a batch; every row's tokens are what they are without logprobs."""
-    engine = Engine(model, 4, rule="exact", eos_token_ids=[])
+    engine = Engine(model, 4, rule="exact", rule_options=WHOLE, eos_token_ids=[])
     plain, _ = _run(engine, PROMPTS, 20, SamplingParams())
     mixed = [SamplingParams(logprobs=1), SamplingParams(), SamplingParams(logprobs=0)]
     tokens, values = _run(engine, PROMPTS, 20, mixed)
@@ -121,7 +123,7 @@ def test_prompt_scoring_is_the_causal_forward_in_any_chunking(model):
 def test_logprobs_validation(model):
     with pytest.raises(ValueError, match="logprobs must be in"):
         SamplingParams(logprobs=21)
-    engine = Engine(model, 4, rule="exact", eos_token_ids=[])
+    engine = Engine(model, 4, rule="exact", rule_options=WHOLE, eos_token_ids=[])
     grammar = object()  # refused before the grammar is read
     with pytest.raises(ValueError, match="logprobs cannot be combined with a grammar"):
         engine.make_sequences([[1, 2]], 4, SamplingParams(logprobs=0, grammar=grammar))
