@@ -244,8 +244,9 @@ async def completion_stream(handles: list[RequestHandle], choices: list[ChoiceTe
 
     try:
         for k, text in enumerate(echo):
-            if text:
-                yield chunk(k, text, extra=values(k, *echo_logprobs[k]) if echo_logprobs else {})
+            lps = values(k, *echo_logprobs[k]) if echo_logprobs else {}
+            if text or lps:
+                yield chunk(k, text, extra=lps)
         async for i, out in merge(handles):
             k = i * n + out.choice
             text = choices[k].push(out)
