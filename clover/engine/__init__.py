@@ -11,7 +11,8 @@ Roles: `sampling` (SamplingParams, logits -> candidates + confidence), `repetiti
 guard on token histories), `decoding` (rules, by name), `request`
 (one request's state and stats), `engine` (requests in, pieces out), `loop` (what a decoding loop does),
 `block_loop` (block diffusion), `exact` (exact mode), `drafting` + `cost` (how many drafts pay), `reference` (the
-uncached recompute decoder the tests compare against), `detokenizer` (ids -> text, incrementally). The network runs
+uncached recompute decoder the tests compare against), `detokenizer` (ids -> text, incrementally), `logprobs`
+(the emitted tokens' log-probabilities, when a request asks: `SamplingParams.logprobs`). The network runs
 behind `clover.runners` (the torch model, or llama.cpp for an exported GGUF): every entry point taking a `model`
 takes a runner too.
 Semantics and measured figures: docs/decoding.md.

@@ -30,12 +30,13 @@ block joins the cache).
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from clover.engine.decoding import UnmaskingRule
+from clover.engine.logprobs import TokenLogprob, token_logprobs
 from clover.engine.loop import DecodingLoop, Event, StepSnapshot
 from clover.engine.request import Request, through_eos
 from clover.runners.base import RunnerCache
@@ -60,6 +61,8 @@ class BlockBatch:
     rule: UnmaskingRule  # the rule with each row's threshold (`BlockLoop.rule_for`)
     step_index: int = 0
     needed: torch.Tensor | None = None  # [N, B] `_needed` as the last step left it; None on a fresh block
+    # per row asking for logprobs, each block position's (set by the step that unmasks it); None for other rows
+    logprobs: list[list[TokenLogprob | None] | None] = field(default_factory=list)
 
 
 class BlockLoop(DecodingLoop):
@@ -112,7 +115,8 @@ class BlockLoop(DecodingLoop):
         sampler = BatchSampler([s.params for s in seqs], e.vocab_size, e.banned_ids, e.device, e.breakers)
         sampler.observe([s.prompt for s in seqs])
         zeros = torch.zeros(n, dtype=torch.long, device=e.device)
-        return BlockBatch(seqs, cache, sampler, block, logits, zeros, limit, zeros + 1, head, self.rule_for(seqs))
+        return BlockBatch(seqs, cache, sampler, block, logits, zeros, limit, zeros + 1, head, self.rule_for(seqs),
+                          logprobs=self._no_logprobs(seqs))
 
     def rule_for(self, seqs: list[Request]) -> UnmaskingRule:
         """The engine's rule, or a copy of it whose `threshold` is `[N, 1]`, one per row, when the rows ask for
@@ -166,7 +170,8 @@ class BlockLoop(DecodingLoop):
                           BatchSampler.concat([b.sampler, new.sampler]), torch.cat([b.block, new.block]),
                           torch.cat([b.logits, new.logits]), torch.cat([b.steps, new.steps]),
                           torch.cat([b.limit, new.limit]), torch.cat([b.forwards, new.forwards]),
-                          torch.cat([b.head, new.head]), self.rule_for(b.seqs + new.seqs), 0)
+                          torch.cat([b.head, new.head]), self.rule_for(b.seqs + new.seqs), 0,
+                          logprobs=b.logprobs + new.logprobs)
 
     def keep_rows(self, b: BlockBatch, keep: list[int]) -> None:
         idx = torch.tensor(keep, dtype=torch.long, device=self.engine.device)
@@ -176,6 +181,7 @@ class BlockLoop(DecodingLoop):
         b.block, b.steps, b.limit, b.logits = b.block[idx], b.steps[idx], b.limit[idx], b.logits[idx]
         b.forwards, b.head = b.forwards[idx], b.head[idx]
         b.rule = self.rule_for(b.seqs)
+        b.logprobs = [b.logprobs[r] for r in keep]
         if b.needed is not None:
             b.needed = b.needed[idx]
 
@@ -205,6 +211,8 @@ class BlockLoop(DecodingLoop):
         accept = b.rule.select(tokens, confidence, candidates)
         b.block = torch.where(accept, tokens, b.block)
         b.sampler.observe_block(tokens, accept)
+        if any(row is not None for row in b.logprobs):
+            self._record_logprobs(b, tokens, accept)
         b.steps += active
         b.step_index += 1
         e.counters.steps += 1
@@ -228,6 +236,24 @@ class BlockLoop(DecodingLoop):
             return events, None
         self._commit(b)
         return events, b
+
+    def _no_logprobs(self, seqs: list[Request]) -> list[list[TokenLogprob | None] | None]:
+        """A fresh block's logprobs: a position list per row that asks for them."""
+        return [[None] * self.engine.block_size if s.params.logprobs is not None else None for s in seqs]
+
+    def _record_logprobs(self, b: BlockBatch, tokens: torch.Tensor, accept: torch.Tensor) -> None:
+        """The values of the tokens this step unmasked (rows asking for logprobs): from the prediction the step
+        read for each position (`b.logits`, unconsumed: the sampler took a copy)."""
+        for r, row in enumerate(b.logprobs):
+            if row is None:
+                continue
+            at = accept[r].nonzero()[:, 0]
+            if not at.numel():
+                continue
+            values = token_logprobs(b.logits[r, at], tokens[r, at].tolist(), b.seqs[r].params.logprobs,
+                                    self.engine.banned_ids)
+            for p, value in zip(at.tolist(), values):
+                row[p] = value
 
     def _extension(self, b: BlockBatch) -> list[tuple[int, list[int]]] | None:
         """Per row, the block's decided tokens from its head to the first masked position: the history of the
@@ -272,8 +298,8 @@ class BlockLoop(DecodingLoop):
         """Every row's block is final: apply EOS / stop / length, emit the pieces, drop finished rows."""
         rows, steps, limits, forwards = b.block.tolist(), b.steps.tolist(), b.limit.tolist(), b.forwards.tolist()
         head = b.head.tolist()
-        return self.engine.emit(b, [(rows[r][head[r]: limits[r]], steps[r], forwards[r])
-                                    for r in range(len(b.seqs))])
+        return self.engine.emit(b, [(rows[r][head[r]: limits[r]], steps[r], forwards[r]) for r in range(len(b.seqs))],
+                                [lp[head[r]: limits[r]] if lp is not None else None for r, lp in enumerate(b.logprobs)])
 
     def _commit(self, b: BlockBatch) -> None:
         """The finished block joins the cache, in the same forward as the next block's first step."""
@@ -290,3 +316,4 @@ class BlockLoop(DecodingLoop):
         b.forwards = b.steps + 1  # this forward feeds the new block's first step
         b.step_index = 0
         b.needed = None
+        b.logprobs = self._no_logprobs(b.seqs)

@@ -34,6 +34,7 @@ from clover.engine.block_loop import BlockBatch, BlockLoop
 from clover.engine.cost import ForwardCost
 from clover.engine.decoding import ExactRule, UnmaskingRule, make_rule
 from clover.engine.exact import ExactBatch, ExactLoop
+from clover.engine.logprobs import TokenLogprob, banned_ids
 from clover.engine.loop import Event, StreamPiece
 from clover.engine.prefill import DEFAULT_PREFILL_CHUNK, grid_chunk, prefill
 from clover.engine.repetition import BreakerCache
@@ -161,6 +162,10 @@ class Engine:
         if self.breakers is None and any(p.uses_dry and p.dry_sequence_breakers for p in params):
             raise ValueError("DRY sequence breakers need the vocabulary's texts: pass detokenize=tokenizer.decode "
                              "(or dry_sequence_breakers=())")
+        for i, p in enumerate(params):
+            if p.logprobs is not None and p.grammar is not None:
+                raise ValueError(f"request {i}: logprobs cannot be combined with a grammar (the tokens a grammar "
+                                 "forces are decided without the model's logits)")
         self.loop.check(params)
         prompts = [list(map(int, p)) for p in prompts]
         for i, p in enumerate(prompts):
@@ -215,17 +220,21 @@ class Engine:
     def masks(self, n: int, width: int | None = None) -> torch.Tensor:
         return torch.full((n, width or self.block_size), self.mask_id, dtype=torch.long, device=self.device)
 
-    def emit(self, b: DecodeBatch, pieces: list[tuple[list[int], int, int]]) -> list[Event]:
+    def emit(self, b: DecodeBatch, pieces: list[tuple[list[int], int, int]],
+             logprobs: Seq[Seq[TokenLogprob | None] | None] | None = None) -> list[Event]:
         """Row `r` of `b` takes `pieces[r]` = (its committed tokens, cut to what it may still produce; the steps
         they took; the forwards that fed them): EOS / stop / length are applied by the request, and finished
-        requests leave the batch. The events a client streams."""
+        requests leave the batch. The events a client streams. `logprobs[r]`: one per token of `pieces[r]`, for
+        the rows that asked for them (None elsewhere); the piece that counts takes its first ones."""
         now = time.perf_counter()
         events: list[Event] = []
         keep = []
         for r, (seq, (tokens, steps, forwards)) in enumerate(zip(b.seqs, pieces)):
             piece = seq.append_block(tokens, steps, forwards, self.eos_of(seq), self.detokenize, now)
+            values = logprobs[r] if logprobs is not None else None
             events.append(StreamPiece(seq.index, piece, len(seq.steps_per_block) - 1, seq.finished,
-                                      seq.finish_reason, seq.stats() if seq.finished else None))
+                                      seq.finish_reason, seq.stats() if seq.finished else None,
+                                      list(values[:len(piece)]) if values is not None else None))
             if not seq.finished:
                 keep.append(r)
         if not keep:
@@ -236,7 +245,7 @@ class Engine:
         return events
 
     def _banned(self) -> list[int]:
-        return [self.mask_id] + list(range(self.vocab_limit, self.vocab_size))
+        return banned_ids(self.mask_id, self.vocab_limit, self.vocab_size)
 
     # -- prefill --------------------------------------------------------------------------------------
     def _prefill(self, seqs: list[Request]) -> DecodeBatch:

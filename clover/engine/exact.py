@@ -55,6 +55,7 @@ import torch
 from clover.engine.cost import ForwardCost, cost_table
 from clover.engine.decoding import ExactRule
 from clover.engine.drafting import Acceptance, best_batch_verified, best_drafts, best_verified
+from clover.engine.logprobs import TokenLogprob, token_logprobs
 from clover.engine.lookup import ContextLookup
 from clover.engine.loop import DecodingLoop, Event
 from clover.engine.request import Request, through_eos
@@ -88,6 +89,7 @@ class ExactBatch:
     acceptance: list[Acceptance]
     lookups: list[Lookup | None]
     looked_up: torch.Tensor  # [N] bool: this row's drafts were copied from its context, not drafted
+    logprobs: list[list[TokenLogprob] | None]  # per row asking for them: the decided tokens' (else None)
 
 
 @dataclass
@@ -163,7 +165,7 @@ class ExactLoop(DecodingLoop):
                           torch.cat([b.n_decided, new.n_decided]), torch.cat([b.n_feed, new.n_feed]),
                           torch.cat([_pad(b.drafts, drafts), _pad(new.drafts, drafts)]),
                           torch.cat([b.n_drafts, new.n_drafts]), b.acceptance + new.acceptance,
-                          b.lookups + new.lookups, torch.cat([b.looked_up, new.looked_up]))
+                          b.lookups + new.lookups, torch.cat([b.looked_up, new.looked_up]), b.logprobs + new.logprobs)
 
     def keep_rows(self, b: ExactBatch, keep: list[int]) -> None:
         idx = torch.tensor(keep, dtype=torch.long, device=self.engine.device)
@@ -175,6 +177,7 @@ class ExactLoop(DecodingLoop):
         b.acceptance = [b.acceptance[r] for r in keep]
         b.lookups = [b.lookups[r] for r in keep]
         b.looked_up = b.looked_up[idx]
+        b.logprobs = [b.logprobs[r] for r in keep]
 
     # -- the loop --------------------------------------------------------------------------------------
     def open(self, seqs: list[Request], ids: torch.Tensor, cache: RunnerCache, **kwargs: Any) -> ExactBatch:
@@ -188,13 +191,13 @@ class ExactLoop(DecodingLoop):
         m = self._plan(seqs, acceptance, none, cache.length + t)[1]
         start = torch.full((n,), t - 1, dtype=torch.long, device=e.device)
         masks = [s.matcher.masks_for([])[0] if s.matcher is not None else None for s in seqs]
-        tokens, accepted, query = self._forward(ids, start, none, cache, sampler, acceptance, int(m.max()), masks,
-                                                **kwargs)
+        tokens, accepted, query, logprobs = self._forward(ids, start, none, cache, sampler, acceptance,
+                                                          int(m.max()), masks, **kwargs)
         ones = accepted + 1
         lookups = [Lookup(ContextLookup(s.prompt), Acceptance(self.lookup_most)) if self.rule.lookup else None
                    for s in seqs]
         b = ExactBatch(seqs, cache, sampler, tokens, ones, ones.clone(), query, ones * query.shape[1], acceptance,
-                       lookups, none.bool())
+                       lookups, none.bool(), logprobs)
         self._after_commit(b, accepted, none, [0] * n, query)
         self._observe(b)
         return b
@@ -204,7 +207,8 @@ class ExactLoop(DecodingLoop):
         e = self.engine
         start, forward_time = time.perf_counter(), e.counters.forward_time_s
         decided, counts = b.decided.tolist(), b.n_decided.tolist()
-        events = e.emit(b, [(decided[r][: min(counts[r], s.remaining)], 1, 1) for r, s in enumerate(b.seqs)])
+        events = e.emit(b, [(decided[r][: min(counts[r], s.remaining)], 1, 1) for r, s in enumerate(b.seqs)],
+                        b.logprobs)
         e.counters.steps += 1
         if not b.seqs:
             return events, None
@@ -233,9 +237,9 @@ class ExactLoop(DecodingLoop):
             consumed.append(c)
         if width > 1:  # drafts to verify: the cache must be able to forget the rejected ones
             b.cache.mark()
-        tokens, accepted, query = self._forward(ids, b.n_feed - 1, k, b.cache, b.sampler, b.acceptance,
-                                                int(m.max()), masks, prefix_len=width,
-                                                attention_mask=None if bool(real.all()) else real, drafts_in=drafts_k)
+        tokens, accepted, query, b.logprobs = self._forward(
+            ids, b.n_feed - 1, k, b.cache, b.sampler, b.acceptance, int(m.max()), masks, prefix_len=width,
+            attention_mask=None if bool(real.all()) else real, drafts_in=drafts_k)
         if width > 1:
             b.cache.rewind(b.n_feed + accepted)
         for r, (acc, verified, took) in enumerate(zip(b.acceptance, k.tolist(), accepted.tolist())):
@@ -404,14 +408,16 @@ class ExactLoop(DecodingLoop):
     def _forward(self, ids: torch.Tensor, start: torch.Tensor, k: torch.Tensor, cache: RunnerCache,
                  sampler: BatchSampler, acceptance: list[Acceptance], drafts: int,
                  masks: list[torch.Tensor | None], drafts_in: torch.Tensor | None = None,
-                 **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[list[TokenLogprob] | None]]:
         """Forward `ids` `[N, T]` as causal clean tokens (written to the cache) and, when `drafts > 0`, a query
         block of `drafts + 1` masks. Row `r`'s logits at clean positions `start[r] .. start[r] + k[r]` decide the
         token after the last fed token and after each of its `k[r]` drafts `drafts_in[r]` (masked by the row's
         grammar, `masks[r]` `[1 + k[r], V]`, where it has one). Returns the committed tokens `[N, 1 + max k]` (-1
         after each row's), the drafts accepted `[N]` and `[N, drafts]` new drafts: query output `j` predicts the
         token two positions after the last clean one plus `j` (the mask at query position 0 stands for the token
-        this forward decides); their logits stay in `_query_logits` for a grammar's drafts."""
+        this forward decides); their logits stay in `_query_logits` for a grammar's drafts. Last, per row that asks
+        for logprobs, its committed tokens' (clover.engine.logprobs: from the causal logits, before any mask or
+        sampling transform touches them; None for the other rows)."""
         e = self.engine
         n, t = ids.shape
         self.drafted[drafts] += 1
@@ -431,6 +437,9 @@ class ExactLoop(DecodingLoop):
         else:
             logits = out.new_zeros(n, kk + 1 + drafts, out.shape[-1])
             logits[torch.cat([wanted, torch.ones(n, drafts, dtype=torch.bool, device=e.device)], dim=1)] = out
+        tops = [p.logprobs for p in sampler.params]
+        asked = [r for r, top in enumerate(tops) if top is not None]
+        raw = logits[asked, :kk + 1] if asked else None  # a copy: `verify` consumes `logits`
         for r, mask in enumerate(masks):
             if mask is not None:
                 logits[r, : mask.shape[0]].masked_fill_(~mask.to(logits.device), float("-inf"))
@@ -444,7 +453,12 @@ class ExactLoop(DecodingLoop):
             for acc, row, a in zip(acceptance, confidence, took):
                 acc.observe_confidence(row[: a + 1])
         self._query_logits = logits[:, kk + 1:]
-        return tokens, accepted, self._greedy(logits[:, kk + 1:])
+        logprobs: list[list[TokenLogprob] | None] = [None] * n
+        if raw is not None:
+            committed, took = tokens.tolist(), accepted.tolist()
+            for i, r in enumerate(asked):
+                logprobs[r] = token_logprobs(raw[i], committed[r][: took[r] + 1], tops[r], e.banned_ids)
+        return tokens, accepted, self._greedy(logits[:, kk + 1:]), logprobs
 
     def _greedy(self, logits: torch.Tensor) -> torch.Tensor:
         """The drafter's choice: argmax over the ids that may be emitted (drafts are point masses)."""

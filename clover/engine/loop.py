@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from clover.engine.logprobs import TokenLogprob
 from clover.engine.request import Request
 from clover.runners.base import RunnerCache
 from clover.engine.sampling import SamplingParams
@@ -41,6 +42,7 @@ class StreamPiece:
     finished: bool = False
     finish_reason: str | None = None
     stats: dict[str, Any] | None = None  # on a request's last piece
+    logprobs: list[TokenLogprob] | None = None  # one per token of `token_ids`, when the request asked for them
 
 
 @dataclass

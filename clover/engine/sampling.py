@@ -39,6 +39,7 @@ import torch
 
 from clover.engine.repetition import DEFAULT_BREAKERS, Breakers, DryConfig, LagMatches, dry_candidates, penalty_of
 
+MAX_TOP_LOGPROBS = 20  # the most alternatives a token's logprobs may list (OpenAI's and vLLM's limit)
 Extension = Sequence[tuple[int, Sequence[int]]]  # per row: (first position, tokens after the history)
 
 
@@ -64,6 +65,9 @@ class SamplingParams:
     stop: tuple[str, ...] = field(default_factory=tuple)  # stop strings (need a detokenizer in the engine)
     # a `clover.engine.grammar.Grammar` the output must follow (exact mode); None: free text
     grammar: Any = field(default=None, compare=False)
+    # report each emitted token's log-probability and this many alternatives (clover.engine.logprobs);
+    # None: none (nothing is computed)
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -81,6 +85,9 @@ class SamplingParams:
         self._check_repetition()
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}] (alternatives per token) or None, "
+                             f"got {self.logprobs}")
 
     def _check_repetition(self) -> None:
         breakers = self.dry_sequence_breakers

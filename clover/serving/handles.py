@@ -13,6 +13,7 @@ from fastapi import Request
 from clover.serving.protocol import APIError
 
 if TYPE_CHECKING:
+    from clover.engine.logprobs import TokenLogprob
     from clover.serving.scheduler import Scheduler
 
 T = TypeVar("T")
@@ -27,6 +28,7 @@ class Output:
     finished: bool = False
     finish_reason: str | None = None
     stats: dict[str, Any] | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per token of `token_ids`, when the request asked for them
 
 
 class RequestHandle:

@@ -10,14 +10,20 @@ from __future__ import annotations
 import json
 import logging
 import uuid
-from typing import Any, AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Sequence
 
 from clover.engine import StopAwareDetokenizer
 from clover.serving.handles import Output, RequestHandle, merge
 from clover.assistant_output import OutputDelta, OutputParser
 from clover.serving.protocol import APIError
 
+if TYPE_CHECKING:
+    from clover.engine.logprobs import TokenLogprob
+
 logger = logging.getLogger(__name__)
+
+TokenTexts = Callable[[list[int]], list[str]]  # ids -> each token's own text
+LOWEST_LOGPROB = -9999.0  # JSON has no -inf: a token the model rules out is reported this low (as vLLM does)
 
 
 # -- per-choice text assembly ----------------------------------------------------------------------------------
@@ -32,9 +38,14 @@ class ChoiceText:
         self.finished = False
         self.finish_reason: str | None = None
         self.extra: dict[str, Any] = {}  # fields beside finish_reason in the choice
+        self.token_ids: list[int] = []  # kept with `logprobs`, when the request asked for them
+        self.logprobs: list[TokenLogprob] = []
 
     def push(self, out: Output) -> str:
         self.tokens += len(out.token_ids)
+        if out.logprobs is not None:
+            self.token_ids += out.token_ids
+            self.logprobs += out.logprobs
         if out.finished:
             self.finished = True
             self.finish_reason = "length" if out.finish_reason == "length" else "stop"
@@ -87,6 +98,50 @@ class ChatChoice(ChoiceText):
         return msg
 
 
+# -- logprobs ----------------------------------------------------------------------------------------------------
+def _token(text: str, logprob: float) -> dict[str, Any]:
+    return {"token": text, "logprob": max(logprob, LOWEST_LOGPROB), "bytes": list(text.encode("utf-8"))}
+
+
+def chat_logprobs(values: Sequence[TokenLogprob], texts: TokenTexts) -> dict[str, Any]:
+    """A chat choice's `logprobs`: every generated token (reasoning and tool-call text included) with its
+    alternatives."""
+    names = _names(values, texts)
+    return {"content": [{**_token(names[v.token], v.logprob),
+                         "top_logprobs": [_token(names[t], lp) for t, lp in v.top]} for v in values],
+            "refusal": None}
+
+
+def completion_logprobs(tokens: Sequence[int], values: Sequence[TokenLogprob | None], texts: TokenTexts,
+                        offset: int = 0) -> tuple[dict[str, Any], int]:
+    """A text completion's legacy `logprobs` for `tokens` (an echoed prompt's first token has no value: None),
+    their text starting at character `offset` of the choice's text; and the offset after them. `top_logprobs`
+    holds the asked-for alternatives and the token itself (OpenAI: up to `logprobs + 1` entries), keyed by text:
+    of several ids with one text (fragments of a character), the most probable's."""
+    names = _names([v for v in values if v is not None], texts, tokens)
+    out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for token, v in zip(tokens, values):
+        out["tokens"].append(names[token])
+        out["text_offset"].append(offset)
+        offset += len(names[token])
+        if v is None:
+            out["token_logprobs"].append(None)
+            out["top_logprobs"].append(None)
+            continue
+        out["token_logprobs"].append(max(v.logprob, LOWEST_LOGPROB))
+        top: dict[str, float] = {}
+        for t, lp in [*v.top, (token, v.logprob)]:  # ids of one text (byte fragments): the best one's value
+            top.setdefault(names[t], max(lp, LOWEST_LOGPROB))
+        out["top_logprobs"].append(top)
+    return out, offset
+
+
+def _names(values: Sequence[TokenLogprob], texts: TokenTexts, tokens: Sequence[int] = ()) -> dict[int, str]:
+    """Each id's text, for the tokens and their alternatives (one tokenizer call)."""
+    ids = list(dict.fromkeys([*tokens, *(v.token for v in values), *(t for v in values for t, _ in v.top)]))
+    return dict(zip(ids, texts(ids)))
+
+
 def sse(data: dict[str, Any]) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
@@ -98,23 +153,24 @@ def usage(prompt_tokens: int, completion_tokens: int, cached: int) -> dict[str, 
 
 
 def chat_body(rid: str, created: int, model: str, choices: list[ChatChoice],
-              usage: dict[str, Any]) -> dict[str, Any]:
-    """A whole chat completion."""
+              usage: dict[str, Any], logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """A whole chat completion (`logprobs[i]`: choice i's, when asked for)."""
     return {
         "id": rid, "object": "chat.completion", "created": created, "model": model,
         "choices": [{"index": i, "message": c.message(), "finish_reason": c.finish_reason, **c.extra,
-                     "logprobs": None} for i, c in enumerate(choices)],
+                     "logprobs": logprobs[i] if logprobs else None} for i, c in enumerate(choices)],
         "usage": usage,
     }
 
 
 def completion_body(rid: str, created: int, model: str, choices: list[ChoiceText], texts: list[str],
-                    usage: dict[str, Any]) -> dict[str, Any]:
-    """A whole text completion (`texts[k]`: choice k's text, echoed prompt included)."""
+                    usage: dict[str, Any], logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """A whole text completion (`texts[k]`: choice k's text, echoed prompt included; `logprobs[k]` its logprobs,
+    when asked for)."""
     return {
         "id": rid, "object": "text_completion", "created": created, "model": model,
-        "choices": [{"index": k, "text": texts[k], "finish_reason": c.finish_reason, **c.extra, "logprobs": None}
-                    for k, c in enumerate(choices)],
+        "choices": [{"index": k, "text": texts[k], "finish_reason": c.finish_reason, **c.extra,
+                     "logprobs": logprobs[k] if logprobs else None} for k, c in enumerate(choices)],
         "usage": usage,
     }
 
@@ -122,16 +178,17 @@ def completion_body(rid: str, created: int, model: str, choices: list[ChoiceText
 def chunk_sse(rid: str, obj: str, created: int, model: str, include_usage: bool, choice: dict[str, Any]) -> str:
     """One SSE chunk of a streamed response (chat or completion: they differ in `object` and the choice)."""
     body: dict[str, Any] = {"id": rid, "object": obj, "created": created, "model": model,
-                            "choices": [{**choice, "logprobs": None}]}
+                            "choices": [{"logprobs": None, **choice}]}
     if include_usage:
         body["usage"] = None  # OpenAI: usage is null on every chunk but the final one
     return sse(body)
 
 
 async def chat_stream(handle: RequestHandle, choices: list[ChatChoice], rid: str, created: int, model: str,
-                      prompt_tokens: int, include_usage: bool) -> AsyncIterator[str]:
-    """A chat completion's SSE events: a role chunk per choice, the deltas of committed blocks, a finish chunk per
-    choice, the usage chunk when asked for, `[DONE]`; an error after the start is reported in-band."""
+                      prompt_tokens: int, include_usage: bool, texts: TokenTexts | None = None) -> AsyncIterator[str]:
+    """A chat completion's SSE events: a role chunk per choice, the deltas of committed blocks (with their tokens'
+    logprobs when asked for: `texts` names the tokens), a finish chunk per choice, the usage chunk when asked for,
+    `[DONE]`; an error after the start is reported in-band."""
 
     def chunk(index: int, delta: dict[str, Any], finish: str | None = None, extra: dict[str, Any] = {}) -> str:
         return chunk_sse(rid, "chat.completion.chunk", created, model, include_usage,
@@ -151,7 +208,9 @@ async def chat_stream(handle: RequestHandle, choices: list[ChatChoice], rid: str
                 body["content"] = delta.content
             if delta.tool_calls:
                 body["tool_calls"] = [{"index": known + k, **call} for k, call in enumerate(delta.tool_calls)]
-            if body:
+            if out.logprobs and texts is not None:  # a token's values come with the block that committed it
+                yield chunk(out.choice, body, extra={"logprobs": chat_logprobs(out.logprobs, texts)})
+            elif body:
                 yield chunk(out.choice, body)
             if out.finished:
                 yield chunk(out.choice, {}, c.finish_reason, c.extra)
@@ -168,9 +227,19 @@ async def chat_stream(handle: RequestHandle, choices: list[ChatChoice], rid: str
 
 
 async def completion_stream(handles: list[RequestHandle], choices: list[ChoiceText], echo: list[str], n: int,
-                            rid: str, created: int, model: str, prompt_tokens: int,
-                            include_usage: bool) -> AsyncIterator[str]:
-    """A text completion's SSE events (choice `k` is choice `k % n` of prompt `k // n`), as `chat_stream`."""
+                            rid: str, created: int, model: str, prompt_tokens: int, include_usage: bool,
+                            texts: TokenTexts | None = None,
+                            echo_logprobs: list[tuple[list[int], list[TokenLogprob | None]]] | None = None
+                            ) -> AsyncIterator[str]:
+    """A text completion's SSE events (choice `k` is choice `k % n` of prompt `k // n`), as `chat_stream`; with
+    `texts`, each chunk carries its tokens' logprobs (`echo_logprobs[k]`: the echoed prompt's tokens and values)."""
+    offsets = [0] * len(choices)
+
+    def values(k: int, tokens: list[int], lps: Sequence[TokenLogprob | None] | None) -> dict[str, Any]:
+        if texts is None or lps is None:
+            return {}
+        body, offsets[k] = completion_logprobs(tokens, lps, texts, offsets[k])
+        return {"logprobs": body}
 
     def chunk(index: int, text: str, finish: str | None = None, extra: dict[str, Any] = {}) -> str:
         return chunk_sse(rid, "text_completion", created, model, include_usage,
@@ -178,13 +247,15 @@ async def completion_stream(handles: list[RequestHandle], choices: list[ChoiceTe
 
     try:
         for k, text in enumerate(echo):
-            if text:
-                yield chunk(k, text)
+            lps = values(k, *echo_logprobs[k]) if echo_logprobs else {}
+            if text or lps:
+                yield chunk(k, text, extra=lps)
         async for i, out in merge(handles):
             k = i * n + out.choice
             text = choices[k].push(out)
-            if text:
-                yield chunk(k, text)
+            lps = values(k, out.token_ids, out.logprobs) if out.logprobs else {}
+            if text or lps:
+                yield chunk(k, text, extra=lps)
             if out.finished:
                 yield chunk(k, "", choices[k].finish_reason, choices[k].extra)
         if include_usage:

@@ -20,6 +20,7 @@ from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, StrictBool,
 from pydantic_core import PydanticCustomError
 
 from clover.engine.decoding import RULES
+from clover.engine.sampling import MAX_TOP_LOGPROBS
 
 # -- errors ------------------------------------------------------------------------------------------------------
 
@@ -292,6 +293,7 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: PositiveInt | None = None
     chat_template_kwargs: ChatTemplateKwargs | None = None
     logprobs: StrictBool | None = None
+    top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     parallel_tool_calls: StrictBool | None = None
     # Clover's own: how a json_schema is served ("decision": slot filling, for the form subset; "grammar":
     # constrained decoding; None: decision mode where the schema is a form, else the grammar)
@@ -307,6 +309,16 @@ class ChatCompletionRequest(SamplingFields):
         elif self.tool_choice == "required" and not self.tools:
             raise ValueError("tool_choice 'required' needs tools")
         return self
+
+    @model_validator(mode="after")
+    def _top_logprobs_with_logprobs(self) -> "ChatCompletionRequest":
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
+
+    def logprobs_top(self) -> int | None:
+        """Alternatives per token when logprobs are asked for (`SamplingParams.logprobs`), else None."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
     def enable_thinking(self) -> bool:
@@ -326,7 +338,7 @@ class CompletionRequest(SamplingFields):
                       | TokenIds
                       | Annotated[list[TokenIds], Field(min_length=1, max_length=16)], WellFormed]
     echo: StrictBool = False
-    logprobs: Annotated[StrictInt, Field(ge=0)] | None = None
+    logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None  # alternatives per token
     suffix: Text | None = None
 
     def prompts(self) -> list[str | list[int]]:
@@ -339,4 +351,7 @@ class CompletionRequest(SamplingFields):
         return list(p)
 
     def max_new_tokens(self) -> int:
-        return 16 if self.max_tokens is None else self.max_tokens  # OpenAI's default for completions
+        return 16 if self.max_tokens is None else self.max_tokens
+
+    def logprobs_top(self) -> int | None:
+        return self.logprobs  # OpenAI's default for completions

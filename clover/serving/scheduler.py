@@ -50,7 +50,8 @@ from typing import Any, Callable, Sequence as Seq
 import torch
 
 from clover.engine import Engine, SamplingParams
-from clover.engine.decision import Decision, DecisionRun
+from clover.engine.decision import DecisionRun
+from clover.engine.logprobs import PromptScoring
 from clover.engine.exact import ExactLoop
 from clover.runners.base import ModelRunner
 from clover.runners.torch_runner import as_runner
@@ -163,9 +164,10 @@ class Scheduler:
             self._lock.notify()
         return handle
 
-    def decide(self, run: DecisionRun) -> asyncio.Future[list[Decision]]:
-        """Queue a decision run (its rows count against `max_running`); the future gets its decisions, or the
-        exception a step raised. Raises like `submit` when the server is at capacity or not running."""
+    def decide(self, run: DecisionRun | PromptScoring) -> asyncio.Future[list[Any]]:
+        """Queue a decision run or a prompt scoring (its rows count against `max_running`); the future gets its
+        results (decisions, or each prompt's logprobs), or the exception a step raised. Raises like `submit` when
+        the server is at capacity or not running."""
         future = _SettledFuture(loop=asyncio.get_running_loop())
         job = DecisionJob(run, future.settle)
         # a request that went away (its coroutine cancelled: the client left) stops its decision run

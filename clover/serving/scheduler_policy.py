@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from clover.engine import Engine
-from clover.engine.decision import Decision, DecisionRun
+from clover.engine.decision import DecisionRun
+from clover.engine.logprobs import PromptScoring
 from clover.engine.engine import DecodeBatch, Prefill
 from clover.engine.request import Request
 from clover.serving.handles import Output, RequestHandle
@@ -58,10 +59,11 @@ class Job:
 
 @dataclass
 class DecisionJob:
-    """A decision run and where its result goes (`deliver`: the decisions, or the exception that ended it)."""
+    """A decision run (or a prompt scoring, which runs the same way: `step` until done, then `results`) and where
+    its result goes (`deliver`: the results, or the exception that ended it)."""
 
-    run: DecisionRun
-    deliver: Callable[[list[Decision] | BaseException], None]
+    run: DecisionRun | PromptScoring
+    deliver: Callable[[list[Any] | BaseException], None]
 
     @property
     def rows(self) -> int:
@@ -215,7 +217,7 @@ class SchedulePolicy:
                 if job is None:
                     continue
                 job.handle._deliver(Output(job.choice, piece.token_ids, piece.finished, piece.finish_reason,
-                                           piece.stats))
+                                           piece.stats, piece.logprobs))
                 if piece.finished:
                     self._finished(job, piece.stats or {})
 
@@ -237,7 +239,7 @@ class SchedulePolicy:
             if done:
                 self.end_decision(job, job.run.results())
 
-    def end_decision(self, job: DecisionJob, outcome: list[Decision] | BaseException) -> None:
+    def end_decision(self, job: DecisionJob, outcome: list[Any] | BaseException) -> None:
         if job in self.deciding:
             self.deciding.remove(job)
         job.deliver(outcome)

@@ -26,13 +26,14 @@ from starlette.concurrency import run_in_threadpool
 
 from clover.chat_template import render_chat
 from clover.engine import SamplingParams
+from clover.engine.logprobs import PromptScoring, TokenLogprob, banned_ids
 from clover.model import CloverForBlockDiffusion
 from clover.runners.base import ModelRunner
 from clover.runners.torch_runner import as_runner
 from clover.serving.handles import Output, RequestHandle, merge, until_disconnect
 from clover.serving.metrics import ServerMetrics
-from clover.serving.openai_format import (ChatChoice, ChoiceText, chat_body, chat_stream, completion_body,
-                                          completion_stream, usage)
+from clover.serving.openai_format import (ChatChoice, ChoiceText, chat_body, chat_logprobs, chat_stream,
+                                          completion_body, completion_logprobs, completion_stream, usage)
 from clover.serving.prefix_cache import PrefixCache
 from clover.serving.protocol import APIError, ChatCompletionRequest, CompletionRequest, SamplingFields
 from clover.serving.scheduler import QueueFull, Scheduler
@@ -86,6 +87,11 @@ class LockedTokenizer:
     def decode(self, ids: list[int]) -> str:
         with self.lock:
             return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def token_texts(self, ids: list[int]) -> list[str]:
+        """Each token's own text (special tokens spelled out): how logprobs name tokens."""
+        with self.lock:
+            return self.tokenizer.batch_decode([[i] for i in ids])
 
     def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                     thinking: bool) -> str:
@@ -161,17 +167,15 @@ class ServedModel:
                                 f"({unit})", param=param, code="context_length_exceeded")
         return requested
 
-    def sampling(self, req: SamplingFields) -> list[SamplingParams]:
-        if getattr(req, "logprobs", None):
-            raise APIError(400, "logprobs are not supported by this server", param="logprobs",
-                           code="unsupported_parameter")
+    def sampling(self, req: ChatCompletionRequest | CompletionRequest) -> list[SamplingParams]:
         stops = req.stop_strings()
         try:
             return [SamplingParams(
                 temperature=self.temperature if req.temperature is None else req.temperature,
                 top_p=self.top_p if req.top_p is None else req.top_p, top_k=req.top_k or 0,
                 repetition_penalty=req.repetition_penalty or 1.0,
-                seed=None if req.seed is None else (req.seed + i) % 2**64, stop=stops, **req.repetition())
+                seed=None if req.seed is None else (req.seed + i) % 2**64, stop=stops, logprobs=req.logprobs_top(),
+                **req.repetition())
                 for i in range(req.n)]
         except ValueError as exc:
             raise APIError(400, str(exc), code="invalid_value") from exc
@@ -212,6 +216,10 @@ class ServedModel:
         self.check_model(req.model)
         path = route(req)
         if path == "decision":  # structured outputs in the form subset: decision decoding (structured.py)
+            if req.logprobs:
+                raise APIError(400, "logprobs cannot be combined with a response_format served by decision mode "
+                                    "(its slots are scored as whole values); pass structured_mode 'grammar'",
+                               param="logprobs", code="unsupported_parameter")
             return await decision_response(self, req, request)
         sampling = self.sampling(req)
         rule = req.rule
@@ -231,10 +239,14 @@ class ServedModel:
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return StreamingResponse(chat_stream(handle, choices, rid, created, self.options.served_model_name,
-                                                 len(ids), include_usage), media_type="text/event-stream")
+                                                 len(ids), include_usage, self.tokenizer.token_texts),
+                                     media_type="text/event-stream")
         await self._collect(request, handle, lambda _, out: choices[out.choice].push_output(out))
+        logprobs = ([chat_logprobs(c.logprobs, self.tokenizer.token_texts) for c in choices] if req.logprobs
+                    else None)
         return JSONResponse(chat_body(rid, created, self.options.served_model_name, choices,
-                                      usage(len(ids), sum(c.tokens for c in choices), max(handle.cached_tokens))))
+                                      usage(len(ids), sum(c.tokens for c in choices), max(handle.cached_tokens)),
+                                      logprobs))
 
 
     # -- text completions ----------------------------------------------------------------------------------------
@@ -256,14 +268,14 @@ class ServedModel:
         if req.suffix:
             raise APIError(400, "suffix is not supported by this server", param="suffix",
                            code="unsupported_parameter")
-        if req.logprobs is not None:
-            raise APIError(400, "logprobs are not supported by this server", param="logprobs",
-                           code="unsupported_parameter")
         sampling = self.sampling(req)
         prompts = await run_in_threadpool(self.completion_prompts, req)
         max_news = [await self.max_new_tokens(req.max_new_tokens(), len(ids), req.block_size, req.rule,
                                               "max_tokens", "prompt")
                     for ids, _ in prompts]
+        # an echoed prompt's logprobs: one causal forward over each prompt (clover.engine.logprobs)
+        scored = await self.prompt_logprobs([ids for ids, _ in prompts], req.logprobs) \
+            if req.echo and req.logprobs is not None else None
         handles: list[RequestHandle] = []
         try:
             for (ids, _), max_new in zip(prompts, max_news):
@@ -275,12 +287,15 @@ class ServedModel:
         stops = req.stop_strings()
         choices = [ChoiceText(self.tokenizer.decode, stops) for _ in range(len(prompts) * req.n)]
         texts = [prompts[i // req.n][1] if req.echo else "" for i in range(len(choices))]
+        echoed = [(prompts[k // req.n][0], scored[k // req.n]) for k in range(len(choices))] if scored else None
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         prompt_tokens = sum(len(ids) for ids, _ in prompts)
+        token_texts = self.tokenizer.token_texts if req.logprobs is not None else None
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return StreamingResponse(completion_stream(handles, choices, texts, req.n, rid, created,
-                                                       self.options.served_model_name, prompt_tokens, include_usage),
+                                                       self.options.served_model_name, prompt_tokens, include_usage,
+                                                       token_texts, echoed),
                                      media_type="text/event-stream")
 
         def take(i: int, out: Output) -> None:
@@ -288,9 +303,31 @@ class ServedModel:
             texts[k] += choices[k].push(out)
 
         await self._collect(request, handles, take)
+        logprobs = None
+        if token_texts is not None:
+            logprobs = [completion_logprobs([*(echoed[k][0] if echoed else []), *c.token_ids],
+                                            [*(echoed[k][1] if echoed else []), *c.logprobs], token_texts)[0]
+                        for k, c in enumerate(choices)]
         return JSONResponse(completion_body(rid, created, self.options.served_model_name, choices, texts,
                                             usage(prompt_tokens, sum(c.tokens for c in choices),
-                                                  sum(max(h.cached_tokens) for h in handles))))
+                                                  sum(max(h.cached_tokens) for h in handles)), logprobs))
+
+    async def prompt_logprobs(self, prompts: list[list[int]], top: int) -> list[list[TokenLogprob | None]]:
+        """Each prompt token's causal logprob after the ones before it (the first: None), computed on the
+        scheduler's thread as a decision run is (it counts against `max_running` while it runs)."""
+        config = self.config
+        if not config.token_shift:
+            raise APIError(400, "echo with logprobs needs a model whose output at a token predicts the next one "
+                                "(token_shift); this one predicts each position at itself", param="echo",
+                           code="unsupported_parameter")
+        banned = banned_ids(config.mask_token_id, len(self.tokenizer), config.vocab_size)
+        run = PromptScoring(self.runner, prompts, top, banned, self.options.prefill_chunk)
+        try:
+            return await self.scheduler.decide(run)
+        except QueueFull as exc:
+            raise APIError(429, f"{exc}; retry later", type="rate_limit_error", code="server_busy") from exc
+        except RuntimeError as exc:
+            raise APIError(503, str(exc), type="server_error", code="unavailable") from exc
 
 
     async def _collect(self, request: Request, handles: RequestHandle | list[RequestHandle],
