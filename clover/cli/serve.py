@@ -77,8 +77,8 @@ def load_on_passing_thread(load: Callable[[], T]) -> T:
     PyTorch's CPU builds use GNU OpenMP, which keeps a pool of workers for every thread that ran a parallel region,
     and which stops spinning between regions once its workers outnumber the cores: every region then waits on a
     futex wake-up. Loading a model runs parallel copies; loaded on the main thread, its pool stays alive beside the
-    scheduler thread's and the served forwards ran 15-25 % slower than `clover generate`'s
-    (`benchmarks/bench_serve_vs_generate.py`). A thread's pool ends with the thread."""
+    scheduler thread's and the served forwards ran slower than `clover generate`'s (docs/serving.md, "Serve against
+    generate"). A thread's pool ends with the thread."""
     box: list[T] = []
     errors: list[BaseException] = []
 
