@@ -56,6 +56,7 @@ from clover.engine.exact import ExactLoop
 from clover.runners.base import ModelRunner
 from clover.runners.torch_runner import as_runner
 from clover.serving.handles import Outbox, RequestHandle
+from clover.serving.heap import release_free_heap
 from clover.serving.metrics import ServerMetrics
 from clover.serving.prefix_cache import PrefixCache
 from clover.serving.scheduler_policy import DecisionJob, EngineKey, Job, SchedulePolicy
@@ -258,6 +259,8 @@ class Scheduler:
                     self.policy.step_decisions()
                 self.outbox.flush()
                 self.metrics.record_load(self.load, self.prefix_cache)
+                if not self.policy.busy():  # idle now: what the finished requests freed goes back to the system
+                    release_free_heap()
         except BaseException as exc:  # a bug: fail every request rather than hang them
             logger.exception("scheduler loop died")
             self.error = exc
