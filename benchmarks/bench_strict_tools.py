@@ -36,7 +36,7 @@ from clover.chat_template import render_chat
 from clover.engine import Engine, SamplingParams
 from clover.engine.grammar import tool_call_grammar
 from clover.model import CloverForBlockDiffusion
-from clover.serving.grammar_route import CALL_HEAD, CALL_TAIL
+from clover.tool_formats import HERMES
 from clover.tokenizer import eos_token_ids, load_tokenizer
 from clover.training.bfcl import tool_call_matches
 
@@ -67,7 +67,7 @@ def answer(engine: Engine, tokenizer: Any, chat: dict[str, Any], way: str, max_n
     grammar = None
     if way == "strict":  # what grammar_route.request_grammar builds for tool_choice="required"
         grammar = tool_call_grammar([(t["function"]["name"], t["function"].get("parameters")) for t in chat["tools"]],
-                                    tokenizer, head=CALL_HEAD, tail=CALL_TAIL)
+                                    tokenizer, head=HERMES.head, tail=HERMES.tail)
     out, stats = [], {}
     for event in engine.run([ids], max_new_tokens, SamplingParams(grammar=grammar)):
         out += event.token_ids

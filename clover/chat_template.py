@@ -1,8 +1,11 @@
-"""Clover's chat template: ChatML turns, Hermes/Qwen tool calls and an optional `<think>` block.
+"""Chat rendering: Clover's chat template (ChatML turns, Hermes/Qwen tool calls, an optional `<think>` block) and
+the checkpoint's own.
 
-One module for every part that speaks chat — training data, engine, server, CLI: the template (the Jinja asset
-`clover/assets/chat_template.jinja`, also written into every checkpoint's tokenizer), message normalisation,
-rendering and training loss masks (parsing the model's output back: `clover.assistant_output`). Rendering goes through
+One module for every part that speaks chat — training data, engine, server, CLI: Clover's template (the Jinja asset
+`clover/assets/chat_template.jinja`, which clover-smol carries), message normalisation, rendering and training loss
+masks (parsing the model's output back: `clover.assistant_output`). Inference renders with the checkpoint's own
+template (`checkpoint_template`: the one its tokenizer carries, Clover's when it has none); training renders with
+Clover's, the format below, whose renderings extend their prefixes' (the loss masks need that). Rendering goes through
 `clover.tokenizer`'s renderer, which renders a template as `transformers` does (the one that renders it from a saved
 checkpoint elsewhere), so both agree byte for byte.
 
@@ -145,14 +148,30 @@ def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 # -- rendering ------------------------------------------------------------------------------------------------------
+def checkpoint_template(tokenizer: Any) -> str:
+    """The template a checkpoint's chats are rendered with: its own (the one its tokenizer carries, kept from the
+    source by conversion), or Clover's for a tokenizer without one."""
+    return getattr(tokenizer, "chat_template", None) or CLOVER_CHAT_TEMPLATE
+
+
 def render_chat(tokenizer: Any, messages: list[dict[str, Any]],
                 tools: list[dict[str, Any]] | None = None, add_generation_prompt: bool = False,
-                enable_thinking: bool = False) -> str:
-    """The conversation as text in Clover's format (module docstring); tokenize it with
-    ``add_special_tokens=False`` — the template writes every special token itself."""
+                enable_thinking: bool | None = None, template: str | None = None, **template_kwargs: Any) -> str:
+    """The conversation as text in `template` (default: the checkpoint's own, `checkpoint_template`); tokenize it
+    with ``add_special_tokens=False`` — templates write their special tokens themselves. `enable_thinking` None:
+    the template's own default (Clover's: off; Qwen3.5's: on); `template_kwargs`: further variables the template
+    reads (a request's `chat_template_kwargs`)."""
+    if enable_thinking is not None:
+        template_kwargs["enable_thinking"] = enable_thinking
     return tokenizer.apply_chat_template(
-        normalize_messages(messages), tools=normalize_tools(tools), chat_template=CLOVER_CHAT_TEMPLATE,
-        add_generation_prompt=add_generation_prompt, enable_thinking=enable_thinking, tokenize=False)
+        normalize_messages(messages), tools=normalize_tools(tools),
+        chat_template=template or checkpoint_template(tokenizer), add_generation_prompt=add_generation_prompt,
+        tokenize=False, **template_kwargs)
+
+
+def opens_reasoning(prompt: str) -> bool:
+    """Whether a rendered prompt ends inside a `<think>` block (the model's answer starts as reasoning)."""
+    return prompt.rfind("<think>") > prompt.rfind("</think>")
 
 
 def tokenize_chat_for_training(tokenizer: Any, messages: list[dict[str, Any]],
@@ -164,7 +183,7 @@ def tokenize_chat_for_training(tokenizer: Any, messages: list[dict[str, Any]],
     prefix by prefix; the pieces between boundaries are tokenized separately and concatenated.
     """
     msgs, tools = normalize_messages(messages), normalize_tools(tools)
-    full = render_chat(tokenizer, msgs, tools)
+    full = render_chat(tokenizer, msgs, tools, template=CLOVER_CHAT_TEMPLATE)
     cuts = [0]
     for i, msg in enumerate(msgs):
         if msg["role"] != "assistant":
@@ -172,8 +191,9 @@ def tokenize_chat_for_training(tokenizer: Any, messages: list[dict[str, Any]],
         if i == 0:
             raise ValueError("messages[0] is an assistant turn; a training chat starts with a system or user message")
         thinking = bool(msg["reasoning_content"].strip())
-        before = render_chat(tokenizer, msgs[:i], tools, add_generation_prompt=True, enable_thinking=thinking)
-        through = render_chat(tokenizer, msgs[: i + 1], tools)
+        before = render_chat(tokenizer, msgs[:i], tools, add_generation_prompt=True, enable_thinking=thinking,
+                             template=CLOVER_CHAT_TEMPLATE)
+        through = render_chat(tokenizer, msgs[: i + 1], tools, template=CLOVER_CHAT_TEMPLATE)
         if not (through.startswith(before) and through.endswith(IM_END + "\n") and full.startswith(through)
                 and len(before) >= cuts[-1]):
             raise ValueError(f"chat template is not prefix-stable at messages[{i}]; cannot place the loss mask")

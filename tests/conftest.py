@@ -13,6 +13,10 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -78,3 +82,30 @@ def suite_clover_cache(tmp_path_factory) -> Iterator[Path]:
 def temp_clover_cache(suite_clover_cache) -> Path:
     """The suite's temporary Clover cache (every test has it; a test names this fixture to get its path)."""
     return suite_clover_cache
+
+
+TEMPLATES_SDIST = "llama-cpp-python==0.3.36"  # its sdist vendors llama.cpp's models/templates/
+
+
+@pytest.fixture(scope="session")
+def real_templates(request) -> Path:
+    """llama.cpp's `models/templates/`: chat templates of real model repositories (Qwen3.5, Qwen3-Coder, Llama 3,
+    ...), read from the llama-cpp-python sdist on the package index at first use and kept in pytest's cache (not
+    copied into the repository). `CLOVER_TEST_TEMPLATES` names a directory that already holds them."""
+    if os.environ.get("CLOVER_TEST_TEMPLATES"):
+        return Path(os.environ["CLOVER_TEST_TEMPLATES"])
+    target = request.config.cache.mkdir("llama-cpp-templates")
+    if not (target / "complete").exists():
+        with tempfile.TemporaryDirectory() as tmp:
+            got = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+                                  "--quiet", "-d", tmp, TEMPLATES_SDIST], capture_output=True, text=True)
+            if got.returncode:
+                pytest.fail(f"could not download {TEMPLATES_SDIST} for its chat templates: {got.stderr[-2000:]}")
+            with tarfile.open(next(Path(tmp).glob("*.tar.gz"))) as tar:
+                for member in tar.getmembers():
+                    if "/models/templates/" in member.name and member.name.endswith(".jinja"):
+                        staged = target / (Path(member.name).name + ".tmp")
+                        staged.write_bytes(tar.extractfile(member).read())
+                        staged.replace(target / Path(member.name).name)
+        (target / "complete").touch()
+    return target

@@ -263,3 +263,26 @@ def checkpoint_and_gguf(directory: Path, tokenizer: Any, context: int) -> tuple[
 
     checkpoint = build_checkpoint(directory / "model", tokenizer, block_size=4, max_position_embeddings=context)
     return checkpoint, export_gguf(checkpoint, directory / "model.gguf", "f32")
+
+
+def stream_chat(client: Any, **kwargs: Any) -> tuple[str, str, list[dict[str, Any]], str | None, list[str]]:
+    """Accumulate a streamed chat completion the way agent frameworks do: (content, reasoning, calls, finish reason,
+    the order of the delta kinds)."""
+    content, reasoning, calls, finish, order = "", "", {}, None, []
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        for c in chunk.choices:
+            d = c.delta
+            if getattr(d, "reasoning_content", None):
+                reasoning += d.reasoning_content
+                order.append("reasoning")
+            if d.content:
+                content += d.content
+                order.append("content")
+            for tc in d.tool_calls or []:
+                slot = calls.setdefault(tc.index, {"id": None, "name": "", "arguments": ""})
+                slot["id"] = tc.id or slot["id"]
+                slot["name"] += tc.function.name or ""
+                slot["arguments"] += tc.function.arguments or ""
+                order.append("tool_call")
+            finish = c.finish_reason or finish
+    return content, reasoning, [calls[i] for i in sorted(calls)], finish, order

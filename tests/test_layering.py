@@ -31,7 +31,8 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "clover"
 LAYERS: list[tuple[str, ...]] = [
-    ("paths", "choices", "atomic_files"), ("config",), ("checkpoint", "tokenizer", "assistant_output"), ("chat_template",), ("ops",),
+    ("paths", "choices", "atomic_files", "tool_formats"), ("config",), ("checkpoint", "tokenizer", "assistant_output"),
+    ("chat_template",), ("ops",),
     ("model",), ("conversion",), ("runners",), ("engine", "training", "smol"), ("serving",), ("cli",), ("__init__",),
 ]
 # the one import up, inside the function: `model.generate(...)`, the documented entry point (docs/design.md §5),

@@ -17,7 +17,8 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--model", help="Clover checkpoint directory, or a .gguf file with --runner llamacpp "
                    "(default: clover-smol)")
     p.add_argument("--system", help="system message")
-    p.add_argument("--think", action="store_true", help="let the model reason in <think>…</think> first")
+    p.add_argument("--think", action=argparse.BooleanOptionalAction, default=None,
+                   help="let the model reason in <think>…</think> first, or not (default: the chat template's)")
     p.add_argument("--max-new-tokens", type=int, default=512)
     add_decoding_options(p)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")

@@ -33,7 +33,9 @@ def add_parser(subparsers: Any) -> None:
                    help="wrap the prompt as a user turn with the chat template (default: when the model has one; "
                         "--no-chat continues the raw text)")
     p.add_argument("--system", help="system message (chat prompts)")
-    p.add_argument("--think", action="store_true", help="chat prompts: let the model reason in <think>…</think> first")
+    p.add_argument("--think", action=argparse.BooleanOptionalAction, default=None,
+                   help="chat prompts: let the model reason in <think>…</think> first, or not (default: the chat "
+                        "template's)")
     p.add_argument("--max-new-tokens", type=int, default=256)
     add_decoding_options(p)
     p.add_argument("--tokens-per-step", type=int, default=None, help="k of --rule top_k_per_step")

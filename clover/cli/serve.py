@@ -16,6 +16,7 @@ from typing import Any, Callable, TypeVar
 
 from clover.cli.loading import add_decoding_options, load_model, resolve_model_dir
 from clover.runners.registry import runner_entry
+from clover.tool_formats import FORMATS
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -44,6 +45,10 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--prefix-snapshot-interval", type=int, default=None,
                    help="hybrid models: recurrent-state snapshots every this many tokens (a multiple of the chunk)")
     p.add_argument("--max-body-mb", type=float, default=4.0, help="largest request body accepted")
+    p.add_argument("--chat-template", default=None, metavar="FILE|clover",
+                   help="a Jinja chat template file, or 'clover' for Clover's own (default: the checkpoint's own)")
+    p.add_argument("--tool-call-parser", default=None, choices=sorted(FORMATS),
+                   help="how the model writes tool calls (default: the format its chat template writes)")
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--engine", choices=("clover", "vllm"), default="clover",
@@ -96,6 +101,20 @@ def load_on_passing_thread(load: Callable[[], T]) -> T:
     return box[0]
 
 
+def read_chat_template(arg: str | None) -> str | None:
+    """`--chat-template`: None (the checkpoint's own), 'clover' (Clover's), or a Jinja file's text."""
+    if arg is None:
+        return None
+    if arg == "clover":
+        from clover.chat_template import CLOVER_CHAT_TEMPLATE  # deferred: jinja is not needed to parse flags
+
+        return CLOVER_CHAT_TEMPLATE
+    path = Path(arg)
+    if not path.is_file():
+        raise SystemExit(f"--chat-template {arg}: no such file (give a Jinja template file, or 'clover')")
+    return path.read_text(encoding="utf-8")
+
+
 def run(args: argparse.Namespace) -> int:
     if args.engine == "vllm":
         from clover.serving.vllm.launch import exec_vllm  # deferred: the launcher, for --engine vllm only
@@ -127,7 +146,8 @@ def run(args: argparse.Namespace) -> int:
         max_running=max_running, max_waiting=args.max_queue, max_body_bytes=int(args.max_body_mb * 2**20),
         max_model_len=args.max_model_len, block_size=args.block_size, threshold=args.threshold, rule=args.rule,
         prefill_chunk=args.prefill_chunk, prefix_cache_bytes=int(args.prefix_cache_mb * 2**20),
-        prefix_snapshot_interval=args.prefix_snapshot_interval)
+        prefix_snapshot_interval=args.prefix_snapshot_interval, chat_template=read_chat_template(args.chat_template),
+        tool_call_parser=args.tool_call_parser)
     defaults = read_generation_defaults(source if source.is_dir() else None)
     app = create_app(runner, tokenizer, options, generation_defaults=defaults)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not options.api_key:

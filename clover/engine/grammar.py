@@ -119,12 +119,16 @@ class ToolSchema(NamedTuple):
 
 
 def tool_call_grammar(tools: Sequence[tuple[Any, ...]], tokenizer: Any, head: str = "", tail: str = "", *,
-                      more: str | None = None, json_answer: dict[str, Any] | None = None) -> Grammar:
+                      more: str | None = None, json_answer: dict[str, Any] | None = None,
+                      xml: bool = False) -> Grammar:
     """Calls of `tools` (`ToolSchema`s or `(name, parameters[, strict])` tuples) in the chat template's form: a call
-    is `head` (`{name}`: the tool's name as a JSON string), the arguments, then `tail`. `head` is what the prompt
-    does not already hold of the first call: `{"name": ...` after a forced `<tool_call>\\n`, nothing after a forced
-    start of a named call up to its arguments.
+    is `head` (`{name}`: the tool's name, as a JSON string unless `xml`), the arguments, then `tail`. `head` is
+    what the prompt does not already hold of the first call: `{"name": ...` after a forced `<tool_call>\\n`,
+    nothing after a forced start of a named call up to its arguments.
 
+    The arguments are a JSON object valid against the tool's parameters, or with `xml` the Qwen3-Coder form: one
+    `<parameter=NAME>\\nVALUE\\n</parameter>\\n` block per property in the schema's order (required ones always,
+    the others optional), a string value as one line of text, any other as JSON valid against its property.
     `more`: further calls may follow, each after this text (the separator and what `head` lacks of a call's start,
     e.g. `\\n<tool_call>\\n`); None: exactly one call. `json_answer`: the answer may instead be a JSON value valid
     against this schema (a response format offered beside the tools)."""
@@ -132,13 +136,13 @@ def tool_call_grammar(tools: Sequence[tuple[Any, ...]], tokenizer: Any, head: st
         raise GrammarError("a tool call grammar needs at least one tool")
     rules, alternatives = [], []
     for i, tool in enumerate(ToolSchema(*t) for t in tools):
-        lead = head.format(name=json.dumps(tool.name))
+        lead = head.format(name=tool.name if xml else json.dumps(tool.name))
         options = {**JSON_OPTIONS, "lenient": not tool.strict}
-        args = json.dumps({**(tool.parameters if tool.parameters is not None else {"type": "object"}),
-                           "x-guidance": options})
+        parameters = tool.parameters if tool.parameters is not None else {"type": "object"}
         parts = [_lark_string(lead)] * bool(lead) + [f"args_{i}"] + [_lark_string(tail)] * bool(tail)
         rules.append(f"call_{i}: " + " ".join(parts))
-        rules.append(f"args_{i}: %json {args}")
+        rules += _xml_arguments(f"args_{i}", parameters, options) if xml else \
+            [f"args_{i}: %json {json.dumps({**parameters, 'x-guidance': options})}"]
         alternatives.append(f"call_{i}")
     calls = "call: " + " | ".join(alternatives)
     start = "call" if more is None else f"call ({_lark_string(more)} call)*"
@@ -151,6 +155,28 @@ def tool_call_grammar(tools: Sequence[tuple[Any, ...]], tokenizer: Any, head: st
     except ValueError as exc:
         raise GrammarError(f"the tool schemas cannot be compiled: {exc}") from exc
     return _compile(source, tokenizer, "tool parameters schema" + " or JSON answer" * (json_answer is not None))
+
+
+def _xml_arguments(rule: str, parameters: dict[str, Any], options: dict[str, Any]) -> list[str]:
+    """Lark rules for one tool's arguments in the XML form (`tool_call_grammar`)."""
+    properties = parameters.get("properties") or {}
+    required = set(parameters.get("required") or ())
+    rules, parts = [], []
+    for j, (name, prop) in enumerate(properties.items()):
+        value = f"{rule}_{j}_value"
+        prop = prop if isinstance(prop, dict) else {}
+        if isinstance(prop.get("enum"), list) and prop["enum"]:
+            rules.append(f"{value}: " + " | ".join(_lark_string(v if isinstance(v, str) else json.dumps(v))
+                                                   for v in prop["enum"]))
+        elif prop.get("type") == "string":
+            rules.append(f"{value}: /[^\\n]*/")
+        else:
+            rules.append(f"{value}: %json {json.dumps({**prop, 'x-guidance': options})}")
+        opening, closing = _lark_string(f"<parameter={name}>\n"), _lark_string("\n</parameter>\n")
+        block = f"{opening} {value} {closing}"
+        parts.append(block if name in required else f"({block})?")
+    rules.append(f"{rule}: " + (" ".join(parts) if parts else '""'))
+    return rules
 
 
 class Matcher:

@@ -31,14 +31,10 @@ from typing import Any
 
 from clover.engine.form import FormError, parse_form
 from clover.engine.grammar import Grammar, GrammarError, ToolSchema, json_schema_grammar, tool_call_grammar
-from clover.assistant_output import CALL, END_CALL
 from clover.serving.protocol import APIError, ChatCompletionRequest, NamedToolChoice
+from clover.tool_formats import HERMES, ToolFormat
 
 SCHEMA_PARAM = "response_format.json_schema.schema"
-CALL_START = CALL + "\n"
-CALL_HEAD = '{{"name": {name}, "arguments": '  # the template's call after `<tool_call>\n` (`{name}`: JSON string)
-CALL_TAIL = "}\n" + END_CALL
-CALL_SEPARATOR = "\n"  # between two calls, as the template renders them
 
 
 def offers_tools(req: ChatCompletionRequest) -> bool:
@@ -55,14 +51,15 @@ def max_calls(req: ChatCompletionRequest) -> int | None:
     return 1 if req.parallel_tool_calls is False or isinstance(req.tool_choice, NamedToolChoice) else None
 
 
-def forced_start(req: ChatCompletionRequest) -> str:
-    """The start of the answer the prompt holds when a call is forced: `<tool_call>\\n`, and for a named function
-    its call up to the arguments; "" otherwise."""
+def forced_start(req: ChatCompletionRequest, fmt: ToolFormat = HERMES) -> str:
+    """The start of the answer the prompt holds when a call is forced (`fmt`: the model's call format): the
+    call's opening (`<tool_call>\\n`), and for a named function its call up to the arguments; "" otherwise."""
     if not forces_call(req):
         return ""
     if isinstance(req.tool_choice, NamedToolChoice):
-        return CALL_START + CALL_HEAD.format(name=json.dumps(req.tool_choice.function.name))
-    return CALL_START
+        name = req.tool_choice.function.name
+        return fmt.start + fmt.head.format(name=name if fmt.xml else json.dumps(name))
+    return fmt.start
 
 
 def route(req: ChatCompletionRequest) -> str | None:
@@ -85,33 +82,34 @@ def route(req: ChatCompletionRequest) -> str | None:
     return None
 
 
-def request_grammar(req: ChatCompletionRequest, tokenizer: Any) -> Grammar:
-    """The grammar of a request that `route` sends here (the 400 naming the keyword when it cannot compile)."""
+def request_grammar(req: ChatCompletionRequest, tokenizer: Any, fmt: ToolFormat = HERMES) -> Grammar:
+    """The grammar of a request that `route` sends here (the 400 naming the keyword when it cannot compile); calls
+    in `fmt`, the model's format."""
     tools = [ToolSchema(t.function.name, t.function.parameters, bool(t.function.strict))
              for t in req.tools or []] if offers_tools(req) else []
     parallel = max_calls(req) is None
     try:
         if isinstance(req.tool_choice, NamedToolChoice):  # the prompt holds the call up to its arguments
             return tool_call_grammar([t for t in tools if t.name == req.tool_choice.function.name], tokenizer,
-                                     tail=CALL_TAIL)
-        if req.tool_choice == "required":  # the prompt holds `<tool_call>\n`
-            return tool_call_grammar(tools, tokenizer, head=CALL_HEAD, tail=CALL_TAIL,
-                                     more=CALL_SEPARATOR + CALL_START if parallel else None)
+                                     tail=fmt.tail, xml=fmt.xml)
+        if req.tool_choice == "required":  # the prompt holds the call's opening
+            return tool_call_grammar(tools, tokenizer, head=fmt.head, tail=fmt.tail, xml=fmt.xml,
+                                     more=fmt.separator + fmt.start if parallel else None)
     except GrammarError as exc:
         raise APIError(400, f"tools: {exc}", param="tools", code="unsupported_schema") from exc
-    fmt = req.response_format
-    assert fmt is not None and fmt.type != "text", "route sends only forced calls and JSON formats here"
-    schema = fmt.json_schema.schema_ if fmt.type == "json_schema" else None
+    answer = req.response_format
+    assert answer is not None and answer.type != "text", "route sends only forced calls and JSON formats here"
+    schema = answer.json_schema.schema_ if answer.type == "json_schema" else None
     try:
-        answer = json_schema_grammar(schema, tokenizer)
+        grammar = json_schema_grammar(schema, tokenizer)
     except GrammarError as exc:
         param = SCHEMA_PARAM if schema is not None else "response_format"
         raise APIError(400, f"{param}: {exc}", param=param, code="unsupported_schema") from exc
     if not tools:
-        return answer
+        return grammar
     try:  # tool_choice "auto": the call(s) or the answer
-        return tool_call_grammar(tools, tokenizer, head=CALL_START + CALL_HEAD, tail=CALL_TAIL,
-                                 more=CALL_SEPARATOR if parallel else None,
+        return tool_call_grammar(tools, tokenizer, head=fmt.start + fmt.head, tail=fmt.tail, xml=fmt.xml,
+                                 more=fmt.separator + fmt.start if parallel else None,
                                  json_answer=schema if schema is not None else {"type": "object"})
     except GrammarError as exc:
         raise APIError(400, f"tools: {exc}", param="tools", code="unsupported_schema") from exc

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Sequence
 from clover.engine import StopAwareDetokenizer
 from clover.serving.handles import Output, RequestHandle, merge
 from clover.assistant_output import OutputDelta, OutputParser
+from clover.tool_formats import HERMES, ToolFormat
 from clover.serving.protocol import APIError
 
 if TYPE_CHECKING:
@@ -60,9 +61,10 @@ class ChatChoice(ChoiceText):
     `max_calls`: the calls kept (`parallel_tool_calls: false`: the first), None: all."""
 
     def __init__(self, decode: Callable[[list[int]], str], stops: tuple[str, ...], thinking: bool, tools: bool,
-                 forced: str, max_calls: int | None = None) -> None:
+                 forced: str, max_calls: int | None = None, fmt: ToolFormat = HERMES,
+                 schemas: dict[str, Any] | None = None) -> None:
         super().__init__(decode, stops)
-        self.parser = OutputParser(thinking, tools)
+        self.parser = OutputParser(thinking, tools, fmt, schemas)
         self.max_calls = max_calls
         self.content, self.reasoning, self.calls = "", "", []
         self._take(self.parser.feed(forced))

@@ -7,7 +7,8 @@ Clover's own options ride along as extra body fields (`block_size`, `threshold`,
 `top_k`, `repetition_penalty`; llama.cpp's DRY `dry_multiplier`, `dry_base`, `dry_allowed_length`,
 `dry_penalty_last_n`, `dry_sequence_breakers`; the loop guard's `loop_guard_span`, `loop_guard_repeats`), as in the
 `extra_body` of the official client;
-`chat_template_kwargs.enable_thinking` switches the `<think>` block on.
+`chat_template_kwargs.enable_thinking` switches the `<think>` block on or off (None: the template's default); other
+`chat_template_kwargs` are passed to the checkpoint's template.
 """
 
 from __future__ import annotations
@@ -262,7 +263,14 @@ class NamedToolChoice(_Model):
 
 
 class ChatTemplateKwargs(_Model):
-    enable_thinking: StrictBool = False
+    """Variables for the chat template: `enable_thinking` (None: the template's own default), and any others the
+    checkpoint's template reads, passed through."""
+
+    model_config = ConfigDict(extra="allow")
+    enable_thinking: StrictBool | None = None
+
+    def extra(self) -> dict[str, Any]:
+        return dict(self.model_extra or {})
 
 
 class JSONSchemaFormat(_Model):
@@ -321,8 +329,9 @@ class ChatCompletionRequest(SamplingFields):
         return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
-    def enable_thinking(self) -> bool:
-        return bool(self.chat_template_kwargs and self.chat_template_kwargs.enable_thinking)
+    def enable_thinking(self) -> bool | None:
+        """The request's `enable_thinking` (None: the template's default)."""
+        return self.chat_template_kwargs.enable_thinking if self.chat_template_kwargs else None
 
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

@@ -24,7 +24,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from clover.chat_template import render_chat
+from clover.chat_template import checkpoint_template, opens_reasoning, render_chat
 from clover.engine import SamplingParams
 from clover.engine.logprobs import PromptScoring, TokenLogprob, banned_ids
 from clover.model import CloverForBlockDiffusion
@@ -40,6 +40,7 @@ from clover.serving.scheduler import QueueFull, Scheduler
 from clover.serving.grammar_route import forced_start, max_calls, request_grammar, route
 from clover.serving.structured import decision_response
 from clover.tokenizer import eos_token_ids, load_tokenizer
+from clover.tool_formats import FORMATS, detect
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +62,8 @@ class ServerOptions:
     prefix_snapshot_interval: int | None = None  # hybrid models: recurrent snapshots every this many tokens
     temperature: float | None = None  # default when a request gives none: generation_config.json, else 0
     top_p: float | None = None
+    chat_template: str | None = None  # None: the checkpoint's own (Clover's for a checkpoint without one)
+    tool_call_parser: str | None = None  # None: the one the template writes (clover.tool_formats.detect)
 
     def __post_init__(self) -> None:
         for name in ("max_running", "max_body_bytes", "prefill_chunk"):
@@ -70,15 +73,21 @@ class ServerOptions:
             raise ValueError("ServerOptions.max_waiting and prefix_cache_bytes must be >= 0")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"ServerOptions.max_model_len must be >= 1, got {self.max_model_len}")
+        if self.tool_call_parser is not None and self.tool_call_parser not in FORMATS:
+            raise ValueError(f"ServerOptions.tool_call_parser must be one of {sorted(FORMATS)}, "
+                             f"got {self.tool_call_parser!r}")
 
 
 class LockedTokenizer:
     """The tokenizer behind one lock: a fast tokenizer may refuse concurrent use from several threads (its
-    Rust object is borrowed mutably when encoding), and the scheduler thread decodes for stop strings."""
+    Rust object is borrowed mutably when encoding), and the scheduler thread decodes for stop strings. It renders
+    chats with `template` and knows the call format that template writes (`tool_format`)."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, template: str | None = None, tool_call_parser: str | None = None) -> None:
         self.tokenizer = tokenizer
         self.lock = threading.Lock()
+        self.template = template or checkpoint_template(tokenizer)
+        self.tool_format = FORMATS[tool_call_parser] if tool_call_parser else detect(self.template)
 
     def encode(self, text: str) -> list[int]:
         with self.lock:
@@ -94,10 +103,10 @@ class LockedTokenizer:
             return self.tokenizer.batch_decode([[i] for i in ids])
 
     def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-                    thinking: bool) -> str:
+                    thinking: bool | None, template_kwargs: dict[str, Any]) -> str:
         with self.lock:
-            return render_chat(self.tokenizer, messages, tools, add_generation_prompt=True,
-                               enable_thinking=thinking)
+            return render_chat(self.tokenizer, messages, tools, add_generation_prompt=True, enable_thinking=thinking,
+                               template=self.template, **template_kwargs)
 
     def __len__(self) -> int:
         return len(self.tokenizer)
@@ -112,7 +121,7 @@ class ServedModel:
         self.runner = as_runner(model)
         config = self.runner.config
         self.options, self.config = options, config
-        self.tokenizer = LockedTokenizer(tokenizer)
+        self.tokenizer = LockedTokenizer(tokenizer, options.chat_template, options.tool_call_parser)
         limit = self.runner.max_context
         self.context = min(options.max_model_len or limit, limit)
         self.temperature = options.temperature if options.temperature is not None else \
@@ -182,7 +191,7 @@ class ServedModel:
 
     def _grammar(self, req: ChatCompletionRequest) -> Any:
         with self.tokenizer.lock:
-            return request_grammar(req, self.tokenizer.tokenizer)
+            return request_grammar(req, self.tokenizer.tokenizer, self.tokenizer.tool_format)
 
     async def submit(self, prompt: list[int], max_new: int, sampling: list[SamplingParams],
                      req: SamplingFields, rule: str | None = None) -> RequestHandle:
@@ -203,14 +212,16 @@ class ServedModel:
         """(prompt ids, forced start of the answer, thinking, parse tool calls). `constrained`: a grammar writes the
         answer (no reasoning first)."""
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-        forced = forced_start(req)
-        thinking = req.enable_thinking and not forced and not constrained  # a forced call answers at once
+        forced = forced_start(req, self.tokenizer.tool_format)
+        # a grammar answers at once: no reasoning first, whatever the template's default
+        enable = False if forced or constrained else req.enable_thinking
+        kwargs = req.chat_template_kwargs.extra() if req.chat_template_kwargs else {}
         try:
-            text = self.tokenizer.render_chat([m.to_template() for m in req.messages], tools, thinking)
+            text = self.tokenizer.render_chat([m.to_template() for m in req.messages], tools, enable, kwargs)
         except ValueError as exc:
             raise APIError(400, str(exc), param="messages", code="invalid_value") from exc
         ids = self.tokenizer.encode(text + forced)
-        return ids, forced, thinking, bool(tools) and req.tool_choice != "none"
+        return ids, forced, opens_reasoning(text), bool(tools) and req.tool_choice != "none"
 
     async def chat(self, req: ChatCompletionRequest, request: Request) -> Response:
         self.check_model(req.model)
@@ -233,8 +244,9 @@ class ServedModel:
                                             "messages")
         handle = await self.submit(ids, max_new, sampling, req, rule)
         stops = req.stop_strings()
-        choices = [ChatChoice(self.tokenizer.decode, stops, thinking, tools, forced, max_calls(req))
-                   for _ in range(req.n)]
+        schemas = {t.function.name: t.function.parameters for t in req.tools or []}
+        choices = [ChatChoice(self.tokenizer.decode, stops, thinking, tools, forced, max_calls(req),
+                              self.tokenizer.tool_format, schemas) for _ in range(req.n)]
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)

@@ -58,7 +58,7 @@ def test_cli_generate_repetition_options(checkpoint: Path, capsys) -> None:
 
     def run(*flags: str) -> dict:
         assert main(["generate", "hello", "--model", str(checkpoint), "--max-new-tokens", "40", "--json",
-                     "--block-size", "1", "--threads", "1", *flags]) == 0
+                     "--block-size", "1", "--threads", "1", "--no-chat", *flags]) == 0
         return json.loads(capsys.readouterr().out)
 
     off = run("--dry-multiplier", "0", "--loop-guard", "0")

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from server_helpers import scripted_client
+from server_helpers import scripted_client, stream_chat
 
 NAME = "scripted"
 TOOLS = [{"type": "function", "function": {
@@ -49,28 +49,6 @@ def client(chat_tokenizer):
 USER = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
-def _stream(client, **kwargs):
-    """Accumulate a streamed chat completion the way agent frameworks do."""
-    content, reasoning, calls, finish, order = "", "", {}, None, []
-    for chunk in client.chat.completions.create(model=NAME, stream=True, **kwargs):
-        for c in chunk.choices:
-            d = c.delta
-            if getattr(d, "reasoning_content", None):
-                reasoning += d.reasoning_content
-                order.append("reasoning")
-            if d.content:
-                content += d.content
-                order.append("content")
-            for tc in d.tool_calls or []:
-                slot = calls.setdefault(tc.index, {"id": None, "name": "", "arguments": ""})
-                slot["id"] = tc.id or slot["id"]
-                slot["name"] += tc.function.name or ""
-                slot["arguments"] += tc.function.arguments or ""
-                order.append("tool_call")
-            finish = c.finish_reason or finish
-    return content, reasoning, [calls[i] for i in sorted(calls)], finish, order
-
-
 def test_tool_call_round_trip(client):
     first = client.chat.completions.create(model=NAME, messages=USER, tools=TOOLS, max_tokens=64)
     choice = first.choices[0]
@@ -87,7 +65,7 @@ def test_tool_call_round_trip(client):
 
 
 def test_streamed_tool_call(client):
-    content, reasoning, calls, finish, _ = _stream(client, messages=USER, tools=TOOLS, max_tokens=64)
+    content, reasoning, calls, finish, _ = stream_chat(client, model=NAME, messages=USER, tools=TOOLS, max_tokens=64)
     assert (content, reasoning, finish) == ("", "", "tool_calls")
     assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [("get_weather", {"city": "Paris"})]
     assert calls[0]["id"].startswith("call_")
@@ -98,7 +76,7 @@ def test_reasoning_content_streamed_and_whole(client):
     whole = client.chat.completions.create(model=NAME, messages=USER, tools=TOOLS, max_tokens=96, extra_body=thinking)
     message = whole.choices[0].message
     assert message.reasoning_content == REASONING and message.tool_calls[0].function.name == "get_weather"
-    content, reasoning, calls, finish, order = _stream(client, messages=USER, tools=TOOLS, max_tokens=96,
+    content, reasoning, calls, finish, order = stream_chat(client, model=NAME, messages=USER, tools=TOOLS, max_tokens=96,
                                                        extra_body=thinking)
     assert reasoning == REASONING and calls[0]["name"] == "get_weather" and finish == "tool_calls"
     assert order.index("tool_call") > max(i for i, kind in enumerate(order) if kind == "reasoning")
@@ -130,7 +108,7 @@ def test_tool_choice_none_leaves_the_text_as_content(client):
 def test_plain_chat_without_tools(client):
     r = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=32, n=2)
     assert [c.message.content for c in r.choices] == ["Hello world.", "Hello world."]
-    assert _stream(client, messages=[{"role": "user", "content": "Hi"}], max_tokens=32)[0] == "Hello world."
+    assert stream_chat(client, model=NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=32)[0] == "Hello world."
 
 
 def _calls(choice) -> list[tuple[str, dict]]:
@@ -152,7 +130,7 @@ def test_parallel_tool_calls_false_returns_the_first_call_under_auto(client):
     for stream in (False, True):
         kwargs = dict(messages=two, tools=TOOLS, max_tokens=96, parallel_tool_calls=False)
         if stream:
-            _, _, calls, finish, _ = _stream(client, **kwargs)
+            _, _, calls, finish, _ = stream_chat(client, model=NAME, **kwargs)
             assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [("get_weather", {"city": "Paris"})]
         else:
             one = client.chat.completions.create(model=NAME, **kwargs)
