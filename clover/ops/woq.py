@@ -71,7 +71,8 @@ DEFAULT_GROUP_SIZE = 32  # llama.cpp's Q4_1/Q8_0 block, the format clover-smol's
 ACTIVATIONS = {"int8": 1, "int8x2": 2}  # int8 / int4 layers' rounding of x: int8 passes (the kernel's `passes`)
 # From this many rows an int8 / int4 layer that rounds its input twice (`int8x2`) dequantises its weights on a CPU
 # (`dequantize`) for torch's fp32 matmul instead of running the integer kernel, built for the few rows of a decoding
-# step (measured on an AVX2 EPYC: the crossover near 256 rows, 1.3-1.5x faster from 512; docs/cpu.md)
+# step: on an AVX2 EPYC the dequantised matmul overtook the two-pass kernel near here (`benchmarks/bench_woq.py
+# --dense` measures both; docs/cpu.md)
 DENSE_ROWS = 256
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = (CSRC / "woq.cpp", CSRC / "layer.cpp")  # the kernels; a decoder layer built on them (clover.model.fused)
