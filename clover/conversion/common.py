@@ -163,7 +163,7 @@ def require_silu(hf_config: Any) -> None:
 
 def load_hf_tokenizer(src: Path) -> Any | None:
     """The tokenizer of an HF directory (from tokenizer.json when present), or None when it has none."""
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast  # deferred: transformers (~0.5 s), only when a tokenizer is read
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast  # deferred: transformers, only when a tokenizer is read
 
     if (src / "tokenizer.json").is_file():
         return PreTrainedTokenizerFast.from_pretrained(str(src))

@@ -84,7 +84,7 @@ def find_gguf(src: Path) -> Path:
 
 class GGUFSource(Source):
     def __init__(self, src: Path) -> None:
-        # deferred: gguf (~0.1 s) and transformers (~1 s), only when a GGUF is read
+        # deferred: gguf and transformers, only when a GGUF is read
         import gguf
         from transformers import LlamaConfig
 
@@ -160,7 +160,7 @@ class GGUFSource(Source):
 
     def tokenizer(self) -> Any:
         if not hasattr(self, "_tokenizer"):
-            from transformers import AutoTokenizer  # deferred: transformers (~0.5 s), only when a tokenizer is read
+            from transformers import AutoTokenizer  # deferred: transformers, only when a tokenizer is read
 
             self._tokenizer = AutoTokenizer.from_pretrained(str(self.path.parent), gguf_file=self.path.name)
             if self.mask_token_id is not None:  # Clover's own mask token: kept with its trained row

@@ -65,7 +65,7 @@ def check_exportable(config: CloverConfig) -> None:
 
 
 def _ggml_type(quant: str, name: str, tensor: torch.Tensor) -> Any:
-    import gguf  # deferred: gguf (~0.1 s), for an export only
+    import gguf  # deferred: gguf, for an export only
 
     t = gguf.GGMLQuantizationType
     if tensor.dim() == 1 or quant == "f32":
@@ -83,7 +83,7 @@ def _ggml_type(quant: str, name: str, tensor: torch.Tensor) -> Any:
 
 
 def _encode(tensor: torch.Tensor, qtype: Any) -> np.ndarray:
-    # deferred: gguf (~0.1 s), for an export only
+    # deferred: gguf, for an export only
     import gguf
     from gguf.quants import quantize
 
@@ -155,7 +155,7 @@ def export_gguf(src: str | Path, out: str | Path, quant: str = "f16", *, tokeniz
 
     The file is written to a temporary name beside `out` and renamed when complete: a failure leaves nothing.
     """
-    import gguf  # deferred: gguf (~0.1 s), for an export only
+    import gguf  # deferred: gguf, for an export only
 
     if quant not in QUANTS:
         raise ValueError(f"unknown quantisation {quant!r}; choose one of {', '.join(QUANTS)}")

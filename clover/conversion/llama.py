@@ -58,7 +58,7 @@ def dense_config(hf, token_ids: dict, max_position_embeddings: int | None = None
 
 class LlamaSource(HFSource):
     def __init__(self, src: Path) -> None:
-        from transformers import LlamaConfig  # deferred: transformers (~1 s), only when a checkpoint of this family is read
+        from transformers import LlamaConfig  # deferred: transformers, only when a checkpoint of this family is read
 
         raw, generation = read_hf_dir(src)
         if raw.get("model_type") != "llama":

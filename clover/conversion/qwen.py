@@ -44,7 +44,7 @@ class QwenSource(HFSource):
     in that layout carries (a block-diffusion family's: clover.conversion.released), by default the base's own."""
 
     def __init__(self, src: Path, model_type: str, released: str | None = None) -> None:
-        # deferred: transformers (~1 s), only when a checkpoint of this family is read
+        # deferred: transformers, only when a checkpoint of this family is read
         from transformers import Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
         raw, generation = read_hf_dir(src)

@@ -77,7 +77,7 @@ class Qwen35Source(HFSource):
     in that layout carries (a block-diffusion family's: clover.conversion.released), by default the base's own."""
 
     def __init__(self, src: Path, name: str, released: str | None = None) -> None:
-        # deferred: transformers (~1 s), only when a checkpoint of this family is read
+        # deferred: transformers, only when a checkpoint of this family is read
         from transformers import Qwen3_5Config, Qwen3_5MoeConfig, Qwen3_5MoeTextConfig, Qwen3_5TextConfig
 
         raw, generation = read_hf_dir(src)

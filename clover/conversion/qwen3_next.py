@@ -50,7 +50,7 @@ def split_ba(weight: torch.Tensor, num_k_heads: int, num_v_heads: int) -> tuple[
 
 class Qwen3NextSource(HFSource):
     def __init__(self, src: Path) -> None:
-        from transformers import Qwen3NextConfig  # deferred: transformers (~1 s), only when a checkpoint of this family is read
+        from transformers import Qwen3NextConfig  # deferred: transformers, only when a checkpoint of this family is read
 
         raw, generation = read_hf_dir(src)
         if raw.get("model_type") != "qwen3_next":

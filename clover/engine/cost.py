@@ -2,7 +2,8 @@
 
 Exact mode decides from it how many drafts a forward verifies and how many it drafts (clover.engine.drafting):
 on a GPU rows are nearly free, so the whole block pays; on two CPU cores a row costs most of what the first one
-does (clover-smol's int4 build: ~11 ms at 1 row, ~54 ms at 16), so only well-accepted drafts pay. The table is
+does (clover-smol's int4 build: 11.4 ms at 1 row, 52.3 at 16 in docs/cpu.md's table), so only well-accepted
+drafts pay. The table is
 measured, not assumed:
 
     t(R, L) = t(R, L0) + (a + b R) (L - L0)
@@ -42,7 +43,7 @@ logger = logging.getLogger(__name__)
 
 SHORT_CONTEXT, LONG_CONTEXT = 32, 288  # L0 and the second length (prefilling it is part of the calibration)
 CALIBRATION_ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16)
-MAX_AGE_S = 7 * 24 * 3600.0  # a kept table is measured again after a week (two seconds, once a week)
+MAX_AGE_S = 7 * 24 * 3600.0  # a kept table is measured again after a week
 # how far timings may stray from the shape every forward cost has (`implausibility`): more rows at most 25 %
 # cheaper than fewer (timing noise), at most twice dearer than proportionally (a kernel switching from its one-row
 # path to a matrix product may lose that much)
@@ -115,8 +116,7 @@ def implausibility(table: ForwardCost) -> str | None:
     """What makes a measured table contradict itself, or None. More rows share one read of the weights, so for
     `i < j` rows `t(i) <= t(j)` (rows never make a forward cheaper) and `t(j) <= t(i) * j / i` (a forward of `j`
     rows is never dearer than `j / i` forwards of `i`): a timing outside these bounds by more than
-    `CHEAPER_SLACK` / `DEARER_FACTOR` was disturbed (tables found in a real cache: 878 / 501 / 471 ms and
-    28 / 783 / 85 ms for 1 / 2 / 3 rows)."""
+    `CHEAPER_SLACK` / `DEARER_FACTOR` was disturbed (as tables found in a real cache were)."""
     pairs = list(zip(table.rows, table.seconds))
     for k, (i, ti) in enumerate(pairs):
         for j, tj in pairs[k + 1:]:
@@ -209,7 +209,7 @@ def _fastest_forwards(runner: Any, cache: Any, rows: tuple[int, ...], vocab: int
 
 def cost_table(runner: Any, recalibrate: bool = False) -> ForwardCost:
     """The runner's cost table: read from `$CLOVER_CACHE/costs/` when this combination was measured before (and
-    the kept table is readable, plausible and fresh), else measured now (about two seconds) and kept there."""
+    the kept table is readable, plausible and fresh), else measured now (seconds) and kept there."""
     path = cache_root() / "costs" / f"{_digest(fingerprint(runner))}.json"
     if path.is_file() and not recalibrate:
         kept = _trusted(path)

@@ -65,7 +65,7 @@ from clover.engine.speculative import verify
 
 STEP_EMA = 0.2  # weight of the newest step in the running estimate of the engine's own time per step
 STEP_WINDOW = 9  # a step's time by forward size: the median of the last this many (a shared machine's slow
-# moments are outliers: measured on clover-smol's int4 build, one-row steps took 14 ms at the median, up to 30)
+# moments are outliers)
 STEP_MEMORY = 512  # steps after which a size's timings no longer count: a size priced high during a slow moment
 # is then no longer run, so never re-timed; once its timings age out it is priced from the sizes timed since
 

@@ -1,8 +1,8 @@
 """Grammars that constrain decoding: a JSON Schema (or any JSON object, or a tool call) compiled for a tokenizer,
 and the per-request matcher the decoding loop asks which tokens may come next.
 
-The engine is llguidance (chosen by measurement: docs/structured.md): one wheel with no dependencies, ~1 ms to
-compile a schema, tens of microseconds per mask on a 49k vocabulary, and a refusal that names the keyword it
+The engine is llguidance (chosen by measurement: docs/structured.md): one wheel with no dependencies, fast to
+compile a schema and to compute a mask, and a refusal that names the keyword it
 cannot enforce (`uniqueItems`, `if`/`then`) instead of silently ignoring it.
 
     grammar = json_schema_grammar(schema, tokenizer)       # GrammarError (a ValueError) naming the keyword

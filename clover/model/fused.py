@@ -1,7 +1,7 @@
 """The fused CPU decoder layer: a whole Llama-form layer over packed weights in one C++ call.
 
 A decoding step of a small model on a CPU is bound by dispatch, not arithmetic: clover-smol's one-token step
-runs ~45 eager ops per layer at 3-40 us each, more time than its int4 weights take to stream. A layer whose
+runs dozens of eager ops per layer at microseconds each, more time than its int4 weights take to stream. A layer whose
 projections are all `PackedLinear` (clover.model.quant), with plain softmax attention (no q/k norm, no output
 gate), RMSNorm and a dense SwiGLU, runs instead as `clover/ops/csrc/layer.cpp`: the same packed kernels, the
 norms, RoPE, the attention of a block step and SiLU as loops, keys and values written straight into the cache.
@@ -49,7 +49,7 @@ def runs_fused(h: torch.Tensor, ctx: _ForwardContext) -> bool:
 def layer_weights(layer: DecoderLayer) -> tuple:
     """The layer's weights as the C++ layer takes them: `(norm1, norm2, eps, qkv, o, gate_up, down)`, each
     projection its `PackedLinear.kernel_args()`."""
-    # submodules and parameters from the modules' dicts: `nn.Module.__getattr__` costs ~0.5 us an access, and
+    # submodules and parameters from the modules' dicts: `nn.Module.__getattr__` is slow for a hot path, and
     # this runs once per layer and forward
     modules = layer._modules
     attn, mlp = modules["self_attn"]._modules, modules["mlp"]._modules

@@ -388,7 +388,7 @@ class CloverForBlockDiffusion(nn.Module):
 @contextmanager
 def _no_init() -> Iterator[None]:
     """`torch.nn.init`'s initialisers as no-ops, for a model built on the meta device whose weights are loaded next:
-    on meta tensors they run through `torch._refs`, whose first call imports `torch._dynamo` (about 2 s of a
+    on meta tensors they run through `torch._refs`, whose first call imports `torch._dynamo` (seconds of a
     command's start on a small CPU) to initialise values that do not exist."""
     names = [n for n in dir(nn.init) if n.endswith("_") and not n.startswith("_") and callable(getattr(nn.init, n))]
     saved = {n: getattr(nn.init, n) for n in names}

@@ -127,7 +127,7 @@ class PackedLinear(nn.Module):
     def kernel_args(self) -> tuple:
         """The layer as the C++ decoder layer takes it (clover.model.fused): `(qweight, scale, zero, kind code,
         out_features, group_size, A, B' tiles, their index, activation passes)`, A, the tiles and the index None
-        without a correction. Read from `_buffers` directly: `nn.Module.__getattr__` costs ~0.5 us a buffer, and a
+        without a correction. Read from `_buffers` directly: `nn.Module.__getattr__` is slow for a hot path, and a
         step makes 120 of these calls."""
         b = self._buffers
         return (b["qweight"], b["scale"], b["zero"], woq.KINDS[self.kind], self.out_features, self.group_size,
@@ -162,7 +162,8 @@ def check_quantization(quant: str) -> None:
 def default_activations(quant: str) -> str:
     """How `quant`'s layers round their input by default: two int8 passes for int8 weights, one for int4 (on
     clover-smol, round-to-nearest int8: top-1 agreement 96.2 -> 97.5 %, KL 5.7e-3 -> 1.7e-3 with two; int4:
-    74.5 -> 75.7 %, the weights' error dominating, for ~30 % more time per 4-row step: docs/cpu.md)."""
+    74.5 -> 75.7 %, the weights' error dominating, for ~30 % more time per 4-row step: docs/cpu.md,
+    `benchmarks/results/bench_quant_agreement_activations.json`)."""
     return "int8x2" if quant == "int8" else "int8"
 
 

@@ -71,7 +71,8 @@ DEFAULT_GROUP_SIZE = 32  # llama.cpp's Q4_1/Q8_0 block, the format clover-smol's
 ACTIVATIONS = {"int8": 1, "int8x2": 2}  # int8 / int4 layers' rounding of x: int8 passes (the kernel's `passes`)
 # From this many rows an int8 / int4 layer that rounds its input twice (`int8x2`) dequantises its weights on a CPU
 # (`dequantize`) for torch's fp32 matmul instead of running the integer kernel, built for the few rows of a decoding
-# step (measured on an AVX2 EPYC: the crossover near 256 rows, 1.3-1.5x faster from 512; docs/cpu.md)
+# step: on an AVX2 EPYC the dequantised matmul overtook the two-pass kernel near here (`benchmarks/bench_woq.py
+# --dense` measures both; docs/cpu.md)
 DENSE_ROWS = 256
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = (CSRC / "woq.cpp", CSRC / "layer.cpp")  # the kernels; a decoder layer built on them (clover.model.fused)
@@ -101,12 +102,12 @@ def compile_kernels(sources: tuple[Path, ...], tag: str) -> Any:
     name = f"clover_woq_{tag}"
     build = cache_root() / "extensions" / f"woq-{tag}"
     built = build / f"{name}.so"
-    if (build / BUILT_STAMP).is_file():  # built and loaded before: import the library (ninja's check costs ~0.5 s)
+    if (build / BUILT_STAMP).is_file():  # built and loaded before: import the library (ninja's check is slow)
         spec = importlib.util.spec_from_file_location(name, built)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         return module
-    from torch.utils import cpp_extension  # deferred: ~30 ms on every model import, for a first build only
+    from torch.utils import cpp_extension  # deferred: costly on every model import, for a first build only
 
     compiler = os.environ.get("CXX", "c++")
     if shutil.which(compiler) is None:
@@ -290,8 +291,8 @@ def reference_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor
 
 def pack_correction(a: torch.Tensor, b: torch.Tensor, name: str = "weight") -> tuple[torch.Tensor, torch.Tensor]:
     """A low-rank correction `(A [r, K], B' [r, O])` (any float dtype) -> fp16, stored as int16 bits: half the
-    bytes of fp32 for an error the logits barely see (clover-smol's int4 build: 100 % next-token agreement with the
-    fp32 model either way, KL 3.0e-8 nats, docs/cpu.md). Each rank's row of A and of B' is first rescaled, `A_i c_i`
+    bytes of fp32 for an error the logits barely see (clover-smol's int4 build with it answers every held-out prompt
+    as the fp32 model does: docs/cpu.md). Each rank's row of A and of B' is first rescaled, `A_i c_i`
     and `B'_i / c_i` with `c_i = sqrt(max |B'_i| / max |A_i|)`, which leaves `(x A^T) B'` as it is and gives both
     the same largest magnitude, so neither falls to fp16's subnormals (below 6.1e-5) where a small adapter's B'
     would lose its digits."""

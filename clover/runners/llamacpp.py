@@ -29,9 +29,8 @@ saved with `llama_state_seq_get_data` (their positions, keys and values, ~23 KB 
 and the scratch id cleared (`LlamaCppCache.prefix(n, copy=True)`); `LlamaCppPrefix.prefix(n)` writes them back into
 a new row's slot (`llama_state_seq_set_data`, then every id of the slot carries them), so its prefill starts at
 `n`. Why not keep them as cells: in one unified KV cache every decode attends over every cell up to the highest
-one in use, masked or not, so cells kept for later cost every forward of every row (measured: each stored
-3000-token prefix added ~1.5x of a fresh 1500-token prefill and ~0.8x of a fresh decode step). Saving 2000 cells
-takes ~80 ms, restoring them ~10 ms; restored cells equal the saved ones bit for bit.
+one in use, masked or not, so cells kept for later cost every forward of every row. Restored cells equal the
+saved ones bit for bit.
 
 What needs the torch runner: hybrid (Gated DeltaNet) models — llama.cpp's DeltaNet is causal, Clover's reads a
 block in both directions; gated adapters' drafts (they act only at query positions; llama.cpp applies weights to

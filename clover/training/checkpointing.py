@@ -119,7 +119,7 @@ def save_training_checkpoint(root: Path, model: CloverForBlockDiffusion, optimiz
     gathered onto rank 0, which writes everything. A failure raises RuntimeError on every rank, with `latest`
     still on the previous complete checkpoint.
     """
-    # deferred: torch.distributed.checkpoint costs ~0.6 s of imports, paid when a checkpoint is first written
+    # deferred: torch.distributed.checkpoint's imports are slow, paid when a checkpoint is first written
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                          get_optimizer_state_dict)
 
@@ -203,7 +203,7 @@ def load_weights(model: nn.Module, path: Path, lora: bool) -> None:
 def load_training_state(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, config: TrainConfig,
                         info: DistInfo) -> dict[str, int]:
     """Restore the optimizer and this rank's RNG state from checkpoint `path`; returns its counters."""
-    # deferred: torch.distributed.checkpoint costs ~0.6 s of imports, paid when a checkpoint is first read
+    # deferred: torch.distributed.checkpoint's imports are slow, paid when a checkpoint is first read
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
     lora = config.lora.rank > 0

@@ -326,8 +326,7 @@ def load_train_config(path: str | Path | None = None,
 
 def native_bf16(device_type: str) -> bool:
     """Whether `device_type` multiplies bf16 natively: CUDA, or a CPU that lists AVX512-BF16 or AMX-BF16. Without
-    them bf16 matrix products are emulated: measured on an AVX2-only EPYC, a 2048x576 by 576x1536 product took
-    454-480 ms in bf16 against 61-71 ms in fp32 (1 thread, idle, two runs)."""
+    them bf16 matrix products are emulated, far slower than fp32 ones (on an AVX2-only EPYC, for one)."""
     if device_type != "cpu":
         return device_type == "cuda"
     try:

@@ -99,7 +99,7 @@ def parallelize(module: nn.Module, model: CloverForBlockDiffusion, info: DistInf
         return module
     if parallel == "ddp":
         return DDP(module, device_ids=[info.device.index] if info.device.type == "cuda" else None)
-    from torch.distributed.fsdp import fully_shard  # deferred: ~0.6 s of imports, for FSDP runs only
+    from torch.distributed.fsdp import fully_shard  # deferred: slow imports, for FSDP runs only
 
     # the logits are views (slices of one LM-head output); nothing here modifies them in place
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")

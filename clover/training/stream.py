@@ -54,7 +54,7 @@ class DocumentStream:
 
 def load_documents(config: TrainConfig, which: str, dist_info: DistInfo) -> Sequence[Any] | None:
     """The `train_data` / `eval_data` documents: token shards, or sources tokenized once into output_dir/data."""
-    # deferred: clover.training.data loads transformers (~0.8 s), needed only when a run reads its documents
+    # deferred: clover.training.data loads transformers, needed only when a run reads its documents
     from clover.training.data import TokenShards, expand_sources, prepare_token_shards
 
     source = config.train_data if which == "train" else config.eval_data

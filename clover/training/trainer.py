@@ -214,8 +214,8 @@ class Trainer:
         c, d = self.config, self.dist
         per_rank = c.batch_size // d.world
         docs = self.stream.take(step * c.batch_size + d.rank * per_rank, per_rank)
-        # Documents of like shape share a micro-batch: each pads to its longest prompt and response (~40 % of
-        # positions were padding on a chat + tool-call mix, ~20 % grouped). The step's gradient does not depend
+        # Documents of like shape share a micro-batch: each pads to its longest prompt and response (grouping
+        # cuts the padding of a chat + tool-call mix). The step's gradient does not depend
         # on the grouping: noise is drawn per document and the loss normalisers are global.
         docs.sort(key=lambda item: (*document_shape(item[1]), item[0]))
         out = []

@@ -81,7 +81,7 @@ def transformers_config(config: CloverConfig, **kwargs: Any) -> Any:
     """The transformers config of the vLLM architecture that computes `config`'s causal path (`kwargs`: what
     `PretrainedConfig.from_dict` takes). It carries Clover's own config as `clover_config` (the weight mapping
     reads it) and names the architecture the plugin registered."""
-    from transformers import LlamaConfig, Qwen3NextConfig  # deferred: transformers (~1 s)
+    from transformers import LlamaConfig, Qwen3NextConfig  # deferred: transformers
 
     arch = architecture(config)
     rope = {"rope_type": "default", "rope_theta": config.rope_theta}
@@ -119,7 +119,7 @@ def clover_config_from_dict(data: dict[str, Any]) -> CloverConfig:
 def register_transformers_config() -> None:
     """Teach transformers' AutoConfig `model_type: clover`: reading a Clover config.json gives the transformers
     config of the vLLM architecture that serves it (what vLLM's config loader and its tokenizer loading read)."""
-    from transformers import AutoConfig, PretrainedConfig  # deferred: transformers (~1 s), in vLLM's processes
+    from transformers import AutoConfig, PretrainedConfig  # deferred: transformers, in vLLM's processes
 
     class CloverCheckpointConfig(PretrainedConfig):
         model_type = "clover"
