@@ -24,7 +24,7 @@ T = TypeVar("T")
 def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser("serve", help="serve a model over the OpenAI HTTP API",
                               description="OpenAI-compatible server: /v1/chat/completions, /v1/completions, "
-                                          "/v1/models, /health, /metrics.")
+                                          "/v1/responses, /v1/models, /health, /metrics.")
     p.add_argument("--model", help="Clover checkpoint directory, or a .gguf file with --runner llamacpp "
                    "(default: clover-smol)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: localhost only)")
@@ -44,6 +44,9 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--prefix-snapshot-interval", type=int, default=None,
                    help="hybrid models: recurrent-state snapshots every this many tokens (a multiple of the chunk)")
     p.add_argument("--max-body-mb", type=float, default=4.0, help="largest request body accepted")
+    p.add_argument("--responses-store-mb", type=float, default=64.0,
+                   help="memory for stored Responses API responses (previous_response_id), least recently used "
+                        "evicted first (0: none kept)")
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--engine", choices=("clover", "vllm"), default="clover",
@@ -127,7 +130,8 @@ def run(args: argparse.Namespace) -> int:
         max_running=max_running, max_waiting=args.max_queue, max_body_bytes=int(args.max_body_mb * 2**20),
         max_model_len=args.max_model_len, block_size=args.block_size, threshold=args.threshold, rule=args.rule,
         prefill_chunk=args.prefill_chunk, prefix_cache_bytes=int(args.prefix_cache_mb * 2**20),
-        prefix_snapshot_interval=args.prefix_snapshot_interval)
+        prefix_snapshot_interval=args.prefix_snapshot_interval,
+        responses_store_bytes=int(args.responses_store_mb * 2**20))
     defaults = read_generation_defaults(source if source.is_dir() else None)
     app = create_app(runner, tokenizer, options, generation_defaults=defaults)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not options.api_key:
