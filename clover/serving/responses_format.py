@@ -57,7 +57,9 @@ class OutputItems:
         return self._close(status)
 
     def _where(self, item: dict[str, Any]) -> dict[str, Any]:
-        return {"item_id": item["id"], "output_index": self.items.index(item)}
+        """An event's item reference: the item being written is always the last (a call closes the open item)."""
+        assert item is self.items[-1]
+        return {"item_id": item["id"], "output_index": len(self.items) - 1}
 
     def _text(self, kind: str, text: str) -> list[dict[str, Any]]:
         events = []
@@ -99,7 +101,7 @@ class OutputItems:
                     "text": part["text"]}
         return [done,
                 {"type": "response.content_part.done", **self._where(item), "content_index": 0, "part": dict(part)},
-                {"type": "response.output_item.done", "output_index": self.items.index(item),
+                {"type": "response.output_item.done", "output_index": len(self.items) - 1,
                  "item": copy.deepcopy(item)}]
 
     def _call(self, call: dict[str, Any]) -> list[dict[str, Any]]:

@@ -15,10 +15,11 @@ engine.
 Validation follows `protocol.py`'s rules (strict types, a null optional field is its default, unknown fields
 ignored) and names the Responses field at fault. What the server cannot do is refused with a 400 whose code is
 `unsupported_parameter`, naming the field: built-in tools (web_search, file_search, mcp, ...), other tool
-choices, `background: true`, `conversation`, `prompt` templates, `truncation: "auto"`, `max_tool_calls`,
-`context_management`, logprobs (`top_logprobs`, `include: ["message.output_text.logprobs"]`) and every other
-`include` entry but `reasoning.encrypted_content` (accepted: reasoning comes back as plain text in the reasoning
-item's `content`, which a client sends back the same way).
+choices, `background: true`, `conversation`, `prompt` templates, `truncation: "auto"`, `context_management`,
+logprobs (`top_logprobs`, `include: ["message.output_text.logprobs"]`) and every other `include` entry but
+`reasoning.encrypted_content` (accepted: reasoning comes back as plain text in the reasoning item's `content`,
+which a client sends back the same way). `max_tool_calls` bounds built-in tool calls, of which there are none here:
+ignored, as other unknown fields.
 """
 
 from __future__ import annotations
@@ -213,7 +214,6 @@ class ResponsesRequest(DecodingFields):
     top_logprobs: Annotated[StrictInt, Field(ge=0)] | None = None
     conversation: Any = None
     prompt: Any = None
-    max_tool_calls: Any = None
     context_management: Any = None
     # Clover's own (extra body field), as in chat
     chat_template_kwargs: ChatTemplateKwargs | None = None
@@ -268,12 +268,11 @@ class ResponsesRequest(DecodingFields):
                                "(logprobs, top_logprobs)")
         return value
 
-    @field_validator("conversation", "prompt", "max_tool_calls", "context_management")
+    @field_validator("conversation", "prompt", "context_management")
     @classmethod
     def _refused(cls, value: Any, info: Any) -> Any:
         reasons = {"conversation": "the Conversations API is not served; continue with previous_response_id",
                    "prompt": "stored prompt templates are not served; send instructions and input",
-                   "max_tool_calls": "tool calls are bounded by parallel_tool_calls here",
                    "context_management": "the server does not compact conversations"}
         raise _unsupported("{field} is not supported: {reason}", field=info.field_name,
                            reason=reasons[info.field_name])

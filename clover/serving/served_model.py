@@ -352,7 +352,7 @@ class ServedModel:
 
 
     async def collect(self, request: Request, handles: RequestHandle | list[RequestHandle],
-                       take: Callable[[int, Output], Any]) -> None:
+                      take: Callable[[int, Output], Any]) -> None:
         """Run a non-streamed request to the end (`take(handle index, output)` for each output), or cancel it
         when the client disconnects first."""
         handles = handles if isinstance(handles, list) else [handles]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from typing import get_args
 
 import httpx
@@ -227,7 +228,6 @@ def test_streamed_text_events_and_the_same_response_as_whole(client, url):
         "response.output_text.delta", "response.output_text.done", "response.content_part.done",
         "response.output_item.done", "response.completed"]
     assert "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta") == "Hello world."
-    assert sum(e["type"] == "response.output_text.delta" for e in events) > 1  # text flows as blocks commit
     assert events[0]["response"]["status"] == "in_progress" and events[0]["response"]["output"] == []
     final = events[-1]["response"]
     whole = raw(url, input="Hi")
@@ -245,6 +245,7 @@ def test_streamed_reasoning_and_call_events(url):
         "response.reasoning_text.done", "response.content_part.done", "response.output_item.done",
         "response.output_item.added", "response.function_call_arguments.delta",
         "response.function_call_arguments.done", "response.output_item.done", "response.completed"]
+    assert sum(e["type"] == "response.reasoning_text.delta" for e in events) > 1  # it flows as blocks commit
     added = [e for e in events if e["type"] == "response.output_item.added"]
     assert [e["output_index"] for e in added] == [0, 1]
     assert added[1]["item"]["arguments"] == "" and added[1]["item"]["status"] == "in_progress"
@@ -266,6 +267,19 @@ def test_the_openai_client_streams_and_accumulates(client):
     with client.responses.stream(model=NAME, input=ASK, tools=TOOLS, tool_choice="required") as stream:
         final = stream.get_final_response()
     assert [(item.type, item.name) for item in final.output] == [("function_call", "get_weather")]
+
+
+def test_a_streaming_client_that_leaves_frees_its_slot(url):
+    body = {"model": NAME, "input": "Hi", "stream": True, "max_output_tokens": 3000, "ignore_eos": True}
+    with httpx.stream("POST", f"{url}/v1/responses", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if line == "event: response.output_text.delta":
+                break
+        assert httpx.get(f"{url}/health").json()["running"] == 1
+    deadline = time.monotonic() + 30  # 3000 scripted tokens would take minutes
+    while httpx.get(f"{url}/health").json()["running"]:
+        assert time.monotonic() < deadline, "the departed client's request still runs"
+        time.sleep(0.1)
 
 
 # -- stored responses ----------------------------------------------------------------------------------------------
