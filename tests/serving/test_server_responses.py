@@ -326,6 +326,12 @@ def test_stored_responses_are_bounded_least_recently_used_first(app, client):
         client.responses.retrieve(ids[1])  # a use: ids[2] is now the least recently used
         ids.append(client.responses.create(model=NAME, input="Hi").id)
         assert ids[1] in store.entries and ids[2] not in store.entries and ids[3] in store.entries
+        store.capacity = 0  # --responses-store-mb 0: requests run, nothing is kept, the answer says so
+        kept = len(store)
+        r = client.responses.create(model=NAME, input="Hi")
+        assert r.store is False and r.output_text == "Hello world." and len(store) == kept
+        with pytest.raises(openai.NotFoundError):
+            client.responses.retrieve(r.id)
     finally:
         store.capacity = saved
 
