@@ -57,6 +57,8 @@ def script(prompt: str) -> str:
         return JSON_ANSWER
     if "<tools>" in prompt:
         return think(REASONING) + CALL
+    if "Fail now." in last_turn:
+        raise RuntimeError("the scripted model failed")
     if "What is my name?" in last_turn:
         return "Your name is Ada." if "My name is Ada." in prompt else "I do not know your name."
     return think("A greeting.") + "Hello world."
@@ -267,6 +269,18 @@ def test_the_openai_client_streams_and_accumulates(client):
     with client.responses.stream(model=NAME, input=ASK, tools=TOOLS, tool_choice="required") as stream:
         final = stream.get_final_response()
     assert [(item.type, item.name) for item in final.output] == [("function_call", "get_weather")]
+
+
+def test_a_failure_after_the_stream_started_is_an_error_event_and_a_failed_response(client, url):
+    events = raw_events(url, input="Fail now.")
+    error, failed = events[-2:]
+    assert [e["type"] for e in events[:2]] == ["response.created", "response.in_progress"]
+    assert error["type"] == "error" and error["code"] == "server_error" and "scripted model failed" in error["message"]
+    assert failed["type"] == "response.failed" and failed["response"]["status"] == "failed"
+    assert failed["response"]["error"] == {"code": "server_error", "message": error["message"]}
+    with pytest.raises(openai.InternalServerError):
+        client.responses.create(model=NAME, input="Fail now.")
+    assert client.responses.create(model=NAME, input="Hi").output_text == "Hello world."  # it serves on
 
 
 def test_a_streaming_client_that_leaves_frees_its_slot(url):
