@@ -237,6 +237,7 @@ def test_streamed_text_events_and_the_same_response_as_whole(client, url):
     assert final["usage"] == whole["usage"]
     ids = {e["item_id"] for e in events if "item_id" in e}
     assert ids == {final["output"][0]["id"]}
+    assert client.responses.retrieve(final["id"]).output_text == "Hello world."  # a streamed response is stored
 
 
 def test_streamed_reasoning_and_call_events(url):
