@@ -98,8 +98,8 @@ class ResponseAnswer:
         reasoning = len(self.server.tokenizer.encode(self.choice.reasoning)) if self.choice.reasoning else 0
         body = self.body(status, usage(self.run.prompt_tokens, self.choice.tokens,
                                        max(self.run.handle.cached_tokens), reasoning))
-        if self.store:
-            self.server.stored.put(self.id, body, self.conversation + [self.choice.message()])
+        if self.store and not self.server.stored.put(self.id, body, self.conversation + [self.choice.message()]):
+            body = {**body, "store": False}  # larger than the whole store: not kept
         return events, body
 
     def body(self, status: str, usage: dict[str, Any] | None = None,
