@@ -25,7 +25,7 @@ T = TypeVar("T")
 def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser("serve", help="serve a model over the OpenAI HTTP API",
                               description="OpenAI-compatible server: /v1/chat/completions, /v1/completions, "
-                                          "/v1/models, /health, /metrics.")
+                                          "/v1/responses, /v1/models, /health, /metrics.")
     p.add_argument("--model", help="Clover checkpoint directory, or a .gguf file with --runner llamacpp "
                    "(default: clover-smol)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: localhost only)")
@@ -49,6 +49,9 @@ def add_parser(subparsers: Any) -> None:
                    help="a Jinja chat template file, or 'clover' for Clover's own (default: the checkpoint's own)")
     p.add_argument("--tool-call-parser", default=None, choices=sorted(FORMATS),
                    help="how the model writes tool calls (default: the format its chat template writes)")
+    p.add_argument("--responses-store-mb", type=float, default=64.0,
+                   help="memory for stored Responses API responses (previous_response_id), least recently used "
+                        "evicted first (0: none kept)")
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--engine", choices=("clover", "vllm"), default="clover",
@@ -147,7 +150,7 @@ def run(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len, block_size=args.block_size, threshold=args.threshold, rule=args.rule,
         prefill_chunk=args.prefill_chunk, prefix_cache_bytes=int(args.prefix_cache_mb * 2**20),
         prefix_snapshot_interval=args.prefix_snapshot_interval, chat_template=read_chat_template(args.chat_template),
-        tool_call_parser=args.tool_call_parser)
+        tool_call_parser=args.tool_call_parser, responses_store_bytes=int(args.responses_store_mb * 2**20))
     defaults = read_generation_defaults(source if source.is_dir() else None)
     app = create_app(runner, tokenizer, options, generation_defaults=defaults)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not options.api_key:

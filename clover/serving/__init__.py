@@ -7,8 +7,9 @@ Roles: `protocol` (request models, error format), `app` (routes), `served_model`
 request flow), `openai_format` (response bodies, SSE), `middleware` (request ids, auth, errors), `scheduler` (the
 batch's background thread), `scheduler_policy` (admit / join / step / drop), `handles` (asyncio side),
 `prefix_cache` (reused prompt prefixes), `structured` (response_format by decision mode), `grammar_route`
-(response_format and forced tool calls by grammar), `metrics` (Prometheus); reasoning / tool calls are parsed by
-`clover.assistant_output`. Semantics and measured figures: docs/serving.md.
+(response_format and forced tool calls by grammar), `responses` / `responses_protocol` / `responses_format` /
+`response_store` (the Responses API over the chat flow), `metrics` (Prometheus); reasoning / tool calls are parsed
+by `clover.assistant_output`. Semantics and measured figures: docs/serving.md.
 """
 
 from typing import Any

@@ -1,11 +1,13 @@
-"""The HTTP server: OpenAI's `/v1/chat/completions`, `/v1/completions`, `/v1/models`, plus `/health`, `/metrics`.
+"""The HTTP server: OpenAI's `/v1/chat/completions`, `/v1/completions`, `/v1/responses`, `/v1/models`, plus
+`/health`, `/metrics`.
 
     app = create_app("checkpoints/clover-smol", options=ServerOptions(api_key="..."))
     uvicorn.run(app, host="127.0.0.1", port=8000)
 
 This module is the routes only. Each role has its module: `served_model.py` (options, the model, its tokenizer and
-scheduler, the request flow), `openai_format.py` (response bodies, SSE chunks), `middleware.py` (request ids,
-auth, body limit, errors), `scheduler.py` / `scheduler_policy.py` / `handles.py` (continuous batching).
+scheduler, the request flow), `openai_format.py` (response bodies, SSE chunks), `responses.py` (the Responses API
+over the chat flow), `middleware.py` (request ids, auth, body limit, errors), `scheduler.py` /
+`scheduler_policy.py` / `handles.py` (continuous batching).
 
 Every error is OpenAI's `{"error": {"message", "type", "param", "code"}}`, always with a code, and a 4xx status for
 what the client got wrong: malformed JSON / wrong types / text that is not Unicode (400), bad API key (401),
@@ -28,6 +30,8 @@ from starlette.concurrency import run_in_threadpool
 from clover.runners.base import ModelRunner
 from clover.serving.middleware import add_error_handling
 from clover.serving.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse
+from clover.serving.responses import create_response, delete_response, stored_response
+from clover.serving.responses_protocol import ResponsesRequest
 from clover.serving.served_model import ServedModel, ServerOptions, load
 
 ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 429, 503)}
@@ -70,6 +74,18 @@ def create_app(model: torch.nn.Module | ModelRunner | str | Path, tokenizer: Any
     @app.post("/v1/completions", responses=ERRORS)
     async def completions(req: CompletionRequest, request: Request) -> Response:
         return await server.completion(req, request)
+
+    @app.post("/v1/responses", responses=ERRORS)
+    async def create(req: ResponsesRequest, request: Request) -> Response:
+        return await create_response(server, req, request)
+
+    @app.get("/v1/responses/{response_id}", responses=ERRORS)
+    async def retrieve(response_id: str) -> dict[str, Any]:
+        return stored_response(server, response_id)
+
+    @app.delete("/v1/responses/{response_id}", responses=ERRORS)
+    async def delete(response_id: str) -> dict[str, Any]:
+        return delete_response(server, response_id)
 
     def model_card(name: str) -> dict[str, Any]:
         return {"id": name, "object": "model", "created": server.created, "owned_by": "clover",

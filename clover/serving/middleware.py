@@ -25,7 +25,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-ROUTES = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics"}  # metric labels
+ROUTES = {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models", "/health", "/metrics"}  # labels
+PATH_ROUTES = (("/v1/models/", "/v1/models/{model}"), ("/v1/responses/", "/v1/responses/{id}"))
 
 
 class RequestGuard:
@@ -49,7 +50,7 @@ class RequestGuard:
             await self.app(scope, receive, send)
             return
         path = scope["path"]
-        route = path if path in ROUTES else ("/v1/models/{model}" if path.startswith("/v1/models/") else "other")
+        route = path if path in ROUTES else next((r for prefix, r in PATH_ROUTES if path.startswith(prefix)), "other")
         request_id = f"req_{uuid.uuid4().hex}"
         status: dict[str, int | None] = {"code": None, "left": None}
 
@@ -123,7 +124,8 @@ async def send_error(send: Callable, error: APIError) -> None:
 def validation_error(exc: RequestValidationError) -> APIError:
     """The first of pydantic's errors as a 400 naming the field, with an OpenAI-style code: `invalid_json`,
     `missing_required_parameter`, `invalid_type` (a string where a number belongs, ...), `invalid_unicode`
-    (lone surrogates), `nesting_too_deep` (JSON values), else `invalid_value` (out of range, unknown role, ...)."""
+    (lone surrogates), `nesting_too_deep` (JSON values), `unsupported_parameter` (what the Responses API asks and
+    this server cannot do), else `invalid_value` (out of range, unknown role, ...)."""
     errors = exc.errors()
     if not errors:
         return APIError(400, "invalid request", code="invalid_request")
@@ -136,7 +138,7 @@ def validation_error(exc: RequestValidationError) -> APIError:
     where = ".".join(loc) or "body"
     more = f" (and {len(errors) - 1} more errors)" if len(errors) > 1 else ""
     code = ("missing_required_parameter" if kind == "missing"
-            else kind if kind in ("invalid_unicode", "nesting_too_deep")  # protocol.py's own checks
+            else kind if kind in ("invalid_unicode", "nesting_too_deep", "unsupported_parameter")  # our own checks
             else "invalid_type" if kind.endswith(("_type", "_parsing")) else "invalid_value")
     return APIError(400, f"{where}: {first.get('msg')}{more}", param=where if loc else None, code=code)
 

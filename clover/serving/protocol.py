@@ -114,8 +114,9 @@ class StreamOptions(_Model):
     include_usage: StrictBool = False
 
 
-class SamplingFields(_Model):
-    """Fields shared by chat and text completions."""
+class DecodingFields(_Model):
+    """Fields shared by every generating route (chat, text completions, responses): the model, sampling, and
+    Clover's own decoding options."""
 
     model: Text
     temperature: Annotated[float, Field(ge=0.0, le=2.0, allow_inf_nan=False)] | None = None
@@ -123,11 +124,6 @@ class SamplingFields(_Model):
     top_k: Annotated[StrictInt, Field(ge=0)] | None = None  # vLLM extension; 0 = off
     repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0, allow_inf_nan=False)] | None = None
     seed: Annotated[StrictInt, Field(ge=-(2**63), le=2**64 - 1)] | None = None  # what torch.manual_seed takes
-    stop: Stop = None
-    n: Annotated[StrictInt, Field(ge=1, le=16)] = 1
-    stream: StrictBool = False
-    stream_options: StreamOptions | None = None
-    max_tokens: PositiveInt | None = None
     # Clover's own options (extra body fields)
     block_size: Annotated[StrictInt, Field(ge=1, le=256)] | None = None
     threshold: UnitFloat | None = None
@@ -142,10 +138,6 @@ class SamplingFields(_Model):
     loop_guard_repeats: Annotated[StrictInt, Field(ge=1, le=1024)] | None = None
     # vLLM's extension: always generate max_tokens (benchmarks); under a grammar, up to where it can only end
     ignore_eos: StrictBool = False
-    # accepted for compatibility, ignored: they have no meaning for this server
-    user: Text | None = None
-    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
-    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
 
     def repetition(self) -> dict[str, Any]:
         """The DRY and loop-guard fields the request set, as `SamplingParams` keywords."""
@@ -155,6 +147,20 @@ class SamplingFields(_Model):
         if "dry_sequence_breakers" in given:
             given["dry_sequence_breakers"] = tuple(given["dry_sequence_breakers"])
         return given
+
+
+class SamplingFields(DecodingFields):
+    """Fields shared by chat and text completions."""
+
+    stop: Stop = None
+    n: Annotated[StrictInt, Field(ge=1, le=16)] = 1
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: PositiveInt | None = None
+    # accepted for compatibility, ignored: they have no meaning for this server
+    user: Text | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
 
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -234,18 +240,23 @@ class FunctionDefinition(_Model):
     @field_validator("parameters")
     @classmethod
     def _json_schema_object(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        """OpenAI requires the parameters to be a JSON Schema of an object; check the parts the model reads."""
-        if value is None:
-            return value
-        if value.get("type", "object") != "object":
-            raise ValueError(f"parameters must be a JSON Schema with type 'object', got type {value.get('type')!r}")
-        props = value.get("properties", {})
-        if not isinstance(props, dict) or not all(isinstance(p, dict) for p in props.values()):
-            raise ValueError("parameters.properties must be an object mapping names to schemas")
-        required = value.get("required", [])
-        if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
-            raise ValueError("parameters.required must be a list of property names")
+        return parameters_schema(value)
+
+
+def parameters_schema(value: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A tool's `parameters`, checked: OpenAI requires a JSON Schema of an object; the parts the model reads are
+    checked here (a ValueError names what is wrong)."""
+    if value is None:
         return value
+    if value.get("type", "object") != "object":
+        raise ValueError(f"parameters must be a JSON Schema with type 'object', got type {value.get('type')!r}")
+    props = value.get("properties", {})
+    if not isinstance(props, dict) or not all(isinstance(p, dict) for p in props.values()):
+        raise ValueError("parameters.properties must be an object mapping names to schemas")
+    required = value.get("required", [])
+    if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
+        raise ValueError("parameters.required must be a list of property names")
+    return value
 
 
 class Tool(_Model):

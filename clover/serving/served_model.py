@@ -36,6 +36,7 @@ from clover.serving.openai_format import (ChatChoice, ChoiceText, chat_body, cha
                                           completion_body, completion_logprobs, completion_stream, usage)
 from clover.serving.prefix_cache import PrefixCache
 from clover.serving.protocol import APIError, ChatCompletionRequest, CompletionRequest, SamplingFields
+from clover.serving.response_store import ResponseStore
 from clover.serving.scheduler import QueueFull, Scheduler
 from clover.serving.grammar_route import forced_start, max_calls, request_grammar, route
 from clover.serving.structured import decision_response
@@ -64,13 +65,14 @@ class ServerOptions:
     top_p: float | None = None
     chat_template: str | None = None  # None: the checkpoint's own (Clover's for a checkpoint without one)
     tool_call_parser: str | None = None  # None: the one the template writes (clover.tool_formats.detect)
+    responses_store_bytes: int = 64 * 2**20  # stored responses (`previous_response_id`), as JSON; 0: none kept
 
     def __post_init__(self) -> None:
         for name in ("max_running", "max_body_bytes", "prefill_chunk"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ServerOptions.{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_waiting < 0 or self.prefix_cache_bytes < 0:
-            raise ValueError("ServerOptions.max_waiting and prefix_cache_bytes must be >= 0")
+        if self.max_waiting < 0 or self.prefix_cache_bytes < 0 or self.responses_store_bytes < 0:
+            raise ValueError("ServerOptions.max_waiting, prefix_cache_bytes and responses_store_bytes must be >= 0")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"ServerOptions.max_model_len must be >= 1, got {self.max_model_len}")
         if self.tool_call_parser is not None and self.tool_call_parser not in FORMATS:
@@ -112,6 +114,16 @@ class LockedTokenizer:
         return len(self.tokenizer)
 
 
+@dataclass
+class ChatRun:
+    """A submitted chat request: its handle, one `ChatChoice` per choice (fed with the handle's outputs by whoever
+    reads it), and its prompt's length in tokens."""
+
+    handle: RequestHandle
+    choices: list[ChatChoice]
+    prompt_tokens: int
+
+
 # -- the server ----------------------------------------------------------------------------------------------------
 class ServedModel:
     """One served model: its tokenizer and scheduler, and what turns a request into engine work and back."""
@@ -141,6 +153,7 @@ class ServedModel:
             eos_token_ids=eos, vocab_limit=len(self.tokenizer), detokenize=self.tokenizer.decode,
             prefill_chunk=options.prefill_chunk, prefix_cache=prefix_cache, max_running=options.max_running,
             max_waiting=options.max_waiting, metrics=self.metrics)
+        self.stored = ResponseStore(options.responses_store_bytes)  # the Responses API's (responses.py)
         self.created = int(time.time())
 
     # -- request -> engine ---------------------------------------------------------------------------------
@@ -232,6 +245,25 @@ class ServedModel:
                                     "(its slots are scored as whole values); pass structured_mode 'grammar'",
                                param="logprobs", code="unsupported_parameter")
             return await decision_response(self, req, request)
+        run = await self.start_chat(req, path)
+        handle, choices = run.handle, run.choices
+        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return StreamingResponse(chat_stream(handle, choices, rid, created, self.options.served_model_name,
+                                                 run.prompt_tokens, include_usage, self.tokenizer.token_texts),
+                                     media_type="text/event-stream")
+        await self.collect(request, handle, lambda _, out: choices[out.choice].push_output(out))
+        logprobs = ([chat_logprobs(c.logprobs, self.tokenizer.token_texts) for c in choices] if req.logprobs
+                    else None)
+        return JSONResponse(chat_body(rid, created, self.options.served_model_name, choices,
+                                      usage(run.prompt_tokens, sum(c.tokens for c in choices),
+                                            max(handle.cached_tokens)), logprobs))
+
+    async def start_chat(self, req: ChatCompletionRequest, path: str | None) -> ChatRun:
+        """A chat request that `route` sends to free generation (None) or the grammar ("grammar"), submitted: its
+        prompt rendered, `max_tokens` checked, the work queued. The caller reads the run (or cancels it)."""
+        assert path != "decision", "decision mode answers whole (structured.py)"
         sampling = self.sampling(req)
         rule = req.rule
         if path == "grammar":  # grammar-constrained decoding, in exact mode (grammar_route.py)
@@ -247,18 +279,7 @@ class ServedModel:
         schemas = {t.function.name: t.function.parameters for t in req.tools or []}
         choices = [ChatChoice(self.tokenizer.decode, stops, thinking, tools, forced, max_calls(req),
                               self.tokenizer.tool_format, schemas) for _ in range(req.n)]
-        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(chat_stream(handle, choices, rid, created, self.options.served_model_name,
-                                                 len(ids), include_usage, self.tokenizer.token_texts),
-                                     media_type="text/event-stream")
-        await self._collect(request, handle, lambda _, out: choices[out.choice].push_output(out))
-        logprobs = ([chat_logprobs(c.logprobs, self.tokenizer.token_texts) for c in choices] if req.logprobs
-                    else None)
-        return JSONResponse(chat_body(rid, created, self.options.served_model_name, choices,
-                                      usage(len(ids), sum(c.tokens for c in choices), max(handle.cached_tokens)),
-                                      logprobs))
+        return ChatRun(handle, choices, len(ids))
 
 
     # -- text completions ----------------------------------------------------------------------------------------
@@ -314,7 +335,7 @@ class ServedModel:
             k = i * req.n + out.choice
             texts[k] += choices[k].push(out)
 
-        await self._collect(request, handles, take)
+        await self.collect(request, handles, take)
         logprobs = None
         if token_texts is not None:
             logprobs = [completion_logprobs([*(echoed[k][0] if echoed else []), *c.token_ids],
@@ -342,8 +363,8 @@ class ServedModel:
             raise APIError(503, str(exc), type="server_error", code="unavailable") from exc
 
 
-    async def _collect(self, request: Request, handles: RequestHandle | list[RequestHandle],
-                       take: Callable[[int, Output], Any]) -> None:
+    async def collect(self, request: Request, handles: RequestHandle | list[RequestHandle],
+                      take: Callable[[int, Output], Any]) -> None:
         """Run a non-streamed request to the end (`take(handle index, output)` for each output), or cancel it
         when the client disconnects first."""
         handles = handles if isinstance(handles, list) else [handles]

@@ -1,0 +1,137 @@
+"""The Responses API's objects: output items built from a chat choice's deltas, the response body, and the
+server-sent events of a streamed response (their shapes: the `openai` package's `openai.types.responses`).
+
+A chat choice's answer arrives as `OutputDelta`s (reasoning, content, whole tool calls: `openai_format.ChatChoice`).
+`OutputItems` turns them into output items in the order they come: a `reasoning` item while reasoning flows, a
+`message` item (one `output_text` part) while content flows, and a `function_call` item per call; a change of kind
+closes the open item. Each change is also returned as the stream events that announce it, so a streamed and a
+whole response are built by the same code from the same deltas:
+
+    response.created, response.in_progress
+    per text item:  response.output_item.added, response.content_part.added,
+                    response.output_text.delta (response.reasoning_text.delta) ...,
+                    response.output_text.done (response.reasoning_text.done), response.content_part.done,
+                    response.output_item.done
+    per call:       response.output_item.added, response.function_call_arguments.delta (the whole arguments: a
+                    call is parsed once complete), response.function_call_arguments.done, response.output_item.done
+    response.completed, or response.incomplete (the length limit), or on a failure error + response.failed
+
+Every event carries a `sequence_number` from 0 (`EventStream`); the stream has no `[DONE]`, as OpenAI's has none.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import json
+import uuid
+from typing import Any
+
+from clover.assistant_output import OutputDelta
+
+
+def _id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+class OutputItems:
+    """A response's output items, as a chat choice's deltas arrive (module docstring)."""
+
+    def __init__(self) -> None:
+        self.items: list[dict[str, Any]] = []
+        self.open: dict[str, Any] | None = None  # the reasoning or message item text flows into
+
+    def push(self, delta: OutputDelta) -> list[dict[str, Any]]:
+        """The events announcing what `delta` adds (in the chat template's order: reasoning, text, calls)."""
+        events = []
+        if delta.reasoning:
+            events += self._text("reasoning", delta.reasoning)
+        if delta.content:
+            events += self._text("message", delta.content)
+        for call in delta.tool_calls:
+            events += self._close() + self._call(call)
+        return events
+
+    def finish(self, status: str = "completed") -> list[dict[str, Any]]:
+        """Close the open item (`incomplete` when the answer was cut by the length limit)."""
+        return self._close(status)
+
+    def _where(self, item: dict[str, Any]) -> dict[str, Any]:
+        """An event's item reference: the item being written is always the last (a call closes the open item)."""
+        assert item is self.items[-1]
+        return {"item_id": item["id"], "output_index": len(self.items) - 1}
+
+    def _text(self, kind: str, text: str) -> list[dict[str, Any]]:
+        events = []
+        if self.open is None or self.open["type"] != kind:
+            events = self._close() + self._open(kind)
+        item = self.open
+        assert item is not None
+        item["content"][0]["text"] += text
+        name = "response.output_text.delta" if kind == "message" else "response.reasoning_text.delta"
+        extra = {"logprobs": []} if kind == "message" else {}
+        return events + [{"type": name, **self._where(item), "content_index": 0, "delta": text, **extra}]
+
+    def _open(self, kind: str) -> list[dict[str, Any]]:
+        if kind == "message":
+            item = {"id": _id("msg"), "type": "message", "role": "assistant", "status": "in_progress", "content": []}
+            part: dict[str, Any] = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        else:
+            item = {"id": _id("rs"), "type": "reasoning", "summary": [], "status": "in_progress", "content": []}
+            part = {"type": "reasoning_text", "text": ""}
+        self.items.append(item)
+        self.open = item
+        events = [{"type": "response.output_item.added", "output_index": len(self.items) - 1,
+                   "item": copy.deepcopy(item)},
+                  {"type": "response.content_part.added", **self._where(item), "content_index": 0, "part": dict(part)}]
+        item["content"].append(part)
+        return events
+
+    def _close(self, status: str = "completed") -> list[dict[str, Any]]:
+        item, self.open = self.open, None
+        if item is None:
+            return []
+        item["status"] = status
+        part = item["content"][0]
+        if item["type"] == "message":
+            done = {"type": "response.output_text.done", **self._where(item), "content_index": 0,
+                    "text": part["text"], "logprobs": []}
+        else:
+            done = {"type": "response.reasoning_text.done", **self._where(item), "content_index": 0,
+                    "text": part["text"]}
+        return [done,
+                {"type": "response.content_part.done", **self._where(item), "content_index": 0, "part": dict(part)},
+                {"type": "response.output_item.done", "output_index": len(self.items) - 1,
+                 "item": copy.deepcopy(item)}]
+
+    def _call(self, call: dict[str, Any]) -> list[dict[str, Any]]:
+        """A whole tool call (`ChatChoice`'s: `{"id", "type", "function": {"name", "arguments"}}`)."""
+        fn = call["function"]
+        item = {"id": _id("fc"), "type": "function_call", "call_id": call["id"], "name": fn["name"],
+                "arguments": fn["arguments"], "status": "completed"}
+        self.items.append(item)
+        where = self._where(item)
+        return [{"type": "response.output_item.added", "output_index": where["output_index"],
+                 "item": {**item, "arguments": "", "status": "in_progress"}},
+                {"type": "response.function_call_arguments.delta", **where, "delta": fn["arguments"]},
+                {"type": "response.function_call_arguments.done", **where, "arguments": fn["arguments"]},
+                {"type": "response.output_item.done", "output_index": where["output_index"], "item": dict(item)}]
+
+
+def usage(input_tokens: int, output_tokens: int, cached: int, reasoning: int) -> dict[str, Any]:
+    """`cache_write_tokens` is not tracked per request (the prefix cache stores prompts on its own grid): 0."""
+    return {"input_tokens": input_tokens, "output_tokens": output_tokens,
+            "total_tokens": input_tokens + output_tokens,
+            "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
+            "output_tokens_details": {"reasoning_tokens": reasoning}}
+
+
+class EventStream:
+    """Server-sent events of one streamed response: each event named by its type and numbered in order."""
+
+    def __init__(self) -> None:
+        self.numbers = itertools.count()
+
+    def event(self, body: dict[str, Any]) -> str:
+        body = {**body, "sequence_number": next(self.numbers)}
+        return f"event: {body['type']}\ndata: {json.dumps(body, ensure_ascii=False)}\n\n"
