@@ -9,6 +9,8 @@ import asyncio
 import openai
 import pytest
 
+from clover.engine import exact
+from clover.engine.cost import ForwardCost
 from clover.serving import ServerOptions, create_app
 from model_helpers import tiny_model
 from server_helpers import server_thread
@@ -24,9 +26,13 @@ def url(chat_tokenizer):
     # logits spread enough (scale 3) that sampling at 0.7 often leaves the argmax
     model = tiny_model("clover-tiny-dense", vocab_size=len(chat_tokenizer), mask_token_id=chat_tokenizer.mask_token_id,
                        eos_token_id=chat_tokenizer.eos_token_id, logit_scale=3.0)
-    app = create_app(model, chat_tokenizer, ServerOptions(served_model_name=NAME, prefill_chunk=16))
-    with server_thread(app) as u:
-        yield u
+    with pytest.MonkeyPatch.context() as patch:
+        # exact mode starts from a cost table of free rows, so it drafts from its first forward; from then on the
+        # steps it times decide how many, as on a real server
+        patch.setattr(exact, "cost_table", lambda runner, recalibrate=False: ForwardCost.flat())
+        app = create_app(model, chat_tokenizer, ServerOptions(served_model_name=NAME, prefill_chunk=16))
+        with server_thread(app) as u:
+            yield u
 
 
 @pytest.fixture(scope="module")
