@@ -20,8 +20,10 @@ vocabulary it is a fifth of a token's compute, and after the first step of a blo
 When only position 0 is left, whose prediction does not depend on the block, the step needs no forward at all.
 
 Batches run in lockstep, block by block: every row's block is committed in the same forward, and a row whose
-block is already final sits out the remaining steps of the others (its outputs are ignored and it draws no random
-numbers), so each request gets exactly what it gets alone. A finished request leaves the batch at the next commit.
+block is already final sits out the remaining steps of the others (its outputs are ignored), so each request gets
+exactly what it gets alone. A sampled position draws with noise keyed by the request's seed, its answer position and
+the row's own step in the block (clover.engine.noise), so that holds for seeded sampling too; at block size 1 (one
+step per block) the draw is exact mode's. A finished request leaves the batch at the next commit.
 
 Where things happen: `step` (one denoising step), `_finish_block` (EOS / stop / length, emit), `_commit` (the
 block joins the cache).
@@ -207,7 +209,9 @@ class BlockLoop(DecodingLoop):
         # the previous step's check of what is still needed is this step's candidates: one `_needed` per step
         candidates = b.needed if b.needed is not None else self._needed(b)
         active = candidates.any(1)  # rows whose block is final sit this step out
-        tokens, confidence = b.sampler(logits, active, self._extension(b))
+        # a sampled position's noise is keyed by its answer position and the row's step in this block
+        at = [len(s.generated) - h for s, h in zip(b.seqs, b.head.tolist())]
+        tokens, confidence = b.sampler(logits, candidates, self._extension(b), at, b.steps.tolist())
         accept = b.rule.select(tokens, confidence, candidates)
         b.block = torch.where(accept, tokens, b.block)
         b.sampler.observe_block(tokens, accept)

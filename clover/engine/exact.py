@@ -13,9 +13,10 @@ query block of `m + 1` masks that drafts the `m` tokens after the one this forwa
 Every forward commits at least one token, each the model's causal choice given everything before it. Prompts are
 read causally whatever the model's `prompt_reading` (block-size-1 decoding reads every token as its own block), and
 a model without the token shift is refused: the causal path's choice is the output at the last committed token. With
-sampling (temperature, top-k, top-p) the causal path's choice is speculative sampling's (clover.engine.speculative):
-draft `d_i` is accepted with the probability the sampler gives it there, a rejection draws from that distribution
-without `d_i`, so the output is distributed as sampling one token at a time.
+sampling (temperature, top-k, top-p) the causal path's choice at each position is block size 1's draw there, its
+noise keyed by the request's seed and the token's answer position (clover.engine.speculative): a draft is
+accepted when it equals that draw, so the output is distributed as sampling one token at a time and, with a seed,
+is the same text whatever was drafted, whatever the batch.
 
 After a rejection the query block's drafts were made after a wrong token: the next forward would verify nothing.
 With `lookup` (the default) it verifies drafts copied from the request's own context instead
@@ -79,7 +80,7 @@ class ExactBatch:
 
     seqs: list[Request]
     cache: RunnerCache
-    sampler: BatchSampler  # the rows' sampling (speculative sampling's target distribution and random streams)
+    sampler: BatchSampler  # the rows' sampling (the target distribution and each row's seed)
     decided: torch.Tensor  # [N, W]: the first `n_decided` columns count
     n_decided: torch.Tensor  # [N], >= 1
     n_feed: torch.Tensor  # [N], >= 1: the last decided tokens not yet in the cache (the last one, and tokens a
@@ -191,8 +192,8 @@ class ExactLoop(DecodingLoop):
         m = self._plan(seqs, acceptance, none, cache.length + t)[1]
         start = torch.full((n,), t - 1, dtype=torch.long, device=e.device)
         masks = [s.matcher.masks_for([])[0] if s.matcher is not None else None for s in seqs]
-        tokens, accepted, query, logprobs = self._forward(ids, start, none, cache, sampler, acceptance,
-                                                          int(m.max()), masks, **kwargs)
+        tokens, accepted, query, logprobs = self._forward(ids, start, none, cache, sampler, acceptance, int(m.max()),
+                                                          masks, [len(s.generated) for s in seqs], **kwargs)
         ones = accepted + 1
         lookups = [Lookup(ContextLookup(s.prompt), Acceptance(self.lookup_most)) if self.rule.lookup else None
                    for s in seqs]
@@ -238,7 +239,8 @@ class ExactLoop(DecodingLoop):
         if width > 1:  # drafts to verify: the cache must be able to forget the rejected ones
             b.cache.mark()
         tokens, accepted, query, b.logprobs = self._forward(
-            ids, b.n_feed - 1, k, b.cache, b.sampler, b.acceptance, int(m.max()), masks, prefix_len=width,
+            ids, b.n_feed - 1, k, b.cache, b.sampler, b.acceptance, int(m.max()), masks,
+            [len(s.generated) for s in b.seqs], prefix_len=width,
             attention_mask=None if bool(real.all()) else real, drafts_in=drafts_k)
         if width > 1:
             b.cache.rewind(b.n_feed + accepted)
@@ -407,12 +409,14 @@ class ExactLoop(DecodingLoop):
 
     def _forward(self, ids: torch.Tensor, start: torch.Tensor, k: torch.Tensor, cache: RunnerCache,
                  sampler: BatchSampler, acceptance: list[Acceptance], drafts: int,
-                 masks: list[torch.Tensor | None], drafts_in: torch.Tensor | None = None,
+                 masks: list[torch.Tensor | None], positions: list[int], drafts_in: torch.Tensor | None = None,
                  **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[list[TokenLogprob] | None]]:
         """Forward `ids` `[N, T]` as causal clean tokens (written to the cache) and, when `drafts > 0`, a query
         block of `drafts + 1` masks. Row `r`'s logits at clean positions `start[r] .. start[r] + k[r]` decide the
         token after the last fed token and after each of its `k[r]` drafts `drafts_in[r]` (masked by the row's
-        grammar, `masks[r]` `[1 + k[r], V]`, where it has one). Returns the committed tokens `[N, 1 + max k]` (-1
+        grammar, `masks[r]` `[1 + k[r], V]`, where it has one); `positions[r]`: the answer position of the token
+        decided after the last fed one (the tokens the row has decided so far), which keys a sampled row's noise
+        (clover.engine.speculative). Returns the committed tokens `[N, 1 + max k]` (-1
         after each row's), the drafts accepted `[N]` and `[N, drafts]` new drafts: query output `j` predicts the
         token two positions after the last clean one plus `j` (the mask at query position 0 stands for the token
         this forward decides); their logits stay in `_query_logits` for a grammar's drafts. Last, per row that asks
@@ -445,7 +449,7 @@ class ExactLoop(DecodingLoop):
                 logits[r, : mask.shape[0]].masked_fill_(~mask.to(logits.device), float("-inf"))
         if drafts_in is None:
             drafts_in = torch.zeros(n, kk, dtype=torch.long, device=e.device)
-        accepted, tokens = verify(sampler, logits[:, :kk + 1], drafts_in, k, check=False)
+        accepted, tokens = verify(sampler, logits[:, :kk + 1], drafts_in, k, positions, check=False)
         if self.rule.adaptive:  # the causal path's probability of each token it committed, over the positions
             # some row committed (a policy signal: on fp32 logits `verify` has set banned ids to -inf in place)
             took = accepted.tolist()

@@ -25,9 +25,10 @@ block's decided prefix. DRY leaves other positions alone (the tokens just before
 repetition penalty reads the history there, plus what `observe_block` marked.
 
 Greedy rows skip temperature/top-k/top-p (they would not change the argmax and would only inflate its confidence).
-Everything is vectorised over the batch and block but two per-row loops: DRY's match search (a few tensor operations
-per judged position of a row that uses it) and drawing each sampled row's noise from its own seeded generator, which
-keeps a request's random stream the same whether it runs alone or in a batch.
+Everything is vectorised over the batch and block but DRY's match search (a few tensor operations per judged
+position of a row that uses it). A sampled position draws with noise keyed by the request's seed, its answer
+position and the step (clover.engine.noise), not from a stream consumed draw by draw: a request's tokens are the
+same alone or in a batch, whatever the steps or drafts around them.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from clover.engine.noise import fresh_seed, noise_key, race
 from clover.engine.repetition import DEFAULT_BREAKERS, Breakers, DryConfig, LagMatches, dry_candidates, penalty_of
 
 MAX_TOP_LOGPROBS = 20  # the most alternatives a token's logprobs may list (OpenAI's and vLLM's limit)
@@ -61,7 +63,8 @@ class SamplingParams:
     # `loop_guard_repeats` times before in it; 0: off
     loop_guard_span: int = 0
     loop_guard_repeats: int = 2
-    seed: int | None = None  # per-request generator; None: drawn from torch's global RNG
+    seed: int | None = None  # keys the noise of every sampled token with its position (clover.engine.noise);
+    # None: a fresh random seed per request
     stop: tuple[str, ...] = field(default_factory=tuple)  # stop strings (need a detokenizer in the engine)
     # a `clover.engine.grammar.Grammar` the output must follow (exact mode); None: free text
     grammar: Any = field(default=None, compare=False)
@@ -116,16 +119,6 @@ class SamplingParams:
     def uses_dry(self) -> bool:
         return self.dry_multiplier > 0 and self.dry_penalty_last_n != 0
 
-    def make_generator(self, device: torch.device | str = "cpu") -> torch.Generator | None:
-        if self.greedy:
-            return None
-        gen = torch.Generator(device=device)
-        if self.seed is None:
-            gen.seed()
-        else:
-            gen.manual_seed(self.seed)
-        return gen
-
 
 class BatchSampler:
     """The sampling transforms of a batch of requests, as tensors, so a step costs a handful of kernels.
@@ -138,7 +131,8 @@ class BatchSampler:
                  device: torch.device | str = "cpu",
                  breakers: Callable[[tuple[str, ...]], Breakers] | None = None) -> None:
         self.params = list(params)
-        self.generators = [p.make_generator(device) for p in self.params]
+        # per row: the seed its noise is keyed by (clover.engine.noise); None for greedy rows, which draw nothing
+        self.seeds = [None if p.greedy else fresh_seed() if p.seed is None else p.seed for p in self.params]
         n = len(self.params)
         self.temperature = torch.tensor([p.temperature for p in self.params], device=device)
         self.top_p = torch.tensor([p.top_p for p in self.params], device=device)
@@ -168,7 +162,7 @@ class BatchSampler:
     def select(self, rows: Sequence[int]) -> None:
         idx = torch.as_tensor(list(rows), dtype=torch.long, device=self.temperature.device)
         self.params = [self.params[i] for i in rows]
-        self.generators = [self.generators[i] for i in rows]
+        self.seeds = [self.seeds[i] for i in rows]
         self.temperature, self.top_p = self.temperature[idx], self.top_p[idx]
         self.top_k, self.penalty = self.top_k[idx], self.penalty[idx]
         self.dry = [self.dry[i] for i in rows]
@@ -178,11 +172,10 @@ class BatchSampler:
 
     @classmethod
     def concat(cls, samplers: Sequence["BatchSampler"]) -> "BatchSampler":
-        """The rows of several samplers in one (a request joins a running batch). Generators are moved, not
-        copied, so each request's random stream continues where it was."""
+        """The rows of several samplers in one (a request joins a running batch), each with its own seed."""
         new = cls.__new__(cls)
         new.params = [p for s in samplers for p in s.params]
-        new.generators = [g for s in samplers for g in s.generators]
+        new.seeds = [seed for s in samplers for seed in s.seeds]
         new.temperature = torch.cat([s.temperature for s in samplers])
         new.top_p = torch.cat([s.top_p for s in samplers])
         new.top_k = torch.cat([s.top_k for s in samplers])
@@ -218,16 +211,20 @@ class BatchSampler:
         rows = torch.arange(tokens.shape[0], device=tokens.device)[:, None].expand_as(tokens)
         self.presence[rows[accepted], tokens[accepted]] = True
 
-    def __call__(self, logits: torch.Tensor, active: torch.Tensor | None = None,
-                 extension: Extension | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, logits: torch.Tensor, draw: torch.Tensor | None = None, extension: Extension | None = None,
+                 positions: Sequence[int] | None = None,
+                 steps: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """`logits` `[N, B, V]` -> candidate `tokens` `[N, B]` and `confidence` `[N, B]` (fp32).
 
         `logits` is consumed: when already fp32 it is modified in place (banned ids set to -inf), which saves a
         copy of the largest tensor of the step.
 
-        `active` `[N]` (bool): rows that take this step; only they draw noise from their generator, so a request's
-        random stream does not depend on what else is in the batch. `extension`: per row, the tokens positions
-        read after the history (module docstring).
+        `draw` `[N, B]` (bool): the positions whose candidate counts this step (None: all); a sampled row draws
+        only there, elsewhere its candidate is the argmax. `positions` `[N]`: the answer position of each row's
+        column 0 (column `c` is `positions[r] + c`; None: 0), `steps` `[N]`: the row's steps so far in this
+        block (None: 0): with the row's seed they key the noise (clover.engine.noise), so a request's tokens do not
+        depend on what else is in the batch or on how many draws came before. `extension`: per row, the tokens
+        positions read after the history (module docstring).
         """
         x = self.model_logits(logits, extension)
         if self.all_greedy:  # max prob = exp(max logit - logsumexp): two passes, no probability tensor
@@ -236,12 +233,25 @@ class BatchSampler:
 
         probs = self.draw_probs(x)
         tokens = probs.argmax(dim=-1)
-        for row, gen in enumerate(self.generators):
-            if gen is None or (active is not None and not bool(active[row])):
-                continue
-            tokens[row] = self.draw(probs[row], gen)
+        n, width = tokens.shape
+        where = draw.tolist() if draw is not None else [[True] * width] * n
+        first = list(positions) if positions is not None else [0] * n
+        step = list(steps) if steps is not None else [0] * n
+        picks = [(r, c) for r, seed in enumerate(self.seeds) if seed is not None for c in range(width) if where[r][c]]
+        if picks:
+            rows, cols = [r for r, _ in picks], [c for _, c in picks]
+            tokens[rows, cols] = self.draw(probs[rows, cols], rows, [first[r] + c for r, c in picks],
+                                           [step[r] for r in rows])
         chosen = x.gather(-1, tokens[..., None])[..., 0]
         return tokens, torch.exp(chosen - torch.logsumexp(x, dim=-1))
+
+    def draw(self, probs: torch.Tensor, rows: Sequence[int], positions: Sequence[int],
+             steps: Sequence[int] | None = None) -> torch.Tensor:
+        """`[M]`: one token from each distribution of `probs` `[M, V]` (need not be normalised), the `j`-th with
+        the noise of sampled row `rows[j]` at answer position `positions[j]` and step `steps[j]` (None: 0) — the
+        exponential race, argmax(p / E) with E ~ Exp(1), a draw from p (clover.engine.noise)."""
+        steps = steps if steps is not None else [0] * len(rows)
+        return race(probs, [noise_key(self.seeds[r], t, s) for r, t, s in zip(rows, positions, steps)])
 
     def model_logits(self, logits: torch.Tensor, extension: Extension | None = None) -> torch.Tensor:
         """`logits` `[N, B, V]` -> the model's distribution as fp32 logits: banned ids, then the repetition
@@ -278,13 +288,6 @@ class BatchSampler:
         if self.filtering:
             x = self._filter(x, greedy)
         return torch.softmax(x, dim=-1)
-
-    @staticmethod
-    def draw(probs: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-        """One token per distribution in `probs` `[..., V]` (need not be normalised), from `gen`: the exponential
-        race, argmax(p / E) with E ~ Exp(1), is a draw from p (one kernel, no cumsum)."""
-        noise = torch.empty_like(probs).exponential_(generator=gen)
-        return (probs / noise).argmax(dim=-1)
 
     def _filter(self, x: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
         """Per-row top-k then top-p (nucleus) on `[N, B, V]` scaled logits; greedy rows untouched."""

@@ -1,5 +1,5 @@
-"""Speculative sampling's acceptance rule for exact mode: verify deterministic drafts against the target's sampled
-distribution, so a sampled request's output is distributed exactly as token-by-token sampling.
+"""Exact mode's acceptance rule: verify deterministic drafts against the target's sampled choice, so a sampled
+request's output is distributed exactly as token-by-token sampling, and with a seed it is block size 1's text.
 
 Exact mode reads, per row, the last decided token and `k` drafts `d_1..d_k` causally; the logits at causal
 position `i` (0-based) predict the token after `d_1..d_i`, so position `i - 1` judges draft `d_i` and position `k`
@@ -8,28 +8,29 @@ ids, repetition penalty, DRY, temperature, top-k, top-p; `target_probs`). The pe
 position `i` is only used if `d_1..d_i` are accepted, so it is judged after the committed tokens and `d_1..d_i`,
 as block size 1 would judge it (`BatchSampler`'s `extension`).
 
-Speculative sampling (Leviathan et al. 2023, Chen et al. 2023) draws `x ~ q`, accepts it with probability
-`min(1, p(x) / q(x))` and, on rejection, draws from the residual `normalize(max(p - q, 0))`; the result is a draw
-from `p`. Our drafts are the drafter's argmax, a point mass `q = δ_d`, so:
+The rule. With `t` the answer position of causal position 0 (the tokens the request has decided so far), the
+choice at position `i` is `s_i = argmax_x p_i(x) / E_{t+i}(x)`: the exponential race with the noise keyed by the
+request's seed and the answer position `t + i` (clover.engine.noise), the very draw block size 1 makes there. Draft
+`d_i` is accepted while `d_i == s_{i-1}`, and the row commits the accepted drafts, then `s_a` at the first
+difference (or the bonus `s_k`): it commits `s_0 .. s_a`. So every committed token is a function of the seed, its
+answer position and the distribution there, whatever was drafted: block size 1's token wherever the text before it
+is the same, which makes a seeded request repeatable across draft policies, batches and the machine's timing.
 
-* the acceptance probability is `min(1, p(d) / 1) = p(d)`;
-* the residual is `max(p(x) - δ_d(x), 0)`: `p(x)` for `x != d` and `max(p(d) - 1, 0) = 0` at `d`, i.e. `p` with `d`
-  removed, normalised by `1 - p(d)`.
+Distribution. The noise at an answer position is independent of the noise at every other one, and `p` at a
+position depends only on the tokens before it, so the committed tokens are distributed as sampling one token at a
+time. It is speculative sampling (Leviathan et al. 2023, Chen et al. 2023) for point-mass drafts `q = δ_d`, in
+another coupling: `d` is accepted with probability `P(s = d) = p(d)`, which is `min(1, p(d) / q(d))`, and a
+rejection gives `s` given `s != d`, i.e. `p` without `d` renormalised, the residual `max(p - q, 0)`. The acceptance
+rate is the classic rule's.
 
-Check: `P(d) = p(d)`, and for `x != d`, `P(x) = (1 - p(d)) * p(x) / (1 - p(d)) = p(x)`. Position `i`'s logits read
-exactly the prefix committed so far (the accepted drafts), so by induction over the positions the committed
-tokens, the bonus token after `k` acceptances included, are distributed as sampling one token at a time.
-
-A greedy row's `p` is the one-hot argmax `c`: `p(d)` is 1 when `d == c` and 0 otherwise, and the residual of a
-one-hot `c` without `d != c` is `c` again, so the rule becomes exact mode's greedy rule (accept while equal to the
-argmax, then commit the argmax), computed without random numbers.
-
-Random numbers: each sampled row draws from its own generator (the `BatchSampler`'s), always `k` uniforms then
-one exponential race over the vocabulary (`BatchSampler.draw`), whatever is accepted; so its result and its
-stream do not depend on the rest of the batch.
+A greedy row's choice is the argmax of the model's logits: accept while a draft equals it, then commit it, with no
+random numbers. A sampled row computes noise only at the positions it reaches (accepted drafts + 1 per forward,
+one per committed token as at block size 1), one column at a time over the rows still going.
 """
 
 from __future__ import annotations
+
+from typing import Sequence
 
 import torch
 
@@ -44,36 +45,46 @@ def target_probs(sampler: BatchSampler, logits: torch.Tensor, drafts: list[list[
     return _processed(sampler, sampler.model_logits(logits, extension))
 
 
-def verify(sampler: BatchSampler, logits: torch.Tensor, drafts: torch.Tensor,
-           k: torch.Tensor, check: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """Speculative sampling of a batch of point-mass drafts (module docstring).
+def verify(sampler: BatchSampler, logits: torch.Tensor, drafts: torch.Tensor, k: torch.Tensor,
+           positions: Sequence[int] | None = None, check: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """The acceptance rule for a batch of point-mass drafts (module docstring).
 
-    `sampler`: the batch's rows (params, generators, banned ids), in row order. `logits` `[N, K + 1, V]`: the
-    target logits at the row's causal positions (consumed, as by the sampler). `drafts` `[N, K]` (int): the
-    drafts; only each row's first `k` count, the rest may hold anything. `k` `[N]` (int): real drafts per row, in
-    `[0, K]`. `check=False` skips the checks of these shapes and values (a caller that built them itself, once a
-    forward: exact mode's loop).
+    `sampler`: the batch's rows (params, seeds, banned ids), in row order. `logits` `[N, K + 1, V]`: the target
+    logits at the row's causal positions (consumed, as by the sampler). `drafts` `[N, K]` (int): the drafts; only
+    each row's first `k` count, the rest may hold anything. `k` `[N]` (int): real drafts per row, in `[0, K]`.
+    `positions` `[N]`: the answer position of each row's causal position 0, i.e. the tokens it has decided so far
+    (None: 0), which keys a sampled row's noise. `check=False` skips the checks of these shapes and values (a
+    caller that built them itself, once a forward: exact mode's loop).
 
     Returns `accepted` `[N]` (long, `0..k`) and `tokens` `[N, K + 1]` (long): row `r` commits
-    `tokens[r, : accepted[r] + 1]` (the accepted drafts, then the residual draw at the first rejection or the bonus
+    `tokens[r, : accepted[r] + 1]` (the accepted drafts, then the row's choice at the first difference or the bonus
     token after the last draft); the columns after are -1.
     """
     if check:
-        _check(sampler, logits, drafts, k)
+        _check(sampler, logits, drafts, k, positions)
     drafts, k = drafts.long(), k.long()
     x = sampler.model_logits(logits, _extension(sampler, drafts, k))
-    if sampler.all_greedy:  # no [N, K + 1, V] probabilities: the argmax is the whole distribution
-        return _verify_greedy(x, drafts, k)
+    choice = x.max(dim=-1).indices  # greedy rows' choice (the first maximum), ~2x faster than argmax on a CPU
+    if not sampler.all_greedy:
+        choice = _sampled_choices(sampler, x, choice, drafts, k, positions)
+    return _accept(choice.tolist(), drafts, k)
 
-    real = torch.arange(drafts.shape[1], device=drafts.device)[None] < k[:, None]
-    probs = _processed(sampler, x)
-    judged = drafts.masked_fill(~real, 0)  # padding may hold any id (a mask id, -1): gather a valid one
-    p_draft = probs[:, :-1].gather(-1, judged[..., None])[..., 0]  # [N, K]: p_i(d_i)
-    # greedy rows: u = 0 accepts exactly when p(d) = 1, i.e. d is the argmax; sampled rows: u ~ U[0, 1)
-    uniforms = _uniforms(sampler.generators, k, p_draft)
-    accepted = _accepted(uniforms < p_draft, real)
-    final = _final_distribution(probs, drafts, real, accepted)
-    return accepted, _committed(drafts, accepted, _draw(sampler.generators, final))
+
+def _sampled_choices(sampler: BatchSampler, x: torch.Tensor, choice: torch.Tensor, drafts: torch.Tensor,
+                     k: torch.Tensor, positions: Sequence[int] | None) -> torch.Tensor:
+    """`choice` `[N, K + 1]` with each sampled row's draws at the positions it reaches: column `j` is drawn for the
+    rows whose drafts before it were all accepted (and `j <= k`), keyed by answer position `positions[r] + j`."""
+    probs = sampler.draw_probs(x)
+    first = list(positions) if positions is not None else [0] * len(sampler.seeds)
+    rows, counts = drafts.tolist(), k.tolist()
+    going = [r for r, seed in enumerate(sampler.seeds) if seed is not None]
+    for j in range(drafts.shape[1] + 1):
+        if not going:
+            break
+        drawn = sampler.draw(probs[going, j], going, [first[r] + j for r in going])
+        choice[going, j] = drawn
+        going = [r for r, t in zip(going, drawn.tolist()) if j < counts[r] and rows[r][j] == t]
+    return choice
 
 
 def _processed(sampler: BatchSampler, x: torch.Tensor) -> torch.Tensor:
@@ -86,62 +97,20 @@ def _processed(sampler: BatchSampler, x: torch.Tensor) -> torch.Tensor:
     return probs
 
 
-def _verify_greedy(x: torch.Tensor, drafts: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`verify` of greedy rows: accept while a draft is the argmax, then commit the argmax. On a few integers per
-    row (the tensor ops of the general rule cost more than the arithmetic at a batch's size)."""
-    best = x.max(dim=-1).indices.tolist()  # argmax's choice (the first maximum), faster than argmax on a CPU
+def _accept(choice: list[list[int]], drafts: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Accept while a draft equals the row's choice, then commit the choice: `accepted` `[N]` and `tokens`
+    `[N, K + 1]` (-1 after the committed ones). On a few integers per row (the tensor ops of a vectorised rule cost
+    more than the arithmetic at a batch's size)."""
     accepted, tokens = [], []
-    for choice, row, n in zip(best, drafts.tolist(), k.tolist()):
+    for picks, row, n in zip(choice, drafts.tolist(), k.tolist()):
         a = 0
-        while a < n and row[a] == choice[a]:
+        while a < n and row[a] == picks[a]:
             a += 1
         accepted.append(a)
-        tokens.append(row[:a] + [choice[a]] + [-1] * (len(row) - a))
+        tokens.append(row[:a] + [picks[a]] + [-1] * (len(row) - a))
     device = drafts.device
     return (torch.tensor(accepted, dtype=torch.long, device=device),
             torch.tensor(tokens, dtype=torch.long, device=device))
-
-
-def _uniforms(generators: list[torch.Generator | None], k: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """`[N, K]` acceptance uniforms: a sampled row's first `k` from its generator, everything else 0."""
-    u = torch.zeros_like(like)
-    for row, (gen, n) in enumerate(zip(generators, k.tolist())):
-        if gen is not None and n:
-            u[row, :n] = torch.rand(n, generator=gen, device=u.device)
-    return u
-
-
-def _accepted(accept: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
-    """`[N]`: the drafts accepted before the first rejection (or the first padding column)."""
-    return (accept & real).int().cumprod(dim=1).sum(dim=1).long()
-
-
-def _final_distribution(probs: torch.Tensor, drafts: torch.Tensor, real: torch.Tensor,
-                        accepted: torch.Tensor) -> torch.Tensor:
-    """`[N, V]`, unnormalised: where the row stopped, the residual (`p` without the rejected draft) or, after
-    accepting every draft, the bonus position's `p`."""
-    rows = torch.arange(probs.shape[0], device=probs.device)
-    final = probs[rows, accepted]
-    # the rejected draft per row, -1 (nothing to remove) for the bonus: column `accepted` of the padded drafts
-    rejected = torch.nn.functional.pad(drafts.masked_fill(~real, -1), (0, 1), value=-1).gather(1, accepted[:, None])
-    vocab = torch.arange(probs.shape[-1], device=probs.device)
-    return final.masked_fill(vocab[None] == rejected, 0.0)
-
-
-def _draw(generators: list[torch.Generator | None], final: torch.Tensor) -> torch.Tensor:
-    """`[N]`: one token per row from `final` `[N, V]`; greedy rows (one-hot) take the argmax and draw nothing."""
-    tokens = final.argmax(dim=-1)
-    for row, gen in enumerate(generators):
-        if gen is not None:
-            tokens[row] = BatchSampler.draw(final[row], gen)
-    return tokens
-
-
-def _committed(drafts: torch.Tensor, accepted: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
-    """`[N, K + 1]`: the accepted drafts, then `last`, then -1."""
-    cols = torch.arange(drafts.shape[1] + 1, device=drafts.device)[None]
-    tokens = torch.nn.functional.pad(drafts, (0, 1), value=-1).masked_fill(cols >= accepted[:, None], -1)
-    return tokens.scatter(1, accepted[:, None], last[:, None])
 
 
 def _extension(sampler: BatchSampler, drafts: torch.Tensor, k: torch.Tensor) -> list[tuple[int, list[int]]] | None:
@@ -151,21 +120,24 @@ def _extension(sampler: BatchSampler, drafts: torch.Tensor, k: torch.Tensor) -> 
     return [(0, row[:n]) for row, n in zip(drafts.tolist(), k.tolist())]
 
 
-def _check(sampler: BatchSampler, logits: torch.Tensor, drafts: torch.Tensor, k: torch.Tensor) -> None:
+def _check(sampler: BatchSampler, logits: torch.Tensor, drafts: torch.Tensor, k: torch.Tensor,
+           positions: Sequence[int] | None) -> None:
     if logits.dim() != 3:
         raise ValueError(f"logits must be [N, K + 1, V], got shape {tuple(logits.shape)}")
-    n, positions, vocab = logits.shape
+    n, width, vocab = logits.shape
     if len(sampler.params) != n:
         raise ValueError(f"the sampler has {len(sampler.params)} rows, logits have {n}")
-    if drafts.shape != (n, positions - 1):
-        raise ValueError(f"drafts must be [N, K] = [{n}, {positions - 1}] for logits {tuple(logits.shape)}, "
+    if drafts.shape != (n, width - 1):
+        raise ValueError(f"drafts must be [N, K] = [{n}, {width - 1}] for logits {tuple(logits.shape)}, "
                          f"got {tuple(drafts.shape)}")
     if k.shape != (n,):
         raise ValueError(f"k must be [N] = [{n}], got {tuple(k.shape)}")
+    if positions is not None and len(positions) != n:
+        raise ValueError(f"positions must give one answer position per row ({n}), got {len(positions)}")
     if drafts.is_floating_point() or k.is_floating_point():
         raise ValueError(f"drafts and k must be integer tensors, got {drafts.dtype} and {k.dtype}")
-    if bool(((k < 0) | (k > positions - 1)).any()):
-        raise ValueError(f"k must be in [0, {positions - 1}], got {k.tolist()}")
-    real = torch.arange(positions - 1, device=drafts.device)[None] < k[:, None]
+    if bool(((k < 0) | (k > width - 1)).any()):
+        raise ValueError(f"k must be in [0, {width - 1}], got {k.tolist()}")
+    real = torch.arange(width - 1, device=drafts.device)[None] < k[:, None]
     if bool(((drafts < 0) | (drafts >= vocab))[real].any()):
         raise ValueError(f"drafts must be token ids in [0, {vocab}) (within each row's first k)")

@@ -46,10 +46,30 @@ def test_seeded_sampling_is_reproducible_and_row_independent() -> None:
     alone = BatchSampler([params[2]], 50, banned=[])(logits[2:])[0]
     assert torch.equal(alone[0], a[2])
     assert torch.equal(a[1], logits[1].argmax(-1))  # the greedy row in a sampled batch
-    # a row that sits a step out draws nothing, so its next draw is the same as if that step never happened
+    # a row that sits a step out draws nothing: its candidates are the argmax, and its next draw is unchanged
     skip = BatchSampler(params, 50, banned=[])
-    skip(logits, active=torch.tensor([True, True, False]))
+    out = skip(logits.clone(), draw=torch.tensor([[True] * 4, [True] * 4, [False] * 4]))[0]
+    assert torch.equal(out[2], logits[2].argmax(-1)) and torch.equal(out[0], a[0])
     assert torch.equal(skip(logits)[0][2], a[2])
+
+
+def test_a_draw_is_keyed_by_answer_position_and_step_not_by_draws_so_far() -> None:
+    """The noise of a seeded row is a function of (seed, answer position, step): the same distribution at the
+    same answer position gives the same token whichever column holds it and whatever was drawn before; another
+    step or another seed draws anew."""
+    logits = torch.randn(1, 1, 40).expand(1, 64, 40).contiguous()  # one distribution at every column
+    params = [SamplingParams(temperature=1.0, seed=5)]
+    sampler = BatchSampler(params, 40, banned=[])
+    base = sampler(logits.clone())[0][0]  # answer positions 0..63
+    shifted = sampler(logits.clone(), positions=[10])[0][0]  # answer positions 10..73
+    assert torch.equal(shifted[:54], base[10:])
+    assert len(set(base.tolist())) > 5  # the positions draw independently
+    assert not torch.equal(sampler(logits.clone(), steps=[1])[0][0], base)
+    assert not torch.equal(BatchSampler([SamplingParams(temperature=1.0, seed=6)], 40, banned=[])(logits.clone())[0][0],
+                           base)
+    # an unseeded row draws fresh randomness: two samplers disagree
+    fresh = [BatchSampler([SamplingParams(temperature=1.0)], 40, banned=[])(logits.clone())[0][0] for _ in range(2)]
+    assert not torch.equal(fresh[0], fresh[1])
 
 
 def test_sampling_follows_the_distribution_and_filters() -> None:

@@ -58,7 +58,7 @@ def test_greedy_rows_follow_the_greedy_rule_and_draw_nothing() -> None:
     params = [SamplingParams() if r % 2 else SamplingParams(temperature=1.0, top_k=3, seed=r) for r in range(12)]
     mixed = verify(BatchSampler(params, 20, banned=[19]), logits.clone(), drafts, k)
     assert torch.equal(mixed[0][1::2], expected[0][1::2]) and torch.equal(mixed[1][1::2], expected[1][1::2])
-    assert torch.equal(torch.get_rng_state(), state)  # seeded rows use their own generators, greedy ones none
+    assert torch.equal(torch.get_rng_state(), state)  # seeded rows use their own keyed noise, greedy ones none
 
 
 def test_committed_tokens_layout() -> None:
@@ -137,7 +137,8 @@ def test_committed_tokens_follow_the_processed_target_distribution(params: Sampl
     accepted, tokens = verify(sampler, logits.clone(), drafts, torch.full((N_TRIALS,), 2))
     t1 = tokens[:, 0]
     again = torch.stack([tables[1][t1], tables[2][t1, third]], dim=1)
-    _, second = verify(sampler, again, torch.full((N_TRIALS, 1), third), torch.ones(N_TRIALS, dtype=torch.long))
+    _, second = verify(sampler, again, torch.full((N_TRIALS, 1), third), torch.ones(N_TRIALS, dtype=torch.long),
+                       positions=[1] * N_TRIALS)  # the second forward decides the answer's second token
     t2 = torch.where(accepted >= 1, tokens[:, 1], second[:, 0])
 
     p1 = reference_probs(tables[0], params)
@@ -150,6 +151,43 @@ def test_committed_tokens_follow_the_processed_target_distribution(params: Sampl
     if len(bonus) >= 500:
         probs = reference_probs(tables[2][d1, d2], params)
         assert total_variation(bonus, probs) < tv_bound(probs, len(bonus))
+
+
+def _decode_chain(tables: list[torch.Tensor], params: SamplingParams, drafts_after) -> tuple[list[int], int]:
+    """The toy model's three tokens and the forwards they took, each forward verifying `drafts_after(prefix)` (at
+    most what the chain has room for) at the prefix's answer position; a fresh sampler per forward, as a row's
+    seed is all it carries."""
+    got: list[int] = []
+    forwards = 0
+    while len(got) < 3:
+        d = list(drafts_after(got))[: 2 - len(got)]
+        logits = torch.stack([tables[len(got) + i][tuple(got + d[:i])] for i in range(len(d) + 1)])[None]
+        accepted, tokens = verify(BatchSampler([params], V, banned=BANNED), logits.clone(),
+                                  torch.tensor([d], dtype=torch.long).view(1, len(d)), torch.tensor([len(d)]),
+                                  [len(got)])
+        got += tokens[0, : int(accepted) + 1].tolist()
+        forwards += 1
+    return got, forwards
+
+
+@pytest.mark.parametrize("params", [p for p, _, _ in CASES])
+def test_a_seed_commits_block_size_1s_tokens_whatever_the_drafts(params: SamplingParams) -> None:
+    """The noise is keyed by answer position: a seeded row commits the tokens that sampling one token at a time
+    with that seed gives, whether its drafts are absent, right, wrong or banned; they change how many tokens a
+    forward commits, never which."""
+    tables = toy_model(seed=7)
+    texts = set()
+    for seed in range(150):
+        p = SamplingParams(params.temperature, params.top_p, params.top_k, seed=seed)
+        one, forwards = _decode_chain(tables, p, lambda prefix: [])
+        assert forwards == 3
+        texts.add(tuple(one))
+        assert _decode_chain(tables, p, lambda prefix: one[len(prefix):]) == (one, 1)  # right: all in one forward
+        for drafts in (lambda prefix: [(t + 1) % 5 for t in one[len(prefix):]],  # wrong
+                       lambda prefix: [one[len(prefix)], 5],  # right, then the banned id
+                       lambda prefix: [seed % 5, (seed // 5) % 5]):  # whatever
+            assert _decode_chain(tables, p, drafts)[0] == one, seed
+    assert len(texts) > 5  # the seeds do sample
 
 
 def test_target_probs_is_what_batch_sampler_draws_from() -> None:
@@ -177,13 +215,14 @@ def test_a_row_gets_the_same_tokens_alone_or_in_a_batch() -> None:
               SamplingParams(temperature=1.0, top_p=0.6, seed=3), SamplingParams(temperature=1.0, seed=4),
               SamplingParams()]
     batch = BatchSampler(params, 20, banned=[19])
-    together = [verify(batch, logits.clone(), drafts, k) for _ in range(3)]  # the streams carry on across calls
+    at = [[3 * step + r for r in range(6)] for step in range(3)]  # rows at different answer positions
+    together = [verify(batch, logits.clone(), drafts, k, at[step]) for step in range(3)]
     for r, p in enumerate(params):
         alone = BatchSampler([p], 20, banned=[19])
         narrow = int(k[r])  # alone, the row is as wide as its own drafts
         for step in range(3):
             accepted, tokens = verify(alone, logits[r:r + 1, : narrow + 1].clone(), drafts[r:r + 1, :narrow],
-                                      k[r:r + 1])
+                                      k[r:r + 1], [at[step][r]])
             assert accepted.item() == together[step][0][r].item()
             assert torch.equal(tokens[0], together[step][1][r, : narrow + 1])
 
@@ -200,6 +239,7 @@ def test_bad_inputs_are_clear_errors() -> None:
         ((logits, drafts, k[:1]), r"k must be \[N\] = \[2\]"),
         ((logits, drafts.float(), k), "integer tensors"),
         ((logits, drafts, torch.tensor([3, 0])), r"k must be in \[0, 2\]"),
+        ((logits, drafts, k, [0]), r"one answer position per row \(2\)"),
         ((logits, torch.tensor([[0, V], [1, -1]]), k), r"token ids in \[0, 6\)"),
     ]:
         with pytest.raises(ValueError, match=match):
