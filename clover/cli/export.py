@@ -11,11 +11,12 @@ from clover.cli.loading import resolve_model_dir
 
 def add_parser(subparsers: Any) -> None:
     parser = subparsers.add_parser(
-        "export", help="export a dense Clover checkpoint as a GGUF file for llama.cpp",
-        description="Write a dense Llama-family Clover checkpoint as a llama GGUF file: merged weights (optionally "
-                    "quantised), tokenizer with the mask token, chat template, and Clover's decoding defaults as "
-                    "clover.* metadata. Plain llama.cpp runs it autoregressively; `clover convert --from gguf` "
-                    "reads it back.")
+        "export", help="export a Clover checkpoint as a GGUF file for llama.cpp",
+        description="Write a Clover checkpoint as a GGUF file: a dense Llama-family one as llama.cpp's llama "
+                    "architecture (`clover convert --from gguf` reads it back), a hybrid Gated DeltaNet one's causal "
+                    "path as llama.cpp's qwen35moe / qwen35 (block size 1 and exact mode on --runner llamacpp): "
+                    "merged weights (optionally quantised), tokenizer with the mask token, chat template, and "
+                    "Clover's decoding defaults as clover.* metadata. Plain llama.cpp runs it autoregressively.")
     parser.add_argument("--to", dest="target_format", choices=["gguf"], default="gguf", help="target format")
     parser.add_argument("src", help="a Clover checkpoint directory, or clover-smol for the default model (with a "
                                     "gated adapter: its causal path, as --drop-gated-adapter)")

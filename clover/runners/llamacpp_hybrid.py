@@ -7,7 +7,9 @@ that `clover export --to gguf` wrote as llama.cpp's `qwen35moe` / `qwen35` (clov
 **Causal only.** llama.cpp's DeltaNet is the AR recurrence; Clover's block-bidirectional read of a block being
 decoded has no llama.cpp form. So every forward is causal clean tokens (no query block): block rules with blocks of
 more than one token are refused by the engine (`causal_only`), and exact mode verifies drafts copied from the
-request's context (clover.engine.lookup) and never asks for a query block of drafts.
+request's context (clover.engine.lookup) and never asks for a query block of drafts. The runner's config says
+`rule: exact` (its default rule), so a plain `clover generate --runner llamacpp --model OUT.gguf` gives the model's
+block-size-1 answers.
 
 **Rewinding the recurrent state.** Exact mode feeds `[last, d_1 .. d_k]` and keeps the first `1 + a` of them.
 Attention KV cells can be cut at any position, but a recurrent layer holds one state per sequence, after its last
@@ -26,6 +28,7 @@ cut, which llama.cpp saves only at a sequence's end.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import weakref
 from pathlib import Path
@@ -110,7 +113,10 @@ class HybridLlamaCppRunner(LlamaCppRunner):
         if field is None:
             raise ValueError(f"{self.path} has no {CONFIG_KEY} metadata: the llama.cpp runner runs hybrid GGUFs "
                              "written by `clover export --to gguf`, which carry the checkpoint's config")
-        self.config: CloverConfig = CloverConfig.from_dict(json.loads(field.contents()))
+        config = CloverConfig.from_dict(json.loads(field.contents()))
+        # the decoding default: exact mode (block size 1's answers) where the checkpoint's is a block rule, which
+        # this runner cannot run; an explicit block rule is refused by the engine
+        self.config: CloverConfig = dataclasses.replace(config, rule="exact")
         self.device = torch.device("cpu")
         if kv_type not in ("f16", "f32"):
             raise ValueError(f"kv_type must be 'f16' or 'f32', got {kv_type!r}")

@@ -10,6 +10,7 @@ tokens; q8_0 / q4_0 compute the model on their rounded weights. The dense hybrid
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -66,7 +67,8 @@ def test_the_export_is_llama_cpps_qwen35moe(twin):
     assert {"qwen35moe.ssm.state_size", "qwen35moe.ssm.group_count", "qwen35moe.ssm.time_step_rank",
             "qwen35moe.rope.dimension_sections", "qwen35moe.full_attention_interval", "qwen35moe.expert_count",
             "qwen35moe.expert_shared_feed_forward_length"} <= keys
-    assert runner.config == model.config  # the runner reads the checkpoint's config back (clover.config)
+    # the runner reads the checkpoint's config back (clover.config), with exact mode as its default rule
+    assert runner.config == dataclasses.replace(model.config, rule="exact") and model.config.rule == "threshold"
 
 
 def test_f32_logits_equal_torchs_within_1e_3(twin):
