@@ -22,7 +22,8 @@ def add_parser(subparsers: Any) -> None:
                                     "gated adapter: its causal path, as --drop-gated-adapter)")
     parser.add_argument("out", help="the .gguf file to write (must not exist unless --force)")
     parser.add_argument("--quant", choices=GGUF_QUANTS, default="f16",
-                        help="weight format: f32 (exact), f16, q8_0, q4_0 (blocks of 32; default f16)")
+                        help="weight format: f32 (exact), f16, q8_0, q4_0 (blocks of 32), q4_k (a MoE hybrid's experts "
+                             "at Q4_K, the rest q8_0; default f16)")
     parser.add_argument("--tokenizer-pre", default=None,
                         help="llama.cpp pre-tokenizer name, when it cannot be told from tokenizer.json")
     parser.add_argument("--drop-gated-adapter", action="store_true",

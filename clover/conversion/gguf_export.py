@@ -17,7 +17,9 @@ Quantisation (`QUANTS`): `f32` keeps every tensor at fp32 (a round trip through 
 bit-exact); `f16` stores the matrices at fp16; `q8_0` / `q4_0` quantise each matrix row in blocks of 32 (one
 fp16 scale per block: `w = d * q`). Norm weights stay fp32 in every mode, and with `q4_0` the token embedding
 (which is also the output layer when tied) is kept at `q8_0`, as llama.cpp's own quantiser keeps the output
-layer at higher precision; a hybrid's conv and routers stay fp32 too (`gguf_hybrid.KEEP_F32`), as llama.cpp's
+layer at higher precision. `q4_k` (MoE hybrids) stores the routed experts, most of such a model's bytes, as Q4_K
+(blocks of 256 with 6-bit sub-block scales and minimums, quantised by llama.cpp's own `ggml_quantize_chunk`, as the
+gguf package cannot write K-quants) and every other matrix as q8_0. A hybrid's conv and routers stay fp32 too (`gguf_hybrid.KEEP_F32`), as llama.cpp's
 quantiser keeps them. A hybrid's file holds its causal path only (block size 1 and exact mode): llama.cpp's
 DeltaNet is causal, so the block-bidirectional read that block rules need stays on the torch runner.
 """
@@ -37,8 +39,8 @@ from clover.atomic_files import atomic_path
 from clover.choices import GGUF_QUANTS as QUANTS
 from clover.config import FULL_ATTENTION, CloverConfig
 from clover.conversion.gguf import CLOVER_KEYS, gguf_name, permute_qk
-from clover.conversion.gguf_hybrid import (CONFIG_KEY, KEEP_F32, check_hybrid_exportable, hybrid_arch,
-                                           hybrid_tensors, write_hybrid_metadata)
+from clover.conversion.gguf_hybrid import (CONFIG_KEY, EXPERT_TENSORS, KEEP_F32, check_hybrid_exportable,
+                                           hybrid_arch, hybrid_tensors, write_hybrid_metadata)
 from clover.model import CloverForBlockDiffusion
 from clover.model.lora import drop_adapter, has_lora, is_gated, merge_and_unload
 from clover.tokenizer import load_tokenizer
@@ -86,11 +88,14 @@ def _ggml_type(quant: str, name: str, tensor: torch.Tensor) -> Any:
         return t.F16
     if quant == "q4_0" and name == "token_embd.weight":
         return t.Q8_0
-    qtype = t.Q8_0 if quant == "q8_0" else t.Q4_0
+    if quant == "q4_k":  # a hybrid's routed experts at Q4_K (most of its bytes), every other matrix at q8_0
+        qtype = t.Q4_K if name.endswith(EXPERT_TENSORS) else t.Q8_0
+    else:
+        qtype = t.Q8_0 if quant == "q8_0" else t.Q4_0
     block = gguf.GGML_QUANT_SIZES[qtype][0]
     if tensor.shape[-1] % block:
-        raise ValueError(f"cannot quantise {name} to {quant}: its row length {tensor.shape[-1]} is not a multiple "
-                         f"of the block size {block}; use --quant f16 or f32")
+        raise ValueError(f"cannot quantise {name} to {qtype.name}: its row length {tensor.shape[-1]} is not a "
+                         f"multiple of the block size {block}; use another --quant (f16 or f32 always work)")
     return qtype
 
 
@@ -104,6 +109,10 @@ def _encode(tensor: torch.Tensor, qtype: Any) -> np.ndarray:
         return data
     if qtype == gguf.GGMLQuantizationType.F16:
         return data.astype(np.float16)
+    if qtype == gguf.GGMLQuantizationType.Q4_K:  # the gguf package reads K-quants but cannot write them
+        from clover.runners import llama_api  # deferred: llama.cpp's library (the llamacpp extra)
+
+        return llama_api.quantize_rows(data, int(qtype), *reversed(gguf.GGML_QUANT_SIZES[qtype]))
     return quantize(data, qtype)
 
 
@@ -225,8 +234,12 @@ def export_gguf(src: str | Path, out: str | Path, quant: str = "f16", *, tokeniz
             writer.add_string(CONFIG_KEY, json.dumps(config.to_dict()))
         else:
             _write_llama_metadata(writer, config)
+        if quant == "q4_k" and not hybrid:
+            raise ValueError("--quant q4_k quantises a MoE model's routed experts: this checkpoint has none; use "
+                             "q4_0 or q8_0")
         ftype = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
-                 "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0}[quant]
+                 "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,
+                 "q4_k": gguf.LlamaFileType.MOSTLY_Q4_K_M}[quant]
         writer.add_file_type(ftype)
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
         for key, field in CLOVER_KEYS.items():

@@ -62,6 +62,7 @@ _ZERO_CENTRED = ("input_layernorm.weight", "post_attention_layernorm.weight", "s
                  "self_attn.k_norm.weight")
 # matrices llama.cpp keeps at f32 whatever the file type: the conv (ggml_ssm_conv takes f32) and the routers
 KEEP_F32 = ("ssm_conv1d.weight", "ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")
+EXPERT_TENSORS = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")  # the routed experts
 
 
 def hybrid_arch(config: CloverConfig) -> str:
