@@ -21,8 +21,8 @@ the backup back in place of the sequence and re-decodes the kept tokens (one cau
 such row, batched). A rejection thus costs a second, shorter forward; full acceptance costs the copy only
 (docs/gguf.md gives the measured costs).
 
-Prefix reuse (the server's prefix cache) is not offered: a stored prefix would need the recurrent state at its
-cut, which llama.cpp saves only at a sequence's end.
+Prefix reuse (the server's prefix cache) is not offered (`prefix_reuse = False`: the server runs without one): a
+stored prefix would need the recurrent state at its cut, which llama.cpp keeps only at a sequence's end.
 """
 
 from __future__ import annotations
@@ -98,6 +98,7 @@ class HybridLlamaCppRunner(LlamaCppRunner):
 
     cache_class = HybridCache
     causal_only = True
+    prefix_reuse = False  # the server's prefix cache is off for it (module docstring)
     max_block_size = None  # exact mode verifies drafts of any block size; block rules are refused (causal_only)
 
     def __init__(self, path: str | Path, *, threads: int | None = None, max_rows: int | None = 8,
