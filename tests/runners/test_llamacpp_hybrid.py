@@ -137,7 +137,8 @@ def test_rewound_drafts_leave_no_trace(twin):
 def test_block_rules_and_query_blocks_are_refused(twin):
     _, _, runner = twin
     with pytest.raises(ValueError, match="causal path only.*block_size=1 or rule 'exact'"):
-        Engine(runner, 4, 0.9)
+        Engine(runner, 4, 0.9, rule="threshold")
+    assert Engine(runner, 4).rule.name == "exact"  # the runner's default rule: block size 1's answers
     cache = runner.new_cache(1)
     with pytest.raises(ValueError, match="causal path only"):
         runner.forward(torch.tensor([[1, 2]]), 2, cache=cache, query_ids=torch.tensor([[3, 3]]),
