@@ -193,6 +193,7 @@ def main() -> None:
 
     from clover import CloverConfig
     from clover.conversion.gguf_export import export_gguf
+    from clover.runners.llama_api import quantize_rows
 
     args.work.mkdir(parents=True, exist_ok=True)
     started = time.time()
@@ -206,7 +207,7 @@ def main() -> None:
         path = args.work / f"twin.{quant}.gguf"
         if not path.is_file():
             start = time.perf_counter()
-            export_gguf(twin, path, quant)
+            export_gguf(twin, path, quant, kquant=quantize_rows)
             exports[quant] = round(time.perf_counter() - start, 1)
         systems[f"llama.cpp/{quant}"] = {"path": str(path), "kind": "llamacpp"}
     systems["clover-torch/fp32"] = {"path": str(twin), "kind": "torch"}

@@ -35,10 +35,12 @@ def add_parser(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from clover.conversion.gguf_export import export_gguf  # deferred for start-up time: it imports torch
+    from clover.runners.llama_api import quantize_rows  # deferred: ctypes and llama.cpp's library, loaded on use
 
     default = args.src == "clover-smol"
     src = resolve_model_dir(None if default else args.src)
     # the default model's GGUF is what `--runner llamacpp` runs (clover.smol.clover_smol_gguf): its causal path
     print(export_gguf(src, args.out, args.quant, tokenizer_pre=args.tokenizer_pre,
-                      drop_gated_adapter=args.drop_gated_adapter or default, force=args.force, progress=True))
+                      drop_gated_adapter=args.drop_gated_adapter or default, force=args.force, progress=True,
+                      kquant=quantize_rows if args.quant == "q4_k" else None))
     return 0

@@ -29,7 +29,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -46,6 +46,9 @@ from clover.model.lora import drop_adapter, has_lora, is_gated, merge_and_unload
 from clover.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
+
+# (float32 rows, ggml type, bytes per block, weights per block) -> the rows' quantised bytes
+KQuantizer = Callable[[np.ndarray, int, int, int], np.ndarray]
 
 # llama.cpp's token types (llama_token_type) and file types (llama_ftype)
 _NORMAL, _CONTROL, _USER_DEFINED, _UNUSED = 1, 3, 4, 5
@@ -99,7 +102,7 @@ def _ggml_type(quant: str, name: str, tensor: torch.Tensor) -> Any:
     return qtype
 
 
-def _encode(tensor: torch.Tensor, qtype: Any) -> np.ndarray:
+def _encode(tensor: torch.Tensor, qtype: Any, kquant: KQuantizer | None = None) -> np.ndarray:
     # deferred: gguf (~0.1 s), for an export only
     import gguf
     from gguf.quants import quantize
@@ -110,9 +113,10 @@ def _encode(tensor: torch.Tensor, qtype: Any) -> np.ndarray:
     if qtype == gguf.GGMLQuantizationType.F16:
         return data.astype(np.float16)
     if qtype == gguf.GGMLQuantizationType.Q4_K:  # the gguf package reads K-quants but cannot write them
-        from clover.runners import llama_api  # deferred: llama.cpp's library (the llamacpp extra)
-
-        return llama_api.quantize_rows(data, int(qtype), *reversed(gguf.GGML_QUANT_SIZES[qtype]))
+        if kquant is None:
+            raise ValueError("--quant q4_k needs llama.cpp's quantiser: pass kquant="
+                             "clover.runners.llama_api.quantize_rows (the CLI does)")
+        return kquant(data, int(qtype), *reversed(gguf.GGML_QUANT_SIZES[qtype]))
     return quantize(data, qtype)
 
 
@@ -199,8 +203,10 @@ def _llama_tensors(state: dict[str, torch.Tensor], config: CloverConfig) -> Iter
 
 
 def export_gguf(src: str | Path, out: str | Path, quant: str = "f16", *, tokenizer_pre: str | None = None,
-                drop_gated_adapter: bool = False, force: bool = False, progress: bool = False) -> Path:
-    """Write the Clover checkpoint directory `src` as a GGUF file `out` (see the module docstring).
+                drop_gated_adapter: bool = False, force: bool = False, progress: bool = False,
+                kquant: KQuantizer | None = None) -> Path:
+    """Write the Clover checkpoint directory `src` as a GGUF file `out` (see the module docstring). `kquant`: the
+    K-quant writer `q4_k` needs (`clover.runners.llama_api.quantize_rows`: llama.cpp's own, a layer above this one).
 
     The file is written to a temporary name beside `out` and renamed when complete: a failure leaves nothing.
     """
@@ -250,7 +256,7 @@ def export_gguf(src: str | Path, out: str | Path, quant: str = "f16", *, tokeniz
         tensors = hybrid_tensors(state, config) if hybrid else _llama_tensors(state, config)
         for gname, tensor in tqdm(tensors, desc=f"exporting ({quant})", unit="tensor", disable=not progress):
             qtype = _ggml_type(quant, gname, tensor)
-            writer.add_tensor(gname, _encode(tensor, qtype), raw_dtype=qtype)
+            writer.add_tensor(gname, _encode(tensor, qtype, kquant), raw_dtype=qtype)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file(progress=False)

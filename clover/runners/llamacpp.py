@@ -268,7 +268,8 @@ class LlamaCppRunner:
         if options.device not in (None, "cpu"):
             raise ValueError(f"--device {options.device}: the llama.cpp runner runs on the CPU; use --runner torch")
         if cls is LlamaCppRunner and Path(path).is_file():
-            from clover.conversion.gguf import gguf_architecture  # deferred: gguf, only when a GGUF is opened
+            # deferred: gguf's reader and the hybrid runner's module, only when a GGUF file is opened
+            from clover.conversion.gguf import gguf_architecture
             from clover.runners.llamacpp_hybrid import HYBRID_ARCHITECTURES, HybridLlamaCppRunner
 
             if gguf_architecture(Path(path)) in HYBRID_ARCHITECTURES:

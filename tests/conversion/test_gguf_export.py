@@ -133,3 +133,9 @@ def test_a_stored_adapter_is_merged_or_refused_when_gated(checkpoint: Path, tmp_
     restored = _weights(back)
     assert all(torch.equal(restored[k], merged[k]) for k in restored)
     assert any(not torch.equal(restored[k], v) for k, v in _weights(checkpoint).items())  # the adapter is in
+
+
+def test_q4_k_is_refused_for_a_model_without_experts(checkpoint: Path, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="q4_k quantises a MoE model's routed experts: this checkpoint has none"):
+        export_gguf(checkpoint, tmp_path / "m.gguf", "q4_k")
+    assert not list(tmp_path.glob("*.gguf")) and not list(tmp_path.glob(".m.gguf*"))

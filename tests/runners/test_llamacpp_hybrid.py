@@ -22,6 +22,7 @@ from clover import CloverForBlockDiffusion
 from clover.conversion.gguf_export import export_gguf
 from clover.engine import Engine, SamplingParams, generate
 from clover.engine.loop import StreamPiece
+from clover.runners import llama_api
 from clover.runners.base import RunnerOptions
 from clover.runners.llamacpp import LlamaCppRunner
 from clover.runners.llamacpp_hybrid import HybridLlamaCppRunner
@@ -177,7 +178,8 @@ def _rounded(model: CloverForBlockDiffusion, quant: str) -> CloverForBlockDiffus
             if "conv1d" in name or name.endswith(("mlp.gate.weight", "shared_expert_gate.weight")):
                 continue  # kept at f32 (gguf_hybrid.KEEP_F32)
             qtype = _ggml_type(quant, gname, t)
-            t.copy_(torch.from_numpy(np.asarray(dequantize(_encode(t, qtype), qtype), dtype=np.float32)
+            t.copy_(torch.from_numpy(np.asarray(dequantize(_encode(t, qtype, llama_api.quantize_rows), qtype),
+                                                dtype=np.float32)
                                      .reshape(t.shape)))
     return rounded
 
@@ -201,8 +203,8 @@ def test_quantised_exports_compute_the_rounded_weights(tmp_path, chat_tokenizer,
                                   num_experts_per_tok=8, **shape)
     model = CloverForBlockDiffusion.from_pretrained(checkpoint).eval()
     rounded = _rounded(model, quant)
-    runner = HybridLlamaCppRunner(export_gguf(checkpoint, tmp_path / f"{quant}.gguf", quant), threads=1,
-                                  kv_type="f32", max_rows=4)
+    runner = HybridLlamaCppRunner(export_gguf(checkpoint, tmp_path / f"{quant}.gguf", quant,
+                                              kquant=llama_api.quantize_rows), threads=1, kv_type="f32", max_rows=4)
     types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(runner.path)).tensors}
     assert types["blk.0.ffn_down_exps.weight"] == {"q4_k": "Q4_K"}.get(quant, quant.upper())
     assert types["blk.0.ssm_conv1d.weight"] == types["blk.0.ffn_gate_inp.weight"] == "F32"
