@@ -109,42 +109,6 @@ def server_thread(app: Any, timeout: float = 30.0) -> Iterator[str]:
         thread.join(15)
 
 
-class ConciseLM(nn.Module):
-    """A random tiny model with a logit bias towards tokens that close JSON values (quotes, brackets, commas): its
-    answers are arbitrary but end, where an unbiased random model can write one string forever (max_tokens)."""
-
-    def __init__(self, model: nn.Module, tokenizer: Any, bias: float = 4.0) -> None:
-        super().__init__()
-        self.model, self.config = model, model.config
-        closing = torch.zeros(model.config.vocab_size)
-        for token, i in tokenizer.get_vocab().items():
-            if any(c in tokenizer.convert_tokens_to_string([token]) for c in '"}],'):
-                closing[i] = bias
-        self.register_buffer("bias", closing)
-
-    def new_cache(self, batch_size: int) -> Any:
-        return self.model.new_cache(batch_size)
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        out = self.model(*args, **kwargs)
-        out.logits = out.logits + self.bias
-        return out
-
-
-@contextmanager
-def concise_server(tokenizer: Any, name: str) -> Iterator[str]:
-    """The server (`create_app` on uvicorn, real HTTP) of a random tiny dense model wrapped in `ConciseLM`, served as
-    `name`; yields its URL. Its structured answers and forced tool calls are arbitrary but end."""
-    from clover.serving import ServerOptions, create_app
-    from model_helpers import tiny_model
-
-    model = tiny_model("clover-tiny-dense", vocab_size=len(tokenizer), mask_token_id=tokenizer.mask_token_id,
-                       eos_token_id=tokenizer.eos_token_id, logit_scale=3.0)
-    app = create_app(ConciseLM(model, tokenizer), tokenizer, ServerOptions(served_model_name=name, prefill_chunk=16))
-    with server_thread(app) as url:
-        yield url
-
-
 @contextmanager
 def scripted_client(tokenizer: Any, script: Callable[..., str], name: str, timeout: float = 60.0) -> Iterator[Any]:
     """An official `openai` client on a server of `ScriptedLM(tokenizer, script)` served in-process as `name`."""

@@ -92,50 +92,14 @@ def _compile(source: str, tokenizer: Any, description: str) -> Grammar:
     return Grammar(source, ll_tok, description)
 
 
-_OTHER_PROPERTIES = ("additionalProperties", "patternProperties", "unevaluatedProperties")
-_SUBSCHEMAS = ("items", "additionalItems", "contains")
-_SCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
-_SCHEMA_MAPS = ("properties", "$defs", "definitions")
-
-
-def closed_objects(schema: Any) -> Any:
-    """`schema` with every object that lists its `properties` and says nothing of others (no
-    `additionalProperties`, `patternProperties`, `unevaluatedProperties`) closed to those: xgrammar's strict mode,
-    the default of vLLM and SGLang. A tool's parameters are a function's signature and a response format is the
-    shape a client parses: a key they do not declare is never wanted, and a model allowed any key can nest
-    undeclared objects past any budget. Objects that list no properties stay open; `allOf` branches (closing each
-    would reject the intersection) and `not` are left as they are."""
-    if not isinstance(schema, dict):
-        return schema
-    out = dict(schema)
-    listed = out.get("properties")
-    required = out.get("required") if isinstance(out.get("required"), list) else []
-    if (isinstance(listed, dict) and not any(k in out for k in _OTHER_PROPERTIES)
-            and all(k in listed for k in required)):  # a required key it does not list is one of the others
-        out["additionalProperties"] = False
-    for key in _SUBSCHEMAS:
-        if key in out:
-            out[key] = closed_objects(out[key])
-    for key in _SCHEMA_LISTS:
-        if isinstance(out.get(key), list):
-            out[key] = [closed_objects(s) for s in out[key]]
-    for key in _SCHEMA_MAPS:
-        if isinstance(out.get(key), dict):
-            out[key] = {name: closed_objects(s) for name, s in out[key].items()}
-    if isinstance(out.get("additionalProperties"), dict):
-        out["additionalProperties"] = closed_objects(out["additionalProperties"])
-    return out
-
-
 def json_schema_grammar(schema: dict[str, Any] | None, tokenizer: Any) -> Grammar:
-    """A JSON value valid against `schema` (None: any JSON object, OpenAI's `json_object`), its objects holding only
-    the properties they list (`closed_objects`). Raises `GrammarError` naming the keyword the engine cannot
-    enforce."""
+    """A JSON value valid against `schema` (None: any JSON object, OpenAI's `json_object`). Raises `GrammarError`
+    naming the keyword the engine cannot enforce."""
     if schema is not None and not isinstance(schema, dict):
         raise GrammarError(f"a JSON Schema must be an object, got {type(schema).__name__}")
     try:
         source = _llguidance().LLMatcher.grammar_from_json_schema(
-            closed_objects(schema) if schema is not None else {"type": "object"}, overrides=JSON_OPTIONS)
+            schema if schema is not None else {"type": "object"}, overrides=JSON_OPTIONS)
     except ValueError as exc:
         raise GrammarError(f"the JSON Schema cannot be compiled: {exc}") from exc
     return _compile(source, tokenizer, "JSON Schema" if schema is not None else "JSON object")
@@ -163,16 +127,15 @@ def tool_call_grammar(tools: Sequence[tuple[Any, ...]], tokenizer: Any, head: st
 
     `more`: further calls may follow, each after this text (the separator and what `head` lacks of a call's start,
     e.g. `\\n<tool_call>\\n`); None: exactly one call. `json_answer`: the answer may instead be a JSON value valid
-    against this schema (a response format offered beside the tools). A call's arguments hold only the keys its
-    tool lists (`closed_objects`)."""
+    against this schema (a response format offered beside the tools)."""
     if not tools:
         raise GrammarError("a tool call grammar needs at least one tool")
     rules, alternatives = [], []
     for i, tool in enumerate(ToolSchema(*t) for t in tools):
         lead = head.format(name=json.dumps(tool.name))
         options = {**JSON_OPTIONS, "lenient": not tool.strict}
-        params = closed_objects(tool.parameters) if tool.parameters is not None else {"type": "object"}
-        args = json.dumps({**params, "x-guidance": options})
+        args = json.dumps({**(tool.parameters if tool.parameters is not None else {"type": "object"}),
+                           "x-guidance": options})
         parts = [_lark_string(lead)] * bool(lead) + [f"args_{i}"] + [_lark_string(tail)] * bool(tail)
         rules.append(f"call_{i}: " + " ".join(parts))
         rules.append(f"args_{i}: %json {args}")
@@ -180,7 +143,7 @@ def tool_call_grammar(tools: Sequence[tuple[Any, ...]], tokenizer: Any, head: st
     calls = "call: " + " | ".join(alternatives)
     start = "call" if more is None else f"call ({_lark_string(more)} call)*"
     if json_answer is not None:
-        rules.append(f"answer: %json {json.dumps({**closed_objects(json_answer), 'x-guidance': JSON_OPTIONS})}")
+        rules.append(f"answer: %json {json.dumps({**json_answer, 'x-guidance': JSON_OPTIONS})}")
         start = f"({start}) | answer"
     lark = f"start: {start}\n{calls}\n" + "\n".join(rules) + "\n"
     try:

@@ -141,32 +141,6 @@ def test_a_calls_grammar_takes_one_or_more_calls_or_the_json_answer(chat_tokeniz
         tool_call_grammar([("tag", loose)], chat_tokenizer, head, tail)  # strict (the default): refused
 
 
-def test_objects_hold_only_the_properties_they_list(chat_tokenizer):
-    """An object schema that lists its properties and says nothing of others gets those only (as xgrammar's strict
-    mode, vLLM's and SGLang's default), in tool arguments and response formats: LangChain and instructor send such
-    schemas, and a model allowed undeclared keys can nest them past any budget. Objects that list none, or allow
-    others explicitly, stay open."""
-    head, tail = '<tool_call>\n{{"name": {name}, "arguments": ', "}\n</tool_call>"
-    listed = {"type": "object", "properties": {"city": {"type": "string"}, "where": {
-        "type": "object", "properties": {"lat": {"type": "number"}}}}, "required": ["city"]}
-    open_ = {"type": "object", "properties": {"city": {"type": "string"}}, "additionalProperties": True}
-    grammar = tool_call_grammar([("get_weather", listed, False), ("free", None), ("open", open_)], chat_tokenizer,
-                                head, tail)
-
-    def call(name: str, arguments: dict) -> str:
-        return f'<tool_call>\n{{"name": "{name}", "arguments": {json.dumps(arguments)}}}\n</tool_call>'
-
-    assert _accepts(grammar, chat_tokenizer, call("get_weather", {"city": "Paris", "where": {"lat": 1.5}}))
-    assert not _accepts(grammar, chat_tokenizer, call("get_weather", {"city": "Paris", "x": 1}))
-    assert not _accepts(grammar, chat_tokenizer, call("get_weather", {"city": "Paris", "where": {"lat": 1, "x": 1}}))
-    assert _accepts(grammar, chat_tokenizer, call("free", {"x": {"y": 1}}))
-    assert _accepts(grammar, chat_tokenizer, call("open", {"city": "Paris", "x": 1}))
-    answer = json_schema_grammar(listed, chat_tokenizer)
-    assert _accepts(answer, chat_tokenizer, '{"city": "Paris"}')
-    assert not _accepts(answer, chat_tokenizer, '{"city": "Paris", "x": 1}')
-    assert _accepts(json_schema_grammar(None, chat_tokenizer), '{"x": {"y": 1}}')  # json_object: any object
-
-
 def test_what_the_engine_cannot_enforce_is_refused_by_name(chat_tokenizer):
     with pytest.raises(GrammarError, match="uniqueItems") as err:
         json_schema_grammar({"type": "array", "uniqueItems": True}, chat_tokenizer)

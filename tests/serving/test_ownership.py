@@ -22,8 +22,8 @@ from clover.serving.protocol import APIError
 from clover.serving.scheduler import MAX_IDLE_ENGINES, Scheduler
 from clover.serving.served_model import read_generation_defaults
 from model_helpers import PROMPTS, tiny_model
-from server_helpers import ConciseLM, server_thread
-from test_server_grammar import TOOLS
+from server_helpers import server_thread
+from test_server_grammar import TOOLS, ConciseLM
 
 NAME = "clover-owner"
 

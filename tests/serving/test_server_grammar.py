@@ -13,9 +13,12 @@ import httpx
 import jsonschema_rs
 import openai
 import pytest
+import torch
 from pydantic import BaseModel, Field, create_model
 
-from server_helpers import concise_server
+from clover.serving import ServerOptions, create_app
+from model_helpers import tiny_model
+from server_helpers import server_thread
 
 NAME = "clover-grammar"
 MAX_TOKENS = 400
@@ -46,9 +49,35 @@ def generated_models(n: int, seed: int = 0) -> list[tuple[type[BaseModel], str]]
     return out
 
 
+class ConciseLM(torch.nn.Module):
+    """A random tiny model with a logit bias towards tokens that close JSON values (quotes, brackets, commas): its
+    answers are arbitrary but end, where an unbiased random model can write one string forever (max_tokens)."""
+
+    def __init__(self, model: torch.nn.Module, tokenizer, bias: float = 4.0) -> None:
+        super().__init__()
+        self.model, self.config = model, model.config
+        closing = torch.zeros(model.config.vocab_size)
+        for token, i in tokenizer.get_vocab().items():
+            if any(c in tokenizer.convert_tokens_to_string([token]) for c in '"}],'):
+                closing[i] = bias
+        self.register_buffer("bias", closing)
+
+    def new_cache(self, batch_size: int):
+        return self.model.new_cache(batch_size)
+
+    def forward(self, *args, **kwargs):
+        out = self.model(*args, **kwargs)
+        out.logits = out.logits + self.bias
+        return out
+
+
 @pytest.fixture(scope="module")
 def client(chat_tokenizer):
-    with concise_server(chat_tokenizer, NAME) as url:
+    model = tiny_model("clover-tiny-dense", vocab_size=len(chat_tokenizer), mask_token_id=chat_tokenizer.mask_token_id,
+                       eos_token_id=chat_tokenizer.eos_token_id, logit_scale=3.0)
+    app = create_app(ConciseLM(model, chat_tokenizer), chat_tokenizer,
+                     ServerOptions(served_model_name=NAME, prefill_chunk=16))
+    with server_thread(app) as url:
         yield openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
 
 
