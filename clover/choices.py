@@ -31,7 +31,7 @@ FORMATS: dict[str, str] = {
 }
 
 # clover.conversion.gguf_export: the GGUF weight formats it writes
-GGUF_QUANTS = ("f32", "f16", "q8_0", "q4_0")
+GGUF_QUANTS = ("f32", "f16", "q8_0", "q4_0", "q4_k")
 
 # clover.training.bfcl: the BFCL splits, and the categories the train / eval splits draw from
 BFCL_SPLITS = ("train", "eval", "live_simple")

@@ -160,12 +160,29 @@ class GGUFSource(Source):
 
     def tokenizer(self) -> Any:
         if not hasattr(self, "_tokenizer"):
-            from transformers import AutoTokenizer  # deferred: transformers, only when a tokenizer is read
-
-            self._tokenizer = AutoTokenizer.from_pretrained(str(self.path.parent), gguf_file=self.path.name)
-            if self.mask_token_id is not None:  # Clover's own mask token: kept with its trained row
-                self._tokenizer.mask_token = self._tokenizer.convert_ids_to_tokens(int(self.mask_token_id))
+            self._tokenizer = gguf_tokenizer(self.path, self.mask_token_id)
         return self._tokenizer
+
+
+def gguf_tokenizer(path: Path, mask_token_id: int | None) -> Any:
+    """The tokenizer (and chat template) a GGUF's `tokenizer.ggml.*` metadata describes, rebuilt by transformers;
+    Clover's mask token (`clover.mask_token_id`) is marked as the mask token, with its trained row."""
+    from transformers import AutoTokenizer  # deferred: transformers (~0.5 s), only when a tokenizer is read
+
+    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    if mask_token_id is not None:
+        tokenizer.mask_token = tokenizer.convert_ids_to_tokens(int(mask_token_id))
+    return tokenizer
+
+
+def gguf_architecture(path: Path) -> str:
+    """A GGUF file's `general.architecture` (its metadata only is read)."""
+    import gguf  # deferred: gguf (~0.1 s), only when a GGUF is read
+
+    field = gguf.GGUFReader(str(path)).fields.get("general.architecture")
+    if field is None:
+        raise ValueError(f"{path}: GGUF metadata 'general.architecture' missing")
+    return field.contents()
 
 
 def open_source(src: Path, source_format: str = "gguf") -> GGUFSource:

@@ -95,6 +95,11 @@ class Engine:
         if not 0.0 < self.threshold <= 1.0:
             raise ValueError(f"threshold must be in (0, 1], got {self.threshold}")
         self.rule = make_rule(config.rule if rule is None else rule, threshold=self.threshold, **(rule_options or {}))
+        if getattr(self.runner, "causal_only", False) and self.block_size > 1 and not isinstance(self.rule, ExactRule):
+            raise ValueError(f"rule {self.rule.name!r} with block_size={self.block_size}: the {self.runner.name} "
+                             "runner runs this model's causal path only (a hybrid model's Gated DeltaNet on llama.cpp "
+                             "is causal, and a block rule reads each block in both directions); use block_size=1 or "
+                             "rule 'exact', or the torch runner")
         if config.mask_token_id is None:
             raise ValueError("the model's config has no mask_token_id; block decoding needs one "
                              "(`clover convert` adds it)")

@@ -117,6 +117,9 @@ class ExactLoop(DecodingLoop):
                 "a model that predicts a masked position at that position has no next-token output there; use a "
                 "block rule (e.g. 'threshold')")
         self.rule = rule
+        # a runner that runs the causal path only (a hybrid model on llama.cpp) has no query block to draft with:
+        # drafts come from the request's context alone
+        self.causal_only = bool(getattr(engine.runner, "causal_only", False))
         self.cost = cost  # measured by `calibrate`, on the thread that runs the model, before the first forward
         self.learns = cost is None  # a given table is the policy's whole cost model
         self.prior = list(getattr(engine.runner.config, "draft_acceptance", None) or []) or None
@@ -362,6 +365,16 @@ class ExactLoop(DecodingLoop):
         most = e.block_size - 1
         remaining = [s.remaining for s in seqs]
         avail = available.tolist()
+        if self.causal_only:  # no query block to draft with: only drafts copied from the context are verified
+            ks = [min(a, max(left - 1, 0)) for a, left in zip(avail, remaining)]
+            if self.rule.adaptive:
+                cost = lambda rows: self._step_cost(rows, context)  # noqa: E731
+                ks = [min(k, best_verified(b.lookups[r].acceptance.optimistic(), cost, k, 0))
+                      if b is not None and bool(b.looked_up[r]) else k for r, k in enumerate(ks)]
+                if len(seqs) > 1:  # one forward as wide as its widest row
+                    ks = [min(k, max(ks)) for k in ks]
+            zeros = torch.zeros(len(seqs), dtype=torch.long, device=e.device)
+            return torch.tensor(ks, dtype=torch.long, device=e.device), zeros
         if self.rule.adaptive and len(seqs) > 1:
             ks, ms = self._plan_batch(acceptance, avail, remaining, context, b)
         else:

@@ -112,6 +112,10 @@ _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "llama_synchronize": (None, [_ptr]),
     "llama_get_logits": (ctypes.POINTER(ctypes.c_float), [_ptr]),
     "llama_print_system_info": (ctypes.c_char_p, []),
+    # ggml's quantiser (K-quants, which the gguf package cannot write): (type, src, dst, start, nrows, n_per_row,
+    # imatrix) -> bytes written
+    "ggml_quantize_chunk": (ctypes.c_size_t, [ctypes.c_int, _ptr, _ptr, ctypes.c_int64, ctypes.c_int64,
+                                              ctypes.c_int64, _ptr]),
 }
 
 # What llama.h documents as the defaults, read back through the layouts above (see the module docstring)
@@ -164,6 +168,22 @@ def _check_layout(name: str, params: ctypes.Structure, expected: dict[str, Any])
                           f"documents {({k: expected[k] for k in wrong})}: this library's structs differ from "
                           f"xllamacpp {XLLAMACPP_VERSION}'s; reinstall it (pip install "
                           f"'xllamacpp=={XLLAMACPP_VERSION}')")
+
+
+def quantize_rows(data: Any, ggml_type: int, type_size: int, block: int) -> Any:
+    """`data` (float32 numpy, rows along the last axis) quantised by ggml's own `ggml_quantize_chunk` to
+    `ggml_type` (`block` weights in `type_size` bytes): uint8 `[..., row_bytes]`, as the gguf package stores
+    quantised rows."""
+    import numpy as np  # deferred with the rest of the export
+
+    rows = np.ascontiguousarray(data, dtype=np.float32).reshape(-1, data.shape[-1])
+    row_bytes = data.shape[-1] // block * type_size
+    out = np.empty((rows.shape[0], row_bytes), dtype=np.uint8)
+    written = load().ggml_quantize_chunk(ggml_type, rows.ctypes.data, out.ctypes.data, 0, rows.shape[0],
+                                         rows.shape[1], None)
+    if written != out.nbytes:
+        raise RuntimeError(f"ggml_quantize_chunk wrote {written} bytes, expected {out.nbytes}")
+    return out.reshape(*data.shape[:-1], row_bytes)
 
 
 @functools.cache

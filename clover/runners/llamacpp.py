@@ -32,8 +32,9 @@ a new row's slot (`llama_state_seq_set_data`, then every id of the slot carries 
 one in use, masked or not, so cells kept for later cost every forward of every row. Restored cells equal the
 saved ones bit for bit.
 
-What needs the torch runner: hybrid (Gated DeltaNet) models — llama.cpp's DeltaNet is causal, Clover's reads a
-block in both directions; gated adapters' drafts (they act only at query positions; llama.cpp applies weights to
+What needs the torch runner: hybrid (Gated DeltaNet) models' block rules — llama.cpp's DeltaNet is causal,
+Clover's reads a block in both directions (their causal path, block size 1 and exact mode, runs on llama.cpp:
+`clover.runners.llamacpp_hybrid`, which `open` picks for such a GGUF); gated adapters' drafts (they act only at query positions; llama.cpp applies weights to
 every token: `clover export --drop-gated-adapter` writes the causal path alone, which this runner decodes to the
 model's own answers at block size 1 and in exact mode, drafting with the base).
 """
@@ -179,6 +180,8 @@ class LlamaCppRunner:
     default: on a CPU it rounds through f16)."""
 
     name = "llamacpp"
+    cache_class = LlamaCppCache
+    causal_only = False  # block rules and query blocks run here (a hybrid GGUF's runner runs the causal path only)
 
     def __init__(self, path: str | Path, *, threads: int | None = None, max_rows: int | None = 8,
                  n_ctx: int | None = None, max_block_size: int | None = None, kv_type: str = "f16",
@@ -190,9 +193,9 @@ class LlamaCppRunner:
         try:
             source = GGUFSource(self.path)
         except ValueError as e:
-            raise ValueError(f"{e}. The llama.cpp runner runs dense Llama-family GGUFs written by `clover export "
-                             "--to gguf`; hybrid (Gated DeltaNet) models need the torch runner (--runner torch): "
-                             "llama.cpp's DeltaNet is causal, Clover's reads each block in both directions") from e
+            raise ValueError(f"{e}. LlamaCppRunner runs dense Llama-family GGUFs written by `clover export --to "
+                             "gguf`; a hybrid model's GGUF (qwen35moe / qwen35) runs on HybridLlamaCppRunner "
+                             "(clover.runners.llamacpp_hybrid; LlamaCppRunner.open and --runner llamacpp pick it)") from e
         if source.mask_token_id is None:
             raise ValueError(f"{self.path} has no mask token (no clover.mask_token_id metadata): block decoding "
                              "needs one. Export the model with `clover export --to gguf`, which writes it")
@@ -256,12 +259,20 @@ class LlamaCppRunner:
     @classmethod
     def open(cls, path: str | Path, options: RunnerOptions) -> LlamaCppRunner:
         """The GGUF file `path` with `options`' threads, rows and KV cells; it keeps the GGUF's weight types and
-        runs on the CPU, so a dtype, quantisation or device is refused."""
+        runs on the CPU, so a dtype, quantisation or device is refused. A hybrid model's GGUF (llama.cpp's
+        `qwen35moe` / `qwen35`) opens `clover.runners.llamacpp_hybrid.HybridLlamaCppRunner`."""
         if options.dtype or options.quant not in ("none", "auto"):
             raise ValueError("--dtype / --quant: the llama.cpp runner keeps the GGUF's weight types (choose them "
                              "with `clover export --to gguf --quant`)")
         if options.device not in (None, "cpu"):
             raise ValueError(f"--device {options.device}: the llama.cpp runner runs on the CPU; use --runner torch")
+        if cls is LlamaCppRunner and Path(path).is_file():
+            # deferred: gguf's reader and the hybrid runner's module, only when a GGUF file is opened
+            from clover.conversion.gguf import gguf_architecture
+            from clover.runners.llamacpp_hybrid import HYBRID_ARCHITECTURES, HybridLlamaCppRunner
+
+            if gguf_architecture(Path(path)) in HYBRID_ARCHITECTURES:
+                cls = HybridLlamaCppRunner
         return cls(path, threads=options.threads, max_rows=options.max_rows, n_ctx=options.ctx)
 
     def tokenizer_cache_dir(self) -> Path:
@@ -282,10 +293,13 @@ class LlamaCppRunner:
             if saved.exists():
                 logger.warning("the tokenizer cached in %s is incomplete or damaged: rebuilding it", saved)
             with atomic_directory(saved) as tmp:
-                self._source.tokenizer().save_pretrained(tmp)
+                self._read_tokenizer().save_pretrained(tmp)
                 hashes = {f.name: _sha256(f) for f in sorted(tmp.iterdir()) if f.is_file()}
                 (tmp / TOKENIZER_MANIFEST).write_text(json.dumps(hashes, indent=1))
         return load_tokenizer(saved)
+
+    def _read_tokenizer(self) -> Any:
+        return self._source.tokenizer()
 
     # -- cache ------------------------------------------------------------------------------------------
     def new_cache(self, batch_size: int) -> LlamaCppCache:
@@ -297,7 +311,7 @@ class LlamaCppRunner:
             raise ValueError(f"the llama.cpp runner decodes at most {self.max_rows} rows at once (max_rows) and "
                              f"{self.max_rows - len(self._free)} are in use: {batch_size} more do not fit")
         slots, self._free = self._free[:batch_size], self._free[batch_size:]
-        return LlamaCppCache(self, slots)
+        return self.cache_class(self, slots)
 
     def _ids(self, slot: int) -> range:
         return range(slot * self.ids_per_slot, (slot + 1) * self.ids_per_slot)

@@ -142,7 +142,8 @@ class ServedModel:
         eos = eos_token_ids(config, tokenizer)
         self.metrics = ServerMetrics()
         prefix_cache = None
-        if options.prefix_cache_bytes > 0:
+        # a runner without prefix reuse (a hybrid model on llama.cpp: no recurrent state mid-sequence) serves without
+        if options.prefix_cache_bytes > 0 and getattr(self.runner, "prefix_reuse", True):
             prefix_cache = PrefixCache(options.prefill_chunk, options.prefix_cache_bytes,
                                        recurrent=config.has_linear_attention,
                                        snapshot_interval=options.prefix_snapshot_interval)

@@ -1,7 +1,8 @@
 """`clover export --to gguf`: a dense Clover checkpoint -> llama GGUF -> `clover convert --from gguf` round trip.
 
 At f32 the round trip is exact (weights, config, tokenizer, chat template, Clover's decoding defaults); quantised
-exports come back within their format's error. What is not a dense Llama-family checkpoint is refused by name.
+exports come back within their format's error. A hybrid checkpoint exports as llama.cpp's qwen35moe (its runner's
+tests: tests/runners/test_llamacpp_hybrid.py); what that architecture cannot compute is refused by name.
 """
 
 from __future__ import annotations
@@ -68,9 +69,20 @@ def test_cli_exports_and_refuses_to_overwrite(checkpoint: Path, tmp_path: Path,
     assert "already exists" in capsys.readouterr().err
 
 
-def test_hybrid_model_is_refused_by_name(tmp_path: Path, chat_tokenizer) -> None:
-    hybrid = build_checkpoint(tmp_path / "hybrid", chat_tokenizer, preset="clover-tiny")
-    with pytest.raises(ValueError, match="Gated DeltaNet layers .* torch runner"):
+@pytest.mark.parametrize("overrides, reason", [
+    ({"linear_value_head_dim": 32}, "key and value head dims differ"),
+    ({"norm_topk_prob": False}, "norm_topk_prob false"),
+    ({"mlp_only_layers": [1], "intermediate_size": 64}, r"layers \[1\] are dense inside a MoE model"),
+    ({"shared_expert_intermediate_size": 0}, "no shared expert"),
+    ({"layer_types": ["linear_attention", "full_attention", "linear_attention", "linear_attention"]},
+     "layer pattern"),
+])
+def test_what_llama_cpps_qwen35moe_cannot_compute_is_refused_by_name(tmp_path: Path, chat_tokenizer, overrides,
+                                                                     reason) -> None:
+    """A hybrid exports as llama.cpp's qwen35moe (tests/runners/test_llamacpp_hybrid.py); a setting that
+    architecture cannot compute exactly is refused, naming it, and nothing is written."""
+    hybrid = build_checkpoint(tmp_path / "hybrid", chat_tokenizer, preset="clover-tiny", **overrides)
+    with pytest.raises(ValueError, match=f"llama.cpp's qwen35moe: .*{reason}"):
         export_gguf(hybrid, tmp_path / "h.gguf")
     assert not list(tmp_path.glob("*.gguf")) and not list(tmp_path.glob(".h.gguf*"))
 
@@ -121,3 +133,9 @@ def test_a_stored_adapter_is_merged_or_refused_when_gated(checkpoint: Path, tmp_
     restored = _weights(back)
     assert all(torch.equal(restored[k], merged[k]) for k in restored)
     assert any(not torch.equal(restored[k], v) for k, v in _weights(checkpoint).items())  # the adapter is in
+
+
+def test_q4_k_is_refused_for_a_model_without_experts(checkpoint: Path, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="q4_k quantises a MoE model's routed experts: this checkpoint has none"):
+        export_gguf(checkpoint, tmp_path / "m.gguf", "q4_k")
+    assert not list(tmp_path.glob("*.gguf")) and not list(tmp_path.glob(".m.gguf*"))

@@ -182,7 +182,7 @@ def test_a_non_llama_gguf_is_refused(tmp_path):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(ValueError, match="qwen35moe.*hybrid.*torch runner"):
+    with pytest.raises(ValueError, match="qwen35moe.*hybrid.*HybridLlamaCppRunner"):
         LlamaCppRunner(path)
 
 

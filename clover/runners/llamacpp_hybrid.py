@@ -1,0 +1,210 @@
+"""The llama.cpp runner for a hybrid (Gated DeltaNet) model's causal path: block size 1 and exact mode on a GGUF
+that `clover export --to gguf` wrote as llama.cpp's `qwen35moe` / `qwen35` (clover.conversion.gguf_hybrid).
+
+    runner = LlamaCppRunner.open("model.q4_0.gguf", options)     # picks this class for a hybrid GGUF
+    generate(runner, prompts, block_size=1)                       # or rule="exact" with any block size
+
+**Causal only.** llama.cpp's DeltaNet is the AR recurrence; Clover's block-bidirectional read of a block being
+decoded has no llama.cpp form. So every forward is causal clean tokens (no query block): block rules with blocks of
+more than one token are refused by the engine (`causal_only`), and exact mode verifies drafts copied from the
+request's context (clover.engine.lookup) and never asks for a query block of drafts. The runner's config says
+`rule: exact` (its default rule), so a plain `clover generate --runner llamacpp --model OUT.gguf` gives the model's
+block-size-1 answers.
+
+**Rewinding the recurrent state.** Exact mode feeds `[last, d_1 .. d_k]` and keeps the first `1 + a` of them.
+Attention KV cells can be cut at any position, but a recurrent layer holds one state per sequence, after its last
+token: llama.cpp refuses to remove part of a recurrent sequence (`llama_memory_seq_rm` on a partial range). Each
+row therefore owns two sequence ids, its sequence and a backup: `mark()` copies the sequence to the backup
+(`llama_memory_seq_cp`: the recurrent state's cell is shared, and llama.cpp copies it when the sequence is next
+written; attention cells are only tagged), and `rewind(keep)` either drops the backup (every token kept) or puts
+the backup back in place of the sequence and re-decodes the kept tokens (one causal decode of `keep` tokens per
+such row, batched). A rejection thus costs a second, shorter forward; full acceptance costs the copy only
+(docs/gguf.md gives the measured costs).
+
+Prefix reuse (the server's prefix cache) is not offered (`prefix_reuse = False`: the server runs without one): a
+stored prefix would need the recurrent state at its cut, which llama.cpp keeps only at a sequence's end.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import weakref
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from clover.config import CloverConfig
+from clover.conversion.gguf import gguf_tokenizer
+from clover.conversion.gguf_hybrid import CONFIG_KEY
+from clover.runners import llama_api
+from clover.runners.llamacpp import DEFAULT_MAX_CELLS, LlamaCppCache, LlamaCppRunner
+
+HYBRID_ARCHITECTURES = ("qwen35moe", "qwen35")
+CAUSAL_ONLY = ("a hybrid (Gated DeltaNet) model on the llama.cpp runner runs its causal path only: block size 1 or "
+               "--rule exact (drafts from the context); block rules read a block in both directions, which "
+               "llama.cpp's DeltaNet cannot: use the torch runner (--runner torch) for them")
+
+
+class HybridCache(LlamaCppCache):
+    """The rows' sequences; each slot's ids are `(sequence, backup)`. Remembers the tokens fed since `mark()`, which
+    `rewind` re-decodes (module docstring)."""
+
+    def __init__(self, runner: HybridLlamaCppRunner, slots: list[int]) -> None:
+        super().__init__(runner, slots)
+        self.fed: list[list[int]] | None = None
+
+    def mark(self) -> None:
+        super().mark()
+        self.fed = [[] for _ in self.slots]
+        for slot in self.slots:
+            main, backup = self.runner._ids(slot)
+            self.runner._lib.llama_memory_seq_rm(self.runner._memory, backup, 0, -1)
+            self.runner._lib.llama_memory_seq_cp(self.runner._memory, main, backup, -1, -1)
+
+    def rewind(self, keep: torch.Tensor) -> None:
+        if self.marked is None or self.fed is None:
+            raise RuntimeError("rewind needs a mark() before the forward it undoes")
+        runner = self.runner
+        lib, memory = runner._lib, runner._memory
+        redo: list[tuple[int, list[int], int]] = []  # (row, tokens to re-decode, position of the first)
+        for r, (slot, start, k) in enumerate(zip(self.slots, self.marked, keep.tolist())):
+            main, backup = runner._ids(slot)
+            if int(k) < len(self.fed[r]):  # the sequence back as it was at mark(), then the kept tokens again
+                lib.llama_memory_seq_rm(memory, main, 0, -1)
+                lib.llama_memory_seq_cp(memory, backup, main, -1, -1)
+                if int(k):
+                    redo.append((r, self.fed[r][: int(k)], start))
+            lib.llama_memory_seq_rm(memory, backup, 0, -1)
+            self.lengths[r] = start + int(k)
+        self.marked, self.fed = None, None
+        if redo:
+            runner._decode_causal([(r, tokens, start, set()) for r, tokens, start in redo], self)
+
+    def snapshot(self) -> None:
+        raise NotImplementedError("prefix reuse is not available for a hybrid model on the llama.cpp runner (the "
+                                  "recurrent state exists only at a sequence's end)")
+
+    def prefix(self, length: int, snapshot: None = None, copy: bool = False) -> Any:
+        raise NotImplementedError("prefix reuse is not available for a hybrid model on the llama.cpp runner (the "
+                                  "recurrent state exists only at a sequence's end)")
+
+
+class HybridLlamaCppRunner(LlamaCppRunner):
+    """A hybrid GGUF's causal path on llama.cpp (module docstring). `max_rows`: sequences held at once; `n_ctx`:
+    attention KV cells shared by all rows (default `max_rows * max_position_embeddings`, at most 16384)."""
+
+    cache_class = HybridCache
+    causal_only = True
+    prefix_reuse = False  # the server's prefix cache is off for it (module docstring)
+    max_block_size = None  # exact mode verifies drafts of any block size; block rules are refused (causal_only)
+
+    def __init__(self, path: str | Path, *, threads: int | None = None, max_rows: int | None = 8,
+                 n_ctx: int | None = None, max_block_size: int | None = None, kv_type: str = "f16",
+                 flash_attn: bool = False, verbose: bool = False) -> None:
+        import gguf  # deferred: gguf (~0.1 s), only when a GGUF is opened
+
+        lib = llama_api.load()
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise FileNotFoundError(f"GGUF file {self.path} not found (make one with `clover export --to gguf`)")
+        field = gguf.GGUFReader(str(self.path)).fields.get(CONFIG_KEY)
+        if field is None:
+            raise ValueError(f"{self.path} has no {CONFIG_KEY} metadata: the llama.cpp runner runs hybrid GGUFs "
+                             "written by `clover export --to gguf`, which carry the checkpoint's config")
+        config = CloverConfig.from_dict(json.loads(field.contents()))
+        # the decoding default: exact mode (block size 1's answers) where the checkpoint's is a block rule, which
+        # this runner cannot run; an explicit block rule is refused by the engine
+        self.config: CloverConfig = dataclasses.replace(config, rule="exact")
+        self.device = torch.device("cpu")
+        if kv_type not in ("f16", "f32"):
+            raise ValueError(f"kv_type must be 'f16' or 'f32', got {kv_type!r}")
+        max_rows = max_rows or 8
+        if max_rows < 1:
+            raise ValueError(f"max_rows must be >= 1, got {max_rows}")
+        self.max_rows, self.ids_per_slot = max_rows, 2
+        self.threads = threads or torch.get_num_threads()
+        self._lib = lib
+        if not verbose:
+            lib.llama_log_set(llama_api.quiet_log(), None)
+        params = lib.llama_model_default_params()
+        params.n_gpu_layers = 0
+        self._model = lib.llama_model_load_from_file(str(self.path).encode(), params)
+        if not self._model:
+            raise RuntimeError(f"llama.cpp could not load {self.path}")
+        self.n_ctx = n_ctx or min(max_rows * self.config.max_position_embeddings, DEFAULT_MAX_CELLS)
+        self.max_context = min(self.config.max_position_embeddings, self.n_ctx)
+        self.n_batch = 512
+        ctx_params = lib.llama_context_default_params()
+        ctx_params.n_ctx, ctx_params.n_batch, ctx_params.n_ubatch = self.n_ctx, self.n_batch, self.n_batch
+        ctx_params.n_seq_max = max_rows * self.ids_per_slot  # a sequence and its backup per row
+        ctx_params.kv_unified = True  # a backup shares its sequence's attention cells
+        ctx_params.n_threads = ctx_params.n_threads_batch = self.threads
+        kv = llama_api.GGML_TYPE_F32 if kv_type == "f32" else llama_api.GGML_TYPE_F16
+        ctx_params.type_k = ctx_params.type_v = kv
+        ctx_params.flash_attn_type = (llama_api.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn
+                                      else llama_api.LLAMA_FLASH_ATTN_TYPE_DISABLED)
+        self._ctx = lib.llama_init_from_model(self._model, ctx_params)
+        if not self._ctx:
+            lib.llama_model_free(self._model)
+            raise RuntimeError(f"llama.cpp could not create a context for {self.path} (n_ctx={self.n_ctx})")
+        self._memory = lib.llama_get_memory(self._ctx)
+        self._batch = lib.llama_batch_init(self.n_batch, 0, 1)
+        self._free = list(range(max_rows))
+        self._abandoned: collections.deque[list[int]] = collections.deque()
+        self._finalizer = weakref.finalize(self, llama_api.free_all, lib, self._batch, self._ctx, self._model)
+
+    def _read_tokenizer(self) -> Any:
+        return gguf_tokenizer(self.path, self.config.mask_token_id)
+
+    def forward(self, ids: torch.Tensor | None, block_size: int, *, cache: HybridCache, prefix_len: int = 0,
+                attention_mask: torch.Tensor | None = None, query_ids: torch.Tensor | None = None,
+                logits_at: torch.Tensor | None = None, logits_to_keep: int | None = None) -> torch.Tensor:
+        """Causal clean tokens only (module docstring); logits where `logits_at` selects (or none)."""
+        self._reclaim()
+        if query_ids is not None:
+            raise ValueError(CAUSAL_ONLY)
+        clean = ids.tolist() if ids is not None else [[] for _ in range(cache.batch_size)]
+        if block_size > 1 and prefix_len < (len(clean[0]) if clean else 0):
+            raise ValueError(CAUSAL_ONLY)
+        if logits_at is None and logits_to_keep != 0:
+            raise ValueError("the llama.cpp runner returns logits where logits_at selects (or none: logits_to_keep=0)")
+        want = logits_at.tolist() if logits_at is not None else None
+        valid = attention_mask.bool().tolist() if attention_mask is not None else None
+        rows = []
+        for r, row in enumerate(clean):
+            kept = [(c, t) for c, t in enumerate(row) if valid is None or valid[r][c]]
+            wanted = {c for c, w in enumerate(want[r]) if w} if want is not None else set()
+            rows.append((r, kept, cache.lengths[r], wanted))
+        outputs = self._decode_causal([(r, [t for _, t in kept], start, {i for i, (c, _) in enumerate(kept)
+                                                                        if c in wanted})
+                                       for r, kept, start, wanted in rows], cache)
+        if cache.fed is not None:
+            for r, kept, _, _ in rows:
+                cache.fed[r] += [t for _, t in kept]
+        if want is None:
+            return torch.empty(0, self.config.vocab_size)
+        order, missing = [], []
+        for r, kept, _, wanted in rows:
+            index = {c: i for i, (c, _) in enumerate(kept)}
+            for c in sorted(wanted):
+                (order if c in index else missing).append((r, index.get(c, c)))
+        if missing:
+            raise ValueError(f"logits_at selects padding positions (row, column) {missing[:5]}: they have no logits")
+        return torch.stack([outputs[rc] for rc in order]) if order else torch.empty(0, self.config.vocab_size)
+
+    def _decode_causal(self, rows: list[tuple[int, list[int], int, set[int]]],
+                       cache: HybridCache) -> dict[tuple[int, int], torch.Tensor]:
+        """Decode each row's `tokens` on its sequence from position `start`, causally, in batches of `n_batch`;
+        logits of the tokens whose index is in the row's set, by (row, index). Advances the rows' lengths."""
+        entries = []
+        for r, tokens, start, wanted in rows:
+            main = self._ids(cache.slots[r])[0]
+            entries += [(r, i, t, start + i, [main], i in wanted) for i, t in enumerate(tokens)]
+            cache.lengths[r] = start + len(tokens)
+        outputs: dict[tuple[int, int], torch.Tensor] = {}
+        for at in range(0, len(entries), self.n_batch):
+            outputs |= self._decode(entries[at:at + self.n_batch], causal=True)
+        return outputs
