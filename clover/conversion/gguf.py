@@ -167,7 +167,7 @@ class GGUFSource(Source):
 def gguf_tokenizer(path: Path, mask_token_id: int | None) -> Any:
     """The tokenizer (and chat template) a GGUF's `tokenizer.ggml.*` metadata describes, rebuilt by transformers;
     Clover's mask token (`clover.mask_token_id`) is marked as the mask token, with its trained row."""
-    from transformers import AutoTokenizer  # deferred: transformers (~0.5 s), only when a tokenizer is read
+    from transformers import AutoTokenizer  # deferred: transformers, only when a tokenizer is read
 
     tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     if mask_token_id is not None:
@@ -177,7 +177,7 @@ def gguf_tokenizer(path: Path, mask_token_id: int | None) -> Any:
 
 def gguf_architecture(path: Path) -> str:
     """A GGUF file's `general.architecture` (its metadata only is read)."""
-    import gguf  # deferred: gguf (~0.1 s), only when a GGUF is read
+    import gguf  # deferred: gguf, only when a GGUF is read
 
     field = gguf.GGUFReader(str(path)).fields.get("general.architecture")
     if field is None:

@@ -104,7 +104,7 @@ class HybridLlamaCppRunner(LlamaCppRunner):
     def __init__(self, path: str | Path, *, threads: int | None = None, max_rows: int | None = 8,
                  n_ctx: int | None = None, max_block_size: int | None = None, kv_type: str = "f16",
                  flash_attn: bool = False, verbose: bool = False) -> None:
-        import gguf  # deferred: gguf (~0.1 s), only when a GGUF is opened
+        import gguf  # deferred: gguf, only when a GGUF is opened
 
         lib = llama_api.load()
         self.path = Path(path)
