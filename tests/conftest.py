@@ -88,13 +88,14 @@ TEMPLATES_SDIST = "llama-cpp-python==0.3.36"  # its sdist vendors llama.cpp's mo
 
 
 @pytest.fixture(scope="session")
-def real_templates(request) -> Path:
+def real_templates(request, tmp_path_factory) -> Path:
     """llama.cpp's `models/templates/`: chat templates of real model repositories (Qwen3.5, Qwen3-Coder, Llama 3,
     ...), read from the llama-cpp-python sdist on the package index at first use and kept in pytest's cache (not
     copied into the repository). `CLOVER_TEST_TEMPLATES` names a directory that already holds them."""
     if os.environ.get("CLOVER_TEST_TEMPLATES"):
         return Path(os.environ["CLOVER_TEST_TEMPLATES"])
-    target = request.config.cache.mkdir("llama-cpp-templates")
+    cache = request.config.cache  # None under `-p no:cacheprovider`: then this session's temporary directory
+    target = cache.mkdir("llama-cpp-templates") if cache is not None else tmp_path_factory.mktemp("templates")
     if not (target / "complete").exists():
         with tempfile.TemporaryDirectory() as tmp:
             got = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
