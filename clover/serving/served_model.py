@@ -21,6 +21,7 @@ from typing import Any, Callable
 
 import torch
 from fastapi import Request
+from jinja2.exceptions import TemplateError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
@@ -232,8 +233,9 @@ class ServedModel:
         kwargs = req.chat_template_kwargs.extra() if req.chat_template_kwargs else {}
         try:
             text = self.tokenizer.render_chat([m.to_template() for m in req.messages], tools, enable, kwargs)
-        except ValueError as exc:
-            raise APIError(400, str(exc), param="messages", code="invalid_value") from exc
+        except (ValueError, TemplateError) as exc:  # the checkpoint's template may refuse a conversation itself
+            raise APIError(400, f"the chat template cannot render these messages: {exc}" if isinstance(
+                exc, TemplateError) else str(exc), param="messages", code="invalid_value") from exc
         ids = self.tokenizer.encode(text + forced)
         return ids, forced, opens_reasoning(text), bool(tools) and req.tool_choice != "none"
 

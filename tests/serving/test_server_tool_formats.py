@@ -113,3 +113,13 @@ def test_a_random_hybrid_moe_twin_forced_to_call_writes_a_valid_xml_call(tokeniz
     args = json.loads(call.function.arguments)
     assert call.function.name == "get_weather" and args["city"] in ("Paris", "Rome")
     assert isinstance(args["detailed"], bool)
+
+
+def test_a_conversation_the_template_refuses_is_a_400(client):
+    """Qwen3.5's template raises on a conversation without a user turn: the client gets a 400 naming it."""
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=NAME, messages=[{"role": "system", "content": "Be brief."}],
+                                       max_tokens=8)
+    assert "No user query found" in str(err.value) and err.value.body["param"] == "messages"
