@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench_server import Server, cpu_name
+from bench_server import Server, cpu_name, write_results
 
 ROOT = Path(__file__).resolve().parents[1]
 TASK = """task: clover_arith
@@ -108,11 +108,7 @@ def main() -> None:
              "First answers (question, the server's text, what was scored):", "",
              *[f"- {s['question']['a']} + {s['question']['b']}: {s['answer']!r} -> {s['scored']!r}"
                for s in results["samples"][:5]], ""]
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    for suffix, text in ((".json", json.dumps(results, indent=1, default=str)), (".md", "\n".join(lines))):
-        tmp = args.out.with_name(f"{args.out.name}.{os.getpid()}.tmp")
-        tmp.write_text(text)
-        tmp.replace(args.out.with_suffix(suffix))
+    write_results(args.out, results, lines)
     print("\n".join(lines))
 
 

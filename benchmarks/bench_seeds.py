@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import sys
 import time
@@ -37,7 +36,7 @@ from typing import Any
 import httpx
 
 from bench_serve_vs_generate import PROMPTS
-from bench_server import Server, cpu_name
+from bench_server import Server, cpu_name, write_results
 
 ROOT = Path(__file__).resolve().parents[1]
 STREAMS = 8
@@ -208,11 +207,7 @@ def main() -> None:
             results["run"] = run_all(server.url, args)
     results["load_after"] = os.getloadavg()[0]
     lines = report(results)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    for suffix, text in ((".json", json.dumps(results, indent=1)), (".md", "\n".join(lines))):
-        tmp = args.out.with_name(f"{args.out.name}.{os.getpid()}.tmp")
-        tmp.write_text(text)
-        tmp.replace(args.out.with_suffix(suffix))
+    write_results(args.out, results, lines)
     print("\n".join(lines))
 
 

@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench_server import Server, cpu_name, percentiles
+from bench_server import Server, cpu_name, percentiles, write_results
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -316,11 +316,7 @@ def main() -> None:
             results["mixed"] = run_mixed(server, args)
     results["load_after"] = os.getloadavg()[0]
     lines = report(results)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    for suffix, text in ((".json", json.dumps(results, indent=1)), (".md", "\n".join(lines))):
-        tmp = args.out.with_name(f"{args.out.name}.{os.getpid()}.tmp")
-        tmp.write_text(text)
-        tmp.replace(args.out.with_suffix(suffix))
+    write_results(args.out, results, lines)
     print("\n".join(lines))
 
 

@@ -128,6 +128,16 @@ def healthy(url: str, proc: subprocess.Popen, timeout: float, poll: float = 1.0)
     return False
 
 
+def write_results(out: Path, results: dict[str, Any], lines: list[str]) -> None:
+    """A benchmark's `<out>.json` (its figures) and `<out>.md` (its report), each written whole: a temporary file
+    renamed into place."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for suffix, text in ((".json", json.dumps(results, indent=1, default=str)), (".md", "\n".join(lines))):
+        tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
+        tmp.write_text(text)
+        tmp.replace(out.with_suffix(suffix))
+
+
 class Server:
     """`clover serve` in a subprocess on a free port; stopped on exit."""
 

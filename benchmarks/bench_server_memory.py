@@ -20,7 +20,6 @@ and build. Linux only (`/proc`). Writes `<out>.json` and `<out>.md`.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import sys
@@ -29,7 +28,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from bench_server import Server, cpu_name
+from bench_server import Server, cpu_name, write_results
 
 ROOT = Path(__file__).resolve().parents[1]
 ALLOCATORS = {"default": {}, "mmap-64k": {"MALLOC_MMAP_THRESHOLD_": "65536"}, "arena-1": {"MALLOC_ARENA_MAX": "1"}}
@@ -116,11 +115,7 @@ def main() -> None:
         "conversations": args.conversations, "turns": args.turns, "max_tokens": args.max_tokens,
         "runs": [run(args.model, a, args) for a in args.allocators]}
     lines = report(results)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    for suffix, text in ((".json", json.dumps(results, indent=1)), (".md", "\n".join(lines))):
-        tmp = args.out.with_name(f"{args.out.name}.{os.getpid()}.tmp")
-        tmp.write_text(text)
-        tmp.replace(args.out.with_suffix(suffix))
+    write_results(args.out, results, lines)
     print("\n".join(lines))
 
 
