@@ -450,7 +450,10 @@ def test_full_queue_answers_429_and_a_disconnecting_client_frees_its_slot(small_
                 b.stream("POST", f"{small_server}/v1/chat/completions", json=body) as rb:
             assert ra.status_code == rb.status_code == 200
             lines = ra.iter_lines()  # kept: dropping a half-read iterator closes the connection
-            assert next(lines).startswith("data: ")
+            assert next(lines).startswith("data: ")  # the role chunk: sent before the scheduler takes the request
+            deadline = time.monotonic() + 10
+            while _running(small_server) < 1 and time.monotonic() < deadline:
+                time.sleep(0.05)
             assert _running(small_server) == 1
             full = httpx.post(f"{small_server}/v1/chat/completions", json={**body, "stream": False}, timeout=30)
             assert full.status_code == 429 and full.json()["error"]["type"] == "rate_limit_error"
