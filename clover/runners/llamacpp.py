@@ -214,14 +214,7 @@ class LlamaCppRunner:
                              f"and a scratch id exceed llama.cpp's {MAX_SEQ_IDS}: lower max_rows or max_block_size")
         self.max_rows, self.max_block_size = max_rows, max_block_size
         self.threads = threads or torch.get_num_threads()
-        self._lib = lib
-        if not verbose:
-            lib.llama_log_set(llama_api.quiet_log(), None)
-        params = lib.llama_model_default_params()
-        params.n_gpu_layers = 0
-        self._model = lib.llama_model_load_from_file(str(self.path).encode(), params)
-        if not self._model:
-            raise RuntimeError(f"llama.cpp could not load {self.path}")
+        self._load_model(lib, verbose)
         n_vocab = lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(self._model))
         if n_vocab != self.config.vocab_size:
             raise ValueError(f"{self.path}: the tokenizer has {n_vocab} tokens but the embeddings "
@@ -230,10 +223,31 @@ class LlamaCppRunner:
         self.max_context = min(self.config.max_position_embeddings, self.n_ctx)
         # one ubatch holds a whole non-causal decode: every row's clean tokens (at most a slot's groups) and block
         self.n_batch = max(512, 2 * max_rows * max_block_size)
+        # cells carry several sequence ids (a row's groups, a prefix's scratch id): one shared cache
+        self._open_context(max_rows * self.ids_per_slot + 1, kv_type, flash_attn)
+        self._free = list(range(max_rows))
+        self._abandoned: collections.deque[list[int]] = collections.deque()  # slots of caches dropped unreleased
+        self._scratch = max_rows * self.ids_per_slot  # the sequence id a prefix passes through to be saved
+        self._finalizer = weakref.finalize(self, llama_api.free_all, lib, self._batch, self._ctx, self._model)
+
+    def _load_model(self, lib: Any, verbose: bool) -> None:
+        self._lib = lib
+        if not verbose:
+            lib.llama_log_set(llama_api.quiet_log(), None)
+        params = lib.llama_model_default_params()
+        params.n_gpu_layers = 0
+        self._model = lib.llama_model_load_from_file(str(self.path).encode(), params)
+        if not self._model:
+            raise RuntimeError(f"llama.cpp could not load {self.path}")
+
+    def _open_context(self, n_seq_max: int, kv_type: str, flash_attn: bool) -> None:
+        """The context (`n_ctx` cells, `n_batch` a ubatch, one KV cache all sequences share), its memory and a
+        batch whose tokens may carry `ids_per_slot` sequence ids."""
+        lib = self._lib
         ctx_params = lib.llama_context_default_params()
         ctx_params.n_ctx, ctx_params.n_batch, ctx_params.n_ubatch = self.n_ctx, self.n_batch, self.n_batch
-        ctx_params.n_seq_max = max_rows * self.ids_per_slot + 1
-        ctx_params.kv_unified = True  # cells carry several sequence ids: the masks above need one shared cache
+        ctx_params.n_seq_max = n_seq_max
+        ctx_params.kv_unified = True
         ctx_params.n_threads = ctx_params.n_threads_batch = self.threads
         kv = llama_api.GGML_TYPE_F32 if kv_type == "f32" else llama_api.GGML_TYPE_F16
         ctx_params.type_k = ctx_params.type_v = kv
@@ -247,10 +261,6 @@ class LlamaCppRunner:
             raise RuntimeError(f"llama.cpp could not create a context for {self.path} (n_ctx={self.n_ctx})")
         self._memory = lib.llama_get_memory(self._ctx)
         self._batch = lib.llama_batch_init(self.n_batch, 0, self.ids_per_slot)
-        self._free = list(range(max_rows))
-        self._abandoned: collections.deque[list[int]] = collections.deque()  # slots of caches dropped unreleased
-        self._scratch = max_rows * self.ids_per_slot  # the sequence id a prefix passes through to be saved
-        self._finalizer = weakref.finalize(self, llama_api.free_all, lib, self._batch, self._ctx, self._model)
 
     def close(self) -> None:
         """Free llama.cpp's context and model now (otherwise when the runner is garbage)."""

@@ -126,32 +126,11 @@ class HybridLlamaCppRunner(LlamaCppRunner):
             raise ValueError(f"max_rows must be >= 1, got {max_rows}")
         self.max_rows, self.ids_per_slot = max_rows, 2
         self.threads = threads or torch.get_num_threads()
-        self._lib = lib
-        if not verbose:
-            lib.llama_log_set(llama_api.quiet_log(), None)
-        params = lib.llama_model_default_params()
-        params.n_gpu_layers = 0
-        self._model = lib.llama_model_load_from_file(str(self.path).encode(), params)
-        if not self._model:
-            raise RuntimeError(f"llama.cpp could not load {self.path}")
+        self._load_model(lib, verbose)
         self.n_ctx = n_ctx or min(max_rows * self.config.max_position_embeddings, DEFAULT_MAX_CELLS)
         self.max_context = min(self.config.max_position_embeddings, self.n_ctx)
         self.n_batch = 512
-        ctx_params = lib.llama_context_default_params()
-        ctx_params.n_ctx, ctx_params.n_batch, ctx_params.n_ubatch = self.n_ctx, self.n_batch, self.n_batch
-        ctx_params.n_seq_max = max_rows * self.ids_per_slot  # a sequence and its backup per row
-        ctx_params.kv_unified = True  # a backup shares its sequence's attention cells
-        ctx_params.n_threads = ctx_params.n_threads_batch = self.threads
-        kv = llama_api.GGML_TYPE_F32 if kv_type == "f32" else llama_api.GGML_TYPE_F16
-        ctx_params.type_k = ctx_params.type_v = kv
-        ctx_params.flash_attn_type = (llama_api.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn
-                                      else llama_api.LLAMA_FLASH_ATTN_TYPE_DISABLED)
-        self._ctx = lib.llama_init_from_model(self._model, ctx_params)
-        if not self._ctx:
-            lib.llama_model_free(self._model)
-            raise RuntimeError(f"llama.cpp could not create a context for {self.path} (n_ctx={self.n_ctx})")
-        self._memory = lib.llama_get_memory(self._ctx)
-        self._batch = lib.llama_batch_init(self.n_batch, 0, 1)
+        self._open_context(max_rows * self.ids_per_slot, kv_type, flash_attn)  # a sequence and its backup a row
         self._free = list(range(max_rows))
         self._abandoned: collections.deque[list[int]] = collections.deque()
         self._finalizer = weakref.finalize(self, llama_api.free_all, lib, self._batch, self._ctx, self._model)
