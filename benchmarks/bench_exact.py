@@ -1,6 +1,7 @@
 """Is the default lossless and never slower? clover-smol's default against block size 1 and llama.cpp, same run.
 
     python benchmarks/bench_exact.py [--limit 8] [--max-new-tokens 128] [--threads 2] [--systems ...] [--out F]
+        [--warmup N]
     python benchmarks/bench_exact.py --prior        # exact mode's per-position acceptance on training prompts
 
 Held-out sets (chat, code, structured from recipes/clover_smol/heldout.jsonl; tool calls from our BFCL eval split
@@ -10,12 +11,18 @@ slow minute of a shared machine hits them alike):
   * `default`     what `clover generate` runs: the int4 build, exact mode, drafts sized by the measured cost
   * `int4-b1`     the int4 build at block size 1 (one token a forward: the speed reference)
   * `int4-full`   the int4 build, exact mode drafting the whole block every forward (not adaptive)
-  * `no-lookup`   the default without drafts copied from the context after a rejection (clover.engine.lookup)
+  * `no-lookup`   the default without drafts copied from the context after a rejection (clover.engine.lookup),
+                  nor from the drafting memory
+  * `no-memory`   the default without the drafting memory (clover.engine.draft_memory: drafts from the answers
+                  the engine gave before, which `default` keeps over the whole run, as a server would)
   * `fp32-exact`, `fp32-b1`   the same two in fp32 torch (`--systems` adds them; slow)
   * `llama-q4_0`, `llama-q8_0`   llama.cpp's own AR generation (`clover.runners.llamacpp_ar`: one causal sequence,
                   greedy) of the same model exported to GGUF (`clover export`), on the same token ids
   * `candidate`, `candidate-b1`   `default` and `int4-b1` of another clover-smol adapter (`--candidate DIR`: a
                   directory `recipes/clover_smol/package.py` wrote), to compare a new adapter with the shipped one
+
+`--warmup N`: before a set is timed, every system answers N other prompts of that set, untimed, as a server would
+have seen them before (what the drafting memory of `default` and any server-side cache learn from).
 
 Per set and system: tokens/s end to end (prefill included), tokens per forward, the ratio to `int4-b1`, the
 seconds to each answer's first token (its prefill) summed over the prompts, tokens/s after it, and how
@@ -49,9 +56,10 @@ from clover.smol import build_quantized, clover_smol_dir, clover_smol_gguf  # no
 from clover.tokenizer import eos_token_ids, load_tokenizer  # noqa: E402
 from clover.training.bfcl import bfcl_to_chats  # noqa: E402
 
-SYSTEMS = ("default", "int4-b1", "int4-full", "no-lookup", "llama-q4_0", "llama-q8_0")
+SYSTEMS = ("default", "int4-b1", "int4-full", "no-lookup", "no-memory", "llama-q4_0", "llama-q8_0")
 EXTRA = ("fp32-exact", "fp32-b1", "candidate", "candidate-b1")
-REFERENCE = {"default": "int4-b1", "int4-full": "int4-b1", "no-lookup": "int4-b1", "fp32-exact": "fp32-b1",
+REFERENCE = {"default": "int4-b1", "int4-full": "int4-b1", "no-lookup": "int4-b1", "no-memory": "int4-b1",
+             "fp32-exact": "fp32-b1",
              "llama-q4_0": "int4-b1", "llama-q8_0": "int4-b1", "candidate": "candidate-b1"}
 
 Decode = Callable[[list[int], int], tuple[list[int], dict[str, Any]]]  # (prompt ids, max new) -> (new ids, stats)
@@ -102,20 +110,25 @@ def load(system: str, threads: int, recalibrate: bool, candidate: Path | None = 
     options: dict[str, Any] = {"block_size": 1, "rule": "threshold"} if system.endswith("b1") else {}
     if system == "int4-full":
         options = {"rule": "exact", "rule_options": {"adaptive": False}}
-    if system in ("default", "no-lookup", "fp32-exact", "candidate"):  # as `clover generate` runs: cached costs
-        cost_table(as_runner(model), recalibrate=recalibrate)
-        options = {"rule": "exact", "rule_options": {"lookup": system != "no-lookup"}}
+    if system in ("default", "no-lookup", "no-memory", "fp32-exact", "candidate"):  # as `clover generate` runs:
+        cost_table(as_runner(model), recalibrate=recalibrate)  # cached costs
+        options = {"rule": "exact",
+                   "rule_options": {"lookup": system != "no-lookup", "memory": system != "no-memory"}}
     return engine_system(model, tokenizer, **options)
 
 
 def run(systems: list[str], sets: dict[str, list[list[int]]], max_new: int, threads: int,
-        recalibrate: bool, candidate: Path | None = None) -> dict[str, Any]:
+        recalibrate: bool, candidate: Path | None = None,
+        warmup: dict[str, list[list[int]]] | None = None) -> dict[str, Any]:
     loaded = {s: load(s, threads, recalibrate, candidate) for s in systems}
     for decode, _ in loaded.values():  # first calls build kernels and caches: not timed
         decode([1, 2, 3], 4)
     report: dict[str, Any] = {}
     for name, prompts in sets.items():
         rows: dict[str, list[tuple[list[int], int, float]]] = {s: [] for s in systems}
+        for ids in (warmup or {}).get(name, []):  # untimed: what a server saw before
+            for s in systems:
+                loaded[s][0](ids, max_new)
         for ids in prompts:
             for s in systems:
                 start = time.perf_counter()
@@ -152,6 +165,7 @@ def main() -> None:
     parser.add_argument("--limit", type=int, default=8, help="prompts per set")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--warmup", type=int, default=0, help="other prompts per set answered, untimed, before it")
     parser.add_argument("--systems", default=",".join(SYSTEMS),
                         help=f"comma-separated, of {', '.join(SYSTEMS + EXTRA)}")
     parser.add_argument("--sets", default=None, help="comma-separated subset of chat,code,structured,tools_heldout,"
@@ -189,16 +203,18 @@ def main() -> None:
     unknown = set(systems) - set(SYSTEMS) - set(EXTRA)
     if unknown:
         parser.error(f"unknown systems {sorted(unknown)}")
-    sets = {**text_sets(args.limit), **tool_sets(args.limit)}
+    sets = {**text_sets(args.limit + args.warmup), **tool_sets(args.limit + args.warmup)}
     if args.sets:
         unknown_sets = set(args.sets.split(",")) - set(sets)
         if unknown_sets:
             parser.error(f"unknown sets {sorted(unknown_sets)}: choose from {sorted(sets)}")
         sets = {name: sets[name] for name in args.sets.split(",")}
-    prompts = {name: [prompt_ids(tokenizer, chat) for chat, _ in chats] for name, chats in sets.items()}
+    prompts = {name: [prompt_ids(tokenizer, chat) for chat, _ in chats[:args.limit]] for name, chats in sets.items()}
+    warmup = {name: [prompt_ids(tokenizer, chat) for chat, _ in chats[args.limit:]] for name, chats in sets.items()}
     print(f"machine: {platform.processor() or platform.machine()}, {args.threads} threads, torch "
-          f"{torch.__version__}; {args.limit} prompts per set, {args.max_new_tokens} new tokens")
-    report = run(systems, prompts, args.max_new_tokens, args.threads, args.recalibrate, args.candidate)
+          f"{torch.__version__}; {args.limit} prompts per set (after {args.warmup} untimed), {args.max_new_tokens} "
+          "new tokens")
+    report = run(systems, prompts, args.max_new_tokens, args.threads, args.recalibrate, args.candidate, warmup)
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
 

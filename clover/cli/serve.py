@@ -16,6 +16,7 @@ from typing import Any, Callable, TypeVar
 
 from clover.cli.loading import add_decoding_options, load_model, resolve_model_dir
 from clover.runners.registry import runner_entry
+from clover.serving.draft_memories import MODES
 from clover.tool_formats import FORMATS
 
 logger = logging.getLogger(__name__)
@@ -30,8 +31,10 @@ def add_parser(subparsers: Any) -> None:
                    "(default: clover-smol)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: localhost only)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=os.environ.get("CLOVER_API_KEY"),
-                   help="require `Authorization: Bearer KEY` (default: $CLOVER_API_KEY)")
+    p.add_argument("--api-key", nargs="+", metavar="KEY",
+                   default=[k for k in os.environ.get("CLOVER_API_KEY", "").split(",") if k] or None,
+                   help="require `Authorization: Bearer KEY` with one of these keys (default: $CLOVER_API_KEY, "
+                        "comma-separated)")
     p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="model ids clients may send; the first is the one responses carry (default: the directory "
                         "name; the default model: clover-smol and its directory name)")
@@ -52,6 +55,12 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--responses-store-mb", type=float, default=64.0,
                    help="memory for stored Responses API responses (previous_response_id), least recently used "
                         "evicted first (0: none kept)")
+    p.add_argument("--draft-memory", choices=MODES, default="per-key",
+                   help="exact mode's drafts from earlier answers: one memory per API key (one for all without "
+                        "keys), one shared by every client, or none (docs/agents.md)")
+    p.add_argument("--draft-memory-tokens", type=int, default=None,
+                   help="answer tokens each drafting memory keeps, oldest answers evicted first (default: 262144, "
+                        "about 64 MiB: some 250 bytes a token)")
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--engine", choices=("clover", "vllm"), default="clover",
@@ -145,15 +154,17 @@ def run(args: argparse.Namespace) -> int:
         max_running = rows
     names = served_model_names(args.served_model_name, args.model, source)
     options = ServerOptions(
-        served_model_name=names[0], model_aliases=tuple(names[1:]), api_key=args.api_key or None,
+        served_model_name=names[0], model_aliases=tuple(names[1:]), api_key=tuple(args.api_key or ()),
         max_running=max_running, max_waiting=args.max_queue, max_body_bytes=int(args.max_body_mb * 2**20),
         max_model_len=args.max_model_len, block_size=args.block_size, threshold=args.threshold, rule=args.rule,
         prefill_chunk=args.prefill_chunk, prefix_cache_bytes=int(args.prefix_cache_mb * 2**20),
         prefix_snapshot_interval=args.prefix_snapshot_interval, chat_template=read_chat_template(args.chat_template),
-        tool_call_parser=args.tool_call_parser, responses_store_bytes=int(args.responses_store_mb * 2**20))
+        tool_call_parser=args.tool_call_parser, responses_store_bytes=int(args.responses_store_mb * 2**20),
+        draft_memory=args.draft_memory,
+        draft_memory_tokens=args.draft_memory_tokens or ServerOptions.draft_memory_tokens)
     defaults = read_generation_defaults(source if source.is_dir() else None)
     app = create_app(runner, tokenizer, options, generation_defaults=defaults)
-    if args.host not in ("127.0.0.1", "localhost", "::1") and not options.api_key:
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not options.api_keys:
         logger.warning("serving on %s without --api-key: anyone who can reach this address can use the model",
                        args.host)
     logger.info("serving %s as %s on http://%s:%d (%s runner, %s)", source, " or ".join(map(repr, names)), args.host,

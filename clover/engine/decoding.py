@@ -192,8 +192,10 @@ class ExactRule:
     verify and to make is chosen per step from the runner's measured cost and the request's acceptance so far
     (clover.engine.drafting); False: always the whole block. `lookup`: a forward left without the query block's
     drafts (after a rejection) verifies drafts copied from the request's own context instead
-    (clover.engine.lookup), when the context offers a continuation."""
+    (clover.engine.lookup), when the context offers a continuation, or from the answers the engine gave before
+    (`memory`: clover.engine.draft_memory), whichever matches the longer suffix of the context."""
 
     name: ClassVar[str] = "exact"
     adaptive: bool = True
     lookup: bool = True
+    memory: bool = True

@@ -33,6 +33,7 @@ import torch
 from clover.engine.block_loop import BlockBatch, BlockLoop
 from clover.engine.cost import ForwardCost
 from clover.engine.decoding import ExactRule, UnmaskingRule, make_rule
+from clover.engine.draft_memory import DraftMemory
 from clover.engine.exact import ExactBatch, ExactLoop
 from clover.engine.logprobs import TokenLogprob, banned_ids
 from clover.engine.loop import Event, StreamPiece
@@ -73,7 +74,9 @@ class Engine:
     `detokenize`: ids -> text, needed for stop strings and DRY's sequence breakers (`token_texts`, every id's text
     at once, reads those faster); `prefill_chunk`: prompt tokens per prefill forward,
     which bounds the prefill's activation memory for long prompts; `cost`: exact mode's forward cost table
-    (`clover.engine.cost`; measured on first use when None).
+    (`clover.engine.cost`; measured on first use when None); `draft_memory`: the answers exact mode drafts from
+    (clover.engine.draft_memory; a new one when None, unless the rule's `memory` option is off), which every
+    request this engine makes joins when it finishes (a server may give a request another: one per API key).
     """
 
     def __init__(self, model: torch.nn.Module | ModelRunner, block_size: int | None = None,
@@ -81,7 +84,8 @@ class Engine:
                  rule_options: dict[str, Any] | None = None, *,
                  eos_token_ids: Seq[int] | None = None, vocab_limit: int | None = None,
                  detokenize: Detokenize | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
-                 cost: ForwardCost | None = None, token_texts: Callable[[], Seq[str]] | None = None) -> None:
+                 cost: ForwardCost | None = None, token_texts: Callable[[], Seq[str]] | None = None,
+                 draft_memory: DraftMemory | None = None) -> None:
         self.runner = as_runner(model)
         config = self.runner.config
         self.block_size = config.block_size if block_size is None else int(block_size)
@@ -120,6 +124,8 @@ class Engine:
         self.banned_ids = torch.tensor(self._banned(), dtype=torch.long, device=self.device)
         self.counters = EngineCounters()
         self.loop = ExactLoop(self, self.rule, cost) if isinstance(self.rule, ExactRule) else BlockLoop(self, self.rule)
+        uses_memory = isinstance(self.rule, ExactRule) and self.rule.lookup and self.rule.memory
+        self.memory = (draft_memory or DraftMemory()) if uses_memory else None
         # the block grid prompts are read on (1: causally); the loop decides (exact mode is block-size-1 decoding)
         self.prompt_grid = self.loop.prompt_grid
 
@@ -195,7 +201,7 @@ class Engine:
         now = time.perf_counter()
         eos = [] if ignore_eos else self.eos_ids
         return [Request(i, p, params[i], int(max_new_tokens), start_time=now, threshold=threshold,
-                        ignore_eos=bool(ignore_eos),
+                        ignore_eos=bool(ignore_eos), memory=self.memory,
                         matcher=params[i].grammar.matcher(self.vocab_size, eos, self.runner.config.eos_token_ids)
                         if params[i].grammar is not None else None) for i, p in enumerate(prompts)]
 
@@ -242,6 +248,8 @@ class Engine:
                                       list(values[:len(piece)]) if values is not None else None))
             if not seq.finished:
                 keep.append(r)
+            elif seq.memory is not None:
+                seq.memory.add(seq.generated)
         if not keep:
             b.seqs = []
             release_cache(b.cache)  # the batch ends here (its loop returns None): llama.cpp's slots come back now

@@ -21,7 +21,11 @@ is the same text whatever was drafted, whatever the batch.
 After a rejection the query block's drafts were made after a wrong token: the next forward would verify nothing.
 With `lookup` (the default) it verifies drafts copied from the request's own context instead
 (clover.engine.lookup: the tokens that followed the latest earlier occurrence of the context's last n-gram), when
-the context has one; they have their own acceptance estimate. Any draft is verified the same way, so where drafts
+the context has one; they have their own acceptance estimate. With `memory` (the default too) it may take them from
+the answers the engine gave before instead (clover.engine.draft_memory: the continuations earlier answers share
+with the context's longest matching suffix, scored by how often they followed it), whichever source matches the
+longer suffix; the memory's drafts may be longer than a block (up to `MEMORY_MOST`, as long as the match), and
+their acceptance is estimated across requests, by match length. Any draft is verified the same way, so where drafts
 come from changes only the cost. `k` and `m`
 change nothing in the output, only in the cost: `clover.engine.drafting` picks them per step and row from the
 runner's measured cost (`clover.engine.cost`) and the request's acceptance so far (`adaptive`, the default), or
@@ -55,6 +59,7 @@ import torch
 
 from clover.engine.cost import ForwardCost, cost_table
 from clover.engine.decoding import ExactRule
+from clover.engine.draft_memory import MemoryDraft
 from clover.engine.drafting import Acceptance, best_batch_verified, best_drafts, best_verified
 from clover.engine.logprobs import TokenLogprob, token_logprobs
 from clover.engine.lookup import ContextLookup
@@ -67,6 +72,9 @@ from clover.engine.speculative import verify
 STEP_EMA = 0.2  # weight of the newest step in the running estimate of the engine's own time per step
 STEP_WINDOW = 9  # a step's time by forward size: the median of the last this many (a shared machine's slow
 # moments are outliers)
+MEMORY_MOST = 15  # drafts from the drafting memory at most: 16 rows, the widest forward the cost table measures
+MEMORY_PRIOR = 0.6  # acceptance assumed for memory drafts before any was verified (learned across requests)
+MEMORY_BUCKETS = (4, 8, 16)  # match lengths that start a new acceptance estimate: a deeper match, surer drafts
 STEP_MEMORY = 512  # steps after which a size's timings no longer count: a size priced high during a slow moment
 # is then no longer run, so never re-timed; once its timings age out it is priced from the sizes timed since
 
@@ -95,10 +103,12 @@ class ExactBatch:
 
 @dataclass
 class Lookup:
-    """A request's drafts from its own context: the n-gram index and how often its drafts are accepted."""
+    """A request's copied drafts: the n-gram index of its own context and how often its drafts are accepted, and
+    the drafting memory's draft when the current drafts came from there (None when from the context)."""
 
     index: ContextLookup
     acceptance: Acceptance
+    memory_draft: MemoryDraft | None = None
 
 
 class ExactLoop(DecodingLoop):
@@ -133,6 +143,13 @@ class ExactLoop(DecodingLoop):
         self.tally = [[0, 0] for _ in range(engine.block_size - 1)]
         self.lookup_most = engine.block_size - 1  # drafts copied at most (longer did not pay: docs/decoding.md)
         self.lookup_tally = [0, 0, 0]  # forwards that verified drafts from the context, drafts accepted, verified
+        self.memory_most = MEMORY_MOST if self.lookup_most else 0
+        self.memory_tally = [0, 0, 0]  # the same for drafts from the drafting memory
+        # acceptance of memory drafts by match length (`MEMORY_BUCKETS`), learned across requests (the memory is
+        # shared by them) and not capped by one request's causal confidence
+        self.memory_acceptance = [Acceptance(1, [MEMORY_PRIOR]) for _ in range(len(MEMORY_BUCKETS) + 1)]
+        for estimate in self.memory_acceptance:
+            estimate.confidence = 1.0
         self._positions = torch.arange(engine.block_size, device=engine.device)
 
     def calibrate(self) -> None:
@@ -154,6 +171,8 @@ class ExactLoop(DecodingLoop):
                 "forwards_by_drafts": list(self.drafted),
                 "acceptance_by_position": [round(a / n, 4) if n else None for a, n in self.tally],
                 "lookup": dict(zip(("forwards", "accepted", "verified"), self.lookup_tally)),
+                "memory": {**dict(zip(("forwards", "accepted", "verified"), self.memory_tally)),
+                           **(self.engine.memory.stats() if self.engine.memory is not None else {})},
                 "forward_cost": self.cost.summary() if self.cost is not None else None}
 
     # -- batches ---------------------------------------------------------------------------------------
@@ -254,10 +273,18 @@ class ExactLoop(DecodingLoop):
                 lookup.acceptance.tick()
                 lookup.acceptance.confidence = acc.confidence
             if bool(b.looked_up[r]):
-                lookup.acceptance.observe(verified, took)
-                self.lookup_tally[0] += verified > 0
-                self.lookup_tally[1] += took
-                self.lookup_tally[2] += min(took + 1, verified)
+                tally = self.lookup_tally
+                if lookup.memory_draft is not None:
+                    tally = self.memory_tally
+                    if verified:
+                        estimate = self._memory_estimate(lookup.memory_draft)
+                        estimate.tick()
+                        estimate.observe(verified, took)
+                else:
+                    lookup.acceptance.observe(verified, took)
+                tally[0] += verified > 0
+                tally[1] += took
+                tally[2] += min(took + 1, verified)
                 continue
             acc.observe(verified, took)
             for i in range(min(took + 1, verified)):  # positions reached: accepted up to `took`, then one rejected
@@ -340,20 +367,39 @@ class ExactLoop(DecodingLoop):
         return self.cost(rows, context) * timed[near] / self.cost(near, context)
 
     def _look_up(self, b: ExactBatch) -> None:
-        """Rows left without drafts take the continuation their context offers (module docstring). Each row's
-        index first reads the tokens the request committed since (emitted at this step's start)."""
+        """Rows left without drafts take the continuation their context offers, or the drafting memory's when it
+        matches a longer suffix of the context (module docstring). Each row's index first reads the tokens the
+        request committed since (emitted at this step's start)."""
         most = self.lookup_most
         for r, (s, lookup) in enumerate(zip(b.seqs, b.lookups)):
             lookup.index.extend(s.generated[len(lookup.index) - len(s.prompt):])
+            lookup.memory_draft = None
             if int(b.n_drafts[r]) or s.remaining <= 1:
                 continue
-            drafts = lookup.index.drafts(most)
+            drafts, match = lookup.index.match(most)
+            if s.memory is not None and self.memory_most:
+                found = s.memory.drafts(lookup.index.tokens, self.memory_most)
+                if found is not None and found.match > match:
+                    drafts, lookup.memory_draft = found.tokens, found
             if drafts:
                 b.drafts = _pad(b.drafts, len(drafts))
                 b.drafts[r] = -1
                 b.drafts[r, :len(drafts)] = torch.tensor(drafts, dtype=torch.long, device=b.drafts.device)
                 b.n_drafts[r] = len(drafts)
                 b.looked_up[r] = True
+
+    def _memory_estimate(self, draft: MemoryDraft) -> Acceptance:
+        """The shared acceptance estimate of memory drafts that matched as deep as `draft` did."""
+        return self.memory_acceptance[sum(draft.match >= edge for edge in MEMORY_BUCKETS)]
+
+    def _copied_estimate(self, b: ExactBatch, r: int) -> list[float]:
+        """`p_i` of row `r`'s copied drafts: the context's per-request estimate; for memory drafts, the share of
+        earlier occurrences that went on with each token, capped by how often such drafts were accepted."""
+        lookup = b.lookups[r]
+        if lookup.memory_draft is None:
+            return lookup.acceptance.optimistic()
+        ceiling = self._memory_estimate(lookup.memory_draft).optimistic()[0]
+        return [min(share, ceiling) for share in lookup.memory_draft.conditional]
 
     def _plan(self, seqs: list[Request], acceptance: list[Acceptance], available: torch.Tensor,
               context: int, b: ExactBatch | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -369,7 +415,7 @@ class ExactLoop(DecodingLoop):
             ks = [min(a, max(left - 1, 0)) for a, left in zip(avail, remaining)]
             if self.rule.adaptive:
                 cost = lambda rows: self._step_cost(rows, context)  # noqa: E731
-                ks = [min(k, best_verified(b.lookups[r].acceptance.optimistic(), cost, k, 0))
+                ks = [min(k, best_verified(self._copied_estimate(b, r), cost, k, 0))
                       if b is not None and bool(b.looked_up[r]) else k for r, k in enumerate(ks)]
                 if len(seqs) > 1:  # one forward as wide as its widest row
                     ks = [min(k, max(ks)) for k in ks]
@@ -385,7 +431,7 @@ class ExactLoop(DecodingLoop):
                     want = best_drafts(acc.optimistic(), cost, most)
                     verify = want
                     if b is not None and bool(b.looked_up[r]):
-                        verify = best_verified(b.lookups[r].acceptance.optimistic(), cost, avail[r],
+                        verify = best_verified(self._copied_estimate(b, r), cost, avail[r],
                                                want + 1 if want else 0)
                 else:
                     want = verify = most
@@ -405,7 +451,7 @@ class ExactLoop(DecodingLoop):
         estimates = [acc.optimistic() for acc in acceptance]
         mean = [sum(column) / n for column in zip(*estimates)]
         want = best_drafts(mean, lambda rows: self._step_cost(n * rows, context) / n, most)
-        ps = [b.lookups[r].acceptance.optimistic() if b is not None and bool(b.looked_up[r]) else estimates[r]
+        ps = [self._copied_estimate(b, r) if b is not None and bool(b.looked_up[r]) else estimates[r]
               for r in range(n)]
         usable = [min(a, max(left - 1, 0)) for a, left in zip(avail, remaining)]
         k = best_batch_verified(ps, usable, lambda rows: self._step_cost(rows, context), want + 1 if want else 0)

@@ -47,11 +47,15 @@ class ContextLookup:
     def drafts(self, most: int) -> list[int]:
         """Up to `most` tokens that followed the latest earlier occurrence of the context's longest matching
         suffix; [] when no suffix of at least `min_ngram` tokens occurred before."""
+        return self.match(most)[0]
+
+    def match(self, most: int) -> tuple[list[int], int]:
+        """`drafts(most)` and the length of the suffix they continue (0 with no drafts)."""
         if most <= 0:
-            return []
+            return [], 0
         end = len(self.tokens)
         for n in range(min(self.max_ngram, end), self.min_ngram - 1, -1):
             at = self._next.get(tuple(self.tokens[end - n:]))
             if at is not None:
-                return self.tokens[at:at + most]
-        return []
+                return self.tokens[at:at + most], n
+        return [], 0

@@ -16,6 +16,7 @@ from typing import Any, Callable, Sequence as Seq
 
 import torch
 
+from clover.engine.draft_memory import DraftMemory
 from clover.engine.grammar import Matcher
 from clover.engine.repetition import RepeatGuard
 from clover.engine.sampling import SamplingParams
@@ -60,6 +61,8 @@ class Request:
     guard: RepeatGuard | None = field(default=None, repr=False)  # the loop guard (`params.loop_guard_span`)
     threshold: float | None = None  # a block rule's confidence threshold for this row (None: the engine's)
     ignore_eos: bool = False  # the engine's EOS does not end it (it runs to `max_new_tokens`)
+    memory: DraftMemory | None = field(default=None, repr=False)  # earlier answers it drafts from; it joins them
+    # when it finishes (clover.engine.draft_memory; exact mode)
 
     def __post_init__(self) -> None:
         if self.guard is None and self.params.loop_guard_span:

@@ -53,6 +53,8 @@ class ServerMetrics:
                                           registry=r)
         self.prefix_cache_evictions = Counter("clover_prefix_cache_evictions", "prefix cache entries evicted",
                                               registry=r)
+        self.draft_memory_tokens = Gauge("clover_draft_memory_tokens",
+                                         "answer tokens held by the drafting memories", registry=r)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

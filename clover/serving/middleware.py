@@ -18,6 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from clover.serving.draft_memories import CLIENT_KEY
 from clover.serving.protocol import APIError
 
 if TYPE_CHECKING:
@@ -81,15 +82,18 @@ class RequestGuard:
             self.server.metrics.requests.labels(route, str(code)).inc()
 
     async def _guarded(self, scope: dict[str, Any], receive: Callable, send: Callable, path: str) -> None:
-        key = self.server.options.api_key
-        if key and path != "/health":
+        keys = self.server.options.api_keys
+        if keys and path != "/health":
             headers = dict(scope.get("headers") or [])
             scheme, _, token = headers.get(b"authorization", b"").strip().partition(b" ")
-            # the scheme name is case-insensitive (RFC 7235 §2.1); the token is compared in constant time
-            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), key.encode()):
+            # the scheme name is case-insensitive (RFC 7235 §2.1); the token is compared in constant time with
+            # every key (which one matched is the request's identity: its drafting memory, draft_memories.py)
+            matched = [hmac.compare_digest(token.strip(), key.encode()) for key in keys]
+            if scheme.lower() != b"bearer" or not any(matched):
                 await send_error(send, APIError(401, "invalid or missing API key (Authorization: Bearer <key>)",
                                                  type="invalid_request_error", code="invalid_api_key"))
                 return
+            CLIENT_KEY.set(matched.index(True))
         limit = self.server.options.max_body_bytes
         body, more = b"", True
         while more:

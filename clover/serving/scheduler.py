@@ -45,12 +45,13 @@ import logging
 import threading
 import time
 from collections import Counter, OrderedDict
-from typing import Any, Callable, Sequence as Seq
+from typing import Any, Callable, Literal, Sequence as Seq
 
 import torch
 
 from clover.engine import Engine, SamplingParams
 from clover.engine.decision import DecisionRun
+from clover.engine.draft_memory import DraftMemory
 from clover.engine.logprobs import PromptScoring
 from clover.engine.exact import ExactLoop
 from clover.runners.base import ModelRunner
@@ -142,14 +143,18 @@ class Scheduler:
 
     async def submit(self, prompt: list[int], max_new_tokens: int, sampling: Seq[SamplingParams], *,
                      block_size: int | None = None, threshold: float | None = None, rule: str | None = None,
-                     ignore_eos: bool = False) -> RequestHandle:
-        """Queue one prompt with one `SamplingParams` per choice. Raises `ValueError` for a request the engine
+                     ignore_eos: bool = False, memory: DraftMemory | None | Literal["engine"] = "engine") -> RequestHandle:
+        """Queue one prompt with one `SamplingParams` per choice; `memory`: the drafting memory its answers draft
+        from and join (clover.serving.draft_memories; "engine": the engine's own, None: none). Raises `ValueError` for a request the engine
         refuses (it names the parameter), `QueueFull` when the server is at capacity and `RuntimeError` when no
         loop will take it (not started, stopped or died: it would wait forever). `threshold` and `ignore_eos`
         (generate exactly `max_new_tokens`: benchmarks) are the request's own: they never split a batch."""
         key, engine = await self.engine(block_size, rule)
         seqs = engine.make_sequences([prompt] * len(sampling), max_new_tokens, list(sampling),
                                      threshold=threshold, ignore_eos=ignore_eos)
+        if memory != "engine":
+            for seq in seqs:
+                seq.memory = memory
         handle = RequestHandle(self, next(self._ids), len(seqs), asyncio.get_running_loop())
         now = time.perf_counter()
         with self._lock:

@@ -27,6 +27,7 @@ from starlette.concurrency import run_in_threadpool
 
 from clover.chat_template import checkpoint_template, opens_reasoning, render_chat
 from clover.engine import SamplingParams
+from clover.engine.draft_memory import DEFAULT_CAPACITY
 from clover.engine.logprobs import PromptScoring, TokenLogprob, banned_ids
 from clover.model import CloverForBlockDiffusion
 from clover.runners.base import ModelRunner
@@ -37,6 +38,7 @@ from clover.serving.openai_format import (ChatChoice, ChoiceText, chat_body, cha
                                           completion_body, completion_logprobs, completion_stream, usage)
 from clover.serving.prefix_cache import PrefixCache
 from clover.serving.protocol import APIError, ChatCompletionRequest, CompletionRequest, SamplingFields
+from clover.serving.draft_memories import MODES, DraftMemories
 from clover.serving.response_store import ResponseStore
 from clover.serving.scheduler import QueueFull, Scheduler
 from clover.serving.grammar_route import forced_start, max_calls, request_grammar, route
@@ -51,7 +53,8 @@ logger = logging.getLogger(__name__)
 class ServerOptions:
     served_model_name: str = "clover"  # the model id of responses and /v1/models
     model_aliases: tuple[str, ...] = ()  # other ids requests may name (the default model: its versioned id)
-    api_key: str | None = None  # every route but /health then needs `Authorization: Bearer <key>`
+    api_key: str | tuple[str, ...] | None = None  # every route but /health then needs `Authorization: Bearer <key>`
+    # with one of these keys
     max_running: int = 32  # sequences decoded together
     max_waiting: int = 256  # more sequences queued before 429
     max_body_bytes: int = 4 * 2**20
@@ -67,8 +70,21 @@ class ServerOptions:
     chat_template: str | None = None  # None: the checkpoint's own (Clover's for a checkpoint without one)
     tool_call_parser: str | None = None  # None: the one the template writes (clover.tool_formats.detect)
     responses_store_bytes: int = 64 * 2**20  # stored responses (`previous_response_id`), as JSON; 0: none kept
+    draft_memory: str = "per-key"  # whose answers draft whose (clover.serving.draft_memories): per-key|shared|off
+    draft_memory_tokens: int = DEFAULT_CAPACITY  # tokens each drafting memory keeps
+
+    @property
+    def api_keys(self) -> tuple[str, ...]:
+        """The keys a request may carry (none: no key needed)."""
+        return (self.api_key,) if isinstance(self.api_key, str) else tuple(self.api_key or ())
 
     def __post_init__(self) -> None:
+        if any(not key for key in self.api_keys):
+            raise ValueError("ServerOptions.api_key: an API key cannot be empty")
+        if self.draft_memory not in MODES:
+            raise ValueError(f"ServerOptions.draft_memory must be one of {', '.join(MODES)}, got {self.draft_memory!r}")
+        if self.draft_memory_tokens < 1:
+            raise ValueError(f"ServerOptions.draft_memory_tokens must be >= 1, got {self.draft_memory_tokens}")
         for name in ("max_running", "max_body_bytes", "prefill_chunk"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ServerOptions.{name} must be >= 1, got {getattr(self, name)}")
@@ -156,6 +172,8 @@ class ServedModel:
             prefill_chunk=options.prefill_chunk, prefix_cache=prefix_cache, max_running=options.max_running,
             max_waiting=options.max_waiting, metrics=self.metrics)
         self.stored = ResponseStore(options.responses_store_bytes)  # the Responses API's (responses.py)
+        self.memories = DraftMemories(options.draft_memory, options.draft_memory_tokens)
+        self.metrics.draft_memory_tokens.set_function(self.memories.tokens)
         self.created = int(time.time())
 
     # -- request -> engine ---------------------------------------------------------------------------------
@@ -213,7 +231,7 @@ class ServedModel:
         try:
             return await self.scheduler.submit(prompt, max_new, sampling, block_size=req.block_size,
                                                threshold=req.threshold, rule=rule or req.rule,
-                                               ignore_eos=req.ignore_eos)
+                                               ignore_eos=req.ignore_eos, memory=self.memories.for_request())
         except QueueFull as exc:
             raise APIError(429, f"{exc}; retry later", type="rate_limit_error", code="server_busy") from exc
         except ValueError as exc:

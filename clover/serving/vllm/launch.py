@@ -57,7 +57,9 @@ def vllm_serve_argv(model_dir: Path, names: list[str], args: argparse.Namespace)
 def exec_vllm(model_dir: Path, names: list[str], args: argparse.Namespace) -> NoReturn:
     """Replace this process by vLLM's server (signals and the exit status are then vLLM's own). The API key goes
     in vLLM's environment variable, not on a command line that `ps` shows."""
+    if args.api_key and len(args.api_key) > 1:
+        raise SystemExit("clover serve --engine vllm: give one --api-key (vLLM's server takes one key)")
     argv = vllm_serve_argv(model_dir, names, args)
-    env = {**os.environ, **({"VLLM_API_KEY": args.api_key} if args.api_key else {})}
+    env = {**os.environ, **({"VLLM_API_KEY": args.api_key[0]} if args.api_key else {})}
     logger.info("serving %s with vLLM: %s", model_dir, " ".join(argv))
     os.execve(argv[0], argv, env)

@@ -1,0 +1,56 @@
+"""Whose answers draft whose: the server's drafting memories (clover.engine.draft_memory), by API key.
+
+A draft never changes an answer (exact mode verifies it), but its speed can: a client whose request decodes
+unusually fast learns that the server has written that text before, perhaps for another client. So by default
+each API key has its own memory (`per-key`; without keys every request shares one), `shared` pools every answer
+(the most drafts, for a server whose clients trust each other), and `off` drafts from the request's own context
+only. Each memory holds at most `capacity` tokens, so the server keeps at most `capacity` tokens per key.
+
+The key a request came with is the middleware's to know: it sets `CLIENT_KEY` (the index of the key in the
+server's list) in the request's context, where the route that submits the request reads it.
+"""
+
+from __future__ import annotations
+
+import threading
+from contextvars import ContextVar
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:  # (`clover serve --help` reads MODES without importing torch)
+    from clover.engine.draft_memory import DraftMemory
+
+MODES = ("per-key", "shared", "off")
+Mode = Literal["per-key", "shared", "off"]
+CLIENT_KEY: ContextVar[int | None] = ContextVar("clover_client_key", default=None)  # None: no keys configured
+
+
+class DraftMemories:
+    """The memories of one server (module docstring)."""
+
+    def __init__(self, mode: str, capacity: int) -> None:
+        if mode not in MODES:
+            raise ValueError(f"draft memory mode must be one of {', '.join(MODES)}, got {mode!r}")
+        if capacity < 1:
+            raise ValueError(f"the drafting memory's capacity must be >= 1 token, got {capacity}")
+        self.mode, self.capacity = mode, capacity
+        self._by_key: dict[int | None, DraftMemory] = {}
+        self._lock = threading.Lock()
+
+    def for_request(self) -> DraftMemory | None:
+        """The memory the current request drafts from and joins (None: `off`)."""
+        if self.mode == "off":
+            return None
+        from clover.engine.draft_memory import DraftMemory
+
+        key = CLIENT_KEY.get() if self.mode == "per-key" else None
+        with self._lock:
+            memory = self._by_key.get(key)
+            if memory is None:
+                memory = self._by_key[key] = DraftMemory(self.capacity)
+            return memory
+
+    def tokens(self) -> int:
+        """Tokens held, over every memory."""
+        with self._lock:
+            memories = list(self._by_key.values())
+        return sum(len(m) for m in memories)

@@ -1,0 +1,93 @@
+"""Whose answers draft whose (clover.serving.draft_memories): with API keys, a client's repeated request drafts
+from its own earlier answer and is decoded in fewer forwards, while another key's first request is not (its
+memory is its own); `shared` pools them, `off` keeps none; the text is the same in every case."""
+
+from __future__ import annotations
+
+import re
+
+import httpx
+import pytest
+
+from clover.engine import exact
+from clover.engine.cost import ForwardCost
+from clover.serving import ServerOptions, create_app
+from model_helpers import tiny_model
+from server_helpers import server_thread
+
+NAME = "clover-memory"
+KEYS = ("alice-key", "bob-key")
+PROMPT = [{"role": "user", "content": "Write the list of files in the folder, then read the first one."}]
+
+
+@pytest.fixture(scope="module")
+def model(chat_tokenizer):
+    return tiny_model("clover-tiny-dense", vocab_size=len(chat_tokenizer), mask_token_id=chat_tokenizer.mask_token_id,
+                      eos_token_id=chat_tokenizer.eos_token_id)
+
+
+def _serve(model, tokenizer, mode: str):
+    with pytest.MonkeyPatch.context() as patch:  # free rows: exact mode verifies whatever drafts it has
+        patch.setattr(exact, "cost_table", lambda runner, recalibrate=False: ForwardCost.flat())
+        app = create_app(model, tokenizer, ServerOptions(served_model_name=NAME, api_key=KEYS, draft_memory=mode,
+                                                         prefill_chunk=16))
+        with server_thread(app) as url:
+            yield url, app.state.server
+
+
+@pytest.fixture(params=["per-key", "shared", "off"])
+def served(request, model, chat_tokenizer):
+    yield from _serve(model, chat_tokenizer, request.param)
+
+
+def _ask(url: str, server, key: str) -> tuple[str, float, int]:
+    """The answer to PROMPT (greedy, exact mode, the EOS ignored so every answer is 40 tokens), the forwards that
+    decoded it (the server's counter before and after) and the drafts from a memory it accepted."""
+    before, accepted = _forwards(url, key), _memory_accepted(server)
+    r = httpx.post(f"{url}/v1/chat/completions", headers={"Authorization": f"Bearer {key}"}, timeout=120,
+                   json={"model": NAME, "messages": PROMPT, "max_tokens": 40, "temperature": 0, "rule": "exact",
+                         "block_size": 4, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    return (r.json()["choices"][0]["message"]["content"], _forwards(url, key) - before,
+            _memory_accepted(server) - accepted)
+
+
+def _memory_accepted(server) -> int:
+    return sum(e.loop.memory_tally[1] for e in server.scheduler.engines.values() if e.loop.name == "exact")
+
+
+def _forwards(url: str, key: str) -> float:
+    text = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {key}"}).text
+    return float(re.search(r"^clover_request_forward_passes_total (\S+)$", text, re.M).group(1))
+
+
+def test_whose_answers_draft_whose(served):
+    url, server = served
+    mode = server.options.draft_memory
+    alice_first, alice_first_forwards, alice_first_drafts = _ask(url, server, KEYS[0])
+    alice_again, alice_again_forwards, alice_again_drafts = _ask(url, server, KEYS[0])
+    bob_first, bob_first_forwards, bob_first_drafts = _ask(url, server, KEYS[1])
+    assert alice_first == alice_again == bob_first  # drafts never change an answer
+    assert alice_first_drafts == 0  # every memory is empty at first
+    if mode == "off":
+        assert alice_again_drafts == bob_first_drafts == 0 and server.memories.tokens() == 0
+        return
+    # her own answer drafted the repeat: most of it came from the memory, in far fewer forwards
+    assert alice_again_drafts >= 20 and alice_again_forwards < alice_first_forwards / 2
+    if mode == "per-key":  # bob's memory held nothing of hers
+        assert bob_first_drafts == 0
+    else:
+        assert bob_first_drafts >= 20 and bob_first_forwards < alice_first_forwards / 2
+    assert server.memories.tokens() == 3 * 40
+    text = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {KEYS[0]}"}).text
+    assert re.search(r"^clover_draft_memory_tokens 120\.0$", text, re.M)
+
+
+def test_a_wrong_key_is_refused_and_options_are_checked(served):
+    url, _ = served
+    r = httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer carol-key"})
+    assert r.status_code == 401
+    with pytest.raises(ValueError, match="draft_memory must be one of"):
+        ServerOptions(draft_memory="everyone")
+    with pytest.raises(ValueError, match="empty"):
+        ServerOptions(api_key=("alice", ""))
