@@ -19,7 +19,8 @@ slow minute of a shared machine hits them alike):
                   (`--spec-type ngram-mod`, the build's defaults; its pool fills from every prompt and answer the
                   server has seen); each prompt sent as token ids to its native `/completion` endpoint, greedy,
                   `cache_prompt` off (each prompt prefilled whole, as the other systems do), timed end to end over
-                  HTTP; forwards are the tokens less the drafted tokens accepted (the server's `timings`)
+                  HTTP; forwards are the tokens less the drafted tokens accepted, and `draft_acceptance` the
+                  accepted share of the drafted tokens (the server's `timings`)
   * `candidate`, `candidate-b1`   `default` and `int4-b1` of another clover-smol adapter (`--candidate DIR`: a
                   directory `recipes/clover_smol/package.py` wrote), to compare a new adapter with the shipped one
 
@@ -161,13 +162,13 @@ def compare(loaded: dict[str, tuple[Decode, Engine | None]], sets: dict[str, lis
         decode([1, 2, 3], 4)
     report: dict[str, Any] = {}
     for name, prompts in sets.items():
-        rows: dict[str, list[tuple[list[int], int, float]]] = {s: [] for s in systems}
+        rows: dict[str, list[tuple[list[int], int, float, float, dict[str, Any]]]] = {s: [] for s in systems}
         for ids in prompts:
             for s in systems:
                 start = time.perf_counter()
                 out, stats = loaded[s][0](ids, max_new)
                 rows[s].append((out, stats["forward_passes"], time.perf_counter() - start,
-                                stats["time_to_first_token_s"]))
+                                stats["time_to_first_token_s"], stats))
         report[name] = {}
         for s in systems:
             tokens = sum(len(r[0]) for r in rows[s])
@@ -176,6 +177,9 @@ def compare(loaded: dict[str, tuple[Decode, Engine | None]], sets: dict[str, lis
             figures = {"tokens_per_second": tokens / seconds, "tokens": tokens,
                        "tokens_per_forward": tokens / max(sum(r[1] for r in rows[s]), 1), "prefill_s": first,
                        "decode_tokens_per_second": (tokens - len(rows[s])) / max(seconds - first, 1e-9)}
+            drafted = sum(r[4].get("draft_tokens", 0) for r in rows[s])  # llama.cpp's server reports its drafts
+            if drafted:
+                figures["draft_acceptance"] = sum(r[4]["draft_tokens_accepted"] for r in rows[s]) / drafted
             ref = REFERENCE.get(s)
             if ref in rows:
                 figures["same_as_" + ref] = sum(a[0] == b[0] for a, b in zip(rows[s], rows[ref]))
