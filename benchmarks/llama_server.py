@@ -40,15 +40,15 @@ from pathlib import Path
 from typing import Any
 
 SPEC_TYPES = ("none", "ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache")
-MAP_TYPES = {"ngram-simple": "ngram_simple", "ngram-map-k": "ngram_map_k", "ngram-map-k4v": "ngram_map_k4v"}
-# option -> (the spec types it applies to, the field of xllamacpp's CommonParamsSpeculative.<type> it sets)
+MAP_TYPES = ("ngram-simple", "ngram-map-k", "ngram-map-k4v")  # the types with n / m / min-hits settings
+# option -> (the spec types it applies to, the field it sets in CommonParams.speculative.<type, '-' as '_'>)
 SPEC_OPTIONS = {
     "spec_ngram_mod_n_match": (("ngram-mod",), "n_match"),
     "spec_ngram_mod_n_min": (("ngram-mod",), "n_min"),
     "spec_ngram_mod_n_max": (("ngram-mod",), "n_max"),
-    "spec_ngram_size_n": (tuple(MAP_TYPES), "size_n"),
-    "spec_ngram_size_m": (tuple(MAP_TYPES), "size_m"),
-    "spec_ngram_min_hits": (tuple(MAP_TYPES), "min_hits"),
+    "spec_ngram_size_n": (MAP_TYPES, "size_n"),
+    "spec_ngram_size_m": (MAP_TYPES, "size_m"),
+    "spec_ngram_min_hits": (MAP_TYPES, "min_hits"),
 }
 
 
@@ -127,7 +127,7 @@ def server_params(args: argparse.Namespace, xllamacpp: Any) -> Any:
     if args.spec_type != "none":
         name = "COMMON_SPECULATIVE_TYPE_" + args.spec_type.upper().replace("-", "_")
         params.speculative.types = [xllamacpp.common_speculative_type[name]]
-        settings = getattr(params.speculative, MAP_TYPES.get(args.spec_type, args.spec_type.replace("-", "_")))
+        settings = getattr(params.speculative, args.spec_type.replace("-", "_"))
         for option, (_, attribute) in SPEC_OPTIONS.items():
             if getattr(args, option) is not None:
                 setattr(settings, attribute, getattr(args, option))
