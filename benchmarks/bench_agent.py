@@ -12,7 +12,14 @@ Each system is a server the script starts itself on a free 127.0.0.1 port, waits
 * `clover-llamacpp`: `clover serve --runner llamacpp` (Clover's engine on llama.cpp's kernels, the q8_0 GGUF);
 * `llamacpp-server`: llama.cpp's own OpenAI server (its C++ `llama-server`, through xllamacpp:
   benchmarks/llama_server.py) on the same GGUF, with the chat template the GGUF carries (Clover's) and llama.cpp's
-  tool-call parsing.
+  tool-call parsing;
+* `llamacpp-server-ngram`: the same with its draft-free n-gram speculation, `--spec-type ngram-mod` (the build's
+  defaults: n-grams of 24 tokens hashed into one pool that every request fills and drafts from, drafts of 48-64);
+* `llamacpp-server-reuse`: the same as `llamacpp-server` with `--cache-reuse 256` (chunks of the last prompt
+  reused by KV shifting beyond the common prefix).
+
+Each llama.cpp system's results name the build it ran (`llama_cpp_build`: the xllamacpp version and the llama.cpp
+release it carries).
 
 The agent (`run_agent`) is the loop agent frameworks run, on the official `openai` client: send the conversation
 and the tools, stream the answer, execute its tool calls, append the results as `tool` messages, repeat until
@@ -41,9 +48,7 @@ import os
 import platform
 import re
 import signal
-import socket
 import statistics
-import subprocess
 import sys
 import time
 import uuid
@@ -51,10 +56,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
-import httpx
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import llama_server  # noqa: E402  (benchmarks/, next to this script)
+from server_process import ServerProcess  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL_ID = "bench"
+# llama-server --cache-reuse: the smallest chunk of the last prompt reused by KV shifting (what llama.vim's README runs)
+CACHE_REUSE = 256
 BFCL_MAX_STEPS = 20  # BFCL's MAXIMUM_STEP_LIMIT: requests per user turn before a forced quit
 # BFCL's user message at a turn that brings held-out functions (the miss_func category)
 MORE_FUNCTIONS = "I have updated some more functions you can choose from. What about now?"
@@ -373,6 +382,7 @@ class System:
     argv: Callable[[int, argparse.Namespace], list[str]]  # the server's command for a port
     health: str  # a path that answers 200 once the model is loaded
     extra_body: dict[str, Any] = field(default_factory=dict)
+    llama_cpp: bool = False  # runs llama.cpp: its results name the build
 
 
 def _clover(*flags: str) -> Callable[[int, argparse.Namespace], list[str]]:
@@ -383,83 +393,30 @@ def _clover(*flags: str) -> Callable[[int, argparse.Namespace], list[str]]:
     return argv
 
 
-def _llamacpp_server(port: int, args: argparse.Namespace) -> list[str]:
-    from clover.smol import clover_smol_gguf
+def _llamacpp_server(spec_type: str = "none", cache_reuse: int = 0) -> Callable[[int, argparse.Namespace], list[str]]:
+    def argv(port: int, args: argparse.Namespace) -> list[str]:
+        from clover.smol import clover_smol_gguf
 
-    gguf = args.gguf or str(clover_smol_gguf("q8_0"))
-    return [sys.executable, str(ROOT / "benchmarks" / "llama_server.py"), gguf, "--alias", MODEL_ID, "--port",
-            str(port), "--ctx", str(args.ctx), "--threads", str(args.threads)]
+        gguf = args.gguf or str(clover_smol_gguf("q8_0"))
+        return llama_server.command(gguf, port, alias=MODEL_ID, ctx=args.ctx, threads=args.threads,
+                                    spec_type=spec_type, cache_reuse=cache_reuse)
+    return argv
 
 
 SYSTEMS = {s.name: s for s in (
     System("clover", "clover serve (defaults)", _clover(), "/health"),
     System("clover-b1", "clover serve --block-size 1 --rule threshold", _clover("--block-size", "1", "--rule",
                                                                                    "threshold"), "/health"),
-    System("clover-llamacpp", "clover serve --runner llamacpp", _clover("--runner", "llamacpp"), "/health"),
+    System("clover-llamacpp", "clover serve --runner llamacpp", _clover("--runner", "llamacpp"), "/health",
+           llama_cpp=True),
     # no repetition penalty, greedy as the others are (llama-server's default already; kept explicit)
-    System("llamacpp-server", "llama.cpp's llama-server (same GGUF)", _llamacpp_server, "/health",
-           {"repeat_penalty": 1.0}),
+    System("llamacpp-server", "llama.cpp's llama-server (same GGUF)", _llamacpp_server(), "/health",
+           {"repeat_penalty": 1.0}, llama_cpp=True),
+    System("llamacpp-server-ngram", "llama-server --spec-type ngram-mod", _llamacpp_server("ngram-mod"), "/health",
+           {"repeat_penalty": 1.0}, llama_cpp=True),
+    System("llamacpp-server-reuse", f"llama-server --cache-reuse {CACHE_REUSE}",
+           _llamacpp_server(cache_reuse=CACHE_REUSE), "/health", {"repeat_penalty": 1.0}, llama_cpp=True),
 )}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class ServerProcess:
-    """A server in a subprocess on a free loopback port: waits (bounded) for its health path, always stopped."""
-
-    def __init__(self, system: System, args: argparse.Namespace, log: Path, startup_s: float = 600.0) -> None:
-        self.system, self.port, self.startup_s = system, free_port(), startup_s
-        self.url = f"http://127.0.0.1:{self.port}"
-        env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONPATH": str(ROOT)}
-        log.parent.mkdir(parents=True, exist_ok=True)
-        self.log = log
-        with open(log, "wb") as out:
-            self.proc = subprocess.Popen(system.argv(self.port, args), stdout=out, stderr=subprocess.STDOUT,
-                                         env=env, cwd=ROOT)
-
-    def peak_rss_mib(self) -> float | None:
-        """Peak resident memory of the server process (VmHWM, Linux)."""
-        try:
-            status = Path(f"/proc/{self.proc.pid}/status").read_text()
-        except OSError:
-            return None
-        found = re.search(r"^VmHWM:\s+(\d+) kB", status, re.M)
-        return int(found[1]) / 1024 if found else None
-
-    def __enter__(self) -> "ServerProcess":
-        deadline = time.monotonic() + self.startup_s
-        try:
-            while True:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"{self.system.name} exited with {self.proc.returncode}:\n"
-                                       f"{self.log.read_text(errors='replace')[-2000:]}")
-                try:
-                    if httpx.get(self.url + self.system.health, timeout=5).status_code == 200:
-                        return self
-                except httpx.HTTPError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"{self.system.name} not healthy after {self.startup_s:.0f} s (log: {self.log})")
-                time.sleep(0.5)
-        except BaseException:
-            self.stop()
-            raise
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(15)
 
 
 # -- one system over the tasks -----------------------------------------------------------------------------------------
@@ -502,7 +459,8 @@ def run_system(system: System, tasks: list[Task], args: argparse.Namespace, budg
 
     count = token_counter(args)
     records = []
-    with ServerProcess(system, args, Path(args.out) / f"{system.name}.log") as server:
+    with ServerProcess(system.name, lambda port: system.argv(port, args), Path(args.out) / f"{system.name}.log",
+                       threads=args.threads, health=system.health) as server:
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0,
                                timeout=args.request_timeout)
         # first-call costs (kernels, allocator) off the figures: one short request, another prompt
@@ -513,7 +471,8 @@ def run_system(system: System, tasks: list[Task], args: argparse.Namespace, budg
                 break
             records.append(run_task(client, system, task, args, deadline, count))
         peak = server.peak_rss_mib()
-    return {"system": system.name, "describe": system.describe, "tasks": records, "peak_rss_mib": peak,
+    build = {"llama_cpp_build": llama_server.llama_cpp_build()} if system.llama_cpp else {}
+    return {"system": system.name, "describe": system.describe, **build, "tasks": records, "peak_rss_mib": peak,
             "summary": summarize(records, peak)}
 
 
@@ -562,8 +521,11 @@ def markdown(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
                      f"| {s['requests']} | {s['task_time_s']:.1f} | {_fmt(s['ttft_first_s'])} | "
                      f"{_fmt(s['ttft_later_s'])} | {_fmt(s['decode_tokens_per_s'], '.1f')} | {cached} | "
                      f"{_fmt(s['peak_rss_mib'], '.0f')} |")
+    builds = sorted({(r["llama_cpp_build"]["llama_cpp"], r["llama_cpp_build"]["xllamacpp"])
+                     for r in results if "llama_cpp_build" in r})
     lines += ["", "TTFT: medians, streamed (first: each task's first request, its whole prompt cold; later: every "
               "other request). Per-task results: the JSON beside this file."]
+    lines += [f"llama.cpp: {build} (xllamacpp {version})." for build, version in builds]
     return "\n".join(lines) + "\n"
 
 

@@ -18,6 +18,13 @@ slow minute of a shared machine hits them alike):
   * `fp32-exact`, `fp32-b1`   the same two in fp32 torch (`--systems` adds them; slow)
   * `llama-q4_0`, `llama-q8_0`   llama.cpp's own AR generation (`clover.runners.llamacpp_ar`: one causal sequence,
                   greedy) of the same model exported to GGUF (`clover export`), on the same token ids
+  * `llama-server`, `llama-server-ngram`   llama.cpp's own server (benchmarks/llama_server.py, one slot, a
+                  subprocess for the run) on the q4_0 GGUF, plain and with its draft-free n-gram speculation
+                  (`--spec-type ngram-mod`, the build's defaults; its pool fills from every prompt and answer the
+                  server has seen); each prompt sent as token ids to its native `/completion` endpoint, greedy,
+                  `cache_prompt` off (each prompt prefilled whole, as the other systems do), timed end to end over
+                  HTTP; forwards are the tokens less the drafted tokens accepted, and `draft_acceptance` the
+                  accepted share of the drafted tokens (the server's `timings`)
   * `candidate`, `candidate-b1`   `default` and `int4-b1` of another clover-smol adapter (`--candidate DIR`: a
                   directory `recipes/clover_smol/package.py` wrote), to compare a new adapter with the shipped one
 
@@ -27,7 +34,8 @@ have seen them before (what the drafting memory of `default` and any server-side
 Per set and system: tokens/s end to end (prefill included), tokens per forward, the ratio to `int4-b1`, the
 seconds to each answer's first token (its prefill) summed over the prompts, tokens/s after it, and how
 many answers are token for token the reference's (`default` and `int4-full` against `int4-b1`, `fp32-exact`
-against `fp32-b1`, llama.cpp against `int4-b1`: a different quantisation, so agreement, not identity).
+against `fp32-b1`, llama.cpp against `int4-b1`: a different quantisation, so agreement, not identity). With any
+llama.cpp system, `_llama_cpp_build` records the xllamacpp version and the llama.cpp release it carries.
 `--prior` prints the acceptance by draft position of `int4-full` on training prompts (what clover-smol's manifest
 records as `draft_acceptance`, exact mode's prior; with `--candidate`, the candidate's).
 """
@@ -36,17 +44,24 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
+import signal
 import sys
+import tempfile
 import time
 from collections.abc import Callable
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+import httpx
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_smol import prompt_ids, text_sets, tool_sets  # noqa: E402  (benchmarks/, next to this script)
+import llama_server  # noqa: E402  (benchmarks/, next to this script)
+from bench_smol import prompt_ids, text_sets, tool_sets  # noqa: E402
+from server_process import ServerProcess  # noqa: E402
 
 from clover.engine import Engine, SamplingParams  # noqa: E402
 from clover.engine.cost import cost_table  # noqa: E402
@@ -56,11 +71,12 @@ from clover.smol import build_quantized, clover_smol_dir, clover_smol_gguf  # no
 from clover.tokenizer import eos_token_ids, load_tokenizer  # noqa: E402
 from clover.training.bfcl import bfcl_to_chats  # noqa: E402
 
-SYSTEMS = ("default", "int4-b1", "int4-full", "no-lookup", "no-memory", "llama-q4_0", "llama-q8_0")
+SERVERS = {"llama-server": "none", "llama-server-ngram": "ngram-mod"}  # system -> llama-server --spec-type
+SYSTEMS = ("default", "int4-b1", "int4-full", "no-lookup", "no-memory", "llama-q4_0", "llama-q8_0", *SERVERS)
 EXTRA = ("fp32-exact", "fp32-b1", "candidate", "candidate-b1")
 REFERENCE = {"default": "int4-b1", "int4-full": "int4-b1", "no-lookup": "int4-b1", "no-memory": "int4-b1",
-             "fp32-exact": "fp32-b1",
-             "llama-q4_0": "int4-b1", "llama-q8_0": "int4-b1", "candidate": "candidate-b1"}
+             "fp32-exact": "fp32-b1", "llama-q4_0": "int4-b1", "llama-q8_0": "int4-b1", "candidate": "candidate-b1",
+             **{name: "int4-b1" for name in SERVERS}}
 
 Decode = Callable[[list[int], int], tuple[list[int], dict[str, Any]]]  # (prompt ids, max new) -> (new ids, stats)
 
@@ -94,6 +110,24 @@ def llama_system(quant: str, threads: int, eos: list[int], n_ctx: int = 4096) ->
     return decode
 
 
+def server_system(name: str, threads: int, stack: ExitStack, n_ctx: int = 4096) -> Decode:
+    """llama.cpp's own server on the q4_0 GGUF, started for the run (stopped when `stack` closes), one prompt a
+    request to `/completion`."""
+    gguf = clover_smol_gguf("q4_0")
+    log = Path(tempfile.gettempdir()) / f"bench_exact-{name}-{os.getpid()}.log"
+    server = stack.enter_context(ServerProcess(
+        name, lambda port: llama_server.command(gguf, port, alias="bench", ctx=n_ctx, threads=threads,
+                                                spec_type=SERVERS[name]), log, threads=threads))
+    client = stack.enter_context(httpx.Client(base_url=server.url, timeout=600))
+
+    def decode(ids: list[int], max_new: int) -> tuple[list[int], dict[str, Any]]:
+        response = client.post("/completion", json=llama_server.completion_request(ids, max_new))
+        response.raise_for_status()
+        return llama_server.completion_result(response.json())
+
+    return decode
+
+
 def load(system: str, threads: int, recalibrate: bool, candidate: Path | None = None) -> tuple[Decode, Engine | None]:
     quant = "none" if system.startswith("fp32") else "int4"
     if system.startswith("candidate"):
@@ -120,12 +154,25 @@ def load(system: str, threads: int, recalibrate: bool, candidate: Path | None = 
 def run(systems: list[str], sets: dict[str, list[list[int]]], max_new: int, threads: int,
         recalibrate: bool, candidate: Path | None = None,
         warmup: dict[str, list[list[int]]] | None = None) -> dict[str, Any]:
-    loaded = {s: load(s, threads, recalibrate, candidate) for s in systems}
+    with ExitStack() as servers:
+        loaded = {s: (server_system(s, threads, servers), None) if s in SERVERS else
+                  load(s, threads, recalibrate, candidate) for s in systems}
+        report = compare(loaded, sets, max_new, warmup or {})
+    if any(s.startswith("llama") for s in systems):
+        report["_llama_cpp_build"] = llama_server.llama_cpp_build()
+    return report
+
+
+def compare(loaded: dict[str, tuple[Decode, Engine | None]], sets: dict[str, list[list[int]]],
+            max_new: int, warmup: dict[str, list[list[int]]] | None = None) -> dict[str, Any]:
+    """The systems taking turns prompt by prompt over each set, after the set's `warmup` prompts (untimed); the
+    figures per set and system (module docstring)."""
+    systems = list(loaded)
     for decode, _ in loaded.values():  # first calls build kernels and caches: not timed
         decode([1, 2, 3], 4)
     report: dict[str, Any] = {}
     for name, prompts in sets.items():
-        rows: dict[str, list[tuple[list[int], int, float]]] = {s: [] for s in systems}
+        rows: dict[str, list[tuple[list[int], int, float, float, dict[str, Any]]]] = {s: [] for s in systems}
         for ids in (warmup or {}).get(name, []):  # untimed: what a server saw before
             for s in systems:
                 loaded[s][0](ids, max_new)
@@ -134,7 +181,7 @@ def run(systems: list[str], sets: dict[str, list[list[int]]], max_new: int, thre
                 start = time.perf_counter()
                 out, stats = loaded[s][0](ids, max_new)
                 rows[s].append((out, stats["forward_passes"], time.perf_counter() - start,
-                                stats["time_to_first_token_s"]))
+                                stats["time_to_first_token_s"], stats))
         report[name] = {}
         for s in systems:
             tokens = sum(len(r[0]) for r in rows[s])
@@ -143,6 +190,9 @@ def run(systems: list[str], sets: dict[str, list[list[int]]], max_new: int, thre
             figures = {"tokens_per_second": tokens / seconds, "tokens": tokens,
                        "tokens_per_forward": tokens / max(sum(r[1] for r in rows[s]), 1), "prefill_s": first,
                        "decode_tokens_per_second": (tokens - len(rows[s])) / max(seconds - first, 1e-9)}
+            drafted = sum(r[4].get("draft_tokens", 0) for r in rows[s])  # llama.cpp's server reports its drafts
+            if drafted:
+                figures["draft_acceptance"] = sum(r[4]["draft_tokens_accepted"] for r in rows[s]) / drafted
             ref = REFERENCE.get(s)
             if ref in rows:
                 figures["same_as_" + ref] = sum(a[0] == b[0] for a, b in zip(rows[s], rows[ref]))
@@ -153,7 +203,7 @@ def run(systems: list[str], sets: dict[str, list[list[int]]], max_new: int, thre
                 report[name][s]["vs_int4_b1"] = report[name][s]["tokens_per_second"] / base
             f = report[name][s]
             same = next((f"{v}/{len(prompts)} same as {k[8:]}" for k, v in f.items() if k.startswith("same_as")), "")
-            print(f"{name:18} {s:11} {f['tokens_per_second']:7.1f} tok/s  x{f.get('vs_int4_b1', 0):.2f}  "
+            print(f"{name:18} {s:18} {f['tokens_per_second']:7.1f} tok/s  x{f.get('vs_int4_b1', 0):.2f}  "
                   f"TPF {f['tokens_per_forward']:.2f}  prefill {f['prefill_s']:5.2f} s  decoding "
                   f"{f['decode_tokens_per_second']:6.1f} tok/s  {same}", flush=True)
     report["_engines"] = {s: e.settings() for s, (_, e) in loaded.items() if e is not None}
@@ -176,6 +226,7 @@ def main() -> None:
                         help="another adapter package (package.py's output) for the candidate systems")
     parser.add_argument("--out", default=None, help="write the figures as JSON here")
     args = parser.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # as an exception: the servers are stopped
     torch.set_num_threads(args.threads)
     tokenizer = load_tokenizer(clover_smol_dir())
     if args.prior:

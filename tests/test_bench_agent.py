@@ -153,7 +153,8 @@ def test_the_llamacpp_server_baseline_starts_streams_and_stops(tmp_path, chat_to
     _, gguf = checkpoint_and_gguf(tmp_path, chat_tokenizer, 1024)  # the tools take ~350 tokens of the prompt
     system = bench.SYSTEMS["llamacpp-server"]
     args = argparse.Namespace(gguf=str(gguf), ctx=1024, threads=1)
-    with bench.ServerProcess(system, args, tmp_path / "server.log", startup_s=120) as server:
+    with bench.ServerProcess(system.name, lambda port: system.argv(port, args), tmp_path / "server.log", threads=1,
+                             startup_s=120) as server:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", timeout=120)
         assert [m.id for m in client.models.list().data] == [bench.MODEL_ID]
         answer = bench.stream_answer(client, bench.MODEL_ID, [{"role": "user", "content": "Hi"}], [ADD], 8,
@@ -161,3 +162,18 @@ def test_the_llamacpp_server_baseline_starts_streams_and_stops(tmp_path, chat_to
         assert answer.finish_reason in ("length", "stop", "tool_calls") and answer.ttft_s > 0
         assert server.peak_rss_mib() > 0
     assert server.proc.poll() is not None  # stopped with the benchmark
+
+
+def test_the_llamacpp_server_systems_differ_in_speculation_and_cache_reuse_only():
+    """`llamacpp-server` plain, `-ngram` with ngram-mod, `-reuse` with --cache-reuse: the same server command
+    otherwise (benchmarks/llama_server.py on the same GGUF), and each marked to record the llama.cpp build."""
+    import argparse
+
+    args = argparse.Namespace(gguf="/m.gguf", ctx=4096, threads=2)
+    parsed = {name: bench.llama_server.parse_args(bench.SYSTEMS[name].argv(9000, args)[2:])
+              for name in ("llamacpp-server", "llamacpp-server-ngram", "llamacpp-server-reuse")}
+    assert {name: (a.spec_type, a.cache_reuse) for name, a in parsed.items()} == {
+        "llamacpp-server": ("none", 0), "llamacpp-server-ngram": ("ngram-mod", 0),
+        "llamacpp-server-reuse": ("none", bench.CACHE_REUSE)}
+    assert {(a.gguf, a.ctx, a.threads, a.alias) for a in parsed.values()} == {("/m.gguf", 4096, 2, bench.MODEL_ID)}
+    assert all(bench.SYSTEMS[name].llama_cpp for name in parsed) and not bench.SYSTEMS["clover"].llama_cpp
