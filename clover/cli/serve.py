@@ -61,6 +61,9 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--draft-memory-tokens", type=int, default=None,
                    help="answer tokens each drafting memory keeps, oldest answers evicted first (default: 262144, "
                         "about 64 MiB: some 250 bytes a token)")
+    p.add_argument("--record-requests", default=None, metavar="FILE",
+                   help="append every finished sequence (prompt and answer token ids, the engine's figures) to this "
+                        "JSON-lines file, for offline analysis (benchmarks/replay_drafts.py); it holds users' text")
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--engine", choices=("clover", "vllm"), default="clover",
@@ -161,7 +164,8 @@ def run(args: argparse.Namespace) -> int:
         prefix_snapshot_interval=args.prefix_snapshot_interval, chat_template=read_chat_template(args.chat_template),
         tool_call_parser=args.tool_call_parser, responses_store_bytes=int(args.responses_store_mb * 2**20),
         draft_memory=args.draft_memory,
-        draft_memory_tokens=args.draft_memory_tokens or ServerOptions.draft_memory_tokens)
+        draft_memory_tokens=args.draft_memory_tokens or ServerOptions.draft_memory_tokens,
+        record_requests=args.record_requests)
     defaults = read_generation_defaults(source if source.is_dir() else None)
     app = create_app(runner, tokenizer, options, generation_defaults=defaults)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not options.api_keys:

@@ -272,6 +272,12 @@ class ExactLoop(DecodingLoop):
             if lookup is not None:
                 lookup.acceptance.tick()
                 lookup.acceptance.confidence = acc.confidence
+            reached = min(took + 1, verified)  # drafts compared: accepted up to `took`, then one rejected
+            if verified:
+                source = "model" if not bool(b.looked_up[r]) else "memory" if lookup.memory_draft else "context"
+                counts = b.seqs[r].drafts.setdefault(source, [0, 0])
+                counts[0] += took
+                counts[1] += reached
             if bool(b.looked_up[r]):
                 tally = self.lookup_tally
                 if lookup.memory_draft is not None:
@@ -284,10 +290,10 @@ class ExactLoop(DecodingLoop):
                     lookup.acceptance.observe(verified, took)
                 tally[0] += verified > 0
                 tally[1] += took
-                tally[2] += min(took + 1, verified)
+                tally[2] += reached
                 continue
             acc.observe(verified, took)
-            for i in range(min(took + 1, verified)):  # positions reached: accepted up to `took`, then one rejected
+            for i in range(reached):
                 self.tally[i][0] += i < took
                 self.tally[i][1] += 1
         b.decided, b.n_decided, b.n_feed = tokens, 1 + accepted, torch.ones_like(accepted)

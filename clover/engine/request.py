@@ -63,6 +63,8 @@ class Request:
     ignore_eos: bool = False  # the engine's EOS does not end it (it runs to `max_new_tokens`)
     memory: DraftMemory | None = field(default=None, repr=False)  # earlier answers it drafts from; it joins them
     # when it finishes (clover.engine.draft_memory; exact mode)
+    drafts: dict[str, list[int]] = field(default_factory=dict)  # exact mode: by source ("model", "context",
+    # "memory"), [drafts accepted, drafts verified]
 
     def __post_init__(self) -> None:
         if self.guard is None and self.params.loop_guard_span:
@@ -173,4 +175,6 @@ class Request:
             "finish_reason": self.finish_reason,
             "stop_string": self.stop_string,
             **({"forced_tokens": self.matcher.forced_tokens} if self.matcher is not None else {}),
+            **({"drafts": {source: {"accepted": a, "verified": v} for source, (a, v) in self.drafts.items()}}
+               if self.drafts else {}),
         }

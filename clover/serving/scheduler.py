@@ -60,6 +60,7 @@ from clover.serving.handles import Outbox, RequestHandle
 from clover.serving.heap import release_free_heap
 from clover.serving.metrics import ServerMetrics
 from clover.serving.prefix_cache import PrefixCache
+from clover.serving.request_log import RequestLog
 from clover.serving.scheduler_policy import DecisionJob, EngineKey, Job, SchedulePolicy
 
 logger = logging.getLogger(__name__)
@@ -82,7 +83,7 @@ class Scheduler:
                  eos_token_ids: Seq[int] | None = None, vocab_limit: int | None = None,
                  detokenize: Callable[[list[int]], str] | None = None, prefill_chunk: int = 256,
                  prefix_cache: PrefixCache | None = None, max_running: int = 32, max_waiting: int = 256,
-                 metrics: ServerMetrics | None = None) -> None:
+                 metrics: ServerMetrics | None = None, request_log: RequestLog | None = None) -> None:
         if prefix_cache is not None and prefix_cache.grid != prefill_chunk:
             raise ValueError(f"the prefix cache grid ({prefix_cache.grid}) must equal the prefill chunk "
                              f"({prefill_chunk}): reuse is exact only on the chunk grid")
@@ -101,7 +102,8 @@ class Scheduler:
         # written on the scheduler thread only (under `_lock`); read by the event loop under `_lock`
         self.engines: OrderedDict[EngineKey, Engine] = OrderedDict()  # least recently asked for first
         self._live: Counter[EngineKey] = Counter()  # sequences submitted per engine and not finished
-        self.policy = SchedulePolicy(self.engines, prefix_cache, max_running, self.metrics, self._release)
+        self.policy = SchedulePolicy(self.engines, prefix_cache, max_running, self.metrics, self._release,
+                                     request_log)
         self.outbox = Outbox()  # the handles' results of an iteration, delivered at its end
         self._ids = itertools.count()
         self._lock = threading.Condition()

@@ -33,6 +33,7 @@ from clover.engine.engine import DecodeBatch, Prefill
 from clover.engine.request import Request
 from clover.serving.handles import Output, RequestHandle
 from clover.serving.metrics import ServerMetrics
+from clover.serving.request_log import RequestLog
 from clover.serving.prefix_cache import PrefixCache, SnapshotBudget
 
 logger = logging.getLogger(__name__)
@@ -75,9 +76,10 @@ class SchedulePolicy:
     which creates them); `released(job)`: called once per sequence that leaves (finished, failed, cancelled)."""
 
     def __init__(self, engines: dict[EngineKey, Engine], prefix_cache: PrefixCache | None, max_running: int,
-                 metrics: ServerMetrics, released: Callable[[Job], None]) -> None:
+                 metrics: ServerMetrics, released: Callable[[Job], None],
+                 request_log: RequestLog | None = None) -> None:
         self.engines, self.prefix_cache, self.max_running = engines, prefix_cache, max_running
-        self.metrics, self.released = metrics, released
+        self.metrics, self.released, self.request_log = metrics, released, request_log
         self.batches: dict[EngineKey, DecodeBatch] = {}
         # prefilled (alone, or short prompts together), waiting for their batch's next block boundary
         self.ready: list[tuple[list[Job], DecodeBatch]] = []
@@ -294,6 +296,8 @@ class SchedulePolicy:
 
     def _finished(self, job: Job, stats: dict[str, Any]) -> None:
         self._forget(job)
+        if self.request_log is not None:
+            self.request_log.write(job.seq, stats)
         self.metrics.record_finished(len(job.seq.prompt), job.handle.cached_tokens[job.choice], stats,
                                      latency=(job.seq.end_time or time.perf_counter()) - job.arrival,
                                      ttft=None if job.seq.first_output_time is None

@@ -39,6 +39,7 @@ from clover.serving.openai_format import (ChatChoice, ChoiceText, chat_body, cha
 from clover.serving.prefix_cache import PrefixCache
 from clover.serving.protocol import APIError, ChatCompletionRequest, CompletionRequest, SamplingFields
 from clover.serving.draft_memories import MODES, DraftMemories
+from clover.serving.request_log import RequestLog
 from clover.serving.response_store import ResponseStore
 from clover.serving.scheduler import QueueFull, Scheduler
 from clover.serving.grammar_route import forced_start, max_calls, request_grammar, route
@@ -72,6 +73,7 @@ class ServerOptions:
     responses_store_bytes: int = 64 * 2**20  # stored responses (`previous_response_id`), as JSON; 0: none kept
     draft_memory: str = "per-key"  # whose answers draft whose (clover.serving.draft_memories): per-key|shared|off
     draft_memory_tokens: int = DEFAULT_CAPACITY  # tokens each drafting memory keeps
+    record_requests: str | None = None  # a JSON-lines file every finished sequence is appended to (request_log.py)
 
     @property
     def api_keys(self) -> tuple[str, ...]:
@@ -170,7 +172,8 @@ class ServedModel:
             self.runner, block_size=options.block_size, threshold=options.threshold, rule=options.rule,
             eos_token_ids=eos, vocab_limit=len(self.tokenizer), detokenize=self.tokenizer.decode,
             prefill_chunk=options.prefill_chunk, prefix_cache=prefix_cache, max_running=options.max_running,
-            max_waiting=options.max_waiting, metrics=self.metrics)
+            max_waiting=options.max_waiting, metrics=self.metrics,
+            request_log=RequestLog(options.record_requests) if options.record_requests else None)
         self.stored = ResponseStore(options.responses_store_bytes)  # the Responses API's (responses.py)
         self.memories = DraftMemories(options.draft_memory, options.draft_memory_tokens)
         self.metrics.draft_memory_tokens.set_function(self.memories.tokens)

@@ -1,0 +1,39 @@
+"""`clover serve --record-requests FILE`: every finished sequence as one JSON line, for offline analysis.
+
+A line holds the prompt's and the answer's token ids, in the order the server finished them, with the engine's
+figures for the answer (forwards, drafts accepted by source, finish reason): what `benchmarks/replay_drafts.py`
+replays to predict what a drafting policy would have accepted, beside what the server measured. Prompts and
+answers are the users' text: the file is written with owner-only permissions, and only when asked for.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from clover.engine.request import Request
+
+
+class RequestLog:
+    """Appends one line per finished sequence to `path` (created owner-only; an existing file is appended to)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        self._file = os.fdopen(fd, "a", encoding="utf-8")
+        self._lock = threading.Lock()
+
+    def write(self, seq: Request, stats: dict[str, Any]) -> None:
+        line = json.dumps({"time": time.time(), "prompt": seq.prompt, "answer": seq.generated,
+                           "stats": {k: v for k, v in stats.items() if k != "steps_per_block"}})
+        with self._lock:
+            self._file.write(line + "\n")
+            self._file.flush()
+
+    def close(self) -> None:
+        with self._lock:
+            self._file.close()
