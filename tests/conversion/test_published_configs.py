@@ -1,11 +1,12 @@
 """`clover convert` on config.json files shaped as the published checkpoints' are.
 
-Each case below is the key set of a published checkpoint's config.json (every key it has, no key it lacks), with
-sizes shrunk so that a random model builds in milliseconds. Sizes keep the relations the published files rely on:
-`head_dim` absent where the file has none (so it is `hidden_size / heads`), and different from
-`hidden_size / heads` where the file sets it (Qwen3, Qwen3-MoE, Qwen3-Next, Qwen3.5: 128 or 256 against 64 or 128);
-`layer_types` absent where the file derives them from `full_attention_interval`; sliding-window fields present but
-off; RoPE in the legacy top-level fields or in `rope_parameters` (with Qwen3.5's M-RoPE sections), as published.
+Each case below is the key set of a published checkpoint's config.json (written from what those files hold: they
+cannot be downloaded here), with sizes shrunk so that a random model builds in milliseconds. Sizes keep the
+relations the published files rely on: `head_dim` absent where the file has none (so it is `hidden_size / heads`),
+and different from `hidden_size / heads` where the file sets it (Qwen3, Qwen3-MoE, Qwen3-Next, Qwen3.5: 128 or 256
+against 64 or 128); `layer_types` absent where the file derives them from `full_attention_interval`; sliding-window
+fields present but off; RoPE in the legacy top-level fields or in `rope_parameters` (with Qwen3.5's M-RoPE
+sections), as published.
 
 transformers builds the reference from that same config.json (`CONFIG_MAPPING[model_type].from_dict`, the class
 its `architectures` names: the multimodal release with its vision tower for Qwen3.5 / 3.6); the random weights are
@@ -83,6 +84,13 @@ QWEN3_NEXT_80B_A3B = {
     "vocab_size": VOCAB,
 }
 
+# Qwen/Qwen3-Coder-Next: as Qwen3-Next-80B-A3B, with layer_types written out beside full_attention_interval
+QWEN3_CODER_NEXT = {
+    key: value for key, value in QWEN3_NEXT_80B_A3B.items()
+    if key not in ("attention_bias", "attention_dropout", "output_router_logits", "router_aux_loss_coef",
+                   "torch_dtype", "transformers_version", "use_cache", "use_sliding_window")
+} | {"layer_types": ["linear_attention"] * 3 + ["full_attention"], "rope_theta": 5000000}
+
 # The Qwen3.5 / 3.6 releases are multimodal: the text tower's config is nested under text_config, with layer_types
 # written out, RoPE in rope_parameters (interleaved M-RoPE sections; plain RoPE for text), and an MTP head.
 _QWEN3_5_ROPE = {"mrope_interleaved": True, "mrope_section": [2, 1, 1], "rope_type": "default", "rope_theta": 10000000,
@@ -152,6 +160,7 @@ CASES = {
     "Qwen3-0.6B": ("qwen3", QWEN3_0_6B),
     "Qwen3-30B-A3B": ("qwen3_moe", QWEN3_30B_A3B),
     "Qwen3-Next-80B-A3B-Instruct": ("qwen3_next", QWEN3_NEXT_80B_A3B),
+    "Qwen3-Coder-Next": ("qwen3_next", QWEN3_CODER_NEXT),
     "Qwen3.6-35B-A3B": ("qwen3_5_moe", QWEN3_6_35B_A3B),
     "Qwen3.5-0.8B": ("qwen3_5", QWEN3_5_0_8B),
     "Llama-3.2-1B-Instruct": ("llama", LLAMA_3_2_1B),
@@ -223,7 +232,8 @@ def test_llama3_rope_scaling_is_transformers_at_long_positions() -> None:
     cos, signed_sin = RotaryEmbedding(64, rope["rope_theta"], rope["rope_scaling"])(positions, torch.float32)
     want_cos, want_sin = LlamaRotaryEmbedding(hf)(torch.zeros(1), positions)
     torch.testing.assert_close(cos[:, 0], want_cos, atol=1e-5, rtol=0)
-    torch.testing.assert_close(signed_sin[:, 0].abs(), want_sin.abs(), atol=1e-5, rtol=0)
+    sin = torch.cat((-signed_sin[..., :32], signed_sin[..., 32:]), dim=-1)  # Clover keeps [-sin | sin]
+    torch.testing.assert_close(sin[:, 0], want_sin, atol=1e-5, rtol=0)
     plain_cos, _ = RotaryEmbedding(64, rope["rope_theta"])(positions, torch.float32)
     assert (plain_cos - cos).abs().max() > 0.1  # the scaling is there to be checked
 
