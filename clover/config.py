@@ -21,6 +21,8 @@ CONTEXT_READINGS = ("block_causal", "causal")
 PROMPT_READINGS = ("causal", "blocks")
 DELTANET_READINGS = ("block_bidirectional", "causal")
 BLOCK_GRIDS = ("prompt_end", "absolute")
+# `rope_scaling` (rope_type "llama3", the only scaling Clover computes): the fields transformers' llama3 RoPE reads
+LLAMA3_ROPE_FIELDS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
 def _hybrid_layer_types(num_layers: int, interval: int = 4) -> list[str]:
@@ -47,6 +49,9 @@ class CloverConfig:
     head_dim: int = 256
     rope_theta: float = 10_000_000.0
     partial_rotary_factor: float = 0.25
+    # None: plain RoPE. Llama 3.x checkpoints: {"rope_type": "llama3", LLAMA3_ROPE_FIELDS...}, the low frequencies
+    # divided by `factor` (clover.model.rope.llama3_inv_freq)
+    rope_scaling: dict[str, Any] | None = None
     attention_bias: bool = False
     attn_output_gate: bool = True  # q_proj yields [query | gate] per head; output *= sigmoid(gate)
     qk_norm: bool = True
@@ -145,6 +150,10 @@ class CloverConfig:
             raise bad("linear_num_key_heads", "must divide linear_num_value_heads")
         if self.rotary_dim % 2:
             raise bad("partial_rotary_factor", "head_dim * partial_rotary_factor must be even")
+        if self.rope_scaling is not None and (
+                self.rope_scaling.get("rope_type") != "llama3"
+                or sorted(self.rope_scaling) != sorted(("rope_type",) + LLAMA3_ROPE_FIELDS)):
+            raise bad("rope_scaling", f"must be None or rope_type 'llama3' with exactly {list(LLAMA3_ROPE_FIELDS)}")
         if self.mlp_type == "moe" and self.num_experts_per_tok > self.num_experts:
             raise bad("num_experts_per_tok", "cannot exceed num_experts")
         if self.shared_expert_intermediate_size < 0:

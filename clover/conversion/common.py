@@ -32,7 +32,7 @@ from tqdm.auto import tqdm
 
 from clover.checkpoint import (LM_HEAD, checkpoint_tensor_shapes, format_names, safetensors_files,
                                write_checkpoint)
-from clover.config import CloverConfig
+from clover.config import LLAMA3_ROPE_FIELDS, CloverConfig
 
 logger = logging.getLogger(__name__)
 
@@ -129,22 +129,40 @@ def read_hf_dir(src: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     return config, (json.loads(generation.read_text()) if generation.is_file() else {})
 
 
-def rope_settings(hf_config: Any) -> tuple[float, float]:
-    """`(rope_theta, partial_rotary_factor)` of a transformers config.
+def rope_settings(hf_config: Any) -> dict[str, Any]:
+    """CloverConfig's `rope_theta`, `partial_rotary_factor` and `rope_scaling` for a transformers config.
 
-    transformers >= 5 standardises legacy fields (top-level `rope_theta`, `partial_rotary_factor`,
-    `rope_scaling`) into `rope_parameters`, so this reads only that. Clover implements plain RoPE, so any
-    scaling type other than "default" is refused. (Qwen3.5's multimodal `mrope_section` is plain RoPE for
-    text: the three position streams are equal.)
+    transformers >= 5 standardises the legacy fields (top-level `rope_theta`, `partial_rotary_factor`,
+    `rope_scaling`) into `rope_parameters`, filling what a file leaves out as its modelling code reads it (theta
+    10000, `original_max_position_embeddings` = `max_position_embeddings`), so this reads only that. Clover
+    computes plain RoPE and Llama 3's scaling (rope_type "llama3", every Llama 3.x checkpoint); any other type
+    (linear, dynamic, yarn, longrope, ...) is refused by name. (Qwen3.5's multimodal `mrope_section` is plain
+    RoPE for text: the three position streams are equal.)
     """
     params = dict(getattr(hf_config, "rope_parameters", None) or {})
     kind = params.get("rope_type", "default")
-    if kind != "default":
-        raise ValueError(f"unsupported RoPE scaling {kind!r}: Clover implements plain RoPE only "
-                         "(rope_type 'default'); convert a checkpoint without rope scaling")
+    if kind not in ("default", "llama3"):
+        raise ValueError(f"unsupported RoPE scaling: rope_type {kind!r} (config.json rope_scaling / rope_parameters "
+                         f"{params}); Clover computes plain RoPE and rope_type 'llama3' only")
     if params.get("rope_theta") is None:
         raise ValueError("source config has no rope_theta")
-    return float(params["rope_theta"]), float(params.get("partial_rotary_factor", 1.0))
+    scaling = None
+    if kind == "llama3":
+        missing = [name for name in LLAMA3_ROPE_FIELDS if params.get(name) is None]
+        if missing:
+            raise ValueError(f"rope_type 'llama3' needs {missing} in config.json rope_scaling / rope_parameters")
+        scaling = {"rope_type": "llama3", **{name: params[name] for name in LLAMA3_ROPE_FIELDS}}
+    return {"rope_theta": float(params["rope_theta"]),
+            "partial_rotary_factor": float(params.get("partial_rotary_factor", 1.0)), "rope_scaling": scaling}
+
+
+def dense_mlp_layers(hf_config: Any) -> list[int]:
+    """The layers a Qwen3-MoE / Qwen3-Next config gives a dense SwiGLU instead of experts, as their decoder layers
+    decide: layer `i` is sparse iff `i not in mlp_only_layers`, `num_experts > 0` and `(i + 1) %
+    decoder_sparse_step == 0` (published files: `mlp_only_layers` [], step 1, so every layer is sparse)."""
+    return [i for i in range(hf_config.num_hidden_layers)
+            if i in hf_config.mlp_only_layers or hf_config.num_experts <= 0
+            or (i + 1) % hf_config.decoder_sparse_step != 0]
 
 
 def special_token_ids(*configs: dict[str, Any]) -> dict[str, Any]:

@@ -15,11 +15,16 @@ heads for Q and the key/value heads for K.
 Hyper-parameters come from the `llama.*` metadata; the tokenizer (with its chat template) is rebuilt by
 transformers from the GGUF's `tokenizer.ggml.*` metadata and saved as `tokenizer.json` +
 `tokenizer_config.json`, so the checkpoint never needs the GGUF again.
+
+Llama 3's RoPE scaling is read back from a GGUF `clover export` wrote (`clover.rope_scaling`, checked against its
+`rope_freqs` divisors); llama.cpp's own Llama 3 files carry the divisors only and are refused, naming the way that
+works (`--from llama` on the HF checkpoint).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from pathlib import Path
 from typing import Any
@@ -27,6 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from clover.config import CloverConfig
 from clover.conversion.common import Source, SourceTensorError
 from clover.conversion.llama import llama_config
 
@@ -46,6 +52,10 @@ _LAYER = {
 CLOVER_KEYS = {"clover.block_size": "block_size", "clover.threshold": "threshold", "clover.rule": "rule",
                "clover.mask_token_id": "mask_token_id", "clover.context_reading": "context_reading"}
 _LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
+# Llama 3's RoPE scaling: llama.cpp reads per-frequency divisors (ROPE_FREQS); `clover export` also writes the
+# scaling's own fields (CloverConfig.rope_scaling, JSON) so that it can be read back as Clover computes it
+ROPE_FREQS = "rope_freqs.weight"
+ROPE_SCALING_KEY = "clover.rope_scaling"
 
 
 def unpermute_qk(weight: torch.Tensor, heads: int) -> torch.Tensor:
@@ -96,9 +106,9 @@ class GGUFSource(Source):
         self._tensors = {t.name: t for t in self.reader.tensors}
         self._used: set[str] = set()
         scaling = self._meta("llama.rope.scaling.type", "none")
-        if scaling not in ("none", "") or "rope_freqs.weight" in self._tensors:
-            raise ValueError(f"{self.path}: RoPE scaling ({scaling!r}, or a rope_freqs tensor) is not supported: "
-                             "Clover implements plain RoPE only")
+        if scaling not in ("none", ""):
+            raise ValueError(f"{self.path}: RoPE scaling (llama.rope.scaling.type {scaling!r}) is not supported: "
+                             "Clover computes plain RoPE and Llama 3's scaling only")
         heads = int(self._meta("llama.attention.head_count"))
         hidden = int(self._meta("llama.embedding_length"))
         head_dim = int(self._meta("llama.attention.key_length", hidden // heads))
@@ -118,18 +128,48 @@ class GGUFSource(Source):
             head_dim=head_dim,
             rms_norm_eps=float(self._meta("llama.attention.layer_norm_rms_epsilon")),
             max_position_embeddings=int(self._meta("llama.context_length", 2048)),
-            rope_parameters={"rope_type": "default", "rope_theta": float(self._meta("llama.rope.freq_base", 10000.0))},
+            rope_parameters={**self._rope_scaling(), "rope_theta": float(self._meta("llama.rope.freq_base", 10000.0))},
             tie_word_embeddings="output.weight" not in self._tensors,
         )
         gguf_keys = {"bos_token_id": "bos_token_id", "eos_token_id": "eos_token_id", "pad_token_id": "padding_token_id"}
         token_ids = {ours: self._meta(f"tokenizer.ggml.{theirs}", None) for ours, theirs in gguf_keys.items()}
         token_ids = {k: (None if v is None else int(v)) for k, v in token_ids.items()}
         config = llama_config(hf, token_ids)
+        self._check_rope_freqs(config)
         # A GGUF written by `clover export` carries Clover's decoding defaults (and its mask token: `tokenizer`)
         defaults = {field: self._meta(key) for key, field in CLOVER_KEYS.items()
                     if key in self.reader.fields and field != "mask_token_id"}
         self.mask_token_id = self._meta("clover.mask_token_id", None)
         self.config = dataclasses.replace(config, **defaults)
+
+    def _rope_scaling(self) -> dict[str, Any]:
+        """The RoPE parameters besides theta: Llama 3's scaling when `clover export` wrote it, else plain. A
+        `rope_freqs` tensor without it (llama.cpp's converter writes Llama 3's scaling as divisors only) is
+        refused: the divisors alone do not name the scaling's fields."""
+        if ROPE_FREQS not in self._tensors:
+            return {"rope_type": "default"}
+        if ROPE_SCALING_KEY not in self.reader.fields:
+            raise ValueError(f"{self.path}: a {ROPE_FREQS} tensor (per-frequency RoPE divisors, as llama.cpp's "
+                             f"converter writes Llama 3's scaling) without {ROPE_SCALING_KEY} is not supported: "
+                             "convert the HF checkpoint instead (`clover convert --from llama`), whose config.json "
+                             "names the scaling")
+        return json.loads(self._meta(ROPE_SCALING_KEY))
+
+    def _check_rope_freqs(self, config: CloverConfig) -> None:
+        """The file's `rope_freqs` must be the divisors its `clover.rope_scaling` implies (what llama.cpp computes
+        is what the converted model computes)."""
+        if config.rope_scaling is None:
+            return
+        # deferred: the model package, only for a file with Llama 3's scaling (the llama.cpp runner reads GGUFs)
+        from clover.model.rope import rope_freq_factors
+
+        self._used.add(ROPE_FREQS)
+        info = self._tensors[ROPE_FREQS]
+        stored = torch.from_numpy(np.array(info.data, dtype=np.float32).reshape(-1))
+        implied = rope_freq_factors(config.rotary_dim, config.rope_theta, config.rope_scaling)
+        if stored.shape != implied.shape or not torch.allclose(stored, implied, rtol=1e-6, atol=0):
+            raise ValueError(f"{self.path}: {ROPE_FREQS} is not the divisors {ROPE_SCALING_KEY} "
+                             f"{config.rope_scaling} implies")
 
     def _meta(self, key: str, default: Any = _REQUIRED) -> Any:
         field = self.reader.fields.get(key)

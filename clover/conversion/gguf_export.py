@@ -11,7 +11,9 @@ what block decoding needs:
 * the tokenizer as `tokenizer.ggml.*` (byte-level BPE: tokens, token types, merges, special ids), the mask
   token included as a control token, and the checkpoint's chat template;
 * Clover's decoding defaults under the `clover.` namespace (`CLOVER_KEYS`), which `clover convert --from gguf`
-  reads back.
+  reads back;
+* Llama 3's RoPE scaling (`rope_scaling`) as llama.cpp's converter writes it, a `rope_freqs` tensor of per-frequency
+  divisors, and as `clover.rope_scaling` for the way back.
 
 Quantisation (`QUANTS`): `f32` keeps every tensor at fp32 (a round trip through `convert --from gguf` is then
 bit-exact); `f16` stores the matrices at fp16; `q8_0` / `q4_0` quantise each matrix row in blocks of 32 (one
@@ -38,11 +40,12 @@ from tqdm.auto import tqdm
 from clover.atomic_files import atomic_path
 from clover.choices import GGUF_QUANTS as QUANTS
 from clover.config import FULL_ATTENTION, CloverConfig
-from clover.conversion.gguf import CLOVER_KEYS, gguf_name, permute_qk
+from clover.conversion.gguf import CLOVER_KEYS, ROPE_FREQS, ROPE_SCALING_KEY, gguf_name, permute_qk
 from clover.conversion.gguf_hybrid import (CONFIG_KEY, EXPERT_TENSORS, KEEP_F32, check_hybrid_exportable,
                                            hybrid_arch, hybrid_tensors, write_hybrid_metadata)
 from clover.model import CloverForBlockDiffusion
 from clover.model.lora import drop_adapter, has_lora, is_gated, merge_and_unload
+from clover.model.rope import rope_freq_factors
 from clover.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -187,10 +190,14 @@ def _write_llama_metadata(writer: Any, config: CloverConfig) -> None:
     writer.add_rope_freq_base(config.rope_theta)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(config.vocab_size)
+    if config.rope_scaling is not None:  # read back by `convert --from gguf`; llama.cpp reads the rope_freqs tensor
+        writer.add_string(ROPE_SCALING_KEY, json.dumps(config.rope_scaling))
 
 
 def _llama_tensors(state: dict[str, torch.Tensor], config: CloverConfig) -> Iterator[tuple[str, torch.Tensor]]:
     """(GGUF name, tensor) of a dense checkpoint: llama names, Q/K rows in ggml's RoPE order."""
+    if config.rope_scaling is not None:  # Llama 3's scaling, as llama.cpp's converter writes it
+        yield ROPE_FREQS, rope_freq_factors(config.rotary_dim, config.rope_theta, config.rope_scaling)
     for name, tensor in state.items():
         if config.tie_word_embeddings and name == "lm_head.weight":
             continue

@@ -86,6 +86,8 @@ def check_hybrid_exportable(config: CloverConfig) -> None:
         why = "its attention is not Qwen3.5's gated attention with zero-centred q/k norms"
     elif config.attention_bias:
         why = "its attention has biases"
+    elif config.rope_scaling is not None:
+        why = f"it uses RoPE scaling (rope_scaling {config.rope_scaling}), which the export does not write"
     elif full_attention_interval(config) is None:
         why = (f"its layer pattern {config.layer_types} is not 'every n-th layer full attention', the only one "
                "llama.cpp's loader reads")

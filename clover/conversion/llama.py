@@ -1,10 +1,12 @@
-"""Llama HF checkpoints (`LlamaForCausalLM`, e.g. the SmolLM2 family) -> Clover's dense backbone.
+"""Llama HF checkpoints (`LlamaForCausalLM`: Llama 3.x, the SmolLM2 family) -> Clover's dense backbone.
 
 Names are identical (`model.layers.N.self_attn.q_proj.weight`, `mlp.gate_proj.weight`, ...), so tensors are
 copied. The config maps to: plain RMSNorm (`y = norm(x) * w`), attention without output gate or q/k norm,
 full RoPE (`partial_rotary_factor` 1), dense SwiGLU of width `intermediate_size`, every layer full attention,
-embeddings tied as in the source. Llama's `attention_bias` also puts a bias on `o_proj`, and `mlp_bias` on the
-MLP, neither of which Clover has, so both are refused, as is any RoPE scaling (llama3, yarn, ...).
+embeddings tied as in the source, `head_dim` (absent in most files) `hidden_size / heads`, Llama 3's RoPE scaling
+(`rope_scaling` rope_type "llama3", in every Llama 3.x config.json) kept as `CloverConfig.rope_scaling`.
+Llama's `attention_bias` also puts a bias on `o_proj`, and `mlp_bias` on the MLP, neither of which Clover has, so
+both are refused, as is any other RoPE scaling (linear, dynamic, yarn, ...).
 """
 
 from __future__ import annotations
@@ -26,10 +28,9 @@ def llama_config(hf, token_ids: dict, max_position_embeddings: int | None = None
 def dense_config(hf, token_ids: dict, max_position_embeddings: int | None = None, *, qkv_bias: bool = False,
                  qk_norm: bool = False) -> CloverConfig:
     """CloverConfig for a Llama-form transformers config (every layer full attention, dense SwiGLU, plain
-    RMSNorm, plain RoPE); `qkv_bias`: biases on q, k and v (Qwen2); `qk_norm`: each head's queries and keys
-    RMS-normalised before RoPE (Qwen3)."""
+    RMSNorm, RoPE plain or Llama-3-scaled); `qkv_bias`: biases on q, k and v (Qwen2); `qk_norm`: each head's
+    queries and keys RMS-normalised before RoPE (Qwen3)."""
     require_silu(hf)
-    theta, partial = rope_settings(hf)
     return CloverConfig(
         vocab_size=hf.vocab_size,
         hidden_size=hf.hidden_size,
@@ -44,8 +45,7 @@ def dense_config(hf, token_ids: dict, max_position_embeddings: int | None = None
         num_key_value_heads=hf.num_key_value_heads,
         # as transformers' attention reads it: real Qwen2 / Qwen2.5 config.json files carry no head_dim
         head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads,
-        rope_theta=theta,
-        partial_rotary_factor=partial,
+        **rope_settings(hf),
         attention_bias=qkv_bias,
         attn_output_gate=False,
         qk_norm=qk_norm,

@@ -12,8 +12,10 @@ All are Llama-form, with Llama's tensor names, and differ from it in one place e
   no shared expert (Clover's `shared_expert_intermediate_size` 0). Layers that `decoder_sparse_step` or
   `mlp_only_layers` leave dense become Clover's `mlp_only_layers`.
 
-Sliding-window layers (`use_sliding_window`, `layer_types` with `sliding_attention`) and RoPE scaling (YaRN
-and the like) are refused: Clover reads every layer with full attention and plain RoPE. Block-diffusion
+Optional fields are read as transformers' classes read them: no `head_dim` is `hidden_size / heads` (Qwen2.5's
+files; Qwen3's config class defaults it to 128); `use_sliding_window` false (every published file) leaves every layer
+full attention whatever `sliding_window` / `max_window_layers` say. Layers that do slide, and RoPE scaling other
+than Llama 3's (YaRN and the like), are refused by name: Clover reads every layer with full attention. Block-diffusion
 checkpoints built on these bases (SDAR, Fast-dLLM v2) carry the same layout but other conventions; this module
 converts AR bases, which the training recipe then adapts.
 """
@@ -24,19 +26,37 @@ import dataclasses
 from pathlib import Path
 
 from clover.config import CloverConfig
-from clover.conversion.common import HFSource, read_hf_dir, special_token_ids
+from clover.conversion.common import HFSource, dense_mlp_layers, read_hf_dir, special_token_ids
 from clover.conversion.llama import dense_config
 
 
 def moe_config(hf, dense: CloverConfig) -> CloverConfig:
-    """`dense` (Qwen3's attention and norms) with a Qwen3-MoE config's feed-forward."""
-    step = hf.decoder_sparse_step
-    dense_layers = [i for i in range(hf.num_hidden_layers)
-                    if i in hf.mlp_only_layers or hf.num_experts == 0 or (i + 1) % step]
+    """`dense` (Qwen3's attention and norms) with a Qwen3-MoE config's feed-forward (a dense model when no layer
+    is sparse)."""
+    dense_layers = dense_mlp_layers(hf)
+    if len(dense_layers) == hf.num_hidden_layers:
+        return dense
     return dataclasses.replace(
         dense, mlp_type="moe", num_experts=hf.num_experts, num_experts_per_tok=hf.num_experts_per_tok,
         moe_intermediate_size=hf.moe_intermediate_size, shared_expert_intermediate_size=0,
         norm_topk_prob=bool(hf.norm_topk_prob), mlp_only_layers=dense_layers)
+
+
+def check_full_attention(hf, model_type: str) -> None:
+    """Refuse a sliding window where transformers' attention applies one: Qwen2 / Qwen3 on the layers `layer_types`
+    marks "sliding_attention" (by default those from `max_window_layers` on, when `use_sliding_window`); Qwen3-MoE
+    on every layer when `use_sliding_window` leaves `sliding_window` set. Published files set `use_sliding_window`
+    false (their `sliding_window` / `max_window_layers` values are then unused)."""
+    if model_type == "qwen3_moe":
+        if hf.sliding_window is not None:
+            raise ValueError(f"sliding-window attention (use_sliding_window true, sliding_window {hf.sliding_window}) "
+                             "is not supported: Clover reads every layer with full attention")
+        return
+    sliding = [i for i, kind in enumerate(hf.layer_types) if kind != "full_attention"]
+    if sliding:
+        raise ValueError(f"sliding-window attention on layers {sliding} (sliding_window {hf.sliding_window}; "
+                         "layer_types / use_sliding_window with max_window_layers) is not supported: Clover reads "
+                         "every layer with full attention")
 
 
 class QwenSource(HFSource):
@@ -54,10 +74,7 @@ class QwenSource(HFSource):
                              f"expects {expected!r}")
         fields = {k: v for k, v in raw.items() if k not in ("model_type", "auto_map", "architectures")}
         hf = {"qwen3": Qwen3Config, "qwen2": Qwen2Config, "qwen3_moe": Qwen3MoeConfig}[model_type].from_dict(fields)
-        sliding = [i for i, kind in enumerate(getattr(hf, "layer_types", None) or []) if kind != "full_attention"]
-        if getattr(hf, "use_sliding_window", False) or sliding:
-            raise ValueError(f"sliding-window attention (layers {sliding or 'per use_sliding_window'}) is not "
-                             "supported: Clover reads every layer with full attention")
+        check_full_attention(hf, model_type)
         if model_type != "qwen2" and hf.attention_bias:
             raise ValueError(f"attention_bias is not supported for {model_type}: it also biases o_proj, which "
                              "Clover's attention has not")

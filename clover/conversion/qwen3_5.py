@@ -13,7 +13,12 @@ prefix map:
 
 The architecture facts Clover relies on are fixed for this family: zero-centred RMSNorm, gated attention
 with q/k norms, partial RoPE; the MoE models' softmax top-k router with renormalised weights and sigmoid-gated
-shared expert; the dense models' SwiGLU of width `intermediate_size`.
+shared expert; the dense models' SwiGLU of width `intermediate_size`. Fields of the published files that
+transformers' Qwen3.5 classes do not read are not read here either (`attn_output_gate`: always gated;
+`mlp_only_layers`, `norm_topk_prob`: every layer sparse, always renormalised; `mtp_*`, `mamba_ssm_dtype`, `dtype`);
+`layer_types`, when absent, follow `full_attention_interval` (default 4), and `partial_rotary_factor` defaults to
+0.25, as the config classes derive them. The multimodal release ties its embeddings by its top-level
+`tie_word_embeddings`, which its class (`...ForConditionalGeneration`) reads, falling back on text_config's.
 """
 
 from __future__ import annotations
@@ -35,7 +40,6 @@ def hybrid_config(text: Any, token_ids: dict[str, Any], tie_word_embeddings: boo
     if getattr(text, "attention_bias", False):
         raise ValueError("attention_bias=True is not supported: the source has q/k/v/o biases and Clover's "
                          "attention has no o_proj bias")
-    theta, partial = rope_settings(text)
     fields: dict[str, Any] = dict(
         vocab_size=text.vocab_size,
         hidden_size=text.hidden_size,
@@ -49,8 +53,7 @@ def hybrid_config(text: Any, token_ids: dict[str, Any], tie_word_embeddings: boo
         num_attention_heads=text.num_attention_heads,
         num_key_value_heads=text.num_key_value_heads,
         head_dim=text.head_dim or text.hidden_size // text.num_attention_heads,
-        rope_theta=theta,
-        partial_rotary_factor=partial,
+        **rope_settings(text),
         attention_bias=False,
         attn_output_gate=True,
         qk_norm=True,
@@ -93,7 +96,9 @@ class Qwen35Source(HFSource):
             text = multimodal.from_dict(fields).text_config
             prefix = "model.language_model."
             raw_text = raw["text_config"] or {}
-            tied = bool(raw_text.get("tie_word_embeddings", raw.get("tie_word_embeddings", False)))
+            # the release's own class (its `architectures`, ...ForConditionalGeneration) ties by the top-level field;
+            # a file without one falls back on text_config's, as loading the text tower alone reads it
+            tied = bool(raw.get("tie_word_embeddings", raw_text.get("tie_word_embeddings", False)))
         else:
             text = text_config.from_dict(fields)
             prefix, raw_text, tied = "model.", raw, bool(text.tie_word_embeddings)

@@ -15,7 +15,11 @@ of q/k heads over consecutive value heads). Three things differ:
 2. **Router normalisation** is optional (`norm_topk_prob`, copied).
 3. **Dense layers.** Layer `i` is a dense SwiGLU of width `intermediate_size` when `i in mlp_only_layers`
    or `(i + 1) % decoder_sparse_step != 0` (or the model has no experts); Clover lists them all in
-   `mlp_only_layers`.
+   `mlp_only_layers` (`common.dense_mlp_layers`).
+
+The published config.json has no `layer_types`: transformers' config class derives them from
+`full_attention_interval` (every 4th layer full attention) and reads `rope_theta` / `partial_rotary_factor` (default
+0.25) from the top level into `rope_parameters`; the conversion reads the config object, so it sees the same.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from clover.conversion.common import HFSource, read_hf_dir, special_token_ids
+from clover.conversion.common import HFSource, dense_mlp_layers, read_hf_dir, special_token_ids
 from clover.conversion.qwen3_5 import hybrid_config
 
 _SPLIT = {"in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"}
@@ -58,8 +62,7 @@ class Qwen3NextSource(HFSource):
                              "expects 'qwen3_next'")
         hf = Qwen3NextConfig.from_dict(raw)
         n = hf.num_hidden_layers
-        dense = [i for i in range(n) if i in hf.mlp_only_layers or hf.num_experts <= 0
-                 or (i + 1) % hf.decoder_sparse_step != 0]
+        dense = dense_mlp_layers(hf)
         overrides: dict = dict(norm_topk_prob=bool(hf.norm_topk_prob), mlp_only_layers=dense,
                                intermediate_size=hf.intermediate_size if dense else 0)
         if len(dense) == n:  # no sparse layer at all: a dense model

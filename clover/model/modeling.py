@@ -108,7 +108,7 @@ class CloverModel(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, zero_centered=config.norm_type == "zero_centered")
-        self.rotary = RotaryEmbedding(config.rotary_dim, config.rope_theta)
+        self.rotary = RotaryEmbedding(config.rotary_dim, config.rope_theta, config.rope_scaling)
 
 
 class CloverForBlockDiffusion(nn.Module):

@@ -309,7 +309,7 @@ def test_llama_rope_scaling_is_refused(tmp_path: Path) -> None:
     reference.save_pretrained(tmp_path / "hf")
     rewrite_checkpoint(tmp_path / "hf", tmp_path / "scaled", lambda s: s, lambda c: {
         **c, "rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}})
-    with pytest.raises(ValueError, match="unsupported RoPE scaling 'linear'"):
+    with pytest.raises(ValueError, match="unsupported RoPE scaling: rope_type 'linear'"):
         convert("llama", tmp_path / "scaled", tmp_path / "clover")
     assert not (tmp_path / "clover").exists()
 

@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file
 from server_helpers import build_checkpoint
 
+from clover import CloverForBlockDiffusion
 from clover.cli.main import main
 from clover.conversion import convert
 from clover.conversion.gguf_export import export_gguf
@@ -139,3 +140,29 @@ def test_q4_k_is_refused_for_a_model_without_experts(checkpoint: Path, tmp_path:
     with pytest.raises(ValueError, match="q4_k quantises a MoE model's routed experts: this checkpoint has none"):
         export_gguf(checkpoint, tmp_path / "m.gguf", "q4_k")
     assert not list(tmp_path.glob("*.gguf")) and not list(tmp_path.glob(".m.gguf*"))
+
+
+# Llama 3's scaling with a short original context, so that it changes the rotation at a test's few positions
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
+
+
+def test_llama3_rope_scaling_is_exported_as_rope_freqs_and_read_back(tmp_path: Path, chat_tokenizer) -> None:
+    import gguf
+
+    from clover.model.rope import rope_freq_factors
+
+    checkpoint = build_checkpoint(tmp_path / "model", chat_tokenizer, rope_scaling=LLAMA3_ROPE)
+    gguf_path = export_gguf(checkpoint, tmp_path / "model.gguf", "f32")
+    freqs = next(t for t in gguf.GGUFReader(str(gguf_path)).tensors if t.name == "rope_freqs.weight")
+    factors = rope_freq_factors(16, 10000.0, LLAMA3_ROPE)
+    # the highest frequency kept, two interpolated, the low ones divided by `factor`
+    assert factors[0] == 1.0 and 1.0 < factors[1] < factors[2] < 4.0 and (factors[3:] == 4.0).all()
+    torch.testing.assert_close(torch.from_numpy(freqs.data.copy()), factors, rtol=0, atol=0)
+    back = convert("gguf", gguf_path, tmp_path / "back")
+    assert json.loads((back / "config.json").read_text())["rope_scaling"] == LLAMA3_ROPE
+    ids = torch.randint(0, 200, (1, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = CloverForBlockDiffusion.from_pretrained(checkpoint)(ids, block_size=1).logits
+        got = CloverForBlockDiffusion.from_pretrained(back)(ids, block_size=1).logits
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)

@@ -243,5 +243,9 @@ def test_config_rejects_what_it_does_not_know():
         CloverConfig.from_dict({**CloverConfig.from_preset("clover-tiny").to_dict(), "hiddden_size": 3})
     with pytest.raises(ValueError, match="layer_types"):
         CloverConfig.from_preset("clover-tiny", layer_types=["mamba"] * 4)
+    with pytest.raises(ValueError, match="rope_scaling: must be None or rope_type 'llama3'"):
+        CloverConfig.from_preset("clover-tiny", rope_scaling={"rope_type": "yarn", "factor": 4.0})
+    with pytest.raises(ValueError, match="rope_scaling"):  # a llama3 scaling missing a field
+        CloverConfig.from_preset("clover-tiny", rope_scaling={"rope_type": "llama3", "factor": 4.0})
     cfg = CloverConfig.from_preset("clover-tiny")
     assert CloverConfig.from_dict(cfg.to_dict()) == cfg

@@ -213,3 +213,31 @@ def test_runner_config_is_the_exported_models(pair):
     exported = dataclasses.asdict(runner.config)
     for key in ("block_size", "threshold", "mask_token_id", "vocab_size", "context_reading", "num_hidden_layers"):
         assert exported[key] == getattr(model.config, key), key
+
+
+def test_llama3_rope_scaling_reaches_llama_cpp(tmp_path, chat_tokenizer):
+    """A Llama 3.x conversion's RoPE scaling reaches llama.cpp as its `rope_freqs` divisors: a commit and the next
+    block read as the torch model reads them, which plain RoPE does not (the short original context makes the
+    scaling change the rotation at these positions)."""
+    rope = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64}
+    checkpoint = build_checkpoint(tmp_path / "model", chat_tokenizer, rope_scaling=rope)
+    plain = build_checkpoint(tmp_path / "plain", chat_tokenizer)  # the same weights (same seed), plain RoPE
+    runner = LlamaCppRunner(export_gguf(checkpoint, tmp_path / "model.gguf", "f32"), threads=1, kv_type="f32",
+                            max_rows=4, max_block_size=8)
+    assert runner.config.rope_scaling == rope
+    prompt, block = torch.tensor([PROMPTS[2] * 3]), torch.tensor([[40, 41, 42, 43]])
+    masks = torch.full((1, 4), runner.config.mask_token_id)
+    at = torch.ones(1, 8, dtype=torch.bool)
+
+    def logits(model):
+        cache = model.new_cache(1)
+        with torch.no_grad():
+            model(prompt, 4, cache=cache, prefix_len=prompt.shape[1], logits_to_keep=0)
+            return model(block, 4, cache=cache, query_ids=masks, logits_at=at).logits
+
+    want = logits(CloverForBlockDiffusion.from_pretrained(checkpoint).eval())
+    runner.forward(prompt, 4, cache=(cache := runner.new_cache(1)), prefix_len=prompt.shape[1], logits_to_keep=0)
+    got = runner.forward(block, 4, cache=cache, query_ids=masks, logits_at=at)
+    torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-4)
+    assert (logits(CloverForBlockDiffusion.from_pretrained(plain).eval()) - want).abs().max() > 1e-2  # 10x atol

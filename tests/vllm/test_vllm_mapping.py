@@ -37,10 +37,13 @@ def _hf_logits(model, hf_class) -> torch.Tensor:
         return hf(IDS).logits
 
 
-def test_dense_causal_path_is_transformers_llama() -> None:
+@pytest.mark.parametrize("rope_scaling", [None, {
+    "rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8}], ids=["plain_rope", "llama3_rope"])  # short context: it shows at 12 tokens
+def test_dense_causal_path_is_transformers_llama(rope_scaling) -> None:
     from transformers import LlamaForCausalLM
 
-    model = tiny_model("clover-tiny-dense", head_dim=32)
+    model = tiny_model("clover-tiny-dense", head_dim=32, rope_scaling=rope_scaling)
     assert architecture(model.config) == "CloverLlamaForCausalLM"
     with torch.no_grad():
         want = model(IDS, block_size=1).logits

@@ -84,7 +84,7 @@ def transformers_config(config: CloverConfig, **kwargs: Any) -> Any:
     from transformers import LlamaConfig, Qwen3NextConfig  # deferred: transformers
 
     arch = architecture(config)
-    rope = {"rope_type": "default", "rope_theta": config.rope_theta}
+    rope = {**(config.rope_scaling or {"rope_type": "default"}), "rope_theta": config.rope_theta}
     common = dict(
         architectures=[arch], vocab_size=config.vocab_size, hidden_size=config.hidden_size,
         num_hidden_layers=config.num_hidden_layers, num_attention_heads=config.num_attention_heads,
