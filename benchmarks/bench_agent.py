@@ -43,6 +43,7 @@ memory (VmHWM). Written as JSON, Markdown and a plot under `--out`.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import platform
@@ -56,8 +57,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
+import httpx
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import llama_server  # noqa: E402  (benchmarks/, next to this script)
+from replay_drafts import read_log  # noqa: E402
 from server_process import ServerProcess  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -383,6 +387,7 @@ class System:
     health: str  # a path that answers 200 once the model is loaded
     extra_body: dict[str, Any] = field(default_factory=dict)
     llama_cpp: bool = False  # runs llama.cpp: its results name the build
+    clover: bool = False  # `clover serve`: its requests are recorded (--record-requests) and its memory read
 
 
 def _clover(*flags: str) -> Callable[[int, argparse.Namespace], list[str]]:
@@ -404,11 +409,13 @@ def _llamacpp_server(spec_type: str = "none", cache_reuse: int = 0) -> Callable[
 
 
 SYSTEMS = {s.name: s for s in (
-    System("clover", "clover serve (defaults)", _clover(), "/health"),
+    System("clover", "clover serve (defaults)", _clover(), "/health", clover=True),
+    System("clover-no-memory", "clover serve --draft-memory off", _clover("--draft-memory", "off"), "/health",
+           clover=True),
     System("clover-b1", "clover serve --block-size 1 --rule threshold", _clover("--block-size", "1", "--rule",
-                                                                                   "threshold"), "/health"),
+                                                                                   "threshold"), "/health", clover=True),
     System("clover-llamacpp", "clover serve --runner llamacpp", _clover("--runner", "llamacpp"), "/health",
-           llama_cpp=True),
+           llama_cpp=True, clover=True),
     # no repetition penalty, greedy as the others are (llama-server's default already; kept explicit)
     System("llamacpp-server", "llama.cpp's llama-server (same GGUF)", _llamacpp_server(), "/health",
            {"repeat_penalty": 1.0}, llama_cpp=True),
@@ -459,8 +466,12 @@ def run_system(system: System, tasks: list[Task], args: argparse.Namespace, budg
 
     count = token_counter(args)
     records = []
-    with ServerProcess(system.name, lambda port: system.argv(port, args), Path(args.out) / f"{system.name}.log",
-                       threads=args.threads, health=system.health) as server:
+    log = Path(args.out) / f"{system.name}.requests.jsonl"  # clover serve's record of every request
+    log.unlink(missing_ok=True)
+    record = ["--record-requests", str(log)] if system.clover else []
+    memory = None
+    with ServerProcess(system.name, lambda port: system.argv(port, args) + record,
+                       Path(args.out) / f"{system.name}.log", threads=args.threads, health=system.health) as server:
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0,
                                timeout=args.request_timeout)
         # first-call costs (kernels, allocator) off the figures: one short request, another prompt
@@ -471,9 +482,39 @@ def run_system(system: System, tasks: list[Task], args: argparse.Namespace, budg
                 break
             records.append(run_task(client, system, task, args, deadline, count))
         peak = server.peak_rss_mib()
+        if system.clover:
+            memory = draft_memory_tokens(httpx.get(f"{server.url}/metrics", timeout=30).text)
     build = {"llama_cpp_build": llama_server.llama_cpp_build()} if system.llama_cpp else {}
+    engine = engine_figures(records, read_log([log])) if system.clover else {}
     return {"system": system.name, "describe": system.describe, **build, "tasks": records, "peak_rss_mib": peak,
-            "summary": summarize(records, peak)}
+            "summary": {**summarize(records, peak), **engine, "draft_memory_tokens": memory}}
+
+
+def draft_memory_tokens(metrics: str) -> int | None:
+    found = re.search(r"^clover_draft_memory_tokens (\S+)$", metrics, re.M)
+    return int(float(found.group(1))) if found else None
+
+
+def engine_figures(records: list[dict[str, Any]], log: list[dict[str, Any]]) -> dict[str, Any]:
+    """From the server's request log (its first line: the warm-up request): tokens per forward over every request
+    and over the later requests of each task (its first request's answer is the only one with no earlier turn of
+    its own), and a digest of each answer's token ids, to compare systems that must write the same. None where the
+    log does not hold one line per request (a request cut off by its timeout is not logged)."""
+    steps = [len(r["steps"]) for r in records]
+    answers = log[1:]
+    if len(answers) != sum(steps):
+        return {"tokens_per_forward": None, "tokens_per_forward_later": None, "answer_digests": None}
+    later, at = [], 0
+    for n in steps:
+        later += answers[at + 1:at + n]
+        at += n
+
+    def tpf(lines: list[dict[str, Any]]) -> float | None:
+        forwards = sum(line["stats"]["forward_passes"] for line in lines)
+        return sum(len(line["answer"]) for line in lines) / forwards if forwards else None
+
+    return {"tokens_per_forward": tpf(answers), "tokens_per_forward_later": tpf(later),
+            "answer_digests": [hashlib.sha1(json.dumps(line["answer"]).encode()).hexdigest()[:16] for line in answers]}
 
 
 def _median(values: list[float]) -> float | None:
@@ -508,24 +549,41 @@ def _fmt(value: float | None, spec: str = ".2f") -> str:
     return "n/a" if value is None else format(value, spec)
 
 
+def same_answers(results: list[dict[str, Any]]) -> list[str]:
+    """Lines saying how many answers of each other Clover system are token for token the first one's (requests
+    in the same order: the agent's path is the same while the answers are)."""
+    recorded = [r for r in results if r["summary"].get("answer_digests")]
+    if len(recorded) < 2:
+        return []
+    first, lines = recorded[0], []
+    for other in recorded[1:]:
+        a, b = first["summary"]["answer_digests"], other["summary"]["answer_digests"]
+        lines.append(f"Answers of `{other['system']}` token for token `{first['system']}`'s: "
+                     f"{sum(x == y for x, y in zip(a, b))} of {max(len(a), len(b))}.")
+    return lines
+
+
 def markdown(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     lines = [f"# bench_agent: {meta['category']}, {meta['tasks']} tasks", "",
              f"Command: `{meta['command']}`  ", f"Machine: {meta['machine']}", "",
              "| system | passed | tool calls valid / written | requests | task time (s) | TTFT first (s) | "
-             "TTFT later (s) | decode tok/s | cached / prompt tokens | peak RSS (MiB) |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "TTFT later (s) | decode tok/s | TPF later | cached / prompt tokens | drafting memory (tokens) | "
+             "peak RSS (MiB) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results:
         s = r["summary"]
         cached = "n/a" if s["cached_tokens"] is None else f"{s['cached_tokens']} / {s['prompt_tokens']}"
         lines.append(f"| {r['describe']} | {s['passed']} / {s['tasks']} | {s['valid_tool_calls']} / {s['tool_calls']} "
                      f"| {s['requests']} | {s['task_time_s']:.1f} | {_fmt(s['ttft_first_s'])} | "
-                     f"{_fmt(s['ttft_later_s'])} | {_fmt(s['decode_tokens_per_s'], '.1f')} | {cached} | "
-                     f"{_fmt(s['peak_rss_mib'], '.0f')} |")
+                     f"{_fmt(s['ttft_later_s'])} | {_fmt(s['decode_tokens_per_s'], '.1f')} | "
+                     f"{_fmt(s.get('tokens_per_forward_later'))} | {cached} | {_fmt(s.get('draft_memory_tokens'), 'd')} "
+                     f"| {_fmt(s['peak_rss_mib'], '.0f')} |")
     builds = sorted({(r["llama_cpp_build"]["llama_cpp"], r["llama_cpp_build"]["xllamacpp"])
                      for r in results if "llama_cpp_build" in r})
     lines += ["", "TTFT: medians, streamed (first: each task's first request, its whole prompt cold; later: every "
               "other request). Per-task results: the JSON beside this file."]
     lines += [f"llama.cpp: {build} (xllamacpp {version})." for build, version in builds]
+    lines += same_answers(results)
     return "\n".join(lines) + "\n"
 
 

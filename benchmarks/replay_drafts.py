@@ -1,0 +1,135 @@
+"""Drafts replayed offline: what copied drafts would accept on a server's recorded requests, before any is timed.
+
+    python benchmarks/replay_drafts.py LOG.jsonl [LOG.jsonl ...] [--most 3] [--memory-most 15]
+        [--capacity 262144] [--skip 1] [--out F.json]
+
+A log is what `clover serve --record-requests FILE` wrote (bench_agent.py records one per Clover system): each
+finished sequence's prompt and answer token ids, in the order the server finished them, with the engine's
+figures. The replay walks every answer as exact mode does when the model drafts nothing (on a CPU the cost model
+makes no model drafts): after the prefill decides the first token, each forward verifies the drafts copied for
+the context so far and commits the accepted ones plus the causal choice, i.e. `1 + accepted` tokens, where
+`accepted` is how many drafts equal the recorded answer's next tokens (the answers are the model's greedy
+choices, so a draft is accepted exactly when it equals them). Drafts come from
+
+  * `context`: the request's own prompt and answer so far (clover.engine.lookup, at most `--most` tokens);
+  * `memory`: the answers before it (clover.engine.draft_memory, at most `--memory-most`), shared by every
+    request of the log, as `clover serve --draft-memory shared` (or per-key with one key) keeps them;
+  * `both`: whichever matches the longer suffix, as exact mode chooses.
+
+Each policy verifies every draft it has (the upper bound of what the cost model would verify): the predicted
+tokens per forward and the acceptance (drafts accepted / drafts compared, a rejected one included) by source,
+over the requests after the first `--skip` (bench_agent's warm-up request), beside what the log's own figures
+measured (forwards and drafts by source, as the engine chose them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from clover.engine.draft_memory import DEFAULT_CAPACITY, DraftMemory  # noqa: E402
+from clover.engine.exact import MEMORY_MOST  # noqa: E402
+from clover.engine.lookup import ContextLookup  # noqa: E402
+
+POLICIES = ("context", "memory", "both")
+
+
+def read_log(paths: Iterable[Path]) -> list[dict[str, Any]]:
+    """Every record of the logs, in order."""
+    records = []
+    for path in paths:
+        records += [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    return records
+
+
+def replay(records: list[dict[str, Any]], policy: str, most: int, memory_most: int, capacity: int,
+           skip: int = 0) -> dict[str, Any]:
+    """The predicted forwards and drafts of `policy` over `records` (module docstring); per request, its tokens
+    and forwards (the first `skip` requests count in the memory, not in the figures)."""
+    memory = DraftMemory(capacity) if policy != "context" else None
+    tally = {"context": [0, 0], "memory": [0, 0]}  # [accepted, compared]
+    per_request = []
+    for n, record in enumerate(records):
+        prompt, answer = record["prompt"], record["answer"]
+        counted = n >= skip
+        index = ContextLookup(prompt + answer[:1])
+        at, forwards = min(1, len(answer)), 1  # the prefill's last chunk decides the first token
+        while at < len(answer):
+            drafts, match = index.match(most) if policy != "memory" else ([], 0)
+            source = "context"
+            if memory is not None:
+                found = memory.drafts(index.tokens, memory_most)
+                if found is not None and found.match > match:
+                    drafts, source = found.tokens, "memory"
+            drafts = drafts[:len(answer) - at - 1]  # none past the answer's last token
+            accepted = 0
+            while accepted < len(drafts) and drafts[accepted] == answer[at + accepted]:
+                accepted += 1
+            if drafts and counted:
+                tally[source][0] += accepted
+                tally[source][1] += min(accepted + 1, len(drafts))
+            index.extend(answer[at:at + accepted + 1])
+            at += accepted + 1
+            forwards += 1
+        if memory is not None:
+            memory.add(answer)
+        if counted:
+            per_request.append((len(answer), forwards))
+    tokens, forwards = sum(t for t, _ in per_request), sum(f for _, f in per_request)
+    return {"tokens": tokens, "forwards": forwards, "tokens_per_forward": tokens / forwards if forwards else None,
+            "acceptance": {s: (a / c if c else None) for s, (a, c) in tally.items()},
+            "drafts": {s: {"accepted": a, "compared": c} for s, (a, c) in tally.items()},
+            "memory_tokens": len(memory) if memory is not None else 0}
+
+
+def measured(records: list[dict[str, Any]], skip: int = 0) -> dict[str, Any]:
+    """What the server measured over the same requests: tokens per forward and acceptance by source."""
+    counted = records[skip:]
+    tokens = sum(len(r["answer"]) for r in counted)
+    forwards = sum(r["stats"].get("forward_passes", 0) for r in counted)
+    by_source: dict[str, list[int]] = {}
+    for r in counted:
+        for source, d in r["stats"].get("drafts", {}).items():
+            entry = by_source.setdefault(source, [0, 0])
+            entry[0] += d["accepted"]
+            entry[1] += d["verified"]
+    return {"tokens": tokens, "forwards": forwards, "tokens_per_forward": tokens / forwards if forwards else None,
+            "acceptance": {s: (a / c if c else None) for s, (a, c) in by_source.items()},
+            "drafts": {s: {"accepted": a, "compared": c} for s, (a, c) in by_source.items()}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("logs", nargs="+", type=Path, help="request logs (clover serve --record-requests)")
+    p.add_argument("--most", type=int, default=3, help="context drafts at most (exact mode: block size - 1)")
+    p.add_argument("--memory-most", type=int, default=MEMORY_MOST, help="memory drafts at most")
+    p.add_argument("--capacity", type=int, default=DEFAULT_CAPACITY, help="the memory's capacity in tokens")
+    p.add_argument("--skip", type=int, default=1, help="first requests left out of the figures (a warm-up)")
+    p.add_argument("--out", type=Path, default=None, help="write the figures as JSON here")
+    args = p.parse_args(argv)
+    records = read_log(args.logs)
+    if len(records) <= args.skip:
+        p.error(f"the logs hold {len(records)} requests: nothing left after --skip {args.skip}")
+    report = {"requests": len(records) - args.skip, "measured": measured(records, args.skip),
+              **{policy: replay(records, policy, args.most, args.memory_most, args.capacity, args.skip)
+                 for policy in POLICIES}}
+    print(f"{report['requests']} requests, {report['measured']['tokens']} answer tokens")
+    for name in ("measured", *POLICIES):
+        r = report[name]
+        acceptance = ", ".join(f"{s} {a:.2f} ({r['drafts'][s]['accepted']}/{r['drafts'][s]['compared']})"
+                               for s, a in r["acceptance"].items() if a is not None)
+        print(f"{name:9} tokens per forward {r['tokens_per_forward']:.2f}  acceptance: {acceptance or 'no drafts'}")
+    if args.out:
+        args.out.write_text(json.dumps(report, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,49 @@
+"""benchmarks/replay_drafts.py: the offline replay of a request log predicts forwards and acceptance as exact mode
+would commit them with copied drafts, and reads what the server measured."""
+
+from __future__ import annotations
+
+import json
+
+from script_helpers import ROOT, load_script
+
+replay_drafts = load_script(ROOT / "benchmarks" / "replay_drafts.py", "replay_drafts")
+
+
+def _record(prompt, answer, forwards=None, drafts=None):
+    return {"prompt": prompt, "answer": answer,
+            "stats": {"forward_passes": forwards or len(answer), **({"drafts": drafts} if drafts else {})}}
+
+
+def test_an_answer_given_before_is_drafted_from_memory_in_few_forwards():
+    answer = [50 + i for i in range(20)]  # no repeats inside: the context alone drafts nothing
+    records = [_record([1, 2, 3], answer), _record([4, 5, 6], answer)]
+    context = replay_drafts.replay(records, "context", 3, 15, 1000, skip=1)
+    both = replay_drafts.replay(records, "both", 3, 15, 1000, skip=1)
+    assert context["forwards"] == 20 and context["drafts"]["context"]["compared"] == 0
+    # the prefill decides 50; 51 alone (a one-token match drafts nothing); then each match drafts as many tokens as
+    # it matched, all accepted: 52-53 (+54), 55-59 (+60), 61-68 (+69, the last): five forwards in all
+    assert both["drafts"]["memory"]["accepted"] == both["drafts"]["memory"]["compared"] == 2 + 5 + 8
+    assert both["forwards"] == 5 and both["tokens"] == 20 and both["memory_tokens"] == 40
+    assert both["acceptance"]["memory"] == 1.0
+
+
+def test_context_drafts_are_cut_at_a_mismatch_and_at_the_answer_end():
+    # the prompt holds "7 8 9 10"; the answer repeats "7 8" then departs
+    records = [_record([7, 8, 9, 10, 0], [7, 8, 9, 11, 12])]
+    r = replay_drafts.replay(records, "context", 3, 15, 1000)
+    # the prefill decides 7; "0 7" occurred nowhere: 8 alone; "7 8" drafts 9 10 (0 would pass the answer's end):
+    # 9 accepted, 10 rejected, so 9 and 11; then 12
+    assert r["forwards"] == 4 and r["drafts"]["context"] == {"accepted": 1, "compared": 2}
+
+
+def test_measured_figures_are_read_from_the_log(tmp_path):
+    path = tmp_path / "log.jsonl"
+    records = [_record([1], [2, 3], 2), _record([1], [2, 3, 4, 5], 2, {"memory": {"accepted": 2, "verified": 3}})]
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    read = replay_drafts.read_log([path])
+    assert read == records
+    m = replay_drafts.measured(read, skip=1)
+    assert m["tokens_per_forward"] == 2.0 and m["acceptance"] == {"memory": 2 / 3}
+    assert replay_drafts.main([str(path), "--out", str(tmp_path / "out.json")]) == 0
+    assert json.loads((tmp_path / "out.json").read_text())["requests"] == 1
