@@ -3,9 +3,10 @@ Qwen3.5 / 3.6, Qwen3-Next).
 
 Every value is written as text and typed by the tool's schema (`typed_value`), so the arguments are JSON the parser
 builds: the call starts at `<function=f>`; each parameter, once its `</parameter>` is written, streams as
-`{"x": 1` (the first) or `, "x": 1`; `</function>` (or the block's end) closes the object with `}`. The concatenation
-is `json.dumps` of the arguments (a parameter written twice keeps its first value). Text between the parameters is
-ignored.
+`{"x": 1` (the first) or `, "x": 1`, except a `string` one (its schema's only type), which streams as it is
+written: `{"x": "` then its characters, escaped, then `"`; `</function>` (or the block's end) closes the object with
+`}`. The concatenation is `json.dumps` of the arguments (a parameter written twice keeps its first value). Text
+between the parameters is ignored.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import json
 import re
 from typing import Any
 
-from clover.tool_formats.calls import CallDelta, CallParser
+from clover.tool_formats.calls import CallDelta, CallParser, partial_tag
 
 FUNCTION, END_FUNCTION = "<function=", "</function>"
 PARAMETER, END_PARAMETER = "<parameter=", "</parameter>"
@@ -29,6 +30,8 @@ class Qwen3CoderCalls(CallParser):
         self.index: int | None = None  # the call's, once started
         self.properties: dict[str, Any] = {}
         self.written: set[str] = set()  # the parameters streamed so far
+        self.open_key: str | None = None  # the string parameter whose value is streaming
+        self.sent = ""  # what of its value was sent
         self.closed = False  # `</function>` written (or the block did not start with `<function=`)
 
     def feed(self, text: str) -> list[CallDelta]:
@@ -61,18 +64,43 @@ class Qwen3CoderCalls(CallParser):
             if param < 0:
                 return out
             key_end = self.text.find(">", param)
-            value_end = self.text.find(END_PARAMETER, key_end) if key_end >= 0 else -1
-            if value_end < 0:
+            if key_end < 0:
                 return out
             key = self.text[param + len(PARAMETER):key_end].strip()
+            value_end = self.text.find(END_PARAMETER, key_end)
+            if value_end < 0:  # a string value streams as it is written
+                out += self._string_so_far(key, self.text[key_end + 1:])
+                return out
             value = self.text[key_end + 1:value_end].removeprefix("\n").removesuffix("\n")
             self.text = self.text[value_end + len(END_PARAMETER):]
-            if key not in self.written:
-                lead = ", " if self.written else "{"
-                self.written.add(key)
-                fragment = f"{lead}{json.dumps(key, ensure_ascii=False)}: " \
-                           f"{json.dumps(typed_value(value, self.properties.get(key)), ensure_ascii=False)}"
-                out.append(CallDelta(self.index, arguments=fragment))
+            if key == self.open_key:
+                assert value.startswith(self.sent), "a string value streams only text that cannot change"
+                out.append(CallDelta(self.index, arguments=_escaped(value[len(self.sent):]) + '"'))
+                self.open_key = None
+            elif key not in self.written:
+                value_json = json.dumps(typed_value(value, self.properties.get(key)), ensure_ascii=False)
+                out.append(CallDelta(self.index, arguments=self._key(key) + value_json))
+
+    def _key(self, key: str) -> str:
+        """The fragment that opens a parameter's entry: `{"key": ` for the first, `, "key": ` after."""
+        lead = ", " if self.written else "{"
+        self.written.add(key)
+        return f"{lead}{json.dumps(key, ensure_ascii=False)}: "
+
+    def _string_so_far(self, key: str, raw: str) -> list[CallDelta]:
+        """The next fragment of a `string` parameter's value while it is written (its JSON string is the escapes of
+        its characters, one by one: the fragments add up to `json.dumps` of the whole value). Held back: the one
+        newline after the tag, and a suffix that may be the newline and tag that end the value."""
+        if not raw or (key in self.written and key != self.open_key) or _kinds(self.properties.get(key)) != ["string"]:
+            return []
+        body = raw.removeprefix("\n")
+        body = body[:len(body) - partial_tag(body, ["\n" + END_PARAMETER, END_PARAMETER])]
+        fragment = ""
+        if key != self.open_key:
+            fragment, self.open_key, self.sent = self._key(key) + '"', key, ""
+        fragment += _escaped(body[len(self.sent):])
+        self.sent = body
+        return [CallDelta(self.index, arguments=fragment)] if fragment else []
 
     def _close(self) -> str:
         return "}" if self.written else "{}"
@@ -82,14 +110,27 @@ class Qwen3CoderCalls(CallParser):
             return [], self.text
         if self.closed:
             return [], None
-        self.closed = True  # the block ended without `</function>`: its complete parameters are the call's
-        return [CallDelta(self.index, arguments=self._close(), done=True)], None
+        # the block ended without `</function>`: its complete parameters are the call's, and a string value being
+        # written ends with what was sent of it
+        self.closed = True
+        rest = '"' if self.open_key is not None else ""
+        return [CallDelta(self.index, arguments=rest + self._close(), done=True)], None
+
+
+def _escaped(text: str) -> str:
+    """`text` inside a JSON string, without the quotes."""
+    return json.dumps(text, ensure_ascii=False)[1:-1]
+
+
+def _kinds(schema: Any) -> list[str]:
+    """The JSON types a parameter's schema allows (none: untyped)."""
+    kinds = schema.get("type") if isinstance(schema, dict) else None
+    return [kinds] if isinstance(kinds, str) else list(kinds or [])
 
 
 def typed_value(text: str, schema: Any) -> Any:
     """A parameter's text as the JSON value its schema's type calls for (the text itself when it does not fit)."""
-    kinds = schema.get("type") if isinstance(schema, dict) else None
-    kinds = [kinds] if isinstance(kinds, str) else list(kinds or [])
+    kinds = _kinds(schema)
     if kinds == ["string"]:
         return text
     stripped = text.strip()

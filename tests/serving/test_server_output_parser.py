@@ -130,6 +130,8 @@ FORMAT_TEXTS = {
         "<tool_call>\n<function=get_weather>\n</function>\n</tool_call>",
         "<tool_call>\nnot a function\n</tool_call> text",
         "<tool_call>\n<function=get_weather>\n<parameter=days>\n4\n</parameter>\n<parameter=city>\nOs",
+        '<tool_call>\n<function=get_weather>\n<parameter=city>\n\nSay "hi" \\ é\n<b>\t</parameter\n\n</parameter>\n'
+        "<parameter=city>\nagain\n</parameter>\n</function>\n</tool_call>",
     ],
     "llama3_json": [
         '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris}", "days": 3}}; '
@@ -188,7 +190,10 @@ def test_the_formats_calls_parse_as_written():
         ("get_weather", '{"city": "Rome", "days": 3, "hours": [9, 12]}')])
     assert calls("qwen3_coder", 1) == ("", [("get_weather", "{}")])
     assert calls("qwen3_coder", 2) == ("<tool_call>\nnot a function\n</tool_call> text", [])
-    assert calls("qwen3_coder", 3) == ("", [("get_weather", '{"days": 4}')])  # cut short: complete parameters
+    # cut short: the complete parameters, and what was sent of a string being written
+    assert calls("qwen3_coder", 3) == ("", [("get_weather", '{"days": 4, "city": "Os"}')])
+    assert calls("qwen3_coder", 4) == ("", [("get_weather", json.dumps({"city": '\nSay "hi" \\ é\n<b>\t</parameter\n'},
+                                                                      ensure_ascii=False))])
     assert calls("llama3_json", 0) == ("", [("get_weather", '{"city": "Paris}", "days": 3}'),
                                             ("get_time", '{"tz": "CET"}'), ("late", "{}")])
     assert calls("llama3_json", 1) == ("and then some words", [("f", '{"a": 1}')])
@@ -200,6 +205,7 @@ def test_the_formats_calls_parse_as_written():
 @pytest.mark.parametrize("fmt, written, first", [
     ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par', '{"city": "Par'),
     ("qwen3_coder", XML_CALL[:XML_CALL.index("<parameter=days>") + 20], '{"city": "New <York>"'),
+    ("qwen3_coder", XML_CALL[:XML_CALL.index("York")], '{"city": "New '),  # a string streams; "<" may end it
     ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Par', '{"city": "Par'),
 ])
 def test_a_calls_arguments_stream_before_it_is_complete(fmt, written, first):

@@ -77,13 +77,16 @@ def test_streamed_xml_calls(client, thinking):
     assert [(c["name"], json.loads(c["arguments"])) for c in calls] == EXPECTED
 
 
-def test_xml_arguments_stream_a_parameter_at_a_time_and_add_up_to_the_whole_call(client):
-    """The call's start, then `{"city": "Paris"`, `, "days": 3`, `}` as each parameter's closing tag is written;
-    the official client's stream helper assembles the non-streamed response's call."""
-    kwargs = dict(model=NAME, messages=USER, tools=TOOLS, max_tokens=96, extra_body={**OFF, "block_size": 2})
+def test_xml_arguments_stream_as_written_and_add_up_to_the_whole_call(client):
+    """The call's start, then the string `city` as it is written (`{"city": "` first), `, "days": 3` when its
+    closing tag is written, `}` at the end; the official client's stream helper assembles the non-streamed
+    response's call."""
+    kwargs = dict(model=NAME, messages=USER, tools=TOOLS, max_tokens=96, extra_body={**OFF, "block_size": 1})
     start, *fragments = tool_call_entries(client, **kwargs)
     assert start["function"] == {"name": "get_weather", "arguments": ""} and start["id"].startswith("call_")
-    assert [e["function"]["arguments"] for e in fragments] == ['{"city": "Paris"', ', "days": 3', "}"]
+    arguments = [e["function"]["arguments"] for e in fragments]
+    assert arguments[0].startswith('{"city": "') and arguments[-2:] == [', "days": 3', "}"]
+    assert "".join(arguments) == '{"city": "Paris", "days": 3}'
     strict = [{"type": "function", "function": {**TOOLS[0]["function"], "strict": True}}]
     with client.chat.completions.stream(**{**kwargs, "tools": strict}) as stream:
         final = stream.get_final_completion()
