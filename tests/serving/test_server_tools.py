@@ -199,11 +199,12 @@ STRICT_TOOLS = [{"type": "function", "function": {**TOOLS[0]["function"], "stric
     **TOOLS[0]["function"]["parameters"], "additionalProperties": False}}}]
 
 
-@pytest.mark.parametrize("block_size", [1, 3, 128])
-def test_the_openai_stream_helper_assembles_the_whole_responses_calls(client, block_size):
+@pytest.mark.parametrize("decoding", [{"block_size": 1}, {"block_size": 3}, {"block_size": 128}, {"rule": "exact"}])
+def test_the_openai_stream_helper_assembles_the_whole_responses_calls(client, decoding):
     """`client.chat.completions.stream` (the official client's accumulator, parsing strict tools' arguments as they
-    grow) ends with the calls of the non-streamed response; its argument events add up to each call."""
-    kwargs = dict(model=NAME, messages=TWO, tools=STRICT_TOOLS, max_tokens=128, extra_body={"block_size": block_size})
+    grow) ends with the calls of the non-streamed response, whatever a step commits (one token, three, the whole
+    answer, exact mode's accepted drafts); its argument events add up to each call."""
+    kwargs = dict(model=NAME, messages=TWO, tools=STRICT_TOOLS, max_tokens=128, extra_body=decoding)
     with client.chat.completions.stream(**kwargs) as stream:
         events = list(stream)
         final = stream.get_final_completion()
@@ -218,7 +219,7 @@ def test_the_openai_stream_helper_assembles_the_whole_responses_calls(client, bl
         assert "".join(e.arguments_delta for e in deltas if e.index == index) == call.function.arguments
     done = [(e.index, e.name, e.parsed_arguments) for e in events if e.type == "tool_calls.function.arguments.done"]
     assert done == [(i, n, a) for i, (n, a) in enumerate(BOTH)]
-    if block_size < 128:
+    if decoding.get("block_size", 0) < 128:
         assert len(deltas) > len(calls)  # fragments, not whole calls
 
 
