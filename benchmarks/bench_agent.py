@@ -252,7 +252,7 @@ def stream_answer(client: Any, model: str, messages: list[dict[str, Any]], tools
             d = choice.delta
             text = getattr(d, "reasoning_content", None) or ""
             if first is not None:
-                later += [text, d.content or ""] + [_call_text(tc.function) for tc in d.tool_calls or [] if tc.function]
+                later += [text, d.content or ""] + [_call_text(tc) for tc in d.tool_calls or [] if tc.function]
             elif d.content or text or d.tool_calls:
                 first = time.perf_counter()
             content += d.content or ""
@@ -269,8 +269,12 @@ def stream_answer(client: Any, model: str, messages: list[dict[str, Any]], tools
                   end - start, usage, finish)
 
 
-def _call_text(function: Any) -> str:
-    """A streamed tool call as the model wrote it (Hermes format, Clover's template), for counting its tokens."""
+def _call_text(call: Any) -> str:
+    """A streamed tool-call delta as the model wrote it (Hermes format, Clover's template), for counting its tokens:
+    a call's start (it has an id) is its opening, name and closing, a later delta its arguments' fragment."""
+    function = call.function
+    if call.id is None:
+        return function.arguments or ""
     return f'<tool_call>\n{{"name": "{function.name or ""}", "arguments": {function.arguments or ""}}}\n</tool_call>'
 
 

@@ -2,16 +2,17 @@
 one parser, for streamed and whole texts alike.
 
 A stream cannot wait for the end: reasoning must flow as `reasoning_content` deltas before `</think>` arrives,
-content must never include the start of a tag that later turns out to open a tool call, and a tool call can only
-be emitted once its JSON is complete. `OutputParser` is a small state machine fed with text deltas that holds back
-only what it must (a suffix that may be the start of a tag, trailing whitespace, an unfinished tool call).
-`parse_assistant_output` is the same parser fed the whole text at once, so streamed and whole responses agree by
+content must never include the start of a tag that later turns out to open a tool call, and a tool call streams as
+it is written (its name, then its arguments' JSON text in fragments: `clover.tool_formats.CallDelta`, each
+format's `CallParser`). `OutputParser` is a small state machine fed with text deltas that holds back only what it
+must (a suffix that may be the start of a tag, trailing whitespace, a call's text that cannot be told from other
+text yet). `parse_assistant_output` is the same parser fed the whole text at once, so streamed and whole responses agree by
 construction (tested on random splits).
 
 Reasoning and content are stripped, well-formed calls become calls (in the model's format, `clover.tool_formats`:
-Hermes JSON or Qwen3-Coder XML in `<tool_call>` blocks, or Llama 3 JSON as the whole answer), malformed or
-unclosed ones stay in the content verbatim, an unclosed `<think>`
-makes the rest reasoning. Whether the text starts inside reasoning (`thinking`: the prompt opened `<think>`) a
+Hermes JSON or Qwen3-Coder XML in `<tool_call>` blocks, or Llama 3 JSON as the whole answer); a block that never
+starts a call (not the format's call, or one that does not parse) stays in the content verbatim, a call the text
+ends inside ends with what it has; an unclosed `<think>` makes the rest reasoning. Whether the text starts inside reasoning (`thinking`: the prompt opened `<think>`) a
 stream must be told; a whole text may say so itself, by a `</think>` with no `<think>` before it.
 """
 
@@ -20,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from clover.tool_formats import CALL, END_CALL, HERMES, PYTHON_TAG, ToolFormat
+from clover.tool_formats import CALL, END_CALL, HERMES, PYTHON_TAG, CallDelta, CallParser, ToolFormat, partial_tag
 
 THINK, END_THINK = "<think>", "</think>"
 _CONTENT, _REASONING, _CALL, _WHOLE = "content", "reasoning", "call", "whole"
@@ -28,12 +29,18 @@ _CONTENT, _REASONING, _CALL, _WHOLE = "content", "reasoning", "call", "whole"
 
 @dataclass
 class OutputDelta:
+    """What a piece of the answer adds: content, reasoning, and pieces of tool calls (`CallDelta`s, in order)."""
+
     content: str = ""
     reasoning: str = ""
-    tool_calls: list[dict[str, str]] = field(default_factory=list)  # {"name": ..., "arguments": "<json>"}
+    tool_calls: list[CallDelta] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.content or self.reasoning or self.tool_calls)
+
+    def __add__(self, later: OutputDelta) -> OutputDelta:
+        return OutputDelta(self.content + later.content, self.reasoning + later.reasoning,
+                           self.tool_calls + later.tool_calls)
 
 
 class _Trimmed:
@@ -56,22 +63,11 @@ class _Trimmed:
         return body
 
 
-def _partial_tag(text: str, tags: list[str]) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of one of `tags`."""
-    best = 0
-    for tag in tags:
-        for n in range(min(len(tag) - 1, len(text)), best, -1):
-            if text.endswith(tag[:n]):
-                best = n
-                break
-    return best
-
-
 class OutputParser:
     """Feed text deltas; get `OutputDelta`s. `thinking`: the prompt opened `<think>` (the output starts as
     reasoning); `tools`: calls in `fmt` become tool calls (else they are plain content); `schemas` (tool name ->
-    `parameters`) types the XML format's values. A format whose calls are the whole answer (`llama3_json`) holds
-    an answer that starts like a call until the end, then it is the calls or, when they do not parse, content."""
+    `parameters`) types the XML format's values. In a format whose calls are the whole answer (`llama3_json`), an
+    answer that starts like a call goes to the format's parser whole: its calls, or content when it is none."""
 
     def __init__(self, thinking: bool = False, tools: bool = False, fmt: ToolFormat = HERMES,
                  schemas: dict[str, Any] | None = None) -> None:
@@ -80,6 +76,8 @@ class OutputParser:
         self.tools = tools
         self.fmt, self.schemas = fmt, schemas
         self.buf = ""
+        self.calls: CallParser | None = None  # the open call block's (or the answer's) parser
+        self.next_index = 0  # the index of the next call
         self.content = _Trimmed()
         self.reasoning = _Trimmed()
 
@@ -108,18 +106,19 @@ class OutputParser:
         self.buf += text
         while True:
             if self.mode == _WHOLE:
+                out.tool_calls += self._calls().feed(self.buf)
+                self.buf = ""
                 return out
             if self.mode == _CALL:
                 end = self.buf.find(END_CALL)
-                if end < 0:
+                if end < 0:  # feed the block what cannot be the start of its end tag
+                    keep = partial_tag(self.buf, [END_CALL])
+                    out.tool_calls += self._calls().feed(self.buf[: len(self.buf) - keep])
+                    self.buf = self.buf[len(self.buf) - keep:]
                     return out
                 body, self.buf = self.buf[:end], self.buf[end + len(END_CALL):]
-                self.mode = _CONTENT
-                calls = self.fmt.parse(body, self.schemas)
-                if calls is not None:
-                    out.tool_calls += calls
-                else:
-                    self._emit(CALL + body + END_CALL, out)
+                out.tool_calls += self._calls().feed(body)
+                self._close_calls(out, CALL, END_CALL)
                 continue
             if (self.mode == _CONTENT and self.tools and not self.fmt.wrapped and not self.content.started
                     and (THINK not in self.buf or self.reasoning_seen)):
@@ -128,11 +127,11 @@ class OutputParser:
                     return out
                 if starts:
                     self.mode = _WHOLE
-                    return out
+                    continue
             tags = self._tags()
             found = [(self.buf.find(t), t) for t in tags if t in self.buf]
             if not found:
-                keep = _partial_tag(self.buf, tags)
+                keep = partial_tag(self.buf, tags)
                 self._emit(self.buf[: len(self.buf) - keep], out)
                 self.buf = self.buf[len(self.buf) - keep:]
                 return out
@@ -146,19 +145,29 @@ class OutputParser:
             else:
                 self.mode = _CALL
 
+    def _calls(self) -> CallParser:
+        if self.calls is None:
+            self.calls = self.fmt.calls(self.schemas, self.next_index)
+        return self.calls
+
+    def _close_calls(self, out: OutputDelta, opening: str = "", closing: str = "") -> None:
+        """End the open call block (or answer): its last deltas, or its text as content (within its tags, as
+        written) when it was no call."""
+        deltas, text = self._calls().close()
+        self.next_index = self._calls().next_index
+        self.calls, self.mode = None, _CONTENT
+        out.tool_calls += deltas
+        if text is not None:
+            self._emit(opening + text + closing, out)
+
     def finish(self) -> OutputDelta:
-        """The end of the text: an unclosed tool call is content; held partial tags are text."""
+        """The end of the text: an open call block (or answer) ends; held partial tags are text."""
         out = OutputDelta()
         rest, self.buf = self.buf, ""
-        if self.mode == _WHOLE:
-            self.mode = _CONTENT
-            calls = self.fmt.parse(rest, self.schemas)
-            if calls is not None:
-                out.tool_calls += calls
-                return out
-        if self.mode == _CALL:
-            self.mode = _CONTENT
-            rest = CALL + rest
+        if self.mode in (_WHOLE, _CALL):
+            out.tool_calls += self._calls().feed(rest)
+            self._close_calls(out, CALL if self.mode == _CALL else "")
+            return out
         self._emit(rest, out)
         return out
 
@@ -172,6 +181,16 @@ def parse_assistant_output(text: str, thinking: bool | None = None, tools: bool 
         end = text.find(END_THINK)
         thinking = end >= 0 and THINK not in text[:end]
     parser = OutputParser(thinking, tools, fmt, schemas)
-    a, b = parser.feed(text), parser.finish()
-    calls = [{"id": f"call_{i}", "type": "function", "function": c} for i, c in enumerate(a.tool_calls + b.tool_calls)]
-    return a.content + b.content, (a.reasoning + b.reasoning) or None, calls
+    delta = parser.feed(text) + parser.finish()
+    calls = [{"id": f"call_{i}", "type": "function", "function": c} for i, c in enumerate(whole_calls(delta.tool_calls))]
+    return delta.content, delta.reasoning or None, calls
+
+
+def whole_calls(deltas: list[CallDelta]) -> list[dict[str, str]]:
+    """The calls (`{"name", "arguments"}`, in index order) that `deltas` add up to."""
+    calls: dict[int, dict[str, str]] = {}
+    for d in deltas:
+        call = calls.setdefault(d.index, {"name": "", "arguments": ""})
+        call["name"] = d.name if d.name is not None else call["name"]
+        call["arguments"] += d.arguments
+    return [calls[i] for i in sorted(calls)]

@@ -322,3 +322,15 @@ def stream_chat(client: Any, **kwargs: Any) -> tuple[str, str, list[dict[str, An
                 order.append("tool_call")
             finish = c.finish_reason or finish
     return content, reasoning, [calls[i] for i in sorted(calls)], finish, order
+
+
+def tool_call_entries(client: Any, **kwargs: Any) -> list[dict[str, Any]]:
+    """The `delta.tool_calls` entries of a streamed chat completion, in the order they came; each chunk carries
+    at most one (the server sends a call's start and each block's fragments as chunks of their own)."""
+    entries = []
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        for c in chunk.choices:
+            calls = c.delta.tool_calls or []
+            assert len(calls) <= 1, chunk
+            entries += [call.model_dump(exclude_none=True) for call in calls]
+    return entries

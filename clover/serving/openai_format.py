@@ -2,7 +2,9 @@
 
 Committed blocks arrive per choice (`Output`); `ChoiceText` detokenises them incrementally (stop strings held back
 until they cannot match), `ChatChoice` also splits reasoning, content and tool calls (`OutputParser`), the same
-way for streamed and whole responses. The request flow that feeds them is `served_model.py`'s.
+way for streamed and whole responses. A streamed tool call goes out as it is written, in OpenAI's chunks: one
+with its `index`, `id`, `type` and `function.name` (`arguments: ""`), then its `function.arguments` fragments;
+a block that finishes one call and starts others sends each call's chunks whole and in order. The request flow that feeds them is `served_model.py`'s.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Sequence
 from clover.engine import StopAwareDetokenizer
 from clover.serving.handles import Output, RequestHandle, merge
 from clover.assistant_output import OutputDelta, OutputParser
-from clover.tool_formats import HERMES, ToolFormat
+from clover.tool_formats import HERMES, CallDelta, ToolFormat
 from clover.serving.protocol import APIError
 
 if TYPE_CHECKING:
@@ -56,9 +58,11 @@ class ChoiceText:
 
 
 class ChatChoice(ChoiceText):
-    """A chat choice: its text split into reasoning, content and tool calls (ids given here) as it arrives.
-    `forced`: the start of the answer the server wrote itself (a forced tool call), parsed but never sent.
-    `max_calls`: the calls kept (`parallel_tool_calls: false`: the first), None: all."""
+    """A chat choice: its text split into reasoning, content and tool calls (ids given here) as it arrives; a call
+    streams as it is written (`CallDelta`s), `calls` holds each call as it stands so far (OpenAI's form).
+    `forced`: the start of the answer the server wrote itself (a forced tool call), parsed but never sent as text;
+    a call it starts goes out with the first block. `max_calls`: the calls kept (`parallel_tool_calls: false`:
+    the first), None: all."""
 
     def __init__(self, decode: Callable[[list[int]], str], stops: tuple[str, ...], thinking: bool, tools: bool,
                  forced: str, max_calls: int | None = None, fmt: ToolFormat = HERMES,
@@ -66,29 +70,48 @@ class ChatChoice(ChoiceText):
         super().__init__(decode, stops)
         self.parser = OutputParser(thinking, tools, fmt, schemas)
         self.max_calls = max_calls
-        self.content, self.reasoning, self.calls = "", "", []
-        self._take(self.parser.feed(forced))
+        self.content, self.reasoning = "", ""
+        self.calls: list[dict[str, Any]] = []
+        self.opening = OutputDelta(tool_calls=self._take(self.parser.feed(forced)).tool_calls)
 
     def _take(self, delta: OutputDelta) -> OutputDelta:
-        calls = delta.tool_calls if self.max_calls is None else delta.tool_calls[:self.max_calls - len(self.calls)]
-        delta.tool_calls = [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": c}
-                            for c in calls]
+        delta.tool_calls = [d for d in delta.tool_calls if self.max_calls is None or d.index < self.max_calls]
+        for d in delta.tool_calls:
+            if d.name is not None:
+                assert d.index == len(self.calls), "calls start in index order"
+                self.calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                                   "function": {"name": d.name, "arguments": ""}})
+            self.calls[d.index]["function"]["arguments"] += d.arguments
         self.content += delta.content
         self.reasoning += delta.reasoning
-        self.calls += delta.tool_calls
         return delta
 
     def push_output(self, out: Output) -> OutputDelta:
         """What one committed block adds; at the end, a finished answer with tool calls has reason `tool_calls`."""
         delta = self.parser.feed(self.push(out))
         if out.finished:
-            rest = self.parser.finish()
-            delta = OutputDelta(delta.content + rest.content, delta.reasoning + rest.reasoning,
-                                delta.tool_calls + rest.tool_calls)
-        delta = self._take(delta)
+            delta = delta + self.parser.finish()
+        delta, self.opening = self.opening + self._take(delta), OutputDelta()
         if self.finished and self.calls and self.finish_reason == "stop":
             self.finish_reason = "tool_calls"
         return delta
+
+    def call_entries(self, deltas: list[CallDelta]) -> list[dict[str, Any]]:
+        """OpenAI's streamed `delta.tool_calls` entries for `deltas` (this choice's), in order, each to be sent in
+        a chunk of its own: a call's start (`index`, `id`, `type`, `function.name`, `arguments: ""`), then its
+        argument fragments (those of one block joined)."""
+        entries: list[dict[str, Any]] = []
+        for d in deltas:
+            if d.name is not None:
+                entries.append({"index": d.index, "id": self.calls[d.index]["id"], "type": "function",
+                                "function": {"name": d.name, "arguments": ""}})
+            if not d.arguments:
+                continue
+            if entries and entries[-1]["index"] == d.index and "id" not in entries[-1]:
+                entries[-1]["function"]["arguments"] += d.arguments
+            else:
+                entries.append({"index": d.index, "function": {"arguments": d.arguments}})
+        return entries
 
     def message(self) -> dict[str, Any]:
         msg: dict[str, Any] = {"role": "assistant", "content": self.content if self.content or not self.calls
@@ -201,18 +224,17 @@ async def chat_stream(handle: RequestHandle, choices: list[ChatChoice], rid: str
             yield chunk(i, {"role": "assistant", "content": ""})
         async for out in handle:
             c = choices[out.choice]
-            known = len(c.calls)
             delta = c.push_output(out)
-            body: dict[str, Any] = {}
+            text: dict[str, Any] = {}
             if delta.reasoning:
-                body["reasoning_content"] = delta.reasoning
+                text["reasoning_content"] = delta.reasoning
             if delta.content:
-                body["content"] = delta.content
-            if delta.tool_calls:
-                body["tool_calls"] = [{"index": known + k, **call} for k, call in enumerate(delta.tool_calls)]
+                text["content"] = delta.content
+            bodies = ([text] if text else []) + [{"tool_calls": [e]} for e in c.call_entries(delta.tool_calls)]
             if out.logprobs and texts is not None:  # a token's values come with the block that committed it
-                yield chunk(out.choice, body, extra={"logprobs": chat_logprobs(out.logprobs, texts)})
-            elif body:
+                yield chunk(out.choice, bodies.pop(0) if bodies else {},
+                            extra={"logprobs": chat_logprobs(out.logprobs, texts)})
+            for body in bodies:
                 yield chunk(out.choice, body)
             if out.finished:
                 yield chunk(out.choice, {}, c.finish_reason, c.extra)

@@ -1,10 +1,10 @@
 """The Responses API's objects: output items built from a chat choice's deltas, the response body, and the
 server-sent events of a streamed response (their shapes: the `openai` package's `openai.types.responses`).
 
-A chat choice's answer arrives as `OutputDelta`s (reasoning, content, whole tool calls: `openai_format.ChatChoice`).
-`OutputItems` turns them into output items in the order they come: a `reasoning` item while reasoning flows, a
-`message` item (one `output_text` part) while content flows, and a `function_call` item per call; a change of kind
-closes the open item. Each change is also returned as the stream events that announce it, so a streamed and a
+A chat choice's answer arrives as `OutputDelta`s (reasoning, content, tool calls as they are written:
+`openai_format.ChatChoice`). `OutputItems` turns them into output items in the order they come: a `reasoning` item
+while reasoning flows, a `message` item (one `output_text` part) while content flows, and a `function_call` item
+per call, its arguments streamed; a change of kind closes the open text item. Each change is also returned as the stream events that announce it, so a streamed and a
 whole response are built by the same code from the same deltas:
 
     response.created, response.in_progress
@@ -12,8 +12,9 @@ whole response are built by the same code from the same deltas:
                     response.output_text.delta (response.reasoning_text.delta) ...,
                     response.output_text.done (response.reasoning_text.done), response.content_part.done,
                     response.output_item.done
-    per call:       response.output_item.added, response.function_call_arguments.delta (the whole arguments: a
-                    call is parsed once complete), response.function_call_arguments.done, response.output_item.done
+    per call:       response.output_item.added (at the call's name), response.function_call_arguments.delta
+                    (each fragment as it is written), response.function_call_arguments.done,
+                    response.output_item.done
     response.completed, or response.incomplete (the length limit), or on a failure error + response.failed
 
 Every event carries a `sequence_number` from 0 (`EventStream`); the stream has no `[DONE]`, as OpenAI's has none.
@@ -28,6 +29,7 @@ import uuid
 from typing import Any
 
 from clover.assistant_output import OutputDelta
+from clover.tool_formats import CallDelta
 
 
 def _id(prefix: str) -> str:
@@ -40,16 +42,18 @@ class OutputItems:
     def __init__(self) -> None:
         self.items: list[dict[str, Any]] = []
         self.open: dict[str, Any] | None = None  # the reasoning or message item text flows into
+        self.calls: dict[int, dict[str, Any]] = {}  # call index -> its item
 
-    def push(self, delta: OutputDelta) -> list[dict[str, Any]]:
-        """The events announcing what `delta` adds (in the chat template's order: reasoning, text, calls)."""
+    def push(self, delta: OutputDelta, call_ids: list[str]) -> list[dict[str, Any]]:
+        """The events announcing what `delta` adds (in the chat template's order: reasoning, text, calls);
+        `call_ids[i]`: call i's id."""
         events = []
         if delta.reasoning:
             events += self._text("reasoning", delta.reasoning)
         if delta.content:
             events += self._text("message", delta.content)
         for call in delta.tool_calls:
-            events += self._close() + self._call(call)
+            events += self._call(call, call_ids)
         return events
 
     def finish(self, status: str = "completed") -> list[dict[str, Any]]:
@@ -57,9 +61,8 @@ class OutputItems:
         return self._close(status)
 
     def _where(self, item: dict[str, Any]) -> dict[str, Any]:
-        """An event's item reference: the item being written is always the last (a call closes the open item)."""
-        assert item is self.items[-1]
-        return {"item_id": item["id"], "output_index": len(self.items) - 1}
+        """An event's item reference (a call's fragments may follow text that one block wrote after it)."""
+        return {"item_id": item["id"], "output_index": next(i for i, x in enumerate(self.items) if x is item)}
 
     def _text(self, kind: str, text: str) -> list[dict[str, Any]]:
         events = []
@@ -104,18 +107,30 @@ class OutputItems:
                 {"type": "response.output_item.done", "output_index": len(self.items) - 1,
                  "item": copy.deepcopy(item)}]
 
-    def _call(self, call: dict[str, Any]) -> list[dict[str, Any]]:
-        """A whole tool call (`ChatChoice`'s: `{"id", "type", "function": {"name", "arguments"}}`)."""
-        fn = call["function"]
-        item = {"id": _id("fc"), "type": "function_call", "call_id": call["id"], "name": fn["name"],
-                "arguments": fn["arguments"], "status": "completed"}
-        self.items.append(item)
-        where = self._where(item)
-        return [{"type": "response.output_item.added", "output_index": where["output_index"],
-                 "item": {**item, "arguments": "", "status": "in_progress"}},
-                {"type": "response.function_call_arguments.delta", **where, "delta": fn["arguments"]},
-                {"type": "response.function_call_arguments.done", **where, "arguments": fn["arguments"]},
-                {"type": "response.output_item.done", "output_index": where["output_index"], "item": dict(item)}]
+    def _call(self, delta: CallDelta, call_ids: list[str]) -> list[dict[str, Any]]:
+        """A piece of a call: its start opens its item (closing the open text item), a fragment of its arguments
+        adds to it, its end closes it."""
+        events = []
+        if delta.name is not None:
+            events = self._close()
+            item = {"id": _id("fc"), "type": "function_call", "call_id": call_ids[delta.index], "name": delta.name,
+                    "arguments": "", "status": "in_progress"}
+            self.items.append(item)
+            self.calls[delta.index] = item
+            events.append({"type": "response.output_item.added", "output_index": len(self.items) - 1,
+                           "item": dict(item)})
+        item = self.calls[delta.index]
+        if delta.arguments:
+            item["arguments"] += delta.arguments
+            events.append({"type": "response.function_call_arguments.delta", **self._where(item),
+                           "delta": delta.arguments})
+        if delta.done:
+            item["status"] = "completed"
+            events += [{"type": "response.function_call_arguments.done", **self._where(item),
+                        "arguments": item["arguments"]},
+                       {"type": "response.output_item.done", "output_index": self._where(item)["output_index"],
+                        "item": dict(item)}]
+        return events
 
 
 def usage(input_tokens: int, output_tokens: int, cached: int, reasoning: int) -> dict[str, Any]:

@@ -216,7 +216,12 @@ def test_required_allows_several_calls(client):
         out = client.chat.completions.create(model=NAME, messages=_user(f"Call tools ({i})."), tools=LOOSE_TOOLS,
                                              tool_choice="required", max_tokens=MAX_TOKENS, seed=i, temperature=1.0,
                                              extra_body={"ignore_eos": True})
-        assert len(_valid_calls(out.choices[0])) >= 2 and out.choices[0].finish_reason == "length"
+        choice = out.choices[0]
+        try:  # the length limit may cut the last call: it ends with the arguments written so far
+            json.loads(choice.message.tool_calls[-1].function.arguments)
+        except json.JSONDecodeError:
+            choice.message.tool_calls.pop()
+        assert len(_valid_calls(choice)) >= 2 and choice.finish_reason == "length"
 
 
 def test_a_strict_tool_the_engine_cannot_enforce_is_refused(client):

@@ -261,6 +261,17 @@ def test_streamed_reasoning_and_call_events(url):
     assert call["type"] == "function_call" and call["id"] == done["item_id"]
 
 
+def test_a_calls_arguments_stream_as_they_are_written(url):
+    """Blocks of one token: the call's item is added at its name, its arguments come in several deltas that add up
+    to the done event's arguments and the whole response's."""
+    events = raw_events(url, input=ASK, tools=TOOLS, block_size=1)
+    deltas = [e["delta"] for e in events if e["type"] == "response.function_call_arguments.delta"]
+    done = next(e for e in events if e["type"] == "response.function_call_arguments.done")
+    assert len(deltas) > 1 and "".join(deltas) == done["arguments"]
+    assert json.loads(done["arguments"]) == {"city": "Paris"}
+    assert raw(url, input=ASK, tools=TOOLS, block_size=1)["output"][0]["arguments"] == done["arguments"]
+
+
 def test_the_openai_client_streams_and_accumulates(client):
     types = [e.type for e in client.responses.create(model=NAME, input="Hi", stream=True)]
     assert types[0] == "response.created" and types[-1] == "response.completed"

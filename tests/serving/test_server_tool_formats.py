@@ -10,7 +10,7 @@ import json
 import pytest
 
 from clover.chat_template import render_chat
-from server_helpers import scripted_client, stream_chat
+from server_helpers import scripted_client, stream_chat, tool_call_entries
 
 NAME = "qwen35"
 TOOLS = [{"type": "function", "function": {
@@ -75,6 +75,25 @@ def test_streamed_xml_calls(client, thinking):
                                                        extra_body={} if thinking else OFF)
     assert (content, reasoning, finish) == ("", REASONING if thinking else "", "tool_calls")
     assert [(c["name"], json.loads(c["arguments"])) for c in calls] == EXPECTED
+
+
+def test_xml_arguments_stream_as_written_and_add_up_to_the_whole_call(client):
+    """The call's start, then the string `city` as it is written (`{"city": "` first), `, "days": 3` when its
+    closing tag is written, `}` at the end; the official client's stream helper assembles the non-streamed
+    response's call."""
+    kwargs = dict(model=NAME, messages=USER, tools=TOOLS, max_tokens=96, extra_body={**OFF, "block_size": 1})
+    start, *fragments = tool_call_entries(client, **kwargs)
+    assert start["function"] == {"name": "get_weather", "arguments": ""} and start["id"].startswith("call_")
+    arguments = [e["function"]["arguments"] for e in fragments]
+    assert arguments[0].startswith('{"city": "') and arguments[-2:] == [', "days": 3', "}"]
+    assert "".join(arguments) == '{"city": "Paris", "days": 3}'
+    strict = [{"type": "function", "function": {**TOOLS[0]["function"], "strict": True}}]
+    with client.chat.completions.stream(**{**kwargs, "tools": strict}) as stream:
+        final = stream.get_final_completion()
+    whole = client.chat.completions.create(**kwargs).choices[0].message.tool_calls
+    assert [(c.function.name, c.function.arguments) for c in final.choices[0].message.tool_calls] == \
+        [(c.function.name, c.function.arguments) for c in whole]
+    assert [(c.function.name, c.function.parsed_arguments) for c in final.choices[0].message.tool_calls] == EXPECTED
 
 
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])

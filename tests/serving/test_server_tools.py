@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from server_helpers import scripted_client, stream_chat
+from server_helpers import scripted_client, stream_chat, tool_call_entries
 
 NAME = "scripted"
 TOOLS = [{"type": "function", "function": {
@@ -17,6 +17,7 @@ REASONING = "The user wants the weather. I should call get_weather."
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 ANSWER = "It is 21 degrees in Paris."
 JSON_ANSWER = '{"city": "Paris", "temp_c": 21}'
+TWO_CALLS = CALL + "\n" + CALL.replace("Paris", "Rome")
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}, "temp_c": {"type": "integer"}},
            "required": ["city", "temp_c"]}
 
@@ -27,12 +28,12 @@ def script(prompt: str) -> str:
     last_turn = prompt[max(prompt.rfind("<|im_start|>user"), 0):]  # (exact mode calibrates on other text)
     if prompt.endswith('"arguments": '):  # a forced call (tool_choice names the function)
         return '{"city": "Paris"}}\n</tool_call>'
-    if prompt.endswith("<tool_call>\n"):  # a forced call (tool_choice "required")
-        return CALL[len("<tool_call>\n"):]
+    if prompt.endswith("<tool_call>\n"):  # a forced call (tool_choice "required"): two when asked for two cities
+        return (TWO_CALLS if "and Rome" in last_turn else CALL)[len("<tool_call>\n"):]
     if "as JSON" in last_turn:
         return JSON_ANSWER
     if "and Rome" in last_turn:
-        return CALL + "\n" + CALL.replace("Paris", "Rome")
+        return TWO_CALLS
     if "<tool_response>" in last_turn and "21" in last_turn:
         return ("The tool says 21.\n</think>\n\n" if thinking else "") + ANSWER
     if "<tools>" in prompt:
@@ -160,3 +161,77 @@ def test_a_forced_call_with_a_response_format_is_the_call(client):
                                            tool_choice=choice, response_format=fmt, max_tokens=64)
         assert r.choices[0].finish_reason == "tool_calls"
         assert _calls(r.choices[0]) == [("get_weather", {"city": "Paris"})]
+
+
+# -- calls streamed as they are written ---------------------------------------------------------------------------
+TWO = [{"role": "user", "content": "What is the weather in Paris and Rome?"}]
+BOTH = [("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Rome"})]
+
+
+def test_a_streamed_calls_first_argument_fragment_comes_before_the_call_is_complete(client):
+    """Blocks of two tokens: the call's start (id, type, name, empty arguments) comes first, then its arguments in
+    fragments, the first sent while the arguments are still unfinished."""
+    entries = tool_call_entries(client, model=NAME, messages=USER, tools=TOOLS, max_tokens=64,
+                                extra_body={"block_size": 2})
+    start, *fragments = entries
+    assert start["index"] == 0 and start["id"].startswith("call_") and start["type"] == "function"
+    assert start["function"] == {"name": "get_weather", "arguments": ""}
+    assert all(e["index"] == 0 and set(e) == {"index", "function"} for e in fragments)
+    arguments = [e["function"]["arguments"] for e in fragments]
+    assert len(arguments) > 1 and json.loads("".join(arguments)) == {"city": "Paris"}
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(arguments[0])  # sent before the call was complete
+
+
+def test_several_calls_committed_by_one_block_stream_whole_and_in_order(client):
+    """One block holds the whole answer (both calls arrive in one engine step): each call is sent whole (its start,
+    then all its arguments), in order, as the whole response has them."""
+    kwargs = dict(model=NAME, messages=TWO, tools=TOOLS, max_tokens=128, extra_body={"block_size": 128})
+    entries = tool_call_entries(client, **kwargs)
+    assert [(e["index"], "id" in e) for e in entries] == [(0, True), (0, False), (1, True), (1, False)]
+    streamed = [(entries[i]["function"]["name"], entries[i + 1]["function"]["arguments"]) for i in (0, 2)]
+    whole = client.chat.completions.create(**kwargs).choices[0].message.tool_calls
+    assert streamed == [(c.function.name, c.function.arguments) for c in whole]
+    assert [(n, json.loads(a)) for n, a in streamed] == BOTH
+
+
+STRICT_TOOLS = [{"type": "function", "function": {**TOOLS[0]["function"], "strict": True, "parameters": {
+    **TOOLS[0]["function"]["parameters"], "additionalProperties": False}}}]
+
+
+@pytest.mark.parametrize("decoding", [{"block_size": 1}, {"block_size": 3}, {"block_size": 128}, {"rule": "exact"}])
+def test_the_openai_stream_helper_assembles_the_whole_responses_calls(client, decoding):
+    """`client.chat.completions.stream` (the official client's accumulator, parsing strict tools' arguments as they
+    grow) ends with the calls of the non-streamed response, whatever a step commits (one token, three, the whole
+    answer, exact mode's accepted drafts); its argument events add up to each call."""
+    kwargs = dict(model=NAME, messages=TWO, tools=STRICT_TOOLS, max_tokens=128, extra_body=decoding)
+    with client.chat.completions.stream(**kwargs) as stream:
+        events = list(stream)
+        final = stream.get_final_completion()
+    whole = client.chat.completions.create(**kwargs).choices[0]
+    calls = final.choices[0].message.tool_calls
+    assert [(c.function.name, c.function.arguments) for c in calls] == \
+        [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
+    assert [(c.function.name, c.function.parsed_arguments) for c in calls] == BOTH
+    assert final.choices[0].finish_reason == whole.finish_reason == "tool_calls"
+    deltas = [e for e in events if e.type == "tool_calls.function.arguments.delta"]
+    for index, call in enumerate(calls):
+        assert "".join(e.arguments_delta for e in deltas if e.index == index) == call.function.arguments
+    done = [(e.index, e.name, e.parsed_arguments) for e in events if e.type == "tool_calls.function.arguments.done"]
+    assert done == [(i, n, a) for i, (n, a) in enumerate(BOTH)]
+    if decoding.get("block_size", 0) < 128:
+        assert len(deltas) > len(calls)  # fragments, not whole calls
+
+
+@pytest.mark.parametrize("tool_choice", ["auto", "required"])
+def test_parallel_tool_calls_false_gives_at_most_one_call(client, tool_choice):
+    """Two calls asked for: `false` keeps the model's first under auto and lets the grammar write only one when a
+    call is forced; streamed and whole alike."""
+    kwargs = dict(model=NAME, messages=TWO, tools=TOOLS, tool_choice=tool_choice, max_tokens=128)
+    assert _calls(client.chat.completions.create(**kwargs).choices[0]) == BOTH
+    one = client.chat.completions.create(parallel_tool_calls=False, **kwargs).choices[0]
+    assert _calls(one) == BOTH[:1] and one.finish_reason == "tool_calls"
+    _, _, calls, finish, _ = stream_chat(client, parallel_tool_calls=False, **kwargs)
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == BOTH[:1] and finish == "tool_calls"
+    entries = tool_call_entries(client, parallel_tool_calls=False, **kwargs)
+    assert {e["index"] for e in entries} == {0}
