@@ -1,7 +1,7 @@
 """Drafts replayed offline: what copied drafts would accept on a server's recorded requests, before any is timed.
 
-    python benchmarks/replay_drafts.py LOG.jsonl [LOG.jsonl ...] [--most 3] [--memory-most 15]
-        [--capacity 262144] [--skip 1] [--out F.json]
+    python benchmarks/replay_drafts.py LOG.jsonl [LOG.jsonl ...] [--most 15] [--capacity 262144] [--skip 1]
+        [--out F.json]
 
 A log is what `clover serve --record-requests FILE` wrote (bench_agent.py records one per Clover system): each
 finished sequence's prompt and answer token ids, in the order the server finished them, with the engine's
@@ -11,10 +11,12 @@ the context so far and commits the accepted ones plus the causal choice, i.e. `1
 `accepted` is how many drafts equal the recorded answer's next tokens (the answers are the model's greedy
 choices, so a draft is accepted exactly when it equals them). Drafts come from
 
-  * `context`: the request's own prompt and answer so far (clover.engine.lookup, at most `--most` tokens);
-  * `memory`: the answers before it (clover.engine.draft_memory, at most `--memory-most`), shared by every
-    request of the log, as `clover serve --draft-memory shared` (or per-key with one key) keeps them;
-  * `both`: whichever matches the longer suffix, as exact mode chooses.
+  * `context`: the request's own prompt and answer so far (clover.engine.lookup);
+  * `memory`: the answers before it (clover.engine.draft_memory), shared by every request of the log, as
+    `clover serve --draft-memory shared` (or per-key with one key) keeps them;
+  * `both`: whichever matches deeper, as exact mode chooses;
+
+each at most `--most` tokens, and no more than the match is deep.
 
 Each policy verifies every draft it has (the upper bound of what the cost model would verify): the predicted
 tokens per forward and the acceptance (drafts accepted / drafts compared, a rejected one included) by source,
@@ -35,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from clover.engine.draft_memory import DEFAULT_CAPACITY, DraftMemory  # noqa: E402
-from clover.engine.exact import MEMORY_MOST  # noqa: E402
+from clover.engine.exact import COPIED_MOST  # noqa: E402
 from clover.engine.lookup import ContextLookup  # noqa: E402
 
 POLICIES = ("context", "memory", "both")
@@ -49,8 +51,7 @@ def read_log(paths: Iterable[Path]) -> list[dict[str, Any]]:
     return records
 
 
-def replay(records: list[dict[str, Any]], policy: str, most: int, memory_most: int, capacity: int,
-           skip: int = 0) -> dict[str, Any]:
+def replay(records: list[dict[str, Any]], policy: str, most: int, capacity: int, skip: int = 0) -> dict[str, Any]:
     """The predicted forwards and drafts of `policy` over `records` (module docstring); per request, its tokens
     and forwards (the first `skip` requests count in the memory, not in the figures)."""
     memory = DraftMemory(capacity) if policy != "context" else None
@@ -65,7 +66,7 @@ def replay(records: list[dict[str, Any]], policy: str, most: int, memory_most: i
             drafts, match = index.match(most) if policy != "memory" else ([], 0)
             source = "context"
             if memory is not None:
-                found = memory.drafts(index.tokens, memory_most)
+                found = memory.drafts(index.tokens, most)
                 if found is not None and found.match > match:
                     drafts, source = found.tokens, "memory"
             drafts = drafts[:len(answer) - at - 1]  # none past the answer's last token
@@ -108,8 +109,7 @@ def measured(records: list[dict[str, Any]], skip: int = 0) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("logs", nargs="+", type=Path, help="request logs (clover serve --record-requests)")
-    p.add_argument("--most", type=int, default=3, help="context drafts at most (exact mode: block size - 1)")
-    p.add_argument("--memory-most", type=int, default=MEMORY_MOST, help="memory drafts at most")
+    p.add_argument("--most", type=int, default=COPIED_MOST, help="drafts copied at most (exact mode's)")
     p.add_argument("--capacity", type=int, default=DEFAULT_CAPACITY, help="the memory's capacity in tokens")
     p.add_argument("--skip", type=int, default=1, help="first requests left out of the figures (a warm-up)")
     p.add_argument("--out", type=Path, default=None, help="write the figures as JSON here")
@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     if len(records) <= args.skip:
         p.error(f"the logs hold {len(records)} requests: nothing left after --skip {args.skip}")
     report = {"requests": len(records) - args.skip, "measured": measured(records, args.skip),
-              **{policy: replay(records, policy, args.most, args.memory_most, args.capacity, args.skip)
+              **{policy: replay(records, policy, args.most, args.capacity, args.skip)
                  for policy in POLICIES}}
     print(f"{report['requests']} requests, {report['measured']['tokens']} answer tokens")
     for name in ("measured", *POLICIES):

@@ -18,8 +18,8 @@ def _record(prompt, answer, forwards=None, drafts=None):
 def test_an_answer_given_before_is_drafted_from_memory_in_few_forwards():
     answer = [50 + i for i in range(20)]  # no repeats inside: the context alone drafts nothing
     records = [_record([1, 2, 3], answer), _record([4, 5, 6], answer)]
-    context = replay_drafts.replay(records, "context", 3, 15, 1000, skip=1)
-    both = replay_drafts.replay(records, "both", 3, 15, 1000, skip=1)
+    context = replay_drafts.replay(records, "context", 15, 1000, skip=1)
+    both = replay_drafts.replay(records, "both", 15, 1000, skip=1)
     assert context["forwards"] == 20 and context["drafts"]["context"]["compared"] == 0
     # the prefill decides 50; 51 alone (a one-token match drafts nothing); then each match drafts as many tokens as
     # it matched, all accepted: 52-53 (+54), 55-59 (+60), 61-68 (+69, the last): five forwards in all
@@ -31,7 +31,7 @@ def test_an_answer_given_before_is_drafted_from_memory_in_few_forwards():
 def test_context_drafts_are_cut_at_a_mismatch_and_at_the_answer_end():
     # the prompt holds "7 8 9 10"; the answer repeats "7 8" then departs
     records = [_record([7, 8, 9, 10, 0], [7, 8, 9, 11, 12])]
-    r = replay_drafts.replay(records, "context", 3, 15, 1000)
+    r = replay_drafts.replay(records, "context", 15, 1000)
     # the prefill decides 7; "0 7" occurred nowhere: 8 alone; "7 8" drafts 9 10 (0 would pass the answer's end):
     # 9 accepted, 10 rejected, so 9 and 11; then 12
     assert r["forwards"] == 4 and r["drafts"]["context"] == {"accepted": 1, "compared": 2}

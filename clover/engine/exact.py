@@ -24,8 +24,8 @@ With `lookup` (the default) it verifies drafts copied from the request's own con
 the context has one; they have their own acceptance estimate. With `memory` (the default too) it may take them from
 the answers the engine gave before instead (clover.engine.draft_memory: the continuations earlier answers share
 with the context's longest matching suffix, scored by how often they followed it), whichever source matches the
-longer suffix; the memory's drafts may be longer than a block (up to `MEMORY_MOST`, as long as the match), and
-their acceptance is estimated across requests, by match length. Any draft is verified the same way, so where drafts
+deeper match; copied drafts may be longer than a block (up to `COPIED_MOST`, as long as the match is deep), and
+the memory's acceptance is estimated across requests, by match depth. Any draft is verified the same way, so where drafts
 come from changes only the cost. `k` and `m`
 change nothing in the output, only in the cost: `clover.engine.drafting` picks them per step and row from the
 runner's measured cost (`clover.engine.cost`) and the request's acceptance so far (`adaptive`, the default), or
@@ -72,7 +72,8 @@ from clover.engine.speculative import verify
 STEP_EMA = 0.2  # weight of the newest step in the running estimate of the engine's own time per step
 STEP_WINDOW = 9  # a step's time by forward size: the median of the last this many (a shared machine's slow
 # moments are outliers)
-MEMORY_MOST = 15  # drafts from the drafting memory at most: 16 rows, the widest forward the cost table measures
+COPIED_MOST = 15  # drafts copied (from the context or the memory) at most: 16 rows, the widest forward the cost
+# table measures; fewer where the match is shallower (clover.engine.lookup)
 MEMORY_PRIOR = 0.6  # acceptance assumed for memory drafts before any was verified (learned across requests)
 MEMORY_BUCKETS = (4, 8, 16)  # match lengths that start a new acceptance estimate: a deeper match, surer drafts
 STEP_MEMORY = 512  # steps after which a size's timings no longer count: a size priced high during a slow moment
@@ -141,9 +142,8 @@ class ExactLoop(DecodingLoop):
         self.drafted = [0] * engine.block_size  # forwards by the number of drafts their query block made
         # every request's drafts, by position: [accepted, verified]
         self.tally = [[0, 0] for _ in range(engine.block_size - 1)]
-        self.lookup_most = engine.block_size - 1  # drafts copied at most (longer did not pay: docs/decoding.md)
+        self.lookup_most = COPIED_MOST if engine.block_size > 1 else 0  # drafts copied at most
         self.lookup_tally = [0, 0, 0]  # forwards that verified drafts from the context, drafts accepted, verified
-        self.memory_most = MEMORY_MOST if self.lookup_most else 0
         self.memory_tally = [0, 0, 0]  # the same for drafts from the drafting memory
         # acceptance of memory drafts by match length (`MEMORY_BUCKETS`), learned across requests (the memory is
         # shared by them) and not capped by one request's causal confidence
@@ -374,7 +374,7 @@ class ExactLoop(DecodingLoop):
 
     def _look_up(self, b: ExactBatch) -> None:
         """Rows left without drafts take the continuation their context offers, or the drafting memory's when it
-        matches a longer suffix of the context (module docstring). Each row's index first reads the tokens the
+        matches the context deeper (module docstring). Each row's index first reads the tokens the
         request committed since (emitted at this step's start)."""
         most = self.lookup_most
         for r, (s, lookup) in enumerate(zip(b.seqs, b.lookups)):
@@ -383,8 +383,8 @@ class ExactLoop(DecodingLoop):
             if int(b.n_drafts[r]) or s.remaining <= 1:
                 continue
             drafts, match = lookup.index.match(most)
-            if s.memory is not None and self.memory_most:
-                found = s.memory.drafts(lookup.index.tokens, self.memory_most)
+            if s.memory is not None:
+                found = s.memory.drafts(lookup.index.tokens, most)
                 if found is not None and found.match > match:
                     drafts, lookup.memory_draft = found.tokens, found
             if drafts:

@@ -1,5 +1,5 @@
 """Drafts copied from the context (clover.engine.lookup): the longest suffix n-gram's latest earlier occurrence,
-and an index grown token by token that equals one built at once."""
+as many tokens as the match is deep, and an index grown token by token that equals one built at once."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from clover.engine.lookup import ContextLookup
+from clover.engine.lookup import MAX_DEPTH, ContextLookup
 
 
 def _brute_force(tokens: list[int], most: int, max_ngram: int, min_ngram: int) -> list[int]:
@@ -16,7 +16,9 @@ def _brute_force(tokens: list[int], most: int, max_ngram: int, min_ngram: int) -
         suffix = tokens[end - n:]
         for start in range(end - n - 1, -1, -1):  # latest occurrence that has a token after it
             if tokens[start:start + n] == suffix:
-                return tokens[start + n:start + n + most]
+                depth = max(d for d in range(n, min(MAX_DEPTH, start + n) + 1)
+                            if tokens[start + n - d:start + n] == tokens[end - d:])
+                return tokens[start + n:start + n + min(most, depth)]
     return []
 
 
@@ -31,10 +33,13 @@ def test_the_longest_suffix_wins_over_a_later_shorter_match():
 
 def test_the_latest_occurrence_and_no_match():
     lookup = ContextLookup([5, 6, 1, 5, 6, 2, 5, 6], max_ngram=4, min_ngram=2)
-    assert lookup.drafts(4) == [2, 5, 6]  # the latest "5 6" was followed by 2; the draft stops at the context's end
+    assert lookup.drafts(4) == [2, 5]  # the latest "5 6" was followed by 2 5; a two-token match drafts two
+    assert lookup.match(4) == ([2, 5], 2)
+    lookup = ContextLookup([9, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6], max_ngram=4, min_ngram=2)
+    assert lookup.match(10) == ([7, 0, 1, 2, 3, 4], 6)  # six tokens deep: up to six drafts, cut at the context's end
     assert ContextLookup([1, 2, 3, 4]).drafts(3) == []
     assert ContextLookup([1, 2, 1], min_ngram=2).drafts(3) == []  # a one-token match is below min_ngram
-    assert ContextLookup([1, 2, 1], min_ngram=1).drafts(3) == [2, 1]
+    assert ContextLookup([1, 2, 1], min_ngram=1).drafts(3) == [2]  # one token deep: one draft
 
 
 @pytest.mark.parametrize("seed", range(5))
