@@ -16,7 +16,7 @@ import threading
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Literal
 
-if TYPE_CHECKING:  # (`clover serve --help` reads MODES without importing torch)
+if TYPE_CHECKING:
     from clover.engine.draft_memory import DraftMemory
 
 MODES = ("per-key", "shared", "off")
@@ -40,7 +40,7 @@ class DraftMemories:
         """The memory the current request drafts from and joins (None: `off`)."""
         if self.mode == "off":
             return None
-        from clover.engine.draft_memory import DraftMemory
+        from clover.engine.draft_memory import DraftMemory  # deferred: `clover serve --help` imports MODES, no torch
 
         key = CLIENT_KEY.get() if self.mode == "per-key" else None
         with self._lock:
