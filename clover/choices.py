@@ -30,6 +30,11 @@ FORMATS: dict[str, str] = {
     "arclm": "released",
 }
 
+# clover.serving.draft_memories: whose answers draft whose (clover serve --draft-memory), and how many answer tokens
+# a drafting memory keeps (clover.engine.draft_memory)
+DRAFT_MEMORY_MODES = ("per-key", "shared", "off")
+DRAFT_MEMORY_TOKENS = 262_144
+
 # clover.conversion.gguf_export: the GGUF weight formats it writes
 GGUF_QUANTS = ("f32", "f16", "q8_0", "q4_0", "q4_k")
 

@@ -14,9 +14,9 @@ import threading
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
+from clover.choices import DRAFT_MEMORY_MODES, DRAFT_MEMORY_TOKENS
 from clover.cli.loading import add_decoding_options, load_model, resolve_model_dir
 from clover.runners.registry import runner_entry
-from clover.serving.draft_memories import MODES
 from clover.tool_formats import FORMATS
 
 logger = logging.getLogger(__name__)
@@ -55,12 +55,12 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--responses-store-mb", type=float, default=64.0,
                    help="memory for stored Responses API responses (previous_response_id), least recently used "
                         "evicted first (0: none kept)")
-    p.add_argument("--draft-memory", choices=MODES, default="per-key",
+    p.add_argument("--draft-memory", choices=DRAFT_MEMORY_MODES, default="per-key",
                    help="exact mode's drafts from earlier answers: one memory per API key (one for all without "
                         "keys), one shared by every client, or none (docs/agents.md)")
-    p.add_argument("--draft-memory-tokens", type=int, default=None,
-                   help="answer tokens each drafting memory keeps, oldest answers evicted first (default: 262144, "
-                        "about 64 MiB: some 250 bytes a token)")
+    p.add_argument("--draft-memory-tokens", type=int, default=DRAFT_MEMORY_TOKENS,
+                   help="answer tokens each drafting memory keeps, oldest answers evicted first (about 250 bytes "
+                        "a token: 64 MiB at the default)")
     p.add_argument("--record-requests", default=None, metavar="FILE",
                    help="append every finished sequence (prompt and answer token ids, the engine's figures) to this "
                         "JSON-lines file, for offline analysis (benchmarks/replay_drafts.py); it holds users' text")
@@ -164,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
         prefix_snapshot_interval=args.prefix_snapshot_interval, chat_template=read_chat_template(args.chat_template),
         tool_call_parser=args.tool_call_parser, responses_store_bytes=int(args.responses_store_mb * 2**20),
         draft_memory=args.draft_memory,
-        draft_memory_tokens=args.draft_memory_tokens or ServerOptions.draft_memory_tokens,
+        draft_memory_tokens=args.draft_memory_tokens,
         record_requests=args.record_requests)
     defaults = read_generation_defaults(source if source.is_dir() else None)
     app = create_app(runner, tokenizer, options, generation_defaults=defaults)

@@ -31,12 +31,13 @@ from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from clover.choices import DRAFT_MEMORY_TOKENS
 from clover.engine.lookup import MAX_DEPTH
 
 NGRAMS = (8, 4, 2)  # the chains, longest first: a long key finds the deep matches a short one's chain may bury
 MAX_MATCH = MAX_DEPTH  # tokens compared backwards to measure a match, as for the context's drafts
 MAX_OCCURRENCES = 32  # positions read from a chain per lookup, newest first
-DEFAULT_CAPACITY = 262_144  # tokens of answers kept (docs/decoding.md gives the bytes per token)
+DEFAULT_CAPACITY = DRAFT_MEMORY_TOKENS  # tokens of answers kept (docs/decoding.md gives the bytes per token)
 MIN_PROBABILITY = 0.1  # SuffixDecoding's default cut-off for a draft's probability
 LENGTH_FACTOR = 1.0  # drafts of at most `match * LENGTH_FACTOR` tokens (SuffixDecoding's max_spec_factor)
 END = -1  # between answers in the store: nothing matches or follows across it

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import threading
 from contextvars import ContextVar
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
-if TYPE_CHECKING:
-    from clover.engine.draft_memory import DraftMemory
+from clover.choices import DRAFT_MEMORY_MODES
+from clover.engine.draft_memory import DraftMemory
 
-MODES = ("per-key", "shared", "off")
+MODES = DRAFT_MEMORY_MODES
 Mode = Literal["per-key", "shared", "off"]
 CLIENT_KEY: ContextVar[int | None] = ContextVar("clover_client_key", default=None)  # None: no keys configured
 
@@ -40,8 +40,6 @@ class DraftMemories:
         """The memory the current request drafts from and joins (None: `off`)."""
         if self.mode == "off":
             return None
-        from clover.engine.draft_memory import DraftMemory  # deferred: `clover serve --help` imports MODES, no torch
-
         key = CLIENT_KEY.get() if self.mode == "per-key" else None
         with self._lock:
             memory = self._by_key.get(key)
