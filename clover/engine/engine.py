@@ -173,8 +173,8 @@ class Engine:
                 raise ValueError(f"request {i}: logprobs cannot be combined with {what} (the tokens {what} forces "
                                  "are decided without the model's logits)")
             if p.grammar is not None and p.thinking_budget is not None:
-                raise ValueError(f"request {i}: a thinking budget cannot be combined with a grammar (a grammar's answer "
-                                 "has no reasoning to bound, and a forced close would break it; "
+                raise ValueError(f"request {i}: a thinking budget cannot be combined with a grammar (a grammar's "
+                                 "answer has no reasoning to bound, and a forced close would break it; "
                                  "clover.engine.thinking)")
         self.loop.check(params)
         prompts = [list(map(int, p)) for p in prompts]

@@ -40,7 +40,9 @@ not fit), and the block's remaining positions are decoded after it.
 A request has a budget or a grammar, not both: a grammar-constrained answer is rendered without reasoning (its
 prompt holds the answer's forced start), so it has no reasoning to bound, and a forced close inside a grammar's
 answer would break the grammar; the engine refuses the pair, and the server gives a budget only to the free-text
-path.
+path. Reasoning before a grammar's answer (llama.cpp holds its lazy grammar back while reasoning) would compose the
+two: the budget's constraint until the close, the grammar's from there, the prompt no longer holding the answer's
+forced start.
 """
 
 from __future__ import annotations
@@ -58,10 +60,11 @@ IDLE, REASONING, CLOSING, DONE = "idle", "reasoning", "closing", "done"
 _REASONING_MARK, _ANSWER_MARK = "CLOVER-REASONING-MARK", "CLOVER-ANSWER-MARK"
 
 
-def check_budget(value: Any, name: str = "thinking_token_budget") -> int:
-    """`value` as a budget (an integer >= 0), or a ValueError naming `name`."""
+def check_budget(value: Any) -> int:
+    """`value` as a budget (an integer >= 0), or a ValueError naming the request field."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
-        raise ValueError(f"{name} must be an integer >= 0 (reasoning tokens before the close), got {value!r}")
+        raise ValueError(f"thinking_token_budget must be an integer >= 0 (reasoning tokens before the close), "
+                         f"got {value!r}")
     return int(value)
 
 
