@@ -9,7 +9,8 @@ import argparse
 import sys
 from typing import Any
 
-from clover.cli.loading import add_decoding_options, add_repetition_options, load_model, repetition_sampling
+from clover.cli.loading import (add_decoding_options, add_repetition_options, add_thinking_budget_option, load_model,
+                                repetition_sampling)
 
 
 def add_parser(subparsers: Any) -> None:
@@ -19,6 +20,7 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--system", help="system message")
     p.add_argument("--think", action=argparse.BooleanOptionalAction, default=None,
                    help="let the model reason in <think>…</think> first, or not (default: the chat template's)")
+    add_thinking_budget_option(p)
     p.add_argument("--max-new-tokens", type=int, default=512)
     add_decoding_options(p)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -36,6 +38,7 @@ def run(args: argparse.Namespace) -> int:
     from clover.chat_template import render_chat
     from clover.cli.generate import token_texts
     from clover.engine import Engine, SamplingParams, StopAwareDetokenizer, StreamPiece
+    from clover.engine.thinking import thinking_budget
     from clover.tokenizer import eos_token_ids
 
     if args.threads:
@@ -43,8 +46,9 @@ def run(args: argparse.Namespace) -> int:
     model, tokenizer, source = load_model(args)
     decode = lambda t: tokenizer.decode(t, skip_special_tokens=True)  # noqa: E731
     eos = eos_token_ids(model.config, tokenizer)
+    budget = None if args.thinking_token_budget is None else thinking_budget(args.thinking_token_budget, tokenizer)
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed,
-                              **repetition_sampling(args))
+                              thinking_budget=budget, **repetition_sampling(args))
     engine = Engine(model, args.block_size, args.threshold, args.rule, detokenize=decode, vocab_limit=len(tokenizer),
                     eos_token_ids=eos, token_texts=token_texts(tokenizer))
     system = [{"role": "system", "content": args.system}] if args.system else []

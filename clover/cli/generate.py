@@ -15,7 +15,8 @@ from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from clover.cli.loading import add_decoding_options, add_repetition_options, load_model, repetition_sampling
+from clover.cli.loading import (add_decoding_options, add_repetition_options, add_thinking_budget_option, load_model,
+                                repetition_sampling)
 
 if TYPE_CHECKING:
     from clover.engine import StepSnapshot, StreamPiece
@@ -36,6 +37,7 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--think", action=argparse.BooleanOptionalAction, default=None,
                    help="chat prompts: let the model reason in <think>…</think> first, or not (default: the chat "
                         "template's)")
+    add_thinking_budget_option(p)
     p.add_argument("--max-new-tokens", type=int, default=256)
     add_decoding_options(p)
     p.add_argument("--tokens-per-step", type=int, default=None, help="k of --rule top_k_per_step")
@@ -81,6 +83,7 @@ def run(args: argparse.Namespace) -> int:
 
     from clover.engine import Engine, SamplingParams, StepSnapshot, StopAwareDetokenizer, StreamPiece
     from clover.engine.grammar import json_schema_grammar
+    from clover.engine.thinking import thinking_budget
     from clover.tokenizer import eos_token_ids
 
     if args.threads:
@@ -97,9 +100,10 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--json-schema {args.json_schema}: not a readable JSON file ({exc})") from exc
         grammar = json_schema_grammar(schema, tokenizer)
         args.rule = args.rule or "exact"  # block decoding cannot follow a grammar
+    budget = None if args.thinking_token_budget is None else thinking_budget(args.thinking_token_budget, tokenizer)
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                               repetition_penalty=args.repetition_penalty, seed=args.seed, stop=tuple(args.stop),
-                              grammar=grammar, **repetition_sampling(args))
+                              grammar=grammar, thinking_budget=budget, **repetition_sampling(args))
     rule_options = {name: value for name, value in (("k", args.tokens_per_step), ("size", args.sub_block_size))
                     if value is not None} or None
     engine = Engine(runner, args.block_size, args.threshold, args.rule, rule_options, detokenize=decode,

@@ -147,3 +147,17 @@ def repetition_sampling(args: argparse.Namespace) -> dict[str, Any]:
     if args.dry_sequence_breaker is not None:
         options["dry_sequence_breakers"] = tuple(b for b in args.dry_sequence_breaker if b)
     return options
+
+
+def add_thinking_budget_option(p: argparse.ArgumentParser) -> None:
+    """vLLM's `thinking_token_budget`, for `generate` and `chat` (clover.engine.thinking)."""
+    p.add_argument("--thinking-token-budget", type=_budget, default=None, metavar="N",
+                   help="chat prompts: at most N reasoning tokens, then the chat template's closing text (</think>) "
+                        "is forced and the answer follows (default: unbounded)")
+
+
+def _budget(text: str) -> int:
+    """`--thinking-token-budget`'s value: an integer >= 0."""
+    if not text.strip().isdigit():
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return int(text)

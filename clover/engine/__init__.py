@@ -42,7 +42,8 @@ __all__ = [
     "register_rule", "stream",
 ]
 
-_SAMPLING_KEYS = {"temperature", "top_p", "top_k", "repetition_penalty", "seed", "stop", "grammar", "dry_multiplier",
+_SAMPLING_KEYS = {"temperature", "top_p", "top_k", "repetition_penalty", "seed", "stop", "grammar", "thinking_budget",
+                  "dry_multiplier",
                   "dry_base", "dry_allowed_length", "dry_penalty_last_n", "dry_sequence_breakers", "loop_guard_span",
                   "loop_guard_repeats"}
 

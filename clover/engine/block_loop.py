@@ -25,6 +25,10 @@ exactly what it gets alone. A sampled position draws with noise keyed by the req
 the row's own step in the block (clover.engine.noise), so that holds for seeded sampling too; at block size 1 (one
 step per block) the draw is exact mode's. A finished request leaves the batch at the next commit.
 
+A request's thinking budget (clover.engine.thinking) bounds which positions a step may fill (`_within_budget`) and
+writes the closing sequence where the budget is spent (`_force_closing`): those positions are decided without a
+step, as a block's `head` is, but they are output.
+
 Where things happen: `step` (one denoising step), `_finish_block` (EOS / stop / length, emit), `_commit` (the
 block joins the cache).
 """
@@ -40,7 +44,7 @@ import torch
 from clover.engine.decoding import UnmaskingRule
 from clover.engine.logprobs import TokenLogprob, token_logprobs
 from clover.engine.loop import DecodingLoop, Event, StepSnapshot
-from clover.engine.request import Request, through_eos
+from clover.engine.request import Request, before_eos, through_eos
 from clover.runners.base import RunnerCache
 from clover.engine.sampling import BatchSampler, SamplingParams
 
@@ -113,6 +117,7 @@ class BlockLoop(DecodingLoop):
             if h:
                 block[r, :h] = torch.tensor(s.prompt[-h:], dtype=torch.long, device=e.device)
         limit = self._limits(seqs, head)
+        self._force_closing(seqs, block, head, limit)
         logits = self._open_block(ids if ids.shape[1] else None, block, head, cache, limit, **kwargs)
         sampler = BatchSampler([s.params for s in seqs], e.vocab_size, e.banned_ids, e.device, e.breakers)
         sampler.observe([s.prompt for s in seqs])
@@ -200,7 +205,47 @@ class BlockLoop(DecodingLoop):
             where = ~masked & (self._positions[None] >= b.head[:, None])
             heeds = e.heeds_eos(b.seqs)
             need = through_eos(b.block, e.eos, b.limit, where=where if heeds is None else where & heeds[:, None])
+        need = self._within_budget(b, need)
         return masked & (self._positions[None] < need[:, None])
+
+    def _within_budget(self, b: BlockBatch, need: torch.Tensor) -> torch.Tensor:
+        """`need` `[N]` lowered, in rows with a thinking budget (clover.engine.thinking), to the positions that are
+        certainly the model's own: from the block's decided prefix, as many as the budget leaves before its closing
+        sequence may be due. No position past the budget is decided before the prefix reaches it, and then the
+        closing sequence is written there (`_force_closing`)."""
+        rows = [r for r, s in enumerate(b.seqs) if s.budget is not None and not s.budget.done]
+        if not rows:
+            return need
+        need = need.clone()
+        block, head = b.block.tolist(), b.head.tolist()
+        for r in rows:
+            budget = b.seqs[r].budget
+            start = self._prefix_end(block[r], head[r])
+            free = budget.free(budget.after(block[r][head[r]:start]))
+            if free is not None:
+                need[r] = min(int(need[r]), start + free)
+        return need
+
+    def _prefix_end(self, row: list[int], head: int) -> int:
+        """The end of a block row's decided prefix (from its `head`): its first masked position, or its end."""
+        mask_id = self.engine.mask_id
+        return row.index(mask_id, head) if mask_id in row[head:] else len(row)
+
+    def _force_closing(self, seqs: list[Request], block: torch.Tensor, head: torch.Tensor,
+                       limit: torch.Tensor) -> None:
+        """Rows whose thinking budget is spent where their block's decided prefix ends: the closing sequence is
+        written into the (masked) positions that follow, as far as the block and the row's `limit` go; what does
+        not fit opens the next block. The block's other positions are then decoded after it."""
+        rows = [r for r, s in enumerate(seqs) if s.budget is not None and not s.budget.done]
+        if not rows:
+            return
+        tokens, heads, limits = block.tolist(), head.tolist(), limit.tolist()
+        for r in rows:
+            start = self._prefix_end(tokens[r], heads[r])
+            forced = seqs[r].budget.forced_after(tokens[r][heads[r]:start])[: max(limits[r] - start, 0)]
+            if forced:
+                block[r, start:start + len(forced)] = torch.tensor(forced, dtype=torch.long, device=block.device)
+                seqs[r].budget.forced_tokens += len(forced)
 
     def step(self, b: BlockBatch, snapshots: bool = False) -> tuple[list[Event], BlockBatch | None]:
         """One denoising step for every row that needs one, then the forward that feeds the next step."""
@@ -215,6 +260,7 @@ class BlockLoop(DecodingLoop):
         accept = b.rule.select(tokens, confidence, candidates)
         b.block = torch.where(accept, tokens, b.block)
         b.sampler.observe_block(tokens, accept)
+        self._force_closing(b.seqs, b.block, b.head, b.limit)
         if any(row is not None for row in b.logprobs):
             self._record_logprobs(b, tokens, accept)
         b.steps += active
@@ -302,6 +348,9 @@ class BlockLoop(DecodingLoop):
         """Every row's block is final: apply EOS / stop / length, emit the pieces, drop finished rows."""
         rows, steps, limits, forwards = b.block.tolist(), b.steps.tolist(), b.limit.tolist(), b.forwards.tolist()
         head = b.head.tolist()
+        for s, row, h, lim in zip(b.seqs, rows, head, limits):
+            if s.budget is not None:  # the budget follows the tokens that count
+                s.budget.consume(before_eos(row[h:lim], self.engine.eos_of(s))[0])
         return self.engine.emit(b, [(rows[r][head[r]: limits[r]], steps[r], forwards[r]) for r in range(len(b.seqs))],
                                 [lp[head[r]: limits[r]] if lp is not None else None for r, lp in enumerate(b.logprobs)])
 
@@ -314,6 +363,7 @@ class BlockLoop(DecodingLoop):
         b.limit = self._limits(b.seqs)
         b.head = torch.zeros(n, dtype=torch.long, device=e.device)
         committed, b.block = b.block, e.masks(n)
+        self._force_closing(b.seqs, b.block, b.head, b.limit)
         b.logits = self._open_block(committed, b.block, b.head, b.cache, b.limit,
                                     prefix_len=e.block_size if e.causal_context else 0)
         b.steps = torch.zeros(n, dtype=torch.long, device=e.device)

@@ -174,9 +174,14 @@ class Engine:
             raise ValueError("DRY sequence breakers need the vocabulary's texts: pass detokenize=tokenizer.decode "
                              "(or dry_sequence_breakers=())")
         for i, p in enumerate(params):
-            if p.logprobs is not None and p.grammar is not None:
-                raise ValueError(f"request {i}: logprobs cannot be combined with a grammar (the tokens a grammar "
-                                 "forces are decided without the model's logits)")
+            if p.logprobs is not None and (p.grammar is not None or p.thinking_budget is not None):
+                what = "a grammar" if p.grammar is not None else "a thinking budget"
+                raise ValueError(f"request {i}: logprobs cannot be combined with {what} (the tokens {what} forces "
+                                 "are decided without the model's logits)")
+            if p.grammar is not None and p.thinking_budget is not None:
+                raise ValueError(f"request {i}: a thinking budget cannot be combined with a grammar (a grammar's "
+                                 "answer has no reasoning to bound, and a forced close would break it; "
+                                 "clover.engine.thinking)")
         self.loop.check(params)
         prompts = [list(map(int, p)) for p in prompts]
         for i, p in enumerate(prompts):
@@ -203,7 +208,9 @@ class Engine:
         return [Request(i, p, params[i], int(max_new_tokens), start_time=now, threshold=threshold,
                         ignore_eos=bool(ignore_eos), memory=self.memory,
                         matcher=params[i].grammar.matcher(self.vocab_size, eos, self.runner.config.eos_token_ids)
-                        if params[i].grammar is not None else None) for i, p in enumerate(prompts)]
+                        if params[i].grammar is not None else None,
+                        budget=params[i].thinking_budget.tracker(p, self.vocab_size, eos)
+                        if params[i].thinking_budget is not None else None) for i, p in enumerate(prompts)]
 
     def eos_of(self, seq: Request) -> list[int]:
         """The ids that end `seq`: its grammar's (the model's, under ignore_eos: clover.engine.grammar), none under

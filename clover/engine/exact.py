@@ -38,6 +38,8 @@ draft is checked against the masked choice; the query block drafts the allowed a
 forces after a decision (and an EOS when it can only end) are decided at once: they are emitted with it and fed,
 with the last decided token, at the head of the next forward's clean tokens, so they cost no forward of their
 own. Block size 1 (`m = 0`) does the same, so the output is constrained block-size-1 decoding, token for token.
+A thinking budget (clover.engine.thinking) is consulted the same way: its closing sequence is the forced tokens,
+and a draft past the budget is checked against them.
 
 In floating point, verifying `k + 1` tokens in one forward and feeding them one at a time may be different sums
 (~1e-5 apart in fp32 torch), so a near-tie between the two best tokens can flip; exact mode is block size 1 in
@@ -213,7 +215,7 @@ class ExactLoop(DecodingLoop):
         none = torch.zeros(n, dtype=torch.long, device=e.device)
         m = self._plan(seqs, acceptance, none, cache.length + t)[1]
         start = torch.full((n,), t - 1, dtype=torch.long, device=e.device)
-        masks = [s.matcher.masks_for([])[0] if s.matcher is not None else None for s in seqs]
+        masks = [s.constraint.masks_for([])[0] if s.constraint is not None else None for s in seqs]
         tokens, accepted, query, logprobs = self._forward(ids, start, none, cache, sampler, acceptance, int(m.max()),
                                                           masks, [len(s.generated) for s in seqs], **kwargs)
         ones = accepted + 1
@@ -254,8 +256,9 @@ class ExactLoop(DecodingLoop):
         kk = int(k.max())
         drafts_k = _pad(b.drafts, kk)[:, :kk]
         masks, consumed = [], []
-        for r, s in enumerate(b.seqs):  # a grammar masks the decision and the position after each draft
-            mask, c = s.matcher.masks_for(drafts_k[r, : int(k[r])].tolist()) if s.matcher is not None else (None, 0)
+        for r, s in enumerate(b.seqs):  # a constraint masks the decision and the position after each draft
+            rule = s.constraint
+            mask, c = rule.masks_for(drafts_k[r, : int(k[r])].tolist()) if rule is not None else (None, 0)
             masks.append(mask)
             consumed.append(c)
         if width > 1:  # drafts to verify: the cache must be able to forget the rejected ones
@@ -314,34 +317,36 @@ class ExactLoop(DecodingLoop):
 
     def _after_commit(self, b: ExactBatch, accepted: torch.Tensor, k: torch.Tensor, consumed: list[int],
                       query: torch.Tensor) -> None:
-        """Grammar rows: the matcher follows what was committed (rejected drafts rolled back, the causal choice
-        consumed), then the tokens it forces join the decided ones (fed at the next forward's head), and the drafts
-        are redrawn as the allowed argmax after them (`query` holds the drafter's logits)."""
-        rows = [r for r, s in enumerate(b.seqs) if s.matcher is not None]
+        """Constrained rows (a grammar or a thinking budget): the constraint follows what was committed (rejected
+        drafts rolled back, the causal choice consumed), then the tokens it forces join the decided ones (fed at
+        the next forward's head), and the drafts are redrawn as the allowed argmax after them (`query` holds the
+        drafter's logits)."""
+        rows = [r for r, s in enumerate(b.seqs) if s.constraint is not None]
         if not rows:
             return
         decided = b.decided.tolist()
         acc = accepted.tolist()
         extra: dict[int, list[int]] = {}
         for r in rows:
-            matcher = b.seqs[r].matcher
-            if any(t in matcher.eos_ids for t in decided[r][: acc[r] + 1]):
-                extra[r] = []  # the request ends here: its grammar is done with
+            constraint = b.seqs[r].constraint
+            if any(t in constraint.eos_ids for t in decided[r][: acc[r] + 1]):
+                extra[r] = []  # the request ends here: its constraint is done with
                 continue
-            matcher.rollback(consumed[r] - acc[r])
-            matcher.consume([decided[r][acc[r]]])
-            extra[r] = matcher.forced()
+            constraint.rollback(consumed[r] - acc[r])
+            constraint.consume([decided[r][acc[r]]])
+            extra[r] = constraint.forced()
         width = max(int(b.n_decided.max()), max(int(b.n_decided[r]) + len(extra[r]) for r in rows))
         b.decided = _pad(b.decided, width)
         for r in rows:
-            n, f = int(b.n_decided[r]), extra[r]
+            n, f, constraint = int(b.n_decided[r]), extra[r], b.seqs[r].constraint
             if f:
                 b.decided[r, n:n + len(f)] = torch.tensor(f, dtype=torch.long, device=b.decided.device)
             b.n_decided[r] += len(f)
             b.n_feed[r] += len(f)
-            ends = bool(f) and f[-1] in b.seqs[r].matcher.eos_ids
-            logits = self._query_logits[r, len(f):]  # query output j drafts slot j after the decided token
-            drafts = b.seqs[r].matcher.draft(logits) if int(b.n_drafts[r]) and not ends and len(logits) else []
+            ends = bool(f) and f[-1] in constraint.eos_ids
+            logits = self._query_logits[r, len(f):].float()  # query output j drafts slot j after the decided token
+            logits[:, self.engine.banned_ids] = float("-inf")
+            drafts = constraint.draft(logits) if int(b.n_drafts[r]) and not ends and len(logits) else []
             b.drafts[r] = -1
             b.drafts[r, :len(drafts)] = torch.tensor(drafts, dtype=torch.long, device=b.drafts.device)
             b.n_drafts[r] = len(drafts)

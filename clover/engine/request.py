@@ -20,6 +20,7 @@ from clover.engine.draft_memory import DraftMemory
 from clover.engine.grammar import Matcher
 from clover.engine.repetition import RepeatGuard
 from clover.engine.sampling import SamplingParams
+from clover.engine.thinking import BudgetTracker
 
 Detokenize = Callable[[list[int]], str]
 
@@ -58,6 +59,7 @@ class Request:
     first_output_time: float | None = None
     end_time: float | None = None
     matcher: Matcher | None = None  # where the request is in its grammar (`params.grammar`), if it has one
+    budget: BudgetTracker | None = None  # where the request is in its thinking budget (`params.thinking_budget`)
     guard: RepeatGuard | None = field(default=None, repr=False)  # the loop guard (`params.loop_guard_span`)
     threshold: float | None = None  # a block rule's confidence threshold for this row (None: the engine's)
     ignore_eos: bool = False  # the engine's EOS does not end it (it runs to `max_new_tokens`)
@@ -73,6 +75,12 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def constraint(self) -> Matcher | BudgetTracker | None:
+        """The token-level constraint exact mode consults (its grammar's matcher or its thinking budget: a request
+        has at most one), with the verbs `masks_for`, `consume`, `rollback`, `forced`, `draft`."""
+        return self.matcher if self.matcher is not None else self.budget
 
     @property
     def remaining(self) -> int:
@@ -174,7 +182,8 @@ class Request:
             "prefill_forwards": self.prefill_forwards,
             "finish_reason": self.finish_reason,
             "stop_string": self.stop_string,
-            **({"forced_tokens": self.matcher.forced_tokens} if self.matcher is not None else {}),
+            **({"forced_tokens": self.constraint.forced_tokens} if self.constraint is not None else {}),
+            **({"reasoning_tokens": self.budget.reasoning_tokens} if self.budget is not None else {}),
             **({"drafts": {source: {"accepted": a, "verified": v} for source, (a, v) in self.drafts.items()}}
                if self.drafts else {}),
         }

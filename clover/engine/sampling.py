@@ -68,6 +68,9 @@ class SamplingParams:
     stop: tuple[str, ...] = field(default_factory=tuple)  # stop strings (need a detokenizer in the engine)
     # a `clover.engine.grammar.Grammar` the output must follow (exact mode); None: free text
     grammar: Any = field(default=None, compare=False)
+    # a `clover.engine.thinking.ThinkingBudget`: at most so many reasoning tokens, then the template's closing text
+    # is forced; None: reasoning unbounded
+    thinking_budget: Any = field(default=None, compare=False)
     # report each emitted token's log-probability and this many alternatives (clover.engine.logprobs);
     # None: none (nothing is computed)
     logprobs: int | None = None

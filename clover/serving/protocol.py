@@ -5,8 +5,8 @@ agent frameworks send many optional fields). Declared fields are typed strictly 
 belongs is a 400, not a silent coercion — and their bounds appear in the OpenAPI schema that the fuzz test reads.
 Clover's own options ride along as extra body fields (`block_size`, `threshold`, `rule`; vLLM's `ignore_eos`,
 `top_k`, `repetition_penalty`; llama.cpp's DRY `dry_multiplier`, `dry_base`, `dry_allowed_length`,
-`dry_penalty_last_n`, `dry_sequence_breakers`; the loop guard's `loop_guard_span`, `loop_guard_repeats`), as in the
-`extra_body` of the official client;
+`dry_penalty_last_n`, `dry_sequence_breakers`; the loop guard's `loop_guard_span`, `loop_guard_repeats`; vLLM's
+`thinking_token_budget`), as in the `extra_body` of the official client;
 `chat_template_kwargs.enable_thinking` switches the `<think>` block on or off (None: the template's default); other
 `chat_template_kwargs` are passed to the checkpoint's template.
 """
@@ -138,6 +138,9 @@ class DecodingFields(_Model):
     loop_guard_repeats: Annotated[StrictInt, Field(ge=1, le=1024)] | None = None
     # vLLM's extension: always generate max_tokens (benchmarks); under a grammar, up to where it can only end
     ignore_eos: StrictBool = False
+    # vLLM's extension: at most this many reasoning tokens, then the template's closing text is forced
+    # (clover.engine.thinking); absent: reasoning unbounded
+    thinking_token_budget: Annotated[StrictInt, Field(ge=0)] | None = None
 
     def repetition(self) -> dict[str, Any]:
         """The DRY and loop-guard fields the request set, as `SamplingParams` keywords."""

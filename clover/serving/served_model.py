@@ -29,6 +29,7 @@ from clover.chat_template import checkpoint_template, opens_reasoning, render_ch
 from clover.engine import SamplingParams
 from clover.engine.draft_memory import DEFAULT_CAPACITY
 from clover.engine.logprobs import PromptScoring, TokenLogprob, banned_ids
+from clover.engine.thinking import ThinkingBudget, thinking_budget
 from clover.model import CloverForBlockDiffusion
 from clover.runners.base import ModelRunner
 from clover.runners.torch_runner import as_runner
@@ -109,6 +110,7 @@ class LockedTokenizer:
         self.lock = threading.Lock()
         self.template = template or checkpoint_template(tokenizer)
         self.tool_format = FORMATS[tool_call_parser] if tool_call_parser else detect(self.template)
+        self._budget: ThinkingBudget | None = None  # the tags' ids and the template's closing, made on first use
 
     def encode(self, text: str) -> list[int]:
         with self.lock:
@@ -128,6 +130,14 @@ class LockedTokenizer:
         with self.lock:
             return render_chat(self.tokenizer, messages, tools, add_generation_prompt=True, enable_thinking=thinking,
                                template=self.template, **template_kwargs)
+
+    def thinking_budget(self, tokens: int) -> ThinkingBudget:
+        """A budget of `tokens` reasoning tokens, closed with this template's own closing text
+        (clover.engine.thinking)."""
+        if self._budget is None:
+            with self.lock:
+                self._budget = thinking_budget(0, self.tokenizer, self.template)
+        return dataclasses.replace(self._budget, tokens=tokens)
 
     def __len__(self) -> int:
         return len(self.tokenizer)
@@ -214,13 +224,20 @@ class ServedModel:
 
     def sampling(self, req: ChatCompletionRequest | CompletionRequest) -> list[SamplingParams]:
         stops = req.stop_strings()
+        budget = None
+        if req.thinking_token_budget is not None:
+            if req.logprobs_top() is not None:
+                raise APIError(400, "thinking_token_budget cannot be combined with logprobs (the closing tokens it "
+                                    "forces are decided without the model's logits)", param="thinking_token_budget",
+                               code="unsupported_parameter")
+            budget = self.tokenizer.thinking_budget(req.thinking_token_budget)
         try:
             return [SamplingParams(
                 temperature=self.temperature if req.temperature is None else req.temperature,
                 top_p=self.top_p if req.top_p is None else req.top_p, top_k=req.top_k or 0,
                 repetition_penalty=req.repetition_penalty or 1.0,
                 seed=None if req.seed is None else (req.seed + i) % 2**64, stop=stops, logprobs=req.logprobs_top(),
-                **req.repetition())
+                thinking_budget=budget, **req.repetition())
                 for i in range(req.n)]
         except ValueError as exc:
             raise APIError(400, str(exc), code="invalid_value") from exc
@@ -292,7 +309,8 @@ class ServedModel:
         rule = req.rule
         if path == "grammar":  # grammar-constrained decoding, in exact mode (grammar_route.py)
             grammar = await run_in_threadpool(self._grammar, req)
-            sampling = [dataclasses.replace(p, grammar=grammar) for p in sampling]
+            # a grammar's answer is rendered without reasoning: no budget to keep (clover.engine.thinking)
+            sampling = [dataclasses.replace(p, grammar=grammar, thinking_budget=None) for p in sampling]
             rule = rule or "exact"
         ids, forced, thinking, tools = await run_in_threadpool(self.chat_prompt, req, path == "grammar")
         param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"

@@ -176,3 +176,30 @@ def test_cli_generate_json_schema(chat_tokenizer, tmp_path: Path, capsys) -> Non
     (tmp_path / "bad.json").write_text(json.dumps({"type": "array", "uniqueItems": True}))
     assert main(["generate", "hello", "--model", str(checkpoint), "--json-schema", str(tmp_path / "bad.json")]) != 0
     assert "uniqueItems" in capsys.readouterr().err
+
+
+def test_cli_thinking_token_budget(chat_tokenizer, tmp_path: Path, capsys) -> None:
+    """`--think --thinking-token-budget N`: N reasoning tokens, then the template's closing text, then the answer
+    (`generate` and `chat`); a negative budget is a usage error naming the option."""
+    import io
+
+    from clover.cli.main import main
+    from clover.engine.thinking import thinking_budget
+    from server_helpers import build_checkpoint
+
+    checkpoint = build_checkpoint(tmp_path / "model", chat_tokenizer, preset="clover-tiny")
+    closing = list(thinking_budget(3, chat_tokenizer).closing_ids)
+    assert main(["generate", "hello", "--model", str(checkpoint), "--max-new-tokens", "12", "--json", "--think",
+                 "--thinking-token-budget", "3", "--block-size", "4", "--threads", "1", "--rule", "threshold",
+                 "--dry-multiplier", "0", "--loop-guard", "0"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["token_ids"][3:3 + len(closing)] == closing and out["reasoning_tokens"] == 3
+    assert out["text"].count("</think>") == 1
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("sys.stdin", io.StringIO("hello\n/exit\n"))
+        assert main(["chat", "--model", str(checkpoint), "--max-new-tokens", "12", "--think",
+                     "--thinking-token-budget", "0", "--threads", "1", "--no-stats"]) == 0
+    assert capsys.readouterr().out.startswith("clover> \n</think>\n\n")
+    with pytest.raises(SystemExit):
+        main(["generate", "hello", "--model", str(checkpoint), "--thinking-token-budget", "-1"])
+    assert "--thinking-token-budget: expected an integer >= 0" in capsys.readouterr().err
