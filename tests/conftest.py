@@ -94,7 +94,8 @@ def real_templates(request, tmp_path_factory) -> Path:
     copied into the repository). `CLOVER_TEST_TEMPLATES` names a directory that already holds them."""
     if os.environ.get("CLOVER_TEST_TEMPLATES"):
         return Path(os.environ["CLOVER_TEST_TEMPLATES"])
-    cache = request.config.cache  # None under `-p no:cacheprovider`: then this session's temporary directory
+    # absent under `-p no:cacheprovider`: then this session's temporary directory
+    cache = getattr(request.config, "cache", None)
     target = cache.mkdir("llama-cpp-templates") if cache is not None else tmp_path_factory.mktemp("templates")
     if not (target / "complete").exists():
         with tempfile.TemporaryDirectory() as tmp:
