@@ -3,7 +3,7 @@
     python benchmarks/replay_drafts.py LOG.jsonl [LOG.jsonl ...] [--most 15] [--capacity 262144] [--skip 1]
         [--out F.json]
 
-A log is what `clover serve --record-requests FILE` wrote (bench_agent.py records one per Clover system): each
+A log is what `clover serve --record-requests FILE` wrote (or that file gzipped) (bench_agent.py records one per Clover system): each
 finished sequence's prompt and answer token ids, in the order the server finished them, with the engine's
 figures. The replay walks every answer as exact mode does when the model drafts nothing (on a CPU the cost model
 makes no model drafts): after the prefill decides the first token, each forward verifies the drafts copied for
@@ -27,6 +27,7 @@ measured (forwards and drafts by source, as the engine chose them).
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import sys
 from collections.abc import Iterable
@@ -44,10 +45,11 @@ POLICIES = ("context", "memory", "both")
 
 
 def read_log(paths: Iterable[Path]) -> list[dict[str, Any]]:
-    """Every record of the logs, in order."""
+    """Every record of the logs, in order (a `.gz` log is read through gzip: how results keep them)."""
     records = []
-    for path in paths:
-        records += [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    for path in map(Path, paths):
+        text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
+        records += [json.loads(line) for line in text.splitlines() if line.strip()]
     return records
 
 

@@ -3,6 +3,7 @@ would commit them with copied drafts, and reads what the server measured."""
 
 from __future__ import annotations
 
+import gzip
 import json
 
 from script_helpers import ROOT, load_script
@@ -43,6 +44,8 @@ def test_measured_figures_are_read_from_the_log(tmp_path):
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     read = replay_drafts.read_log([path])
     assert read == records
+    (tmp_path / "log.jsonl.gz").write_bytes(gzip.compress(path.read_bytes()))
+    assert replay_drafts.read_log([tmp_path / "log.jsonl.gz"]) == records
     m = replay_drafts.measured(read, skip=1)
     assert m["tokens_per_forward"] == 2.0 and m["acceptance"] == {"memory": 2 / 3}
     assert replay_drafts.main([str(path), "--out", str(tmp_path / "out.json")]) == 0
