@@ -19,7 +19,8 @@ from clover.engine.request import Request
 
 
 class RequestLog:
-    """Appends one line per finished sequence to `path` (created owner-only; an existing file is appended to)."""
+    """Appends one line per finished sequence to `path` (created owner-only; an existing file is appended to),
+    flushed at once: the server may be killed, and the process's exit closes the file."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
@@ -33,7 +34,3 @@ class RequestLog:
         with self._lock:
             self._file.write(line + "\n")
             self._file.flush()
-
-    def close(self) -> None:
-        with self._lock:
-            self._file.close()

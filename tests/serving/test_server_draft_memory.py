@@ -4,7 +4,9 @@ memory is its own); `shared` pools them, `off` keeps none; the text is the same 
 
 from __future__ import annotations
 
+import json
 import re
+from pathlib import Path
 
 import httpx
 import pytest
@@ -26,18 +28,19 @@ def model(chat_tokenizer):
                       eos_token_id=chat_tokenizer.eos_token_id)
 
 
-def _serve(model, tokenizer, mode: str):
-    with pytest.MonkeyPatch.context() as patch:  # free rows: exact mode verifies whatever drafts it has
+def _serve(model, tokenizer, mode: str, log: Path):
+    with pytest.MonkeyPatch.context() as patch:  # free rows, never re-timed: exact mode verifies every draft it has
         patch.setattr(exact, "cost_table", lambda runner, recalibrate=False: ForwardCost.flat())
+        patch.setattr(exact.ExactLoop, "_timed", lambda self, *args: None)
         app = create_app(model, tokenizer, ServerOptions(served_model_name=NAME, api_key=KEYS, draft_memory=mode,
-                                                         prefill_chunk=16))
+                                                         prefill_chunk=16, record_requests=str(log)))
         with server_thread(app) as url:
             yield url, app.state.server
 
 
 @pytest.fixture(params=["per-key", "shared", "off"])
-def served(request, model, chat_tokenizer):
-    yield from _serve(model, chat_tokenizer, request.param)
+def served(request, model, chat_tokenizer, tmp_path):
+    yield from _serve(model, chat_tokenizer, request.param, tmp_path / "requests.jsonl")
 
 
 def _ask(url: str, server, key: str) -> tuple[str, float, int]:
@@ -69,15 +72,20 @@ def test_whose_answers_draft_whose(served):
     bob_first, bob_first_forwards, bob_first_drafts = _ask(url, server, KEYS[1])
     assert alice_first == alice_again == bob_first  # drafts never change an answer
     assert alice_first_drafts == 0  # every memory is empty at first
+    # --record-requests: each answer's token ids, and the drafts it took from a memory
+    log = [json.loads(line) for line in Path(server.options.record_requests).read_text().splitlines()]
+    assert len(log) == 3 and log[0]["answer"] == log[1]["answer"] == log[2]["answer"] and len(log[0]["answer"]) == 40
+    assert log[1]["stats"].get("drafts", {}).get("memory", {}).get("accepted", 0) == alice_again_drafts
     if mode == "off":
         assert alice_again_drafts == bob_first_drafts == 0 and server.memories.tokens() == 0
         return
-    # her own answer drafted the repeat: most of it came from the memory, in far fewer forwards
-    assert alice_again_drafts >= 20 and alice_again_forwards < alice_first_forwards / 2
+    # her own answer drafted the repeat (the tiny model's text also repeats itself, so the context drafts part of
+    # it): fewer forwards
+    assert alice_again_drafts >= 10 and alice_again_forwards < alice_first_forwards
     if mode == "per-key":  # bob's memory held nothing of hers
         assert bob_first_drafts == 0
     else:
-        assert bob_first_drafts >= 20 and bob_first_forwards < alice_first_forwards / 2
+        assert bob_first_drafts >= 10 and bob_first_forwards < alice_first_forwards
     assert server.memories.tokens() == 3 * 40
     text = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {KEYS[0]}"}).text
     assert re.search(r"^clover_draft_memory_tokens 120\.0$", text, re.M)
