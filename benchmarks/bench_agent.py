@@ -46,7 +46,6 @@ import argparse
 import hashlib
 import json
 import os
-import platform
 import re
 import signal
 import statistics
@@ -61,6 +60,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import llama_server  # noqa: E402  (benchmarks/, next to this script)
+from bench_server import cpu_name  # noqa: E402  (the same)
 from replay_drafts import read_log  # noqa: E402
 from server_process import ServerProcess  # noqa: E402
 
@@ -614,12 +614,7 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
 
 
 def machine() -> str:
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                   if line.startswith("model name"))
-    except (OSError, StopIteration):
-        cpu = platform.processor() or platform.machine()
-    return f"{cpu}, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at the start"
+    return f"{cpu_name()}, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at the start"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

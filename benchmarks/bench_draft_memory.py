@@ -13,9 +13,7 @@ same text) are looked up: the time per lookup and the share that found a draft. 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import random
 import sys
 import time
@@ -24,6 +22,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from bench_server import cpu_name, write_results  # noqa: E402
 
 from clover.engine.draft_memory import DraftMemory  # noqa: E402
 from clover.smol import clover_smol_dir  # noqa: E402
@@ -48,13 +49,6 @@ def fill(ids: list[int], answer: int) -> DraftMemory:
     return memory
 
 
-def machine() -> str:
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), None) if Path("/proc/cpuinfo").exists() else None
-    return f"{cpu or platform.processor() or platform.machine()}, {os.cpu_count()} cores, load average " \
-           f"{os.getloadavg()[0]:.1f} at the start"
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=int, default=200_000)
@@ -62,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lookups", type=int, default=2000)
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "bench_draft_memory")
     args = p.parse_args(argv)
+    load = os.getloadavg()[0]
     ids = corpus_ids(args.tokens)
     tracemalloc.start()
     memory = fill(ids, args.answer)
@@ -78,18 +73,17 @@ def main(argv: list[str] | None = None) -> int:
         found += memory.drafts(ids[end - 32:end], 15) is not None
     lookup_s = time.perf_counter() - start
     report = {"command": "python benchmarks/bench_draft_memory.py " + " ".join(sys.argv[1:] if argv is None else argv),
-              "machine": machine(), "tokens": len(memory),
+              "machine": f"{cpu_name()}, {os.cpu_count()} cores, load average {load:.1f} at the start",
+              "tokens": len(memory),
               "bytes_per_token": held / len(memory), "add_us_per_token": add_s / len(memory) * 1e6,
               "lookup_us": lookup_s / args.lookups * 1e6, "lookups_with_a_draft": found / args.lookups,
               **memory.stats()}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
     lines = ["# bench_draft_memory", "", f"Command: `{report['command']}`  ", f"Machine: {report['machine']}", "",
              "| tokens kept | bytes / token | add (µs / token) | lookup (µs) | lookups with a draft |",
              "|---:|---:|---:|---:|---:|",
              f"| {report['tokens']} | {report['bytes_per_token']:.0f} | {report['add_us_per_token']:.1f} | "
              f"{report['lookup_us']:.0f} | {report['lookups_with_a_draft']:.2f} |"]
-    args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    write_results(args.out, report, lines)
     print("\n".join(lines))
     return 0
 

@@ -11,6 +11,7 @@ need them (tests/test_smol.py) build them from its package as they test the buil
 
 from __future__ import annotations
 
+import copy
 import os
 import shutil
 import subprocess
@@ -111,3 +112,12 @@ def real_templates(request, tmp_path_factory) -> Path:
                         staged.replace(target / Path(member.name).name)
         (target / "complete").touch()
     return target
+
+
+@pytest.fixture(scope="session")
+def qwen35_tokenizer(chat_tokenizer, real_templates):
+    """The tests' chat tokenizer carrying Qwen3.5's real chat template (XML tool calls, `<think>` opened by
+    default), as a Qwen3.5-family checkpoint converted by Clover keeps it."""
+    tok = copy.deepcopy(chat_tokenizer)
+    tok.chat_template = (real_templates / "Qwen3.5-4B.jinja").read_text(encoding="utf-8")
+    return tok

@@ -26,7 +26,7 @@ import functools
 import json
 import re
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 
@@ -289,12 +289,21 @@ class Matcher:
     def draft(self, logits: torch.Tensor) -> list[int]:
         """The drafter's choice `[m]` for the next `m` positions (`logits` `[m, V]`): the argmax among the
         allowed tokens at each position given the drafts before it; the state is left unchanged."""
-        out: list[int] = []
-        for row in logits:
-            choice = int(row.float().masked_fill(~self.allowed(), float("-inf")).argmax())
-            out.append(choice)
-            if choice in self.eos_ids:
-                break
-            self.consume([choice])
-        self.rollback(len([t for t in out if t not in self.eos_ids]))
-        return out
+        return draft_through(self, logits,
+                             lambda row: int(row.float().masked_fill(~self.allowed(), float("-inf")).argmax()))
+
+
+def draft_through(constraint: Any, logits: torch.Tensor, choose: Callable[[torch.Tensor], int]) -> list[int]:
+    """Drafts `[m]` for the next `m` positions (`logits` `[m, V]`) under a token-level constraint (a grammar's
+    `Matcher`, a thinking budget's tracker: `consume`, `rollback`, `eos_ids`): `choose(row)` picks each position's
+    token with the constraint advanced past the drafts before it; an EOS ends them; the constraint is left as it
+    was."""
+    out: list[int] = []
+    for row in logits:
+        choice = choose(row)
+        out.append(choice)
+        if choice in constraint.eos_ids:
+            break
+        constraint.consume([choice])
+    constraint.rollback(len([t for t in out if t not in constraint.eos_ids]))
+    return out

@@ -55,6 +55,7 @@ import torch
 
 from clover.assistant_output import END_THINK, THINK
 from clover.chat_template import render_chat
+from clover.engine.grammar import draft_through
 
 IDLE, REASONING, CLOSING, DONE = "idle", "reasoning", "closing", "done"
 _REASONING_MARK, _ANSWER_MARK = "CLOVER-REASONING-MARK", "CLOVER-ANSWER-MARK"
@@ -244,13 +245,8 @@ class BudgetTracker:
     def draft(self, logits: torch.Tensor) -> list[int]:
         """The drafter's choice `[m]` for the next `m` positions (`logits` `[m, V]`, the ids that may not be emitted
         already at -inf): the forced token where one is due, else the argmax; the state is left unchanged."""
-        out: list[int] = []
-        for row in logits:
+        def choose(row: torch.Tensor) -> int:
             due = self.due()
-            choice = due if due is not None else int(row.argmax())
-            out.append(choice)
-            if choice in self.eos_ids:
-                break
-            self.consume([choice])
-        self.rollback(len([t for t in out if t not in self.eos_ids]))
-        return out
+            return due if due is not None else int(row.argmax())
+
+        return draft_through(self, logits, choose)

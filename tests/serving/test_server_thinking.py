@@ -6,7 +6,6 @@ conversation (it is keyed by token ids: the reuse stops where the renders diverg
 
 from __future__ import annotations
 
-import copy
 
 import httpx
 import openai
@@ -28,10 +27,8 @@ def script(prompt: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def tokenizer(chat_tokenizer, real_templates):
-    tok = copy.deepcopy(chat_tokenizer)
-    tok.chat_template = (real_templates / "Qwen3.5-4B.jinja").read_text(encoding="utf-8")
-    return tok
+def tokenizer(qwen35_tokenizer):
+    return qwen35_tokenizer
 
 
 @pytest.fixture(scope="module")

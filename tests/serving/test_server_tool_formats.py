@@ -4,7 +4,6 @@ on (the template's default) and off (`chat_template_kwargs`)."""
 
 from __future__ import annotations
 
-import copy
 import json
 
 import pytest
@@ -37,10 +36,8 @@ def script(prompt: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def tokenizer(chat_tokenizer, real_templates):
-    tok = copy.deepcopy(chat_tokenizer)
-    tok.chat_template = (real_templates / "Qwen3.5-4B.jinja").read_text(encoding="utf-8")
-    return tok
+def tokenizer(qwen35_tokenizer):
+    return qwen35_tokenizer
 
 
 @pytest.fixture(scope="module")
