@@ -9,9 +9,13 @@
   choice (one or two int8 passes over x), the choices taking turns in every repeat, so a burst of load from
   elsewhere hits them alike. What a format does to clover-smol's next-token choices:
   benchmarks/bench_quant_agreement.py.
-* `--dense` (int8 / int4): what a layer that rounds its input twice does from `woq.DENSE_ROWS` rows on, against
-  the kernel: the weights decoded by `woq.dequantize` and multiplied by torch's fp32 matmul (ms, the two taking
-  turns); and `woq.dequantize` alone in G weights/s, vectorised (AVX2) against its portable loop.
+* `--dense` (int8 / int4): the two ways a layer that rounds its input twice can read a prompt's rows
+  (`clover.model.quant.prompt_matmul`): the kernel, and the weights decoded by `woq.dequantize` for torch's fp32
+  matmul (ms, the two taking turns); and `woq.dequantize` alone in G weights/s, vectorised (AVX2) against its
+  portable loop.
+
+The machine line says whether the int8 / int4 tiles take AVX512-VNNI's dot product (`woq.has_vnni`;
+`CLOVER_WOQ_VNNI=0` measures AVX2's on the same machine).
 """
 
 from __future__ import annotations
@@ -45,15 +49,18 @@ def kernel_us(shape: tuple[int, int], kind: str, rows: int, repeats: int,
 
 
 def dense_ms(shape: tuple[int, int], kind: str, rows: int, repeats: int) -> dict[str, float]:
-    """ms per call of the two-pass kernel and of dequantise + fp32 matmul (fastest of `repeats`, taking turns)."""
+    """ms per call of the two-pass kernel and of dequantise + fp32 matmul as prompt rows run it
+    (`PackedLinear.forward`; fastest of `repeats`, taking turns)."""
     out_features, in_features = shape
     packed = woq.pack(torch.randn(out_features, in_features), kind)
     x = torch.randn(rows, in_features)
     calls = {
         "kernel_int8x2": lambda: woq.woq_linear(x, **packed, kind=kind, out_features=out_features,
                                                 activations="int8x2"),
-        "dequantise_matmul": lambda: x @ woq.dequantize(packed["qweight"], packed["scale"], packed["zero"], kind,
-                                                       out_features, in_features).T,
+        "dequantise_matmul": lambda: woq.reference_linear(
+            x, **packed, kind=kind, out_features=out_features,
+            weight=woq.dequantize(packed["qweight"], packed["scale"], packed["zero"], kind, out_features,
+                                  in_features)),
     }
     return {name: 1e3 * t for name, t in _fastest(calls, repeats).items()}
 
@@ -102,7 +109,7 @@ def main() -> None:
             parser.error(f"unknown activation rounding {act!r}: expected some of {list(woq.ACTIVATIONS)}")
     rows = [int(r) for r in args.rows.split(",")]
     machine = (f"{platform.processor() or platform.machine()}, {args.threads} threads, torch {torch.__version__}, "
-               f"AVX2 path: {woq.has_avx2()}")
+               f"AVX2 path: {woq.has_avx2()}, AVX512-VNNI tiles: {woq.has_vnni()}")
     print(machine)
     shapes = [tuple(int(d) for d in s.split("x")) for s in args.shapes.split(",")]
     if args.dense:
@@ -114,7 +121,7 @@ def main() -> None:
                       f"{rate['portable']:.2f} portable", flush=True)
                 cells = {r: dense_ms(shape, kind, r, args.repeats) for r in rows}
                 print(f"{shape[0]}x{shape[1]} {kind} ms, kernel int8x2 / dequantise + matmul: " + "  ".join(
-                    f"R={r}: {c['kernel_int8x2']:.1f} / {c['dequantise_matmul']:.1f}" for r, c in cells.items()),
+                    f"R={r}: {c['kernel_int8x2']:.2f} / {c['dequantise_matmul']:.2f}" for r, c in cells.items()),
                     flush=True)
                 report["dense"].append({"shape": list(shape), "kind": kind, "dequantise_g_weights_per_s": rate,
                                         "ms_by_rows": cells})

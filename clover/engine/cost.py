@@ -138,8 +138,8 @@ def fingerprint(runner: Any) -> dict[str, Any]:
     weights: Any = getattr(runner, "path", None)
     if model is not None:
         weights = {"dtype": str(next(model.parameters()).dtype), "quantization": getattr(model, "quantization", None)}
-        if weights["quantization"] is not None:  # packed weights run on Clover's own kernels, as built now
-            weights["kernels"] = woq.kernel_tag()
+        if weights["quantization"] is not None:  # packed weights run on Clover's own kernels, as built and run now
+            weights["kernels"] = [woq.kernel_tag(), woq.has_vnni()]
     return {"runner": runner.name, "model_shape": _digest(config), "weights": _digest(weights),
             "device": str(runner.device), "threads": getattr(runner, "threads", None) or torch.get_num_threads(),
             "torch": torch.__version__, "cpu": _processor()}

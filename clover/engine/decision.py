@@ -42,6 +42,7 @@ import json
 import math
 import time
 import weakref
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -50,6 +51,7 @@ import torch
 from clover.chat_template import render_chat
 from clover.engine.form import Field, Form, parse_form, value_text
 from clover.engine.prefill import DEFAULT_PREFILL_CHUNK, prefill
+from clover.model.quant import reading_prompt
 from clover.runners.base import ModelRunner, release_cache
 from clover.runners.torch_runner import as_runner
 
@@ -303,12 +305,14 @@ class DecisionRun:
                            self.grid)
             clean, kwargs = last.ids, last.kwargs  # chunks before it are prefill, not steps (as in generation)
             if self.grid > 1:  # the answer block is longer than the grid's blocks: the last chunk goes alone
-                self.runner.forward(clean, self.grid, cache=self.cache, logits_to_keep=0, **kwargs)
+                with reading_prompt():
+                    self.runner.forward(clean, self.grid, cache=self.cache, logits_to_keep=0, **kwargs)
                 clean, kwargs = None, {}
         t = 0 if clean is None else clean.shape[1]
         at = torch.zeros(n, t + a, dtype=torch.bool, device=self.device)
         at[:, t + self.read_at.to(self.device)] = True
-        out = self.runner.forward(clean, a, cache=self.cache, query_ids=query, logits_at=at, **kwargs)
+        with reading_prompt() if t else nullcontext():  # the first step carries the prompt's last chunk
+            out = self.runner.forward(clean, a, cache=self.cache, query_ids=query, logits_at=at, **kwargs)
         return out.view(n, len(self.read_at), -1)
 
     def _step(self, logits: torch.Tensor, block: torch.Tensor, decided: torch.Tensor, logp: torch.Tensor,

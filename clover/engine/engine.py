@@ -43,6 +43,7 @@ from clover.engine.request import Detokenize, Request
 from clover.runners.base import ModelRunner, RunnerCache, release_cache
 from clover.runners.torch_runner import as_runner
 from clover.engine.sampling import SamplingParams
+from clover.model.quant import reading_prompt
 
 
 DecodeBatch = BlockBatch | ExactBatch  # the running batch, opaque outside the engine (the scheduler holds it)
@@ -277,7 +278,8 @@ class Engine:
                        lambda ids, **kwargs: self.forward(ids, cache, **kwargs), self.device, self.prompt_grid)
         for s in seqs:
             s.prefill_forwards = last.forwards
-        return self.loop.open(seqs, last.ids, cache, **last.kwargs)
+        with reading_prompt():
+            return self.loop.open(seqs, last.ids, cache, **last.kwargs)
 
     # -- continuous batching: one request at a time -------------------------------------------------------
     def prefill_together(self, seqs: list[Request]) -> DecodeBatch:
@@ -317,7 +319,7 @@ class Engine:
         if p.done < p.pad:
             kwargs["attention_mask"] = torch.arange(p.done, end, device=self.device)[None] >= p.pad
         p.seq.prefill_forwards += 1
-        with torch.inference_mode():
+        with torch.inference_mode(), reading_prompt():
             if end < len(prompt):
                 self.forward(ids, p.cache, logits_to_keep=0, **kwargs)
                 opened = None

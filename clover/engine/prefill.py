@@ -6,7 +6,9 @@ invalid (`attention_mask` 0): attention skips them and a DeltaNet layer neither 
 row computes what it computes alone (docs/architecture.md).
 
 The padded prompts are read causally in chunks of `chunk` tokens (bounding the activation memory of long
-prompts); every chunk but the last is written to the cache without logits. With a block `grid` (a model whose
+prompts); every chunk but the last is written to the cache without logits. Every forward that reads prompt tokens,
+the caller's first one too, runs inside `reading_prompt()` (clover.model.quant: the dense path of quantised
+layers). With a block `grid` (a model whose
 `prompt_reading` is "blocks") the prompts are read on that grid instead: left-padded further to whole blocks, so
 the grid ends where every prompt ends (padding is invalid, so each row still reads what it reads alone: its first
 block holds its first `len % grid` tokens), each block read in both directions and chunks cut on block boundaries. The last chunk is returned to the
@@ -20,6 +22,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
+
+from clover.model.quant import reading_prompt
 
 DEFAULT_PREFILL_CHUNK = 2048  # prompt tokens per prefill forward
 
@@ -79,7 +83,8 @@ def prefill(prompts: Sequence[Sequence[int]], pad_id: int, chunk: int, forward: 
     starts = range(0, ids.shape[1], chunk)
     for start in starts[:-1]:
         end = start + chunk
-        forward(ids[:, start:end], prefix_len=end - start if grid == 1 else 0,
-                attention_mask=None if valid is None else valid[:, start:end], logits_to_keep=0)
+        with reading_prompt():
+            forward(ids[:, start:end], prefix_len=end - start if grid == 1 else 0,
+                    attention_mask=None if valid is None else valid[:, start:end], logits_to_keep=0)
     last = starts[-1]
     return LastChunk(ids[:, last:], None if valid is None else valid[:, last:], len(starts), grid)

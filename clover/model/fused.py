@@ -21,7 +21,7 @@ from torch import nn
 
 from clover.model.attention import Attention
 from clover.model.moe import SwiGLU
-from clover.model.quant import PackedLinear
+from clover.model.quant import PackedLinear, is_reading_prompt, prompt_matmul
 from clover.ops import woq
 
 if TYPE_CHECKING:
@@ -40,10 +40,14 @@ def can_fuse(layer: nn.Module) -> bool:
 
 def runs_fused(h: torch.Tensor, ctx: _ForwardContext) -> bool:
     """Whether a forward's marked layers take the fused path: fp32 on a CPU, nothing for autograd to record, and
-    fewer rows than a prefill chunk's (from `woq.DENSE_ROWS` rows the module path's dequantised matmuls are faster,
-    and the fused layer saves nothing there: its gain is dispatch, which many rows amortise)."""
-    return (h.dtype == torch.float32 and h.device.type == "cpu" and h.shape[0] * h.shape[1] < woq.DENSE_ROWS
-            and not (h.requires_grad and torch.is_grad_enabled()))
+    either prompt rows the integer kernel multiplies (however many: a prompt token's bits must not depend on the
+    rows beside it, `reading_prompt`, and the fused layer computes other bits than the modules) or fewer decoding
+    rows than `woq.DENSE_ROWS` (the fused layer's gain is dispatch, which many rows amortise)."""
+    if h.dtype != torch.float32 or h.device.type != "cpu" or (h.requires_grad and torch.is_grad_enabled()):
+        return False
+    if is_reading_prompt():
+        return prompt_matmul() == "kernel"
+    return h.shape[0] * h.shape[1] < woq.DENSE_ROWS
 
 
 def layer_weights(layer: DecoderLayer) -> tuple:

@@ -30,7 +30,7 @@ from clover.model.layout import BlockLayout
 from clover.model.lora import ADAPTER_CONFIG, adapter_tensor_names, has_lora, load_adapter, save_adapter
 from clover.model.moe import Experts, SparseMoE, SwiGLU, TopKRouter
 from clover.model.norms import RMSNorm
-from clover.model.quant import QUANT_CONFIG, prepare_quantized, save_quantization
+from clover.model.quant import QUANT_CONFIG, prepare_quantized, reading_prompt, save_quantization
 from clover.model.rope import RotaryEmbedding
 
 
@@ -220,7 +220,7 @@ class CloverForBlockDiffusion(nn.Module):
         past_valid = cache.past_valid() if cache is not None else None
         mask, is_causal = layout.attention_mask(past_valid, clean_valid, n, device)
         ctx = _ForwardContext(layout, clean_valid, self.model.rotary(positions_t, h.dtype), mask, is_causal, gate)
-        ctx.fused = runs_fused(h, ctx)
+        ctx.fused = any(layer.fused for layer in self.model.layers) and runs_fused(h, ctx)
         if self._runs_frozen_clean(ctx, cache):
             h = self._frozen_clean_layers(h, ctx)
         elif ctx.fused and self._all_fused():
@@ -232,12 +232,16 @@ class CloverForBlockDiffusion(nn.Module):
         if cache is not None and lc:
             cache.commit(clean_valid if clean_valid is not None else torch.ones_like(ids, dtype=torch.bool))
 
+        # the head reads only the rows kept for logits, never a prompt's many: the decoding path (`reading_prompt`)
         if logits_at is not None:
             hidden = self.model.norm(h[logits_at.to(device)])
-            return CloverOutput(logits=self.lm_head(hidden), hidden_states=hidden if output_hidden_states else None)
+            with reading_prompt(False):
+                logits = self.lm_head(hidden)
+            return CloverOutput(logits=logits, hidden_states=hidden if output_hidden_states else None)
         keep = lc if logits_to_keep is None else min(logits_to_keep, lc)
         hidden = self.model.norm(torch.cat([h[:, lc - keep : lc], h[:, lc:]], dim=1))
-        logits = self.lm_head(hidden)
+        with reading_prompt(False):
+            logits = self.lm_head(hidden)
         return CloverOutput(
             logits=logits[:, :keep],
             query_logits=logits[:, keep:] if nq else None,

@@ -40,6 +40,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +59,42 @@ from clover.ops import woq
 logger = logging.getLogger(__name__)
 
 QUANT_CONFIG = "quantization.json"
+PROMPT_MATMULS = ("kernel", "fp32")  # how prompt rows multiply (`prompt_matmul`)
+_READING_PROMPT: ContextVar[bool] = ContextVar("clover_reading_prompt", default=False)
+
+
+@contextmanager
+def reading_prompt(reading: bool = True) -> Iterator[None]:
+    """Forwards inside read prompt tokens (prefill chunks, and the forward that carries the last one with the first
+    query block): there an int8 / int4 layer that rounds its input twice (`int8x2`) multiplies as `prompt_matmul()`
+    says. Which path a row takes depends only on whether it is a prompt token, never on how many rows share its
+    forward: so exact mode reads a prompt as block size 1 does, a batch and a resumed prefix
+    (clover.serving.prefix_cache) read it as one request does, and decoding steps of any batch size run the
+    kernel. For the same reason prompt forwards take one path through a layer however many rows they have: the
+    fused C++ layer (clover.model.fused) with the kernel, the modules with `fp32`. `reading=False` inside: not (the
+    LM head, which reads only the few rows kept for logits)."""
+    token = _READING_PROMPT.set(reading)
+    try:
+        yield
+    finally:
+        _READING_PROMPT.reset(token)
+
+
+def is_reading_prompt() -> bool:
+    return _READING_PROMPT.get()
+
+
+def prompt_matmul() -> str:
+    """How prompt rows of a layer that rounds its input twice multiply (`reading_prompt`): `$CLOVER_PROMPT_MATMUL`,
+    one of `PROMPT_MATMULS`. `kernel` (the default): the integer kernel that decoding steps run, so every row of a
+    request is computed alike; with AVX512-VNNI (`woq.has_vnni`) it is faster than torch's fp32 matmul at every
+    row count. `fp32`: the weights dequantised for one fp32 matmul of the unrounded rows, for a CPU with AVX2 alone
+    and long prompts, where it overtakes the kernel from about a thousand rows but costs a short prompt the
+    dequantising (docs/cpu.md)."""
+    choice = os.environ.get("CLOVER_PROMPT_MATMUL", "kernel")
+    if choice not in PROMPT_MATMULS:
+        raise ValueError(f"CLOVER_PROMPT_MATMUL must be one of {', '.join(PROMPT_MATMULS)}; got {choice!r}")
+    return choice
 
 
 class PackedLinear(nn.Module):
@@ -115,9 +155,8 @@ class PackedLinear(nn.Module):
         gate = self.gate.grid() if self.gate is not None and self.rank else None
         if x.device.type != "cpu":
             return woq.reference_linear(*args, gate=gate)  # elsewhere: the dequantised matmul, x not rounded
-        if self.activations == "int8x2" and x.numel() >= woq.DENSE_ROWS * self.in_features:
-            # many rows (a prefill chunk) rounded twice: the weights decoded once, then torch's fp32 matmul, x not
-            # rounded (faster here than the kernel's two integer passes; one pass stays faster: docs/cpu.md)
+        if self.activations == "int8x2" and is_reading_prompt() and prompt_matmul() == "fp32":
+            # prompt rows: the weights decoded once, then torch's fp32 matmul, x not rounded (`prompt_matmul`)
             weight = woq.dequantize(self.qweight, self.scale, self.zero, self.kind, self.out_features,
                                     self.in_features, self.group_size)
             return woq.reference_linear(*args, gate=gate, weight=weight)

@@ -69,11 +69,14 @@ LAYOUT_VERSION = 3  # of the packed layout; 1: int8 / int4 codes as [o // 16, k,
 # 2: low-rank corrections in fp32
 DEFAULT_GROUP_SIZE = 32  # llama.cpp's Q4_1/Q8_0 block, the format clover-smol's base weights come in
 ACTIVATIONS = {"int8": 1, "int8x2": 2}  # int8 / int4 layers' rounding of x: int8 passes (the kernel's `passes`)
-# From this many rows an int8 / int4 layer that rounds its input twice (`int8x2`) dequantises its weights on a CPU
-# (`dequantize`) for torch's fp32 matmul instead of running the integer kernel, built for the few rows of a decoding
-# step: on an AVX2 EPYC the dequantised matmul overtook the two-pass kernel near here (`benchmarks/bench_woq.py
-# --dense` measures both; docs/cpu.md)
+# From this many rows a forward's layers run as modules, not as the fused C++ layer (clover.model.fused), whose gain is
+# dispatch, which many rows amortise
 DENSE_ROWS = 256
+# `reference_linear` pads its rows to a multiple of this: BLAS picks its kernel by the row count, and MKL's fp32
+# kernels for a few rows (below 12 that are not a multiple of 4, at 2 threads) give a row other bits than a larger
+# product does. Padded, a row's bits do not depend on how many rows share its forward (tests/model/test_quant.py), so
+# exact mode's first forward (a prompt's last chunk and query rows) reads the prompt as block size 1's does.
+ROW_TILE = 16
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = (CSRC / "woq.cpp", CSRC / "layer.cpp")  # the kernels; a decoder layer built on them (clover.model.fused)
 HEADERS = (CSRC / "woq.h",)
@@ -274,19 +277,33 @@ def reference_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor
                      correction: tuple[torch.Tensor, torch.Tensor] | None = None,
                      gate: tuple[int, int] | None = None, weight: torch.Tensor | None = None) -> torch.Tensor:
     """Dequantise, then an fp32 matmul: `x [..., K]` -> `[..., O]` in x's dtype; `correction`: `(A [r, K],
-    B' [r, O])`, fp16 stored as int16 bits (`pack_correction`), adds `(x A^T) B'` (a low-rank term kept beside
-    the packed weights); `gate` `(T, start)`: a gated adapter's correction, added only where a row's position
-    in its sequence of `T` tokens (the rows of `x` in order) is `>= start` (its query stream). `weight`: the
-    dequantised weights when the caller has them (`dequantize`)."""
+    B' [r, O])`, fp16 stored as int16 bits (`pack_correction`),
+    adds `(x A^T) B'` (a low-rank term kept beside the packed weights); `gate` `(T, start)`: a gated adapter's
+    correction, added only where a row's position in its sequence of `T` tokens (the rows of `x` in order) is
+    `>= start` (its query stream). `weight`: the dequantised weights when the caller has them (`dequantize`).
+    A row's result has the same bits however many rows share the call (`ROW_TILE`)."""
     w = weight if weight is not None else unpack(qweight, scale, zero, kind, out_features, x.shape[-1], group_size)
-    y = F.linear(x.float(), w.to(x.device))
+    rows = x.reshape(-1, x.shape[-1])
+    n = rows.shape[0]
+    tiles = _row_tiles(rows.float())
+    y = F.linear(tiles, w.to(x.device))[:n]
     if correction is not None:
         a, b = (t.view(torch.float16).float() for t in correction)
         period, start = gate or (1, 0)
         if start < period:  # rows of the query stream (every row without a gate); a prefill chunk has none
-            queries = y.view(-1, period, out_features)[:, start:]
-            queries += F.linear(x.reshape(-1, period, x.shape[-1])[:, start:].float(), a) @ b
-    return y.to(x.dtype)
+            queries = torch.arange(n, device=x.device) % period >= start
+            y[queries] += (F.linear(tiles, a) @ b)[:n][queries]
+    return y.view(*x.shape[:-1], out_features).to(x.dtype)
+
+
+def _row_tiles(rows: torch.Tensor) -> torch.Tensor:
+    """`rows` `[n, K]` padded with zero rows to a multiple of `ROW_TILE` (as they are when they fill whole tiles)."""
+    n = rows.shape[0]
+    if n % ROW_TILE == 0:
+        return rows
+    out = rows.new_zeros(n - n % ROW_TILE + ROW_TILE, rows.shape[1])
+    out[:n] = rows
+    return out
 
 
 def pack_correction(a: torch.Tensor, b: torch.Tensor, name: str = "weight") -> tuple[torch.Tensor, torch.Tensor]:
@@ -353,3 +370,9 @@ def woq_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero
 def has_avx2() -> bool:
     """Whether the kernel's AVX2+FMA path runs on this CPU (otherwise its portable scalar path does)."""
     return bool(extension().has_avx2())
+
+
+def has_vnni() -> bool:
+    """Whether int8 / int4 layers take AVX512-VNNI's dot product on this CPU (the same bits as AVX2's, faster from
+    4 rows of codes; `$CLOVER_WOQ_VNNI=0` turns it off, read once per process)."""
+    return bool(extension().has_vnni())

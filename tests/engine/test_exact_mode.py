@@ -16,6 +16,8 @@ from clover.engine.cost import ForwardCost
 from clover.engine.decoding import ExactRule
 from clover.engine.drafting import Acceptance, best_batch_verified, best_drafts, best_verified
 from clover.engine.exact import STEP_MEMORY, ExactBatch, ExactLoop
+from clover.model import quantize
+from clover.ops import woq
 from clover.serving.prefix_cache import PrefixCache
 from clover.serving.scheduler import Scheduler
 from model_helpers import PROMPTS, tiny_model
@@ -89,6 +91,27 @@ def test_exact_equals_block1_greedy_alone_and_in_a_batch(models, preset, block_s
         assert alone.stats[0]["forward_passes"] == batch.stats[i]["forward_passes"]
     for s in batch.stats:  # every forward commits at least one token
         assert s["tokens"] == MAX_NEW and 1 <= s["forward_passes"] <= MAX_NEW and s["tokens_per_forward"] >= 1
+
+
+@pytest.mark.parametrize("matmul", ["kernel", "fp32"])
+@pytest.mark.parametrize("preset", PRESETS)
+def test_exact_equals_block1_on_a_packed_build_whatever_path_prompt_rows_take(preset, matmul, monkeypatch):
+    """An int4 build that rounds activations twice (clover-smol's) reads prompt rows as `prompt_matmul` says (the
+    fused layer's kernel, or a dequantised fp32 matmul) and decoding rows by the kernel, fused below
+    `woq.DENSE_ROWS` rows. Exact mode's first forward carries query rows beside the prompt's last chunk, so it can
+    have more rows than block size 1's; the prompt still takes block size 1's path, so the output is block size 1's,
+    alone and in a batch."""
+    monkeypatch.setenv("CLOVER_PROMPT_MATMUL", matmul)
+    model = quantize(tiny_model(preset), "int4", activations="int8x2")
+    # and a prompt whose first forward has more rows than `woq.DENSE_ROWS` only with the query rows beside it
+    prompts = PROMPTS + [[(7 * i + 3) % 200 for i in range(woq.DENSE_ROWS - 2)]]
+    ref = _greedy_b1(model, prompts)
+    whole = {"adaptive": False}  # query rows in every forward, the first one too
+    for i, prompt in enumerate(prompts):
+        alone = generate(model, [prompt], MAX_NEW, block_size=4, rule="exact", rule_options=whole, eos_token_ids=[])
+        assert alone.sequences[0] == ref[i]
+    assert generate(model, prompts, MAX_NEW, block_size=4, rule="exact", rule_options=whole,
+                    eos_token_ids=[]).sequences == ref
 
 
 @pytest.mark.parametrize("preset", PRESETS)

@@ -7,14 +7,19 @@ from __future__ import annotations
 
 import copy
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from model_helpers import assert_close_up_to_activation_rounding, dequantised_matmul, tiny_model
 from torch import nn
 
 from clover.model import CloverForBlockDiffusion, quantize
 from clover.model.lora import LoraConfig, LoRALinear, TrainableRowsEmbedding, apply_lora, has_lora
+from clover.model import quant
 from clover.model.quant import PackedLinear, default_activations, default_head
 from clover.ops import woq
 
@@ -98,23 +103,51 @@ def test_dequantize_equals_unpack(kind, group_size, vectorised):
 
 
 @pytest.mark.parametrize("kind", ["int8", "int4"])
-def test_many_rows_rounded_twice_take_the_dequantised_matmul(kind):
-    """From `woq.DENSE_ROWS` rows a layer that rounds its input twice computes the dequantised weights' fp32 matmul
-    (its gated correction included), which stays within the kernel's activation rounding of it; one pass, or
-    fewer rows, keep the kernel."""
+def test_prompt_rows_rounded_twice_multiply_as_prompt_matmul_says(kind, monkeypatch):
+    """Inside `reading_prompt()` a layer that rounds its input twice runs the kernel by default and, with
+    `CLOVER_PROMPT_MATMUL=fp32`, the dequantised weights' fp32 matmul (its gated correction included), whatever
+    the rows, within the kernel's activation rounding of it; outside, and with one pass, the kernel runs however
+    many rows there are. An unknown choice is refused by name."""
     torch.manual_seed(0)
     layer = PackedLinear.from_weight(torch.randn(40, 64), kind, group_size=8, activations="int8x2",
                                      correction=(torch.randn(4, 64), torch.randn(4, 40)))
     args = dict(qweight=layer.qweight, scale=layer.scale, zero=layer.zero, kind=kind, out_features=40, group_size=8,
                 correction=(layer.correction_a, layer.correction_b))
-    rows = woq.DENSE_ROWS // 4
-    x = torch.randn(4, rows, 64)
-    assert torch.equal(layer(x), woq.reference_linear(x, **args))
-    assert_close_up_to_activation_rounding(layer(x), woq.woq_linear(x, **args, activations="int8x2"))
-    few = x[:, : rows - 1]
-    assert torch.equal(layer(few), woq.woq_linear(few, **args, activations="int8x2"))
+    x = torch.randn(4, woq.DENSE_ROWS // 2, 64)
+    kernel = woq.woq_linear(x, **args, activations="int8x2")
+    with quant.reading_prompt():
+        assert torch.equal(layer(x), kernel)
+    monkeypatch.setenv("CLOVER_PROMPT_MATMUL", "fp32")
+    with quant.reading_prompt():
+        assert torch.equal(layer(x), woq.reference_linear(x, **args))
+        assert torch.equal(layer(x[:, :3]), woq.reference_linear(x[:, :3], **args))
+        with quant.reading_prompt(False):
+            assert torch.equal(layer(x), kernel)
+    assert torch.equal(layer(x), kernel)
+    assert_close_up_to_activation_rounding(woq.reference_linear(x, **args), kernel)
     layer.activations = "int8"
-    assert torch.equal(layer(x), woq.woq_linear(x, **args, activations="int8"))
+    with quant.reading_prompt():
+        assert torch.equal(layer(x), woq.woq_linear(x, **args, activations="int8"))
+    monkeypatch.setenv("CLOVER_PROMPT_MATMUL", "bf16")
+    with pytest.raises(ValueError, match="CLOVER_PROMPT_MATMUL must be one of kernel, fp32; got 'bf16'"):
+        quant.prompt_matmul()
+
+
+@pytest.mark.parametrize("matmul", ["kernel", "fp32"])
+def test_a_prompt_rows_bits_do_not_depend_on_how_many_rows_share_its_forward(matmul, monkeypatch):
+    """The kernel computes each row alone; BLAS picks its kernel by the row count (MKL's fp32 one gives a few rows
+    other bits than many), so the dense path pads rows to `woq.ROW_TILE`: either way exact mode's first forward (a
+    prompt chunk and query rows) reads the prompt with block size 1's bits. With a correction on every row, as an
+    ungated adapter has."""
+    monkeypatch.setenv("CLOVER_PROMPT_MATMUL", matmul)
+    torch.manual_seed(0)
+    layer = PackedLinear.from_weight(torch.randn(960, 576), "int4", activations="int8x2",
+                                     correction=(torch.randn(8, 576), torch.randn(8, 960) * 0.01))
+    x = torch.randn(300, 576)
+    with quant.reading_prompt():
+        full = layer(x)
+        for rows in (*range(1, 20), 31, 33, 255, 257):
+            assert torch.equal(layer(x[:rows]), full[:rows]), rows
 
 
 def test_correction_is_stored_in_fp16_balanced_per_rank():
@@ -453,6 +486,43 @@ def test_integer_kernel_rows_do_not_depend_on_the_block(kind, activations):
     block = woq.woq_linear(x, **args)
     for r in (0, 5, 16):
         assert torch.equal(woq.woq_linear(x[r : r + 1], **args), block[r : r + 1])
+
+
+_TILE_OUTPUTS = """
+import sys, torch
+from safetensors.torch import save_file
+from clover.ops import woq
+torch.manual_seed(0)
+out = {}
+for kind in ("int8", "int4"):
+    packed = woq.pack(torch.randn(40, 128), kind)  # a partial 16-column block
+    correction = woq.pack_correction(torch.randn(4, 128), torch.randn(4, 40))
+    for rows in (1, 3, 4, 7, 8, 12, 16, 17, 31, 40):  # every tile height, and remainders
+        x = torch.randn(rows, 128)
+        for activations in ("int8", "int8x2"):
+            out[f"{kind}-{rows}-{activations}"] = woq.woq_linear(x, **packed, kind=kind, out_features=40,
+                                                                 activations=activations, correction=correction)
+save_file(out, sys.argv[1])
+print(woq.has_vnni())
+"""
+
+
+def test_the_avx512_vnni_tiles_give_the_avx2_tiles_bits(tmp_path):
+    """Where the CPU has AVX512-VNNI the int8 / int4 tiles run on it (16 columns a register, vpdpbusd); their int32
+    dots and fp32 epilogue are the AVX2 tiles', so the outputs are bit for bit the same (`CLOVER_WOQ_VNNI=0`, read
+    once per process, keeps a process on AVX2's)."""
+    if not woq.has_vnni():
+        pytest.skip("this CPU has no AVX512-VNNI: only the AVX2 tiles run here")
+    outputs = {}
+    for vnni in ("1", "0"):
+        path = tmp_path / f"vnni{vnni}.safetensors"
+        run = subprocess.run([sys.executable, "-c", _TILE_OUTPUTS, str(path)], capture_output=True, text=True,
+                             env={**os.environ, "CLOVER_WOQ_VNNI": vnni}, check=True)
+        assert run.stdout.split()[-1] == str(vnni == "1")
+        outputs[vnni] = load_file(path)
+    assert outputs["1"].keys() == outputs["0"].keys()
+    for key, got in outputs["1"].items():
+        assert torch.equal(got, outputs["0"][key]), key
 
 
 @pytest.mark.parametrize("quant", ["int8", "int4"])

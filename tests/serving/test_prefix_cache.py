@@ -9,7 +9,6 @@ from clover.engine import Engine, SamplingParams
 from clover.engine.cost import ForwardCost
 from clover.model import quantize
 from clover.model.cache import CloverCache
-from clover.ops import woq
 from clover.serving.prefix_cache import PrefixCache, chain_hashes
 from clover.smol import BUILD_ACTIVATIONS
 from model_helpers import tiny_model
@@ -45,24 +44,26 @@ def test_reused_prefix_gives_exactly_the_cold_start_tokens(models, preset, sampl
         assert torch.equal(warm_first, cold_first)  # bit for bit, not merely close
 
 
+@pytest.mark.parametrize("matmul", ["kernel", "fp32"])
 @pytest.mark.parametrize("quant", ["int4", "int8"])
 @pytest.mark.parametrize("preset", ["clover-tiny", "clover-tiny-dense"])
-def test_reuse_on_a_packed_build_gives_exactly_the_cold_start_tokens(preset, quant):
-    """The int4 / int8 builds that round activations twice (clover-smol's) take two paths through a layer: the
-    integer kernels below `woq.DENSE_ROWS` rows, the dequantised matmul from there, which round differently. With
-    the grid a dense chunk, a warm start runs the chunks a cold start runs after the reused point, each through the
-    path the cold start took."""
-    grid = woq.DENSE_ROWS
+def test_reuse_on_a_packed_build_gives_exactly_the_cold_start_tokens(preset, quant, matmul, monkeypatch):
+    """The int4 / int8 builds that round activations twice (clover-smol's) read prompt rows as
+    `clover.model.quant.prompt_matmul` says (the fused layer's kernel, or a dequantised fp32 matmul, which rounds
+    differently) and decoding rows by the kernel. A warm start reads the rest of its prompt in the chunks a cold
+    start reads after the reused point, on the same path."""
+    monkeypatch.setenv("CLOVER_PROMPT_MATMUL", matmul)
+    grid = 32
     model = quantize(tiny_model(preset, max_position_embeddings=4 * grid), quant, activations=BUILD_ACTIVATIONS)
     # a given cost table: the policy learns no step timings, so both runs make the same drafts
     engine = Engine(model, 4, rule="exact", prefill_chunk=grid, cost=ForwardCost.flat())
     store = PrefixCache(grid, 1 << 30, recurrent=model.config.has_linear_attention)
     turn1 = _prompt(grid + 40, 6)
-    turn2 = turn1 + _prompt(grid - 20, 7)  # 2 grid points and 20 rows: one dense chunk and a kernel tail after reuse
+    turn2 = turn1 + _prompt(grid - 20, 7)  # 3 grid points and 28 rows
     _decode(engine, turn1, store)
     cold_tokens, cold_drafts, _ = _decode(engine, turn2, None)
     warm_tokens, warm_drafts, reused = _decode(engine, turn2, store)
-    assert reused == grid
+    assert reused == 2 * grid
     assert warm_tokens == cold_tokens and torch.equal(warm_drafts, cold_drafts)
 
 

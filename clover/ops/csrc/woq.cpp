@@ -18,9 +18,10 @@
 // The s16 pair sums cannot saturate: int4 2 x 15 x 127 = 3810, int8 (by sign: |w| x sign(x, w)) 2 x 127 x 127 =
 // 32258 < 32767. A block's codes are decoded in registers once per step of k for a tile of up to 4 rows.
 //
-// One source compiles to an AVX2+FMA path (function target attributes, chosen at run time) and a portable
-// scalar path of the same integer math; no -march flag, so the same build runs on any x86-64 (and the scalar
-// path on other CPUs).
+// One source compiles to an AVX2+FMA path (function target attributes, chosen at run time), AVX-512 tiles with
+// VNNI's dot product for int8 / int4 where the CPU has them (the same bits: int_tile_vnni), and a portable scalar
+// path of the same integer math; no -march flag, so the same build runs on any x86-64 (and the scalar path on other
+// CPUs).
 #include "woq.h"
 
 #include <c10/util/Half.h>
@@ -49,6 +50,7 @@ enum Kind : int64_t { F32 = 0, BF16 = 1, INT8 = 2, INT4 = 3 };
 constexpr int NB = 16;  // output columns per block
 constexpr int MR = 6;   // rows per register tile (fp32 / bf16)
 constexpr int MR_INT = 4;  // rows per register tile (int8 / int4: 2 x 4 int32 accumulators + 4 decoded codes)
+constexpr int MR_VNNI = 16;  // the same with AVX-512 (16 accumulators of 16 columns, of its 32 registers)
 
 struct Args {
   const float* x;
@@ -330,6 +332,64 @@ __attribute__((target("avx2,fma,f16c"))) void int_tile_avx2(const Args& a, const
   }
 }
 
+// int_tile_avx2 with AVX-512: a block's 16 columns in one 512-bit register, and VNNI's dot product (vpdpbusd: u8 x
+// s8, four adjacent products summed into each int32 lane), one instruction where AVX2 takes three (maddubs, madd,
+// add) for each half. The int32 sums are the same, exactly (AVX2's s16 pair sums cannot saturate: file header),
+// and each lane's fp32 epilogue is int_tile_avx2's, so both paths give the same bits. Up to 16 rows of codes per
+// tile (AVX-512 has 32 registers) share each decoded step.
+#define WOQ_AVX512 "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c"
+template <int R, bool I4, int P>
+__attribute__((target(WOQ_AVX512))) void int_tile_vnni(const Args& a, const Acts& x, int64_t b, int64_t r0,
+                                                       float* acc) {
+  const int64_t groups = a.K / a.group;
+  const uint8_t* w = static_cast<const uint8_t*>(a.w) + b * a.K * NB / (I4 ? 2 : 1);
+  const int8_t* xq = x.q + r0 * a.K;
+  const __m512i nibble = _mm512_set1_epi8(15);
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512i c[R];
+#pragma GCC unroll 16
+    for (int i = 0; i < R; ++i) c[i] = _mm512_setzero_si512();
+    for (int64_t k = g * a.group; k < (g + 1) * a.group; k += I4 ? 8 : 4, w += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(w) + 1024, _MM_HINT_T0);
+      const __m512i v = _mm512_loadu_si512(w);
+      if constexpr (I4) {  // low nibbles: k .. k + 3, high: k + 4 .. k + 7
+        const __m512i lo = _mm512_and_si512(v, nibble), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+#pragma GCC unroll 16
+        for (int i = 0; i < R; ++i) {
+          int32_t xl, xh;
+          std::memcpy(&xl, xq + i * a.K + k, 4);
+          std::memcpy(&xh, xq + i * a.K + k + 4, 4);
+          c[i] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(c[i], lo, _mm512_set1_epi32(xl)), hi, _mm512_set1_epi32(xh));
+        }
+      } else {  // signed x signed: |w| x (x with w's sign)
+        const __m512i mag = _mm512_abs_epi8(v);
+        const __mmask64 negative = _mm512_movepi8_mask(v);
+#pragma GCC unroll 16
+        for (int i = 0; i < R; ++i) {
+          int32_t xv;
+          std::memcpy(&xv, xq + i * a.K + k, 4);
+          const __m512i xb = _mm512_set1_epi32(xv);  // -x where w < 0; x * 0 where w == 0 is 0 either way
+          c[i] = _mm512_dpbusd_epi32(c[i], mag, _mm512_mask_sub_epi8(xb, negative, _mm512_setzero_si512(), xb));
+        }
+      }
+    }
+    // y += dot * (sw * sx) [+ mw * sx * sum(qx)], in int_tile_avx2's order
+    const __m512 sw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+        a.hscale + (b * groups + g) * NB)));
+    __m512 mw = sw;
+    if constexpr (I4)
+      mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.hzero + (b * groups + g) * NB)));
+#pragma GCC unroll 16
+    for (int i = 0; i < R; ++i) {
+      const __m512 sx = _mm512_set1_ps(x.s[(r0 + i) * groups + g]);
+      float* yr = acc + (i / P) * NB;
+      __m512 y = _mm512_fmadd_ps(_mm512_cvtepi32_ps(c[i]), _mm512_mul_ps(sw, sx), _mm512_load_ps(yr));
+      if constexpr (I4) y = _mm512_fmadd_ps(mw, _mm512_set1_ps(x.sum[(r0 + i) * groups + g]), y);
+      _mm512_store_ps(yr, y);
+    }
+  }
+}
+
 // Tiles of up to MR_INT rows of codes (a multiple of P: whole rows of x), then their output rows into y.
 template <bool I4, int P>
 __attribute__((target("avx2,fma,f16c"))) void int_rows_avx2(const Args& a, const Acts& x, int64_t b) {
@@ -342,6 +402,32 @@ __attribute__((target("avx2,fma,f16c"))) void int_rows_avx2(const Args& a, const
       case 2: int_tile_avx2<2, I4, P>(a, x, b, v, acc); break;
       case 3: if constexpr (P == 1) int_tile_avx2<3, I4, P>(a, x, b, v, acc); break;
       default: int_tile_avx2<4, I4, P>(a, x, b, v, acc); break;
+    }
+    for (int64_t i = 0; i < n / P; ++i)
+      std::memcpy(a.y + (v / P + i) * a.O + b * NB, acc + i * NB, cols * sizeof(float));
+  }
+}
+
+// int_rows_avx2 over tiles of 16, 8 or 4 rows of codes (int_tile_vnni), the largest that fits what is left; the last
+// 1-3 take the AVX2 tiles, whose extra instructions per row do not matter where the weights' streaming bounds the
+// time. Every size is even, so a tile holds whole rows of x for P = 2.
+template <bool I4, int P>
+__attribute__((target(WOQ_AVX512))) void int_rows_vnni(const Args& a, const Acts& x, int64_t b) {
+  const int64_t cols = std::min<int64_t>(NB, a.O - b * NB), codes = a.rows * P;
+  for (int64_t v = 0, n = 0; v < codes; v += n) {
+    const int64_t left = codes - v;
+    alignas(64) float acc[MR_VNNI * NB] = {0};
+    if (left >= 16) {
+      n = 16, int_tile_vnni<16, I4, P>(a, x, b, v, acc);
+    } else if (left >= 8) {
+      n = 8, int_tile_vnni<8, I4, P>(a, x, b, v, acc);
+    } else if (left >= 4) {
+      n = 4, int_tile_vnni<4, I4, P>(a, x, b, v, acc);
+    } else if (left >= 2) {
+      n = 2, int_tile_avx2<2, I4, P>(a, x, b, v, acc);
+    } else {  // P = 1: left is even for P = 2
+      n = 1;
+      if constexpr (P == 1) int_tile_avx2<1, I4, P>(a, x, b, v, acc);
     }
     for (int64_t i = 0; i < n / P; ++i)
       std::memcpy(a.y + (v / P + i) * a.O + b * NB, acc + i * NB, cols * sizeof(float));
@@ -402,8 +488,20 @@ __attribute__((target("avx2,fma,f16c"))) void correction_avx2(const float* t, co
 bool has_avx2() {
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
 }
+
+// Whether the int8 / int4 tiles can take AVX-512 with VNNI's dot product (int_tile_vnni), and may:
+// $CLOVER_WOQ_VNNI=0 keeps them on AVX2's (the same bits: a comparison, and the tests' way to reach both).
+bool has_vnni() {
+  static const bool on = [] {
+    const char* env = std::getenv("CLOVER_WOQ_VNNI");
+    return !(env && std::strcmp(env, "0") == 0) && __builtin_cpu_supports("avx512vnni") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw");
+  }();
+  return on;
+}
 #else
 bool has_avx2() { return false; }
+bool has_vnni() { return false; }
 #endif
 
 // The correction y += (x A^T) B' of a layer that carries one (an adapter kept beside the packed weights): t = x A^T
@@ -488,6 +586,13 @@ void float_block(const Args& a, int64_t b, float* tile, bool vector) {
 
 void int_block(const Args& a, const Acts& x, int64_t b, bool vector) {
 #ifdef WOQ_X86
+  if (vector && has_vnni()) {
+    if (a.kind == INT4)
+      x.passes == 2 ? int_rows_vnni<true, 2>(a, x, b) : int_rows_vnni<true, 1>(a, x, b);
+    else
+      x.passes == 2 ? int_rows_vnni<false, 2>(a, x, b) : int_rows_vnni<false, 1>(a, x, b);
+    return;
+  }
   if (vector) {
     if (a.kind == INT4)
       x.passes == 2 ? int_rows_avx2<true, 2>(a, x, b) : int_rows_avx2<true, 1>(a, x, b);
@@ -672,8 +777,8 @@ __attribute__((target("avx2"))) static void dequantize_row_avx2(int64_t kind, co
 #endif
 
 // The dense fp32 weights [O, K] a packed int8 / int4 layer stands for, s * q (+ m), as `woq.unpack` computes them:
-// a forward of many rows (a prefill chunk) multiplies these with torch's matmul, which is faster there than the
-// integer kernel above (clover.model.quant.PackedLinear). One thread per block of 16 output columns.
+// prompt rows multiply these with torch's matmul where the integer kernel above has no AVX512-VNNI, and is slower
+// there for a prompt's many rows (clover.model.quant.prompt_matmul). One thread per block of 16 output columns.
 torch::Tensor woq_dequantize(torch::Tensor w, torch::Tensor scale, torch::Tensor zero, int64_t kind,
                              int64_t out_features, int64_t K, int64_t group, bool vector) {
   TORCH_CHECK(kind == INT8 || kind == INT4, "dequantize takes int8 / int4 weights, got kind ", kind);
@@ -711,6 +816,8 @@ torch::Tensor woq_dequantize(torch::Tensor w, torch::Tensor scale, torch::Tensor
 
 bool woq_has_avx2() { return has_avx2(); }
 
+bool woq_has_vnni() { return has_vnni(); }
+
 float woq_dot(const float* x, const float* w, int64_t n, bool vector) {
 #ifdef WOQ_X86
   if (vector) return dot_avx2(x, w, n);
@@ -730,5 +837,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("scale"), py::arg("zero"), py::arg("kind"), py::arg("out_features"), py::arg("K"), py::arg("group"),
         py::arg("vector") = true);
   m.def("has_avx2", &woq_has_avx2, "whether the AVX2+FMA path can run on this CPU");
+  m.def("has_vnni", &woq_has_vnni, "whether int8 / int4 tiles take AVX512-VNNI's dot product");
   m.def("decoder_layers", &decoder_layers, "Llama-form decoder layers over packed weights, in turn (layer.cpp)");
 }
