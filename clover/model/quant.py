@@ -87,10 +87,11 @@ def is_reading_prompt() -> bool:
 def prompt_matmul() -> str:
     """How prompt rows of a layer that rounds its input twice multiply (`reading_prompt`): `$CLOVER_PROMPT_MATMUL`,
     one of `PROMPT_MATMULS`. `kernel` (the default): the integer kernel that decoding steps run, so every row of a
-    request is computed alike; with AVX512-VNNI (`woq.has_vnni`) it is faster than torch's fp32 matmul at every
-    row count. `fp32`: the weights dequantised for one fp32 matmul of the unrounded rows, for a CPU with AVX2 alone
-    and long prompts, where it overtakes the kernel from about a thousand rows but costs a short prompt the
-    dequantising (docs/cpu.md)."""
+    request is computed alike, and alike on every x86 CPU (its AVX2 and AVX-512 VNNI tiles give the same bits); with
+    VNNI it is faster than torch's fp32 matmul at every row count. `fp32`: the weights dequantised for one fp32
+    matmul of the unrounded rows, for a CPU with AVX2 alone and prompts of thousands of tokens, where it is ~1.3x
+    the kernel's speed, but slower below several hundred, where dequantising every weight dominates (docs/cpu.md,
+    "Prompt rows")."""
     choice = os.environ.get("CLOVER_PROMPT_MATMUL", "kernel")
     if choice not in PROMPT_MATMULS:
         raise ValueError(f"CLOVER_PROMPT_MATMUL must be one of {', '.join(PROMPT_MATMULS)}; got {choice!r}")

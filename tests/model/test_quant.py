@@ -115,6 +115,7 @@ def test_prompt_rows_rounded_twice_multiply_as_prompt_matmul_says(kind, monkeypa
                 correction=(layer.correction_a, layer.correction_b))
     x = torch.randn(4, woq.DENSE_ROWS // 2, 64)
     kernel = woq.woq_linear(x, **args, activations="int8x2")
+    monkeypatch.delenv("CLOVER_PROMPT_MATMUL", raising=False)
     with quant.reading_prompt():
         assert torch.equal(layer(x), kernel)
     monkeypatch.setenv("CLOVER_PROMPT_MATMUL", "fp32")
