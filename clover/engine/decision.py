@@ -42,7 +42,6 @@ import json
 import math
 import time
 import weakref
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -311,7 +310,7 @@ class DecisionRun:
         t = 0 if clean is None else clean.shape[1]
         at = torch.zeros(n, t + a, dtype=torch.bool, device=self.device)
         at[:, t + self.read_at.to(self.device)] = True
-        with reading_prompt() if t else nullcontext():  # the first step carries the prompt's last chunk
+        with reading_prompt(t > 0):  # the first step carries the prompt's last chunk
             out = self.runner.forward(clean, a, cache=self.cache, query_ids=query, logits_at=at, **kwargs)
         return out.view(n, len(self.read_at), -1)
 

@@ -99,8 +99,8 @@ def test_exact_equals_block1_on_a_packed_build_whatever_path_prompt_rows_take(pr
     """An int4 build that rounds activations twice (clover-smol's) reads prompt rows as `prompt_matmul` says (the
     fused layer's kernel, or a dequantised fp32 matmul) and decoding rows by the kernel, fused below
     `woq.DENSE_ROWS` rows. Exact mode's first forward carries query rows beside the prompt's last chunk, so it can
-    have more rows than block size 1's; the prompt still takes block size 1's path, so the output is block size 1's,
-    alone and in a batch."""
+    have more rows than block size 1's; the prompt's rows still take block size 1's path through the linear layers,
+    and the output is block size 1's, alone and in a batch."""
     monkeypatch.setenv("CLOVER_PROMPT_MATMUL", matmul)
     model = quantize(tiny_model(preset), "int4", activations="int8x2")
     # and a prompt whose first forward has more rows than `woq.DENSE_ROWS` only with the query rows beside it
