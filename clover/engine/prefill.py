@@ -9,11 +9,11 @@ The padded prompts are read causally in chunks of `chunk` tokens (bounding the a
 prompts); every chunk but the last is written to the cache without logits. Every forward that reads prompt tokens,
 the caller's first one too, runs inside `reading_prompt()` (clover.model.quant: one path through a quantised layer
 for prompt rows, whatever shares their forward). With a block `grid` (a model whose `prompt_reading` is "blocks")
-the prompts are read on that grid instead: left-padded further to whole blocks, so
-the grid ends where every prompt ends (padding is invalid, so each row still reads what it reads alone: its first
-block holds its first `len % grid` tokens), each block read in both directions and chunks cut on block boundaries. The last chunk is returned to the
-caller, whose first forward carries it with its first query block (the prefill's last forward is decoding's
-first step).
+the prompts are read on that grid instead: left-padded further to whole blocks, so the grid ends where every prompt
+ends (padding is invalid, so each row still reads what it reads alone: its first block holds its first
+`len % grid` tokens), each block read in both directions and chunks cut on block boundaries. The last chunk is
+returned to the caller, whose first forward carries it with its first query block (the prefill's last forward is
+decoding's first step).
 """
 
 from __future__ import annotations

@@ -74,8 +74,8 @@ ACTIVATIONS = {"int8": 1, "int8x2": 2}  # int8 / int4 layers' rounding of x: int
 DENSE_ROWS = 256
 # `reference_linear` pads its rows to a multiple of this: BLAS picks its kernel by the row count, and MKL's fp32
 # kernels for a few rows (below 12 that are not a multiple of 4, at 2 threads) give a row other bits than a larger
-# product does. Padded, a row's bits do not depend on how many rows share its forward (tests/model/test_quant.py), so
-# exact mode's first forward (a prompt's last chunk and query rows) reads the prompt as block size 1's does.
+# product does. Padded, a row's bits do not depend on how many rows share its forward (tests/model/test_quant.py):
+# exact mode's first forward (a prompt's last chunk and query rows) multiplies the prompt's rows as block size 1's.
 ROW_TILE = 16
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = (CSRC / "woq.cpp", CSRC / "layer.cpp")  # the kernels; a decoder layer built on them (clover.model.fused)
@@ -277,11 +277,11 @@ def reference_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor
                      correction: tuple[torch.Tensor, torch.Tensor] | None = None,
                      gate: tuple[int, int] | None = None, weight: torch.Tensor | None = None) -> torch.Tensor:
     """Dequantise, then an fp32 matmul: `x [..., K]` -> `[..., O]` in x's dtype; `correction`: `(A [r, K],
-    B' [r, O])`, fp16 stored as int16 bits (`pack_correction`),
-    adds `(x A^T) B'` (a low-rank term kept beside the packed weights); `gate` `(T, start)`: a gated adapter's
-    correction, added only where a row's position in its sequence of `T` tokens (the rows of `x` in order) is
-    `>= start` (its query stream). `weight`: the dequantised weights when the caller has them (`dequantize`).
-    A row's result has the same bits however many rows share the call (`ROW_TILE`)."""
+    B' [r, O])`, fp16 stored as int16 bits (`pack_correction`), adds `(x A^T) B'` (a low-rank term kept beside
+    the packed weights); `gate` `(T, start)`: a gated adapter's correction, added only where a row's position
+    in its sequence of `T` tokens (the rows of `x` in order) is `>= start` (its query stream). `weight`: the
+    dequantised weights when the caller has them (`dequantize`). A row's result has the same bits however many
+    rows share the call (`ROW_TILE`)."""
     w = weight if weight is not None else unpack(qweight, scale, zero, kind, out_features, x.shape[-1], group_size)
     rows = x.reshape(-1, x.shape[-1])
     n = rows.shape[0]
