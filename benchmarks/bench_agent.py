@@ -45,7 +45,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import re
 import signal
 import statistics
@@ -60,8 +59,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import llama_server  # noqa: E402  (benchmarks/, next to this script)
-from bench_server import cpu_name  # noqa: E402  (the same)
-from replay_drafts import read_log  # noqa: E402
+from bench_server import machine  # noqa: E402  (the same)
 from server_process import ServerProcess  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -489,7 +487,7 @@ def run_system(system: System, tasks: list[Task], args: argparse.Namespace, budg
         if system.clover:
             memory = draft_memory_tokens(httpx.get(f"{server.url}/metrics", timeout=30).text)
     build = {"llama_cpp_build": llama_server.llama_cpp_build()} if system.llama_cpp else {}
-    engine = engine_figures(records, read_log([log])) if system.clover else {}
+    engine = engine_figures(records, log) if system.clover else {}
     return {"system": system.name, "describe": system.describe, **build, "tasks": records, "peak_rss_mib": peak,
             "summary": {**summarize(records, peak), **engine, "draft_memory_tokens": memory}}
 
@@ -499,13 +497,15 @@ def draft_memory_tokens(metrics: str) -> int | None:
     return int(float(found.group(1))) if found else None
 
 
-def engine_figures(records: list[dict[str, Any]], log: list[dict[str, Any]]) -> dict[str, Any]:
+def engine_figures(records: list[dict[str, Any]], log_path: Path) -> dict[str, Any]:
     """From the server's request log (its first line: the warm-up request): tokens per forward over every request
     and over the later requests of each task (its first request's answer is the only one with no earlier turn of
     its own), and a digest of each answer's token ids, to compare systems that must write the same. None where the
     log does not hold one line per request (a request cut off by its timeout is not logged)."""
+    from replay_drafts import measured, read_log  # here: it imports the engine (torch), which llama.cpp runs skip
+
     steps = [len(r["steps"]) for r in records]
-    answers = log[1:]
+    answers = read_log([log_path])[1:]
     if len(answers) != sum(steps):
         return {"tokens_per_forward": None, "tokens_per_forward_later": None, "answer_digests": None}
     later, at = [], 0
@@ -513,11 +513,8 @@ def engine_figures(records: list[dict[str, Any]], log: list[dict[str, Any]]) -> 
         later += answers[at + 1:at + n]
         at += n
 
-    def tpf(lines: list[dict[str, Any]]) -> float | None:
-        forwards = sum(line["stats"]["forward_passes"] for line in lines)
-        return sum(len(line["answer"]) for line in lines) / forwards if forwards else None
-
-    return {"tokens_per_forward": tpf(answers), "tokens_per_forward_later": tpf(later),
+    return {"tokens_per_forward": measured(answers)["tokens_per_forward"],
+            "tokens_per_forward_later": measured(later)["tokens_per_forward"],
             "answer_digests": [hashlib.sha1(json.dumps(line["answer"]).encode()).hexdigest()[:16] for line in answers]}
 
 
@@ -611,10 +608,6 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-
-
-def machine() -> str:
-    return f"{cpu_name()}, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at the start"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

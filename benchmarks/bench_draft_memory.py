@@ -13,7 +13,6 @@ same text) are looked up: the time per lookup and the share that found a draft. 
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import sys
 import time
@@ -24,9 +23,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_server import cpu_name, write_results  # noqa: E402
+from bench_server import machine, write_results  # noqa: E402
 
-from clover.engine.draft_memory import DraftMemory  # noqa: E402
+from clover.engine.draft_memory import MAX_MATCH, DraftMemory  # noqa: E402
+from clover.engine.exact import COPIED_MOST  # noqa: E402
 from clover.smol import clover_smol_dir  # noqa: E402
 from clover.tokenizer import load_tokenizer  # noqa: E402
 
@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lookups", type=int, default=2000)
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "bench_draft_memory")
     args = p.parse_args(argv)
-    load = os.getloadavg()[0]
+    conditions = machine()
     ids = corpus_ids(args.tokens)
     tracemalloc.start()
     memory = fill(ids, args.answer)
@@ -70,10 +70,10 @@ def main(argv: list[str] | None = None) -> int:
     ends = [rng.randrange(64, len(ids)) for _ in range(args.lookups)]
     start, found = time.perf_counter(), 0
     for end in ends:
-        found += memory.drafts(ids[end - 32:end], 15) is not None
+        found += memory.drafts(ids[end - MAX_MATCH:end], COPIED_MOST) is not None
     lookup_s = time.perf_counter() - start
     report = {"command": "python benchmarks/bench_draft_memory.py " + " ".join(sys.argv[1:] if argv is None else argv),
-              "machine": f"{cpu_name()}, {os.cpu_count()} cores, load average {load:.1f} at the start",
+              "machine": conditions,
               "tokens": len(memory),
               "bytes_per_token": held / len(memory), "add_us_per_token": add_s / len(memory) * 1e6,
               "lookup_us": lookup_s / args.lookups * 1e6, "lookups_with_a_draft": found / args.lookups,

@@ -264,6 +264,11 @@ def cpu_name() -> str:
         return platform.processor() or platform.machine()
 
 
+def machine() -> str:
+    """The processor, its cores and the load average now (call it before a run: a figure's conditions)."""
+    return f"{cpu_name()}, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at the start"
+
+
 def run_agent(model: Path, args: argparse.Namespace, extra: list[str]) -> None:
     agent = {}
     for label, flags in (("prefix reuse", []), ("no reuse", ["--prefix-cache-mb", "0"])):

@@ -37,7 +37,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from clover.engine.draft_memory import DEFAULT_CAPACITY, DraftMemory  # noqa: E402
+from clover.engine.draft_memory import DEFAULT_CAPACITY, DraftMemory, copied_drafts  # noqa: E402
 from clover.engine.exact import COPIED_MOST  # noqa: E402
 from clover.engine.lookup import ContextLookup  # noqa: E402
 
@@ -65,12 +65,8 @@ def replay(records: list[dict[str, Any]], policy: str, most: int, capacity: int,
         index = ContextLookup(prompt + answer[:1])
         at, forwards = min(1, len(answer)), 1  # the prefill's last chunk decides the first token
         while at < len(answer):
-            drafts, match = index.match(most) if policy != "memory" else ([], 0)
-            source = "context"
-            if memory is not None:
-                found = memory.drafts(index.tokens, most)
-                if found is not None and found.match > match:
-                    drafts, source = found.tokens, "memory"
+            drafts, found = copied_drafts(index, memory, most, context=policy != "memory")
+            source = "memory" if found is not None else "context"
             drafts = drafts[:len(answer) - at - 1]  # none past the answer's last token
             accepted = 0
             while accepted < len(drafts) and drafts[accepted] == answer[at + accepted]:

@@ -27,4 +27,3 @@ def test_a_servers_drafts_give_its_tokens_per_forward_and_acceptance():
 def test_the_llama_server_systems_are_compared_with_block_size_one():
     assert set(bench.SERVERS) <= set(bench.SYSTEMS)
     assert all(bench.REFERENCE[name] == "int4-b1" for name in bench.SERVERS)
-    assert bench.SERVERS == {"llama-server": "none", "llama-server-ngram": "ngram-mod"}

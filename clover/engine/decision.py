@@ -402,7 +402,8 @@ def decide_autoregressive(model: torch.nn.Module | ModelRunner, tokenizer: Any, 
         ids = torch.tensor([pending], dtype=torch.long, device=runner.device)
         last = torch.zeros(1, len(pending), dtype=torch.bool, device=runner.device)
         last[0, -1] = True
-        logits = runner.forward(ids, 1, cache=cache, logits_at=last)[0].float().cpu()
+        with reading_prompt(forwards == 0):  # the first forward writes the prompt
+            logits = runner.forward(ids, 1, cache=cache, logits_at=last)[0].float().cpu()
         forwards += 1
         pending = []
         return torch.log_softmax(logits, dim=-1)

@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from clover.choices import DRAFT_MEMORY_TOKENS
-from clover.engine.lookup import MAX_DEPTH
+from clover.engine.lookup import MAX_DEPTH, ContextLookup
 
 NGRAMS = (8, 4, 2)  # the chains, longest first: a long key finds the deep matches a short one's chain may bury
 MAX_MATCH = MAX_DEPTH  # tokens compared backwards to measure a match, as for the context's drafts
@@ -170,3 +170,15 @@ class DraftMemory:
             return {"answers": len(self._answers), "tokens": len(self), "capacity": self.capacity,
                     "answers_added": self.answers_added, "answers_evicted": self.answers_evicted,
                     "ngrams": sum(len(latest) for latest in self._latest.values())}
+
+
+def copied_drafts(index: ContextLookup, memory: DraftMemory | None, most: int,
+                  context: bool = True) -> tuple[list[int], MemoryDraft | None]:
+    """The drafts exact mode copies for a row without model drafts: the continuation the context offers
+    (`index.match`), or the memory's where it matches the context deeper; with the memory's draft when it won.
+    `context=False` leaves the context out (an offline comparison, benchmarks/replay_drafts.py)."""
+    drafts, match = index.match(most) if context else ([], 0)
+    found = memory.drafts(index.tokens, most) if memory is not None else None
+    if found is not None and found.match > match:
+        return found.tokens, found
+    return drafts, None

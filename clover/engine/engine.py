@@ -126,7 +126,7 @@ class Engine:
         self.counters = EngineCounters()
         self.loop = ExactLoop(self, self.rule, cost) if isinstance(self.rule, ExactRule) else BlockLoop(self, self.rule)
         uses_memory = isinstance(self.rule, ExactRule) and self.rule.lookup and self.rule.memory
-        self.memory = (draft_memory or DraftMemory()) if uses_memory else None
+        self.memory = (draft_memory if draft_memory is not None else DraftMemory()) if uses_memory else None
         # the block grid prompts are read on (1: causally); the loop decides (exact mode is block-size-1 decoding)
         self.prompt_grid = self.loop.prompt_grid
 

@@ -61,7 +61,7 @@ import torch
 
 from clover.engine.cost import ForwardCost, cost_table
 from clover.engine.decoding import ExactRule
-from clover.engine.draft_memory import MemoryDraft
+from clover.engine.draft_memory import MemoryDraft, copied_drafts
 from clover.engine.drafting import Acceptance, best_batch_verified, best_drafts, best_verified
 from clover.engine.logprobs import TokenLogprob, token_logprobs
 from clover.engine.lookup import ContextLookup
@@ -387,11 +387,7 @@ class ExactLoop(DecodingLoop):
             lookup.memory_draft = None
             if int(b.n_drafts[r]) or s.remaining <= 1:
                 continue
-            drafts, match = lookup.index.match(most)
-            if s.memory is not None:
-                found = s.memory.drafts(lookup.index.tokens, most)
-                if found is not None and found.match > match:
-                    drafts, lookup.memory_draft = found.tokens, found
+            drafts, lookup.memory_draft = copied_drafts(lookup.index, s.memory, most)
             if drafts:
                 b.drafts = _pad(b.drafts, len(drafts))
                 b.drafts[r] = -1

@@ -21,6 +21,7 @@ from typing import Any, Sequence
 import torch
 
 from clover.engine.sampling import MAX_TOP_LOGPROBS
+from clover.model.quant import reading_prompt
 from clover.runners.base import release_cache
 
 
@@ -83,8 +84,10 @@ class PromptScoring:
             with torch.inference_mode():
                 for start in range(0, len(prompt), self.chunk):
                     ids = prompt[start:start + self.chunk]
-                    logits = self.runner.forward(torch.tensor([ids], dtype=torch.long, device=self.runner.device),
-                                                 1, cache=cache, prefix_len=len(ids))
+                    with reading_prompt():
+                        logits = self.runner.forward(torch.tensor([ids], dtype=torch.long,
+                                                                  device=self.runner.device),
+                                                     1, cache=cache, prefix_len=len(ids))
                     # position t predicts token t + 1; the prompt's last position predicts the answer's first
                     out += token_logprobs(logits[0], prompt[start + 1:start + 1 + len(ids)], self.top, self.banned)
         finally:

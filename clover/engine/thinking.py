@@ -193,9 +193,9 @@ class BudgetTracker:
             raise ValueError(f"cannot roll the thinking budget back {n} tokens: it consumed {len(self.history) - 1}")
         del self.history[len(self.history) - n:]
 
-    def due(self, s: State | None = None) -> int | None:
-        """The token the budget forces next from `s` (default: the current state), or None where the model chooses."""
-        s = s or self.state
+    def due(self) -> int | None:
+        """The token the budget forces next, or None where the model chooses."""
+        s = self.state
         return self.budget.closing_ids[s.at] if s.phase == CLOSING else None
 
     def free(self, s: State) -> int | None:

@@ -232,16 +232,15 @@ class CloverForBlockDiffusion(nn.Module):
         if cache is not None and lc:
             cache.commit(clean_valid if clean_valid is not None else torch.ones_like(ids, dtype=torch.bool))
 
-        # the head reads only the rows kept for logits, never a prompt's many: the decoding path (`reading_prompt`)
+        keep = lc if logits_to_keep is None else min(logits_to_keep, lc)
         if logits_at is not None:
             hidden = self.model.norm(h[logits_at.to(device)])
-            with reading_prompt(False):
-                logits = self.lm_head(hidden)
-            return CloverOutput(logits=logits, hidden_states=hidden if output_hidden_states else None)
-        keep = lc if logits_to_keep is None else min(logits_to_keep, lc)
-        hidden = self.model.norm(torch.cat([h[:, lc - keep : lc], h[:, lc:]], dim=1))
-        with reading_prompt(False):
+        else:
+            hidden = self.model.norm(torch.cat([h[:, lc - keep : lc], h[:, lc:]], dim=1))
+        with reading_prompt(False):  # the head reads only the rows kept for logits: the decoding path
             logits = self.lm_head(hidden)
+        if logits_at is not None:
+            return CloverOutput(logits=logits, hidden_states=hidden if output_hidden_states else None)
         return CloverOutput(
             logits=logits[:, :keep],
             query_logits=logits[:, keep:] if nq else None,

@@ -290,8 +290,8 @@ def reference_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor
         a, b = (t.view(torch.float16).float() for t in correction)
         period, start = gate or (1, 0)
         if start < period:  # rows of the query stream (every row without a gate); a prefill chunk has none
-            queries = torch.arange(n, device=x.device) % period >= start
-            y[queries] += (F.linear(tiles, a) @ b)[:n][queries]
+            correction_rows = (F.linear(tiles, a) @ b)[:n].view(-1, period, out_features)
+            y.view(-1, period, out_features)[:, start:] += correction_rows[:, start:]
     return y.view(*x.shape[:-1], out_features).to(x.dtype)
 
 

@@ -14,24 +14,16 @@ from __future__ import annotations
 
 import threading
 from contextvars import ContextVar
-from typing import Literal
-
-from clover.choices import DRAFT_MEMORY_MODES
 from clover.engine.draft_memory import DraftMemory
 
-MODES = DRAFT_MEMORY_MODES
-Mode = Literal["per-key", "shared", "off"]
 CLIENT_KEY: ContextVar[int | None] = ContextVar("clover_client_key", default=None)  # None: no keys configured
 
 
 class DraftMemories:
-    """The memories of one server (module docstring)."""
+    """The memories of one server (module docstring): `mode` one of `clover.choices.DRAFT_MEMORY_MODES` and
+    `capacity` tokens a memory, as `ServerOptions` checked them."""
 
     def __init__(self, mode: str, capacity: int) -> None:
-        if mode not in MODES:
-            raise ValueError(f"draft memory mode must be one of {', '.join(MODES)}, got {mode!r}")
-        if capacity < 1:
-            raise ValueError(f"the drafting memory's capacity must be >= 1 token, got {capacity}")
         self.mode, self.capacity = mode, capacity
         self._by_key: dict[int | None, DraftMemory] = {}
         self._lock = threading.Lock()

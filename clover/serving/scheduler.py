@@ -154,7 +154,7 @@ class Scheduler:
         key, engine = await self.engine(block_size, rule)
         seqs = engine.make_sequences([prompt] * len(sampling), max_new_tokens, list(sampling),
                                      threshold=threshold, ignore_eos=ignore_eos)
-        if memory != "engine":
+        if memory != "engine" and engine.memory is not None:  # an engine that drafts from a memory at all
             for seq in seqs:
                 seq.memory = memory
         handle = RequestHandle(self, next(self._ids), len(seqs), asyncio.get_running_loop())

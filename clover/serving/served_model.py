@@ -26,6 +26,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from clover.chat_template import checkpoint_template, opens_reasoning, render_chat
+from clover.choices import DRAFT_MEMORY_MODES
 from clover.engine import SamplingParams
 from clover.engine.draft_memory import DEFAULT_CAPACITY
 from clover.engine.logprobs import PromptScoring, TokenLogprob, banned_ids
@@ -39,7 +40,7 @@ from clover.serving.openai_format import (ChatChoice, ChoiceText, chat_body, cha
                                           completion_body, completion_logprobs, completion_stream, usage)
 from clover.serving.prefix_cache import PrefixCache
 from clover.serving.protocol import APIError, ChatCompletionRequest, CompletionRequest, SamplingFields
-from clover.serving.draft_memories import MODES, DraftMemories
+from clover.serving.draft_memories import DraftMemories
 from clover.serving.request_log import RequestLog
 from clover.serving.response_store import ResponseStore
 from clover.serving.scheduler import QueueFull, Scheduler
@@ -84,8 +85,9 @@ class ServerOptions:
     def __post_init__(self) -> None:
         if any(not key for key in self.api_keys):
             raise ValueError("ServerOptions.api_key: an API key cannot be empty")
-        if self.draft_memory not in MODES:
-            raise ValueError(f"ServerOptions.draft_memory must be one of {', '.join(MODES)}, got {self.draft_memory!r}")
+        if self.draft_memory not in DRAFT_MEMORY_MODES:
+            raise ValueError(f"ServerOptions.draft_memory must be one of {', '.join(DRAFT_MEMORY_MODES)}, "
+                             f"got {self.draft_memory!r}")
         if self.draft_memory_tokens < 1:
             raise ValueError(f"ServerOptions.draft_memory_tokens must be >= 1, got {self.draft_memory_tokens}")
         for name in ("max_running", "max_body_bytes", "prefill_chunk"):

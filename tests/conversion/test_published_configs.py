@@ -153,7 +153,7 @@ SMOLLM2_135M = {
     "transformers_version": "4.42.3", "use_cache": True, "vocab_size": VOCAB,
 }
 
-# (--from, published config, the checkpoint it is shaped after)
+# checkpoint it is shaped after -> (--from, published config)
 CASES = {
     "Qwen2.5-0.5B-Instruct": ("qwen2", QWEN2_5_0_5B),
     "Qwen2.5-7B-Instruct": ("qwen2", QWEN2_5_7B),

@@ -113,7 +113,7 @@ def test_prompt_rows_rounded_twice_multiply_as_prompt_matmul_says(kind, monkeypa
                                      correction=(torch.randn(4, 64), torch.randn(4, 40)))
     args = dict(qweight=layer.qweight, scale=layer.scale, zero=layer.zero, kind=kind, out_features=40, group_size=8,
                 correction=(layer.correction_a, layer.correction_b))
-    x = torch.randn(4, woq.DENSE_ROWS // 2, 64)
+    x = torch.randn(4, 64, 64)
     kernel = woq.woq_linear(x, **args, activations="int8x2")
     monkeypatch.delenv("CLOVER_PROMPT_MATMUL", raising=False)
     with quant.reading_prompt():

@@ -59,7 +59,7 @@ def test_reuse_on_a_packed_build_gives_exactly_the_cold_start_tokens(preset, qua
     engine = Engine(model, 4, rule="exact", prefill_chunk=grid, cost=ForwardCost.flat())
     store = PrefixCache(grid, 1 << 30, recurrent=model.config.has_linear_attention)
     turn1 = _prompt(grid + 40, 6)
-    turn2 = turn1 + _prompt(grid - 20, 7)  # 3 grid points and 28 rows
+    turn2 = turn1 + _prompt(grid - 20, 7)  # 2 grid points and 20 rows after them
     _decode(engine, turn1, store)
     cold_tokens, cold_drafts, _ = _decode(engine, turn2, None)
     warm_tokens, warm_drafts, reused = _decode(engine, turn2, store)

@@ -409,8 +409,8 @@ __attribute__((target("avx2,fma,f16c"))) void int_rows_avx2(const Args& a, const
 }
 
 // int_rows_avx2 over tiles of 16, 8 or 4 rows of codes (int_tile_vnni), the largest that fits what is left; the last
-// 1-3 take the AVX2 tiles, whose extra instructions per row do not matter where the weights' streaming bounds the
-// time. Every size is even, so a tile holds whole rows of x for P = 2.
+// 1-3 take one AVX2 tile, whose extra instructions per row do not matter where the weights' streaming bounds the
+// time. Every size but the last is even, so a tile holds whole rows of x for P = 2 (whose rows of codes are even).
 template <bool I4, int P>
 __attribute__((target(WOQ_AVX512))) void int_rows_vnni(const Args& a, const Acts& x, int64_t b) {
   const int64_t cols = std::min<int64_t>(NB, a.O - b * NB), codes = a.rows * P;
@@ -423,11 +423,12 @@ __attribute__((target(WOQ_AVX512))) void int_rows_vnni(const Args& a, const Acts
       n = 8, int_tile_vnni<8, I4, P>(a, x, b, v, acc);
     } else if (left >= 4) {
       n = 4, int_tile_vnni<4, I4, P>(a, x, b, v, acc);
-    } else if (left >= 2) {
-      n = 2, int_tile_avx2<2, I4, P>(a, x, b, v, acc);
-    } else {  // P = 1: left is even for P = 2
-      n = 1;
-      if constexpr (P == 1) int_tile_avx2<1, I4, P>(a, x, b, v, acc);
+    } else {
+      switch (n = left) {  // odd only for P = 1
+        case 1: if constexpr (P == 1) int_tile_avx2<1, I4, P>(a, x, b, v, acc); break;
+        case 2: int_tile_avx2<2, I4, P>(a, x, b, v, acc); break;
+        default: if constexpr (P == 1) int_tile_avx2<3, I4, P>(a, x, b, v, acc); break;
+      }
     }
     for (int64_t i = 0; i < n / P; ++i)
       std::memcpy(a.y + (v / P + i) * a.O + b * NB, acc + i * NB, cols * sizeof(float));
