@@ -7,7 +7,8 @@
 Each system is a server the script starts itself on a free 127.0.0.1 port, waits for, and stops after its tasks
 (also on Ctrl-C, SIGTERM or an error):
 
-* `clover`: `clover serve` with its defaults (clover-smol, int4, exact mode);
+* `clover`: `clover serve` with its defaults (clover-smol, int4, exact mode, a drafting memory per API key);
+* `clover-no-memory`: the same with `--draft-memory off` (drafts from each request's own context only);
 * `clover-b1`: `clover serve --block-size 1 --rule threshold` (one token per forward, the AR baseline);
 * `clover-llamacpp`: `clover serve --runner llamacpp` (Clover's engine on llama.cpp's kernels, the q8_0 GGUF);
 * `llamacpp-server`: llama.cpp's own OpenAI server (its C++ `llama-server`, through xllamacpp:
@@ -37,7 +38,11 @@ Figures per system: task accuracy, tool calls that parse and name a real tool, t
 token (streamed) of each task's first request and of the later ones, decode tokens/s (completion tokens over
 the time after the first token), prompt tokens served from the server's prefix cache
 (`usage.prompt_tokens_details.cached_tokens`, where the server reports it), and the server's peak resident
-memory (VmHWM). Written as JSON, Markdown and a plot under `--out`.
+memory (VmHWM). For the Clover systems also, from the request log each one writes (`--record-requests`, under
+`--out`): tokens per forward over every request and over each task's later requests, the tokens its drafting
+memories hold after the run (`/metrics`), and a digest of every answer's token ids, so the systems that must write
+the same answers (the memory on and off) are compared token for token. Written as JSON, Markdown and a plot under
+`--out`.
 """
 
 from __future__ import annotations

@@ -43,6 +43,7 @@ class OutputItems:
         self.items: list[dict[str, Any]] = []
         self.open: dict[str, Any] | None = None  # the reasoning or message item text flows into
         self.calls: dict[int, dict[str, Any]] = {}  # call index -> its item
+        self.output_index: dict[str, int] = {}  # item id -> its place in `items`
 
     def push(self, delta: OutputDelta, call_ids: list[str]) -> list[dict[str, Any]]:
         """The events announcing what `delta` adds (in the chat template's order: reasoning, text, calls);
@@ -62,7 +63,11 @@ class OutputItems:
 
     def _where(self, item: dict[str, Any]) -> dict[str, Any]:
         """An event's item reference (a call's fragments may follow text that one block wrote after it)."""
-        return {"item_id": item["id"], "output_index": next(i for i, x in enumerate(self.items) if x is item)}
+        return {"item_id": item["id"], "output_index": self.output_index[item["id"]]}
+
+    def _append(self, item: dict[str, Any]) -> None:
+        self.output_index[item["id"]] = len(self.items)
+        self.items.append(item)
 
     def _text(self, kind: str, text: str) -> list[dict[str, Any]]:
         events = []
@@ -82,7 +87,7 @@ class OutputItems:
         else:
             item = {"id": _id("rs"), "type": "reasoning", "summary": [], "status": "in_progress", "content": []}
             part = {"type": "reasoning_text", "text": ""}
-        self.items.append(item)
+        self._append(item)
         self.open = item
         events = [{"type": "response.output_item.added", "output_index": len(self.items) - 1,
                    "item": copy.deepcopy(item)},
@@ -115,7 +120,7 @@ class OutputItems:
             events = self._close()
             item = {"id": _id("fc"), "type": "function_call", "call_id": call_ids[delta.index], "name": delta.name,
                     "arguments": "", "status": "in_progress"}
-            self.items.append(item)
+            self._append(item)
             self.calls[delta.index] = item
             events.append({"type": "response.output_item.added", "output_index": len(self.items) - 1,
                            "item": dict(item)})

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from clover.tool_formats.calls import CallDelta, CallParser, JsonCall, canonical_call
+from clover.tool_formats.calls import CallDelta, CallParser, JsonCall, ObjectEnd, canonical_call
 
 PYTHON_TAG = "<|python_tag|>"
 KEYS = ("parameters", "arguments")
@@ -44,8 +44,9 @@ class Llama3Calls(CallParser):
             self.call, text = JsonCall(KEYS, self.schemas, self.next_index), head.removeprefix(PYTHON_TAG)
         out = self._feed_call(text)
         while self.rest is None and self.call.arguments_done:
-            after = self.call.after.lstrip().removeprefix("}").lstrip()
-            if not after:  # the call object's closing brace, and maybe the separator, still to come
+            closed = _object_rest(self.call.after)
+            after = "" if closed is None else self.call.after[closed:].lstrip()
+            if not after:  # the call object's other keys, its closing brace, and maybe the separator, still to come
                 break
             if not after.startswith(";"):
                 self.rest = after
@@ -72,6 +73,14 @@ class Llama3Calls(CallParser):
         out, text = self.call.close()
         self.next_index = self.call.next_index
         return out, text
+
+
+def _object_rest(text: str) -> int | None:
+    """Where the call object closes in `text`, what follows its arguments (other keys may come before its `}`), or
+    None while it is open."""
+    end = ObjectEnd()
+    end.depth = 1  # inside the call object
+    return end.scan(text)
 
 
 def parse_calls(text: str) -> list[dict[str, str]] | None:

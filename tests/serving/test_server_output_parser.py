@@ -140,6 +140,7 @@ FORMAT_TEXTS = {
         '{"parameters": {"a": 1}, "name": "g"}',
         '{"not": "a call"}',
         "A plain answer.",
+        '{"name": "f", "parameters": {"a": 1}, "id": "x}"}',
     ],
 }
 FORMAT_CASES = [(name, i) for name, texts in FORMAT_TEXTS.items() for i in range(len(texts))]
@@ -200,6 +201,7 @@ def test_the_formats_calls_parse_as_written():
     assert calls("llama3_json", 2) == ("", [("g", '{"a": 1}')])
     assert calls("llama3_json", 3) == ('{"not": "a call"}', [])
     assert calls("llama3_json", 4) == ("A plain answer.", [])
+    assert calls("llama3_json", 5) == ("", [("f", '{"a": 1}')])  # a key after the arguments: still one call
 
 
 @pytest.mark.parametrize("fmt, written, first", [
