@@ -344,8 +344,7 @@ class ExactLoop(DecodingLoop):
             b.n_decided[r] += len(f)
             b.n_feed[r] += len(f)
             ends = bool(f) and f[-1] in constraint.eos_ids
-            logits = self._query_logits[r, len(f):].float()  # query output j drafts slot j after the decided token
-            logits[:, self.engine.banned_ids] = float("-inf")
+            logits = self._query_logits[r, len(f):]  # query output j drafts slot j after the decided token
             drafts = constraint.draft(logits) if int(b.n_drafts[r]) and not ends and len(logits) else []
             b.drafts[r] = -1
             b.drafts[r, :len(drafts)] = torch.tensor(drafts, dtype=torch.long, device=b.drafts.device)
@@ -522,19 +521,15 @@ class ExactLoop(DecodingLoop):
             confidence = logits[:, :max(took) + 1].float().softmax(-1).amax(-1).tolist()
             for acc, row, a in zip(acceptance, confidence, took):
                 acc.observe_confidence(row[: a + 1])
-        self._query_logits = logits[:, kk + 1:]
+        # the drafter's logits: fp32, the ids that may never be emitted at -inf (drafts are point masses: argmax)
+        self._query_logits = logits[:, kk + 1:].float()
+        self._query_logits[..., e.banned_ids] = float("-inf")
         logprobs: list[list[TokenLogprob] | None] = [None] * n
         if raw is not None:
             committed, took = tokens.tolist(), accepted.tolist()
             for i, r in enumerate(asked):
                 logprobs[r] = token_logprobs(raw[i], committed[r][: took[r] + 1], tops[r], e.banned_ids)
-        return tokens, accepted, self._greedy(logits[:, kk + 1:]), logprobs
-
-    def _greedy(self, logits: torch.Tensor) -> torch.Tensor:
-        """The drafter's choice: argmax over the ids that may be emitted (drafts are point masses)."""
-        x = logits.float()
-        x[..., self.engine.banned_ids] = float("-inf")
-        return x.max(dim=-1).indices
+        return tokens, accepted, self._query_logits.max(dim=-1).indices, logprobs
 
 
 def _pad(t: torch.Tensor, width: int) -> torch.Tensor:

@@ -160,6 +160,14 @@ def canonical_call(name: Any, args: Any) -> dict[str, str] | None:
     return {"name": name, "arguments": json.dumps(args, ensure_ascii=False)}
 
 
+def object_call(obj: Any, keys: tuple[str, ...]) -> dict[str, str] | None:
+    """The call a parsed JSON value writes (`{"name": ..., <one of keys>: {...}}`, the first key found taken), or
+    None when it is not one."""
+    if not isinstance(obj, dict):
+        return None
+    return canonical_call(obj.get("name"), next((obj[k] for k in keys if k in obj), {}))
+
+
 class JsonCall(CallParser):
     """One call written as a JSON object with its name first (`{"name": "f", "<key>": {...}}`, `keys`: the names
     the arguments may go by, the first the one to take). Once the head and the arguments' opening brace are
@@ -214,7 +222,5 @@ class JsonCall(CallParser):
             obj = json.loads(text)
         except json.JSONDecodeError:
             return None
-        if not isinstance(obj, dict):
-            return None
-        call = canonical_call(obj.get("name"), next((obj[k] for k in self.keys if k in obj), {}))
+        call = object_call(obj, self.keys)
         return None if call is None else [call]

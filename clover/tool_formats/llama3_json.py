@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from clover.tool_formats.calls import CallDelta, CallParser, JsonCall, ObjectEnd, canonical_call
+from clover.tool_formats.calls import CallDelta, CallParser, JsonCall, ObjectEnd, object_call
 
 PYTHON_TAG = "<|python_tag|>"
 KEYS = ("parameters", "arguments")
@@ -94,9 +94,7 @@ def parse_calls(text: str) -> list[dict[str, str]] | None:
             obj, end = decoder.raw_decode(text, at)
         except json.JSONDecodeError:
             return None
-        if not isinstance(obj, dict):
-            return None
-        call = canonical_call(obj.get("name"), next((obj[k] for k in KEYS if k in obj), {}))
+        call = object_call(obj, KEYS)
         if call is None:
             return None
         calls.append(call)
