@@ -1,24 +1,27 @@
 """The C++ kernels of this tree against those of a git revision: forwards of clover-smol's int4 build, same process.
 
     python benchmarks/bench_kernel_ab.py --baseline REV [--contexts 32,300,1500,4600] [--rows 1,2,4,8]
-        [--repeats 15] [--threads 2]
+        [--repeats 15] [--threads 2] [--out F]
 
 `clover/ops/csrc` at `REV` is compiled beside this tree's (`$CLOVER_CACHE/extensions/`), and the two take turns
 forward by forward on the same model and cache, so a slow moment of a shared machine hits both alike. Per context
 length (tokens already cached) and row count (causal tokens fed, logits at each, as exact mode's verification
 asks): the median milliseconds of each and their ratio; and whether the two computed the same logits bit for bit
-(a kernel change that only reorders memory traffic should).
+(a kernel change that only reorders memory traffic should). `--out`: the same as JSON, with the machine and command.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import platform
+import sys
 import statistics
 import subprocess
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -30,8 +33,8 @@ from clover.smol import clover_smol_dir
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def baseline_extension(rev: str):
-    """The extension built from `clover/ops/csrc` as it was at `rev`."""
+def baseline_extension(rev: str) -> tuple[Any, str]:
+    """The extension built from `clover/ops/csrc` as it was at `rev`, and the commit `rev` names."""
     git = ["git", "-C", str(ROOT)]
     found = subprocess.run(git + ["rev-parse", "--short=12", "--verify", "--quiet", f"{rev}^{{commit}}"],
                            capture_output=True, text=True)
@@ -49,7 +52,7 @@ def baseline_extension(rev: str):
     if not hasattr(extension, "decoder_layers"):
         raise SystemExit(f"--baseline {commit}'s kernels predate the layers' one-call stack (`decoder_layers`, "
                          "7779ddf) that this tree's model calls: compare against that commit or a later one")
-    return extension
+    return extension, commit
 
 
 def main() -> None:
@@ -59,12 +62,16 @@ def main() -> None:
     parser.add_argument("--rows", default="1,2,4,8")
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", type=Path, help="write the figures here as JSON")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     runner = as_runner(CloverForBlockDiffusion.from_pretrained(clover_smol_dir("int4")))
-    kernels = {"baseline": baseline_extension(args.baseline), "this tree": woq.extension()}
-    print(f"machine: {platform.processor() or platform.machine()}, {args.threads} threads, torch {torch.__version__};"
-          f" clover-smol int4, baseline {args.baseline}")
+    baseline, commit = baseline_extension(args.baseline)
+    kernels = {"baseline": baseline, "this tree": woq.extension()}
+    machine = (f"{platform.processor() or platform.machine()}, {args.threads} threads, torch {torch.__version__}, "
+               f"AVX512-VNNI tiles: {woq.has_vnni()}")
+    print(f"machine: {machine}; clover-smol int4, baseline {args.baseline} ({commit})")
+    rows_out = []
     gen = torch.Generator().manual_seed(0)
     with torch.inference_mode():
         for context in (int(c) for c in args.contexts.split(",")):
@@ -88,9 +95,14 @@ def main() -> None:
                         cache.rewind(torch.zeros(1, dtype=torch.long))
                 base, new = (statistics.median(times[name][1:]) * 1e3 for name in kernels)
                 same = torch.equal(logits["baseline"], logits["this tree"])
-                print(f"context {context:5}  rows {rows:2}  baseline {base:7.2f} ms  this tree {new:7.2f} ms  "
+                print(f"context {context:5}  rows {rows:3}  baseline {base:7.2f} ms  this tree {new:7.2f} ms  "
                       f"x{new / base:.3f}  {'same logits' if same else 'logits differ'}", flush=True)
+                rows_out.append({"context": context, "rows": rows, "baseline_ms": base, "this_tree_ms": new,
+                                 "same_logits": same})
     woq._extension = kernels["this tree"]
+    if args.out:
+        args.out.write_text(json.dumps({"machine": machine, "command": " ".join(["benchmarks/bench_kernel_ab.py",
+                                        *sys.argv[1:]]), "baseline": commit, "forwards": rows_out}, indent=1))
 
 
 if __name__ == "__main__":

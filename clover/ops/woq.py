@@ -24,11 +24,12 @@ group to int8, `sx = max |x| / 127`, `qx = round(x / sx)`; then `y[o] = sum_g s[
 
 `activations` chooses how many int8 passes round `x` (`ACTIVATIONS`): `"int8"` the one above; `"int8x2"` also
 rounds the residual, per group `s1 = max |x| / 127`, `q1 = round(x / s1)`, `r = x - s1 q1` (one fp32 rounding,
-`|r| <= s1 / 2`), `s2 = max |r| / 127`, `q2 = round(r / s2)`, and `y[o] = sum_g s[o, g] (s1 (q . q1)_g +
-s2 (q . q2)_g)` (int4: `+ m[o, g] (s1 sum(q1)_g + s2 sum(q2)_g)`): the error per element is at most `s2 / 2 <=
-s1 / 254`, ~254x smaller, for up to twice the integer work (the second pass runs as a second row of codes over
-the same decoded weights: twice the time from a few rows on, less at one row, where the weights' streaming hides
-part of it).
+`|r| <= s1 / 2`), at the fixed step `s2 = s1 / 254`, `q2 = round(r / s2)`: `x ~ s2 Q` with the integer code
+`Q = 254 q1 + q2`, and `y[o] = sum_g s[o, g] s2_g (q . Q)_g` (int4: `+ m[o, g] s2_g sum(Q)_g`), the dot product
+`254 (q . q1) + (q . q2)` exact in int32. The error per element is at most `s2 / 2 = s1 / 508`, 254x smaller,
+for up to twice the integer work (the second pass runs as a second row of codes over the same decoded weights:
+twice the time from a few rows on, less at one row, where the weights' streaming hides part of it) and the same
+fp32 epilogue as one pass.
 
 Every packed tensor is stored with an integer dtype (fp32 as int32 bits, bf16 / fp16 as int16 bits), so a
 model-wide `.to(dtype)` never rounds them.

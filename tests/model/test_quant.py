@@ -171,31 +171,35 @@ def test_correction_is_stored_in_fp16_balanced_per_rank():
 
 def _quantised_activations(x: torch.Tensor, group_size: int,
                            activations: str = "int8") -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """x per row and group of K -> per pass, int8 codes (as floats) `[R, K/g, g]` and scales `sx [R, K/g]`: pass 1
-    rounds x, pass 2 (int8x2) the residual x - s1 q1, formed in float64 (exact: s1 q1 has at most 31 significant
-    bits, and |r| <= s1 / 2 <= |x|'s range) and rounded once to fp32, as the kernel's fma."""
+    """x per row and group of K -> per pass, int8 codes (as floats) `[R, K/g, g]` and steps `[R, K/g]`: pass 1
+    rounds x at s1 = max|x| / 127, pass 2 (int8x2) the residual x - s1 q1, formed in float64 (exact: s1 q1 has at
+    most 31 significant bits, and |r| <= s1 / 2 <= |x|'s range) and rounded once to fp32, as the kernel's fma, at
+    the fixed step s2 = s1 / 254."""
     groups = x.float().view(x.shape[0], -1, group_size)
+    step = groups.abs().amax(2) / 127
     passes = []
     for _ in range(woq.ACTIVATIONS[activations]):
-        sx = groups.abs().amax(2) / 127
-        q = torch.round(groups / torch.where(sx > 0, sx, 1)[..., None])
-        passes.append((q, sx))
-        groups = (groups.double() - sx.double()[..., None] * q.double()).float()
+        q = torch.round(groups / torch.where(step > 0, step, 1)[..., None]).clamp(-127, 127)
+        passes.append((q, step))
+        groups = (groups.double() - step.double()[..., None] * q.double()).float()
+        step = step / 254
     return passes
 
 
 def _integer_reference(x: torch.Tensor, packed: dict, kind: str, out_features: int, group_size: int,
                        activations: str = "int8") -> torch.Tensor:
-    """The kernel's math in torch, from the logical codes: sum over groups and passes of sw * sx * (q . qx), int4
-    also + mw * sx * sum(qx); the dot products in float64 (exact for these integers)."""
+    """The kernel's math in torch, from the logical codes: x's code per group Q = qx (two passes: 254 q1 + q2) at
+    the last pass's step s, then the sum over groups of sw * s * (q . Q), int4 also + mw * s * sum(Q); the dot
+    products in float64 (exact for these integers)."""
     in_features = x.shape[1]
     q, sw, mw = woq.unpack_codes(**packed, kind=kind, out_features=out_features, in_features=in_features)
-    y = torch.zeros(x.shape[0], out_features, dtype=torch.float64)
-    for qx, sx in _quantised_activations(x, group_size, activations):
-        dot = torch.einsum("rgk,ogk->rog", qx.double(), q.double().view(out_features, -1, group_size))
-        y += (dot * sw.double()[None] * sx.double()[:, None]).sum(2)
-        if mw is not None:
-            y += (mw.double()[None] * (sx.double() * qx.double().sum(2))[:, None]).sum(2)
+    qx, sx = 0, None
+    for digit, sx in _quantised_activations(x, group_size, activations):
+        qx = qx * 254 + digit.double()
+    dot = torch.einsum("rgk,ogk->rog", qx, q.double().view(out_features, -1, group_size))
+    y = (dot * sw.double()[None] * sx.double()[:, None]).sum(2)
+    if mw is not None:
+        y += (mw.double()[None] * (sx.double() * qx.sum(2))[:, None]).sum(2)
     return y.float()
 
 
@@ -228,12 +232,11 @@ def test_integer_kernel_equals_integer_reference(kind, activations, vectorised, 
 @pytest.mark.parametrize("activations", ["int8", "int8x2"])
 def test_integer_kernel_stays_within_the_activation_rounding_bound(kind, activations):
     """Against the dequantised weights times the unrounded x (float64): the last pass's rounding moves each element
-    by at most s / 2 (one pass: s = sx = max|x| / 127; two: s = s2 = max|r| / 127 <= sx / 254, the residual r
-    being at most sx / 2), so |y - W x| <= sum_k |W[o, k]| s(k) / 2 for every output (plus fp32 rounding). On
-    random data the rounding errors are independent and uniform over [-s / 2, s / 2] (variance s^2 / 12), so the
-    error's mean square is sum_k W[o, k]^2 s(k)^2 / 12 (333 outputs: the ratio is 1 within ~4 standard errors).
-    Two passes: s2 ~ sx / 262 here (max|r| ~ 0.485 sx for 32 uniform residuals), so the rms error is over 200x
-    smaller than one pass's."""
+    by at most s / 2 (one pass: s = sx = max|x| / 127; two: s = s2 = sx / 254, the residual being at most sx / 2),
+    so |y - W x| <= sum_k |W[o, k]| s(k) / 2 for every output (plus fp32 rounding). On random data the rounding
+    errors are independent and uniform over [-s / 2, s / 2] (variance s^2 / 12), so the error's mean square is
+    sum_k W[o, k]^2 s(k)^2 / 12 (333 outputs: the ratio is 1 within ~4 standard errors). Two passes: the rms error
+    is over 200x smaller than one pass's."""
     torch.manual_seed(0)
     out_features, in_features, group_size = 37, 256, 32
     packed = woq.pack(torch.randn(out_features, in_features), kind, group_size)
@@ -254,6 +257,23 @@ def test_integer_kernel_stays_within_the_activation_rounding_bound(kind, activat
     assert 0.7 < (err**2).mean() / predicted.mean() < 1.3
     if activations == "int8x2":
         assert (err**2).mean().sqrt() < (error("int8") ** 2).mean().sqrt() / 200
+
+
+def test_two_passes_refuse_groups_whose_dot_products_overflow_int32():
+    """Two passes join a group's dot products in int32 (254 dot1 + dot2): int8 groups past 522 weights could
+    overflow it, and are refused by name; one pass takes them, and int4 (codes up to 15) takes far wider groups."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 1056)
+    for kind, group, fits in (("int8", 528, False), ("int8", 264, True), ("int4", 1056, True)):
+        packed = woq.pack(torch.randn(16, 1056), kind, group)
+        args = dict(**packed, kind=kind, out_features=16, group_size=group)
+        assert woq.woq_linear(x, **args, activations="int8").shape == (2, 16)
+        if fits:
+            torch.testing.assert_close(woq.woq_linear(x, **args, activations="int8x2"),
+                                       _integer_reference(x, packed, kind, 16, group, "int8x2"), rtol=1e-5, atol=1e-4)
+        else:
+            with pytest.raises(RuntimeError, match="int8x2.*overflow int32 in int8 groups of 528 weights: at most 522"):
+                woq.woq_linear(x, **args, activations="int8x2")
 
 
 def test_codes_round_trip_through_the_packed_layout():

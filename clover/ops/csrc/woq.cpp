@@ -9,9 +9,12 @@
 // int8 / int4: integer dot products, as llama.cpp's Q8_0 / Q4_1 kernels do. Each row of x is quantised once per
 // call to int8 per group of K (symmetric: sx = max|x| / 127, qx = round(x / sx)); a group's dot product of
 // codes is exact in int32, then y += sw * sx * dot (int4 also + mw * sx * sum(qx)), in fp32. With two passes
-// ("int8x2") the residual x - s1 q1 (|.| <= s1 / 2, computed with one rounding) is quantised the same way to
-// (s2, q2) and runs as a second row of codes into the same output: y += sw * (s1 dot1 + s2 dot2), an activation
-// error ~254x smaller for up to twice the integer work (the weight decode is shared). Codes are packed
+// ("int8x2") the residual x - s1 q1 (|.| <= s1 / 2, computed with one rounding) is rounded at the fixed step
+// s2 = s1 / 254 to q2 (|q2| <= 127), a second row of codes over the same decoded weights: x ~ s2 (254 q1 + q2),
+// one integer code of 16 bits in two int8 digits. The two dot products join in int32 (254 dot1 + dot2) and take
+// one epilogue, y += sw * s2 * dot (+ mw * s2 * sum(254 q1 + q2)): an activation error 254x smaller for up to
+// twice the integer work (the weight decode is shared), and the fp32 epilogue once per row and group, not once
+// per pass. Codes are packed
 // for AVX2's maddubs (u8 x s8 -> adjacent pairs summed to s16), per block of 16 columns: int8 as [o / 16][k / 4]
 // [o % 16][k % 4], so one 256-bit load is 8 columns x 4 consecutive k, multiplied by x's 4 codes broadcast as one
 // int32; int4 as [o / 16][k / 8][o % 16][k % 4] bytes holding k % 8 < 4 in the low nibble and k + 4 in the high.
@@ -51,6 +54,7 @@ constexpr int NB = 16;  // output columns per block
 constexpr int MR = 6;   // rows per register tile (fp32 / bf16)
 constexpr int MR_INT = 4;  // rows per register tile (int8 / int4: 2 x 4 int32 accumulators + 4 decoded codes)
 constexpr int MR_VNNI = 16;  // the same with AVX-512 (16 accumulators of 16 columns, of its 32 registers)
+constexpr int32_t DIGIT = 254;  // two passes: x ~ s2 (DIGIT q1 + q2), s2 = s1 / DIGIT (file header)
 
 struct Args {
   const float* x;
@@ -72,7 +76,8 @@ inline float bf16_to_f32(uint16_t v) {
 }
 
 // Each row of x quantised to int8 per group of K in `passes` passes (1, or 2: the residual of the first), as
-// rows of codes r * passes + p: q [R * P, K], scale sx [R * P, K / group] and sx * sum(q) (int4's minimum term).
+// rows of codes r * passes + p: q [R * P, K]; per row of x and group its step s [R, K / group] (sx, or s2 for two
+// passes) and s * sum(Q) [R, K / group] (int4's minimum term; Q = qx, or 254 q1 + q2).
 struct Acts {
   int8_t* q;
   float* s;
@@ -100,20 +105,23 @@ void rows_scalar(const Args& a, int64_t b, int64_t k0, int64_t kc, const float* 
   }
 }
 
-// One group of n values: sx = max|x| / 127 and qx = round(x / sx) (to nearest even, as torch.round); |x / sx| <= 127
-// up to rounding. Stores sx and sx * sum(qx).
-void quantise_scalar(const float* x, int64_t n, int8_t* q, float* s, float* sum) {
+// max |x| over a group of n values.
+float absmax_scalar(const float* x, int64_t n) {
   float m = 0.f;
   for (int64_t k = 0; k < n; ++k) m = std::max(m, std::fabs(x[k]));
-  const float sx = m / 127.f;
+  return m;
+}
+
+// One group of n values at step sx: qx = round(x / sx) (to nearest even, as torch.round), 0 where sx is 0; the
+// callers' steps keep |x / sx| <= 127 up to rounding. Returns sum(qx).
+int32_t round_scalar(const float* x, int64_t n, float sx, int8_t* q) {
   int32_t total = 0;
   for (int64_t k = 0; k < n; ++k) {
     const int32_t v = sx > 0.f ? static_cast<int32_t>(std::nearbyint(x[k] / sx)) : 0;
     q[k] = static_cast<int8_t>(std::clamp(v, -127, 127));
     total += v;
   }
-  *s = sx;
-  *sum = sx * static_cast<float>(total);
+  return total;
 }
 
 // The residual res = x - sx * qx of one group, rounded once (fma), what a second pass quantises.
@@ -128,7 +136,8 @@ inline int32_t code(const Args& a, const uint8_t* w, int j, int64_t k) {
   return (k % 8) < 4 ? (byte & 15) : (byte >> 4);
 }
 
-// Per row, group and column, each pass in turn: y += dot * (sw * sx) [+ mw * sx * sum(qx)].
+// Per row, group and column: dot = q . qx, or 254 (q . q1) + q . q2 (int32), then y += dot * (sw * s)
+// [+ mw * s * sum(Q)].
 void int_rows_scalar(const Args& a, const Acts& x, int64_t b) {
   const int64_t groups = a.K / a.group, cols = std::min<int64_t>(NB, a.O - b * NB);
   const uint8_t* w = static_cast<const uint8_t*>(a.w) + b * a.K * NB / (a.kind == INT4 ? 2 : 1);
@@ -137,13 +146,15 @@ void int_rows_scalar(const Args& a, const Acts& x, int64_t b) {
     for (int64_t g = 0; g < groups; ++g) {
       for (int64_t j = 0; j < cols; ++j) {
         float& y = a.y[r * a.O + b * NB + j];
-        for (int64_t v = r * x.passes; v < (r + 1) * x.passes; ++v) {  // v: the row of codes
-          int32_t dot = 0;
-          for (int64_t k = g * a.group; k < (g + 1) * a.group; ++k) dot += code(a, w, j, k) * x.q[v * a.K + k];
-          y = std::fma(static_cast<float>(dot), half_to_f32(a.hscale[(b * groups + g) * NB + j]) * x.s[v * groups + g],
-                       y);
-          if (a.kind == INT4) y = std::fma(half_to_f32(a.hzero[(b * groups + g) * NB + j]), x.sum[v * groups + g], y);
+        int32_t dot = 0;
+        for (int64_t v = r * x.passes; v < (r + 1) * x.passes; ++v) {  // v: the row of codes, its digit in turn
+          int32_t part = 0;
+          for (int64_t k = g * a.group; k < (g + 1) * a.group; ++k) part += code(a, w, j, k) * x.q[v * a.K + k];
+          dot = dot * DIGIT + part;
         }
+        y = std::fma(static_cast<float>(dot), half_to_f32(a.hscale[(b * groups + g) * NB + j]) * x.s[r * groups + g],
+                     y);
+        if (a.kind == INT4) y = std::fma(half_to_f32(a.hzero[(b * groups + g) * NB + j]), x.sum[r * groups + g], y);
       }
     }
   }
@@ -223,17 +234,20 @@ __attribute__((target("avx2,fma,f16c"))) void float_block_avx2(const Args& a, in
   }
 }
 
-// The same quantisation as quantise_scalar, 8 values at a time (division and rounding are IEEE-exact, so the
-// codes are identical); the saturating packs clamp to [-128, 127], which |x / sx| <= 127 never reaches.
-__attribute__((target("avx2,fma,f16c"))) void quantise_avx2(const float* x, int64_t n, int8_t* q, float* s,
-                                                            float* sum) {
+// absmax_scalar 8 values at a time (a maximum is exact in any order).
+__attribute__((target("avx2,fma,f16c"))) float absmax_avx2(const float* x, int64_t n) {
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   __m256 m = _mm256_setzero_ps();
   for (int64_t k = 0; k < n; k += 8) m = _mm256_max_ps(m, _mm256_and_ps(_mm256_loadu_ps(x + k), abs_mask));
   __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
   h = _mm_max_ps(h, _mm_movehl_ps(h, h));
   h = _mm_max_ss(h, _mm_movehdup_ps(h));
-  const float sx = _mm_cvtss_f32(h) / 127.f;
+  return _mm_cvtss_f32(h);
+}
+
+// round_scalar 8 values at a time (division and rounding are IEEE-exact, so the codes are identical); the
+// saturating packs clamp to [-128, 127], which |x / sx| <= 127 never reaches.
+__attribute__((target("avx2,fma,f16c"))) int32_t round_avx2(const float* x, int64_t n, float sx, int8_t* q) {
   const __m256 sv = _mm256_set1_ps(sx);
   __m256i total = _mm256_setzero_si256();
   for (int64_t k = 0; k < n; k += 8) {
@@ -248,8 +262,7 @@ __attribute__((target("avx2,fma,f16c"))) void quantise_avx2(const float* x, int6
   __m128i t = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
   t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4e));
   t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1));
-  *s = sx;
-  *sum = sx * static_cast<float>(_mm_cvtsi128_si32(t));
+  return _mm_cvtsi128_si32(t);
 }
 
 // residual_scalar 8 at a time: fnmadd rounds -(sx * q) + x once, as std::fma does, so the residuals are identical.
@@ -308,7 +321,7 @@ __attribute__((target("avx2,fma,f16c"))) void int_tile_avx2(const Args& a, const
         }
       }
     }
-    // y += dot * (sw * sx) [+ mw * sx * sum(qx)], the order int_rows_scalar uses
+    // y += dot * (sw * s) [+ mw * s * sum(Q)], the order int_rows_scalar uses
     const __m128i* hs = reinterpret_cast<const __m128i*>(a.hscale + (b * groups + g) * NB);
     const __m256 s0 = _mm256_cvtph_ps(_mm_loadu_si128(hs)), s1 = _mm256_cvtph_ps(_mm_loadu_si128(hs + 1));
     __m256 m0 = s0, m1 = s1;
@@ -317,13 +330,19 @@ __attribute__((target("avx2,fma,f16c"))) void int_tile_avx2(const Args& a, const
       m0 = _mm256_cvtph_ps(_mm_loadu_si128(hz)), m1 = _mm256_cvtph_ps(_mm_loadu_si128(hz + 1));
     }
 #pragma GCC unroll 4
-    for (int i = 0; i < R; ++i) {
-      const __m256 sx = _mm256_broadcast_ss(x.s + (r0 + i) * groups + g);
-      float* yr = acc + (i / P) * NB;
-      __m256 y0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(c0[i]), _mm256_mul_ps(s0, sx), _mm256_load_ps(yr));
-      __m256 y1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(c1[i]), _mm256_mul_ps(s1, sx), _mm256_load_ps(yr + 8));
+    for (int i = 0; i < R / P; ++i) {  // row i of x: its rows of codes P i (and P i + 1, the second digit)
+      const __m256 sx = _mm256_broadcast_ss(x.s + (r0 / P + i) * groups + g);
+      float* yr = acc + i * NB;
+      __m256i d0 = c0[P * i], d1 = c1[P * i];
+      if constexpr (P == 2) {
+        const __m256i digit = _mm256_set1_epi32(DIGIT);
+        d0 = _mm256_add_epi32(_mm256_mullo_epi32(d0, digit), c0[2 * i + 1]);
+        d1 = _mm256_add_epi32(_mm256_mullo_epi32(d1, digit), c1[2 * i + 1]);
+      }
+      __m256 y0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d0), _mm256_mul_ps(s0, sx), _mm256_load_ps(yr));
+      __m256 y1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d1), _mm256_mul_ps(s1, sx), _mm256_load_ps(yr + 8));
       if constexpr (I4) {
-        const __m256 xs = _mm256_broadcast_ss(x.sum + (r0 + i) * groups + g);
+        const __m256 xs = _mm256_broadcast_ss(x.sum + (r0 / P + i) * groups + g);
         y0 = _mm256_fmadd_ps(m0, xs, y0), y1 = _mm256_fmadd_ps(m1, xs, y1);
       }
       _mm256_store_ps(yr, y0);
@@ -380,11 +399,13 @@ __attribute__((target(WOQ_AVX512))) void int_tile_vnni(const Args& a, const Acts
     if constexpr (I4)
       mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.hzero + (b * groups + g) * NB)));
 #pragma GCC unroll 16
-    for (int i = 0; i < R; ++i) {
-      const __m512 sx = _mm512_set1_ps(x.s[(r0 + i) * groups + g]);
-      float* yr = acc + (i / P) * NB;
-      __m512 y = _mm512_fmadd_ps(_mm512_cvtepi32_ps(c[i]), _mm512_mul_ps(sw, sx), _mm512_load_ps(yr));
-      if constexpr (I4) y = _mm512_fmadd_ps(mw, _mm512_set1_ps(x.sum[(r0 + i) * groups + g]), y);
+    for (int i = 0; i < R / P; ++i) {  // row i of x: its rows of codes P i (and P i + 1, the second digit)
+      const __m512 sx = _mm512_set1_ps(x.s[(r0 / P + i) * groups + g]);
+      float* yr = acc + i * NB;
+      __m512i dot = c[P * i];
+      if constexpr (P == 2) dot = _mm512_add_epi32(_mm512_mullo_epi32(dot, _mm512_set1_epi32(DIGIT)), c[2 * i + 1]);
+      __m512 y = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(sw, sx), _mm512_load_ps(yr));
+      if constexpr (I4) y = _mm512_fmadd_ps(mw, _mm512_set1_ps(x.sum[(r0 / P + i) * groups + g]), y);
       _mm512_store_ps(yr, y);
     }
   }
@@ -575,6 +596,29 @@ void two_loops(int64_t n1, const First& first, int64_t n2, const Second& second)
 #endif
 }
 
+// The quantisation's steps, by the AVX2 path where `vector` (the same results: absmax_avx2, round_avx2,
+// residual_avx2).
+float absmax(const float* x, int64_t n, bool vector) {
+#ifdef WOQ_X86
+  if (vector) return absmax_avx2(x, n);
+#endif
+  return absmax_scalar(x, n);
+}
+
+int32_t round_group(const float* x, int64_t n, float sx, int8_t* q, bool vector) {
+#ifdef WOQ_X86
+  if (vector) return round_avx2(x, n, sx, q);
+#endif
+  return round_scalar(x, n, sx, q);
+}
+
+void residual(const float* x, const int8_t* q, float sx, int64_t n, float* res, bool vector) {
+#ifdef WOQ_X86
+  if (vector) return residual_avx2(x, q, sx, n, res);
+#endif
+  residual_scalar(x, q, sx, n, res);
+}
+
 void float_block(const Args& a, int64_t b, float* tile, bool vector) {
 #ifdef WOQ_X86
   if (vector) return a.kind == BF16 ? float_block_avx2<true>(a, b) : float_block_avx2<false>(a, b);
@@ -607,27 +651,22 @@ void int_block(const Args& a, const Acts& x, int64_t b, bool vector) {
 
 }  // namespace
 
-// Row r of x into its `x.passes` rows of codes (Acts): per group, pass 1 quantises x, pass 2 its residual.
+// Row r of x into its `x.passes` rows of codes (Acts), per group: pass 1 rounds x at sx = max|x| / 127, pass 2
+// its residual at s2 = sx / 254 (file header).
 void quantise_row(const Args& a, const Acts& x, int64_t r, bool vector, float* res) {
   const int64_t groups = a.K / a.group;
   for (int64_t g = 0; g < groups; ++g) {
     const float* in = a.x + r * a.K + g * a.group;
-    for (int64_t v = r * x.passes; v < (r + 1) * x.passes; ++v) {
-      int8_t* q = x.q + v * a.K + g * a.group;
-      float *s = x.s + v * groups + g, *sum = x.sum + v * groups + g;
-      const bool last = v + 1 == (r + 1) * x.passes;
-#ifdef WOQ_X86
-      if (vector) {
-        quantise_avx2(in, a.group, q, s, sum);
-        if (!last) residual_avx2(in, q, *s, a.group, res);
-        in = res;
-        continue;
-      }
-#endif
-      quantise_scalar(in, a.group, q, s, sum);
-      if (!last) residual_scalar(in, q, *s, a.group, res);
-      in = res;
+    int8_t* q = x.q + r * x.passes * a.K + g * a.group;
+    float step = absmax(in, a.group, vector) / 127.f;
+    int32_t total = round_group(in, a.group, step, q, vector);
+    if (x.passes == 2) {
+      residual(in, q, step, a.group, res, vector);
+      step /= static_cast<float>(DIGIT);
+      total = total * DIGIT + round_group(res, a.group, step, q + a.K, vector);
     }
+    x.s[r * groups + g] = step;
+    x.sum[r * groups + g] = step * static_cast<float>(total);
   }
 }
 
@@ -637,8 +676,8 @@ void run(const Args& a, int64_t passes, const Corr* corr, bool vector) {
   const bool ints = a.kind >= INT8;
   const int64_t codes = ints ? a.rows * passes : 0, groups = ints ? a.K / a.group : 0;
   std::vector<int8_t> q(codes * a.K);
-  std::vector<float> s(2 * codes * groups);  // sx, and sx * sum(qx), per row of codes and group
-  const Acts acts{q.data(), s.data(), s.data() + codes * groups, passes};
+  std::vector<float> s(ints ? 2 * a.rows * groups : 0);  // the step, and step * sum(Q), per row of x and group
+  const Acts acts{q.data(), s.data(), s.data() + a.rows * groups, passes};
   const int64_t quantised = ints ? a.rows : 0, dots = corr ? a.rows * corr->rank : 0;
   two_loops(
       quantised + dots,
@@ -693,6 +732,11 @@ torch::Tensor woq_linear(torch::Tensor input, torch::Tensor w, torch::Tensor sca
   if (kind >= INT8) {
     TORCH_CHECK(group > 0 && group % 8 == 0 && K % group == 0, "group size must be a multiple of 8 dividing K");
     TORCH_CHECK(passes == 1 || passes == 2, "activation passes must be 1 or 2, got ", passes);
+    // two passes join a group's dot products in int32: |254 dot1 + dot2| <= 255 * group * 127 * max|code|
+    const int64_t widest = ((int64_t{1} << 31) - 1) / (255 * 127 * (kind == INT4 ? 15 : 127));
+    TORCH_CHECK(passes == 1 || group <= widest, "two activation passes (int8x2) would overflow int32 in ",
+                kind == INT4 ? "int4" : "int8", " groups of ", group, " weights: at most ", widest,
+                " per group, or one pass (int8)");
   }
   std::vector<float> t;
   Corr corr{};
