@@ -349,7 +349,7 @@ class BlockLoop(DecodingLoop):
         rows, steps, limits, forwards = b.block.tolist(), b.steps.tolist(), b.limit.tolist(), b.forwards.tolist()
         head = b.head.tolist()
         for s, row, h, lim in zip(b.seqs, rows, head, limits):
-            if s.budget is not None:  # the budget follows the tokens that count
+            if s.budget is not None and not s.budget.done:  # the budget follows the tokens that count (done: for good)
                 s.budget.consume(before_eos(row[h:lim], self.engine.eos_of(s))[0])
         return self.engine.emit(b, [(rows[r][head[r]: limits[r]], steps[r], forwards[r]) for r in range(len(b.seqs))],
                                 [lp[head[r]: limits[r]] if lp is not None else None for r, lp in enumerate(b.logprobs)])

@@ -215,7 +215,8 @@ class ExactLoop(DecodingLoop):
         none = torch.zeros(n, dtype=torch.long, device=e.device)
         m = self._plan(seqs, acceptance, none, cache.length + t)[1]
         start = torch.full((n,), t - 1, dtype=torch.long, device=e.device)
-        masks = [s.constraint.masks_for([])[0] if s.constraint is not None else None for s in seqs]
+        constrained = [r for r, s in enumerate(seqs) if s.constraint is not None]
+        masks = [seqs[r].constraint.masks_for([])[0] if r in constrained else None for r in range(n)]
         tokens, accepted, query, logprobs = self._forward(ids, start, none, cache, sampler, acceptance, int(m.max()),
                                                           masks, [len(s.generated) for s in seqs], **kwargs)
         ones = accepted + 1
@@ -223,7 +224,7 @@ class ExactLoop(DecodingLoop):
                    for s in seqs]
         b = ExactBatch(seqs, cache, sampler, tokens, ones, ones.clone(), query, ones * query.shape[1], acceptance,
                        lookups, none.bool(), logprobs)
-        self._after_commit(b, accepted, none, [0] * n, query)
+        self._after_commit(b, constrained, accepted, [0] * n)
         self._observe(b)
         return b
 
@@ -255,12 +256,12 @@ class ExactLoop(DecodingLoop):
         ids = ids.masked_fill(~real, e.mask_id)
         kk = int(k.max())
         drafts_k = _pad(b.drafts, kk)[:, :kk]
-        masks, consumed = [], []
-        for r, s in enumerate(b.seqs):  # a constraint masks the decision and the position after each draft
-            rule = s.constraint
-            mask, c = rule.masks_for(drafts_k[r, : int(k[r])].tolist()) if rule is not None else (None, 0)
-            masks.append(mask)
-            consumed.append(c)
+        # a constraint masks the decision and the position after each draft; the rows it binds are decided here,
+        # from the committed tokens (the drafts its masks consume may end a thinking budget, then be rejected)
+        constrained = [r for r, s in enumerate(b.seqs) if s.constraint is not None]
+        masks, consumed = [None] * len(b.seqs), [0] * len(b.seqs)
+        for r in constrained:
+            masks[r], consumed[r] = b.seqs[r].constraint.masks_for(drafts_k[r, : int(k[r])].tolist())
         if width > 1:  # drafts to verify: the cache must be able to forget the rejected ones
             b.cache.mark()
         tokens, accepted, query, b.logprobs = self._forward(
@@ -303,7 +304,7 @@ class ExactLoop(DecodingLoop):
         b.drafts = query
         b.n_drafts = torch.where(accepted == k, query.shape[1], 0)
         b.looked_up = torch.zeros_like(b.looked_up)
-        self._after_commit(b, accepted, k, consumed, query)
+        self._after_commit(b, constrained, accepted, consumed)
         self._observe(b)
         self._timed(len(b.seqs) * (width + (int(m.max()) + 1 if int(m.max()) else 0)), start,
                     e.counters.forward_time_s - forward_time)
@@ -315,20 +316,18 @@ class ExactLoop(DecodingLoop):
             counts = b.n_decided.tolist()
             b.sampler.observe([row[:n] for row, n in zip(b.decided.tolist(), counts)])
 
-    def _after_commit(self, b: ExactBatch, accepted: torch.Tensor, k: torch.Tensor, consumed: list[int],
-                      query: torch.Tensor) -> None:
-        """Constrained rows (a grammar or a thinking budget): the constraint follows what was committed (rejected
-        drafts rolled back, the causal choice consumed), then the tokens it forces join the decided ones (fed at
-        the next forward's head), and the drafts are redrawn as the allowed argmax after them (`query` holds the
-        drafter's logits)."""
-        rows = [r for r, s in enumerate(b.seqs) if s.constraint is not None]
+    def _after_commit(self, b: ExactBatch, rows: list[int], accepted: torch.Tensor, consumed: list[int]) -> None:
+        """The constrained `rows` (a grammar or a thinking budget, as the step began): the constraint follows what
+        was committed (rejected drafts rolled back, the causal choice consumed), then the tokens it forces join the
+        decided ones (fed at the next forward's head), and the drafts are redrawn as the allowed argmax after them
+        (from the drafter's logits, `_query_logits`)."""
         if not rows:
             return
         decided = b.decided.tolist()
         acc = accepted.tolist()
         extra: dict[int, list[int]] = {}
         for r in rows:
-            constraint = b.seqs[r].constraint
+            constraint = b.seqs[r].tracker
             if any(t in constraint.eos_ids for t in decided[r][: acc[r] + 1]):
                 extra[r] = []  # the request ends here: its constraint is done with
                 continue
@@ -338,7 +337,7 @@ class ExactLoop(DecodingLoop):
         width = max(int(b.n_decided.max()), max(int(b.n_decided[r]) + len(extra[r]) for r in rows))
         b.decided = _pad(b.decided, width)
         for r in rows:
-            n, f, constraint = int(b.n_decided[r]), extra[r], b.seqs[r].constraint
+            n, f, constraint = int(b.n_decided[r]), extra[r], b.seqs[r].tracker
             if f:
                 b.decided[r, n:n + len(f)] = torch.tensor(f, dtype=torch.long, device=b.decided.device)
             b.n_decided[r] += len(f)

@@ -77,10 +77,18 @@ class Request:
         return self.finish_reason is not None
 
     @property
-    def constraint(self) -> Matcher | BudgetTracker | None:
-        """The token-level constraint exact mode consults (its grammar's matcher or its thinking budget: a request
-        has at most one), with the verbs `masks_for`, `consume`, `rollback`, `forced`, `draft`."""
+    def tracker(self) -> Matcher | BudgetTracker | None:
+        """Its grammar's matcher or its thinking budget (a request has at most one), with the verbs `masks_for`,
+        `consume`, `rollback`, `forced`, `draft`."""
         return self.matcher if self.matcher is not None else self.budget
+
+    @property
+    def constraint(self) -> Matcher | BudgetTracker | None:
+        """The tracker while it may still constrain what comes next, as exact mode consults it at a step's start
+        (committed tokens only): a thinking budget that is done (its reasoning closed, or never opened) binds
+        nothing more, so the rest of the answer takes the unconstrained path."""
+        tracker = self.tracker
+        return None if tracker is self.budget and tracker is not None and tracker.done else tracker
 
     @property
     def remaining(self) -> int:
@@ -182,7 +190,7 @@ class Request:
             "prefill_forwards": self.prefill_forwards,
             "finish_reason": self.finish_reason,
             "stop_string": self.stop_string,
-            **({"forced_tokens": self.constraint.forced_tokens} if self.constraint is not None else {}),
+            **({"forced_tokens": self.tracker.forced_tokens} if self.tracker is not None else {}),
             **({"reasoning_tokens": self.budget.reasoning_tokens} if self.budget is not None else {}),
             **({"drafts": {source: {"accepted": a, "verified": v} for source, (a, v) in self.drafts.items()}}
                if self.drafts else {}),

@@ -10,7 +10,7 @@ import torch
 from clover.chat_template import CLOVER_CHAT_TEMPLATE, render_chat
 from clover.engine import Engine, SamplingParams, generate
 from clover.engine.decoding import ExactRule
-from clover.engine.thinking import REASONING, ThinkingBudget, closing_text, thinking_budget
+from clover.engine.thinking import DONE, REASONING, BudgetTracker, ThinkingBudget, closing_text, thinking_budget
 from model_helpers import tiny_model
 from server_helpers import ScriptedLM
 from test_exact_mode import OracleLoop
@@ -103,6 +103,36 @@ def test_drafts_across_the_budget_are_checked_against_the_forced_close(model, ch
         if hasattr(ev, "token_ids"):
             out[ev.index] += ev.token_ids
     assert out == want
+
+
+def test_a_spent_budget_leaves_the_constrained_path(model, chat_tokenizer, monkeypatch):
+    """Once the reasoning is closed (here by the budget) the budget binds nothing more: exact mode stops masking,
+    rolling back and redrawing drafts for it (the constrained path's per-row work), while drafts from the budgeted
+    reference, some wrong, still run into and past the close; the output is block size 1's and the stats keep the
+    budget's counts."""
+    phases = []
+    masks_for = BudgetTracker.masks_for
+
+    def spy(self, drafts):
+        phases.append(self.state.phase)
+        return masks_for(self, drafts)
+
+    monkeypatch.setattr(BudgetTracker, "masks_for", spy)
+    eos, prompts = [chat_tokenizer.eos_token_id], _prompts(chat_tokenizer)
+    sampling = [SamplingParams(thinking_budget=_budget(chat_tokenizer, n)) for n in (2, 5, 0)]
+    want = [_reference(model, p, s.thinking_budget, eos) for p, s in zip(prompts, sampling)]
+    phases.clear()
+    engine = Engine(model, 8, rule=EXACT, eos_token_ids=eos)
+    engine.loop = OracleLoop(engine, dict(enumerate(want)), 0.3)
+    out, stats = [[] for _ in prompts], [None] * len(prompts)
+    for ev in engine.run(prompts, MAX_NEW, sampling):
+        if hasattr(ev, "token_ids"):
+            out[ev.index] += ev.token_ids
+            stats[ev.index] = ev.stats or stats[ev.index]
+    assert out == want
+    assert phases and DONE not in phases  # consulted while reasoning and closing, never after
+    closing = len(sampling[0].thinking_budget.closing_ids)  # forced, or drafted and checked against the forced
+    assert all(0 < s["forced_tokens"] <= closing for s in stats) and [s["reasoning_tokens"] for s in stats] == [2, 5, 0]
 
 
 @pytest.mark.parametrize("rule, options", [("threshold", {}), ("top_k_per_step", {"k": 3}),
