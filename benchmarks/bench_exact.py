@@ -34,7 +34,8 @@ have seen them before (what the drafting memory of `default` and any server-side
 Per set and system: tokens/s end to end (prefill included), tokens per forward, the ratio to `int4-b1`, the
 seconds to each answer's first token (its prefill) summed over the prompts, tokens/s after it, and how
 many answers are token for token the reference's (`default` and `int4-full` against `int4-b1`, `fp32-exact`
-against `fp32-b1`, llama.cpp against `int4-b1`: a different quantisation, so agreement, not identity). With any
+against `fp32-b1`, llama.cpp against `int4-b1`: a different quantisation, so agreement, not identity); the JSON
+also keeps each prompt's tokens, seconds, prefill and forwards (`by_prompt`: where one slow moment went). With any
 llama.cpp system, `_llama_cpp_build` records the xllamacpp version and the llama.cpp release it carries.
 `--prior` prints the acceptance by draft position of `int4-full` on training prompts (what clover-smol's manifest
 records as `draft_acceptance`, exact mode's prior; with `--candidate`, the candidate's).
@@ -189,7 +190,9 @@ def compare(loaded: dict[str, tuple[Decode, Engine | None]], sets: dict[str, lis
             first = sum(r[3] for r in rows[s])  # the prefills (and each first token)
             figures = {"tokens_per_second": tokens / seconds, "tokens": tokens,
                        "tokens_per_forward": tokens / max(sum(r[1] for r in rows[s]), 1), "prefill_s": first,
-                       "decode_tokens_per_second": (tokens - len(rows[s])) / max(seconds - first, 1e-9)}
+                       "decode_tokens_per_second": (tokens - len(rows[s])) / max(seconds - first, 1e-9),
+                       "by_prompt": [{"tokens": len(r[0]), "seconds": r[2], "prefill_s": r[3], "forwards": r[1]}
+                                     for r in rows[s]]}
             drafted = sum(r[4].get("draft_tokens", 0) for r in rows[s])  # llama.cpp's server reports its drafts
             if drafted:
                 figures["draft_acceptance"] = sum(r[4]["draft_tokens_accepted"] for r in rows[s]) / drafted
