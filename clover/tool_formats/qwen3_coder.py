@@ -30,8 +30,8 @@ class Qwen3CoderCalls(CallParser):
         self.index: int | None = None  # the call's, once started
         self.properties: dict[str, Any] = {}
         self.written: set[str] = set()  # the parameters streamed so far
-        self.open_key: str | None = None  # the string parameter whose value is streaming
-        self.sent = ""  # what of its value was sent
+        self.open_key: str | None = None  # the string parameter whose value is streaming (then `text` holds
+        # only what of the value was not sent: each piece is scanned once, however long the value grows)
         self.closed = False  # `</function>` written (or the block did not start with `<function=`)
 
     def feed(self, text: str) -> list[CallDelta]:
@@ -55,7 +55,19 @@ class Qwen3CoderCalls(CallParser):
             self.index = out[-1].index
             self.properties = (self.schemas.get(name) or {}).get("properties") or {}
             self.text = head[end + 1:]
+        lead = ""  # a string value's opening, sent with its first characters
         while True:
+            if self.open_key is not None:
+                end = self.text.find(END_PARAMETER)
+                if end < 0:  # held back: a suffix that may be the newline and tag that end the value
+                    cut = len(self.text) - partial_tag(self.text, ["\n" + END_PARAMETER, END_PARAMETER])
+                    fragment, self.text = lead + _escaped(self.text[:cut]), self.text[cut:]
+                    if fragment:
+                        out.append(CallDelta(self.index, arguments=fragment))
+                    return out
+                out.append(CallDelta(self.index, arguments=lead + _escaped(self.text[:end].removesuffix("\n")) + '"'))
+                self.text, self.open_key, lead = self.text[end + len(END_PARAMETER):], None, ""
+                continue
             param, function = self.text.find(PARAMETER), self.text.find(END_FUNCTION)
             if function >= 0 and (param < 0 or function < param):
                 self.text, self.closed = "", True
@@ -68,16 +80,17 @@ class Qwen3CoderCalls(CallParser):
                 return out
             key = self.text[param + len(PARAMETER):key_end].strip()
             value_end = self.text.find(END_PARAMETER, key_end)
-            if value_end < 0:  # a string value streams as it is written
-                out += self._string_so_far(key, self.text[key_end + 1:])
+            if value_end < 0:
+                raw = self.text[key_end + 1:]
+                if raw and key not in self.written and _kinds(self.properties.get(key)) == ["string"]:
+                    # a string value streams as it is written (its JSON string is the escapes of its characters, one
+                    # by one), from after the one newline that follows the tag
+                    lead, self.open_key, self.text = self._key(key) + '"', key, raw.removeprefix("\n")
+                    continue
                 return out
             value = self.text[key_end + 1:value_end].removeprefix("\n").removesuffix("\n")
             self.text = self.text[value_end + len(END_PARAMETER):]
-            if key == self.open_key:
-                assert value.startswith(self.sent), "a string value streams only text that cannot change"
-                out.append(CallDelta(self.index, arguments=_escaped(value[len(self.sent):]) + '"'))
-                self.open_key = None
-            elif key not in self.written:
+            if key not in self.written:
                 value_json = json.dumps(typed_value(value, self.properties.get(key)), ensure_ascii=False)
                 out.append(CallDelta(self.index, arguments=self._key(key) + value_json))
 
@@ -86,21 +99,6 @@ class Qwen3CoderCalls(CallParser):
         lead = ", " if self.written else "{"
         self.written.add(key)
         return f"{lead}{json.dumps(key, ensure_ascii=False)}: "
-
-    def _string_so_far(self, key: str, raw: str) -> list[CallDelta]:
-        """The next fragment of a `string` parameter's value while it is written (its JSON string is the escapes of
-        its characters, one by one: the fragments add up to `json.dumps` of the whole value). Held back: the one
-        newline after the tag, and a suffix that may be the newline and tag that end the value."""
-        if not raw or (key in self.written and key != self.open_key) or _kinds(self.properties.get(key)) != ["string"]:
-            return []
-        body = raw.removeprefix("\n")
-        body = body[:len(body) - partial_tag(body, ["\n" + END_PARAMETER, END_PARAMETER])]
-        fragment = ""
-        if key != self.open_key:
-            fragment, self.open_key, self.sent = self._key(key) + '"', key, ""
-        fragment += _escaped(body[len(self.sent):])
-        self.sent = body
-        return [CallDelta(self.index, arguments=fragment)] if fragment else []
 
     def _close(self) -> str:
         return "}" if self.written else "{}"

@@ -217,6 +217,26 @@ def test_a_calls_arguments_stream_before_it_is_complete(fmt, written, first):
     assert "".join(d.arguments for d in deltas) == first and not any(d.done for d in deltas)
 
 
+def test_a_long_string_argument_streams_in_bounded_memory():
+    """A coding agent writes a whole file as one string parameter (Qwen3-Coder's format): each piece of it is
+    scanned and sent once, so the parser holds only what it has not sent (a possible closing tag), not the value so
+    far, which it would re-scan on every block (quadratic in the file's length)."""
+    from clover.tool_formats.qwen3_coder import END_PARAMETER, Qwen3CoderCalls
+
+    body = 'def f(x):\n    return "</function>" + x  # <parameter=y>\n' * 400
+    text = (f"<function=write>\n<parameter=path>\na.py\n</parameter>\n<parameter=content>\n{body}\n</parameter>\n"
+            "</function>")
+    parser = Qwen3CoderCalls({"write": {"properties": {"path": {"type": "string"}, "content": {"type": "string"}}}})
+    deltas, held = [], 0
+    for i in range(0, len(text), 7):
+        deltas += parser.feed(text[i:i + 7])
+        if parser.open_key == "content":
+            held = max(held, len(parser.text))
+    assert 0 < held <= 7 + len("\n" + END_PARAMETER)
+    assert deltas[-1].done and json.loads("".join(d.arguments or "" for d in deltas)) == {"path": "a.py",
+                                                                                           "content": body}
+
+
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
 def test_several_calls_written_in_one_block_come_out_whole_and_in_order(fmt):
     """Exact mode commits several tokens a forward: one block may end a call, hold a second whole and start a
