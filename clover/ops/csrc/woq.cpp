@@ -355,20 +355,26 @@ __attribute__((target("avx2,fma,f16c"))) void int_tile_avx2(const Args& a, const
 // s8, four adjacent products summed into each int32 lane), one instruction where AVX2 takes three (maddubs, madd,
 // add) for each half. The int32 sums are the same, exactly (AVX2's s16 pair sums cannot saturate: file header),
 // and each lane's fp32 epilogue is int_tile_avx2's, so both paths give the same bits. Up to 16 rows of codes per
-// tile (AVX-512 has 32 registers) share each decoded step.
+// tile (AVX-512 has 32 registers) share each decoded step. The outputs stay in registers across the groups (the same
+// sums in the same order as int_tile_avx2's through memory); G: the group size fixed at compile time for llama.cpp's
+// 32 (its 4-8 steps of k unrolled), else 0 (`a.group`).
 #define WOQ_AVX512 "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c"
-template <int R, bool I4, int P>
+template <int R, bool I4, int P, int G>
 __attribute__((target(WOQ_AVX512))) void int_tile_vnni(const Args& a, const Acts& x, int64_t b, int64_t r0,
                                                        float* acc) {
-  const int64_t groups = a.K / a.group;
+  const int64_t group = G ? G : a.group, groups = a.K / group;
   const uint8_t* w = static_cast<const uint8_t*>(a.w) + b * a.K * NB / (I4 ? 2 : 1);
   const int8_t* xq = x.q + r0 * a.K;
   const __m512i nibble = _mm512_set1_epi8(15);
+  __m512 y[R / P];
+#pragma GCC unroll 16
+  for (int i = 0; i < R / P; ++i) y[i] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
     __m512i c[R];
 #pragma GCC unroll 16
     for (int i = 0; i < R; ++i) c[i] = _mm512_setzero_si512();
-    for (int64_t k = g * a.group; k < (g + 1) * a.group; k += I4 ? 8 : 4, w += 64) {
+#pragma GCC unroll 8
+    for (int64_t k = g * group; k < (g + 1) * group; k += I4 ? 8 : 4, w += 64) {
       _mm_prefetch(reinterpret_cast<const char*>(w) + 1024, _MM_HINT_T0);
       const __m512i v = _mm512_loadu_si512(w);
       if constexpr (I4) {  // low nibbles: k .. k + 3, high: k + 4 .. k + 7
@@ -392,7 +398,7 @@ __attribute__((target(WOQ_AVX512))) void int_tile_vnni(const Args& a, const Acts
         }
       }
     }
-    // y += dot * (sw * sx) [+ mw * sx * sum(qx)], in int_tile_avx2's order
+    // y += dot * (sw * s) [+ mw * s * sum(Q)], in int_tile_avx2's order
     const __m512 sw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(
         a.hscale + (b * groups + g) * NB)));
     __m512 mw = sw;
@@ -401,14 +407,14 @@ __attribute__((target(WOQ_AVX512))) void int_tile_vnni(const Args& a, const Acts
 #pragma GCC unroll 16
     for (int i = 0; i < R / P; ++i) {  // row i of x: its rows of codes P i (and P i + 1, the second digit)
       const __m512 sx = _mm512_set1_ps(x.s[(r0 / P + i) * groups + g]);
-      float* yr = acc + i * NB;
       __m512i dot = c[P * i];
       if constexpr (P == 2) dot = _mm512_add_epi32(_mm512_mullo_epi32(dot, _mm512_set1_epi32(DIGIT)), c[2 * i + 1]);
-      __m512 y = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(sw, sx), _mm512_load_ps(yr));
-      if constexpr (I4) y = _mm512_fmadd_ps(mw, _mm512_set1_ps(x.sum[(r0 / P + i) * groups + g]), y);
-      _mm512_store_ps(yr, y);
+      y[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(sw, sx), y[i]);
+      if constexpr (I4) y[i] = _mm512_fmadd_ps(mw, _mm512_set1_ps(x.sum[(r0 / P + i) * groups + g]), y[i]);
     }
   }
+#pragma GCC unroll 16
+  for (int i = 0; i < R / P; ++i) _mm512_store_ps(acc + i * NB, y[i]);
 }
 
 // Tiles of up to MR_INT rows of codes (a multiple of P: whole rows of x), then their output rows into y.
@@ -429,6 +435,12 @@ __attribute__((target("avx2,fma,f16c"))) void int_rows_avx2(const Args& a, const
   }
 }
 
+// int_tile_vnni with llama.cpp's group size compiled in where the layer has it.
+template <int R, bool I4, int P>
+__attribute__((target(WOQ_AVX512))) void vnni_tile(const Args& a, const Acts& x, int64_t b, int64_t r0, float* acc) {
+  a.group == 32 ? int_tile_vnni<R, I4, P, 32>(a, x, b, r0, acc) : int_tile_vnni<R, I4, P, 0>(a, x, b, r0, acc);
+}
+
 // int_rows_avx2 over tiles of 16, 8 or 4 rows of codes (int_tile_vnni), the largest that fits what is left; the last
 // 1-3 take one AVX2 tile, whose extra instructions per row do not matter where the weights' streaming bounds the
 // time. Every size but the last is even, so a tile holds whole rows of x for P = 2 (whose rows of codes are even).
@@ -439,11 +451,11 @@ __attribute__((target(WOQ_AVX512))) void int_rows_vnni(const Args& a, const Acts
     const int64_t left = codes - v;
     alignas(64) float acc[MR_VNNI * NB] = {0};
     if (left >= 16) {
-      n = 16, int_tile_vnni<16, I4, P>(a, x, b, v, acc);
+      n = 16, vnni_tile<16, I4, P>(a, x, b, v, acc);
     } else if (left >= 8) {
-      n = 8, int_tile_vnni<8, I4, P>(a, x, b, v, acc);
+      n = 8, vnni_tile<8, I4, P>(a, x, b, v, acc);
     } else if (left >= 4) {
-      n = 4, int_tile_vnni<4, I4, P>(a, x, b, v, acc);
+      n = 4, vnni_tile<4, I4, P>(a, x, b, v, acc);
     } else {
       switch (n = left) {  // odd only for P = 1
         case 1: if constexpr (P == 1) int_tile_avx2<1, I4, P>(a, x, b, v, acc); break;
