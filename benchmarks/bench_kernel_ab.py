@@ -15,9 +15,9 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import sys
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
