@@ -138,9 +138,11 @@ def test_implausibility_allows_timing_noise_and_batching_gains():
 
 def test_the_real_calibration_is_positive_grows_with_rows_and_rewinds_after_each_forward(monkeypatch, request):
     """The measurement itself (no stand-in), on a small dense model whose LM head makes a row cost clearly more
-    than nothing (16k vocabulary: ~4 M multiply-adds a row): every time positive, 16 rows clearly dearer than 1,
-    the upper half of the table dearer than the lower; every timed forward starts from the same cached context
-    (the forward before it was rewound)."""
+    than nothing (16k vocabulary: ~4 M multiply-adds a row): every time positive, 16 rows clearly dearer than 1
+    and no count cheaper than 1; every timed forward starts from the same cached context (the forward before it
+    was rewound). The table need not grow with every row: it is what the machine does, and this model's fp32
+    forward of 2-3 rows has been slower than of 4-16 on one thread of an AVX-512 EPYC (5.5 and 7.5 ms against
+    4.7-6.6, three calibrations in a row)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # threads that wait on each other at every op time a loaded machine's scheduling
     request.addfinalizer(lambda: torch.set_num_threads(threads))
@@ -161,7 +163,5 @@ def test_the_real_calibration_is_positive_grows_with_rows_and_rewinds_after_each
         assert lengths == ({cost.SHORT_CONTEXT, long} if rows in (1, 16) else {cost.SHORT_CONTEXT}), (rows, lengths)
     assert table.rows == list(cost.CALIBRATION_ROWS) and min(table.seconds) > 0
     assert table.per_token >= 0 and table.per_row_token >= 0 and table(16, long) >= table(16)
-    assert table.seconds[-1] > 1.5 * table.seconds[0]
-    half = len(table.seconds) // 2
-    assert sum(table.seconds[half:]) / (len(table.seconds) - half) > sum(table.seconds[:half]) / half
+    assert table.seconds[-1] > 1.5 * table.seconds[0] and min(table.seconds[1:]) > 0.9 * table.seconds[0]
     assert table.key == cost.fingerprint(runner) and time.time() - 60 < table.measured_at <= time.time()
