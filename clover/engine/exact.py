@@ -54,6 +54,7 @@ import math
 import statistics
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -215,8 +216,7 @@ class ExactLoop(DecodingLoop):
         none = torch.zeros(n, dtype=torch.long, device=e.device)
         m = self._plan(seqs, acceptance, none, cache.length + t)[1]
         start = torch.full((n,), t - 1, dtype=torch.long, device=e.device)
-        constrained = [r for r, s in enumerate(seqs) if s.constraint is not None]
-        masks = [seqs[r].constraint.masks_for([])[0] if r in constrained else None for r in range(n)]
+        constrained, masks, _ = _constraint_masks(seqs, lambda r: [])
         tokens, accepted, query, logprobs = self._forward(ids, start, none, cache, sampler, acceptance, int(m.max()),
                                                           masks, [len(s.generated) for s in seqs], **kwargs)
         ones = accepted + 1
@@ -256,12 +256,7 @@ class ExactLoop(DecodingLoop):
         ids = ids.masked_fill(~real, e.mask_id)
         kk = int(k.max())
         drafts_k = _pad(b.drafts, kk)[:, :kk]
-        # a constraint masks the decision and the position after each draft; the rows it binds are decided here,
-        # from the committed tokens (the drafts its masks consume may end a thinking budget, then be rejected)
-        constrained = [r for r, s in enumerate(b.seqs) if s.constraint is not None]
-        masks, consumed = [None] * len(b.seqs), [0] * len(b.seqs)
-        for r in constrained:
-            masks[r], consumed[r] = b.seqs[r].constraint.masks_for(drafts_k[r, : int(k[r])].tolist())
+        constrained, masks, consumed = _constraint_masks(b.seqs, lambda r: drafts_k[r, : int(k[r])].tolist())
         if width > 1:  # drafts to verify: the cache must be able to forget the rejected ones
             b.cache.mark()
         tokens, accepted, query, b.logprobs = self._forward(
@@ -529,6 +524,19 @@ class ExactLoop(DecodingLoop):
             for i, r in enumerate(asked):
                 logprobs[r] = token_logprobs(raw[i], committed[r][: took[r] + 1], tops[r], e.banned_ids)
         return tokens, accepted, self._query_logits.max(dim=-1).indices, logprobs
+
+
+def _constraint_masks(seqs: list[Request], drafts: Callable[[int], list[int]]
+                      ) -> tuple[list[int], list[torch.Tensor | None], list[int]]:
+    """The rows a constraint binds, decided from the committed tokens before a forward (the drafts its masks consume
+    may end a thinking budget, then be rejected: the rollback must still reach them), and per row the masks of the
+    decision and the position after each of row r's `drafts(r)`, and how many drafts the constraint consumed."""
+    rows = [r for r, s in enumerate(seqs) if s.constraint is not None]
+    masks: list[torch.Tensor | None] = [None] * len(seqs)
+    consumed = [0] * len(seqs)
+    for r in rows:
+        masks[r], consumed[r] = seqs[r].constraint.masks_for(drafts(r))
+    return rows, masks, consumed
 
 
 def _pad(t: torch.Tensor, width: int) -> torch.Tensor:

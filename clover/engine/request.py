@@ -87,8 +87,9 @@ class Request:
         """The tracker while it may still constrain what comes next, as exact mode consults it at a step's start
         (committed tokens only): a thinking budget that is done (its reasoning closed, or never opened) binds
         nothing more, so the rest of the answer takes the unconstrained path."""
-        tracker = self.tracker
-        return None if tracker is self.budget and tracker is not None and tracker.done else tracker
+        if self.matcher is not None:
+            return self.matcher
+        return self.budget if self.budget is not None and not self.budget.done else None
 
     @property
     def remaining(self) -> int:

@@ -74,8 +74,9 @@ ACTIVATIONS = {"int8": 1, "int8x2": 2}  # int8 / int4 layers' rounding of x: int
 # dispatch, which many rows amortise
 DENSE_ROWS = 256
 # `reference_linear` pads its rows to a multiple of this: BLAS picks its kernel by the row count, and MKL's fp32
-# kernels for a few rows can give a row other bits than a larger product does. Padded, a row's bits do not depend on how many rows share its forward (tests/model/test_quant.py):
-# exact mode's first forward (a prompt's last chunk and query rows) multiplies the prompt's rows as block size 1's.
+# kernels for a few rows can give a row other bits than a larger product does. Padded, a row's bits do not depend
+# on how many rows share its forward (tests/model/test_quant.py): exact mode's first forward (a prompt's last chunk
+# and query rows) multiplies the prompt's rows as block size 1's.
 ROW_TILE = 16
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = (CSRC / "woq.cpp", CSRC / "layer.cpp")  # the kernels; a decoder layer built on them (clover.model.fused)

@@ -141,8 +141,8 @@ def test_the_real_calibration_is_positive_grows_with_rows_and_rewinds_after_each
     than nothing (16k vocabulary: ~4 M multiply-adds a row): every time positive, 16 rows clearly dearer than 1
     and no count cheaper than 1; every timed forward starts from the same cached context (the forward before it
     was rewound). The table need not grow with every row: it is what the machine does, and this model's fp32
-    forward of 2-3 rows has been slower than of 4-16 on one thread of an AVX-512 EPYC (5.5 and 7.5 ms against
-    4.7-6.6, three calibrations in a row)."""
+    forward of 2-3 rows has been slower than of 4-16 on one thread of an AVX-512 EPYC, calibration after
+    calibration."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # threads that wait on each other at every op time a loaded machine's scheduling
     request.addfinalizer(lambda: torch.set_num_threads(threads))

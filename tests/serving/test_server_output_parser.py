@@ -12,6 +12,7 @@ import pytest
 from clover.assistant_output import OutputParser, parse_assistant_output, whole_calls
 from clover.chat_template import render_chat
 from clover.tool_formats import FORMATS, CallDelta
+from clover.tool_formats.qwen3_coder import END_PARAMETER, Qwen3CoderCalls
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
@@ -221,8 +222,6 @@ def test_a_long_string_argument_streams_in_bounded_memory():
     """A coding agent writes a whole file as one string parameter (Qwen3-Coder's format): each piece of it is
     scanned and sent once, so the parser holds only what it has not sent (a possible closing tag), not the value so
     far, which it would re-scan on every block (quadratic in the file's length)."""
-    from clover.tool_formats.qwen3_coder import END_PARAMETER, Qwen3CoderCalls
-
     body = 'def f(x):\n    return "</function>" + x  # <parameter=y>\n' * 400
     text = (f"<function=write>\n<parameter=path>\na.py\n</parameter>\n<parameter=content>\n{body}\n</parameter>\n"
             "</function>")
