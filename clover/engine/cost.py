@@ -195,13 +195,16 @@ def _fastest_forwards(runner: Any, cache: Any, rows: tuple[int, ...], vocab: int
     ids = {r: torch.randint(0, vocab, (1, r), generator=gen).to(runner.device) for r in rows}
     at = {r: torch.ones(1, r, dtype=torch.bool, device=runner.device) for r in rows}
     best = dict.fromkeys(rows, float("inf"))
+    # each forward undone; one token kept where the cache can roll back only to after a forward's first token
+    # (llama.cpp's recurrent snapshots: clover.runners.llamacpp_hybrid)
+    first = torch.full((1,), int(getattr(cache, "keeps_first", False)), dtype=torch.long)
     for round_ in range(repeats + 1):
         for r in rows:
             cache.mark()
             start = time.perf_counter()
             runner.forward(ids[r], 1, cache=cache, prefix_len=r, logits_at=at[r])
             took = time.perf_counter() - start
-            cache.rewind(torch.zeros(1, dtype=torch.long))
+            cache.rewind(first)
             if round_:
                 best[r] = min(best[r], took)
     return [best[r] for r in rows]

@@ -15,6 +15,8 @@ What could break, and how it is kept from breaking silently:
   would corrupt memory. `load()` reads llama.cpp's own defaults (`llama_context_default_params`, ...) through
   these layouts and checks them against the values llama.h documents (n_ctx 512, n_batch 2048, F16 KV cache,
   ...): a field at a wrong offset reads a wrong value, and the library is refused before any model is opened.
+  `n_rs_seq` (b11549's recurrent-state snapshots per sequence, between `n_seq_max` and `n_outputs_max`) is also
+  checked the other way: the hybrid runner writes it and reads back what the context took (`llama_n_rs_seq`).
 """
 
 from __future__ import annotations
@@ -98,6 +100,9 @@ _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "llama_vocab_n_tokens": (ctypes.c_int32, [_ptr]),
     "llama_init_from_model": (_ptr, [_ptr, LlamaContextParams]),
     "llama_free": (None, [_ptr]),
+    # recurrent-state snapshots per sequence the context keeps (`n_rs_seq` as llama.cpp clamped it: 0 where the
+    # model's architecture has no partial rollback)
+    "llama_n_rs_seq": (ctypes.c_uint32, [_ptr]),
     "llama_get_memory": (_ptr, [_ptr]),
     "llama_memory_seq_rm": (ctypes.c_bool, [_ptr, llama_seq_id, llama_pos, llama_pos]),
     "llama_memory_seq_cp": (None, [_ptr, llama_seq_id, llama_seq_id, llama_pos, llama_pos]),
@@ -119,7 +124,8 @@ _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
 }
 
 # What llama.h documents as the defaults, read back through the layouts above (see the module docstring)
-_CONTEXT_DEFAULTS = {"n_ctx": 512, "n_batch": 2048, "n_ubatch": 512, "n_seq_max": 1, "n_outputs_max_per_seq": 1,
+_CONTEXT_DEFAULTS = {"n_ctx": 512, "n_batch": 2048, "n_ubatch": 512, "n_seq_max": 1, "n_rs_seq": 0, "n_outputs_max": 0,
+                     "n_outputs_max_per_seq": 1,
                      "n_threads": 4, "n_threads_batch": 4, "flash_attn_type": LLAMA_FLASH_ATTN_TYPE_AUTO,
                      "yarn_ext_factor": -1.0, "defrag_thold": -1.0, "type_k": GGML_TYPE_F16,
                      "type_v": GGML_TYPE_F16, "embeddings": False, "offload_kqv": True, "no_perf": True,

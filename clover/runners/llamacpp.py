@@ -240,13 +240,14 @@ class LlamaCppRunner:
         if not self._model:
             raise RuntimeError(f"llama.cpp could not load {self.path}")
 
-    def _open_context(self, n_seq_max: int, kv_type: str, flash_attn: bool) -> None:
-        """The context (`n_ctx` cells, `n_batch` a ubatch, one KV cache all sequences share), its memory and a
-        batch whose tokens may carry `ids_per_slot` sequence ids."""
+    def _open_context(self, n_seq_max: int, kv_type: str, flash_attn: bool, n_rs_seq: int = 0) -> None:
+        """The context (`n_ctx` cells, `n_batch` a ubatch, one KV cache all sequences share; `n_rs_seq` recurrent-
+        state snapshots per sequence, for a hybrid model's rollback), its memory and a batch whose tokens may
+        carry `ids_per_slot` sequence ids."""
         lib = self._lib
         ctx_params = lib.llama_context_default_params()
         ctx_params.n_ctx, ctx_params.n_batch, ctx_params.n_ubatch = self.n_ctx, self.n_batch, self.n_batch
-        ctx_params.n_seq_max = n_seq_max
+        ctx_params.n_seq_max, ctx_params.n_rs_seq = n_seq_max, n_rs_seq
         ctx_params.kv_unified = True
         ctx_params.n_threads = ctx_params.n_threads_batch = self.threads
         kv = llama_api.GGML_TYPE_F32 if kv_type == "f32" else llama_api.GGML_TYPE_F16

@@ -13,13 +13,25 @@ block-size-1 answers.
 
 **Rewinding the recurrent state.** Exact mode feeds `[last, d_1 .. d_k]` and keeps the first `1 + a` of them.
 Attention KV cells can be cut at any position, but a recurrent layer holds one state per sequence, after its last
-token: llama.cpp refuses to remove part of a recurrent sequence (`llama_memory_seq_rm` on a partial range). Each
-row therefore owns two sequence ids, its sequence and a backup: `mark()` copies the sequence to the backup
-(`llama_memory_seq_cp`: the recurrent state's cell is shared, and llama.cpp copies it when the sequence is next
-written; attention cells are only tagged), and `rewind(keep)` either drops the backup (every token kept) or puts
-the backup back in place of the sequence and re-decodes the kept tokens (one causal decode of `keep` tokens per
-such row, batched). A rejection thus costs a second, shorter forward; full acceptance costs the copy only
-(docs/gguf.md gives the measured costs).
+token. llama.cpp b11549 keeps more where asked: a context made with `n_rs_seq = n` keeps, for each sequence, the
+recurrent state after each of the last `n` tokens of its last decode (snapshots), and `llama_memory_seq_rm(seq, p,
+-1)` then rolls the sequence back to position `p` (attention cells removed, the recurrent state taken from the
+snapshot after token `p - 1`) as long as it drops at most `n` tokens: its "recurrent partial rollback", what its own
+MTP and n-gram speculation use on Qwen3.5 / Qwen3-Next. So `rewind(keep)` is one `llama_memory_seq_rm` a row and
+costs no forward: a rejection costs what full acceptance does. The snapshots are of the states inside the last
+decode, so the earliest state a row goes back to is the one after its forward's first token (exact mode always
+keeps that one, the last decided token; `keeps_first` says so to the cost calibration): rewinding a whole forward
+of a row that had tokens before it is refused. The runner asks for `rollback` snapshots (default
+`ROLLBACK`, enough for exact mode's widest verification and the cost calibration's widest forward) and reads back
+what the context took (`llama_n_rs_seq`); a forward that `rewind` may have to undo is refused beyond them. The
+snapshots cost memory: `1 + rollback` recurrent states a row instead of one (docs/gguf.md).
+
+Where the build refuses partial rollback for the model's architecture (it clamps `n_rs_seq` to 0), each row owns
+two sequence ids, its sequence and a backup: `mark()` copies the sequence to the backup (`llama_memory_seq_cp`:
+the recurrent state's cell is shared, and llama.cpp copies it when the sequence is next written; attention cells
+are only tagged), and `rewind(keep)` either drops the backup (every token kept) or puts the backup back in place of
+the sequence and re-decodes the kept tokens (one causal decode of `keep` tokens per such row, batched): there a
+rejection costs a second, shorter forward (docs/gguf.md gives the measured costs of both).
 
 Prefix reuse (the server's prefix cache) is not offered (`prefix_reuse = False`: the server runs without one): a
 stored prefix would need the recurrent state at its cut, which llama.cpp keeps only at a sequence's end.
@@ -43,14 +55,18 @@ from clover.runners import llama_api
 from clover.runners.llamacpp import DEFAULT_MAX_CELLS, LlamaCppCache, LlamaCppRunner
 
 HYBRID_ARCHITECTURES = ("qwen35moe", "qwen35")
+# recurrent-state snapshots asked for: exact mode's widest verification feeds 1 + 15 copied drafts and keeps at
+# least one; the cost calibration's widest forward is 16 tokens, rewound to none (clover.engine.cost)
+ROLLBACK = 16
 CAUSAL_ONLY = ("a hybrid (Gated DeltaNet) model on the llama.cpp runner runs its causal path only: block size 1 or "
                "--rule exact (drafts from the context); block rules read a block in both directions, which "
                "llama.cpp's DeltaNet cannot: use the torch runner (--runner torch) for them")
 
 
 class HybridCache(LlamaCppCache):
-    """The rows' sequences; each slot's ids are `(sequence, backup)`. Remembers the tokens fed since `mark()`, which
-    `rewind` re-decodes (module docstring)."""
+    """The rows' sequences. With rollback snapshots (`runner.rollback > 0`) `rewind` removes the rejected tokens in
+    place; without, each slot's ids are `(sequence, backup)` and the cache remembers the tokens fed since `mark()`,
+    which `rewind` re-decodes (module docstring)."""
 
     def __init__(self, runner: HybridLlamaCppRunner, slots: list[int]) -> None:
         super().__init__(runner, slots)
@@ -58,15 +74,45 @@ class HybridCache(LlamaCppCache):
 
     def mark(self) -> None:
         super().mark()
+        if self.runner.rollback:
+            return
         self.fed = [[] for _ in self.slots]
         for slot in self.slots:
             main, backup = self.runner._ids(slot)
             self.runner._lib.llama_memory_seq_rm(self.runner._memory, backup, 0, -1)
             self.runner._lib.llama_memory_seq_cp(self.runner._memory, main, backup, -1, -1)
 
+    @property
+    def keeps_first(self) -> bool:
+        """Whether `rewind` must keep each row's first token of the forward (rollback snapshots: module docstring)."""
+        return bool(self.runner.rollback)
+
     def rewind(self, keep: torch.Tensor) -> None:
-        if self.marked is None or self.fed is None:
+        if self.marked is None:
             raise RuntimeError("rewind needs a mark() before the forward it undoes")
+        if self.runner.rollback:
+            self._roll_back(keep)
+        else:
+            self._restore_and_redecode(keep)
+        self.marked, self.fed = None, None
+
+    def _roll_back(self, keep: torch.Tensor) -> None:
+        """Each row's tokens after its first `keep[r]` removed from its sequence: attention cells and recurrent
+        state alike (llama.cpp's rollback snapshots)."""
+        runner = self.runner
+        for r, (slot, start, k) in enumerate(zip(self.slots, self.marked, keep.tolist())):
+            cut = start + int(k)
+            if cut == start > 0 and cut < self.lengths[r]:
+                raise RuntimeError(f"row {r}: rewind keeps none of the forward's tokens, but llama.cpp's rollback "
+                                   "snapshots hold the recurrent state after its first token at the earliest")
+            if cut < self.lengths[r]:
+                if not runner._lib.llama_memory_seq_rm(runner._memory, runner._ids(slot)[0], cut, -1):
+                    raise RuntimeError(f"llama.cpp refused to roll row {r} back from {self.lengths[r]} to {cut} "
+                                       f"tokens (it keeps {runner.rollback} recurrent-state snapshots a sequence)")
+            self.lengths[r] = cut
+
+    def _restore_and_redecode(self, keep: torch.Tensor) -> None:
+        """Rows that keep fewer tokens than they were fed get the backup back and re-decode the kept ones."""
         runner = self.runner
         lib, memory = runner._lib, runner._memory
         redo: list[tuple[int, list[int], int]] = []  # (row, tokens to re-decode, position of the first)
@@ -79,7 +125,6 @@ class HybridCache(LlamaCppCache):
                     redo.append((r, self.fed[r][: int(k)], start))
             lib.llama_memory_seq_rm(memory, backup, 0, -1)
             self.lengths[r] = start + int(k)
-        self.marked, self.fed = None, None
         if redo:
             runner._decode_causal([(r, tokens, start, set()) for r, tokens, start in redo], self)
 
@@ -94,7 +139,9 @@ class HybridCache(LlamaCppCache):
 
 class HybridLlamaCppRunner(LlamaCppRunner):
     """A hybrid GGUF's causal path on llama.cpp (module docstring). `max_rows`: sequences held at once; `n_ctx`:
-    attention KV cells shared by all rows (default `max_rows * max_position_embeddings`, at most 16384)."""
+    attention KV cells shared by all rows (default `max_rows * max_position_embeddings`, at most 16384);
+    `rollback`: recurrent-state snapshots to ask llama.cpp for (0: rewind by backup and re-decode); `self.rollback`
+    is what the context took."""
 
     cache_class = HybridCache
     causal_only = True
@@ -103,7 +150,7 @@ class HybridLlamaCppRunner(LlamaCppRunner):
 
     def __init__(self, path: str | Path, *, threads: int | None = None, max_rows: int | None = 8,
                  n_ctx: int | None = None, max_block_size: int | None = None, kv_type: str = "f16",
-                 flash_attn: bool = False, verbose: bool = False) -> None:
+                 flash_attn: bool = False, verbose: bool = False, rollback: int = ROLLBACK) -> None:
         import gguf  # deferred: gguf, only when a GGUF is opened
 
         lib = llama_api.load()
@@ -124,13 +171,23 @@ class HybridLlamaCppRunner(LlamaCppRunner):
         max_rows = max_rows or 8
         if max_rows < 1:
             raise ValueError(f"max_rows must be >= 1, got {max_rows}")
-        self.max_rows, self.ids_per_slot = max_rows, 2
+        self.max_rows = max_rows
         self.threads = threads or torch.get_num_threads()
         self._load_model(lib, verbose)
         self.n_ctx = n_ctx or min(max_rows * self.config.max_position_embeddings, DEFAULT_MAX_CELLS)
         self.max_context = min(self.config.max_position_embeddings, self.n_ctx)
         self.n_batch = 512
-        self._open_context(max_rows * self.ids_per_slot, kv_type, flash_attn)  # a sequence and its backup a row
+        self.rollback = 0
+        if rollback:  # one sequence a row, rolled back in place
+            self.ids_per_slot = 1
+            self._open_context(max_rows, kv_type, flash_attn, n_rs_seq=rollback)
+            self.rollback = int(lib.llama_n_rs_seq(self._ctx))
+            if not self.rollback:  # this build has no partial rollback for the architecture: a backup id a row
+                lib.llama_batch_free(self._batch)
+                lib.llama_free(self._ctx)
+        if not self.rollback:
+            self.ids_per_slot = 2
+            self._open_context(max_rows * self.ids_per_slot, kv_type, flash_attn)
         self._free = list(range(max_rows))
         self._abandoned: collections.deque[list[int]] = collections.deque()
         self._finalizer = weakref.finalize(self, llama_api.free_all, lib, self._batch, self._ctx, self._model)
@@ -157,6 +214,10 @@ class HybridLlamaCppRunner(LlamaCppRunner):
             kept = [(c, t) for c, t in enumerate(row) if valid is None or valid[r][c]]
             wanted = {c for c, w in enumerate(want[r]) if w} if want is not None else set()
             rows.append((r, kept, cache.lengths[r], wanted))
+        widest = max((len(kept) for _, kept, _, _ in rows), default=0)
+        if cache.marked is not None and self.rollback and widest > self.rollback:
+            raise ValueError(f"a forward that rewind() may undo feeds at most {self.rollback} tokens a row on this "
+                             f"runner (the recurrent-state snapshots llama.cpp keeps); got {widest}")
         outputs = self._decode_causal([(r, [t for _, t in kept], start, {i for i, (c, _) in enumerate(kept)
                                                                         if c in wanted})
                                        for r, kept, start, wanted in rows], cache)

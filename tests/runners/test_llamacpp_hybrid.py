@@ -25,7 +25,7 @@ from clover.engine.loop import StreamPiece
 from clover.runners import llama_api
 from clover.runners.base import RunnerOptions
 from clover.runners.llamacpp import LlamaCppRunner
-from clover.runners.llamacpp_hybrid import HybridLlamaCppRunner
+from clover.runners.llamacpp_hybrid import ROLLBACK, HybridCache, HybridLlamaCppRunner
 from model_helpers import PROMPTS
 
 MAX_NEW = 24
@@ -97,31 +97,84 @@ def _run(engine: Engine, prompts: list[list[int]]) -> list[list[int]]:
     return sequences
 
 
+@pytest.fixture(scope="module")
+def backup_runner(twin) -> HybridLlamaCppRunner:
+    """The same file without rollback snapshots: rewinds by backup copy and re-decode (a build that refuses them)."""
+    runner = HybridLlamaCppRunner(twin[2].path, threads=1, kv_type="f32", max_rows=8, rollback=0)
+    yield runner
+    runner.close()
+
+
+def test_the_context_takes_the_rollback_snapshots(twin, backup_runner):
+    """`n_rs_seq` written through Clover's layout of llama_context_params and read back from the context: the
+    field sits where b11549 reads it, and qwen35moe has partial rollback there."""
+    assert twin[2].rollback == ROLLBACK and twin[2].ids_per_slot == 1
+    assert backup_runner.rollback == 0 and backup_runner.ids_per_slot == 2
+
+
+def _steps(monkeypatch, runner: HybridLlamaCppRunner) -> list[list[tuple[int, int]] | None]:
+    """Every forward after the prefill, as exact mode ran it: per row (tokens fed, tokens kept) where the forward
+    was rewound, None for a forward with nothing to verify (no mark)."""
+    log: list[list[tuple[int, int]] | None] = []
+    forward, mark, rewind = runner.forward, HybridCache.mark, HybridCache.rewind
+
+    def logged_forward(ids, block_size, *, cache, **kwargs):
+        if cache.marked is None and ids is not None and ids.shape[1] == 1:
+            log.append(None)
+        return forward(ids, block_size, cache=cache, **kwargs)
+
+    def logged_rewind(cache, keep):
+        fed = [n - start for n, start in zip(cache.lengths, cache.marked)]
+        log.append(list(zip(fed, keep.tolist())))
+        rewind(cache, keep)
+
+    monkeypatch.setattr(runner, "forward", logged_forward)
+    monkeypatch.setattr(HybridCache, "mark", mark)
+    monkeypatch.setattr(HybridCache, "rewind", logged_rewind)
+    return log
+
+
 @pytest.mark.parametrize("block_size", [4, 8])
-def test_exact_mode_equals_block_size_1_with_drafts_verified_and_rejected(twin, block_size):
-    """Every lookup draft verified (adaptive off): rejections rewind the recurrent state mid-forward."""
-    _, _, runner = twin
+@pytest.mark.parametrize("rollback", [True, False], ids=["rollback", "backup"])
+def test_exact_mode_equals_block_size_1_with_drafts_verified_and_rejected(twin, backup_runner, monkeypatch,
+                                                                          block_size, rollback):
+    """Every lookup draft verified (adaptive off), batched and alone, each prompt twice (the second time the
+    drafting memory offers the first answer, accepted whole): drafts all accepted, partly accepted and all rejected
+    rewind the recurrent state mid-forward (llama.cpp's rollback snapshots, or backup and re-decode), and a step
+    with nothing to verify right after one that accepted some reads the state a rollback left."""
+    runner = twin[2] if rollback else backup_runner
     prompts = PROMPTS + LOOPING
     want = generate(runner, prompts, max_new_tokens=MAX_NEW, block_size=1).sequences
+    log = _steps(monkeypatch, runner)
     batched = Engine(runner, block_size, rule="exact", rule_options={"adaptive": False})
     assert _run(batched, prompts) == want
+    assert _run(batched, prompts) == want
     alone = Engine(runner, block_size, rule="exact", rule_options={"adaptive": False})
+    assert [_run(alone, [p])[0] for p in prompts] == want
     assert [_run(alone, [p])[0] for p in prompts] == want
     for engine in (batched, alone):
         forwards, accepted, verified = engine.loop.lookup_tally
         assert forwards and 0 < accepted < verified, engine.loop.lookup_tally  # some drafts kept, some rejected
+    rows = [row for step in log if step for row in step]
+    assert any(fed == keep > 1 for fed, keep in rows)  # every draft accepted
+    assert any(1 < keep < fed for fed, keep in rows)  # some accepted, then one rejected
+    assert any(keep == 1 < fed for fed, keep in rows)  # the first draft rejected
+    assert any(before and any(keep > 1 for _, keep in before) and after is None
+               for before, after in zip(log, log[1:]))  # no drafts right after accepted ones
 
 
-def test_rewound_drafts_leave_no_trace(twin):
-    """After `mark`, a forward of 4 tokens and `rewind` keeping 2, the next forward equals a fresh sequence's
-    that only ever saw the kept tokens (recurrent state and attention cells alike)."""
-    _, _, runner = twin
+@pytest.mark.parametrize("rollback", [True, False], ids=["rollback", "backup"])
+def test_rewound_drafts_leave_no_trace(twin, backup_runner, rollback):
+    """After `mark`, a forward of 4 tokens and `rewind` keeping some, the next forward equals a fresh sequence's
+    that only ever saw the kept tokens (recurrent state and attention cells alike). Rollback snapshots go back to
+    after a forward's first token at the earliest (keeping none is refused); the backup goes back to the mark."""
+    runner = twin[2] if rollback else backup_runner
     rewound, fresh = runner.new_cache(1), runner.new_cache(1)
     prompt = torch.tensor([PROMPTS[2]])
     at = torch.ones(1, 1, dtype=torch.bool)
     for cache in (rewound, fresh):
         runner.forward(prompt, 1, cache=cache, prefix_len=prompt.shape[1], logits_to_keep=0)
-    for keep in (2, 0, 4):
+    for keep in (2, 1, 3, 4) if rollback else (2, 0, 4):
         rewound.mark()
         runner.forward(torch.tensor([[9, 8, 7, 6]]), 1, cache=rewound, prefix_len=4, logits_to_keep=0)
         rewound.rewind(torch.tensor([keep]))
@@ -131,6 +184,15 @@ def test_rewound_drafts_leave_no_trace(twin):
         a = runner.forward(torch.tensor([[5]]), 1, cache=rewound, prefix_len=1, logits_at=at)
         b = runner.forward(torch.tensor([[5]]), 1, cache=fresh, prefix_len=1, logits_at=at)
         torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
+    if rollback:
+        rewound.mark()
+        runner.forward(torch.tensor([[9, 8]]), 1, cache=rewound, prefix_len=2, logits_to_keep=0)
+        with pytest.raises(RuntimeError, match="keeps none of the forward's tokens"):
+            rewound.rewind(torch.tensor([0]))
+        too_wide = torch.tensor([[1] * (runner.rollback + 1)])
+        rewound.mark()
+        with pytest.raises(ValueError, match=f"at most {runner.rollback} tokens a row"):
+            runner.forward(too_wide, 1, cache=rewound, prefix_len=too_wide.shape[1], logits_to_keep=0)
     rewound.release()
     fresh.release()
 
