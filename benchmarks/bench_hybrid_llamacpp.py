@@ -93,9 +93,8 @@ def worker(kind: str, path: str, job: dict) -> dict:
 
 
 def rewind_cost(runner: Any, prompt: list[int], repeats: int = 5) -> dict[str, float]:
-    """ms of exact mode's verification forward of 1 + 4 tokens, with the backup copy and a rewind keeping all of
-    them, keeping 2 (restore + re-decode of 2) and keeping none; and of a one-token forward with its backup copy
-    and a rewind to nothing."""
+    """ms of exact mode's verification forward of 1 + 4 tokens with its rewind keeping all 5, 2 (3 drafts
+    rejected) and 1 (the first rejected); and of a one-token forward (a step with nothing to verify: no mark)."""
     import torch
 
     cache = runner.new_cache(1)
@@ -119,18 +118,42 @@ def rewind_cost(runner: Any, prompt: list[int], repeats: int = 5) -> dict[str, f
 
     one = torch.tensor([[7]])
     at1 = torch.ones(1, 1, dtype=torch.bool)
-
-    def single() -> None:
-        cache.mark()
-        runner.forward(one, 1, cache=cache, prefix_len=1, logits_at=at1)
-        cache.rewind(torch.tensor([0]))
-
-    timed("one_token_forward_with_rewind_ms", single)
+    timed("one_token_forward_ms", lambda: runner.forward(one, 1, cache=cache, prefix_len=1, logits_at=at1))
     timed("verify_5_keep_5_ms", lambda: verify(5))
     timed("verify_5_keep_2_ms", lambda: verify(2))
-    timed("verify_5_keep_0_ms", lambda: verify(0))
+    timed("verify_5_keep_1_ms", lambda: verify(1))
     cache.release()
+    best["keep_2_over_keep_5"] = round(best["verify_5_keep_2_ms"] / best["verify_5_keep_5_ms"], 3)
     return best
+
+
+def rewind_worker(path: str, job: dict) -> dict:
+    """The rewind's cost on one GGUF, through llama.cpp's rollback snapshots and through backup and re-decode (a
+    runner made with rollback=0), alternating (`rounds`) so that both see the same machine; and block size 1's
+    tokens/s on each context (the snapshots are written at every decode)."""
+    import torch
+
+    from clover.engine import generate
+    from clover.runners.llamacpp_hybrid import ROLLBACK, HybridLlamaCppRunner
+
+    torch.set_num_threads(job["threads"])
+    prompts = job["prompts"]
+    runners = {"rollback": HybridLlamaCppRunner(path, threads=job["threads"], max_rows=1, rollback=ROLLBACK),
+               "backup": HybridLlamaCppRunner(path, threads=job["threads"], max_rows=1, rollback=0)}
+    assert runners["rollback"].rollback == ROLLBACK and runners["backup"].rollback == 0
+    out: dict[str, Any] = {name: {"rewind": [], "tok_s": []} for name in runners}
+    for name, runner in runners.items():  # warm-up, untimed
+        generate(runner, prompts[:1], max_new_tokens=4, block_size=1, rule="threshold")
+    for _ in range(job["rounds"]):
+        for name, runner in runners.items():
+            out[name]["rewind"].append(rewind_cost(runner, prompts[0]))
+            start = time.perf_counter()
+            result = generate(runner, prompts[:1], max_new_tokens=job["max_new_tokens"], block_size=1,
+                              rule="threshold")
+            out[name]["tok_s"].append(round(len(result.sequences[0]) / (time.perf_counter() - start), 2))
+            out[name]["sequence"] = result.sequences[0]
+    out["same_tokens"] = out["rollback"].pop("sequence") == out["backup"].pop("sequence")
+    return out
 
 
 def bytes_per_token(names_bytes: list[tuple[str, int, int]], top_k: int, experts: int) -> dict[str, float]:
@@ -181,12 +204,17 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--out", type=Path, default=RESULTS / "bench_hybrid_llamacpp")
+    parser.add_argument("--rewind-only", action="store_true",
+                        help="only exact mode's rewind on llama.cpp, rollback snapshots against backup and re-decode "
+                             "(results: <out>_rewind.{json,md})")
+    parser.add_argument("--rounds", type=int, default=3, help="--rewind-only: alternating rounds of both")
     parser.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         kind, path, job_path = args.worker
         job = json.loads(Path(job_path).read_text())
-        Path(job["result"]).write_text(json.dumps(worker(kind, path, job)))
+        result = rewind_worker(path, job) if kind == "rewind" else worker(kind, path, job)
+        Path(job["result"]).write_text(json.dumps(result))
         return
 
     import random
@@ -210,6 +238,9 @@ def main() -> None:
             export_gguf(twin, path, quant, kquant=quantize_rows)
             exports[quant] = round(time.perf_counter() - start, 1)
         systems[f"llama.cpp/{quant}"] = {"path": str(path), "kind": "llamacpp"}
+    if args.rewind_only:
+        rewind_only(args, systems, prompts, started)
+        return
     systems["clover-torch/fp32"] = {"path": str(twin), "kind": "torch"}
     for name, system in systems.items():
         job = {"threads": args.threads, "prompts": prompts, "max_new_tokens": args.max_new_tokens,
@@ -258,6 +289,56 @@ def main() -> None:
     print(_markdown(report))
 
 
+def rewind_only(args: argparse.Namespace, systems: dict[str, dict[str, Any]], prompts: list[list[int]],
+                started: float) -> None:
+    """`--rewind-only`: each export's rewind costs both ways (`rewind_worker`), the median round reported."""
+    import statistics
+
+    for name, system in systems.items():
+        job = {"threads": args.threads, "prompts": prompts, "max_new_tokens": args.max_new_tokens,
+               "rounds": args.rounds, "result": str(args.work / f"{name.replace('/', '_')}_rewind.json")}
+        job_path = args.work / "job.json"
+        job_path.write_text(json.dumps(job))
+        env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+        proc = subprocess.run([sys.executable, __file__, "--worker", "rewind", system["path"], str(job_path)],
+                              env=env, capture_output=True, text=True)
+        if proc.returncode:
+            system["error"] = proc.stderr[-2000:]
+            continue
+        system.update(json.loads(Path(job["result"]).read_text()))
+        for mode in ("rollback", "backup"):
+            rounds = system[mode]["rewind"]
+            system[mode]["median"] = {k: round(statistics.median(r[k] for r in rounds), 3) for k in rounds[0]}
+            system[mode]["tok_s_median"] = statistics.median(system[mode]["tok_s"])
+    machine = {"cpu": next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                            if line.startswith("model name")), ""), "cores": os.cpu_count(),
+               "load_average_at_start": os.getloadavg(), "threads": args.threads}
+    report = {"command": " ".join(sys.argv), "machine": machine, "twin": TWIN, "systems": systems,
+              "minutes": round((time.time() - started) / 60, 1)}
+    m = machine
+    lines = [f"Machine: {m['cpu']} ({m['cores']} cores), {m['threads']} threads, load average at start "
+             f"{m['load_average_at_start'][0]:.1f}. Exact mode's verification on llama.cpp, ms (best of 5, median of "
+             f"{args.rounds} alternating rounds): rollback = llama.cpp's recurrent snapshots (n_rs_seq), backup = "
+             "backup copy and re-decode of the kept tokens.", "",
+             "| export | rewind | 1 token | verify 5, keep 5 | keep 2 | keep 1 | keep 2 / keep 5 | block size 1 tok/s |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name, s in systems.items():
+        if "error" in s:
+            lines.append(f"| {name} | failed | | | | | | |")
+            continue
+        for mode in ("rollback", "backup"):
+            r = s[mode]["median"]
+            lines.append(f"| {name} | {mode} | {r['one_token_forward_ms']} | {r['verify_5_keep_5_ms']} | "
+                         f"{r['verify_5_keep_2_ms']} | {r['verify_5_keep_1_ms']} | {r['keep_2_over_keep_5']} | "
+                         f"{s[mode]['tok_s_median']} |")
+        lines.append(f"\nBlock size 1's tokens equal on both contexts: {s['same_tokens']}.")
+    out = args.out.with_name(args.out.name + "_rewind")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(report, indent=1))
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
 def _parameters(config: Any) -> dict[str, int]:
     import torch
 
@@ -283,14 +364,14 @@ def _markdown(report: dict) -> str:
         per_token = f"{s['bytes_per_token'] / 2**20:.0f}" if "bytes_per_token" in s else ""
         bandwidth = f"{s['bandwidth_gb_s']:.1f}" if "bandwidth_gb_s" in s else ""
         lines.append(f"| {name} | {s['tok_s']:.2f} | {s['peak_rss_mib']:.0f} | {file_gib} | {per_token} | {bandwidth} |")
-    lines += ["", "Exact mode's verification on llama.cpp (ms, best of 5): one-token forward; 1 + 4 tokens verified "
-              "with all kept, 2 kept (backup restored, 2 re-decoded), none kept.", "",
-              "| system | 1 token | verify 5, keep 5 | keep 2 | keep 0 |", "|---|---|---|---|---|"]
+    lines += ["", "Exact mode's verification on llama.cpp (ms, best of 5; the runner's default rewind, llama.cpp's "
+              "rollback snapshots): one-token forward; 1 + 4 tokens verified with all kept, 2 kept, 1 kept.", "",
+              "| system | 1 token | verify 5, keep 5 | keep 2 | keep 1 |", "|---|---|---|---|---|"]
     for name, s in report["systems"].items():
         if "rewind" in s:
             r = s["rewind"]
-            lines.append(f"| {name} | {r['one_token_forward_with_rewind_ms']} | {r['verify_5_keep_5_ms']} | "
-                         f"{r['verify_5_keep_2_ms']} | {r['verify_5_keep_0_ms']} |")
+            lines.append(f"| {name} | {r['one_token_forward_ms']} | {r['verify_5_keep_5_ms']} | "
+                         f"{r['verify_5_keep_2_ms']} | {r['verify_5_keep_1_ms']} |")
     lines += ["", "Projection (not measured) of the 35B preset (clover-35b-a3b) at the twin's measured bandwidth:", "",
               "| export | file GiB | read / token GiB | projected tok/s | fits 32 GB | fits 64 GB |",
               "|---|---|---|---|---|---|"]

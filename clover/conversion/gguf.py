@@ -225,5 +225,54 @@ def gguf_architecture(path: Path) -> str:
     return field.contents()
 
 
+def written_by_clover(path: Path) -> bool:
+    """Whether a GGUF carries Clover's metadata (`clover export` wrote it) rather than being a plain AR file."""
+    import gguf  # deferred: gguf, only when a GGUF is read
+
+    return any(key.startswith("clover.") for key in gguf.GGUFReader(str(path)).fields)
+
+
 def open_source(src: Path, source_format: str = "gguf") -> GGUFSource:
     return GGUFSource(src)
+
+
+def plain_gguf_config(path: Path, n_vocab: int) -> CloverConfig:
+    """The shape of a plain autoregressive GGUF (no Clover metadata: llama.cpp's own converter wrote it, any
+    architecture llama.cpp runs), read from its `{arch}.*` metadata, as a CloverConfig that the llama.cpp runner's
+    causal path decodes with: rule `exact` (block size 1's answers, drafts copied from the context), and a mask
+    token that is no token of the file. The engine needs a mask id (its padding, banned from sampling); the file
+    has none to spare, so it is `n_vocab`, one past the vocabulary: `vocab_size` is `n_vocab + 1` and the runner
+    gives that id a logit of -inf and never feeds it. The layer fields describe the file for the cost table's
+    fingerprint and `clover info`; llama.cpp computes the model from the file itself."""
+    import gguf  # deferred: gguf, only when a GGUF is read
+
+    reader = gguf.GGUFReader(str(path))
+    fields = reader.fields
+
+    def meta(key: str, default: Any = _REQUIRED) -> Any:
+        field = fields.get(key)
+        if field is None:
+            if default is _REQUIRED:
+                raise ValueError(f"{path}: GGUF metadata {key!r} missing")
+            return default
+        return field.contents()
+
+    arch = meta("general.architecture")
+    hidden, heads = int(meta(f"{arch}.embedding_length")), int(meta(f"{arch}.attention.head_count"))
+    layers = int(meta(f"{arch}.block_count"))
+    eos = [int(meta(f"tokenizer.ggml.{k}")) for k in ("eos_token_id", "eot_token_id")
+           if meta(f"tokenizer.ggml.{k}", None) is not None]
+    bos = meta("tokenizer.ggml.bos_token_id", None)
+    return CloverConfig(
+        vocab_size=n_vocab + 1, hidden_size=hidden, num_hidden_layers=layers, layer_types=["full_attention"] * layers,
+        num_attention_heads=heads, num_key_value_heads=int(meta(f"{arch}.attention.head_count_kv", heads)),
+        head_dim=int(meta(f"{arch}.attention.key_length", hidden // heads)),
+        max_position_embeddings=int(meta(f"{arch}.context_length", 4096)),
+        rms_norm_eps=float(meta(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(meta(f"{arch}.rope.freq_base", 10000.0)), partial_rotary_factor=1.0,
+        norm_type="plain", attn_output_gate=False, qk_norm=any(t.name == "blk.0.attn_q_norm.weight" for t in reader.tensors),
+        mlp_type="dense", intermediate_size=int(meta(f"{arch}.feed_forward_length", 4 * hidden)),
+        mask_token_id=n_vocab, bos_token_id=None if bos is None else int(bos),
+        eos_token_id=sorted(set(eos)) if len(set(eos)) > 1 else (eos[0] if eos else None),
+        block_size=4, rule="exact", context_reading="causal", family=f"gguf:{arch}", model_type="clover")
+

@@ -215,9 +215,8 @@ class LlamaCppRunner:
         self.max_rows, self.max_block_size = max_rows, max_block_size
         self.threads = threads or torch.get_num_threads()
         self._load_model(lib, verbose)
-        n_vocab = lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(self._model))
-        if n_vocab != self.config.vocab_size:
-            raise ValueError(f"{self.path}: the tokenizer has {n_vocab} tokens but the embeddings "
+        if self.n_vocab != self.config.vocab_size:
+            raise ValueError(f"{self.path}: the tokenizer has {self.n_vocab} tokens but the embeddings "
                              f"{self.config.vocab_size} rows; llama.cpp's logits would not cover Clover's vocabulary")
         self.n_ctx = n_ctx or min(max_rows * self.config.max_position_embeddings, DEFAULT_MAX_CELLS)
         self.max_context = min(self.config.max_position_embeddings, self.n_ctx)
@@ -239,6 +238,7 @@ class LlamaCppRunner:
         self._model = lib.llama_model_load_from_file(str(self.path).encode(), params)
         if not self._model:
             raise RuntimeError(f"llama.cpp could not load {self.path}")
+        self.n_vocab = lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(self._model))
 
     def _open_context(self, n_seq_max: int, kv_type: str, flash_attn: bool, n_rs_seq: int = 0) -> None:
         """The context (`n_ctx` cells, `n_batch` a ubatch, one KV cache all sequences share; `n_rs_seq` recurrent-
@@ -271,18 +271,22 @@ class LlamaCppRunner:
     def open(cls, path: str | Path, options: RunnerOptions) -> LlamaCppRunner:
         """The GGUF file `path` with `options`' threads, rows and KV cells; it keeps the GGUF's weight types and
         runs on the CPU, so a dtype, quantisation or device is refused. A hybrid model's GGUF (llama.cpp's
-        `qwen35moe` / `qwen35`) opens `clover.runners.llamacpp_hybrid.HybridLlamaCppRunner`."""
+        `qwen35moe` / `qwen35`) opens `clover.runners.llamacpp_hybrid.HybridLlamaCppRunner`; a file without Clover's
+        metadata (llama.cpp's converter wrote it) `clover.runners.llamacpp_plain.PlainLlamaCppRunner`."""
         if options.dtype or options.quant not in ("none", "auto"):
             raise ValueError("--dtype / --quant: the llama.cpp runner keeps the GGUF's weight types (choose them "
                              "with `clover export --to gguf --quant`)")
         if options.device not in (None, "cpu"):
             raise ValueError(f"--device {options.device}: the llama.cpp runner runs on the CPU; use --runner torch")
         if cls is LlamaCppRunner and Path(path).is_file():
-            # deferred: gguf's reader and the hybrid runner's module, only when a GGUF file is opened
-            from clover.conversion.gguf import gguf_architecture
+            # deferred: gguf's reader and the causal runners' modules, only when a GGUF file is opened
+            from clover.conversion.gguf import gguf_architecture, written_by_clover
             from clover.runners.llamacpp_hybrid import HYBRID_ARCHITECTURES, HybridLlamaCppRunner
+            from clover.runners.llamacpp_plain import PlainLlamaCppRunner
 
-            if gguf_architecture(Path(path)) in HYBRID_ARCHITECTURES:
+            if not written_by_clover(Path(path)):
+                cls = PlainLlamaCppRunner
+            elif gguf_architecture(Path(path)) in HYBRID_ARCHITECTURES:
                 cls = HybridLlamaCppRunner
         return cls(path, threads=options.threads, max_rows=options.max_rows, n_ctx=options.ctx)
 
@@ -500,9 +504,10 @@ class LlamaCppRunner:
         wanted = [(r, c) for r, c, _, _, _, w in items if w]
         if not wanted:
             return {}
-        vocab = self.config.vocab_size
-        logits = np.ctypeslib.as_array(lib.llama_get_logits(self._ctx), shape=(len(wanted), vocab))
+        logits = np.ctypeslib.as_array(lib.llama_get_logits(self._ctx), shape=(len(wanted), self.n_vocab))
         out = torch.from_numpy(logits.copy())
+        if self.config.vocab_size > self.n_vocab:  # a plain GGUF's mask id, past its vocabulary (llamacpp_plain)
+            out = torch.nn.functional.pad(out, (0, self.config.vocab_size - self.n_vocab), value=float("-inf"))
         return {rc: out[i] for i, rc in enumerate(wanted)}
 
 

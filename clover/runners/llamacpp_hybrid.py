@@ -74,7 +74,7 @@ class HybridCache(LlamaCppCache):
 
     def mark(self) -> None:
         super().mark()
-        if self.runner.rollback:
+        if self.runner.in_place:
             return
         self.fed = [[] for _ in self.slots]
         for slot in self.slots:
@@ -85,12 +85,12 @@ class HybridCache(LlamaCppCache):
     @property
     def keeps_first(self) -> bool:
         """Whether `rewind` must keep each row's first token of the forward (rollback snapshots: module docstring)."""
-        return bool(self.runner.rollback)
+        return self.runner.recurrent and bool(self.runner.rollback)
 
     def rewind(self, keep: torch.Tensor) -> None:
         if self.marked is None:
             raise RuntimeError("rewind needs a mark() before the forward it undoes")
-        if self.runner.rollback:
+        if self.runner.in_place:
             self._roll_back(keep)
         else:
             self._restore_and_redecode(keep)
@@ -102,7 +102,7 @@ class HybridCache(LlamaCppCache):
         runner = self.runner
         for r, (slot, start, k) in enumerate(zip(self.slots, self.marked, keep.tolist())):
             cut = start + int(k)
-            if cut == start > 0 and cut < self.lengths[r]:
+            if self.keeps_first and cut == start > 0 and cut < self.lengths[r]:
                 raise RuntimeError(f"row {r}: rewind keeps none of the forward's tokens, but llama.cpp's rollback "
                                    "snapshots hold the recurrent state after its first token at the earliest")
             if cut < self.lengths[r]:
@@ -145,26 +145,17 @@ class HybridLlamaCppRunner(LlamaCppRunner):
 
     cache_class = HybridCache
     causal_only = True
+    recurrent = True  # Gated DeltaNet layers: a state per sequence (a plain GGUF's runner has none)
     prefix_reuse = False  # the server's prefix cache is off for it (module docstring)
     max_block_size = None  # exact mode verifies drafts of any block size; block rules are refused (causal_only)
 
     def __init__(self, path: str | Path, *, threads: int | None = None, max_rows: int | None = 8,
                  n_ctx: int | None = None, max_block_size: int | None = None, kv_type: str = "f16",
                  flash_attn: bool = False, verbose: bool = False, rollback: int = ROLLBACK) -> None:
-        import gguf  # deferred: gguf, only when a GGUF is opened
-
         lib = llama_api.load()
         self.path = Path(path)
         if not self.path.is_file():
             raise FileNotFoundError(f"GGUF file {self.path} not found (make one with `clover export --to gguf`)")
-        field = gguf.GGUFReader(str(self.path)).fields.get(CONFIG_KEY)
-        if field is None:
-            raise ValueError(f"{self.path} has no {CONFIG_KEY} metadata: the llama.cpp runner runs hybrid GGUFs "
-                             "written by `clover export --to gguf`, which carry the checkpoint's config")
-        config = CloverConfig.from_dict(json.loads(field.contents()))
-        # the decoding default: exact mode (block size 1's answers) where the checkpoint's is a block rule, which
-        # this runner cannot run; an explicit block rule is refused by the engine
-        self.config: CloverConfig = dataclasses.replace(config, rule="exact")
         self.device = torch.device("cpu")
         if kv_type not in ("f16", "f32"):
             raise ValueError(f"kv_type must be 'f16' or 'f32', got {kv_type!r}")
@@ -174,23 +165,45 @@ class HybridLlamaCppRunner(LlamaCppRunner):
         self.max_rows = max_rows
         self.threads = threads or torch.get_num_threads()
         self._load_model(lib, verbose)
+        self.config: CloverConfig = self._read_config()
         self.n_ctx = n_ctx or min(max_rows * self.config.max_position_embeddings, DEFAULT_MAX_CELLS)
         self.max_context = min(self.config.max_position_embeddings, self.n_ctx)
         self.n_batch = 512
         self.rollback = 0
-        if rollback:  # one sequence a row, rolled back in place
+        if rollback and self.recurrent:  # one sequence a row, rolled back in place
             self.ids_per_slot = 1
             self._open_context(max_rows, kv_type, flash_attn, n_rs_seq=rollback)
             self.rollback = int(lib.llama_n_rs_seq(self._ctx))
             if not self.rollback:  # this build has no partial rollback for the architecture: a backup id a row
                 lib.llama_batch_free(self._batch)
                 lib.llama_free(self._ctx)
-        if not self.rollback:
+        if not self.recurrent:  # attention only: cells are cut at any position
+            self.ids_per_slot = 1
+            self._open_context(max_rows, kv_type, flash_attn)
+        elif not self.rollback:
             self.ids_per_slot = 2
             self._open_context(max_rows * self.ids_per_slot, kv_type, flash_attn)
         self._free = list(range(max_rows))
         self._abandoned: collections.deque[list[int]] = collections.deque()
         self._finalizer = weakref.finalize(self, llama_api.free_all, lib, self._batch, self._ctx, self._model)
+
+    @property
+    def in_place(self) -> bool:
+        """Whether `rewind` cuts the sequence where it stands (rollback snapshots, or no recurrent layer)."""
+        return bool(self.rollback) or not self.recurrent
+
+    def _read_config(self) -> CloverConfig:
+        """The checkpoint's config, which `clover export` wrote into the file."""
+        import gguf  # deferred: gguf, only when a GGUF is opened
+
+        field = gguf.GGUFReader(str(self.path)).fields.get(CONFIG_KEY)
+        if field is None:
+            raise ValueError(f"{self.path} has no {CONFIG_KEY} metadata: the llama.cpp runner runs hybrid GGUFs "
+                             "written by `clover export --to gguf`, which carry the checkpoint's config")
+        config = CloverConfig.from_dict(json.loads(field.contents()))
+        # the decoding default: exact mode (block size 1's answers) where the checkpoint's is a block rule, which
+        # this runner cannot run; an explicit block rule is refused by the engine
+        return dataclasses.replace(config, rule="exact")
 
     def _read_tokenizer(self) -> Any:
         return gguf_tokenizer(self.path, self.config.mask_token_id)
@@ -215,7 +228,7 @@ class HybridLlamaCppRunner(LlamaCppRunner):
             wanted = {c for c, w in enumerate(want[r]) if w} if want is not None else set()
             rows.append((r, kept, cache.lengths[r], wanted))
         widest = max((len(kept) for _, kept, _, _ in rows), default=0)
-        if cache.marked is not None and self.rollback and widest > self.rollback:
+        if cache.marked is not None and cache.keeps_first and widest > self.rollback:
             raise ValueError(f"a forward that rewind() may undo feeds at most {self.rollback} tokens a row on this "
                              f"runner (the recurrent-state snapshots llama.cpp keeps); got {widest}")
         outputs = self._decode_causal([(r, [t for _, t in kept], start, {i for i, (c, _) in enumerate(kept)
