@@ -34,7 +34,8 @@ saved ones bit for bit.
 
 What needs the torch runner: hybrid (Gated DeltaNet) models' block rules — llama.cpp's DeltaNet is causal,
 Clover's reads a block in both directions (their causal path, block size 1 and exact mode, runs on llama.cpp:
-`clover.runners.llamacpp_hybrid`, which `open` picks for such a GGUF); gated adapters' drafts (they act only at query positions; llama.cpp applies weights to
+`clover.runners.llamacpp_hybrid`, which `open` picks for such a GGUF; a plain AR GGUF without Clover's metadata
+runs the same causal path: `clover.runners.llamacpp_plain`); gated adapters' drafts (they act only at query positions; llama.cpp applies weights to
 every token: `clover export --drop-gated-adapter` writes the causal path alone, which this runner decodes to the
 model's own answers at block size 1 and in exact mode, drafting with the base).
 """
