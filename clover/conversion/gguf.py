@@ -24,6 +24,7 @@ works (`--from llama` on the HF checkpoint).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import re
 from pathlib import Path
@@ -34,6 +35,7 @@ import torch
 
 from clover.config import CloverConfig
 from clover.conversion.common import Source, SourceTensorError
+from clover.conversion.gguf_header import GGUFHeader, read_header
 from clover.conversion.llama import llama_config
 
 _REQUIRED = object()
@@ -93,17 +95,18 @@ def find_gguf(src: Path) -> Path:
 
 
 class GGUFSource(Source):
+    """A llama GGUF's config (from its header, read fast: clover.conversion.gguf_header) and, on demand, its
+    tensors (gguf's reader, opened at the first tensor asked for)."""
+
     def __init__(self, src: Path) -> None:
-        # deferred: gguf and transformers, only when a GGUF is read
-        import gguf
-        from transformers import LlamaConfig
+        from transformers import LlamaConfig  # deferred: transformers, only when a GGUF is read
 
         self.path = find_gguf(src)
-        self.reader = gguf.GGUFReader(str(self.path))
+        self.header = read_header(self.path)
         arch = self._meta("general.architecture")
         if arch != "llama":
             raise ValueError(f"{self.path}: GGUF architecture is {arch!r}; --from gguf supports 'llama' only")
-        self._tensors = {t.name: t for t in self.reader.tensors}
+        self._names = set(self.header.tensors)
         self._used: set[str] = set()
         scaling = self._meta("llama.rope.scaling.type", "none")
         if scaling not in ("none", ""):
@@ -116,10 +119,10 @@ class GGUFSource(Source):
         if rot != head_dim:
             raise ValueError(f"{self.path}: rope.dimension_count {rot} != head_dim {head_dim}; partial RoPE in "
                              "llama GGUFs is not supported")
-        embed = self._tensors["token_embd.weight"]
+        embed = self.header.tensors["token_embd.weight"]
         self.heads, self.kv_heads = heads, int(self._meta("llama.attention.head_count_kv", heads))
         hf = LlamaConfig(
-            vocab_size=int(embed.shape[-1]),  # ggml dims are reversed: [hidden, vocab]
+            vocab_size=int(embed[-1]),  # ggml dims are reversed: [hidden, vocab]
             hidden_size=hidden,
             intermediate_size=int(self._meta("llama.feed_forward_length")),
             num_hidden_layers=int(self._meta("llama.block_count")),
@@ -129,7 +132,7 @@ class GGUFSource(Source):
             rms_norm_eps=float(self._meta("llama.attention.layer_norm_rms_epsilon")),
             max_position_embeddings=int(self._meta("llama.context_length", 2048)),
             rope_parameters={**self._rope_scaling(), "rope_theta": float(self._meta("llama.rope.freq_base", 10000.0))},
-            tie_word_embeddings="output.weight" not in self._tensors,
+            tie_word_embeddings="output.weight" not in self._names,
         )
         gguf_keys = {"bos_token_id": "bos_token_id", "eos_token_id": "eos_token_id", "pad_token_id": "padding_token_id"}
         token_ids = {ours: self._meta(f"tokenizer.ggml.{theirs}", None) for ours, theirs in gguf_keys.items()}
@@ -138,7 +141,7 @@ class GGUFSource(Source):
         self._check_rope_freqs(config)
         # A GGUF written by `clover export` carries Clover's decoding defaults (and its mask token: `tokenizer`)
         defaults = {field: self._meta(key) for key, field in CLOVER_KEYS.items()
-                    if key in self.reader.fields and field != "mask_token_id"}
+                    if key in self.header.metadata and field != "mask_token_id"}
         self.mask_token_id = self._meta("clover.mask_token_id", None)
         self.config = dataclasses.replace(config, **defaults)
 
@@ -146,9 +149,9 @@ class GGUFSource(Source):
         """The RoPE parameters besides theta: Llama 3's scaling when `clover export` wrote it, else plain. A
         `rope_freqs` tensor without it (llama.cpp's converter writes Llama 3's scaling as divisors only) is
         refused: the divisors alone do not name the scaling's fields."""
-        if ROPE_FREQS not in self._tensors:
+        if ROPE_FREQS not in self._names:
             return {"rope_type": "default"}
-        if ROPE_SCALING_KEY not in self.reader.fields:
+        if ROPE_SCALING_KEY not in self.header.metadata:
             raise ValueError(f"{self.path}: a {ROPE_FREQS} tensor (per-frequency RoPE divisors, as llama.cpp's "
                              f"converter writes Llama 3's scaling) without {ROPE_SCALING_KEY} is not supported: "
                              "convert the HF checkpoint instead (`clover convert --from llama`), whose config.json "
@@ -172,12 +175,18 @@ class GGUFSource(Source):
                              f"{config.rope_scaling} implies")
 
     def _meta(self, key: str, default: Any = _REQUIRED) -> Any:
-        field = self.reader.fields.get(key)
-        if field is None:
+        if key not in self.header.metadata:
             if default is _REQUIRED:
                 raise ValueError(f"{self.path}: GGUF metadata {key!r} missing")
             return default
-        return field.contents()
+        return self.header.metadata[key]
+
+    @functools.cached_property
+    def _tensors(self) -> dict[str, Any]:
+        """The tensors with their data, by name (gguf's reader: seconds for a large vocabulary, so only here)."""
+        import gguf  # deferred: gguf, only when a tensor is read
+
+        return {t.name: t for t in gguf.GGUFReader(str(self.path)).tensors}
 
     def tensor(self, name: str) -> torch.Tensor:
         from gguf.quants import dequantize  # deferred: gguf, only when a GGUF is read
@@ -196,7 +205,7 @@ class GGUFSource(Source):
         return weight
 
     def unused_tensors(self) -> list[str]:
-        return sorted(set(self._tensors) - self._used)
+        return sorted(self._names - self._used)
 
     def tokenizer(self) -> Any:
         if not hasattr(self, "_tokenizer"):
@@ -215,28 +224,24 @@ def gguf_tokenizer(path: Path, mask_token_id: int | None) -> Any:
     return tokenizer
 
 
-def gguf_architecture(path: Path) -> str:
-    """A GGUF file's `general.architecture` (its metadata only is read)."""
-    import gguf  # deferred: gguf, only when a GGUF is read
-
-    field = gguf.GGUFReader(str(path)).fields.get("general.architecture")
-    if field is None:
+def gguf_architecture(path: Path, header: GGUFHeader | None = None) -> str:
+    """A GGUF file's `general.architecture` (its header only is read)."""
+    arch = (header or read_header(path)).get("general.architecture")
+    if arch is None:
         raise ValueError(f"{path}: GGUF metadata 'general.architecture' missing")
-    return field.contents()
+    return arch
 
 
-def written_by_clover(path: Path) -> bool:
+def written_by_clover(header: GGUFHeader) -> bool:
     """Whether a GGUF carries Clover's metadata (`clover export` wrote it) rather than being a plain AR file."""
-    import gguf  # deferred: gguf, only when a GGUF is read
-
-    return any(key.startswith("clover.") for key in gguf.GGUFReader(str(path)).fields)
+    return any(key.startswith("clover.") for key in header.metadata)
 
 
 def open_source(src: Path, source_format: str = "gguf") -> GGUFSource:
     return GGUFSource(src)
 
 
-def plain_gguf_config(path: Path, n_vocab: int) -> CloverConfig:
+def plain_gguf_config(header: GGUFHeader, n_vocab: int) -> CloverConfig:
     """The shape of a plain autoregressive GGUF (no Clover metadata: llama.cpp's own converter wrote it, any
     architecture llama.cpp runs), read from its `{arch}.*` metadata, as a CloverConfig that the llama.cpp runner's
     causal path decodes with: rule `exact` (block size 1's answers, drafts copied from the context), and a mask
@@ -244,18 +249,14 @@ def plain_gguf_config(path: Path, n_vocab: int) -> CloverConfig:
     has none to spare, so it is `n_vocab`, one past the vocabulary: `vocab_size` is `n_vocab + 1` and the runner
     gives that id a logit of -inf and never feeds it. The layer fields describe the file for the cost table's
     fingerprint and `clover info`; llama.cpp computes the model from the file itself."""
-    import gguf  # deferred: gguf, only when a GGUF is read
-
-    reader = gguf.GGUFReader(str(path))
-    fields = reader.fields
+    path = header.path
 
     def meta(key: str, default: Any = _REQUIRED) -> Any:
-        field = fields.get(key)
-        if field is None:
+        if key not in header.metadata:
             if default is _REQUIRED:
                 raise ValueError(f"{path}: GGUF metadata {key!r} missing")
             return default
-        return field.contents()
+        return header.metadata[key]
 
     arch = meta("general.architecture")
     hidden, heads = int(meta(f"{arch}.embedding_length")), int(meta(f"{arch}.attention.head_count"))
@@ -270,7 +271,7 @@ def plain_gguf_config(path: Path, n_vocab: int) -> CloverConfig:
         max_position_embeddings=int(meta(f"{arch}.context_length", 4096)),
         rms_norm_eps=float(meta(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
         rope_theta=float(meta(f"{arch}.rope.freq_base", 10000.0)), partial_rotary_factor=1.0,
-        norm_type="plain", attn_output_gate=False, qk_norm=any(t.name == "blk.0.attn_q_norm.weight" for t in reader.tensors),
+        norm_type="plain", attn_output_gate=False, qk_norm="blk.0.attn_q_norm.weight" in header.tensors,
         mlp_type="dense", intermediate_size=int(meta(f"{arch}.feed_forward_length", 4 * hidden)),
         mask_token_id=n_vocab, bos_token_id=None if bos is None else int(bos),
         eos_token_id=sorted(set(eos)) if len(set(eos)) > 1 else (eos[0] if eos else None),

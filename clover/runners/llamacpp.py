@@ -200,7 +200,7 @@ class LlamaCppRunner:
         if source.mask_token_id is None:
             raise ValueError(f"{self.path} has no mask token (no clover.mask_token_id metadata): block decoding "
                              "needs one. Export the model with `clover export --to gguf`, which writes it")
-        self._source = source
+        self._source, self._header = source, source.header
         self.config: CloverConfig = dataclasses.replace(source.config, mask_token_id=int(source.mask_token_id))
         self.device = torch.device("cpu")
         if kv_type not in ("f16", "f32"):
@@ -282,24 +282,28 @@ class LlamaCppRunner:
         if cls is LlamaCppRunner and Path(path).is_file():
             # deferred: gguf's reader and the causal runners' modules, only when a GGUF file is opened
             from clover.conversion.gguf import gguf_architecture, written_by_clover
+            from clover.conversion.gguf_header import read_header
             from clover.runners.llamacpp_hybrid import HYBRID_ARCHITECTURES, HybridLlamaCppRunner
             from clover.runners.llamacpp_plain import PlainLlamaCppRunner
 
-            if not written_by_clover(Path(path)):
+            header = read_header(Path(path))
+            if not written_by_clover(header):
                 cls = PlainLlamaCppRunner
-            elif gguf_architecture(Path(path)) in HYBRID_ARCHITECTURES:
+            elif gguf_architecture(Path(path), header) in HYBRID_ARCHITECTURES:
                 cls = HybridLlamaCppRunner
         return cls(path, threads=options.threads, max_rows=options.max_rows, n_ctx=options.ctx)
 
     def tokenizer_cache_dir(self) -> Path:
-        """Where the GGUF's converted tokenizer is kept: named by the file's name, size and modification time."""
-        stat = self.path.stat()
-        return cache_root() / "gguf-tokenizers" / f"{self.path.stem}-{stat.st_size}-{stat.st_mtime_ns}"
+        """Where the GGUF's converted tokenizer is kept: named by a hash of the file's tokenizer metadata (and
+        Clover's mask token), so that every file of one tokenizer (another quantisation, a re-export, a copy) shares
+        one conversion."""
+        digest = self._header.metadata_digest(("tokenizer.", "clover.mask_token_id"))
+        return cache_root() / "gguf-tokenizers" / digest[:32]
 
     def tokenizer(self) -> Any:
         """The GGUF's tokenizer (with Clover's mask token and chat template), converted by `transformers`.
         Converting it takes `transformers` tens of seconds, so the result is kept in Clover's cache directory,
-        keyed by the file's name, size and modification time: published whole (written apart, then renamed into
+        keyed by a hash of the file's tokenizer metadata (`tokenizer_cache_dir`): published whole (written apart, then renamed into
         place) with a manifest of its files' hashes, and rebuilt where the manifest is missing or disagrees (a
         directory cut short, or written in place by an older Clover)."""
         from clover.tokenizer import load_tokenizer  # deferred: tokenizers, only when one is read

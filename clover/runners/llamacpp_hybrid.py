@@ -50,6 +50,7 @@ import torch
 
 from clover.config import CloverConfig
 from clover.conversion.gguf import gguf_tokenizer
+from clover.conversion.gguf_header import read_header
 from clover.conversion.gguf_hybrid import CONFIG_KEY
 from clover.runners import llama_api
 from clover.runners.llamacpp import DEFAULT_MAX_CELLS, LlamaCppCache, LlamaCppRunner
@@ -194,13 +195,11 @@ class HybridLlamaCppRunner(LlamaCppRunner):
 
     def _read_config(self) -> CloverConfig:
         """The checkpoint's config, which `clover export` wrote into the file."""
-        import gguf  # deferred: gguf, only when a GGUF is opened
-
-        field = gguf.GGUFReader(str(self.path)).fields.get(CONFIG_KEY)
-        if field is None:
+        self._header = read_header(self.path)
+        if CONFIG_KEY not in self._header.metadata:
             raise ValueError(f"{self.path} has no {CONFIG_KEY} metadata: the llama.cpp runner runs hybrid GGUFs "
                              "written by `clover export --to gguf`, which carry the checkpoint's config")
-        config = CloverConfig.from_dict(json.loads(field.contents()))
+        config = CloverConfig.from_dict(json.loads(self._header.metadata[CONFIG_KEY]))
         # the decoding default: exact mode (block size 1's answers) where the checkpoint's is a block rule, which
         # this runner cannot run; an explicit block rule is refused by the engine
         return dataclasses.replace(config, rule="exact")

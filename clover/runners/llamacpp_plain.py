@@ -19,6 +19,7 @@ from typing import Any
 
 from clover.config import CloverConfig
 from clover.conversion.gguf import gguf_tokenizer, plain_gguf_config
+from clover.conversion.gguf_header import read_header
 from clover.runners.llamacpp_hybrid import HybridLlamaCppRunner
 
 
@@ -26,12 +27,9 @@ class PlainLlamaCppRunner(HybridLlamaCppRunner):
     """A plain AR GGUF's causal path on llama.cpp (module docstring); the arguments are HybridLlamaCppRunner's."""
 
     def _read_config(self) -> CloverConfig:
-        import gguf  # deferred: gguf, only when a GGUF is opened
-
-        fields = gguf.GGUFReader(str(self.path)).fields
-        arch = fields["general.architecture"].contents() if "general.architecture" in fields else None
-        self.recurrent = f"{arch}.ssm.state_size" in fields
-        return plain_gguf_config(self.path, self.n_vocab)
+        self._header = read_header(self.path)
+        self.recurrent = f"{self._header.get('general.architecture')}.ssm.state_size" in self._header.metadata
+        return plain_gguf_config(self._header, self.n_vocab)
 
     def _read_tokenizer(self) -> Any:
         return gguf_tokenizer(self.path, None)
