@@ -22,6 +22,9 @@ def test_the_library_reads_llama_cpps_documented_defaults():
     lib = llama_api.load()
     params = lib.llama_context_default_params()
     assert (params.n_ctx, params.n_batch, params.n_ubatch, params.n_threads) == (512, 2048, 512, 4)
+    # b11549's recurrent-state snapshots (n_rs_seq) sit between n_seq_max and n_outputs_max: a layout without the
+    # field would read n_outputs_max (0) and n_outputs_max_per_seq (1) one field early
+    assert (params.n_seq_max, params.n_rs_seq, params.n_outputs_max, params.n_outputs_max_per_seq) == (1, 0, 0, 1)
     assert (params.type_k, params.type_v, params.kv_unified) == (llama_api.GGML_TYPE_F16, llama_api.GGML_TYPE_F16,
                                                                  False)
 
