@@ -65,7 +65,7 @@ def replay(records: list[dict[str, Any]], policy: str, most: int, capacity: int,
         index = ContextLookup(prompt + answer[:1])
         at, forwards = min(1, len(answer)), 1  # the prefill's last chunk decides the first token
         while at < len(answer):
-            drafts, found = copied_drafts(index, memory, most, context=policy != "memory")
+            drafts, found, _ = copied_drafts(index, memory, most, context=policy != "memory")
             source = "memory" if found is not None else "context"
             drafts = drafts[:len(answer) - at - 1]  # none past the answer's last token
             accepted = 0

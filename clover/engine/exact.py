@@ -63,7 +63,7 @@ import torch
 from clover.engine.cost import ForwardCost, cost_table
 from clover.engine.decoding import ExactRule
 from clover.engine.draft_memory import MemoryDraft, copied_drafts
-from clover.engine.drafting import Acceptance, best_batch_verified, best_drafts, best_verified
+from clover.engine.drafting import Acceptance, best_batch_verified, best_drafts, best_verified, expected_tokens
 from clover.engine.logprobs import TokenLogprob, token_logprobs
 from clover.engine.lookup import ContextLookup
 from clover.engine.loop import DecodingLoop, Event
@@ -79,6 +79,10 @@ COPIED_MOST = 15  # drafts copied (from the context or the memory) at most: 16 r
 # table measures; fewer where the match is shallower (clover.engine.lookup)
 MEMORY_PRIOR = 0.6  # acceptance assumed for memory drafts before any was verified (learned across requests)
 MEMORY_BUCKETS = (4, 8, 16)  # match lengths that start a new acceptance estimate: a deeper match, surer drafts
+CONTEXT_BUCKETS = (4, 8, 12)  # the same for drafts copied from the request's context, whose acceptance rises
+# with the match's depth: a two-token match recurs by chance, a twelve-token one is text being copied
+CONTEXT_PRIOR = (0.58, 0.78, 0.89, 0.96)  # their acceptance per bucket before any was verified (per token, as
+# benchmarks/replay_drafts.py --by-depth measured on clover-smol's answers), learned across requests from there
 STEP_MEMORY = 512  # steps after which a size's timings no longer count: a size priced high during a slow moment
 # is then no longer run, so never re-timed; once its timings age out it is priced from the sizes timed since
 
@@ -107,12 +111,14 @@ class ExactBatch:
 
 @dataclass
 class Lookup:
-    """A request's copied drafts: the n-gram index of its own context and how often its drafts are accepted, and
-    the drafting memory's draft when the current drafts came from there (None when from the context)."""
+    """A request's copied drafts: the n-gram index of its own context, how often its drafts are accepted, the
+    drafting memory's draft when the current drafts came from there (None when from the context), and the depth
+    of the match the current drafts continue."""
 
     index: ContextLookup
     acceptance: Acceptance
     memory_draft: MemoryDraft | None = None
+    depth: int = 0
 
 
 class ExactLoop(DecodingLoop):
@@ -150,9 +156,11 @@ class ExactLoop(DecodingLoop):
         self.memory_tally = [0, 0, 0]  # the same for drafts from the drafting memory
         # acceptance of memory drafts by match length (`MEMORY_BUCKETS`), learned across requests (the memory is
         # shared by them) and not capped by one request's causal confidence
-        self.memory_acceptance = [Acceptance(1, [MEMORY_PRIOR]) for _ in range(len(MEMORY_BUCKETS) + 1)]
-        for estimate in self.memory_acceptance:
-            estimate.confidence = 1.0
+        self.memory_acceptance = [_shared_estimate(MEMORY_PRIOR) for _ in range(len(MEMORY_BUCKETS) + 1)]
+        # acceptance of drafts copied from the context by match depth (`CONTEXT_BUCKETS`), likewise
+        self.context_acceptance = [_shared_estimate(p) for p in CONTEXT_PRIOR]
+        self.by_depth = True
+        self.copy_over_model = True
         self._positions = torch.arange(engine.block_size, device=engine.device)
 
     def calibrate(self) -> None:
@@ -285,6 +293,11 @@ class ExactLoop(DecodingLoop):
                         estimate = self._memory_estimate(lookup.memory_draft)
                         estimate.tick()
                         estimate.observe(verified, took)
+                elif self.by_depth:
+                    if verified:
+                        estimate = self._context_estimate(lookup.depth)
+                        estimate.tick()
+                        estimate.observe(verified, took)
                 else:
                     lookup.acceptance.observe(verified, took)
                 tally[0] += verified > 0
@@ -375,12 +388,20 @@ class ExactLoop(DecodingLoop):
         matches the context deeper (module docstring). Each row's index first reads the tokens the
         request committed since (emitted at this step's start)."""
         most = self.lookup_most
+        n_drafts = b.n_drafts.tolist()
         for r, (s, lookup) in enumerate(zip(b.seqs, b.lookups)):
             lookup.index.extend(s.generated[len(lookup.index) - len(s.prompt):])
             lookup.memory_draft = None
-            if int(b.n_drafts[r]) or s.remaining <= 1:
+            if (n_drafts[r] and not (self.copy_over_model and self.rule.adaptive)) or s.remaining <= 1:
                 continue
-            drafts, lookup.memory_draft = copied_drafts(lookup.index, s.memory, most)
+            drafts, memory_draft, depth = copied_drafts(lookup.index, s.memory, most)
+            if drafts and n_drafts[r]:  # the model drafted too: the copy replaces its drafts where it promises more
+                lookup.memory_draft, lookup.depth = memory_draft, depth
+                copied = expected_tokens(self._copied_estimate(b, r), len(drafts))
+                if copied <= expected_tokens(b.acceptance[r].optimistic(), n_drafts[r]):
+                    lookup.memory_draft = None
+                    continue
+            lookup.memory_draft, lookup.depth = memory_draft, depth
             if drafts:
                 b.drafts = _pad(b.drafts, len(drafts))
                 b.drafts[r] = -1
@@ -392,11 +413,18 @@ class ExactLoop(DecodingLoop):
         """The shared acceptance estimate of memory drafts that matched as deep as `draft` did."""
         return self.memory_acceptance[sum(draft.match >= edge for edge in MEMORY_BUCKETS)]
 
+    def _context_estimate(self, depth: int) -> Acceptance:
+        """The shared acceptance estimate of context drafts that matched as deep as `depth`."""
+        return self.context_acceptance[sum(depth >= edge for edge in CONTEXT_BUCKETS)]
+
     def _copied_estimate(self, b: ExactBatch, r: int) -> list[float]:
-        """`p_i` of row `r`'s copied drafts: the context's per-request estimate; for memory drafts, the share of
-        earlier occurrences that went on with each token, capped by how often such drafts were accepted."""
+        """`p_i` of row `r`'s copied drafts: for context drafts, how often such drafts were accepted at that match
+        depth; for memory drafts, the share of earlier occurrences that went on with each token, capped by how
+        often such drafts were accepted."""
         lookup = b.lookups[r]
         if lookup.memory_draft is None:
+            if self.by_depth:
+                return self._context_estimate(lookup.depth).optimistic() * self.lookup_most
             return lookup.acceptance.optimistic()
         ceiling = self._memory_estimate(lookup.memory_draft).optimistic()[0]
         return [min(share, ceiling) for share in lookup.memory_draft.conditional]
@@ -524,6 +552,14 @@ class ExactLoop(DecodingLoop):
             for i, r in enumerate(asked):
                 logprobs[r] = token_logprobs(raw[i], committed[r][: took[r] + 1], tops[r], e.banned_ids)
         return tokens, accepted, self._query_logits.max(dim=-1).indices, logprobs
+
+
+def _shared_estimate(prior: float) -> Acceptance:
+    """An acceptance estimate of one kind of copied drafts, shared by every request (so not capped by one
+    request's causal confidence)."""
+    estimate = Acceptance(1, [prior])
+    estimate.confidence = 1.0
+    return estimate
 
 
 def _constraint_masks(seqs: list[Request], drafts: Callable[[int], list[int]]
