@@ -236,6 +236,7 @@ def compare(loaded: dict[str, tuple[Decode, Engine | None]], sets: dict[str, lis
                 figures["same_as_" + ref] = sum(a[0] == b[0] for a, b in zip(rows[s], rows[ref]))
                 figures["first_divergence"] = [first_divergence(a[0], b[0]) for a, b in zip(rows[s], rows[ref])]
             report[name][s] = figures
+            report.setdefault("_answers", {}).setdefault(name, {})[s] = [r[0] for r in rows[s]]
         base = report[name].get("int4-b1", {}).get("tokens_per_second")
         for s in systems:
             if base:
@@ -267,6 +268,9 @@ def main() -> None:
     parser.add_argument("--candidate", type=Path, default=None,
                         help="another adapter package (package.py's output) for the candidate systems")
     parser.add_argument("--out", default=None, help="write the figures as JSON here")
+    parser.add_argument("--record", type=Path, default=None,
+                        help="write the first system's prompts and answers here, one JSON line each, as "
+                             "benchmarks/replay_drafts.py reads them")
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # as an exception: the servers are stopped
     torch.set_num_threads(args.threads)
@@ -308,6 +312,11 @@ def main() -> None:
           f"{torch.__version__}; {args.limit} prompts per set (after {args.warmup} untimed), {args.max_new_tokens} "
           "new tokens")
     report = run(systems, prompts, args.max_new_tokens, args.threads, args.recalibrate, args.candidate, warmup)
+    answers = report.pop("_answers")
+    if args.record:
+        args.record.write_text("".join(json.dumps({"set": name, "prompt": ids, "answer": answer, "stats": {}}) + "\n"
+                                       for name in prompts
+                                       for ids, answer in zip(prompts[name], answers[name][systems[0]])))
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
 
