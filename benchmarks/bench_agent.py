@@ -10,7 +10,8 @@ Each system is a server the script starts itself on a free 127.0.0.1 port, waits
 * `clover`: `clover serve` with its defaults (clover-smol, int4, exact mode, a drafting memory per API key);
 * `clover-no-memory`: the same with `--draft-memory off` (drafts from each request's own context only);
 * `clover-b1`: `clover serve --block-size 1 --rule threshold` (one token per forward, the AR baseline);
-* `clover-llamacpp`: `clover serve --runner llamacpp` (Clover's engine on llama.cpp's kernels, the q8_0 GGUF);
+* `clover-llamacpp`: `clover serve --runner llamacpp` (Clover's engine on llama.cpp's kernels) on the same GGUF
+  as the llama-server systems (`--gguf`, or clover-smol's export at `--gguf-quant`, q8_0 by default);
 * `llamacpp-server`: llama.cpp's own OpenAI server (its C++ `llama-server`, through xllamacpp:
   benchmarks/llama_server.py) on the same GGUF, with the chat template the GGUF carries (Clover's) and llama.cpp's
   tool-call parsing;
@@ -397,9 +398,17 @@ class System:
     clover: bool = False  # `clover serve`: its requests are recorded (--record-requests) and its memory read
 
 
-def _clover(*flags: str) -> Callable[[int, argparse.Namespace], list[str]]:
+def _gguf(args: argparse.Namespace) -> str:
+    """The GGUF the llama.cpp systems read: `--gguf`, else clover-smol's export at `--gguf-quant`."""
+    from clover.smol import clover_smol_gguf
+
+    return args.gguf or str(clover_smol_gguf(args.gguf_quant))
+
+
+def _clover(*flags: str, gguf: bool = False) -> Callable[[int, argparse.Namespace], list[str]]:
+    """`clover serve` with `flags`; `gguf`: on the llama.cpp systems' file (unless `--model` names another)."""
     def argv(port: int, args: argparse.Namespace) -> list[str]:
-        model = ["--model", args.model] if args.model else []
+        model = ["--model", args.model] if args.model else ["--model", _gguf(args)] if gguf else []
         return [sys.executable, "-m", "clover.cli.main", "serve", *model, "--port", str(port), "--served-model-name",
                 MODEL_ID, "--threads", str(args.threads), "--log-level", "warning", *flags]
     return argv
@@ -407,10 +416,7 @@ def _clover(*flags: str) -> Callable[[int, argparse.Namespace], list[str]]:
 
 def _llamacpp_server(spec_type: str = "none", cache_reuse: int = 0) -> Callable[[int, argparse.Namespace], list[str]]:
     def argv(port: int, args: argparse.Namespace) -> list[str]:
-        from clover.smol import clover_smol_gguf
-
-        gguf = args.gguf or str(clover_smol_gguf("q8_0"))
-        return llama_server.command(gguf, port, alias=MODEL_ID, ctx=args.ctx, threads=args.threads,
+        return llama_server.command(_gguf(args), port, alias=MODEL_ID, ctx=args.ctx, threads=args.threads,
                                     spec_type=spec_type, cache_reuse=cache_reuse)
     return argv
 
@@ -421,7 +427,8 @@ SYSTEMS = {s.name: s for s in (
            clover=True),
     System("clover-b1", "clover serve --block-size 1 --rule threshold", _clover("--block-size", "1", "--rule",
                                                                                    "threshold"), "/health", clover=True),
-    System("clover-llamacpp", "clover serve --runner llamacpp", _clover("--runner", "llamacpp"), "/health",
+    System("clover-llamacpp", "clover serve --runner llamacpp (the llama.cpp systems' GGUF)",
+           _clover("--runner", "llamacpp", gguf=True), "/health",
            llama_cpp=True, clover=True),
     # no repetition penalty, greedy as the others are (llama-server's default already; kept explicit)
     System("llamacpp-server", "llama.cpp's llama-server (same GGUF)", _llamacpp_server(), "/health",
@@ -627,7 +634,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--budget-s", type=float, default=1800.0,
                    help="total time for the tasks, shared equally by the systems (server start-up not counted)")
     p.add_argument("--model", help="clover serve --model (default: clover-smol)")
-    p.add_argument("--gguf", help="llama-server's model (default: clover-smol's q8_0 export)")
+    p.add_argument("--gguf", help="the llama.cpp systems' model (default: clover-smol's export at --gguf-quant)")
+    p.add_argument("--gguf-quant", choices=("q4_0", "q8_0"), default="q8_0",
+                   help="which export of clover-smol the llama.cpp systems read (llama-server's and clover-llamacpp's)")
     p.add_argument("--ctx", type=int, default=8192, help="llama-server's context (clover-smol's: 8192)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "bench_agent"))
     return p.parse_args(argv)

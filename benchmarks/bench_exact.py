@@ -25,6 +25,10 @@ slow minute of a shared machine hits them alike):
                   `cache_prompt` off (each prompt prefilled whole, as the other systems do), timed end to end over
                   HTTP; forwards are the tokens less the drafted tokens accepted, and `draft_acceptance` the
                   accepted share of the drafted tokens (the server's `timings`)
+  * `clover-llamacpp-q4_0`, `clover-llamacpp-q8_0`   Clover's engine on its llama.cpp runner
+                  (`clover.runners.llamacpp`, as `clover generate --runner llamacpp` opens it) over the same GGUF
+                  exports: exact mode, drafts sized by that runner's own measured cost
+  * `llamacpp-b1-q4_0`, `llamacpp-b1-q8_0`   the same runner at block size 1 (its speed and answer reference)
   * `candidate`, `candidate-b1`   `default` and `int4-b1` of another clover-smol adapter (`--candidate DIR`: a
                   directory `recipes/clover_smol/package.py` wrote), to compare a new adapter with the shipped one
 
@@ -34,7 +38,9 @@ have seen them before (what the drafting memory of `default` and any server-side
 Per set and system: tokens/s end to end (prefill included), tokens per forward, the ratio to `int4-b1`, the
 seconds to each answer's first token (its prefill) summed over the prompts, tokens/s after it, and how
 many answers are token for token the reference's (`default` and `int4-full` against `int4-b1`, `fp32-exact`
-against `fp32-b1`, llama.cpp against `int4-b1`: a different quantisation, so agreement, not identity); the JSON
+against `fp32-b1`, `clover-llamacpp-<q>` against `llamacpp-b1-<q>`, llama.cpp's own systems against `int4-b1`: a
+different quantisation, so agreement, not identity) and, per prompt, where it first parts from it
+(`first_divergence`: the index of the first differing token, None when equal); the JSON
 also keeps each prompt's tokens, seconds, prefill and forwards (`by_prompt`: where one slow moment went). With any
 llama.cpp system, `_llama_cpp_build` records the xllamacpp version and the llama.cpp release it carries.
 `--prior` prints the acceptance by draft position of `int4-full` on training prompts (what clover-smol's manifest
@@ -73,11 +79,15 @@ from clover.tokenizer import eos_token_ids, load_tokenizer  # noqa: E402
 from clover.training.bfcl import bfcl_to_chats  # noqa: E402
 
 SERVERS = {"llama-server": "none", "llama-server-ngram": "ngram-mod"}  # system -> llama-server --spec-type
-SYSTEMS = ("default", "int4-b1", "int4-full", "no-lookup", "no-memory", "llama-q4_0", "llama-q8_0", *SERVERS)
+RUNNER_QUANTS = ("q4_0", "q8_0")  # the GGUF exports the llama.cpp runner's systems read
+SYSTEMS = ("default", "int4-b1", "int4-full", "no-lookup", "no-memory", "llama-q4_0", "llama-q8_0", *SERVERS,
+           *(f"clover-llamacpp-{q}" for q in RUNNER_QUANTS), *(f"llamacpp-b1-{q}" for q in RUNNER_QUANTS))
 EXTRA = ("fp32-exact", "fp32-b1", "candidate", "candidate-b1")
 REFERENCE = {"default": "int4-b1", "int4-full": "int4-b1", "no-lookup": "int4-b1", "no-memory": "int4-b1",
              "fp32-exact": "fp32-b1", "llama-q4_0": "int4-b1", "llama-q8_0": "int4-b1", "candidate": "candidate-b1",
-             **{name: "int4-b1" for name in SERVERS}}
+             **{name: "int4-b1" for name in SERVERS},
+             **{f"clover-llamacpp-{q}": f"llamacpp-b1-{q}" for q in RUNNER_QUANTS},
+             **{f"llamacpp-b1-{q}": "int4-b1" for q in RUNNER_QUANTS}}
 
 Decode = Callable[[list[int], int], tuple[list[int], dict[str, Any]]]  # (prompt ids, max new) -> (new ids, stats)
 
@@ -129,7 +139,25 @@ def server_system(name: str, threads: int, stack: ExitStack, n_ctx: int = 4096) 
     return decode
 
 
+def runner_system(system: str, threads: int, recalibrate: bool) -> tuple[Decode, Engine]:
+    """Clover's engine on its llama.cpp runner over clover-smol's GGUF export, as `clover generate --runner
+    llamacpp` opens it (one row, the default model's own tokenizer): exact mode as configured
+    (`clover-llamacpp-<quant>`, its forward cost measured or read first) or block size 1 (`llamacpp-b1-<quant>`)."""
+    from clover.runners.base import RunnerOptions
+    from clover.runners.registry import RUNNERS
+
+    quant = system.rsplit("-", 1)[1]
+    runner = RUNNERS["llamacpp"].load().open(clover_smol_gguf(quant), RunnerOptions(threads=threads, max_rows=1))
+    tokenizer = load_tokenizer(clover_smol_dir())
+    if system.startswith("llamacpp-b1"):
+        return engine_system(runner, tokenizer, block_size=1, rule="threshold")
+    cost_table(runner, recalibrate=recalibrate)
+    return engine_system(runner, tokenizer, rule="exact")
+
+
 def load(system: str, threads: int, recalibrate: bool, candidate: Path | None = None) -> tuple[Decode, Engine | None]:
+    if "llamacpp-" in system:
+        return runner_system(system, threads, recalibrate)
     quant = "none" if system.startswith("fp32") else "int4"
     if system.startswith("candidate"):
         if candidate is None:
@@ -162,6 +190,13 @@ def run(systems: list[str], sets: dict[str, list[list[int]]], max_new: int, thre
     if any(s.startswith("llama") for s in systems):
         report["_llama_cpp_build"] = llama_server.llama_cpp_build()
     return report
+
+
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    """The index of the first token where two answers differ (one ending before the other counts), None if equal."""
+    if a == b:
+        return None
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def compare(loaded: dict[str, tuple[Decode, Engine | None]], sets: dict[str, list[list[int]]],
@@ -199,13 +234,18 @@ def compare(loaded: dict[str, tuple[Decode, Engine | None]], sets: dict[str, lis
             ref = REFERENCE.get(s)
             if ref in rows:
                 figures["same_as_" + ref] = sum(a[0] == b[0] for a, b in zip(rows[s], rows[ref]))
+                figures["first_divergence"] = [first_divergence(a[0], b[0]) for a, b in zip(rows[s], rows[ref])]
             report[name][s] = figures
+            report.setdefault("_answers", {}).setdefault(name, {})[s] = [r[0] for r in rows[s]]
         base = report[name].get("int4-b1", {}).get("tokens_per_second")
         for s in systems:
             if base:
                 report[name][s]["vs_int4_b1"] = report[name][s]["tokens_per_second"] / base
             f = report[name][s]
             same = next((f"{v}/{len(prompts)} same as {k[8:]}" for k, v in f.items() if k.startswith("same_as")), "")
+            parted = [d for d in f.get("first_divergence", []) if d is not None]
+            if parted:
+                same += f" (parting at token {min(parted)} at the earliest)"
             print(f"{name:18} {s:18} {f['tokens_per_second']:7.1f} tok/s  x{f.get('vs_int4_b1', 0):.2f}  "
                   f"TPF {f['tokens_per_forward']:.2f}  prefill {f['prefill_s']:5.2f} s  decoding "
                   f"{f['decode_tokens_per_second']:6.1f} tok/s  {same}", flush=True)
@@ -228,6 +268,9 @@ def main() -> None:
     parser.add_argument("--candidate", type=Path, default=None,
                         help="another adapter package (package.py's output) for the candidate systems")
     parser.add_argument("--out", default=None, help="write the figures as JSON here")
+    parser.add_argument("--record", type=Path, default=None,
+                        help="write the first system's prompts and answers here, one JSON line each, as "
+                             "benchmarks/replay_drafts.py reads them")
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # as an exception: the servers are stopped
     torch.set_num_threads(args.threads)
@@ -269,6 +312,11 @@ def main() -> None:
           f"{torch.__version__}; {args.limit} prompts per set (after {args.warmup} untimed), {args.max_new_tokens} "
           "new tokens")
     report = run(systems, prompts, args.max_new_tokens, args.threads, args.recalibrate, args.candidate, warmup)
+    answers = report.pop("_answers")
+    if args.record:
+        args.record.write_text("".join(json.dumps({"set": name, "prompt": ids, "answer": answer, "stats": {}}) + "\n"
+                                       for name in prompts
+                                       for ids, answer in zip(prompts[name], answers[name][systems[0]])))
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
 

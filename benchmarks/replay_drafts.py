@@ -18,6 +18,9 @@ choices, so a draft is accepted exactly when it equals them). Drafts come from
 
 each at most `--most` tokens, and no more than the match is deep.
 
+The context's drafts are also tallied by the depth of the match they continue (`context_by_depth`, the buckets of
+exact mode's `CONTEXT_BUCKETS`): what exact mode's `CONTEXT_PRIOR` starts from.
+
 Each policy verifies every draft it has (the upper bound of what the cost model would verify): the predicted
 tokens per forward and the acceptance (drafts accepted / drafts compared, a rejected one included) by source,
 over the requests after the first `--skip` (bench_agent's warm-up request), beside what the log's own figures
@@ -38,7 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from clover.engine.draft_memory import DEFAULT_CAPACITY, DraftMemory, copied_drafts  # noqa: E402
-from clover.engine.exact import COPIED_MOST  # noqa: E402
+from clover.engine.exact import CONTEXT_BUCKETS, COPIED_MOST  # noqa: E402
 from clover.engine.lookup import ContextLookup  # noqa: E402
 
 POLICIES = ("context", "memory", "both")
@@ -58,6 +61,7 @@ def replay(records: list[dict[str, Any]], policy: str, most: int, capacity: int,
     and forwards (the first `skip` requests count in the memory, not in the figures)."""
     memory = DraftMemory(capacity) if policy != "context" else None
     tally = {"context": [0, 0], "memory": [0, 0]}  # [accepted, compared]
+    by_depth = [[0, 0] for _ in range(len(CONTEXT_BUCKETS) + 1)]  # context drafts by match depth
     per_request = []
     for n, record in enumerate(records):
         prompt, answer = record["prompt"], record["answer"]
@@ -65,15 +69,17 @@ def replay(records: list[dict[str, Any]], policy: str, most: int, capacity: int,
         index = ContextLookup(prompt + answer[:1])
         at, forwards = min(1, len(answer)), 1  # the prefill's last chunk decides the first token
         while at < len(answer):
-            drafts, found = copied_drafts(index, memory, most, context=policy != "memory")
+            drafts, found, depth = copied_drafts(index, memory, most, context=policy != "memory")
             source = "memory" if found is not None else "context"
             drafts = drafts[:len(answer) - at - 1]  # none past the answer's last token
             accepted = 0
             while accepted < len(drafts) and drafts[accepted] == answer[at + accepted]:
                 accepted += 1
             if drafts and counted:
-                tally[source][0] += accepted
-                tally[source][1] += min(accepted + 1, len(drafts))
+                for counts in (tally[source], by_depth[sum(depth >= edge for edge in CONTEXT_BUCKETS)]
+                               if found is None else [0, 0]):
+                    counts[0] += accepted
+                    counts[1] += min(accepted + 1, len(drafts))
             index.extend(answer[at:at + accepted + 1])
             at += accepted + 1
             forwards += 1
@@ -85,6 +91,8 @@ def replay(records: list[dict[str, Any]], policy: str, most: int, capacity: int,
     return {"tokens": tokens, "forwards": forwards, "tokens_per_forward": tokens / forwards if forwards else None,
             "acceptance": {s: (a / c if c else None) for s, (a, c) in tally.items()},
             "drafts": {s: {"accepted": a, "compared": c} for s, (a, c) in tally.items()},
+            "context_by_depth": {f">={edge}": {"acceptance": a / c if c else None, "compared": c}
+                                 for edge, (a, c) in zip((0, *CONTEXT_BUCKETS), by_depth)},
             "memory_tokens": len(memory) if memory is not None else 0}
 
 
@@ -123,7 +131,13 @@ def main(argv: list[str] | None = None) -> int:
         r = report[name]
         acceptance = ", ".join(f"{s} {a:.2f} ({r['drafts'][s]['accepted']}/{r['drafts'][s]['compared']})"
                                for s, a in r["acceptance"].items() if a is not None)
+        if r["tokens_per_forward"] is None:  # a record without the engine's figures (bench_exact.py --record)
+            continue
         print(f"{name:9} tokens per forward {r['tokens_per_forward']:.2f}  acceptance: {acceptance or 'no drafts'}")
+        depths = ", ".join(f"{edge} {d['acceptance']:.2f} ({d['compared']})"
+                           for edge, d in r.get("context_by_depth", {}).items() if d["acceptance"] is not None)
+        if depths:
+            print(f"{'':9} context drafts by match depth: {depths}")
     if args.out:
         args.out.write_text(json.dumps(report, indent=1) + "\n")
     return 0

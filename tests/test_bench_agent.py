@@ -177,3 +177,20 @@ def test_the_llamacpp_server_systems_differ_in_speculation_and_cache_reuse_only(
         "llamacpp-server-reuse": ("none", bench.CACHE_REUSE)}
     assert {(a.gguf, a.ctx, a.threads, a.alias) for a in parsed.values()} == {("/m.gguf", 4096, 2, bench.MODEL_ID)}
     assert all(bench.SYSTEMS[name].llama_cpp for name in parsed) and not bench.SYSTEMS["clover"].llama_cpp
+
+
+def test_clover_on_the_llamacpp_runner_serves_the_llama_server_systems_file():
+    """`clover-llamacpp` runs `clover serve --runner llamacpp --model` on the very GGUF llama-server reads, so the
+    two are compared on one file (q4_0 or q8_0); `--model` still overrides it."""
+    import argparse
+
+    args = argparse.Namespace(gguf="/m-q4_0.gguf", gguf_quant="q4_0", model=None, ctx=4096, threads=2)
+    argv = bench.SYSTEMS["clover-llamacpp"].argv(9000, args)
+    assert argv[argv.index("--model") + 1] == "/m-q4_0.gguf" and argv[argv.index("--runner") + 1] == "llamacpp"
+    server = bench.llama_server.parse_args(bench.SYSTEMS["llamacpp-server-ngram"].argv(9000, args)[2:])
+    assert server.gguf == "/m-q4_0.gguf"
+    assert "--model" not in bench.SYSTEMS["clover"].argv(9000, args)  # the torch systems: clover-smol itself
+    args.model = "/other.gguf"
+    argv = bench.SYSTEMS["clover-llamacpp"].argv(9000, args)
+    assert argv[argv.index("--model") + 1] == "/other.gguf"
+    assert bench.parse_args(["--gguf-quant", "q4_0"]).gguf_quant == "q4_0"

@@ -27,3 +27,20 @@ def test_a_servers_drafts_give_its_tokens_per_forward_and_acceptance():
 def test_the_llama_server_systems_are_compared_with_block_size_one():
     assert set(bench.SERVERS) <= set(bench.SYSTEMS)
     assert all(bench.REFERENCE[name] == "int4-b1" for name in bench.SERVERS)
+
+
+def test_the_runners_exact_mode_is_compared_with_its_own_block_size_one_and_where_it_parts():
+    """clover-llamacpp-<q> is held to llamacpp-b1-<q> (same file, same runner): identical answers counted, and each
+    prompt's first differing token recorded (None where equal; an answer cut short parts where it ends)."""
+    assert all(bench.REFERENCE[f"clover-llamacpp-{q}"] == f"llamacpp-b1-{q}" for q in bench.RUNNER_QUANTS)
+    prompts = {"code": [[1], [2], [3]]}
+    answers = {"clover-llamacpp-q4_0": {1: [5, 6, 7], 2: [5, 9, 7], 3: [5, 6]},
+               "llamacpp-b1-q4_0": {1: [5, 6, 7], 2: [5, 6, 7], 3: [5, 6, 7]}}
+
+    def system(name: str) -> object:
+        return lambda ids, max_new: (answers[name].get(ids[0], []), {"forward_passes": 1, "time_to_first_token_s": 0.0})
+
+    loaded = {name: (system(name), None) for name in answers}
+    figures = bench.compare(loaded, prompts, max_new=3)["code"]["clover-llamacpp-q4_0"]
+    assert figures["same_as_llamacpp-b1-q4_0"] == 1
+    assert figures["first_divergence"] == [None, 1, 2]

@@ -36,6 +36,9 @@ def test_context_drafts_are_cut_at_a_mismatch_and_at_the_answer_end():
     # the prefill decides 7; "0 7" occurred nowhere: 8 alone; "7 8" drafts 9 10 (0 would pass the answer's end):
     # 9 accepted, 10 rejected, so 9 and 11; then 12
     assert r["forwards"] == 4 and r["drafts"]["context"] == {"accepted": 1, "compared": 2}
+    # that draft continued a two-token match: it counts in the shallowest depth bucket only
+    assert r["context_by_depth"][">=0"] == {"acceptance": 0.5, "compared": 2}
+    assert all(d["compared"] == 0 for edge, d in r["context_by_depth"].items() if edge != ">=0")
 
 
 def test_measured_figures_are_read_from_the_log(tmp_path):

@@ -173,12 +173,13 @@ class DraftMemory:
 
 
 def copied_drafts(index: ContextLookup, memory: DraftMemory | None, most: int,
-                  context: bool = True) -> tuple[list[int], MemoryDraft | None]:
-    """The drafts exact mode copies for a row without model drafts: the continuation the context offers
-    (`index.match`), or the memory's where it matches the context deeper; with the memory's draft when it won.
-    `context=False` leaves the context out (an offline comparison, benchmarks/replay_drafts.py)."""
+                  context: bool = True) -> tuple[list[int], MemoryDraft | None, int]:
+    """The drafts exact mode copies for a row: the continuation the context offers (`index.match`), or the
+    memory's where it matches the context deeper; with the memory's draft when it won, and the depth of the match
+    they continue (0 with no drafts). `context=False` leaves the context out (an offline comparison,
+    benchmarks/replay_drafts.py)."""
     drafts, match = index.match(most) if context else ([], 0)
     found = memory.drafts(index.tokens, most) if memory is not None else None
     if found is not None and found.match > match:
-        return found.tokens, found
-    return drafts, None
+        return found.tokens, found, found.match
+    return drafts, None, match

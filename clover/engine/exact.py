@@ -21,12 +21,15 @@ is the same text whatever was drafted, whatever the batch.
 After a rejection the query block's drafts were made after a wrong token: the next forward would verify nothing.
 With `lookup` (the default) it verifies drafts copied from the request's own context instead
 (clover.engine.lookup: the tokens that followed the latest earlier occurrence of the context's last n-gram), when
-the context has one; they have their own acceptance estimate. With `memory` (the default too) it may take them from
-the answers the engine gave before instead (clover.engine.draft_memory: the continuations earlier answers share
-with the context's longest matching suffix, scored by how often they followed it), whichever source matches the
-deeper match; copied drafts may be longer than a block (up to `COPIED_MOST`, as long as the match is deep), and
-the memory's acceptance is estimated across requests, by match depth. Any draft is verified the same way, so where drafts
-come from changes only the cost. `k` and `m`
+the context has one. With `memory` (the default too) it may take them from the answers the engine gave before
+instead (clover.engine.draft_memory: the continuations earlier answers share with the context's longest matching
+suffix, scored by how often they followed it), whichever source matches the deeper match; copied drafts may be
+longer than a block (up to `COPIED_MOST`, as long as the match is deep). Their acceptance is estimated across
+requests, per source and match depth: a copy that continues a twelve-token match is accepted nearly always, one
+after a two-token match about half the time (`CONTEXT_PRIOR`). Where the model did draft (its last forward
+accepted every draft) a copy still replaces its drafts when it promises more tokens (a long match being copied
+goes on being copied, not three tokens at a time). Any draft is verified the same way, so where drafts come from
+changes only the cost. `k` and `m`
 change nothing in the output, only in the cost: `clover.engine.drafting` picks them per step and row from the
 runner's measured cost (`clover.engine.cost`) and the request's acceptance so far (`adaptive`, the default), or
 always the whole block (`adaptive=False`: `m = B - 1`, every draft verified). `m = 0` is a one-row forward with
@@ -63,7 +66,7 @@ import torch
 from clover.engine.cost import ForwardCost, cost_table
 from clover.engine.decoding import ExactRule
 from clover.engine.draft_memory import MemoryDraft, copied_drafts
-from clover.engine.drafting import Acceptance, best_batch_verified, best_drafts, best_verified
+from clover.engine.drafting import Acceptance, best_batch_verified, best_drafts, best_verified, expected_tokens
 from clover.engine.logprobs import TokenLogprob, token_logprobs
 from clover.engine.lookup import ContextLookup
 from clover.engine.loop import DecodingLoop, Event
@@ -79,6 +82,11 @@ COPIED_MOST = 15  # drafts copied (from the context or the memory) at most: 16 r
 # table measures; fewer where the match is shallower (clover.engine.lookup)
 MEMORY_PRIOR = 0.6  # acceptance assumed for memory drafts before any was verified (learned across requests)
 MEMORY_BUCKETS = (4, 8, 16)  # match lengths that start a new acceptance estimate: a deeper match, surer drafts
+CONTEXT_BUCKETS = (4, 8, 12)  # the same for drafts copied from the request's context, whose acceptance rises
+# with the match's depth: a two-token match recurs by chance, a twelve-token one is text being copied
+CONTEXT_PRIOR = (0.58, 0.78, 0.89, 0.98)  # their acceptance per bucket before any was verified, learned across
+# requests from there (per token: benchmarks/replay_drafts.py over clover-smol's answers to the held-out sets,
+# benchmarks/results/replay_heldout_int4.json)
 STEP_MEMORY = 512  # steps after which a size's timings no longer count: a size priced high during a slow moment
 # is then no longer run, so never re-timed; once its timings age out it is priced from the sizes timed since
 
@@ -87,8 +95,7 @@ STEP_MEMORY = 512  # steps after which a size's timings no longer count: a size 
 class ExactBatch:
     """Exact mode's running batch. Between steps, per row: the tokens the last forward decided (the causal
     path's tokens; emitted at the next step; all but the last already in the cache), the drafts for the next
-    forward and the request's acceptance estimate; with `lookup`, its context index and the acceptance of drafts
-    copied from it."""
+    forward and the request's acceptance estimate; with `lookup`, its context index and where its drafts came from."""
 
     seqs: list[Request]
     cache: RunnerCache
@@ -107,12 +114,12 @@ class ExactBatch:
 
 @dataclass
 class Lookup:
-    """A request's copied drafts: the n-gram index of its own context and how often its drafts are accepted, and
-    the drafting memory's draft when the current drafts came from there (None when from the context)."""
+    """A request's copied drafts: the n-gram index of its own context, the drafting memory's draft when the
+    current drafts came from there (None when from the context), and the depth of the match they continue."""
 
     index: ContextLookup
-    acceptance: Acceptance
     memory_draft: MemoryDraft | None = None
+    depth: int = 0
 
 
 class ExactLoop(DecodingLoop):
@@ -150,9 +157,9 @@ class ExactLoop(DecodingLoop):
         self.memory_tally = [0, 0, 0]  # the same for drafts from the drafting memory
         # acceptance of memory drafts by match length (`MEMORY_BUCKETS`), learned across requests (the memory is
         # shared by them) and not capped by one request's causal confidence
-        self.memory_acceptance = [Acceptance(1, [MEMORY_PRIOR]) for _ in range(len(MEMORY_BUCKETS) + 1)]
-        for estimate in self.memory_acceptance:
-            estimate.confidence = 1.0
+        self.memory_acceptance = [_shared_estimate(MEMORY_PRIOR) for _ in range(len(MEMORY_BUCKETS) + 1)]
+        # acceptance of drafts copied from the context by match depth (`CONTEXT_BUCKETS`), likewise
+        self.context_acceptance = [_shared_estimate(p) for p in CONTEXT_PRIOR]
         self._positions = torch.arange(engine.block_size, device=engine.device)
 
     def calibrate(self) -> None:
@@ -220,8 +227,7 @@ class ExactLoop(DecodingLoop):
         tokens, accepted, query, logprobs = self._forward(ids, start, none, cache, sampler, acceptance, int(m.max()),
                                                           masks, [len(s.generated) for s in seqs], **kwargs)
         ones = accepted + 1
-        lookups = [Lookup(ContextLookup(s.prompt), Acceptance(self.lookup_most)) if self.rule.lookup else None
-                   for s in seqs]
+        lookups = [Lookup(ContextLookup(s.prompt)) if self.rule.lookup else None for s in seqs]
         b = ExactBatch(seqs, cache, sampler, tokens, ones, ones.clone(), query, ones * query.shape[1], acceptance,
                        lookups, none.bool(), logprobs)
         self._after_commit(b, constrained, accepted, [0] * n)
@@ -268,9 +274,6 @@ class ExactLoop(DecodingLoop):
         for r, (acc, verified, took) in enumerate(zip(b.acceptance, k.tolist(), accepted.tolist())):
             lookup = b.lookups[r]
             acc.tick()
-            if lookup is not None:
-                lookup.acceptance.tick()
-                lookup.acceptance.confidence = acc.confidence
             reached = min(took + 1, verified)  # drafts compared: accepted up to `took`, then one rejected
             if verified:
                 source = "model" if not bool(b.looked_up[r]) else "memory" if lookup.memory_draft else "context"
@@ -285,8 +288,10 @@ class ExactLoop(DecodingLoop):
                         estimate = self._memory_estimate(lookup.memory_draft)
                         estimate.tick()
                         estimate.observe(verified, took)
-                else:
-                    lookup.acceptance.observe(verified, took)
+                elif verified:
+                    estimate = self._context_estimate(lookup.depth)
+                    estimate.tick()
+                    estimate.observe(verified, took)
                 tally[0] += verified > 0
                 tally[1] += took
                 tally[2] += reached
@@ -372,15 +377,24 @@ class ExactLoop(DecodingLoop):
 
     def _look_up(self, b: ExactBatch) -> None:
         """Rows left without drafts take the continuation their context offers, or the drafting memory's when it
-        matches the context deeper (module docstring). Each row's index first reads the tokens the
-        request committed since (emitted at this step's start)."""
+        matches the context deeper; with the adaptive policy, rows the model drafted for take it too where it
+        promises more tokens (module docstring). Each row's index first reads the tokens the request committed
+        since (emitted at this step's start)."""
         most = self.lookup_most
+        n_drafts = b.n_drafts.tolist()
         for r, (s, lookup) in enumerate(zip(b.seqs, b.lookups)):
             lookup.index.extend(s.generated[len(lookup.index) - len(s.prompt):])
             lookup.memory_draft = None
-            if int(b.n_drafts[r]) or s.remaining <= 1:
+            if (n_drafts[r] and not self.rule.adaptive) or s.remaining <= 1:
                 continue
-            drafts, lookup.memory_draft = copied_drafts(lookup.index, s.memory, most)
+            drafts, memory_draft, depth = copied_drafts(lookup.index, s.memory, most)
+            if drafts and n_drafts[r]:  # the model drafted too: the copy replaces its drafts where it promises more
+                lookup.memory_draft, lookup.depth = memory_draft, depth
+                copied = expected_tokens(self._copied_estimate(b, r), len(drafts))
+                if copied <= expected_tokens(b.acceptance[r].optimistic(), n_drafts[r]):
+                    lookup.memory_draft = None
+                    continue
+            lookup.memory_draft, lookup.depth = memory_draft, depth
             if drafts:
                 b.drafts = _pad(b.drafts, len(drafts))
                 b.drafts[r] = -1
@@ -392,12 +406,17 @@ class ExactLoop(DecodingLoop):
         """The shared acceptance estimate of memory drafts that matched as deep as `draft` did."""
         return self.memory_acceptance[sum(draft.match >= edge for edge in MEMORY_BUCKETS)]
 
+    def _context_estimate(self, depth: int) -> Acceptance:
+        """The shared acceptance estimate of context drafts that matched as deep as `depth`."""
+        return self.context_acceptance[sum(depth >= edge for edge in CONTEXT_BUCKETS)]
+
     def _copied_estimate(self, b: ExactBatch, r: int) -> list[float]:
-        """`p_i` of row `r`'s copied drafts: the context's per-request estimate; for memory drafts, the share of
-        earlier occurrences that went on with each token, capped by how often such drafts were accepted."""
+        """`p_i` of row `r`'s copied drafts: for context drafts, how often such drafts were accepted at that match
+        depth; for memory drafts, the share of earlier occurrences that went on with each token, capped by how
+        often such drafts were accepted."""
         lookup = b.lookups[r]
         if lookup.memory_draft is None:
-            return lookup.acceptance.optimistic()
+            return self._context_estimate(lookup.depth).optimistic() * self.lookup_most
         ceiling = self._memory_estimate(lookup.memory_draft).optimistic()[0]
         return [min(share, ceiling) for share in lookup.memory_draft.conditional]
 
@@ -524,6 +543,14 @@ class ExactLoop(DecodingLoop):
             for i, r in enumerate(asked):
                 logprobs[r] = token_logprobs(raw[i], committed[r][: took[r] + 1], tops[r], e.banned_ids)
         return tokens, accepted, self._query_logits.max(dim=-1).indices, logprobs
+
+
+def _shared_estimate(prior: float) -> Acceptance:
+    """An acceptance estimate of one kind of copied drafts, shared by every request (so not capped by one
+    request's causal confidence)."""
+    estimate = Acceptance(1, [prior])
+    estimate.confidence = 1.0
+    return estimate
 
 
 def _constraint_masks(seqs: list[Request], drafts: Callable[[int], list[int]]

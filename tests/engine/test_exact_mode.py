@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,7 +16,8 @@ from clover.engine import Engine, SamplingParams, StreamPiece, generate, stream
 from clover.engine.cost import ForwardCost
 from clover.engine.decoding import ExactRule
 from clover.engine.drafting import Acceptance, best_batch_verified, best_drafts, best_verified
-from clover.engine.exact import STEP_MEMORY, ExactBatch, ExactLoop
+from clover.engine.exact import STEP_MEMORY, ExactBatch, ExactLoop, Lookup
+from clover.engine.lookup import ContextLookup
 from clover.model import quantize
 from clover.ops import woq
 from clover.serving.prefix_cache import PrefixCache
@@ -372,6 +374,36 @@ def test_drafts_copied_from_the_context_fill_the_forwards_after_a_rejection(mode
     assert off == {"forwards": 0, "accepted": 0, "verified": 0}
     assert on["forwards"] > 0 and 0 < on["accepted"] <= on["verified"]
     assert all(a <= b for a, b in zip(forwards_on, forwards_off)) and sum(forwards_on) < sum(forwards_off)
+
+
+def test_copied_drafts_are_judged_by_match_depth_and_replace_weaker_model_drafts(models):
+    """A copy continuing a deep match is priced as nearly sure, one after a two-token match as a coin flip; where
+    the model drafted too, the copy takes the row only when it promises more tokens than the model's drafts."""
+    engine = Engine(models["clover-tiny-dense"], 4, rule="exact", cost=ForwardCost.flat(), eos_token_ids=[])
+    loop = engine.loop
+    span = list(range(100, 116))
+    deep = [7] + span + [8] + span[:13]  # the last 13 tokens occurred before: the 3 after them are the copy
+    shallow = [1, 2, 3, 9, 9, 1, 2]  # a two-token match
+    rows = [(deep, 0.1), (shallow, 0.99), (deep, 0.99)]  # (context, the model's own acceptance)
+    seqs, acceptance = [], []
+    for context, p in rows:
+        seqs.append(SimpleNamespace(prompt=context, generated=[], remaining=64, memory=None))
+        acc = Acceptance(3, prior=[p] * 3, strength=1000)
+        acc.confidence = 1.0
+        acceptance.append(acc)
+    model_drafts = torch.tensor([[50, 51, 52]] * 3)
+    b = SimpleNamespace(seqs=seqs, lookups=[Lookup(ContextLookup(c)) for c, _ in rows], acceptance=acceptance,
+                        drafts=model_drafts.clone(), n_drafts=torch.full((3,), 3), looked_up=torch.zeros(3, dtype=bool))
+    loop._look_up(b)
+    assert b.lookups[0].depth == 13 and b.lookups[1].depth == 2
+    deep_p, shallow_p = (loop._copied_estimate(b, r)[0] for r in (0, 1))
+    assert deep_p > 0.95 and shallow_p < deep_p - 0.1
+    # row 0: the model's drafts are poor, the deep copy replaces them (what followed the match, as deep as it is)
+    copy = (span[13:] + [8] + span)[:13]
+    assert bool(b.looked_up[0]) and int(b.n_drafts[0]) == 13 and b.drafts[0, :13].tolist() == copy
+    # row 1: a shallow copy does not displace sure model drafts; row 2: a deep one does (13 sure tokens, not 3)
+    assert not bool(b.looked_up[1]) and int(b.n_drafts[1]) == 3 and b.drafts[1, :3].tolist() == [50, 51, 52]
+    assert bool(b.looked_up[2]) and b.drafts[2, :13].tolist() == copy
 
 
 def test_acceptance_estimates_learn_from_verified_drafts():
