@@ -15,7 +15,8 @@ requests join their batch, what a step commits, what a cancellation drops.
 
 `Scheduler` (`scheduler.py`) calls these from its thread, in that order, once per iteration; the capacity bound
 (`max_running` + `max_waiting`) is checked there, where requests arrive. A failure of one request (its prefill, or
-its batch's step) fails that request or batch only.
+its batch's step) fails that request or batch only; a group prefill that fails is retried one request at a time,
+so only the request that fails alone fails.
 """
 
 from __future__ import annotations
@@ -133,13 +134,19 @@ class SchedulePolicy:
         for _ in group:
             self.waiting.popleft()
         try:
-            batch = self.engines[first.key].prefill_together([job.seq for job in group])
-        except Exception as exc:  # noqa: BLE001 - these requests' failure, not the server's
-            logger.exception("prefill failed")
-            for job in group:
-                self.fail(job, exc)
-            return True
-        self.ready.append((group, batch))
+            self.ready.append((group, self.engines[first.key].prefill_together([job.seq for job in group])))
+        except Exception as exc:  # noqa: BLE001 - one request's failure (which one: each alone says), not the server's
+            if len(group) == 1:
+                logger.exception("prefill failed")
+                self.fail(first, exc)
+                return True
+            logger.warning("a grouped prefill of %d prompts failed (%s); each is prefilled alone", len(group), exc)
+            for job in group:  # only the request that fails alone fails: another client's bad request is not theirs
+                try:
+                    self.ready.append(([job], self.engines[job.key].prefill_together([job.seq])))
+                except Exception as alone:  # noqa: BLE001 - this request's failure
+                    logger.exception("prefill failed")
+                    self.fail(job, alone)
         return True
 
     def prefill_once(self) -> None:
