@@ -18,7 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from clover.serving.draft_memories import CLIENT_KEY
+from clover.serving.request_context import CLIENT_KEY, REQUEST_ID, internal_error
 from clover.serving.protocol import APIError
 
 if TYPE_CHECKING:
@@ -53,6 +53,7 @@ class RequestGuard:
         path = scope["path"]
         route = path if path in ROUTES else next((r for prefix, r in PATH_ROUTES if path.startswith(prefix)), "other")
         request_id = f"req_{uuid.uuid4().hex}"
+        REQUEST_ID.set(request_id)
         status: dict[str, int | None] = {"code": None, "left": None}
 
         async def send_counted(message: dict[str, Any]) -> None:
@@ -72,9 +73,7 @@ class RequestGuard:
         except Exception:  # noqa: BLE001 - a bug: answered as a 500, the connection kept
             logger.exception("request %s: %s %s failed", request_id, scope.get("method"), path)
             if status["code"] is None:
-                await send_error(send_counted, APIError(
-                    500, f"internal server error (request id {request_id})", type="server_error",
-                    code="internal_error"))
+                await send_error(send_counted, internal_error())
             # else the response had started: it stays incomplete, and the ASGI server closes the connection
         finally:
             # no response started: the client closed the request (499, nginx's code), or sending the 500 failed
@@ -142,7 +141,7 @@ def validation_error(exc: RequestValidationError) -> APIError:
     where = ".".join(loc) or "body"
     more = f" (and {len(errors) - 1} more errors)" if len(errors) > 1 else ""
     code = ("missing_required_parameter" if kind == "missing"
-            else kind if kind in ("invalid_unicode", "nesting_too_deep", "unsupported_parameter")  # our own checks
+            else kind if kind in ("invalid_unicode", "nesting_too_deep", "schema_too_large", "unsupported_parameter")
             else "invalid_type" if kind.endswith(("_type", "_parsing")) else "invalid_value")
     return APIError(400, f"{where}: {first.get('msg')}{more}", param=where if loc else None, code=code)
 

@@ -18,7 +18,7 @@ from clover.engine import StopAwareDetokenizer
 from clover.serving.handles import Output, RequestHandle, merge
 from clover.assistant_output import OutputDelta, OutputParser
 from clover.tool_formats import HERMES, CallDelta, ToolFormat
-from clover.serving.protocol import APIError
+from clover.serving.request_context import REQUEST_ID, internal_error
 
 if TYPE_CHECKING:
     from clover.engine.logprobs import TokenLogprob
@@ -243,8 +243,8 @@ async def chat_stream(handle: RequestHandle, choices: list[ChatChoice], rid: str
                        "choices": [], "usage": usage(prompt_tokens, sum(c.tokens for c in choices),
                                                      max(handle.cached_tokens))})
     except Exception as exc:  # noqa: BLE001 - the stream has started: report in-band
-        logger.exception("generation failed")
-        yield sse(APIError(500, f"generation failed: {exc}", type="server_error", code="internal_error").body())
+        logger.exception("request %s: generation failed", REQUEST_ID.get())
+        yield sse(internal_error().body())
     finally:
         handle.cancel()  # no-op when finished; frees the slots when the client went away
     yield "data: [DONE]\n\n"
@@ -287,8 +287,8 @@ async def completion_stream(handles: list[RequestHandle], choices: list[ChoiceTe
                        "choices": [], "usage": usage(prompt_tokens, sum(c.tokens for c in choices),
                                                      sum(max(h.cached_tokens) for h in handles))})
     except Exception as exc:  # noqa: BLE001
-        logger.exception("generation failed")
-        yield sse(APIError(500, f"generation failed: {exc}", type="server_error", code="internal_error").body())
+        logger.exception("request %s: generation failed", REQUEST_ID.get())
+        yield sse(internal_error().body())
     finally:
         for h in handles:
             h.cancel()

@@ -26,6 +26,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from clover.serving.grammar_route import route
 from clover.serving.handles import Output
 from clover.serving.protocol import APIError
+from clover.serving.request_context import REQUEST_ID, internal_error
 from clover.serving.responses_format import EventStream, OutputItems, usage
 from clover.serving.responses_protocol import ResponsesRequest, ResponsesToolChoice, input_messages, to_chat
 
@@ -137,8 +138,8 @@ class ResponseAnswer:
                 yield stream.event(event)
             yield stream.event({"type": f"response.{body['status']}", "response": body})
         except Exception as exc:  # noqa: BLE001 - the stream has started: report in-band
-            logger.exception("generation failed")
-            message = f"generation failed: {exc}"
+            logger.exception("request %s: generation failed", REQUEST_ID.get())
+            message = internal_error().message
             yield stream.event({"type": "error", "code": "server_error", "message": message, "param": None})
             yield stream.event({"type": "response.failed", "response": self.body(
                 "failed", error={"code": "server_error", "message": message})})

@@ -41,6 +41,7 @@ from clover.serving.openai_format import (ChatChoice, ChoiceText, chat_body, cha
 from clover.serving.prefix_cache import PrefixCache
 from clover.serving.protocol import APIError, ChatCompletionRequest, CompletionRequest, SamplingFields
 from clover.serving.draft_memories import DraftMemories
+from clover.serving.request_context import CLIENT_KEY, REQUEST_ID, internal_error
 from clover.serving.request_log import RequestLog
 from clover.serving.response_store import ResponseStore
 from clover.serving.scheduler import QueueFull, Scheduler
@@ -424,8 +425,8 @@ class ServedModel:
                 h.cancel()
         exc = work.exception()
         if exc is not None:
-            logger.error("generation failed: %s", exc)
-            raise APIError(500, f"generation failed: {exc}", type="server_error", code="internal_error")
+            logger.error("request %s: generation failed", REQUEST_ID.get(), exc_info=exc)
+            raise internal_error()
 
 
 def load(directory: str | Path) -> tuple[torch.nn.Module, Any, dict[str, Any]]:
