@@ -38,6 +38,12 @@ class DraftMemories:
                 memory = self._by_key[key] = DraftMemory(self.capacity)
             return memory
 
+    def tokens_of(self, key: int | None) -> int:
+        """Tokens held by the memory the requests of API key `key` draft from (0: `off`)."""
+        with self._lock:
+            memory = self._by_key.get(key if self.mode == "per-key" else None) if self.mode != "off" else None
+        return len(memory) if memory is not None else 0
+
     def tokens(self) -> int:
         """Tokens held, over every memory."""
         with self._lock:

@@ -82,17 +82,19 @@ class RequestGuard:
 
     async def _guarded(self, scope: dict[str, Any], receive: Callable, send: Callable, path: str) -> None:
         keys = self.server.options.api_keys
-        if keys and path != "/health":
+        if keys:
             headers = dict(scope.get("headers") or [])
             scheme, _, token = headers.get(b"authorization", b"").strip().partition(b" ")
             # the scheme name is case-insensitive (RFC 7235 §2.1); the token is compared in constant time with
-            # every key (which one matched is the request's identity: its drafting memory, draft_memories.py)
+            # every key (which one matched is the request's identity: its prefix cache, drafting memory, stored
+            # responses and figures: request_context.CLIENT_KEY)
             matched = [hmac.compare_digest(token.strip(), key.encode()) for key in keys]
-            if scheme.lower() != b"bearer" or not any(matched):
+            if scheme.lower() == b"bearer" and any(matched):
+                CLIENT_KEY.set(matched.index(True))
+            elif path != "/health":  # /health answers without a key (its load figures only with one)
                 await send_error(send, APIError(401, "invalid or missing API key (Authorization: Bearer <key>)",
                                                  type="invalid_request_error", code="invalid_api_key"))
                 return
-            CLIENT_KEY.set(matched.index(True))
         limit = self.server.options.max_body_bytes
         body, more = b"", True
         while more:

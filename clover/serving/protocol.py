@@ -70,7 +70,7 @@ MAX_NESTING = 64  # JSON values (tool schemas, call arguments): deeper ones woul
 # Bounds of the per-request options a client sets (a 400 naming the field beyond them): what one request may make
 # the server hold or compute, so that no client's values reach a limit of the engine (an int64, a cache) that
 # would fail other clients' requests with its own.
-MAX_COUNT = 2**31 - 1  # token counts and top_k (a top_k above the vocabulary keeps every token)
+MAX_COUNT = 2**31 - 1  # top_k and token budgets (a top_k above the vocabulary keeps every token)
 MAX_STOP_CHARS = 1024  # a stop string (the detokenizer holds back this much text)
 MAX_BREAKER_CHARS = 256  # a DRY sequence breaker (the engine reads its first 40, as llama.cpp does)
 MAX_SCHEMA_CHARS = 64 * 1024  # a response format's JSON schema, as compact JSON (a grammar is compiled from it)
@@ -110,7 +110,7 @@ def _well_formed(value: Any) -> Any:
 WellFormed = BeforeValidator(_well_formed)
 Text = Annotated[StrictStr, WellFormed]
 UnitFloat = Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)]
-PositiveInt = Annotated[StrictInt, Field(ge=1, le=MAX_COUNT)]
+PositiveInt = Annotated[StrictInt, Field(ge=1)]  # max_tokens: bounded by the context where it is checked (400)
 Count = Annotated[StrictInt, Field(ge=0, le=MAX_COUNT)]
 ToolName = Annotated[StrictStr, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$"), WellFormed]
 StopText = Annotated[StrictStr, Field(max_length=MAX_STOP_CHARS)]

@@ -26,7 +26,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from clover.serving.grammar_route import route
 from clover.serving.handles import Output
 from clover.serving.protocol import APIError
-from clover.serving.request_context import REQUEST_ID, internal_error
+from clover.serving.request_context import CLIENT_KEY, REQUEST_ID, internal_error
 from clover.serving.responses_format import EventStream, OutputItems, usage
 from clover.serving.responses_protocol import ResponsesRequest, ResponsesToolChoice, input_messages, to_chat
 
@@ -61,7 +61,7 @@ async def create_response(server: ServedModel, req: ResponsesRequest, request: R
     server.check_model(req.model)
     previous: list[dict[str, Any]] = []
     if req.previous_response_id is not None:
-        stored = server.stored.get(req.previous_response_id)
+        stored = server.stored.get(req.previous_response_id, CLIENT_KEY.get())
         if stored is None:
             raise not_stored(req.previous_response_id, 400, "previous_response_id", "previous_response_not_found")
         previous = stored[1]
@@ -99,7 +99,8 @@ class ResponseAnswer:
         reasoning = len(self.server.tokenizer.encode(self.choice.reasoning)) if self.choice.reasoning else 0
         body = self.body(status, usage(self.run.prompt_tokens, self.choice.tokens,
                                        max(self.run.handle.cached_tokens), reasoning))
-        if self.store and not self.server.stored.put(self.id, body, self.conversation + [self.choice.message()]):
+        if self.store and not self.server.stored.put(self.id, body, self.conversation + [self.choice.message()],
+                                                     CLIENT_KEY.get()):
             body = {**body, "store": False}  # larger than the whole store: not kept
         return events, body
 
@@ -149,7 +150,7 @@ class ResponseAnswer:
 
 def stored_response(server: ServedModel, response_id: str) -> dict[str, Any]:
     """`GET /v1/responses/{id}`: a stored response's body."""
-    stored = server.stored.get(response_id)
+    stored = server.stored.get(response_id, CLIENT_KEY.get())
     if stored is None:
         raise not_stored(response_id, 404, None, "response_not_found")
     return stored[0]
@@ -157,6 +158,6 @@ def stored_response(server: ServedModel, response_id: str) -> dict[str, Any]:
 
 def delete_response(server: ServedModel, response_id: str) -> dict[str, Any]:
     """`DELETE /v1/responses/{id}`: the response forgotten."""
-    if not server.stored.delete(response_id):
+    if not server.stored.delete(response_id, CLIENT_KEY.get()):
         raise not_stored(response_id, 404, None, "response_not_found")
     return {"id": response_id, "object": "response", "deleted": True}

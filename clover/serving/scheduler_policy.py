@@ -25,7 +25,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Hashable, Sequence
 
 from clover.engine import Engine
 from clover.engine.decision import DecisionRun
@@ -56,6 +56,7 @@ class Job:
     prefill: Prefill | None = None
     states: dict[int, Any] = field(default_factory=dict)  # prefix-cache snapshots taken so far (and inherited)
     snapshots: SnapshotBudget | None = None  # those it took, held against the prefix cache's budget
+    scope: Hashable = None  # whose prefix-cache entries it reuses and adds to (its API key's index)
     rows = 1  # cache rows (and sequences) it holds
 
 
@@ -162,7 +163,7 @@ class SchedulePolicy:
             if job.prefill is None:
                 # a prompt read on a block grid is padded to whole blocks: no prefix of another prompt lines up
                 caches = self.prefix_cache is not None and engine.prompt_grid == 1
-                reuse = self.prefix_cache.lookup(job.seq.prompt) if caches else None
+                reuse = self.prefix_cache.lookup(job.seq.prompt, job.scope) if caches else None
                 if reuse is not None:
                     job.handle.cached_tokens[job.choice] = reuse.length
                     job.states = dict(reuse.states)
@@ -184,7 +185,7 @@ class SchedulePolicy:
         if caches:
             before = self.prefix_cache.stats.evictions
             self._release_snapshots(job)  # stored with the entry (counted there) from now on
-            self.prefix_cache.insert(job.seq.prompt, job.prefill.cache, job.states)
+            self.prefix_cache.insert(job.seq.prompt, job.prefill.cache, job.states, job.scope)
             self.metrics.prefix_cache_evictions.inc(self.prefix_cache.stats.evictions - before)
         job.prefill, job.states = None, {}
         self.ready.append(([job], batch))
@@ -307,5 +308,5 @@ class SchedulePolicy:
             self.request_log.write(job.seq, stats)
         self.metrics.record_finished(len(job.seq.prompt), job.handle.cached_tokens[job.choice], stats,
                                      latency=(job.seq.end_time or time.perf_counter()) - job.arrival,
-                                     ttft=None if job.seq.first_output_time is None
+                                     scope=job.scope, ttft=None if job.seq.first_output_time is None
                                      else job.seq.first_output_time - job.arrival)

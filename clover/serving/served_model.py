@@ -172,13 +172,14 @@ class ServedModel:
             float(generation_defaults.get("temperature") or 0.0)
         self.top_p = options.top_p if options.top_p is not None else float(generation_defaults.get("top_p") or 1.0)
         eos = eos_token_ids(config, tokenizer)
-        self.metrics = ServerMetrics()
         prefix_cache = None
         # a runner without prefix reuse (a hybrid model on llama.cpp: no recurrent state mid-sequence) serves without
         if options.prefix_cache_bytes > 0 and getattr(self.runner, "prefix_reuse", True):
             prefix_cache = PrefixCache(options.prefill_chunk, options.prefix_cache_bytes,
                                        recurrent=config.has_linear_attention,
                                        snapshot_interval=options.prefix_snapshot_interval)
+        self.memories = DraftMemories(options.draft_memory, options.draft_memory_tokens)
+        self.metrics = ServerMetrics(self.memories.tokens_of, prefix_cache.entries_of if prefix_cache else None)
         # the default engine (its block size, threshold and rule checked) is made when the scheduler starts, on
         # its thread
         self.scheduler = Scheduler(
@@ -188,8 +189,6 @@ class ServedModel:
             max_waiting=options.max_waiting, metrics=self.metrics,
             request_log=RequestLog(options.record_requests) if options.record_requests else None)
         self.stored = ResponseStore(options.responses_store_bytes)  # the Responses API's (responses.py)
-        self.memories = DraftMemories(options.draft_memory, options.draft_memory_tokens)
-        self.metrics.draft_memory_tokens.set_function(self.memories.tokens)
         self.created = int(time.time())
 
     # -- request -> engine ---------------------------------------------------------------------------------
@@ -249,12 +248,24 @@ class ServedModel:
         with self.tokenizer.lock:
             return request_grammar(req, self.tokenizer.tokenizer, self.tokenizer.tool_format)
 
+    async def resolve_breakers(self, sampling: list[SamplingParams], block_size: int | None, rule: str | None) -> None:
+        """DRY's sequence breakers resolved against the vocabulary now, in a worker thread (a pass over the
+        vocabulary per breaker), so that the scheduler thread finds them in its engine's cache."""
+        wanted = {p.dry_sequence_breakers for p in sampling if p.uses_dry and p.dry_sequence_breakers}
+        if wanted:
+            _, engine = await self.scheduler.engine(block_size, rule)
+            if engine.breakers is not None:
+                for breakers in wanted:
+                    await run_in_threadpool(engine.breakers, breakers)
+
     async def submit(self, prompt: list[int], max_new: int, sampling: list[SamplingParams],
                      req: SamplingFields, rule: str | None = None) -> RequestHandle:
         try:
+            await self.resolve_breakers(sampling, req.block_size, rule or req.rule)
             return await self.scheduler.submit(prompt, max_new, sampling, block_size=req.block_size,
                                                threshold=req.threshold, rule=rule or req.rule,
-                                               ignore_eos=req.ignore_eos, memory=self.memories.for_request())
+                                               ignore_eos=req.ignore_eos, memory=self.memories.for_request(),
+                                               scope=CLIENT_KEY.get())
         except QueueFull as exc:
             raise APIError(429, f"{exc}; retry later", type="rate_limit_error", code="server_busy") from exc
         except ValueError as exc:

@@ -225,10 +225,10 @@ def test_a_prefix_lookup_error_fails_one_request_not_the_loop(models):
     store = PrefixCache(8, 1 << 30, recurrent=True)
     lookup = store.lookup
 
-    def picky_lookup(tokens):  # (only prompts longer than a chunk are looked up: PROMPTS[2] is)
+    def picky_lookup(tokens, scope=None):  # (only prompts longer than a chunk are looked up: PROMPTS[2] is)
         if tokens == PROMPTS[2]:
             raise ValueError("bad prompt")
-        return lookup(tokens)
+        return lookup(tokens, scope)
 
     store.lookup = picky_lookup
     sched = _scheduler(model, prefix_cache=store)

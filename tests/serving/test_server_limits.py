@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 
 import httpx
 import pytest
@@ -145,3 +146,22 @@ def test_a_generation_failure_is_a_500_naming_only_the_request_id(server, monkey
     finally:
         monkeypatch.setattr(Engine, "step", step)
     assert _post(server, "/v1/chat/completions", {"model": NAME, "messages": USER, "max_tokens": 4}).status_code == 200
+
+
+def test_dry_breakers_are_resolved_off_the_scheduler_thread(server, monkeypatch):
+    """Resolving breaker strings against the vocabulary takes a pass over it per breaker: it runs in a worker
+    thread before the request is queued, so the scheduler (every stream's steps) never waits for it."""
+    from clover.engine import repetition
+
+    threads: list[str] = []
+    resolve = repetition.breakers_from_texts
+
+    def recorded(texts, breakers, device="cpu"):
+        threads.append(threading.current_thread().name)
+        return resolve(texts, breakers, device)
+
+    monkeypatch.setattr(repetition, "breakers_from_texts", recorded)
+    r = _post(server, "/v1/chat/completions", {"model": NAME, "messages": USER, "max_tokens": 8, "dry_multiplier": 1.0,
+                                               "dry_sequence_breakers": ["\n", "unique-to-this-test"]})
+    assert r.status_code == 200, r.text
+    assert threads and "clover-scheduler" not in threads, threads
