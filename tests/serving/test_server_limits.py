@@ -165,3 +165,20 @@ def test_dry_breakers_are_resolved_off_the_scheduler_thread(server, monkeypatch)
                                                "dry_sequence_breakers": ["\n", "unique-to-this-test"]})
     assert r.status_code == 200, r.text
     assert threads and "clover-scheduler" not in threads, threads
+
+
+def test_the_request_log_is_owner_only_and_follows_no_link(tmp_path):
+    """--record-requests holds users' prompts: an existing file is made owner-only (not left 0644), and a
+    symlink at the path is refused (it could point anywhere the server may write)."""
+    from clover.serving.request_log import RequestLog
+
+    path = tmp_path / "requests.jsonl"
+    path.write_text("")
+    path.chmod(0o644)
+    RequestLog(path)
+    assert path.stat().st_mode & 0o777 == 0o600
+    target, link = tmp_path / "elsewhere", tmp_path / "link.jsonl"
+    target.write_text("")
+    link.symlink_to(target)
+    with pytest.raises(OSError):
+        RequestLog(link)
