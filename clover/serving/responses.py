@@ -90,7 +90,8 @@ class ResponseAnswer:
         self.store = req.store and server.stored.capacity > 0
 
     def push(self, out: Output) -> list[dict[str, Any]]:
-        return self.items.push(self.choice.push_output(out), [c["id"] for c in self.choice.calls])
+        delta = self.choice.push_output(out)
+        return self.items.push(delta, [c["id"] for c in self.choice.calls], self.choice.cut_calls)
 
     def finish(self) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         """(the events closing the output, the final body), the response stored when asked."""

@@ -12,6 +12,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import re
 import threading
 import time
 import uuid
@@ -103,6 +104,17 @@ class ServerOptions:
                              f"got {self.tool_call_parser!r}")
 
 
+def _byte_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, inverted: the printable character a byte-level BPE writes for each byte
+    (printable Latin-1 bytes as themselves, the others shifted to 256 and up) -> the byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    shifted = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(256 + n): b for n, b in enumerate(shifted)}}
+
+
+_UNICODE_BYTE = _byte_alphabet()
+
+
 class LockedTokenizer:
     """The tokenizer behind one lock: a fast tokenizer may refuse concurrent use from several threads (its
     Rust object is borrowed mutably when encoding), and the scheduler thread decodes for stop strings. It renders
@@ -127,6 +139,27 @@ class LockedTokenizer:
         """Each token's own text (special tokens spelled out): how logprobs name tokens."""
         with self.lock:
             return self.tokenizer.batch_decode([[i] for i in ids])
+
+    def token_bytes(self, ids: list[int]) -> list[bytes]:
+        """Each token's own bytes (logprobs' `bytes`): a byte-level token that holds part of a character decodes
+        to U+FFFD, so its bytes are read from its vocabulary entry (GPT-2's byte alphabet, or a `<0xNN>` byte
+        token), not from its text."""
+        texts = self.token_texts(ids)
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is None:
+            return [t.encode("utf-8") for t in texts]
+        with self.lock:
+            pieces = [backend.id_to_token(i) for i in ids]
+        byte_level = type(backend.decoder).__name__ == "ByteLevel"
+        out = []
+        for text, piece in zip(texts, pieces):
+            if byte_level and piece is not None and all(c in _UNICODE_BYTE for c in piece):
+                out.append(bytes(_UNICODE_BYTE[c] for c in piece))
+            elif piece is not None and re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", piece):
+                out.append(bytes([int(piece[3:5], 16)]))
+            else:
+                out.append(text.encode("utf-8"))
+        return out
 
     def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                     thinking: bool | None, template_kwargs: dict[str, Any]) -> str:
@@ -306,10 +339,12 @@ class ServedModel:
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return StreamingResponse(chat_stream(handle, choices, rid, created, self.options.served_model_name,
-                                                 run.prompt_tokens, include_usage, self.tokenizer.token_texts),
+                                                 run.prompt_tokens, include_usage, self.tokenizer.token_texts,
+                                                 self.tokenizer.token_bytes),
                                      media_type="text/event-stream")
         await self.collect(request, handle, lambda _, out: choices[out.choice].push_output(out))
-        logprobs = ([chat_logprobs(c.logprobs, self.tokenizer.token_texts) for c in choices] if req.logprobs
+        logprobs = ([chat_logprobs(c.logprobs, self.tokenizer.token_texts, self.tokenizer.token_bytes)
+                     for c in choices] if req.logprobs
                     else None)
         return JSONResponse(chat_body(rid, created, self.options.served_model_name, choices,
                                       usage(run.prompt_tokens, sum(c.tokens for c in choices),
