@@ -129,8 +129,8 @@ async def send_error(send: Callable, error: APIError) -> None:
 def validation_error(exc: RequestValidationError) -> APIError:
     """The first of pydantic's errors as a 400 naming the field, with an OpenAI-style code: `invalid_json`,
     `missing_required_parameter`, `invalid_type` (a string where a number belongs, ...), `invalid_unicode`
-    (lone surrogates), `nesting_too_deep` (JSON values), `unsupported_parameter` (what the Responses API asks and
-    this server cannot do), else `invalid_value` (out of range, unknown role, ...)."""
+    (lone surrogates), `nesting_too_deep` (JSON values), `schema_too_large` (a response format's schema),
+    `unsupported_parameter` (what this server cannot do), else `invalid_value` (out of range, unknown role, ...)."""
     errors = exc.errors()
     if not errors:
         return APIError(400, "invalid request", code="invalid_request")
