@@ -150,23 +150,35 @@ class OutputParser:
             self.calls = self.fmt.calls(self.schemas, self.next_index)
         return self.calls
 
-    def _close_calls(self, out: OutputDelta, opening: str = "", closing: str = "") -> None:
+    @property
+    def in_call(self) -> bool:
+        """Whether the text so far ends inside a call block opened by its tag (`tagged`) or an answer read as a
+        whole-answer call."""
+        return self.mode in (_WHOLE, _CALL)
+
+    @property
+    def tagged(self) -> bool:
+        return self.mode == _CALL
+
+    def _close_calls(self, out: OutputDelta, opening: str = "", closing: str = "", cut: bool = False) -> None:
         """End the open call block (or answer): its last deltas, or its text as content (within its tags, as
-        written) when it was no call."""
+        written) when it was no call; `cut`: the text ended inside it, and a block that is no call yet is
+        dropped (a cut call is never content)."""
         deltas, text = self._calls().close()
         self.next_index = self._calls().next_index
         self.calls, self.mode = None, _CONTENT
         out.tool_calls += deltas
-        if text is not None:
+        if text is not None and not cut:
             self._emit(opening + text + closing, out)
 
-    def finish(self) -> OutputDelta:
-        """The end of the text: an open call block (or answer) ends; held partial tags are text."""
+    def finish(self, cut: bool = False) -> OutputDelta:
+        """The end of the text: an open call block (or answer) ends (`cut`: the length limit cut it, see
+        `_close_calls`); held partial tags are text."""
         out = OutputDelta()
         rest, self.buf = self.buf, ""
         if self.mode in (_WHOLE, _CALL):
             out.tool_calls += self._calls().feed(rest)
-            self._close_calls(out, CALL if self.mode == _CALL else "")
+            self._close_calls(out, CALL if self.mode == _CALL else "", cut=cut)
             return out
         self._emit(rest, out)
         return out

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -30,13 +29,8 @@ def atomic_path(path: str | Path, *, durable: bool = False) -> Iterator[Path]:
     deleted. For writers that open the file themselves (a GGUF writer, a stream of lines)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, name = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
-    os.close(fd)
-    tmp = Path(name)
+    tmp = _new_file(path.parent, f".{path.name}.tmp-")
     try:
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes the file private; the result should be like any new file
         yield tmp
         if durable:
             _fsync_file(tmp)
@@ -84,6 +78,19 @@ def atomic_directory(directory: str | Path, *, durable: bool = False) -> Iterato
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _new_file(directory: Path, prefix: str) -> Path:
+    """A new empty file in `directory` named `prefix` + a random token, with the mode of any new file (0666 less
+    the umask, which the kernel applies: reading the umask would mean setting it, for the whole process), never
+    through a link (`O_EXCL`: an existing name, a dangling symlink included, is another try)."""
+    while True:
+        tmp = directory / f"{prefix}{uuid.uuid4().hex[:8]}"
+        try:
+            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+            return tmp
+        except FileExistsError:
+            continue
 
 
 def _fsync_file(path: Path) -> None:

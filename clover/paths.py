@@ -10,5 +10,5 @@ from pathlib import Path
 
 
 def cache_root() -> Path:
-    """`$CLOVER_CACHE`, default `~/.cache/clover`."""
-    return Path(os.environ.get("CLOVER_CACHE", Path.home() / ".cache" / "clover")).expanduser()
+    """`$CLOVER_CACHE`, default `~/.cache/clover` (an empty value is unset: not the current directory)."""
+    return Path(os.environ.get("CLOVER_CACHE") or Path.home() / ".cache" / "clover").expanduser()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 from pathlib import Path
 
@@ -71,3 +72,29 @@ def test_a_published_file_has_ordinary_permissions(tmp_path: Path) -> None:
     reference = tmp_path / "plain"
     reference.write_text("x")
     assert path.stat().st_mode == reference.stat().st_mode  # not mkstemp's private 0600
+
+
+def test_the_temporary_gets_ordinary_permissions_without_touching_the_process_umask(tmp_path: Path,
+                                                                                    monkeypatch) -> None:
+    """`os.umask` sets the mask of the whole process: a file another thread created while it was 0 would be
+    world-writable. The temporary is created with the ordinary mode instead, the umask applied by the kernel."""
+    def forbidden(mask: int) -> int:
+        raise AssertionError("atomic_files changed the process umask")
+
+    monkeypatch.setattr(os, "umask", forbidden)
+    path = tmp_path / "out.json"
+    atomic_write_text(path, "{}")
+    reference = tmp_path / "plain"
+    reference.write_text("x")
+    assert path.read_text() == "{}" and path.stat().st_mode == reference.stat().st_mode
+
+
+def test_an_empty_clover_cache_means_the_default(monkeypatch) -> None:
+    """`CLOVER_CACHE=""` (a variable set but empty, as shells and CI templates leave it) is unset, not the current
+    directory."""
+    from clover.paths import cache_root
+
+    monkeypatch.setenv("CLOVER_CACHE", "")
+    assert cache_root() == Path.home() / ".cache" / "clover"
+    monkeypatch.setenv("CLOVER_CACHE", "/tmp/elsewhere")
+    assert cache_root() == Path("/tmp/elsewhere")

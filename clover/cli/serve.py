@@ -72,7 +72,7 @@ def add_parser(subparsers: Any) -> None:
                         "flags after `--` go to vLLM (--tensor-parallel-size, --pipeline-parallel-size, "
                         "--data-parallel-size, --enable-expert-parallel, ...): docs/scale.md")
     p.add_argument("engine_args", nargs="*", help=argparse.SUPPRESS)  # after `--`: vLLM's own flags
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, defaults=lambda: vars(p.parse_args([])))  # what an option is when not given
 
 
 def served_model_names(given: list[str] | None, model_arg: str | None, source: Path) -> list[str]:
@@ -130,12 +130,18 @@ def read_chat_template(arg: str | None) -> str | None:
     return path.read_text(encoding="utf-8")
 
 
+def given_options(args: argparse.Namespace) -> frozenset[str]:
+    """The options (argparse dests) of a parsed `clover serve` command line set to other than their defaults."""
+    defaults = args.defaults()
+    return frozenset(k for k, v in defaults.items() if k not in ("func", "defaults") and getattr(args, k) != v)
+
+
 def run(args: argparse.Namespace) -> int:
     if args.engine == "vllm":
         from clover.serving.vllm.launch import exec_vllm  # deferred: the launcher, for --engine vllm only
 
         source = resolve_model_dir(args.model, "none")  # vLLM takes the unquantised checkpoint
-        exec_vllm(source, served_model_names(args.served_model_name, args.model, source), args)
+        exec_vllm(source, served_model_names(args.served_model_name, args.model, source), args, given_options(args))
     if args.engine_args:
         raise ValueError(f"flags after `--` ({' '.join(args.engine_args)}) are vLLM's: add --engine vllm")
     # deferred for start-up time: torch, the engine and the server load only when the command runs

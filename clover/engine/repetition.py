@@ -32,6 +32,8 @@ generated tokens count the copies: the lags with `M[D] >= span`.
 from __future__ import annotations
 
 import math
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -40,6 +42,7 @@ import torch
 DEFAULT_BREAKERS = ("\n", ":", "\"", "*")  # llama.cpp's and text-generation-webui's defaults
 MAX_BREAKER_CHARS = 40  # llama.cpp truncates a breaker to 40 characters and its tail to 20 tokens
 MAX_TAIL_TOKENS = 20
+BREAKER_CACHE_ENTRIES = 64  # distinct breaker lists an engine keeps resolved (BreakerCache)
 FLOAT_MAX_LOG = 88.7228391  # log of float32's largest value: base ** exponent is clamped below it
 
 
@@ -256,25 +259,43 @@ class RepeatGuard:
 
 class BreakerCache:
     """Breaker strings -> `Breakers` for one vocabulary of `vocab_size` ids (texts for the first `vocab_limit`),
-    the token texts read once, on first use: from `token_texts` (all at once: fast) or by detokenizing each id."""
+    the token texts read once, on first use: from `token_texts` (all at once: fast) or by detokenizing each id.
+
+    Keyed by values a client chooses, so bounded: the `capacity` most recently used (each ~`vocab_size` bytes plus
+    its tails), least recently used evicted first. Thread-safe: a server resolves a request's breakers in a worker
+    thread before queueing it (a resolution is a pass over the vocabulary per breaker: seconds for 32 long ones),
+    and the scheduler thread then finds them here."""
 
     def __init__(self, vocab_size: int, vocab_limit: int, detokenize: Callable[[list[int]], str] | None = None,
-                 token_texts: Callable[[], Sequence[str]] | None = None) -> None:
-        self.vocab_size, self.vocab_limit = vocab_size, vocab_limit
+                 token_texts: Callable[[], Sequence[str]] | None = None, capacity: int = BREAKER_CACHE_ENTRIES) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        self.vocab_size, self.vocab_limit, self.capacity = vocab_size, vocab_limit, capacity
         self.detokenize, self.token_texts = detokenize, token_texts
         self._texts: list[str] | None = None
-        self._resolved: dict[tuple[str, ...], Breakers] = {}
+        self._resolved: OrderedDict[tuple[str, ...], Breakers] = OrderedDict()  # least recently used first
+        self._lock = threading.Lock()
 
     def texts(self) -> list[str]:
-        if self._texts is None:
-            if self.token_texts is not None:
-                texts = list(self.token_texts())[: self.vocab_limit]
-            else:
-                texts = [self.detokenize([i]) for i in range(self.vocab_limit)]
-            self._texts = texts + [""] * (self.vocab_size - len(texts))
-        return self._texts
+        with self._lock:
+            if self._texts is None:
+                if self.token_texts is not None:
+                    texts = list(self.token_texts())[: self.vocab_limit]
+                else:
+                    texts = [self.detokenize([i]) for i in range(self.vocab_limit)]
+                self._texts = texts + [""] * (self.vocab_size - len(texts))
+            return self._texts
 
     def __call__(self, breakers: tuple[str, ...]) -> Breakers:
-        if breakers not in self._resolved:
-            self._resolved[breakers] = breakers_from_texts(self.texts(), breakers)
-        return self._resolved[breakers]
+        with self._lock:
+            hit = self._resolved.get(breakers)
+            if hit is not None:
+                self._resolved.move_to_end(breakers)
+                return hit
+        resolved = breakers_from_texts(self.texts(), breakers)  # outside the lock: a hit never waits for it
+        with self._lock:
+            self._resolved[breakers] = resolved
+            self._resolved.move_to_end(breakers)
+            while len(self._resolved) > self.capacity:
+                self._resolved.popitem(last=False)
+        return resolved

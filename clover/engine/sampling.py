@@ -139,7 +139,8 @@ class BatchSampler:
         n = len(self.params)
         self.temperature = torch.tensor([p.temperature for p in self.params], device=device)
         self.top_p = torch.tensor([p.top_p for p in self.params], device=device)
-        self.top_k = torch.tensor([p.top_k for p in self.params], dtype=torch.long, device=device)
+        # a top_k beyond the vocabulary keeps every token: the same filter as vocab_size, and it fits an int64
+        self.top_k = torch.tensor([min(p.top_k, vocab_size) for p in self.params], dtype=torch.long, device=device)
         self.penalty = torch.tensor([p.repetition_penalty for p in self.params], device=device)
         self.banned_ids = torch.as_tensor(list(banned), dtype=torch.long, device=device)
         # tokens seen so far per row (prompt + generated), for the repetition penalty; only kept when used

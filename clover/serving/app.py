@@ -30,6 +30,7 @@ from starlette.concurrency import run_in_threadpool
 from clover.runners.base import ModelRunner
 from clover.serving.middleware import add_error_handling
 from clover.serving.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse
+from clover.serving.request_context import CLIENT_KEY
 from clover.serving.responses import create_response, delete_response, stored_response
 from clover.serving.responses_protocol import ResponsesRequest
 from clover.serving.served_model import ServedModel, ServerOptions, load
@@ -102,13 +103,17 @@ def create_app(model: torch.nn.Module | ModelRunner | str | Path, tokenizer: Any
 
     @app.get("/health")
     async def health() -> JSONResponse:
+        """Needs no key; the load (sequences per stage, every key's) only to a client with one, where keys are set."""
         if not server.scheduler.alive:
             return JSONResponse({"status": "unavailable"}, status_code=503)
+        if server.options.api_keys and CLIENT_KEY.get() is None:
+            return JSONResponse({"status": "ok"})
         return JSONResponse({"status": "ok", **server.scheduler.load})
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(server.metrics.render(), media_type=server.metrics.content_type)
+        """The server's figures and the calling key's own (`ServerMetrics`)."""
+        return Response(server.metrics.render(CLIENT_KEY.get()), media_type=server.metrics.content_type)
 
     add_error_handling(app, server)
     return app

@@ -6,17 +6,16 @@ each API key has its own memory (`per-key`; without keys every request shares on
 (the most drafts, for a server whose clients trust each other), and `off` drafts from the request's own context
 only. Each memory holds at most `capacity` tokens, so the server keeps at most `capacity` tokens per key.
 
-The key a request came with is the middleware's to know: it sets `CLIENT_KEY` (the index of the key in the
-server's list) in the request's context, where the route that submits the request reads it.
+The key a request came with is the middleware's to know: it sets `CLIENT_KEY` (clover.serving.request_context)
+in the request's context, where the route that submits the request reads it.
 """
 
 from __future__ import annotations
 
 import threading
-from contextvars import ContextVar
-from clover.engine.draft_memory import DraftMemory
 
-CLIENT_KEY: ContextVar[int | None] = ContextVar("clover_client_key", default=None)  # None: no keys configured
+from clover.engine.draft_memory import DraftMemory
+from clover.serving.request_context import CLIENT_KEY
 
 
 class DraftMemories:
@@ -38,6 +37,12 @@ class DraftMemories:
             if memory is None:
                 memory = self._by_key[key] = DraftMemory(self.capacity)
             return memory
+
+    def tokens_of(self, key: int | None) -> int:
+        """Tokens held by the memory the requests of API key `key` draft from (0: `off`)."""
+        with self._lock:
+            memory = self._by_key.get(key if self.mode == "per-key" else None) if self.mode != "off" else None
+        return len(memory) if memory is not None else 0
 
     def tokens(self) -> int:
         """Tokens held, over every memory."""

@@ -18,7 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from clover.serving.draft_memories import CLIENT_KEY
+from clover.serving.request_context import CLIENT_KEY, REQUEST_ID, internal_error
 from clover.serving.protocol import APIError
 
 if TYPE_CHECKING:
@@ -53,6 +53,7 @@ class RequestGuard:
         path = scope["path"]
         route = path if path in ROUTES else next((r for prefix, r in PATH_ROUTES if path.startswith(prefix)), "other")
         request_id = f"req_{uuid.uuid4().hex}"
+        REQUEST_ID.set(request_id)
         status: dict[str, int | None] = {"code": None, "left": None}
 
         async def send_counted(message: dict[str, Any]) -> None:
@@ -72,9 +73,7 @@ class RequestGuard:
         except Exception:  # noqa: BLE001 - a bug: answered as a 500, the connection kept
             logger.exception("request %s: %s %s failed", request_id, scope.get("method"), path)
             if status["code"] is None:
-                await send_error(send_counted, APIError(
-                    500, f"internal server error (request id {request_id})", type="server_error",
-                    code="internal_error"))
+                await send_error(send_counted, internal_error())
             # else the response had started: it stays incomplete, and the ASGI server closes the connection
         finally:
             # no response started: the client closed the request (499, nginx's code), or sending the 500 failed
@@ -83,17 +82,19 @@ class RequestGuard:
 
     async def _guarded(self, scope: dict[str, Any], receive: Callable, send: Callable, path: str) -> None:
         keys = self.server.options.api_keys
-        if keys and path != "/health":
+        if keys:
             headers = dict(scope.get("headers") or [])
             scheme, _, token = headers.get(b"authorization", b"").strip().partition(b" ")
             # the scheme name is case-insensitive (RFC 7235 §2.1); the token is compared in constant time with
-            # every key (which one matched is the request's identity: its drafting memory, draft_memories.py)
+            # every key (which one matched is the request's identity: its prefix cache, drafting memory, stored
+            # responses and figures: request_context.CLIENT_KEY)
             matched = [hmac.compare_digest(token.strip(), key.encode()) for key in keys]
-            if scheme.lower() != b"bearer" or not any(matched):
+            if scheme.lower() == b"bearer" and any(matched):
+                CLIENT_KEY.set(matched.index(True))
+            elif path != "/health":  # /health answers without a key (its load figures only with one)
                 await send_error(send, APIError(401, "invalid or missing API key (Authorization: Bearer <key>)",
                                                  type="invalid_request_error", code="invalid_api_key"))
                 return
-            CLIENT_KEY.set(matched.index(True))
         limit = self.server.options.max_body_bytes
         body, more = b"", True
         while more:
@@ -128,8 +129,8 @@ async def send_error(send: Callable, error: APIError) -> None:
 def validation_error(exc: RequestValidationError) -> APIError:
     """The first of pydantic's errors as a 400 naming the field, with an OpenAI-style code: `invalid_json`,
     `missing_required_parameter`, `invalid_type` (a string where a number belongs, ...), `invalid_unicode`
-    (lone surrogates), `nesting_too_deep` (JSON values), `unsupported_parameter` (what the Responses API asks and
-    this server cannot do), else `invalid_value` (out of range, unknown role, ...)."""
+    (lone surrogates), `nesting_too_deep` (JSON values), `schema_too_large` (a response format's schema),
+    `unsupported_parameter` (what this server cannot do), else `invalid_value` (out of range, unknown role, ...)."""
     errors = exc.errors()
     if not errors:
         return APIError(400, "invalid request", code="invalid_request")
@@ -142,7 +143,7 @@ def validation_error(exc: RequestValidationError) -> APIError:
     where = ".".join(loc) or "body"
     more = f" (and {len(errors) - 1} more errors)" if len(errors) > 1 else ""
     code = ("missing_required_parameter" if kind == "missing"
-            else kind if kind in ("invalid_unicode", "nesting_too_deep", "unsupported_parameter")  # our own checks
+            else kind if kind in ("invalid_unicode", "nesting_too_deep", "schema_too_large", "unsupported_parameter")
             else "invalid_type" if kind.endswith(("_type", "_parsing")) else "invalid_value")
     return APIError(400, f"{where}: {first.get('msg')}{more}", param=where if loc else None, code=code)
 

@@ -18,7 +18,7 @@ from clover.engine import StopAwareDetokenizer
 from clover.serving.handles import Output, RequestHandle, merge
 from clover.assistant_output import OutputDelta, OutputParser
 from clover.tool_formats import HERMES, CallDelta, ToolFormat
-from clover.serving.protocol import APIError
+from clover.serving.request_context import REQUEST_ID, internal_error
 
 if TYPE_CHECKING:
     from clover.engine.logprobs import TokenLogprob
@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 TokenTexts = Callable[[list[int]], list[str]]  # ids -> each token's own text
+TokenBytes = Callable[[list[int]], list[bytes]]  # ids -> each token's own bytes
 LOWEST_LOGPROB = -9999.0  # JSON has no -inf: a token the model rules out is reported this low (as vLLM does)
 
 
@@ -72,6 +73,8 @@ class ChatChoice(ChoiceText):
         self.max_calls = max_calls
         self.content, self.reasoning = "", ""
         self.calls: list[dict[str, Any]] = []
+        self.forced = bool(forced)
+        self.cut_calls: set[int] = set()  # the calls the length limit cut (reported incomplete)
         self.opening = OutputDelta(tool_calls=self._take(self.parser.feed(forced)).tool_calls)
 
     def _take(self, delta: OutputDelta) -> OutputDelta:
@@ -87,11 +90,19 @@ class ChatChoice(ChoiceText):
         return delta
 
     def push_output(self, out: Output) -> OutputDelta:
-        """What one committed block adds; at the end, a finished answer with tool calls has reason `tool_calls`."""
+        """What one committed block adds; at the end, a finished answer with tool calls has reason `tool_calls`.
+        An answer the length limit ended inside a call keeps reason `length`, with the call as far as it got (in
+        `cut_calls`); the text of a call block that names no call yet is dropped, never content (a forced call's
+        start is the server's text, not the model's)."""
         delta = self.parser.feed(self.push(out))
+        first_open = None
         if out.finished:
-            delta = delta + self.parser.finish()
+            cut = self.finish_reason == "length" and (self.parser.tagged or (self.forced and self.parser.in_call))
+            first_open = self.parser.next_index if cut else None
+            delta = delta + self.parser.finish(cut)
         delta, self.opening = self.opening + self._take(delta), OutputDelta()
+        if first_open is not None:
+            self.cut_calls.update(range(first_open, len(self.calls)))
         if self.finished and self.calls and self.finish_reason == "stop":
             self.finish_reason = "tool_calls"
         return delta
@@ -124,16 +135,21 @@ class ChatChoice(ChoiceText):
 
 
 # -- logprobs ----------------------------------------------------------------------------------------------------
-def _token(text: str, logprob: float) -> dict[str, Any]:
-    return {"token": text, "logprob": max(logprob, LOWEST_LOGPROB), "bytes": list(text.encode("utf-8"))}
+def _token(text: str, logprob: float, raw: bytes | None = None) -> dict[str, Any]:
+    return {"token": text, "logprob": max(logprob, LOWEST_LOGPROB),
+            "bytes": list(text.encode("utf-8") if raw is None else raw)}
 
 
-def chat_logprobs(values: Sequence[TokenLogprob], texts: TokenTexts) -> dict[str, Any]:
+def chat_logprobs(values: Sequence[TokenLogprob], texts: TokenTexts,
+                  raw: TokenBytes | None = None) -> dict[str, Any]:
     """A chat choice's `logprobs`: every generated token (reasoning and tool-call text included) with its
-    alternatives."""
+    alternatives; `bytes` each token's own (`raw`: a token holding part of a character has text U+FFFD; without
+    `raw`, its text's bytes)."""
     names = _names(values, texts)
-    return {"content": [{**_token(names[v.token], v.logprob),
-                         "top_logprobs": [_token(names[t], lp) for t, lp in v.top]} for v in values],
+    ids = list(names)
+    own = dict(zip(ids, raw(ids))) if raw is not None else {}
+    return {"content": [{**_token(names[v.token], v.logprob, own.get(v.token)),
+                         "top_logprobs": [_token(names[t], lp, own.get(t)) for t, lp in v.top]} for v in values],
             "refusal": None}
 
 
@@ -210,7 +226,8 @@ def chunk_sse(rid: str, obj: str, created: int, model: str, include_usage: bool,
 
 
 async def chat_stream(handle: RequestHandle, choices: list[ChatChoice], rid: str, created: int, model: str,
-                      prompt_tokens: int, include_usage: bool, texts: TokenTexts | None = None) -> AsyncIterator[str]:
+                      prompt_tokens: int, include_usage: bool, texts: TokenTexts | None = None,
+                      raw: TokenBytes | None = None) -> AsyncIterator[str]:
     """A chat completion's SSE events: a role chunk per choice, the deltas of committed blocks (with their tokens'
     logprobs when asked for: `texts` names the tokens), a finish chunk per choice, the usage chunk when asked for,
     `[DONE]`; an error after the start is reported in-band."""
@@ -233,7 +250,7 @@ async def chat_stream(handle: RequestHandle, choices: list[ChatChoice], rid: str
             bodies = ([text] if text else []) + [{"tool_calls": [e]} for e in c.call_entries(delta.tool_calls)]
             if out.logprobs and texts is not None:  # a token's values come with the block that committed it
                 yield chunk(out.choice, bodies.pop(0) if bodies else {},
-                            extra={"logprobs": chat_logprobs(out.logprobs, texts)})
+                            extra={"logprobs": chat_logprobs(out.logprobs, texts, raw)})
             for body in bodies:
                 yield chunk(out.choice, body)
             if out.finished:
@@ -243,8 +260,8 @@ async def chat_stream(handle: RequestHandle, choices: list[ChatChoice], rid: str
                        "choices": [], "usage": usage(prompt_tokens, sum(c.tokens for c in choices),
                                                      max(handle.cached_tokens))})
     except Exception as exc:  # noqa: BLE001 - the stream has started: report in-band
-        logger.exception("generation failed")
-        yield sse(APIError(500, f"generation failed: {exc}", type="server_error", code="internal_error").body())
+        logger.exception("request %s: generation failed", REQUEST_ID.get())
+        yield sse(internal_error().body())
     finally:
         handle.cancel()  # no-op when finished; frees the slots when the client went away
     yield "data: [DONE]\n\n"
@@ -287,8 +304,8 @@ async def completion_stream(handles: list[RequestHandle], choices: list[ChoiceTe
                        "choices": [], "usage": usage(prompt_tokens, sum(c.tokens for c in choices),
                                                      sum(max(h.cached_tokens) for h in handles))})
     except Exception as exc:  # noqa: BLE001
-        logger.exception("generation failed")
-        yield sse(APIError(500, f"generation failed: {exc}", type="server_error", code="internal_error").body())
+        logger.exception("request %s: generation failed", REQUEST_ID.get())
+        yield sse(internal_error().body())
     finally:
         for h in handles:
             h.cancel()

@@ -17,6 +17,10 @@ branches of a conversation, e.g. the same system prompt and tools with different
 Dense models resume at any grid point of an entry (KV is sliced). An entry whose tokens a newer prompt extends
 is superseded by the newer one (which inherits its snapshots), so an agent's conversation is one growing entry.
 
+**Scoped.** Entries belong to a scope (the API key a request came with, `clover.serving.request_context`): a
+request reuses only its own scope's prefixes, so neither its `cached_tokens` nor its time to first token tells a
+client anything about another key's prompts. Without API keys every request has the one scope.
+
 **Runner-neutral.** The store asks only what `clover.runners.base` defines of a one-row cache: `snapshot()`,
 `prefix(length, snapshot, copy=True)` to keep an entry, and on the entry `prefix(length, snapshot)` for a new
 request's cache and `storages(snapshots)` for the budget. On the torch runner an entry is an exact-size copy of the
@@ -47,9 +51,9 @@ from clover.runners.base import RunnerCache, StoredPrefix
 logger = logging.getLogger(__name__)
 
 
-def chain_hashes(tokens: list[int], grid: int, upto: int) -> list[int]:
-    """`h[k]` identifies `tokens[:(k + 1) * grid]`, for every grid point `<= upto`."""
-    out, h = [], 0
+def chain_hashes(tokens: list[int], grid: int, upto: int, scope: Hashable = None) -> list[int]:
+    """`h[k]` identifies `tokens[:(k + 1) * grid]` within `scope`, for every grid point `<= upto`."""
+    out, h = [], hash(("scope", scope))
     for end in range(grid, upto + 1, grid):
         h = hash((h, tuple(tokens[end - grid : end])))
         out.append(h)
@@ -62,6 +66,7 @@ class _Entry:
     cache: StoredPrefix  # one row
     states: dict[int, Any]  # grid point -> the cache's snapshot (hybrid models; includes len(tokens))
     hashes: list[int]
+    scope: Hashable = None  # whose prompt it is (an API key's index): only requests of that scope reuse it
     points: list[int] = field(default_factory=list)  # grid points this entry can resume at
 
 
@@ -117,14 +122,16 @@ class PrefixCache:
             self._evict()
 
     # -- lookup -----------------------------------------------------------------------------------------------
-    def lookup(self, tokens: list[int]) -> Reuse | None:
+    def lookup(self, tokens: list[int], scope: Hashable = None) -> Reuse | None:
+        """The longest stored prefix of `tokens` among the entries of `scope` (another scope's prompts are never
+        reused: a hit would tell a client that another one sent that prefix), or None."""
         self.stats.queries += 1
         self.stats.queried_tokens += len(tokens)
-        hashes = chain_hashes(tokens, self.grid, (len(tokens) - 1) // self.grid * self.grid)
+        hashes = chain_hashes(tokens, self.grid, (len(tokens) - 1) // self.grid * self.grid, scope)
         for k in range(len(hashes) - 1, -1, -1):
             g = (k + 1) * self.grid
             for entry in reversed(list(self.index.get(hashes[k], {}).values())):
-                if entry.tokens[:g] != tokens[:g]:  # a hash collision: never trust a hash alone
+                if entry.scope != scope or entry.tokens[:g] != tokens[:g]:  # a collision: never trust a hash alone
                     continue
                 self.entries.move_to_end(id(entry))
                 self.stats.hits += 1
@@ -133,10 +140,14 @@ class PrefixCache:
                 return Reuse(g, cache, {p: s for p, s in entry.states.items() if p <= g})
         return None
 
+    def entries_of(self, scope: Hashable) -> int:
+        """Entries of `scope` (readable from another thread: the entries are copied by one C call)."""
+        return sum(1 for entry in list(self.entries.values()) if entry.scope == scope)
+
     # -- insert / evict ---------------------------------------------------------------------------------------
-    def insert(self, tokens: list[int], cache: RunnerCache, states: dict[int, Any]) -> None:
-        """Store the prompt `tokens` whose prefill left `cache` (one row, `len(tokens)` positions, not stored:
-        the KV up to the last grid point is copied out) and the snapshots `states` taken on the way (and
+    def insert(self, tokens: list[int], cache: RunnerCache, states: dict[int, Any], scope: Hashable = None) -> None:
+        """Store the prompt `tokens` of `scope` whose prefill left `cache` (one row, `len(tokens)` positions, not
+        stored: the KV up to the last grid point is copied out) and the snapshots `states` taken on the way (and
         inherited from the entry it resumed from)."""
         end = self.last_point(len(tokens))
         if end == 0 or cache.batch_size != 1 or cache.length != len(tokens):
@@ -149,11 +160,12 @@ class PrefixCache:
         kept = {p: s for p, s in states.items() if p <= end}
         # KV kept apart from the request's (torch: an exact-size copy); the state at `end` is the snapshot itself
         stored = cache.prefix(end, kept.get(end), copy=True)
-        entry = _Entry(tokens[:end], stored, kept, chain_hashes(tokens, self.grid, end))
+        entry = _Entry(tokens[:end], stored, kept, chain_hashes(tokens, self.grid, end, scope), scope)
         # entries that this one extends are superseded: inherit their snapshots, drop them
         for k, h in enumerate(entry.hashes):
             for old in list(self.index.get(h, {}).values()):
-                if len(old.tokens) == (k + 1) * self.grid and old.tokens == entry.tokens[: len(old.tokens)]:
+                if (old.scope == scope and len(old.tokens) == (k + 1) * self.grid
+                        and old.tokens == entry.tokens[: len(old.tokens)]):
                     for p, s in old.states.items():
                         entry.states.setdefault(p, s)
                     self._remove(old)

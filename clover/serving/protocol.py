@@ -16,8 +16,8 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator,
-                      model_validator)
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictInt, StrictStr,
+                      field_validator, model_validator)
 from pydantic_core import PydanticCustomError
 
 from clover.engine.decoding import RULES
@@ -67,6 +67,13 @@ class _Model(BaseModel):
 
 
 MAX_NESTING = 64  # JSON values (tool schemas, call arguments): deeper ones would overflow the template's recursion
+# Bounds of the per-request options a client sets (a 400 naming the field beyond them): what one request may make
+# the server hold or compute, so that no client's values reach a limit of the engine (an int64, a cache) that
+# would fail other clients' requests with its own.
+MAX_COUNT = 2**31 - 1  # top_k and token budgets (a top_k above the vocabulary keeps every token)
+MAX_STOP_CHARS = 1024  # a stop string (the detokenizer holds back this much text)
+MAX_BREAKER_CHARS = 256  # a DRY sequence breaker (the engine reads its first 40, as llama.cpp does)
+MAX_SCHEMA_CHARS = 64 * 1024  # a response format's JSON schema, as compact JSON (a grammar is compiled from it)
 
 
 def _well_formed(value: Any) -> Any:
@@ -103,11 +110,26 @@ def _well_formed(value: Any) -> Any:
 WellFormed = BeforeValidator(_well_formed)
 Text = Annotated[StrictStr, WellFormed]
 UnitFloat = Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)]
-PositiveInt = Annotated[StrictInt, Field(ge=1)]
+PositiveInt = Annotated[StrictInt, Field(ge=1)]  # max_tokens: bounded by the context where it is checked (400)
+Count = Annotated[StrictInt, Field(ge=0, le=MAX_COUNT)]
 ToolName = Annotated[StrictStr, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$"), WellFormed]
-Stop = Annotated[StrictStr | Annotated[list[Annotated[StrictStr, Field(min_length=1)]], Field(max_length=16)] | None,
+StopText = Annotated[StrictStr, Field(max_length=MAX_STOP_CHARS)]
+Stop = Annotated[StopText | Annotated[list[Annotated[StopText, Field(min_length=1)]], Field(max_length=16)] | None,
                  WellFormed]
 JSONObject = Annotated[dict[str, Any], WellFormed]
+
+
+def _schema_size(value: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A response format's schema, at most `MAX_SCHEMA_CHARS` as compact JSON (a validation error otherwise)."""
+    if value is not None:
+        size = len(json.dumps(value, separators=(",", ":"), ensure_ascii=False))
+        if size > MAX_SCHEMA_CHARS:
+            raise PydanticCustomError("schema_too_large", "the schema is {size} characters as compact JSON; at most "
+                                      "{limit} are accepted", {"size": size, "limit": MAX_SCHEMA_CHARS})
+    return value
+
+
+Schema = Annotated[dict[str, Any], WellFormed, AfterValidator(_schema_size)]
 
 
 class StreamOptions(_Model):
@@ -121,7 +143,7 @@ class DecodingFields(_Model):
     model: Text
     temperature: Annotated[float, Field(ge=0.0, le=2.0, allow_inf_nan=False)] | None = None
     top_p: UnitFloat | None = None
-    top_k: Annotated[StrictInt, Field(ge=0)] | None = None  # vLLM extension; 0 = off
+    top_k: Count | None = None  # vLLM extension; 0 = off
     repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0, allow_inf_nan=False)] | None = None
     seed: Annotated[StrictInt, Field(ge=-(2**63), le=2**64 - 1)] | None = None  # what torch.manual_seed takes
     # Clover's own options (extra body fields)
@@ -132,15 +154,16 @@ class DecodingFields(_Model):
     dry_multiplier: Annotated[float, Field(ge=0.0, le=100.0, allow_inf_nan=False)] | None = None
     dry_base: Annotated[float, Field(ge=1.0, le=100.0, allow_inf_nan=False)] | None = None
     dry_allowed_length: Annotated[StrictInt, Field(ge=1, le=1024)] | None = None
-    dry_penalty_last_n: Annotated[StrictInt, Field(ge=-1)] | None = None
-    dry_sequence_breakers: Annotated[list[Annotated[Text, Field(min_length=1)]], Field(max_length=32)] | None = None
+    dry_penalty_last_n: Annotated[StrictInt, Field(ge=-1, le=MAX_COUNT)] | None = None
+    dry_sequence_breakers: Annotated[list[Annotated[Text, Field(min_length=1, max_length=MAX_BREAKER_CHARS)]],
+                                     Field(max_length=32)] | None = None
     loop_guard_span: Annotated[StrictInt, Field(ge=0, le=4096)] | None = None
     loop_guard_repeats: Annotated[StrictInt, Field(ge=1, le=1024)] | None = None
     # vLLM's extension: always generate max_tokens (benchmarks); under a grammar, up to where it can only end
     ignore_eos: StrictBool = False
     # vLLM's extension: at most this many reasoning tokens, then the template's closing text is forced
     # (clover.engine.thinking); absent: reasoning unbounded
-    thinking_token_budget: Annotated[StrictInt, Field(ge=0)] | None = None
+    thinking_token_budget: Count | None = None
 
     def repetition(self) -> dict[str, Any]:
         """The DRY and loop-guard fields the request set, as `SamplingParams` keywords."""
@@ -164,6 +187,17 @@ class SamplingFields(DecodingFields):
     user: Text | None = None
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    # OpenAI's token biases (token id -> -100..100): not served, so a non-empty one is refused, not ignored
+    logit_bias: Annotated[dict[Annotated[StrictStr, Field(pattern=r"^[0-9]{1,10}$")],
+                               Annotated[float, Field(ge=-100.0, le=100.0, allow_inf_nan=False)]],
+                          Field(max_length=300)] | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        if value:
+            raise PydanticCustomError("unsupported_parameter", "logit_bias is not supported by this server")
+        return value
 
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -276,12 +310,29 @@ class NamedToolChoice(_Model):
     function: NamedFunction
 
 
+# what the server itself gives the chat template (transformers' `apply_chat_template` and its special tokens):
+# a request naming one would collide with it (a TypeError) or replace the conversation the server renders
+RESERVED_TEMPLATE_VARIABLES = frozenset({
+    "messages", "conversation", "tools", "documents", "add_generation_prompt", "continue_final_message",
+    "template", "chat_template", "tokenizer", "tokenize", "tokenizer_kwargs", "return_dict",
+    "return_assistant_tokens_mask", "padding", "truncation", "max_length", "return_tensors", "bos_token",
+    "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token", "additional_special_tokens",
+    "raise_exception", "strftime_now"})
+
+
 class ChatTemplateKwargs(_Model):
     """Variables for the chat template: `enable_thinking` (None: the template's own default), and any others the
-    checkpoint's template reads, passed through."""
+    checkpoint's template reads, passed through (not those the server sets itself: `RESERVED_TEMPLATE_VARIABLES`)."""
 
     model_config = ConfigDict(extra="allow")
     enable_thinking: StrictBool | None = None
+
+    @model_validator(mode="after")
+    def _not_reserved(self) -> "ChatTemplateKwargs":
+        reserved = sorted(set(self.model_extra or {}) & RESERVED_TEMPLATE_VARIABLES)
+        if reserved:
+            raise ValueError(f"{', '.join(reserved)}: set by the server for the chat template, not by a request")
+        return self
 
     def extra(self) -> dict[str, Any]:
         return dict(self.model_extra or {})
@@ -292,7 +343,7 @@ class JSONSchemaFormat(_Model):
 
     name: Annotated[StrictStr, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
     description: StrictStr | None = None
-    schema_: dict[str, Any] = Field(alias="schema")
+    schema_: Schema = Field(alias="schema")
     strict: StrictBool | None = None
 
 

@@ -19,12 +19,18 @@ from clover.engine.request import Request
 
 
 class RequestLog:
-    """Appends one line per finished sequence to `path` (created owner-only; an existing file is appended to),
-    flushed at once: the server may be killed, and the process's exit closes the file."""
+    """Appends one line per finished sequence to `path` (owner-only: created so, and an existing file made so; a
+    symlink at `path` is refused with OSError, ELOOP), flushed at once: the server may be killed, and the
+    process's exit closes the file."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        try:
+            os.fchmod(fd, 0o600)  # the mode given to open applies to a new file only
+        except OSError:
+            os.close(fd)
+            raise
         self._file = os.fdopen(fd, "a", encoding="utf-8")
         self._lock = threading.Lock()
 

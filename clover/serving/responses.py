@@ -26,6 +26,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from clover.serving.grammar_route import route
 from clover.serving.handles import Output
 from clover.serving.protocol import APIError
+from clover.serving.request_context import CLIENT_KEY, REQUEST_ID, internal_error
 from clover.serving.responses_format import EventStream, OutputItems, usage
 from clover.serving.responses_protocol import ResponsesRequest, ResponsesToolChoice, input_messages, to_chat
 
@@ -60,7 +61,7 @@ async def create_response(server: ServedModel, req: ResponsesRequest, request: R
     server.check_model(req.model)
     previous: list[dict[str, Any]] = []
     if req.previous_response_id is not None:
-        stored = server.stored.get(req.previous_response_id)
+        stored = server.stored.get(req.previous_response_id, CLIENT_KEY.get())
         if stored is None:
             raise not_stored(req.previous_response_id, 400, "previous_response_id", "previous_response_not_found")
         previous = stored[1]
@@ -89,7 +90,8 @@ class ResponseAnswer:
         self.store = req.store and server.stored.capacity > 0
 
     def push(self, out: Output) -> list[dict[str, Any]]:
-        return self.items.push(self.choice.push_output(out), [c["id"] for c in self.choice.calls])
+        delta = self.choice.push_output(out)
+        return self.items.push(delta, [c["id"] for c in self.choice.calls], self.choice.cut_calls)
 
     def finish(self) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         """(the events closing the output, the final body), the response stored when asked."""
@@ -98,7 +100,8 @@ class ResponseAnswer:
         reasoning = len(self.server.tokenizer.encode(self.choice.reasoning)) if self.choice.reasoning else 0
         body = self.body(status, usage(self.run.prompt_tokens, self.choice.tokens,
                                        max(self.run.handle.cached_tokens), reasoning))
-        if self.store and not self.server.stored.put(self.id, body, self.conversation + [self.choice.message()]):
+        if self.store and not self.server.stored.put(self.id, body, self.conversation + [self.choice.message()],
+                                                     CLIENT_KEY.get()):
             body = {**body, "store": False}  # larger than the whole store: not kept
         return events, body
 
@@ -137,8 +140,8 @@ class ResponseAnswer:
                 yield stream.event(event)
             yield stream.event({"type": f"response.{body['status']}", "response": body})
         except Exception as exc:  # noqa: BLE001 - the stream has started: report in-band
-            logger.exception("generation failed")
-            message = f"generation failed: {exc}"
+            logger.exception("request %s: generation failed", REQUEST_ID.get())
+            message = internal_error().message
             yield stream.event({"type": "error", "code": "server_error", "message": message, "param": None})
             yield stream.event({"type": "response.failed", "response": self.body(
                 "failed", error={"code": "server_error", "message": message})})
@@ -148,7 +151,7 @@ class ResponseAnswer:
 
 def stored_response(server: ServedModel, response_id: str) -> dict[str, Any]:
     """`GET /v1/responses/{id}`: a stored response's body."""
-    stored = server.stored.get(response_id)
+    stored = server.stored.get(response_id, CLIENT_KEY.get())
     if stored is None:
         raise not_stored(response_id, 404, None, "response_not_found")
     return stored[0]
@@ -156,6 +159,6 @@ def stored_response(server: ServedModel, response_id: str) -> dict[str, Any]:
 
 def delete_response(server: ServedModel, response_id: str) -> dict[str, Any]:
     """`DELETE /v1/responses/{id}`: the response forgotten."""
-    if not server.stored.delete(response_id):
+    if not server.stored.delete(response_id, CLIENT_KEY.get()):
         raise not_stored(response_id, 404, None, "response_not_found")
     return {"id": response_id, "object": "response", "deleted": True}

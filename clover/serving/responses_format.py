@@ -45,16 +45,16 @@ class OutputItems:
         self.calls: dict[int, dict[str, Any]] = {}  # call index -> its item
         self.output_index: dict[str, int] = {}  # item id -> its place in `items`
 
-    def push(self, delta: OutputDelta, call_ids: list[str]) -> list[dict[str, Any]]:
+    def push(self, delta: OutputDelta, call_ids: list[str], cut: set[int] | frozenset[int] = frozenset()) -> list[dict[str, Any]]:
         """The events announcing what `delta` adds (in the chat template's order: reasoning, text, calls);
-        `call_ids[i]`: call i's id."""
+        `call_ids[i]`: call i's id; `cut`: the calls the length limit cut (their items end `incomplete`)."""
         events = []
         if delta.reasoning:
             events += self._text("reasoning", delta.reasoning)
         if delta.content:
             events += self._text("message", delta.content)
         for call in delta.tool_calls:
-            events += self._call(call, call_ids)
+            events += self._call(call, call_ids, cut)
         return events
 
     def finish(self, status: str = "completed") -> list[dict[str, Any]]:
@@ -112,7 +112,7 @@ class OutputItems:
                 {"type": "response.output_item.done", "output_index": len(self.items) - 1,
                  "item": copy.deepcopy(item)}]
 
-    def _call(self, delta: CallDelta, call_ids: list[str]) -> list[dict[str, Any]]:
+    def _call(self, delta: CallDelta, call_ids: list[str], cut: set[int] | frozenset[int]) -> list[dict[str, Any]]:
         """A piece of a call: its start opens its item (closing the open text item), a fragment of its arguments
         adds to it, its end closes it."""
         events = []
@@ -130,7 +130,7 @@ class OutputItems:
             events.append({"type": "response.function_call_arguments.delta", **self._where(item),
                            "delta": delta.arguments})
         if delta.done:
-            item["status"] = "completed"
+            item["status"] = "incomplete" if delta.index in cut else "completed"
             events += [{"type": "response.function_call_arguments.done", **self._where(item),
                         "arguments": item["arguments"]},
                        {"type": "response.output_item.done", "output_index": self._where(item)["output_index"],

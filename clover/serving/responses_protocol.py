@@ -33,7 +33,7 @@ from pydantic import (BeforeValidator, Discriminator, Field, StrictBool, StrictI
 from pydantic_core import PydanticCustomError
 
 from clover.serving.protocol import (APIError, ChatCompletionRequest, ChatTemplateKwargs, DecodingFields,
-                                     FunctionCall, JSONObject, PositiveInt, Text, ToolName, WellFormed, _Model,
+                                     FunctionCall, JSONObject, PositiveInt, Schema, Text, ToolName, WellFormed, _Model,
                                      parameters_schema)
 
 SUPPORTED_INCLUDES = ("reasoning.encrypted_content",)
@@ -173,7 +173,7 @@ class TextFormat(_Model):
     type: Literal["text", "json_object", "json_schema"]
     name: Annotated[StrictStr, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")] | None = None
     description: StrictStr | None = None
-    schema_: JSONObject | None = Field(default=None, alias="schema")
+    schema_: Schema | None = Field(default=None, alias="schema")
     strict: StrictBool | None = None
 
     @model_validator(mode="after")

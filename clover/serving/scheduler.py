@@ -45,7 +45,7 @@ import logging
 import threading
 import time
 from collections import Counter, OrderedDict
-from typing import Any, Callable, Literal, Sequence as Seq
+from typing import Any, Callable, Hashable, Literal, Sequence as Seq
 
 import torch
 
@@ -145,11 +145,13 @@ class Scheduler:
 
     async def submit(self, prompt: list[int], max_new_tokens: int, sampling: Seq[SamplingParams], *,
                      block_size: int | None = None, threshold: float | None = None, rule: str | None = None,
-                     ignore_eos: bool = False, memory: DraftMemory | None | Literal["engine"] = "engine") -> RequestHandle:
+                     ignore_eos: bool = False, memory: DraftMemory | None | Literal["engine"] = "engine",
+                     scope: Hashable = None) -> RequestHandle:
         """Queue one prompt with one `SamplingParams` per choice; `memory`: the drafting memory its answers draft
-        from and join (clover.serving.draft_memories; "engine": the engine's own, None: none). Raises `ValueError` for a request the engine
-        refuses (it names the parameter), `QueueFull` when the server is at capacity and `RuntimeError` when no
-        loop will take it (not started, stopped or died: it would wait forever). `threshold` and `ignore_eos`
+        from and join (clover.serving.draft_memories; "engine": the engine's own, None: none); `scope`: whose
+        prefix-cache entries it reuses (clover.serving.prefix_cache: an API key's own). Raises `ValueError` for a
+        request the engine refuses (it names the parameter), `QueueFull` when the server is at capacity and
+        `RuntimeError` when no loop will take it (not started, stopped or died: it would wait forever). `threshold` and `ignore_eos`
         (generate exactly `max_new_tokens`: benchmarks) are the request's own: they never split a batch."""
         key, engine = await self.engine(block_size, rule)
         seqs = engine.make_sequences([prompt] * len(sampling), max_new_tokens, list(sampling),
@@ -168,7 +170,7 @@ class Scheduler:
             self._live[key] += len(seqs)
             for choice, seq in enumerate(seqs):
                 seq.index = next(self._ids)
-                self._inbox.append(Job(handle, choice, seq, key, now, engine))
+                self._inbox.append(Job(handle, choice, seq, key, now, engine, scope=scope))
             self._lock.notify()
         return handle
 

@@ -15,7 +15,8 @@ requests join their batch, what a step commits, what a cancellation drops.
 
 `Scheduler` (`scheduler.py`) calls these from its thread, in that order, once per iteration; the capacity bound
 (`max_running` + `max_waiting`) is checked there, where requests arrive. A failure of one request (its prefill, or
-its batch's step) fails that request or batch only.
+its batch's step) fails that request or batch only; a group prefill that fails is retried one request at a time,
+so only the request that fails alone fails.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Hashable, Sequence
 
 from clover.engine import Engine
 from clover.engine.decision import DecisionRun
@@ -55,6 +56,7 @@ class Job:
     prefill: Prefill | None = None
     states: dict[int, Any] = field(default_factory=dict)  # prefix-cache snapshots taken so far (and inherited)
     snapshots: SnapshotBudget | None = None  # those it took, held against the prefix cache's budget
+    scope: Hashable = None  # whose prefix-cache entries it reuses and adds to (its API key's index)
     rows = 1  # cache rows (and sequences) it holds
 
 
@@ -133,13 +135,19 @@ class SchedulePolicy:
         for _ in group:
             self.waiting.popleft()
         try:
-            batch = self.engines[first.key].prefill_together([job.seq for job in group])
-        except Exception as exc:  # noqa: BLE001 - these requests' failure, not the server's
-            logger.exception("prefill failed")
-            for job in group:
-                self.fail(job, exc)
-            return True
-        self.ready.append((group, batch))
+            self.ready.append((group, self.engines[first.key].prefill_together([job.seq for job in group])))
+        except Exception as exc:  # noqa: BLE001 - one request's failure (which one: each alone says), not the server's
+            if len(group) == 1:
+                logger.exception("prefill failed")
+                self.fail(first, exc)
+                return True
+            logger.warning("a grouped prefill of %d prompts failed (%s); each is prefilled alone", len(group), exc)
+            for job in group:  # only the request that fails alone fails: another client's bad request is not theirs
+                try:
+                    self.ready.append(([job], self.engines[job.key].prefill_together([job.seq])))
+                except Exception as alone:  # noqa: BLE001 - this request's failure
+                    logger.exception("prefill failed")
+                    self.fail(job, alone)
         return True
 
     def prefill_once(self) -> None:
@@ -155,7 +163,7 @@ class SchedulePolicy:
             if job.prefill is None:
                 # a prompt read on a block grid is padded to whole blocks: no prefix of another prompt lines up
                 caches = self.prefix_cache is not None and engine.prompt_grid == 1
-                reuse = self.prefix_cache.lookup(job.seq.prompt) if caches else None
+                reuse = self.prefix_cache.lookup(job.seq.prompt, job.scope) if caches else None
                 if reuse is not None:
                     job.handle.cached_tokens[job.choice] = reuse.length
                     job.states = dict(reuse.states)
@@ -177,7 +185,7 @@ class SchedulePolicy:
         if caches:
             before = self.prefix_cache.stats.evictions
             self._release_snapshots(job)  # stored with the entry (counted there) from now on
-            self.prefix_cache.insert(job.seq.prompt, job.prefill.cache, job.states)
+            self.prefix_cache.insert(job.seq.prompt, job.prefill.cache, job.states, job.scope)
             self.metrics.prefix_cache_evictions.inc(self.prefix_cache.stats.evictions - before)
         job.prefill, job.states = None, {}
         self.ready.append(([job], batch))
@@ -300,5 +308,5 @@ class SchedulePolicy:
             self.request_log.write(job.seq, stats)
         self.metrics.record_finished(len(job.seq.prompt), job.handle.cached_tokens[job.choice], stats,
                                      latency=(job.seq.end_time or time.perf_counter()) - job.arrival,
-                                     ttft=None if job.seq.first_output_time is None
+                                     scope=job.scope, ttft=None if job.seq.first_output_time is None
                                      else job.seq.first_output_time - job.arrival)

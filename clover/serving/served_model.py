@@ -12,6 +12,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import re
 import threading
 import time
 import uuid
@@ -41,6 +42,7 @@ from clover.serving.openai_format import (ChatChoice, ChoiceText, chat_body, cha
 from clover.serving.prefix_cache import PrefixCache
 from clover.serving.protocol import APIError, ChatCompletionRequest, CompletionRequest, SamplingFields
 from clover.serving.draft_memories import DraftMemories
+from clover.serving.request_context import CLIENT_KEY, REQUEST_ID, internal_error
 from clover.serving.request_log import RequestLog
 from clover.serving.response_store import ResponseStore
 from clover.serving.scheduler import QueueFull, Scheduler
@@ -102,6 +104,17 @@ class ServerOptions:
                              f"got {self.tool_call_parser!r}")
 
 
+def _byte_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, inverted: the printable character a byte-level BPE writes for each byte
+    (printable Latin-1 bytes as themselves, the others shifted to 256 and up) -> the byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    shifted = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(256 + n): b for n, b in enumerate(shifted)}}
+
+
+_UNICODE_BYTE = _byte_alphabet()
+
+
 class LockedTokenizer:
     """The tokenizer behind one lock: a fast tokenizer may refuse concurrent use from several threads (its
     Rust object is borrowed mutably when encoding), and the scheduler thread decodes for stop strings. It renders
@@ -126,6 +139,27 @@ class LockedTokenizer:
         """Each token's own text (special tokens spelled out): how logprobs name tokens."""
         with self.lock:
             return self.tokenizer.batch_decode([[i] for i in ids])
+
+    def token_bytes(self, ids: list[int]) -> list[bytes]:
+        """Each token's own bytes (logprobs' `bytes`): a byte-level token that holds part of a character decodes
+        to U+FFFD, so its bytes are read from its vocabulary entry (GPT-2's byte alphabet, or a `<0xNN>` byte
+        token), not from its text."""
+        texts = self.token_texts(ids)
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is None:
+            return [t.encode("utf-8") for t in texts]
+        with self.lock:
+            pieces = [backend.id_to_token(i) for i in ids]
+        byte_level = type(backend.decoder).__name__ == "ByteLevel"
+        out = []
+        for text, piece in zip(texts, pieces):
+            if byte_level and piece is not None and all(c in _UNICODE_BYTE for c in piece):
+                out.append(bytes(_UNICODE_BYTE[c] for c in piece))
+            elif piece is not None and re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", piece):
+                out.append(bytes([int(piece[3:5], 16)]))
+            else:
+                out.append(text.encode("utf-8"))
+        return out
 
     def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                     thinking: bool | None, template_kwargs: dict[str, Any]) -> str:
@@ -171,13 +205,14 @@ class ServedModel:
             float(generation_defaults.get("temperature") or 0.0)
         self.top_p = options.top_p if options.top_p is not None else float(generation_defaults.get("top_p") or 1.0)
         eos = eos_token_ids(config, tokenizer)
-        self.metrics = ServerMetrics()
         prefix_cache = None
         # a runner without prefix reuse (a hybrid model on llama.cpp: no recurrent state mid-sequence) serves without
         if options.prefix_cache_bytes > 0 and getattr(self.runner, "prefix_reuse", True):
             prefix_cache = PrefixCache(options.prefill_chunk, options.prefix_cache_bytes,
                                        recurrent=config.has_linear_attention,
                                        snapshot_interval=options.prefix_snapshot_interval)
+        self.memories = DraftMemories(options.draft_memory, options.draft_memory_tokens)
+        self.metrics = ServerMetrics(self.memories.tokens_of, prefix_cache.entries_of if prefix_cache else None)
         # the default engine (its block size, threshold and rule checked) is made when the scheduler starts, on
         # its thread
         self.scheduler = Scheduler(
@@ -187,8 +222,6 @@ class ServedModel:
             max_waiting=options.max_waiting, metrics=self.metrics,
             request_log=RequestLog(options.record_requests) if options.record_requests else None)
         self.stored = ResponseStore(options.responses_store_bytes)  # the Responses API's (responses.py)
-        self.memories = DraftMemories(options.draft_memory, options.draft_memory_tokens)
-        self.metrics.draft_memory_tokens.set_function(self.memories.tokens)
         self.created = int(time.time())
 
     # -- request -> engine ---------------------------------------------------------------------------------
@@ -248,12 +281,24 @@ class ServedModel:
         with self.tokenizer.lock:
             return request_grammar(req, self.tokenizer.tokenizer, self.tokenizer.tool_format)
 
+    async def resolve_breakers(self, sampling: list[SamplingParams], block_size: int | None, rule: str | None) -> None:
+        """DRY's sequence breakers resolved against the vocabulary now, in a worker thread (a pass over the
+        vocabulary per breaker), so that the scheduler thread finds them in its engine's cache."""
+        wanted = {p.dry_sequence_breakers for p in sampling if p.uses_dry and p.dry_sequence_breakers}
+        if wanted:
+            _, engine = await self.scheduler.engine(block_size, rule)
+            if engine.breakers is not None:
+                for breakers in wanted:
+                    await run_in_threadpool(engine.breakers, breakers)
+
     async def submit(self, prompt: list[int], max_new: int, sampling: list[SamplingParams],
                      req: SamplingFields, rule: str | None = None) -> RequestHandle:
         try:
+            await self.resolve_breakers(sampling, req.block_size, rule or req.rule)
             return await self.scheduler.submit(prompt, max_new, sampling, block_size=req.block_size,
                                                threshold=req.threshold, rule=rule or req.rule,
-                                               ignore_eos=req.ignore_eos, memory=self.memories.for_request())
+                                               ignore_eos=req.ignore_eos, memory=self.memories.for_request(),
+                                               scope=CLIENT_KEY.get())
         except QueueFull as exc:
             raise APIError(429, f"{exc}; retry later", type="rate_limit_error", code="server_busy") from exc
         except ValueError as exc:
@@ -294,10 +339,12 @@ class ServedModel:
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return StreamingResponse(chat_stream(handle, choices, rid, created, self.options.served_model_name,
-                                                 run.prompt_tokens, include_usage, self.tokenizer.token_texts),
+                                                 run.prompt_tokens, include_usage, self.tokenizer.token_texts,
+                                                 self.tokenizer.token_bytes),
                                      media_type="text/event-stream")
         await self.collect(request, handle, lambda _, out: choices[out.choice].push_output(out))
-        logprobs = ([chat_logprobs(c.logprobs, self.tokenizer.token_texts) for c in choices] if req.logprobs
+        logprobs = ([chat_logprobs(c.logprobs, self.tokenizer.token_texts, self.tokenizer.token_bytes)
+                     for c in choices] if req.logprobs
                     else None)
         return JSONResponse(chat_body(rid, created, self.options.served_model_name, choices,
                                       usage(run.prompt_tokens, sum(c.tokens for c in choices),
@@ -424,8 +471,8 @@ class ServedModel:
                 h.cancel()
         exc = work.exception()
         if exc is not None:
-            logger.error("generation failed: %s", exc)
-            raise APIError(500, f"generation failed: {exc}", type="server_error", code="internal_error")
+            logger.error("request %s: generation failed", REQUEST_ID.get(), exc_info=exc)
+            raise internal_error()
 
 
 def load(directory: str | Path) -> tuple[torch.nn.Module, Any, dict[str, Any]]:

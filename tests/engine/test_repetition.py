@@ -279,3 +279,14 @@ def test_clover_smol_under_dry_in_exact_mode_is_block1_under_dry():
         return len(grams) - len(set(grams))
 
     assert repeated(exact) < repeated(plain)
+
+
+def test_the_breaker_cache_keeps_the_most_recently_used_values_only() -> None:
+    """Breakers are keyed by client values: the cache holds at most `capacity` of them, least recently used
+    evicted first, and each entry is what resolving alone gives."""
+    cache = BreakerCache(V, V, token_texts=lambda: TEXTS, capacity=2)
+    values = [("a",), ("b",), ("a",), ("c",)]
+    for value in values:
+        got = cache(value)
+        assert torch.equal(got.single, breakers_from_texts(TEXTS, value).single)
+    assert list(cache._resolved) == [("a",), ("c",)]  # "b" was the least recently used

@@ -82,6 +82,10 @@ def test_sampling_follows_the_distribution_and_filters() -> None:
     tokens, conf = BatchSampler([SamplingParams(temperature=1.0, top_k=2, seed=0)], 4, banned=[])(logits)
     assert set(tokens.unique().tolist()) == {0, 1}
     torch.testing.assert_close(conf, probs[tokens])  # the model's probability, not the filtered renormalised one
+    # a top_k beyond the vocabulary (even beyond int64) keeps every token, as top_k = 0 does
+    for big in (4, 2**64):
+        tokens_all, _ = BatchSampler([SamplingParams(temperature=1.0, top_k=big, seed=0)], 4, banned=[])(logits)
+        assert torch.equal(tokens_all, BatchSampler([SamplingParams(temperature=1.0, seed=0)], 4, banned=[])(logits)[0])
     tokens, _ = BatchSampler([SamplingParams(temperature=1.0, top_p=0.7, seed=0)], 4, banned=[])(logits)
     assert set(tokens.unique().tolist()) == {0, 1}  # 0.5 + 0.3 covers 0.7
     tokens, _ = BatchSampler([SamplingParams(temperature=1.0, top_p=0.01, seed=0)], 4, banned=[])(logits)

@@ -163,3 +163,19 @@ def test_concat_left_pads_and_select_drops_shared_padding(models):
     assert both.next_position.tolist() == [5, 9]
     both.select([0])
     assert both.length == 5 and bool(both.valid.all())  # the short row's padding is gone with the long row
+
+
+def test_a_scope_reuses_only_its_own_prefixes(models):
+    """Entries belong to the scope (an API key) that stored them: another scope's lookup of the same tokens
+    misses, and neither supersedes the other's entry."""
+    model = models["clover-tiny-dense"]
+    store = PrefixCache(GRID, 1 << 30, recurrent=False)
+    prompt = _prompt(32, 4)
+    for scope in (0, 1):
+        cache = model.new_cache(1)
+        with torch.inference_mode():
+            model(torch.tensor([prompt]), cache=cache, logits_to_keep=0)
+        assert store.lookup(prompt, scope) is None  # scope 1 never sees scope 0's entry
+        store.insert(prompt, cache, {}, scope)
+    assert store.lookup(prompt, 0).length == store.lookup(prompt, 1).length == 24
+    assert store.entries_of(0) == store.entries_of(1) == 1 and store.lookup(prompt) is None

@@ -225,10 +225,10 @@ def test_a_prefix_lookup_error_fails_one_request_not_the_loop(models):
     store = PrefixCache(8, 1 << 30, recurrent=True)
     lookup = store.lookup
 
-    def picky_lookup(tokens):  # (only prompts longer than a chunk are looked up: PROMPTS[2] is)
+    def picky_lookup(tokens, scope=None):  # (only prompts longer than a chunk are looked up: PROMPTS[2] is)
         if tokens == PROMPTS[2]:
             raise ValueError("bad prompt")
-        return lookup(tokens)
+        return lookup(tokens, scope)
 
     store.lookup = picky_lookup
     sched = _scheduler(model, prefix_cache=store)
@@ -389,3 +389,29 @@ def test_policy_cancellation_drops_waiting_and_running_requests(models):
         assert not policy.busy() and not policy.jobs and sorted(j.seq.index for j in released) == [0, 1]
         policy.step_batches()  # nothing left to step: no more outputs
     assert len(jobs[0].handle.items) == delivered and jobs[1].handle.items == []
+
+
+def test_a_failing_group_prefill_fails_only_the_bad_request(models, monkeypatch):
+    """Short prompts are prefilled as a group; when that forward fails, each is retried alone, so only the request
+    that fails alone fails (one client's bad request never fails another's)."""
+    model = models["clover-tiny"]
+    policy, engine, jobs, released = _policy(model, max_running=4)
+    together = engine.prefill_together
+
+    def poisoned(seqs):
+        if any(s.index == 0 for s in seqs):
+            raise RuntimeError("Overflow when unpacking long long")
+        return together(seqs)
+
+    monkeypatch.setattr(engine, "prefill_together", poisoned)
+    policy.add(jobs)
+    with torch.inference_mode():
+        while policy.busy():
+            policy.prefill_once()
+            policy.join_ready()
+            policy.step_batches()
+    assert len(jobs[0].handle.items) == 1 and isinstance(jobs[0].handle.items[0], RuntimeError)
+    for job, prompt, max_new in list(zip(jobs, PROMPTS, MAX_NEW))[1:]:
+        assert [t for o in job.handle.items for t in o.token_ids] == _alone(model, prompt, max_new,
+                                                                            SamplingParams(), [])
+    assert sorted(j.seq.index for j in released) == [0, 1, 2, 3] and not policy.jobs
