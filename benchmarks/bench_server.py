@@ -86,8 +86,9 @@ def transcript(turns: int) -> list[list[dict]]:
     return out
 
 
-def build_checkpoint(preset: str, directory: Path) -> Path:
-    """A random checkpoint of `preset` with the SmolLM2 tokenizer and Clover's chat template."""
+def build_checkpoint(preset: str, directory: Path, **overrides: Any) -> Path:
+    """A random checkpoint of `preset` (with config `overrides`) with the SmolLM2 tokenizer and Clover's chat
+    template."""
     import importlib.util
 
     import torch
@@ -104,8 +105,8 @@ def build_checkpoint(preset: str, directory: Path) -> Path:
     tok.chat_template = CLOVER_CHAT_TEMPLATE
     tok_dir = directory / "tokenizer"
     tok.save_pretrained(tok_dir)
-    config = CloverConfig.from_preset(preset)
-    overrides = {"eos_token_id": tok.convert_tokens_to_ids("<|im_end|>")}
+    config = CloverConfig.from_preset(preset, **overrides)
+    overrides = {**overrides, "eos_token_id": tok.convert_tokens_to_ids("<|im_end|>")}
     if config.mask_token_id is None:
         overrides["mask_token_id"] = config.vocab_size - 1
     torch.manual_seed(0)

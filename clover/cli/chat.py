@@ -11,6 +11,7 @@ from typing import Any
 
 from clover.cli.loading import (add_decoding_options, add_repetition_options, add_thinking_budget_option, load_model,
                                 repetition_sampling)
+from clover.cli.threads import set_threads
 
 
 def add_parser(subparsers: Any) -> None:
@@ -33,16 +34,13 @@ def add_parser(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     # deferred for start-up time: torch, transformers and the engine load only when the command runs
-    import torch
-
     from clover.chat_template import render_chat
     from clover.cli.generate import token_texts
     from clover.engine import Engine, SamplingParams, StopAwareDetokenizer, StreamPiece
     from clover.engine.thinking import thinking_budget
     from clover.tokenizer import eos_token_ids
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     model, tokenizer, source = load_model(args)
     decode = lambda t: tokenizer.decode(t, skip_special_tokens=True)  # noqa: E731
     eos = eos_token_ids(model.config, tokenizer)

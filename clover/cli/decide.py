@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from clover.cli.loading import DTYPES, add_runner_option, load_model
+from clover.cli.threads import set_threads
 
 
 def add_parser(subparsers: Any) -> None:
@@ -49,13 +50,10 @@ def add_parser(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     # deferred for start-up time: torch, the engine and the model load only when the command runs
-    import torch
-
     from clover.engine.decision import decide, decide_autoregressive
     from clover.engine.form import FormError, parse_form
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     try:
         schema = json.loads(args.schema.read_text())
     except json.JSONDecodeError as exc:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from clover.cli.loading import (add_decoding_options, add_repetition_options, add_thinking_budget_option, load_model,
                                 repetition_sampling)
+from clover.cli.threads import set_threads
 
 if TYPE_CHECKING:
     from clover.engine import StepSnapshot, StreamPiece
@@ -79,15 +80,12 @@ def _prompt_ids(tokenizer: Any, args: argparse.Namespace) -> list[int]:
 
 def run(args: argparse.Namespace) -> int:
     # deferred for start-up time: torch and the engine load only when the command runs
-    import torch
-
     from clover.engine import Engine, SamplingParams, StepSnapshot, StopAwareDetokenizer, StreamPiece
     from clover.engine.grammar import json_schema_grammar
     from clover.engine.thinking import thinking_budget
     from clover.tokenizer import eos_token_ids
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     runner, tokenizer, source = load_model(args)
     ids = _prompt_ids(tokenizer, args)
     eos = eos_token_ids(runner.config, tokenizer)

@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 from clover.cli.loading import add_decoding_options, load_model
+from clover.cli.threads import set_threads
 from clover.config import FULL_ATTENTION, PRESETS, CloverConfig
 from clover.runners.registry import RUNNERS
 
@@ -91,12 +92,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def forward_cost(args: argparse.Namespace) -> dict:
     """The cost table of the model `args` names, as the engine's exact mode reads it."""
     # deferred for start-up time: torch and the model load only when the command runs
-    import torch
-
     from clover.engine.cost import cost_table
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     args.model = args.target
     runner, _, source = load_model(args)
     return {"model": str(source), **cost_table(runner, recalibrate=args.recalibrate).summary()}

@@ -16,6 +16,7 @@ from typing import Any, Callable, TypeVar
 
 from clover.choices import DRAFT_MEMORY_MODES, DRAFT_MEMORY_TOKENS
 from clover.cli.loading import add_decoding_options, load_model, resolve_model_dir
+from clover.cli.threads import set_threads
 from clover.runners.registry import runner_entry
 from clover.tool_formats import FORMATS
 
@@ -151,8 +152,7 @@ def run(args: argparse.Namespace) -> int:
     from clover.serving import ServerOptions, create_app
     from clover.serving.served_model import read_generation_defaults
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     # the default device: a GPU when there is one and the runner runs there
     device = args.device or ("cuda" if "cuda" in runner_entry(args.runner).devices and torch.cuda.is_available()
                              else "cpu")

@@ -176,7 +176,8 @@ def tool_call_grammar(tools: Sequence[tuple[Any, ...]], tokenizer: Any, head: st
         lead = head.format(name=tool.name if xml else json.dumps(tool.name))
         options = {**JSON_OPTIONS, "lenient": not tool.strict}
         parameters = closed_objects(tool.parameters) if tool.parameters is not None else {"type": "object"}
-        parts = [_lark_string(lead)] * bool(lead) + [f"args_{i}"] + [_lark_string(tail)] * bool(tail)
+        pieces = _json_lexemes(lead) if json_answer is not None and not xml else [lead] * bool(lead)
+        parts = [_lark_string(p) for p in pieces] + [f"args_{i}"] + [_lark_string(tail)] * bool(tail)
         rules.append(f"call_{i}: " + " ".join(parts))
         rules += _xml_arguments(f"args_{i}", parameters, options) if xml else \
             [f"args_{i}: %json {json.dumps({**parameters, 'x-guidance': options})}"]
@@ -192,6 +193,17 @@ def tool_call_grammar(tools: Sequence[tuple[Any, ...]], tokenizer: Any, head: st
     except ValueError as exc:
         raise GrammarError(f"the tool schemas cannot be compiled: {exc}") from exc
     return _compile(source, tokenizer, "tool parameters schema" + " or JSON answer" * (json_answer is not None))
+
+
+# a JSON string, a separator as JSON_OPTIONS writes it, or a run of anything else
+_LEXEME = re.compile(r'"(?:[^"\\]|\\.)*"|[:,] ?|[^":,]+')
+
+
+def _json_lexemes(text: str) -> list[str]:
+    """`text` (a call's JSON head, `{"name": "f", "parameters": `) cut where a JSON value's lexemes end. The grammar
+    engine lexes greedily: a call head held as one literal beside a JSON answer that starts as it does (`{`, or
+    `{"name"`) takes every answer's first bytes and then fails on the answer's key; cut alike, both stay open."""
+    return _LEXEME.findall(text)
 
 
 def _xml_arguments(rule: str, parameters: dict[str, Any], options: dict[str, Any]) -> list[str]:

@@ -85,6 +85,10 @@ def route(req: ChatCompletionRequest) -> str | None:
 def request_grammar(req: ChatCompletionRequest, tokenizer: Any, fmt: ToolFormat = HERMES) -> Grammar:
     """The grammar of a request that `route` sends here (the 400 naming the keyword when it cannot compile); calls
     in `fmt`, the model's format."""
+    if req.logprobs:  # refused here, naming the field (the engine refuses it too, later and naming none)
+        raise APIError(400, "logprobs cannot be combined with a grammar-constrained answer (tools with tool_choice "
+                            "'required' or a function, or a response_format): the tokens a grammar forces are "
+                            "decided without the model's logits", param="logprobs", code="unsupported_parameter")
     tools = [ToolSchema(t.function.name, t.function.parameters, bool(t.function.strict))
              for t in req.tools or []] if offers_tools(req) else []
     parallel = max_calls(req) is None
@@ -107,9 +111,9 @@ def request_grammar(req: ChatCompletionRequest, tokenizer: Any, fmt: ToolFormat 
         raise APIError(400, f"{param}: {exc}", param=param, code="unsupported_schema") from exc
     if not tools:
         return grammar
-    try:  # tool_choice "auto": the call(s) or the answer
+    try:  # tool_choice "auto": the call(s) or the answer; nothing is forced, so each call's `head` has its start
         return tool_call_grammar(tools, tokenizer, head=fmt.start + fmt.head, tail=fmt.tail, xml=fmt.xml,
-                                 more=fmt.separator + fmt.start if parallel else None,
+                                 more=fmt.separator if parallel else None,
                                  json_answer=schema if schema is not None else {"type": "object"})
     except GrammarError as exc:
         raise APIError(400, f"tools: {exc}", param="tools", code="unsupported_schema") from exc

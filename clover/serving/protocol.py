@@ -17,7 +17,7 @@ import json
 from typing import Annotated, Any, Literal
 
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictInt, StrictStr,
-                      field_validator, model_validator)
+                      ValidationError, ValidationInfo, ValidatorFunctionWrapHandler, field_validator, model_validator)
 from pydantic_core import PydanticCustomError
 
 from clover.engine.decoding import RULES
@@ -372,16 +372,25 @@ class ChatCompletionRequest(SamplingFields):
     # constrained decoding; None: decision mode where the schema is a form, else the grammar)
     structured_mode: Literal["decision", "grammar"] | None = None
 
-    @model_validator(mode="after")
-    def _tool_choice_names_a_tool(self) -> "ChatCompletionRequest":
-        if isinstance(self.tool_choice, NamedToolChoice):
-            names = {t.function.name for t in self.tools or []}
-            if self.tool_choice.function.name not in names:
-                raise ValueError(f"tool_choice names function {self.tool_choice.function.name!r}, "
-                                 f"which is not among the tools {sorted(names)}")
-        elif self.tool_choice == "required" and not self.tools:
+    @field_validator("tool_choice", mode="wrap")
+    @classmethod
+    def _tool_choice_names_a_tool(cls, value: Any, handler: ValidatorFunctionWrapHandler,
+                                  info: ValidationInfo) -> Any:
+        """Checked as the field (`tools`, declared before it, is in `info.data`), so a 400 names `tool_choice`, not
+        the union branch pydantic tried last nor the whole body."""
+        try:
+            choice = handler(value)
+        except ValidationError as exc:
+            raise ValueError("give 'none', 'auto', 'required' or {'type': 'function', 'function': {'name': ...}}"
+                             ) from exc
+        tools = info.data.get("tools") or []
+        names = {t.function.name for t in tools}
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(f"tool_choice names function {choice.function.name!r}, which is not among the tools "
+                             f"{sorted(names)}")
+        if choice == "required" and not tools:
             raise ValueError("tool_choice 'required' needs tools")
-        return self
+        return choice
 
     @model_validator(mode="after")
     def _top_logprobs_with_logprobs(self) -> "ChatCompletionRequest":

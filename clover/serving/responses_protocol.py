@@ -29,7 +29,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import (BeforeValidator, Discriminator, Field, StrictBool, StrictInt, StrictStr, Tag, ValidationError,
-                      field_validator, model_validator)
+                      ValidationInfo, field_validator, model_validator)
 from pydantic_core import PydanticCustomError
 
 from clover.serving.protocol import (APIError, ChatCompletionRequest, ChatTemplateKwargs, DecodingFields,
@@ -235,6 +235,20 @@ class ResponsesRequest(DecodingFields):
                                "a function's choice (type 'function' and its name)", type=str(value.get("type")))
         if isinstance(value, dict) and not isinstance(value.get("name"), str):
             raise ValueError("a function tool_choice needs the function's name (a string)")
+        if value is not None and not isinstance(value, dict) and value not in ("none", "auto", "required"):
+            raise ValueError("give 'none', 'auto', 'required' or {'type': 'function', 'name': ...}")
+        return value
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice_names_a_tool(cls, value: Any, info: ValidationInfo) -> Any:
+        """Checked as the field (`tools`, declared before it, is in `info.data`): a 400 naming `tool_choice`."""
+        names = [t.name for t in info.data.get("tools") or []]
+        if isinstance(value, ResponsesToolChoice) and value.name not in names:
+            raise ValueError(f"tool_choice names function {value.name!r}, which is not among the tools "
+                             f"{sorted(names)}")
+        if value == "required" and not names:
+            raise ValueError("tool_choice 'required' needs tools")
         return value
 
     @field_validator("include")
@@ -278,16 +292,6 @@ class ResponsesRequest(DecodingFields):
                    "context_management": "the server does not compact conversations"}
         raise _unsupported("{field} is not supported: {reason}", field=info.field_name,
                            reason=reasons[info.field_name])
-
-    @model_validator(mode="after")
-    def _tool_choice_names_a_tool(self) -> "ResponsesRequest":
-        names = [t.name for t in self.tools]
-        if isinstance(self.tool_choice, ResponsesToolChoice) and self.tool_choice.name not in names:
-            raise ValueError(f"tool_choice names function {self.tool_choice.name!r}, which is not among the tools "
-                             f"{sorted(names)}")
-        if self.tool_choice == "required" and not self.tools:
-            raise ValueError("tool_choice 'required' needs tools")
-        return self
 
     @property
     def enable_thinking(self) -> bool | None:

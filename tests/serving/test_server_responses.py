@@ -391,7 +391,7 @@ def test_the_store_keeps_whole_entries_within_its_bytes():
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]},
      "input.0.message.content.0", "invalid_value"),
     ({"input": [{"type": "computer_call_output", "call_id": "c", "output": {}}]}, "input.0", "invalid_value"),
-    ({"tools": TOOLS, "tool_choice": {"type": "function", "name": "nope"}}, None, "invalid_value"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice", "invalid_value"),
     ({"input": "\ud800"}, "input.0.message.content.0.input_text.text", "invalid_unicode"),
     ({"max_output_tokens": 100000}, "max_output_tokens", "context_length_exceeded"),
     ({"text": {"format": {"type": "json_schema", "name": "s", "schema": {"type": "array", "uniqueItems": True}}}},
