@@ -24,7 +24,7 @@ from typing import Any, AsyncIterator
 
 import torch
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 from clover.runners.base import ModelRunner
@@ -110,7 +110,7 @@ def create_app(model: torch.nn.Module | ModelRunner | str | Path, tokenizer: Any
             return JSONResponse({"status": "ok"})
         return JSONResponse({"status": "ok", **server.scheduler.load})
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)  # Prometheus' text format, so documented
     async def metrics() -> Response:
         """The server's figures and the calling key's own (`ServerMetrics`)."""
         return Response(server.metrics.render(CLIENT_KEY.get()), media_type=server.metrics.content_type)

@@ -34,6 +34,10 @@ class APIError(Exception):
 
     def __init__(self, status: int, message: str, *, code: str, type: str = "invalid_request_error",
                  param: str | None = None) -> None:
+        # a message may quote the client's text, lone surrogates included (`"type": "functi\udbffon"`): escaped
+        # here, so that rendering the error as UTF-8 JSON cannot itself fail
+        message, param = (None if t is None else t.encode("utf-8", "backslashreplace").decode("utf-8")
+                          for t in (message, param))
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
 

@@ -132,7 +132,7 @@ AnyItem = MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningIte
 class ResponsesTool(_Model):
     """A tool, in the Responses API's flat shape (`{"type": "function", "name", "parameters", "strict"}`)."""
 
-    type: StrictStr
+    type: Text
     name: ToolName | None = None
     description: Text | None = None
     parameters: JSONObject | None = None

@@ -292,6 +292,8 @@ BAD = [
     ("lone surrogate in stop", dict(raw=_raw(b'"stop": ["\\ud800"]')), 400, "invalid_unicode"),
     ("lone surrogate in a prompt", dict(path="/v1/completions", raw=b'{"model": "clover-test", "prompt": "a\\ud800"}'),
      400, "invalid_unicode"),
+    ("lone surrogate in a Responses tool's type", dict(path="/v1/responses", raw=b'{"model": "clover-test", '
+        b'"input": "hi", "tools": [{"type": "functi\\udbffon", "name": "f"}]}'), 400, "invalid_unicode"),
     ("invalid utf-8", dict(raw=_raw(b'"user": "\xff\xfe"')), 400, "invalid_json"),
     # numbers JSON does not have, or Python will not parse
     ("NaN temperature", dict(raw=_raw(b'"temperature": NaN')), 400, "invalid_value"),
