@@ -59,6 +59,9 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(self.head_v_dim, eps=config.rms_norm_eps)
         self.out_proj = nn.Linear(self.value_dim, h, bias=False)
         nn.init.zeros_(self.conv1d_right.weight)
+        # a one-token decoding step between the projections in one C++ call (`_fused_step`); set by
+        # clover.model.quant, whose packed projections need the compiled kernels anyway
+        self.fused_step = False
 
     # -- convolutions -------------------------------------------------------------------------------------
     def _right_conv(self, blocks: torch.Tensor) -> torch.Tensor:
@@ -125,6 +128,10 @@ class GatedDeltaNet(nn.Module):
                 cache: DeltaNetLayerCache | None) -> torch.Tensor:
         n, t, _ = x.shape
         lc, p, bsz = layout.clean_len, layout.causal_len, layout.block_size
+        if (self.fused_step and t == 1 and p == 1 and not layout.query_blocks and clean_valid is None
+                and cache is not None and cache.state is not None and x.dtype == torch.float32
+                and x.device.type == "cpu" and not (x.requires_grad and torch.is_grad_enabled())):
+            return self._fused_step(x, cache)
         if layout.causal_clean and layout.query_blocks and layout.query_start < lc:
             # the query blocks would need the causal recurrence's state at each block start of the clean stream
             raise ValueError("Gated DeltaNet reads committed context block-causally: context_reading='causal' "
@@ -200,6 +207,27 @@ class GatedDeltaNet(nn.Module):
         o = torch.cat(outs, dim=2).transpose(1, 2).to(x.dtype)  # [N, T, Hv, dv]
         z = self.in_proj_z(x).view(n, t, self.num_v_heads, self.head_v_dim)
         return self.out_proj(self.norm(o, z).reshape(n, t, self.value_dim))
+
+    def _fused_step(self, x: torch.Tensor, cache: DeltaNetLayerCache) -> torch.Tensor:
+        """One committed token per row after its cached history (`x [N, 1, H]`): the conv, the recurrence's step
+        and the gated norm by `clover/ops/csrc/deltanet.cpp` (the same math as `forward`'s path through
+        `recurrent_gated_delta_rule`, to fp32 rounding: tests/model/test_deltanet_step.py), the projections as
+        modules."""
+        from clover.ops import woq  # deferred: the extension is compiled on first use
+
+        n = x.shape[0]
+        rows = x.view(n, -1)
+        mixed = self.in_proj_qkv(rows)
+        y, state, window, k, v, g, beta = woq.extension().deltanet_step(
+            mixed, self.in_proj_z(rows), self.in_proj_a(rows), self.in_proj_b(rows), cache.conv.contiguous(),
+            self.conv1d.weight, None if self.causal_read else self.conv1d_right.weight, self.A_log, self.dt_bias,
+            self.norm.weight, self.norm.eps, cache.state.contiguous(), self.num_k_heads, self.head_k_dim,
+            self.head_v_dim)
+        if cache.recording:
+            cache.record(cache.state, torch.cat([cache.conv, mixed[..., None]], dim=2), k[:, :, None],
+                         v[:, :, None], g[..., None], beta[..., None])
+        cache.state, cache.conv = state, window
+        return self.out_proj(y).view(n, 1, -1)
 
     def _read(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
               states: torch.Tensor, sizes: torch.Tensor, bsz: int) -> torch.Tensor:
