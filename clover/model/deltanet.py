@@ -32,6 +32,10 @@ from clover.ops.delta_rule import (block_bidirectional_read, chunk_gated_delta_r
                                    recurrent_gated_delta_rule)
 
 PREFILL_CHUNK = 64  # chunk of the causal chunked rule
+# up to this many causal tokens per row after a cached history (a decoding step; exact mode's verified drafts) run
+# token by token in one C++ call (`GatedDeltaNet._fused_step`), each token with the bits it gets alone; longer
+# runs (a prompt's chunks) take the chunked rule
+FUSED_STEP_TOKENS = 16
 
 
 class GatedDeltaNet(nn.Module):
@@ -128,7 +132,7 @@ class GatedDeltaNet(nn.Module):
                 cache: DeltaNetLayerCache | None) -> torch.Tensor:
         n, t, _ = x.shape
         lc, p, bsz = layout.clean_len, layout.causal_len, layout.block_size
-        if (self.fused_step and t == 1 and p == 1 and not layout.query_blocks and clean_valid is None
+        if (self.fused_step and t == p == lc <= FUSED_STEP_TOKENS and clean_valid is None
                 and cache is not None and cache.state is not None and x.dtype == torch.float32
                 and x.device.type == "cpu" and not (x.requires_grad and torch.is_grad_enabled())):
             return self._fused_step(x, cache)
@@ -209,25 +213,24 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(self.norm(o, z).reshape(n, t, self.value_dim))
 
     def _fused_step(self, x: torch.Tensor, cache: DeltaNetLayerCache) -> torch.Tensor:
-        """One committed token per row after its cached history (`x [N, 1, H]`): the conv, the recurrence's step
-        and the gated norm by `clover/ops/csrc/deltanet.cpp` (the same math as `forward`'s path through
-        `recurrent_gated_delta_rule`, to fp32 rounding: tests/model/test_deltanet_step.py), the projections as
-        modules."""
+        """`x [N, T, H]`: causal tokens after each row's cached history, stepped token by token between the
+        projections by `clover/ops/csrc/deltanet.cpp`: the conv, the recurrence and the gated norm (the math of
+        `forward`'s path through `recurrent_gated_delta_rule`, to fp32 rounding: tests/model/test_deltanet_step.py);
+        a token computes the same bits whether its forward holds it alone or after others (exact mode's verified
+        drafts as block size 1's steps)."""
         from clover.ops import woq  # deferred: the extension is compiled on first use
 
-        n = x.shape[0]
-        rows = x.view(n, -1)
-        mixed = self.in_proj_qkv(rows)
+        n, t, _ = x.shape
+        mixed = self.in_proj_qkv(x)
         y, state, window, k, v, g, beta = woq.extension().deltanet_step(
-            mixed, self.in_proj_z(rows), self.in_proj_a(rows), self.in_proj_b(rows), cache.conv.contiguous(),
+            mixed, self.in_proj_z(x), self.in_proj_a(x), self.in_proj_b(x), cache.conv.contiguous(),
             self.conv1d.weight, None if self.causal_read else self.conv1d_right.weight, self.A_log, self.dt_bias,
             self.norm.weight, self.norm.eps, cache.state.contiguous(), self.num_k_heads, self.head_k_dim,
             self.head_v_dim)
         if cache.recording:
-            cache.record(cache.state, torch.cat([cache.conv, mixed[..., None]], dim=2), k[:, :, None],
-                         v[:, :, None], g[..., None], beta[..., None])
+            cache.record(cache.state, torch.cat([cache.conv, mixed.transpose(1, 2)], dim=2), k, v, g, beta)
         cache.state, cache.conv = state, window
-        return self.out_proj(y).view(n, 1, -1)
+        return self.out_proj(y)
 
     def _read(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
               states: torch.Tensor, sizes: torch.Tensor, bsz: int) -> torch.Tensor:

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from model_helpers import tiny_model
+from model_helpers import assert_close_up_to_activation_rounding, tiny_model
 
 from clover.model.deltanet import GatedDeltaNet
+from clover.model.quant import quantize
 
 
 def _steps(model, ids: torch.Tensor, fused: bool, rewind_at: int | None = None) -> tuple[torch.Tensor, list]:
@@ -42,3 +43,27 @@ def test_fused_step_equals_the_module_path(deltanet_reading, rewind_at, monkeypa
     for (state, conv), (ref_state, ref_conv) in zip(got_states, want_states):
         torch.testing.assert_close(state, ref_state, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(conv, ref_conv, rtol=1e-5, atol=1e-6)  # inputs, after the layers before
+
+
+@torch.no_grad()
+def test_tokens_stepped_together_get_the_bits_they_get_alone():
+    """A forward of several causal tokens after the cache steps them in turn: the same logits, bit for bit, as
+    forwards of one token each (exact mode's verification against block size 1: packed projections and the grouped
+    MoE give a row the same bits whatever rows share its forward), and the module path's up to the rounding of the
+    activations (its chunked rule computes other fp32 bits upstream)."""
+    model = quantize(tiny_model("clover-tiny", num_hidden_layers=3, layer_types=["linear_attention"] * 3), "int4")
+    ids = torch.randint(0, 250, (2, 14))
+    together = model.new_cache(2)
+    model(ids[:, :8], cache=together)
+    got = model(ids[:, 8:], cache=together).logits
+    alone = model.new_cache(2)
+    model(ids[:, :8], cache=alone)
+    want = torch.cat([model(ids[:, t : t + 1], cache=alone).logits for t in range(8, 14)], 1)
+    assert torch.equal(got, want)
+    for module in model.modules():
+        if isinstance(module, GatedDeltaNet):
+            module.fused_step = False
+    chunked = model.new_cache(2)
+    model(ids[:, :8], cache=chunked)
+    ref = model(ids[:, 8:], cache=chunked).logits
+    assert_close_up_to_activation_rounding(got, ref)
