@@ -38,6 +38,14 @@ PREFILL_CHUNK = 64  # chunk of the causal chunked rule
 FUSED_STEP_TOKENS = 16
 
 
+def _reading_prompt() -> bool:
+    """Prompt chunks take the chunked rule however short (a prompt's state has the same bits however it is served:
+    clover.model.quant.reading_prompt)."""
+    from clover.model.quant import is_reading_prompt  # deferred: clover.model.quant imports this module
+
+    return is_reading_prompt()
+
+
 class GatedDeltaNet(nn.Module):
     def __init__(self, config: CloverConfig) -> None:
         super().__init__()
@@ -132,9 +140,10 @@ class GatedDeltaNet(nn.Module):
                 cache: DeltaNetLayerCache | None) -> torch.Tensor:
         n, t, _ = x.shape
         lc, p, bsz = layout.clean_len, layout.causal_len, layout.block_size
-        if (self.fused_step and t == p == lc <= FUSED_STEP_TOKENS and clean_valid is None
+        if (self.fused_step and t == p == lc <= FUSED_STEP_TOKENS and (clean_valid is None or bool(clean_valid.all()))
                 and cache is not None and cache.state is not None and x.dtype == torch.float32
-                and x.device.type == "cpu" and not (x.requires_grad and torch.is_grad_enabled())):
+                and x.device.type == "cpu" and not (x.requires_grad and torch.is_grad_enabled())
+                and not _reading_prompt()):
             return self._fused_step(x, cache)
         if layout.causal_clean and layout.query_blocks and layout.query_start < lc:
             # the query blocks would need the causal recurrence's state at each block start of the clean stream
