@@ -44,11 +44,13 @@ def dequantised_matmul(monkeypatch) -> None:
     packed (weights, corrections), which the CPU kernel's rounding of the activations (~1 % of an output, held to
     that matmul by the kernel tests) would hide. The fused C++ layer calls the kernel itself, so it is off too."""
     from clover.model import modeling
+    from clover.model.quant import PackedExperts
     from clover.ops import woq
 
     monkeypatch.setattr(woq, "woq_linear", lambda *args, activations="int8", correction_tiles=None, **kwargs:
                         woq.reference_linear(*args, **kwargs))
     monkeypatch.setattr(modeling, "runs_fused", lambda h, ctx: False)
+    monkeypatch.setattr(PackedExperts, "grouped", lambda self, moe, x: None)  # the dequantised experts as modules
 
 
 def assert_close_up_to_activation_rounding(got: torch.Tensor, want: torch.Tensor, close_share: float = 0.0) -> None:

@@ -32,6 +32,18 @@ from clover.ops.delta_rule import (block_bidirectional_read, chunk_gated_delta_r
                                    recurrent_gated_delta_rule)
 
 PREFILL_CHUNK = 64  # chunk of the causal chunked rule
+# up to this many causal tokens per row after a cached history (a decoding step; exact mode's verified drafts) run
+# token by token in one C++ call (`GatedDeltaNet._fused_step`), each token with the bits it gets alone; longer
+# runs (a prompt's chunks) take the chunked rule
+FUSED_STEP_TOKENS = 16
+
+
+def _reading_prompt() -> bool:
+    """Prompt chunks take the chunked rule however short (a prompt's state has the same bits however it is served:
+    clover.model.quant.reading_prompt)."""
+    from clover.model.quant import is_reading_prompt  # deferred: clover.model.quant imports this module
+
+    return is_reading_prompt()
 
 
 class GatedDeltaNet(nn.Module):
@@ -59,6 +71,9 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(self.head_v_dim, eps=config.rms_norm_eps)
         self.out_proj = nn.Linear(self.value_dim, h, bias=False)
         nn.init.zeros_(self.conv1d_right.weight)
+        # a one-token decoding step between the projections in one C++ call (`_fused_step`); set by
+        # clover.model.quant, whose packed projections need the compiled kernels anyway
+        self.fused_step = False
 
     # -- convolutions -------------------------------------------------------------------------------------
     def _right_conv(self, blocks: torch.Tensor) -> torch.Tensor:
@@ -125,6 +140,11 @@ class GatedDeltaNet(nn.Module):
                 cache: DeltaNetLayerCache | None) -> torch.Tensor:
         n, t, _ = x.shape
         lc, p, bsz = layout.clean_len, layout.causal_len, layout.block_size
+        if (self.fused_step and t == p == lc <= FUSED_STEP_TOKENS and (clean_valid is None or bool(clean_valid.all()))
+                and cache is not None and cache.state is not None and x.dtype == torch.float32
+                and x.device.type == "cpu" and not (x.requires_grad and torch.is_grad_enabled())
+                and not _reading_prompt()):
+            return self._fused_step(x, cache)
         if layout.causal_clean and layout.query_blocks and layout.query_start < lc:
             # the query blocks would need the causal recurrence's state at each block start of the clean stream
             raise ValueError("Gated DeltaNet reads committed context block-causally: context_reading='causal' "
@@ -200,6 +220,26 @@ class GatedDeltaNet(nn.Module):
         o = torch.cat(outs, dim=2).transpose(1, 2).to(x.dtype)  # [N, T, Hv, dv]
         z = self.in_proj_z(x).view(n, t, self.num_v_heads, self.head_v_dim)
         return self.out_proj(self.norm(o, z).reshape(n, t, self.value_dim))
+
+    def _fused_step(self, x: torch.Tensor, cache: DeltaNetLayerCache) -> torch.Tensor:
+        """`x [N, T, H]`: causal tokens after each row's cached history, stepped token by token between the
+        projections by `clover/ops/csrc/deltanet.cpp`: the conv, the recurrence and the gated norm (the math of
+        `forward`'s path through `recurrent_gated_delta_rule`, to fp32 rounding: tests/model/test_deltanet_step.py);
+        a token computes the same bits whether its forward holds it alone or after others (exact mode's verified
+        drafts as block size 1's steps)."""
+        from clover.ops import woq  # deferred: the extension is compiled on first use
+
+        n, t, _ = x.shape
+        mixed = self.in_proj_qkv(x)
+        y, state, window, k, v, g, beta = woq.extension().deltanet_step(
+            mixed, self.in_proj_z(x), self.in_proj_a(x), self.in_proj_b(x), cache.conv.contiguous(),
+            self.conv1d.weight, None if self.causal_read else self.conv1d_right.weight, self.A_log, self.dt_bias,
+            self.norm.weight, self.norm.eps, cache.state.contiguous(), self.num_k_heads, self.head_k_dim,
+            self.head_v_dim)
+        if cache.recording:
+            cache.record(cache.state, torch.cat([cache.conv, mixed.transpose(1, 2)], dim=2), k, v, g, beta)
+        cache.state, cache.conv = state, window
+        return self.out_proj(y)
 
     def _read(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
               states: torch.Tensor, sizes: torch.Tensor, bsz: int) -> torch.Tensor:

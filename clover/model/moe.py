@@ -44,8 +44,31 @@ class TopKRouter(nn.Module):
         return weights.to(x.dtype), experts
 
 
+def run_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gate_up: torch.Tensor,
+                down: torch.Tensor) -> torch.Tensor:
+    """x `[tokens, H]`; each token's output is the weighted sum of its top-k experts' outputs (`gate_up [E, 2I, H]`,
+    gate rows then up; `down [E, H, I]`), one matmul per expert over the tokens routed to it."""
+    out = torch.zeros_like(x)
+    flat = experts.flatten()
+    order = flat.argsort(stable=True)
+    counts = torch.bincount(flat, minlength=gate_up.shape[0]).tolist()
+    token_of = order // experts.shape[1]
+    weight_of = weights.flatten()[order]
+    start = 0
+    for e, count in enumerate(counts):  # one matmul per expert that has tokens
+        if count == 0:
+            continue
+        idx = token_of[start : start + count]
+        gate, up = F.linear(x[idx], gate_up[e]).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, down[e]) * weight_of[start : start + count, None]
+        out.index_add_(0, idx, y.to(out.dtype))
+        start += count
+    return out
+
+
 class Experts(nn.Module):
-    """Routed SwiGLU experts stored fused: `gate_up_proj` `[E, 2I, H]` (gate rows, then up), `down_proj` `[E, H, I]`."""
+    """Routed SwiGLU experts stored fused: `gate_up_proj` `[E, 2I, H]` (gate rows, then up), `down_proj` `[E, H, I]`.
+    (Quantised, they are `clover.model.quant.PackedExperts`, which the whole layer may run as one C++ call.)"""
 
     def __init__(self, config: CloverConfig) -> None:
         super().__init__()
@@ -54,23 +77,11 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(e, h, i))
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        """x `[tokens, H]`; each token's output is the weighted sum of its top-k experts' outputs."""
-        out = torch.zeros_like(x)
-        flat = experts.flatten()
-        order = flat.argsort(stable=True)
-        counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).tolist()
-        token_of = order // experts.shape[1]
-        weight_of = weights.flatten()[order]
-        start = 0
-        for e, count in enumerate(counts):  # one matmul per expert that has tokens
-            if count == 0:
-                continue
-            idx = token_of[start : start + count]
-            gate, up = F.linear(x[idx], self.gate_up_proj[e]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.down_proj[e]) * weight_of[start : start + count, None]
-            out.index_add_(0, idx, y.to(out.dtype))
-            start += count
-        return out
+        return run_experts(x, weights, experts, self.gate_up_proj, self.down_proj)
+
+    def grouped(self, moe: SparseMoE, x: torch.Tensor) -> torch.Tensor | None:
+        """The whole layer in one call, where the experts' form has one (`PackedExperts`); here: none."""
+        return None
 
 
 class SparseMoE(nn.Module):
@@ -90,6 +101,9 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
+        out = self.experts.grouped(self, x)
+        if out is not None:
+            return out.reshape(shape)
         weights, experts = self.gate(x)
         out = self.experts(x, weights, experts)
         if self.shared_expert is not None:

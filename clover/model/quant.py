@@ -52,8 +52,9 @@ from torch import nn
 
 from clover.choices import QUANTIZATIONS
 from clover.model.attention import Attention
+from clover.model.deltanet import GatedDeltaNet
 from clover.model.lora import AdapterGate, LoRALinear, TrainableRowsEmbedding, has_lora, merge_and_unload
-from clover.model.moe import SwiGLU
+from clover.model.moe import Experts, SparseMoE, SwiGLU, run_experts
 from clover.ops import woq
 
 logger = logging.getLogger(__name__)
@@ -175,6 +176,12 @@ class PackedLinear(nn.Module):
                 b.get("correction_a"), b.get("correction_tiles"), b.get("correction_index"),
                 woq.ACTIVATIONS[self.activations])
 
+    def expert_args(self) -> tuple:
+        """The layer as `woq.moe` takes a shared expert's projection: one expert's stack (E = 1)."""
+        b = self._buffers
+        return (b["qweight"][None], b["scale"][None], b["zero"][None], woq.KINDS[self.kind], self.out_features,
+                self.group_size)
+
     def dequantized(self) -> torch.Tensor:
         """The fp32 `[out, in]` weights this layer computes with (the correction, if any, not included)."""
         return woq.unpack(self.qweight, self.scale, self.zero, self.kind, self.out_features, self.in_features,
@@ -193,6 +200,87 @@ class PackedLinear(nn.Module):
             (f", group_size={self.group_size}" if self.kind == "int4" else "") + \
             (f", activations={self.activations}" if self.kind in ("int8", "int4") else "") + \
             (f", rank={self.rank}" if self.rank else "")
+
+
+class PackedExperts(nn.Module):
+    """A MoE's routed experts packed like `PackedLinear`'s weights, every expert's projection stacked
+    (`woq.pack_experts`): `gate_up_*` `[E, ...]` of `[2I, H]` (gate rows, then up), `down_*` of `[H, I]`. On a CPU
+    in fp32, without autograd, the whole layer (router, the chosen experts grouped by expert, the shared expert
+    and its gate) is one C++ call (`grouped`, `woq.moe`); elsewhere the dequantised experts run as
+    `clover.model.moe.Experts` runs its own (the reference)."""
+
+    PROJECTIONS = ("gate_up", "down")
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, kind: str,
+                 group_size: int = woq.DEFAULT_GROUP_SIZE, device: torch.device | str | None = None,
+                 activations: str = "int8") -> None:
+        super().__init__()
+        woq.check_activations(activations)
+        self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
+        self.kind, self.group_size, self.activations = kind, group_size, activations
+        for proj, (out_features, in_features) in self._shapes().items():
+            for name, (shape, dtype) in woq.packed_shapes(out_features, in_features, kind, group_size).items():
+                self.register_buffer(f"{proj}_{name}", torch.empty(num_experts, *shape, dtype=dtype, device=device))
+
+    def _shapes(self) -> dict[str, tuple[int, int]]:
+        return {"gate_up": (2 * self.intermediate_size, self.hidden_size),
+                "down": (self.hidden_size, self.intermediate_size)}
+
+    @classmethod
+    def from_experts(cls, experts: Experts, kind: str, group_size: int = woq.DEFAULT_GROUP_SIZE, name: str = "experts",
+                     activations: str = "int8") -> PackedExperts:
+        e, two_i, h = experts.gate_up_proj.shape
+        layer = cls(e, h, two_i // 2, kind, group_size, device="meta", activations=activations)
+        for proj, weight in (("gate_up", experts.gate_up_proj), ("down", experts.down_proj)):
+            for key, t in woq.pack_experts(weight, kind, group_size, f"{name}.{proj}_proj").items():
+                setattr(layer, f"{proj}_{key}", t.to(weight.device))
+        return layer
+
+    def args(self, proj: str) -> tuple:
+        """One projection as `woq.moe` takes it: `(qweight, scale, zero, kind code, out_features, group_size)`."""
+        b = self._buffers
+        return (b[f"{proj}_qweight"], b[f"{proj}_scale"], b[f"{proj}_zero"], woq.KINDS[self.kind],
+                self._shapes()[proj][0], self.group_size)
+
+    def dequantized(self, proj: str) -> torch.Tensor:
+        """The fp32 `[E, out, in]` weights of `proj` ("gate_up" or "down")."""
+        out_features, in_features = self._shapes()[proj]
+        b = self._buffers
+        return woq.unpack_experts(b[f"{proj}_qweight"], b[f"{proj}_scale"], b[f"{proj}_zero"], self.kind,
+                                  out_features, in_features, self.group_size)
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """The module path: the dequantised experts, x not rounded."""
+        return run_experts(x, weights, experts, self.dequantized("gate_up").to(x), self.dequantized("down").to(x))
+
+    def grouped(self, moe: SparseMoE, x: torch.Tensor) -> torch.Tensor | None:
+        """`moe(x)` for `x [T, H]` in one C++ call, or None where the module path runs: off the CPU, another dtype
+        than fp32, autograd recording, prompt rows that `prompt_matmul` multiplies in fp32 (as `PackedLinear`
+        does), or a shared expert not in the experts' packed format (an adapter on it)."""
+        if x.device.type != "cpu" or x.dtype != torch.float32 or (x.requires_grad and torch.is_grad_enabled()):
+            return None
+        if self.activations == "int8x2" and is_reading_prompt() and prompt_matmul() == "fp32":
+            return None
+        shared = None
+        if moe.shared_expert is not None:
+            mlp, gate = moe.shared_expert._modules, moe.shared_expert_gate
+            parts = (mlp.get("gate_up_proj"), mlp.get("down_proj"))
+            if type(gate) is not nn.Linear or not all(
+                    isinstance(p, PackedLinear) and not p.rank and p.kind == self.kind
+                    and p.group_size == self.group_size for p in parts):
+                return None
+            shared = (parts[0].expert_args(), parts[1].expert_args(), gate.weight.detach().view(-1))
+        router = moe.gate
+        return woq.moe(x.contiguous(), router.weight.detach(), router.top_k, router.normalize, self.args("gate_up"),
+                       self.args("down"), shared, self.activations)
+
+    def weight_bytes(self) -> int:
+        """Bytes of every expert's packed weights, scales and minima (a token reads top-k / E of them)."""
+        return sum(t.numel() * t.element_size() for t in self._buffers.values())
+
+    def extra_repr(self) -> str:
+        return f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, " \
+               f"intermediate_size={self.intermediate_size}, kind={self.kind}, activations={self.activations}"
 
 
 def check_quantization(quant: str) -> None:
@@ -228,7 +316,7 @@ def quantize(model: nn.Module, quant: str = "int4", group_size: int = woq.DEFAUL
     if quant == "none" or (current.get("quant") == quant and head in (None, current.get("lm_head", quant))):
         if activations is not None and current:  # a property of the computation, not of the packed weights
             for module in model.modules():
-                if isinstance(module, PackedLinear):
+                if isinstance(module, (PackedLinear, PackedExperts)):
                     module.activations = activations
             current["activations"] = activations
         return model
@@ -259,7 +347,7 @@ def quantize(model: nn.Module, quant: str = "int4", group_size: int = woq.DEFAUL
 
 
 def packed_bytes(model: nn.Module) -> int:
-    return sum(m.weight_bytes() for m in model.modules() if isinstance(m, PackedLinear))
+    return sum(m.weight_bytes() for m in model.modules() if isinstance(m, (PackedLinear, PackedExperts)))
 
 
 def save_quantization(model: nn.Module, directory: Path) -> None:
@@ -379,8 +467,21 @@ def _convert(model: nn.Module, kind: str, group_size: int, head: str, activation
         elif isinstance(module, SwiGLU) and plain(module.gate_proj, module.up_proj):
             module.gate_up_proj = packed([module.gate_proj, module.up_proj], f"{name}.gate_up_proj")
             del module.gate_proj, module.up_proj
+        elif isinstance(module, SparseMoE) and isinstance(module.experts, Experts):
+            experts = module.experts
+            if meta:
+                e, two_i, h = experts.gate_up_proj.shape
+                module.experts = PackedExperts(e, h, two_i // 2, kind, group_size, device="meta",
+                                               activations=activations)
+            else:
+                module.experts = PackedExperts.from_experts(experts, kind, group_size, f"{name}.experts", activations)
+    # a shared expert's gate [1, H] keeps its weights, as the router does: a dot product per token, read in fp32 by
+    # the grouped MoE call (one with an adapter is packed with its correction)
+    kept = {f"{name}.shared_expert_gate" for name, module in model.named_modules()
+            if isinstance(module, SparseMoE) and type(module.shared_expert_gate) is nn.Linear
+            and f"{name}.shared_expert_gate" not in (ranks or {})}
     for name, module in list(model.named_modules()):
-        if linear(module):
+        if linear(module) and name not in kept:
             if module.bias is not None:
                 raise ValueError(f"cannot quantise {name}: linear layers with a bias are not supported")
             owner, _, attr = name.rpartition(".")
@@ -388,4 +489,6 @@ def _convert(model: nn.Module, kind: str, group_size: int, head: str, activation
     for module in model.modules():
         if isinstance(module, DecoderLayer):
             module.fused = can_fuse(module)
+        if isinstance(module, GatedDeltaNet):
+            module.fused_step = True
     return corrected

@@ -66,8 +66,9 @@ logger = logging.getLogger(__name__)
 KINDS = {"fp32": 0, "bf16": 1, "int8": 2, "int4": 3}
 BLOCK = 16  # output columns per packed block (the kernel's register tile is 16 wide)
 TILE_K = 256  # K per chunk of the fp32 path (and of the portable path's decoded bf16): 256 x 16 fp32 = 16 KiB, in L1
-LAYOUT_VERSION = 3  # of the packed layout; 1: int8 / int4 codes as [o // 16, k, o % 16] (fp32 decoding kernels);
-# 2: low-rank corrections in fp32
+LAYOUT_VERSION = 4  # of the packed layout; 1: int8 / int4 codes as [o // 16, k, o % 16] (fp32 decoding kernels);
+# 2: low-rank corrections in fp32; 3: a MoE's routed experts kept in fp32 and its shared expert's gate packed (4 packs
+# the experts, stacked: clover.model.quant.PackedExperts, and keeps that [1, H] gate in fp32, as the router)
 DEFAULT_GROUP_SIZE = 32  # llama.cpp's Q4_1/Q8_0 block, the format clover-smol's base weights come in
 ACTIVATIONS = {"int8": 1, "int8x2": 2}  # int8 / int4 layers' rounding of x: int8 passes (the kernel's `passes`)
 # From this many rows a forward's layers run as modules, not as the fused C++ layer (clover.model.fused), whose gain is
@@ -79,7 +80,9 @@ DENSE_ROWS = 256
 # and query rows) multiplies the prompt's rows as block size 1's.
 ROW_TILE = 16
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = (CSRC / "woq.cpp", CSRC / "layer.cpp")  # the kernels; a decoder layer built on them (clover.model.fused)
+# the kernels; a decoder layer built on them (clover.model.fused); a sparse MoE layer grouped by expert
+# (clover.model.quant.PackedExperts); a Gated DeltaNet decoding step (clover.model.deltanet)
+SOURCES = (CSRC / "woq.cpp", CSRC / "layer.cpp", CSRC / "moe.cpp", CSRC / "deltanet.cpp")
 HEADERS = (CSRC / "woq.h",)
 # No -march: the AVX2 path is selected per function and at run time, so the build stays portable. -fopenmp: the
 # kernel's own thread team is an OpenMP region, and ATen's at::parallel_for (the layer's attention) is a header
@@ -366,6 +369,60 @@ def woq_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero
     period, start = gate or (1, 0)
     return extension().woq_linear(x, qweight, scale, zero, KINDS[kind], out_features, group_size, TILE_K, vectorised,
                                   a, tiles, index, ACTIVATIONS[activations], period, start)
+
+
+def pack_experts(weights: torch.Tensor, kind: str, group_size: int = DEFAULT_GROUP_SIZE,
+                 name: str = "experts") -> dict[str, torch.Tensor]:
+    """Every expert's `W_e [O, K]` (`weights [E, O, K]`) packed as `pack` packs one, stacked along a first dimension
+    of E (what `moe`'s kernel indexes by expert)."""
+    packed = [pack(w, kind, group_size, f"{name}[{e}]") for e, w in enumerate(weights)]
+    return {key: torch.stack([p[key] for p in packed]) for key in packed[0]}
+
+
+def unpack_experts(qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, kind: str, out_features: int,
+                   in_features: int, group_size: int = DEFAULT_GROUP_SIZE) -> torch.Tensor:
+    """`pack_experts`' tensors -> the dense fp32 `[E, O, K]` weights they stand for."""
+    return torch.stack([unpack(qweight[e], scale[e], zero[e], kind, out_features, in_features, group_size)
+                        for e in range(qweight.shape[0])])
+
+
+def moe(x: torch.Tensor, router: torch.Tensor, top_k: int, normalize: bool, gate_up: tuple, down: tuple,
+        shared: tuple[tuple, tuple, torch.Tensor] | None = None, activations: str = "int8",
+        vectorised: bool = True) -> torch.Tensor:
+    """A sparse MoE layer by the extension (csrc/moe.cpp), in one call: `x [T, H]` fp32, `router [E, H]` fp32; the
+    softmax's top `top_k` experts per token (`normalize`: their weights renormalised to sum to 1), each chosen
+    expert's rows through its SwiGLU, grouped by expert, the weighted sum; `shared`: `(gate_up, down, gate [H])`, a
+    shared expert added with weight `sigmoid(gate . x)`. `gate_up` / `down`: `(qweight, scale, zero, kind code,
+    out_features, group_size)` of `pack_experts`' tensors (`[E, 2I, H]`, gate rows then up; `[E, H, I]`); the shared
+    expert's the same with E = 1. `moe_reference` is what it computes, but for int8 / int4's rounding of the
+    activations (as `woq_linear`'s, `activations`)."""
+    check_activations(activations)
+    shared_gate_up = shared_down = gate = None
+    if shared is not None:
+        shared_gate_up, shared_down, gate = shared
+    return extension().moe(x, router, top_k, normalize, gate_up, down, shared_gate_up, shared_down, gate,
+                           ACTIVATIONS[activations], vectorised)
+
+
+def moe_reference(x: torch.Tensor, router: torch.Tensor, top_k: int, normalize: bool, gate_up: torch.Tensor,
+                  down: torch.Tensor, shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+                  ) -> torch.Tensor:
+    """What `moe` computes, token by token in fp32 over dense weights (`gate_up [E, 2I, H]`, `down [E, H, I]`,
+    `shared`: `(gate_up [2I', H], down [H, I'], gate [H])`): the tests' yardstick."""
+    x = x.float()
+    out = torch.zeros_like(x)
+    for t, row in enumerate(x):
+        probs = (router.float() @ row).softmax(dim=-1)
+        weights, chosen = probs.topk(top_k)
+        if normalize:
+            weights = weights / weights.sum()
+        for w, e in sorted(zip(weights.tolist(), chosen.tolist()), key=lambda pair: pair[1]):  # ascending expert
+            gate, up = (gate_up[e].float() @ row).chunk(2)
+            out[t] += (down[e].float() @ (F.silu(gate) * up)) * w
+        if shared is not None:
+            gate, up = (shared[0].float() @ row).chunk(2)
+            out[t] += torch.sigmoid(shared[2].float() @ row) * (shared[1].float() @ (F.silu(gate) * up))
+    return out
 
 
 def has_avx2() -> bool:

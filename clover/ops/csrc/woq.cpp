@@ -47,24 +47,14 @@
 #define WOQ_X86 1
 #endif
 
+using namespace woq_kernel;
+
 namespace {
 
-enum Kind : int64_t { F32 = 0, BF16 = 1, INT8 = 2, INT4 = 3 };
-constexpr int NB = 16;  // output columns per block
 constexpr int MR = 6;   // rows per register tile (fp32 / bf16)
 constexpr int MR_INT = 4;  // rows per register tile (int8 / int4: 2 x 4 int32 accumulators + 4 decoded codes)
 constexpr int MR_VNNI = 16;  // the same with AVX-512 (16 accumulators of 16 columns, of its 32 registers)
 constexpr int32_t DIGIT = 254;  // two passes: x ~ s2 (DIGIT q1 + q2), s2 = s1 / DIGIT (file header)
-
-struct Args {
-  const float* x;
-  int64_t rows, K, O, blocks, kc_max, group;
-  int64_t kind;
-  const void* w;
-  const uint16_t* hscale;  // [O / 16, K / group, 16] fp16 bits (int8, int4)
-  const uint16_t* hzero;
-  float* y;
-};
 
 inline float half_to_f32(uint16_t v) { return static_cast<float>(c10::Half(v, c10::Half::from_bits())); }
 
@@ -74,16 +64,6 @@ inline float bf16_to_f32(uint16_t v) {
   std::memcpy(&f, &u, 4);
   return f;
 }
-
-// Each row of x quantised to int8 per group of K in `passes` passes (1, or 2: the residual of the first), as
-// rows of codes r * passes + p: q [R * P, K]; per row of x and group its step s [R, K / group] (sx, or s2 for two
-// passes) and s * sum(Q) [R, K / group] (int4's minimum term; Q = qx, or 254 q1 + q2).
-struct Acts {
-  int8_t* q;
-  float* s;
-  float* sum;
-  int64_t passes;
-};
 
 // -- portable path ---------------------------------------------------------------------------------------
 const float* tile_scalar(const Args& a, int64_t b, int64_t k0, int64_t kc, float* tile) {
@@ -631,7 +611,9 @@ void residual(const float* x, const int8_t* q, float sx, int64_t n, float* res, 
   residual_scalar(x, q, sx, n, res);
 }
 
-void float_block(const Args& a, int64_t b, float* tile, bool vector) {
+}  // namespace
+
+void woq_kernel::float_block(const Args& a, int64_t b, float* tile, bool vector) {
 #ifdef WOQ_X86
   if (vector) return a.kind == BF16 ? float_block_avx2<true>(a, b) : float_block_avx2<false>(a, b);
 #endif
@@ -641,7 +623,7 @@ void float_block(const Args& a, int64_t b, float* tile, bool vector) {
   }
 }
 
-void int_block(const Args& a, const Acts& x, int64_t b, bool vector) {
+void woq_kernel::int_block(const Args& a, const Acts& x, int64_t b, bool vector) {
 #ifdef WOQ_X86
   if (vector && has_vnni()) {
     if (a.kind == INT4)
@@ -661,11 +643,10 @@ void int_block(const Args& a, const Acts& x, int64_t b, bool vector) {
   int_rows_scalar(a, x, b);
 }
 
-}  // namespace
 
 // Row r of x into its `x.passes` rows of codes (Acts), per group: pass 1 rounds x at sx = max|x| / 127, pass 2
 // its residual at s2 = sx / 254 (file header).
-void quantise_row(const Args& a, const Acts& x, int64_t r, bool vector, float* res) {
+void woq_kernel::quantise_row(const Args& a, const Acts& x, int64_t r, bool vector, float* res) {
   const int64_t groups = a.K / a.group;
   for (int64_t g = 0; g < groups; ++g) {
     const float* in = a.x + r * a.K + g * a.group;
@@ -895,5 +876,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("vector") = true);
   m.def("has_avx2", &woq_has_avx2, "whether the AVX2+FMA path can run on this CPU");
   m.def("has_vnni", &woq_has_vnni, "whether int8 / int4 tiles take AVX512-VNNI's dot product");
+  m.def("moe", &moe_forward, "a sparse MoE layer over stacked packed experts, grouped by expert (moe.cpp)",
+        py::arg("x"), py::arg("router"), py::arg("top_k"), py::arg("normalize"), py::arg("gate_up"), py::arg("down"),
+        py::arg("shared_gate_up") = py::none(), py::arg("shared_down") = py::none(),
+        py::arg("shared_gate") = py::none(), py::arg("passes") = 1, py::arg("vector") = true);
+  m.def("deltanet_step", &deltanet_step, "one Gated DeltaNet decoding step after the input projections (deltanet.cpp)");
   m.def("decoder_layers", &decoder_layers, "Llama-form decoder layers over packed weights, in turn (layer.cpp)");
 }

@@ -1,0 +1,323 @@
+"""The hybrid DeltaNet MoE's shape at speed: a random 1.28 B twin (354 M active per token) on Clover's torch runner
+(fp32 and int4) beside Clover's llama.cpp runner (q4_0), same run, and exact mode's mechanics on it.
+
+    python benchmarks/bench_hybrid.py --threads 2 [--work DIR] [--experts-scale 1] [--prompts 3]
+        [--max-new-tokens 32] [--systems clover/fp32,clover/int4,llama.cpp/q4_0]
+
+The twin (`TWIN`: Qwen3.5-MoE's block pattern, 20 layers, 32 experts of which 4 routed plus a shared one, clover-smol's
+tokenizer; `--experts-scale 4`: 128 experts, the rest alike) is built once under `--work` with random weights,
+quantised once to int4 (`clover.quantize`, saved: the runner loads packed weights, as `clover generate --model
+TWIN-int4` does) and exported once to q4_0. Each system runs in its own subprocess (its peak RSS, `VmHWM`, is its
+own), after an untimed warm-up, on the same random prompts, greedy:
+
+* block size 1 (the threshold rule at block size 1: one token per forward): tok/s;
+* Clover's runner only: exact mode (`rule="exact"`, block size 16) with drafts taken from the system's own block-size-1
+  answer, each drafted token replaced by another at rate `1 - p` (`p` in `--acceptance`): the runner drafts nothing
+  itself (`causal_only`, as a random model's query block would draft noise), each forward verifies the drafts its
+  cost table says pay (clover.engine.cost, measured on this twin: the cost of k rows against one is reported), and
+  its tokens must equal block size 1's at every `p`. tok/s, tokens per forward;
+* accuracy: the int4 twin's logits against the fp32 twin's on the fp32 twin's greedy answers (teacher-forced):
+  top-1 agreement and KL(fp32 || int4); and where int4's own greedy answer parts from fp32's, fp32's margin there
+  (its top logit minus its logit of int4's token).
+
+Results: `benchmarks/results/bench_hybrid.json` (`--out`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+TWIN = dict(hidden_size=1024, num_hidden_layers=20, num_attention_heads=8, num_key_value_heads=2, head_dim=128,
+            linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=8, linear_num_value_heads=16,
+            num_experts=32, num_experts_per_tok=4, moe_intermediate_size=512, shared_expert_intermediate_size=512,
+            max_position_embeddings=4096)
+RESULTS = Path(__file__).parent / "results"
+EXACT_BLOCK = 16
+
+
+def peak_rss_mib() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def build(work: Path, experts_scale: int) -> dict[str, Path]:
+    """The twin (fp32), its int4 checkpoint and its q4_0 GGUF under `work`, each built once."""
+    import torch
+
+    from clover import CloverConfig, CloverForBlockDiffusion
+    from clover.cli.loading import resolve_model_dir
+    from clover.config import _hybrid_layer_types
+    from clover.conversion.gguf_export import export_gguf
+    from clover.model.quant import quantize
+    from clover.runners.llama_api import quantize_rows
+
+    paths = {"fp32": work / "twin", "int4": work / "twin-int4", "q4_0": work / "twin.q4_0.gguf"}
+    smol = resolve_model_dir(None)  # clover-smol: its tokenizer (with the mask token)
+    if not (paths["fp32"] / "config.json").is_file():
+        smol_config = CloverConfig.from_file(smol)
+        shape = {**TWIN, "num_experts": TWIN["num_experts"] * experts_scale}
+        config = CloverConfig.from_preset("clover-hybrid-small", **shape, layer_types=_hybrid_layer_types(20),
+                                          vocab_size=smol_config.vocab_size, mask_token_id=smol_config.mask_token_id,
+                                          eos_token_id=smol_config.eos_token_id)
+        torch.manual_seed(0)
+        CloverForBlockDiffusion(config).eval().save_pretrained(paths["fp32"], tokenizer_dir=smol)
+    if not (paths["int4"] / "config.json").is_file():
+        model = quantize(CloverForBlockDiffusion.from_pretrained(paths["fp32"]).eval(), "int4")
+        model.save_pretrained(paths["int4"], tokenizer_dir=paths["fp32"])
+        del model
+    if not paths["q4_0"].is_file():
+        export_gguf(paths["fp32"], paths["q4_0"], "q4_0", kquant=quantize_rows)
+    return paths
+
+
+def oracle_drafts(references: dict[tuple[int, ...], list[int]], p: float) -> Any:
+    """A stand-in for exact mode's copied drafts (`clover.engine.exact.copied_drafts`): the reference answer's next
+    tokens after the request's context, each replaced by another token with probability `1 - p` (drawn from a
+    generator keyed by the position, so every run drafts the same)."""
+
+    def drafts(index: Any, memory: Any, most: int) -> tuple[list[int], None]:
+        context = list(index.tokens)
+        for prompt, answer in references.items():
+            if tuple(context[: len(prompt)]) == prompt:
+                done = len(context) - len(prompt)
+                out = []
+                for i, token in enumerate(answer[done : done + most]):
+                    rng = random.Random(hash((prompt[:4], done + i, p)))
+                    out.append(token if rng.random() < p else (token + 1 + rng.randrange(1000)) % 49152)
+                return out, None
+        return [], None
+
+    return drafts
+
+
+def worker(kind: str, path: str, job: dict) -> dict:
+    import torch
+
+    from clover.engine import generate
+
+    torch.set_num_threads(job["threads"])
+    if kind == "clover":
+        from clover import CloverForBlockDiffusion
+        from clover.runners.torch_runner import as_runner
+
+        model: Any = as_runner(CloverForBlockDiffusion.from_pretrained(path).eval())
+    else:
+        from clover.runners.llamacpp_hybrid import HybridLlamaCppRunner
+
+        model = HybridLlamaCppRunner(path, threads=job["threads"], max_rows=1)
+    prompts = job["prompts"]
+    generate(model, prompts[:1], max_new_tokens=4, block_size=1, rule="threshold")  # warm-up, untimed
+    tokens, seconds, sequences = 0, 0.0, []
+    for prompt in prompts:
+        start = time.perf_counter()
+        out = generate(model, [prompt], max_new_tokens=job["max_new_tokens"], block_size=1, rule="threshold")
+        seconds += time.perf_counter() - start
+        tokens += len(out.sequences[0])
+        sequences.append(out.sequences[0])
+    result: dict[str, Any] = {"tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds,
+                              "sequences": sequences}
+    if kind == "clover":
+        result.update(exact_mode(model, prompts, sequences, job))
+        # fp32 reads its own answers; int4 reads fp32's
+        result["teacher_forced"] = teacher_forced(model, prompts, job.get("reference_sequences") or sequences,
+                                                  job["logits_out"])
+    result["peak_rss_mib"] = peak_rss_mib()
+    return result
+
+
+def exact_mode(runner: Any, prompts: list[list[int]], sequences: list[list[int]], job: dict) -> dict:
+    """Exact mode with oracle drafts at each acceptance `p` (module docstring), and the runner's cost table."""
+    from clover.engine import exact, generate
+    from clover.engine.cost import cost_table
+
+    runner.causal_only = True  # drafts come from `oracle_drafts` alone
+    table = cost_table(runner)
+    out: dict[str, Any] = {"cost_ms": {r: round(1000 * s, 2) for r, s in zip(table.rows, table.seconds)},
+                           "exact": {}}
+    original = exact.copied_drafts
+    references = {tuple(p): s for p, s in zip(prompts, sequences)}
+    try:
+        for p in job["acceptance"]:
+            exact.copied_drafts = oracle_drafts(references, p)
+            generate(runner, prompts[:1], max_new_tokens=4, block_size=EXACT_BLOCK, rule="exact")  # warm-up
+            tokens, seconds, forwards, equal = 0, 0.0, 0, True
+            for prompt, reference in zip(prompts, sequences):
+                start = time.perf_counter()
+                res = generate(runner, [prompt], max_new_tokens=job["max_new_tokens"], block_size=EXACT_BLOCK,
+                               rule="exact")
+                seconds += time.perf_counter() - start
+                tokens += len(res.sequences[0])
+                forwards += res.stats[0]["forward_passes"]
+                equal &= res.sequences[0] == reference
+            out["exact"][str(p)] = {"tok_s": tokens / seconds, "tokens": tokens, "forwards": forwards,
+                                    "tokens_per_forward": tokens / max(forwards, 1), "equal_to_block_size_1": equal}
+    finally:
+        exact.copied_drafts = original
+    return out
+
+
+def teacher_forced(runner: Any, prompts: list[list[int]], answers: list[list[int]], logits_out: str) -> dict:
+    """This system's logits over each prompt + reference answer, at the answer's positions (saved for the parent)."""
+    import torch
+    from safetensors.torch import save_file
+
+    tensors = {}
+    with torch.inference_mode():
+        for i, (prompt, answer) in enumerate(zip(prompts, answers)):
+            ids = torch.tensor([prompt + answer])
+            at = torch.zeros_like(ids, dtype=torch.bool)
+            at[0, len(prompt) - 1 : len(prompt) + len(answer) - 1] = True  # the logits that predict each answer token
+            cache = runner.new_cache(1)
+            logits = runner.forward(ids, 1, cache=cache, prefix_len=ids.shape[1], logits_at=at)
+            tensors[str(i)] = logits.reshape(-1, logits.shape[-1]).float().contiguous()
+    save_file(tensors, logits_out)
+    return {"positions": sum(len(a) for a in answers)}
+
+
+def agreement(fp32_logits: str, int4_logits: str, fp32_seqs: list[list[int]], int4_seqs: list[list[int]]) -> dict:
+    """Top-1 agreement and KL(fp32 || int4) teacher-forced on fp32's answers; free-running, where int4's greedy answer
+    parts from fp32's and fp32's logit margin there."""
+    import torch
+    from safetensors.torch import load_file
+
+    want, got = load_file(fp32_logits), load_file(int4_logits)
+    agree = total = 0
+    kl = 0.0
+    partings = []
+    for key in sorted(want, key=int):
+        a, b = want[key], got[key]
+        agree += int((a.argmax(-1) == b.argmax(-1)).sum())
+        total += a.shape[0]
+        log_a, log_b = a.log_softmax(-1), b.log_softmax(-1)
+        kl += float((log_a.exp() * (log_a - log_b)).sum())
+        x, y = fp32_seqs[int(key)], int4_seqs[int(key)]
+        at = next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), None)
+        if at is not None:
+            partings.append({"prompt": int(key), "position": at, "fp32_margin": float(a[at].max() - a[at, y[at]]),
+                             "fp32_logit_scale": float(a[at].std())})
+    same = sum(next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), min(len(x), len(y)))
+               for x, y in zip(fp32_seqs, int4_seqs))
+    return {"top1_agreement": agree / total, "kl_mean": kl / total, "positions": total,
+            "free_running_equal_positions": same / sum(len(x) for x in fp32_seqs), "partings": partings}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--work", type=Path, default=None, help="where the twin is built (default: "
+                        "$CLOVER_CACHE/bench_hybrid[-x4])")
+    parser.add_argument("--experts-scale", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--prompts", type=int, default=3)
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--acceptance", default="0.9,0.7,0.5,0")
+    parser.add_argument("--systems", default="clover/fp32,clover/int4,llama.cpp/q4_0")
+    parser.add_argument("--out", type=Path, default=RESULTS / "bench_hybrid.json")
+    parser.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        kind, path, job_path = args.worker
+        job = json.loads(Path(job_path).read_text())
+        Path(job["result"]).write_text(json.dumps(worker(kind, path, job)))
+        return
+
+    from clover import CloverConfig
+    from clover.paths import cache_root
+
+    work = args.work or cache_root() / ("bench_hybrid" + (f"-x{args.experts_scale}" if args.experts_scale > 1 else ""))
+    work.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+    paths = build(work, args.experts_scale)
+    config = CloverConfig.from_file(paths["fp32"])
+    rng = random.Random(0)
+    prompts = [[rng.randrange(config.vocab_size - 1) for _ in range(args.prompt_len)] for _ in range(args.prompts)]
+    systems: dict[str, dict[str, Any]] = {}
+    for name in args.systems.split(","):
+        runner, form = name.split("/")
+        kind = "clover" if runner == "clover" else "llamacpp"
+        job = {"threads": args.threads, "prompts": prompts, "max_new_tokens": args.max_new_tokens,
+               "acceptance": [float(p) for p in args.acceptance.split(",")],
+               "result": str(work / f"{name.replace('/', '_')}.json"),
+               "logits_out": str(work / f"{name.replace('/', '_')}.logits.safetensors")}
+        job["reference_sequences"] = systems.get("clover/fp32", {}).get("sequences")
+        job_path = work / "job.json"
+        job_path.write_text(json.dumps(job))
+        env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+        proc = subprocess.run([sys.executable, __file__, "--worker", kind, str(paths[form]), str(job_path)],
+                              env=env, capture_output=True, text=True)
+        if proc.returncode:
+            systems[name] = {"error": proc.stderr[-3000:]}
+            print(f"{name}: failed\n{proc.stderr[-3000:]}", flush=True)
+            continue
+        systems[name] = json.loads(Path(job["result"]).read_text())
+        s = systems[name]
+        print(f"{name}: {s['tok_s']:.2f} tok/s at block size 1, peak RSS {s['peak_rss_mib']:.0f} MiB", flush=True)
+        for p, e in s.get("exact", {}).items():
+            print(f"  exact p={p}: {e['tok_s']:.2f} tok/s ({e['tok_s'] / s['tok_s']:.2f}x block size 1), "
+                  f"{e['tokens_per_forward']:.2f} tokens/forward, equal to block size 1: {e['equal_to_block_size_1']}",
+                  flush=True)
+    report = summarise(systems, work, args)
+    report.update({"command": " ".join(sys.argv), "machine": machine(args.threads), "twin": {
+        **TWIN, "num_experts": config.num_experts}, "twin_parameters": _parameters(config),
+        "minutes": round((time.time() - started) / 60, 1)})
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    print(json.dumps({k: v for k, v in report.items() if k in ("ratios", "accuracy")}, indent=1))
+
+
+def summarise(systems: dict[str, dict[str, Any]], work: Path, args: argparse.Namespace) -> dict[str, Any]:
+    ratios: dict[str, Any] = {}
+    llama = systems.get("llama.cpp/q4_0", {})
+    for name, s in systems.items():
+        if "tok_s" not in s:
+            continue
+        if "tok_s" in llama and name != "llama.cpp/q4_0":
+            ratios[f"{name} / llama.cpp/q4_0 tok/s"] = s["tok_s"] / llama["tok_s"]
+            ratios[f"{name} / llama.cpp/q4_0 peak RSS"] = s["peak_rss_mib"] / llama["peak_rss_mib"]
+        for p, e in s.get("exact", {}).items():
+            ratios[f"{name} exact p={p} / block size 1"] = e["tok_s"] / s["tok_s"]
+        if "cost_ms" in s:
+            one = s["cost_ms"]["1"]
+            ratios[f"{name} cost of k rows / 1 row"] = {k: round(v / one, 2) for k, v in s["cost_ms"].items()}
+    report: dict[str, Any] = {"systems": systems, "ratios": ratios}
+    fp32, int4 = systems.get("clover/fp32", {}), systems.get("clover/int4", {})
+    if "sequences" in fp32 and "sequences" in int4 and "teacher_forced" in int4:
+        report["accuracy"] = agreement(str(work / "clover_fp32.logits.safetensors"),
+                                       str(work / "clover_int4.logits.safetensors"), fp32["sequences"],
+                                       int4["sequences"])
+    for s in systems.values():
+        s.pop("sequences", None)
+    return report
+
+
+def machine(threads: int) -> dict[str, Any]:
+    flags = next((line.split(":", 1)[1].split() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("flags")), [])
+    return {"cpu": next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                         if line.startswith("model name")), ""), "cores": os.cpu_count(), "threads": threads,
+            "flags": [f for f in flags if f.startswith(("avx", "amx", "fma"))],
+            "load_average_at_start": os.getloadavg()}
+
+
+def _parameters(config: Any) -> dict[str, int]:
+    import torch
+
+    from clover import CloverForBlockDiffusion
+
+    with torch.device("meta"):
+        model = CloverForBlockDiffusion(config)
+    return {"total": model.num_parameters(), "active_per_token": model.num_active_parameters()}
+
+
+if __name__ == "__main__":
+    main()
