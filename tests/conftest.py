@@ -18,7 +18,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -85,33 +85,44 @@ def temp_clover_cache(suite_clover_cache) -> Path:
     return suite_clover_cache
 
 
-TEMPLATES_SDIST = "llama-cpp-python==0.3.36"  # its sdist vendors llama.cpp's models/templates/
+LLAMA_CPP_SDIST = "llama-cpp-python==0.3.36"  # its sdist vendors llama.cpp's tree: models/templates/, the converter
+
+
+def llama_cpp_sdist(request, tmp_path_factory, name: str, keep: Callable[[str], str | None]) -> Path:
+    """A directory of files read from the llama-cpp-python sdist on the package index at first use and kept in
+    pytest's cache as `name` (not copied into the repository; under `-p no:cacheprovider`, this session's temporary
+    directory): `keep(member name)` gives a file's path inside it, or None to skip the member."""
+    cache = getattr(request.config, "cache", None)
+    target = cache.mkdir(name) if cache is not None else tmp_path_factory.mktemp(name)
+    if not (target / "complete").exists():
+        with tempfile.TemporaryDirectory() as tmp:
+            got = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+                                  "--quiet", "-d", tmp, LLAMA_CPP_SDIST], capture_output=True, text=True)
+            if got.returncode:
+                pytest.fail(f"could not download {LLAMA_CPP_SDIST} for {name}: {got.stderr[-2000:]}")
+            with tarfile.open(next(Path(tmp).glob("*.tar.gz"))) as tar:
+                for member in tar.getmembers():
+                    inside = keep(member.name) if member.isfile() else None
+                    if inside is None:
+                        continue
+                    out = target / inside
+                    out.parent.mkdir(parents=True, exist_ok=True)
+                    staged = out.with_name(out.name + ".tmp")
+                    staged.write_bytes(tar.extractfile(member).read())
+                    staged.replace(out)
+        (target / "complete").touch()
+    return target
 
 
 @pytest.fixture(scope="session")
 def real_templates(request, tmp_path_factory) -> Path:
     """llama.cpp's `models/templates/`: chat templates of real model repositories (Qwen3.5, Qwen3-Coder, Llama 3,
-    ...), read from the llama-cpp-python sdist on the package index at first use and kept in pytest's cache (not
-    copied into the repository). `CLOVER_TEST_TEMPLATES` names a directory that already holds them."""
+    ...), from the llama-cpp-python sdist (`llama_cpp_sdist`). `CLOVER_TEST_TEMPLATES` names a directory that
+    already holds them."""
     if os.environ.get("CLOVER_TEST_TEMPLATES"):
         return Path(os.environ["CLOVER_TEST_TEMPLATES"])
-    # absent under `-p no:cacheprovider`: then this session's temporary directory
-    cache = getattr(request.config, "cache", None)
-    target = cache.mkdir("llama-cpp-templates") if cache is not None else tmp_path_factory.mktemp("templates")
-    if not (target / "complete").exists():
-        with tempfile.TemporaryDirectory() as tmp:
-            got = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-                                  "--quiet", "-d", tmp, TEMPLATES_SDIST], capture_output=True, text=True)
-            if got.returncode:
-                pytest.fail(f"could not download {TEMPLATES_SDIST} for its chat templates: {got.stderr[-2000:]}")
-            with tarfile.open(next(Path(tmp).glob("*.tar.gz"))) as tar:
-                for member in tar.getmembers():
-                    if "/models/templates/" in member.name and member.name.endswith(".jinja"):
-                        staged = target / (Path(member.name).name + ".tmp")
-                        staged.write_bytes(tar.extractfile(member).read())
-                        staged.replace(target / Path(member.name).name)
-        (target / "complete").touch()
-    return target
+    return llama_cpp_sdist(request, tmp_path_factory, "llama-cpp-templates", lambda member: Path(member).name if
+                           "/models/templates/" in member and member.endswith(".jinja") else None)
 
 
 @pytest.fixture(scope="session")

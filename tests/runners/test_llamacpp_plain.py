@@ -12,8 +12,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import tarfile
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -24,36 +22,23 @@ from clover.engine.loop import StreamPiece
 from clover.runners.base import RunnerOptions
 from clover.runners.llamacpp import LlamaCppRunner
 from clover.runners.llamacpp_plain import PlainLlamaCppRunner
+from conftest import llama_cpp_sdist
 from model_helpers import PROMPTS
 
-CONVERTER_SDIST = "llama-cpp-python==0.3.36"  # its sdist vendors llama.cpp's converter (and gguf-py)
 MAX_NEW = 20
 # the twin's own greedy answer to a prompt, repeated: the context and the memory offer drafts that are right
 LOOPING = [[64, 1, 2, 3, 64, 1, 2, 3, 64, 1]]
 
 
+def _converter_file(member: str) -> str | None:
+    _, _, inside = member.partition("/vendor/llama.cpp/")
+    return inside if inside == "convert_hf_to_gguf.py" or inside.startswith(("conversion/", "gguf-py/gguf/")) else None
+
+
 @pytest.fixture(scope="session")
 def converter(request, tmp_path_factory) -> Path:
-    """llama.cpp's `convert_hf_to_gguf.py` with its `conversion/` and `gguf-py/`, read from the sdist on the package
-    index at first use and kept in pytest's cache."""
-    cache = getattr(request.config, "cache", None)
-    target = cache.mkdir("llama-cpp-converter") if cache is not None else tmp_path_factory.mktemp("converter")
-    if not (target / "complete").exists():
-        with tempfile.TemporaryDirectory() as tmp:
-            got = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-                                  "--quiet", "-d", tmp, CONVERTER_SDIST], capture_output=True, text=True)
-            if got.returncode:
-                pytest.fail(f"could not download {CONVERTER_SDIST} for llama.cpp's converter: {got.stderr[-2000:]}")
-            with tarfile.open(next(Path(tmp).glob("*.tar.gz"))) as tar:
-                for member in tar.getmembers():
-                    _, _, inside = member.name.partition("/vendor/llama.cpp/")
-                    if member.isfile() and (inside == "convert_hf_to_gguf.py"
-                                            or inside.startswith(("conversion/", "gguf-py/gguf/"))):
-                        out = target / inside
-                        out.parent.mkdir(parents=True, exist_ok=True)
-                        out.write_bytes(tar.extractfile(member).read())
-        (target / "complete").touch()
-    return target / "convert_hf_to_gguf.py"
+    """llama.cpp's `convert_hf_to_gguf.py` with its `conversion/` and `gguf-py/`, from the llama-cpp-python sdist."""
+    return llama_cpp_sdist(request, tmp_path_factory, "llama-cpp-converter", _converter_file) / "convert_hf_to_gguf.py"
 
 
 @pytest.fixture(scope="module")
