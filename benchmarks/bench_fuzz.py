@@ -232,8 +232,10 @@ def _strings(body: Any) -> list[tuple]:
 
 def mutate(body: dict[str, Any], rng: random.Random, longest: int = 1_000_000) -> bytes:
     """One to three random mutations of `body` (a valid request), serialised (`ensure_ascii`: a lone surrogate goes
-    out as its `\\ud800` escape, as a client's JSON library writes it)."""
+    out as its `\\ud800` escape, as a client's JSON library writes it). A token limit dropped or set to null is put
+    back (`MAX_NEW`): without one a random model writes to the end of its context, a minute a request."""
     body = copy.deepcopy(body)
+    limit = next((key for key in LIMITS if key in body), None)
     raw_edits: list[Callable[[bytes], bytes]] = []
     for _ in range(rng.randint(1, 3)):
         kind = rng.choice(["wrong_type", "wrong_type", "surrogate", "huge_number", "huge_string", "deep", "drop",
@@ -263,6 +265,8 @@ def mutate(body: dict[str, Any], rng: random.Random, longest: int = 1_000_000) -
             body[rng.choice(["extra", "logit_bias", "user", "metadata", "chat_template_kwargs"])] = rng.choice(WRONG)
         elif kind == "broken_json":
             raw_edits.append(lambda raw: _break(raw, rng))
+    if limit is not None and body.get(limit) is None:
+        body[limit] = MAX_NEW
     raw = json.dumps(body, ensure_ascii=True, allow_nan=True).encode()
     raw = raw.replace(b'"HUGE_INT"', b"1" + b"0" * 5000)
     raw = re.sub(rb'"DEEP(\d+)"', lambda m: b"[" * int(m[1]) + b"1" + b"]" * int(m[1]), raw)
@@ -341,11 +345,13 @@ def run(url: str, pid: int, model: str, budgets_mib: float, examples: int, mutat
 def serve_args(model_dir: Path, port: int, name: str, budgets: dict[str, float]) -> list[str]:
     return [sys.executable, "-m", "clover.cli.main", "serve", "--model", str(model_dir), "--port", str(port),
             "--served-model-name", name, "--api-key", KEY, "--log-level", "error", "--threads", "1",
+            "--max-model-len", str(CONTEXT),
             "--prefix-cache-mb", str(budgets["prefix_cache_mb"]),
             "--responses-store-mb", str(budgets["responses_store_mb"])]
 
 
 BUDGETS = {"prefix_cache_mb": 32.0, "responses_store_mb": 8.0}
+CONTEXT = 512  # the served context: what bounds a body whose token limit a mutation renamed (`mutate`)
 
 
 def main() -> None:

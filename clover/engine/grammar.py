@@ -45,6 +45,12 @@ class GrammarError(ValueError):
         self.keyword = keyword
 
 
+class GrammarTooComplex(GrammarError):
+    """A grammar that compiled but that the engine gave up following while decoding: one of its limits (parse items
+    at one position, lexer states) was reached. The schema's doing (e.g. hundreds of `anyOf` branches open at
+    once), so the request's, not a defect of the decoder."""
+
+
 @functools.cache
 def _llguidance() -> Any:
     """The grammar engine, imported on first use: `llguidance.torch` imports `torch._dynamo` (seconds), which a
@@ -228,6 +234,11 @@ def _xml_arguments(rule: str, parameters: dict[str, Any], options: dict[str, Any
     return rules
 
 
+# llguidance's errors for a grammar it gave up following (its parser's items at one position, its lexer's states
+# or fuel: the limits `LLParserLimits` names; the matcher reports them as an "InternalError" with this text)
+_TOO_COMPLEX = re.compile(r"Current row has \d+ items; max is|too many states|fuel exhausted")
+
+
 class Matcher:
     """One request's position in its grammar, with rollback (exact mode undoes rejected drafts).
 
@@ -250,12 +261,19 @@ class Matcher:
         self._shifts = torch.arange(32, dtype=torch.int32)
         self.forced_tokens = 0  # tokens committed because the grammar forced them (a request's stats)
 
-    def _error(self) -> RuntimeError:
-        return RuntimeError(f"grammar matcher failed ({self.grammar.description}): {self.m.get_error()}")
+    def _error(self) -> Exception:
+        error = self.m.get_error()
+        if _TOO_COMPLEX.search(error):
+            return GrammarTooComplex(f"the {self.grammar.description} is too complex for the grammar engine to "
+                                     "follow (too many alternatives open at once); simplify it (fewer "
+                                     "anyOf/oneOf branches or patterns)")
+        return RuntimeError(f"grammar matcher failed ({self.grammar.description}): {error}")
 
     def allowed(self) -> torch.Tensor:
         """`[vocab_size]` bool: the tokens the grammar allows next."""
         self._ll.torch.fill_next_token_bitmask(self.m, self._bits, 0)
+        if self.m.is_error():  # the mask of a matcher that gave up (e.g. too complex) is empty: not a dead end
+            raise self._error()
         bits = ((self._bits[0, :, None] >> self._shifts) & 1).bool().flatten()
         out = torch.zeros(self.vocab_size, dtype=torch.bool)
         n = min(self.vocab_size, bits.numel())

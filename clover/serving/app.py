@@ -36,6 +36,13 @@ from clover.serving.responses_protocol import ResponsesRequest
 from clover.serving.served_model import ServedModel, ServerOptions, load
 
 ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 429, 503)}
+# `stream: true` answers server-sent events, documented beside the JSON body so that a client generated from the
+# schema (and a fuzzer checking content types) accepts them: each event's `data` is a JSON chunk (or `[DONE]`),
+# named by `event` on /v1/responses
+SSE_EVENT = {"type": "object", "required": ["data"],
+             "properties": {"event": {"type": "string"}, "data": {"type": "string"}}}
+STREAMED = {**ERRORS, 200: {"description": "The answer: JSON, or with `stream: true` server-sent events",
+                            "content": {"text/event-stream": {"schema": SSE_EVENT}}}}
 
 __all__ = ["ServerOptions", "create_app"]
 
@@ -68,15 +75,15 @@ def create_app(model: torch.nn.Module | ModelRunner | str | Path, tokenizer: Any
                   description="OpenAI-compatible server for Clover block-diffusion models")
     app.state.server = server
 
-    @app.post("/v1/chat/completions", responses=ERRORS)
+    @app.post("/v1/chat/completions", responses=STREAMED)
     async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
         return await server.chat(req, request)
 
-    @app.post("/v1/completions", responses=ERRORS)
+    @app.post("/v1/completions", responses=STREAMED)
     async def completions(req: CompletionRequest, request: Request) -> Response:
         return await server.completion(req, request)
 
-    @app.post("/v1/responses", responses=ERRORS)
+    @app.post("/v1/responses", responses=STREAMED)
     async def create(req: ResponsesRequest, request: Request) -> Response:
         return await create_response(server, req, request)
 

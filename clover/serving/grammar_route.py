@@ -82,6 +82,15 @@ def route(req: ChatCompletionRequest) -> str | None:
     return None
 
 
+def grammar_param(req: ChatCompletionRequest) -> str:
+    """The field a request's grammar comes from, for an error about it found while decoding: the tools when it may
+    call them, else the response format's schema."""
+    if offers_tools(req):
+        return "tools"
+    fmt = req.response_format
+    return SCHEMA_PARAM if fmt is not None and fmt.type == "json_schema" else "response_format"
+
+
 def request_grammar(req: ChatCompletionRequest, tokenizer: Any, fmt: ToolFormat = HERMES) -> Grammar:
     """The grammar of a request that `route` sends here (the 400 naming the keyword when it cannot compile); calls
     in `fmt`, the model's format."""

@@ -18,7 +18,7 @@ from clover.engine import StopAwareDetokenizer
 from clover.serving.handles import Output, RequestHandle, merge
 from clover.assistant_output import OutputDelta, OutputParser
 from clover.tool_formats import HERMES, CallDelta, ToolFormat
-from clover.serving.request_context import REQUEST_ID, internal_error
+from clover.serving.request_context import REQUEST_ID, request_failure
 
 if TYPE_CHECKING:
     from clover.engine.logprobs import TokenLogprob
@@ -261,7 +261,7 @@ async def chat_stream(handle: RequestHandle, choices: list[ChatChoice], rid: str
                                                      max(handle.cached_tokens))})
     except Exception as exc:  # noqa: BLE001 - the stream has started: report in-band
         logger.exception("request %s: generation failed", REQUEST_ID.get())
-        yield sse(internal_error().body())
+        yield sse(request_failure(exc).body())
     finally:
         handle.cancel()  # no-op when finished; frees the slots when the client went away
     yield "data: [DONE]\n\n"
@@ -305,7 +305,7 @@ async def completion_stream(handles: list[RequestHandle], choices: list[ChoiceTe
                                                      sum(max(h.cached_tokens) for h in handles))})
     except Exception as exc:  # noqa: BLE001
         logger.exception("request %s: generation failed", REQUEST_ID.get())
-        yield sse(internal_error().body())
+        yield sse(request_failure(exc).body())
     finally:
         for h in handles:
             h.cancel()

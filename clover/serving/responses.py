@@ -26,7 +26,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from clover.serving.grammar_route import route
 from clover.serving.handles import Output
 from clover.serving.protocol import APIError
-from clover.serving.request_context import CLIENT_KEY, REQUEST_ID, internal_error
+from clover.serving.request_context import CLIENT_KEY, REQUEST_ID, request_failure
 from clover.serving.responses_format import EventStream, OutputItems, usage
 from clover.serving.responses_protocol import ResponsesRequest, ResponsesToolChoice, input_messages, to_chat
 
@@ -74,7 +74,10 @@ async def create_response(server: ServedModel, req: ResponsesRequest, request: R
     answer = ResponseAnswer(server, req, run, conversation)
     if req.stream:
         return StreamingResponse(answer.events(), media_type="text/event-stream")
-    await server.collect(request, run.handle, lambda _, out: answer.push(out))
+    try:
+        await server.collect(request, run.handle, lambda _, out: answer.push(out))
+    except APIError as exc:
+        raise _renamed(exc) from None
     return JSONResponse(answer.finish()[1])
 
 
@@ -141,10 +144,11 @@ class ResponseAnswer:
             yield stream.event({"type": f"response.{body['status']}", "response": body})
         except Exception as exc:  # noqa: BLE001 - the stream has started: report in-band
             logger.exception("request %s: generation failed", REQUEST_ID.get())
-            message = internal_error().message
-            yield stream.event({"type": "error", "code": "server_error", "message": message, "param": None})
+            error = _renamed(request_failure(exc))
+            code = error.code if error.status < 500 else "server_error"  # the Responses API's code for ours
+            yield stream.event({"type": "error", "code": code, "message": error.message, "param": error.param})
             yield stream.event({"type": "response.failed", "response": self.body(
-                "failed", error={"code": "server_error", "message": message})})
+                "failed", error={"code": code, "message": error.message})})
         finally:
             self.run.handle.cancel()  # no-op when finished; frees the slot when the client went away
 

@@ -42,11 +42,12 @@ from clover.serving.openai_format import (ChatChoice, ChoiceText, chat_body, cha
 from clover.serving.prefix_cache import PrefixCache
 from clover.serving.protocol import APIError, ChatCompletionRequest, CompletionRequest, SamplingFields
 from clover.serving.draft_memories import DraftMemories
-from clover.serving.request_context import CLIENT_KEY, REQUEST_ID, internal_error
+from clover.serving.request_context import (CLIENT_KEY, GRAMMAR_PARAM, REQUEST_ID, internal_error,
+                                            request_failure, unavailable)
 from clover.serving.request_log import RequestLog
 from clover.serving.response_store import ResponseStore
 from clover.serving.scheduler import QueueFull, Scheduler
-from clover.serving.grammar_route import forced_start, max_calls, request_grammar, route
+from clover.serving.grammar_route import forced_start, grammar_param, max_calls, request_grammar, route
 from clover.serving.structured import decision_response
 from clover.tokenizer import eos_token_ids, load_tokenizer
 from clover.tool_formats import FORMATS, detect
@@ -243,7 +244,7 @@ class ServedModel:
         except ValueError as exc:
             raise APIError(400, str(exc), code="invalid_value") from exc
         except RuntimeError as exc:
-            raise APIError(503, str(exc), type="server_error", code="unavailable") from exc
+            raise unavailable() from exc
         room, unit = engine.loop.room(self.context, prompt_len, engine.block_size)
         if room < 1:
             raise APIError(400, f"the prompt has {prompt_len} tokens; this model's context is {self.context} tokens "
@@ -304,7 +305,7 @@ class ServedModel:
         except ValueError as exc:
             raise APIError(400, str(exc), code="invalid_value") from exc
         except RuntimeError as exc:
-            raise APIError(503, str(exc), type="server_error", code="unavailable") from exc
+            raise unavailable() from exc
 
 
     # -- chat ----------------------------------------------------------------------------------------------------
@@ -357,6 +358,7 @@ class ServedModel:
         sampling = self.sampling(req)
         rule = req.rule
         if path == "grammar":  # grammar-constrained decoding, in exact mode (grammar_route.py)
+            GRAMMAR_PARAM.set(grammar_param(req))  # in this request's context: what its failure names
             grammar = await run_in_threadpool(self._grammar, req)
             # a grammar's answer is rendered without reasoning: no budget to keep (clover.engine.thinking)
             sampling = [dataclasses.replace(p, grammar=grammar, thinking_budget=None) for p in sampling]
@@ -447,11 +449,16 @@ class ServedModel:
         banned = banned_ids(config.mask_token_id, len(self.tokenizer), config.vocab_size)
         run = PromptScoring(self.runner, prompts, top, banned, self.options.prefill_chunk)
         try:
-            return await self.scheduler.decide(run)
+            scoring = self.scheduler.decide(run)
         except QueueFull as exc:
             raise APIError(429, f"{exc}; retry later", type="rate_limit_error", code="server_busy") from exc
         except RuntimeError as exc:
-            raise APIError(503, str(exc), type="server_error", code="unavailable") from exc
+            raise unavailable() from exc
+        try:
+            return await scoring
+        except Exception as exc:  # noqa: BLE001 - a step raised: our bug, named by the request id only
+            logger.error("request %s: prompt scoring failed", REQUEST_ID.get(), exc_info=exc)
+            raise internal_error() from None
 
 
     async def collect(self, request: Request, handles: RequestHandle | list[RequestHandle],
@@ -472,7 +479,7 @@ class ServedModel:
         exc = work.exception()
         if exc is not None:
             logger.error("request %s: generation failed", REQUEST_ID.get(), exc_info=exc)
-            raise internal_error()
+            raise request_failure(exc)
 
 
 def load(directory: str | Path) -> tuple[torch.nn.Module, Any, dict[str, Any]]:

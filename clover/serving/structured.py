@@ -17,6 +17,7 @@ llama.cpp runner included. Greedy: sampling fields are ignored; `threshold` (ext
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
 from typing import Any
@@ -30,7 +31,10 @@ from clover.engine.form import Form, FormError, parse_form
 from clover.serving.handles import until_disconnect
 from clover.serving.openai_format import sse, usage as usage_of
 from clover.serving.protocol import APIError, ChatCompletionRequest
+from clover.serving.request_context import REQUEST_ID, internal_error, unavailable
 from clover.serving.scheduler import QueueFull
+
+logger = logging.getLogger(__name__)
 
 SCHEMA_PARAM = "response_format.json_schema.schema"
 
@@ -71,13 +75,18 @@ async def decision_response(server: Any, req: ChatCompletionRequest, request: Re
 
     try:
         run = await run_in_threadpool(prepare)
-        result = (await until_disconnect(request, server.scheduler.decide(run))).result()[0]
+        decision = server.scheduler.decide(run)
     except QueueFull as exc:
         raise APIError(429, f"{exc}; retry later", type="rate_limit_error", code="server_busy") from exc
-    except ValueError as exc:  # e.g. the prompt and the answer block beyond the context
+    except ValueError as exc:  # DecisionRun's own words, e.g. the prompt and the answer block beyond the context
         raise APIError(400, str(exc), param="messages", code="invalid_value") from exc
-    except RuntimeError as exc:
-        raise APIError(503, str(exc), type="server_error", code="unavailable") from exc
+    except RuntimeError as exc:  # the scheduler stopped
+        raise unavailable() from exc
+    done = await until_disconnect(request, decision)
+    if done.exception() is not None:  # a step raised: our bug, named by the request id only
+        logger.error("request %s: decision failed", REQUEST_ID.get(), exc_info=done.exception())
+        raise internal_error()
+    result = done.result()[0]
     content = json.dumps(result.values, ensure_ascii=False)
     rid, created, name = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), server.options.served_model_name
     usage = usage_of(result.prompt_tokens, result.answer_tokens, 0)

@@ -182,3 +182,56 @@ def test_the_request_log_is_owner_only_and_follows_no_link(tmp_path):
     link.symlink_to(target)
     with pytest.raises(OSError):
         RequestLog(link)
+
+
+# a schema llguidance compiles but cannot follow: 1000 open alternatives after the forced `[` exceed its parser's
+# items at one position (2000; "ParserTooComplex"), at the answer's first token whatever the model writes
+TOO_COMPLEX = {"anyOf": [{"type": "array", "minItems": i} for i in range(1000)]}
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/chat/completions", {"messages": USER, "max_tokens": 8, "structured_mode": "grammar", "response_format": {
+        "type": "json_schema", "json_schema": {"name": "a", "schema": TOO_COMPLEX}}},
+     "response_format.json_schema.schema"),
+    ("/v1/responses", {"input": "Hi", "max_output_tokens": 8, "text": {"format": {"type": "json_schema", "name": "a",
+                                                          "schema": TOO_COMPLEX}}}, "text.format.schema"),
+])
+def test_a_schema_too_complex_to_follow_is_a_400_naming_it(server, path, body, param):
+    """The grammar engine gives up on the schema while decoding: the client's schema, a 400 naming its field in our
+    words (whole, or in-band when streamed), not a 500."""
+    r = _post(server, path, {"model": NAME, **body})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and error["code"] == "unsupported_schema", error
+    assert "too complex" in error["message"] and "<state>" not in error["message"], error
+    with httpx.stream("POST", f"{server}{path}", json={"model": NAME, "stream": True, **body},
+                      headers=HEADERS, timeout=60) as s:
+        text = s.read().decode()
+    assert "too complex" in text and param in text and "internal server error" not in text, text
+
+
+def test_failures_past_the_queue_name_no_exception(server, app, monkeypatch):
+    """A decision run or a prompt scoring whose step raises is our bug: a 500 naming the request id only (not a 503
+    carrying the exception); a scheduler that died makes a 503 in our words, not its exception's."""
+    from clover.engine.decision import DecisionRun
+    from clover.engine.logprobs import PromptScoring
+
+    def broken(self):
+        raise RuntimeError("secret internals: /home/user/model.safetensors")
+
+    monkeypatch.setattr(DecisionRun, "step", broken)
+    monkeypatch.setattr(PromptScoring, "step", broken)
+    decision = {"messages": USER, "response_format": {"type": "json_schema", "json_schema": {"name": "a",
+                                                                                          "schema": FORM}}}
+    for path, body in (("/v1/chat/completions", decision),
+                       ("/v1/completions", {"prompt": "Hi", "echo": True, "logprobs": 1})):
+        r = _post(server, path, {"model": NAME, "max_tokens": 4, **body})
+        assert r.status_code == 500 and "secret" not in r.text, r.text
+        assert r.json()["error"]["message"] == f"internal server error (request id {r.headers['x-request-id']})"
+    scheduler = app.state.server.scheduler
+    monkeypatch.setattr(scheduler, "error", RuntimeError("secret internals: /home/user/model.safetensors"))
+    for path, body in (("/v1/chat/completions", {"messages": USER}), ("/v1/chat/completions", decision),
+                       ("/v1/completions", {"prompt": "Hi", "block_size": 2})):
+        r = _post(server, path, {"model": NAME, "max_tokens": 4, **body})
+        assert r.status_code == 503 and "secret" not in r.text, r.text
+        assert r.json()["error"]["code"] == "unavailable"
