@@ -1,6 +1,7 @@
 """Hypothesis property tests of the parsers against their references: a tool-call format's answer however the
-stream splits it gives the whole answer's calls (and the calls written), and DRY's lag-match penalty equals its
-brute-force definition (`naive_dry_penalty`) on any history."""
+stream splits it gives the whole answer's calls (and the calls written), DRY's lag-match penalty equals its
+brute-force definition (`naive_dry_penalty`) on any history, and stop strings found block by block and streamed
+give the text of their naive definition (`naive_stop_text`)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from clover.assistant_output import OutputParser, whole_calls
+from clover.engine.detokenizer import StopAwareDetokenizer
+from clover.engine.request import Request
+from clover.engine.sampling import SamplingParams
 from clover.engine.repetition import (DryConfig, LagMatches, breakers_from_texts, dry_candidates, lag_matches,
                                       naive_dry_penalty, penalty_of)
 from clover.tool_formats import FORMATS
@@ -92,3 +96,49 @@ def test_dry_penalty_from_lag_matches_equals_its_definition(history, allowed, la
     for t, n in best.items():
         fast[t] = penalty_of(torch.tensor(n), cfg)
     assert torch.allclose(fast, naive_dry_penalty(history, cfg, len(TOY)))
+
+
+# a byte-level toy vocabulary: whole characters, multi-character pieces, and the single bytes of 2- and 4-byte
+# characters (a character split across tokens decodes to U+FFFD until its last byte)
+BYTES = [b"a", b"b", b"ab", b"ba", b"\n", b"</", b"s>", b" ", b"\xc3", b"\xa9", "é".encode(), b"\xf0\x9f",
+         b"\x98\x80", "😀".encode(), b"aab"]
+
+
+def toy_decode(ids: list[int]) -> str:
+    return b"".join(BYTES[i] for i in ids).decode("utf-8", errors="replace")
+
+
+def naive_stop_text(ids: list[int], stops: list[str]) -> str:
+    """The definition: the shortest prefix of `ids` whose whole text holds a stop string ends the answer, cut before
+    that string (the first of `stops` it holds, as vLLM reads the list); no such prefix: the whole text."""
+    for k in range(1, len(ids) + 1):
+        text = toy_decode(ids[:k])
+        found = [s for s in stops if s in text]
+        if found:
+            return text[:text.index(found[0])]
+    return toy_decode(ids)
+
+
+STOPS = st.lists(st.sampled_from(["a", "ab", "ba", "b\n", "</s>", "é", "aé", "😀", "😀a", "bbb", " a"]),
+                 min_size=1, max_size=3, unique=True)
+
+
+@settings(max_examples=200, deadline=None)
+@given(ids=st.lists(st.integers(0, len(BYTES) - 1), min_size=1, max_size=40), stops=STOPS,
+       cuts=st.lists(st.integers(1, 6), max_size=20))
+def test_stop_strings_found_by_blocks_and_streamed_give_the_naive_text(ids, stops, cuts):
+    """The engine finds a stop string block by block from a short tail of text (`Request.append_block`), the
+    stream holds back what may grow into one (`StopAwareDetokenizer`): whatever the blocks, the streamed text is
+    the naive definition's, and the answer ends where that definition ends it."""
+    request = Request(0, [1], SamplingParams(stop=tuple(stops)), max_new_tokens=len(ids))
+    stream = StopAwareDetokenizer(toy_decode, stops)
+    sent, at = "", 0
+    for size in [*cuts, len(ids)]:
+        if request.finished or at >= len(ids):
+            break
+        piece = request.append_block(ids[at:at + size], steps=1, forwards=1, eos_ids=(), detokenize=toy_decode)
+        at += size
+        sent += stream.push(piece, finished=request.finished, stop_string=request.stop_string)
+    assert request.finished
+    assert sent == naive_stop_text(ids, stops), (request.generated, request.stop_string)
+    assert (request.finish_reason == "stop") == any(s in toy_decode(ids) for s in stops)
