@@ -483,7 +483,7 @@ def run_system(system: System, tasks: list[Task], args: argparse.Namespace, budg
     log = Path(args.out) / f"{system.name}.requests.jsonl"  # clover serve's record of every request
     log.unlink(missing_ok=True)
     record = ["--record-requests", str(log)] if system.clover else []
-    memory = None
+    memory = prefix_cache = None
     with ServerProcess(system.name, lambda port: system.argv(port, args) + record,
                        Path(args.out) / f"{system.name}.log", threads=args.threads, health=system.health) as server:
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0,
@@ -497,16 +497,24 @@ def run_system(system: System, tasks: list[Task], args: argparse.Namespace, budg
             records.append(run_task(client, system, task, args, deadline, count))
         peak = server.peak_rss_mib()
         if system.clover:
-            memory = draft_memory_tokens(httpx.get(f"{server.url}/metrics", timeout=30).text)
+            metrics = httpx.get(f"{server.url}/metrics", timeout=30).text
+            memory, prefix_cache = draft_memory_tokens(metrics), prefix_cache_mib(metrics)
     build = {"llama_cpp_build": llama_server.llama_cpp_build()} if system.llama_cpp else {}
     engine = engine_figures(records, log) if system.clover else {}
     return {"system": system.name, "describe": system.describe, **build, "tasks": records, "peak_rss_mib": peak,
-            "summary": {**summarize(records, peak), **engine, "draft_memory_tokens": memory}}
+            "summary": {**summarize(records, peak), **engine, "draft_memory_tokens": memory,
+                        "prefix_cache_mib": prefix_cache}}
 
 
 def draft_memory_tokens(metrics: str) -> int | None:
     found = re.search(r"^clover_draft_memory_tokens (\S+)$", metrics, re.M)
     return int(float(found.group(1))) if found else None
+
+
+def prefix_cache_mib(metrics: str) -> float | None:
+    """What the prefix cache holds after the run (MiB): the part of the peak that its budget bounds."""
+    found = re.search(r"^clover_prefix_cache_bytes (\S+)$", metrics, re.M)
+    return float(found.group(1)) / 2**20 if found else None
 
 
 def engine_figures(records: list[dict[str, Any]], log_path: Path) -> dict[str, Any]:
@@ -581,8 +589,8 @@ def markdown(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
              f"Command: `{meta['command']}`  ", f"Machine: {meta['machine']}", "",
              "| system | passed | tool calls valid / written | requests | task time (s) | TTFT first (s) | "
              "TTFT later (s) | decode tok/s | TPF later | cached / prompt tokens | drafting memory (tokens) | "
-             "peak RSS (MiB) |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "prefix cache (MiB) | peak RSS (MiB) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results:
         s = r["summary"]
         cached = "n/a" if s["cached_tokens"] is None else f"{s['cached_tokens']} / {s['prompt_tokens']}"
@@ -590,7 +598,7 @@ def markdown(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
                      f"| {s['requests']} | {s['task_time_s']:.1f} | {_fmt(s['ttft_first_s'])} | "
                      f"{_fmt(s['ttft_later_s'])} | {_fmt(s['decode_tokens_per_s'], '.1f')} | "
                      f"{_fmt(s.get('tokens_per_forward_later'))} | {cached} | {_fmt(s.get('draft_memory_tokens'), 'd')} "
-                     f"| {_fmt(s['peak_rss_mib'], '.0f')} |")
+                     f"| {_fmt(s.get('prefix_cache_mib'), '.0f')} | {_fmt(s['peak_rss_mib'], '.0f')} |")
     builds = sorted({(r["llama_cpp_build"]["llama_cpp"], r["llama_cpp_build"]["xllamacpp"])
                      for r in results if "llama_cpp_build" in r})
     lines += ["", "TTFT: medians, streamed (first: each task's first request, its whole prompt cold; later: every "

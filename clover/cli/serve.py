@@ -45,7 +45,7 @@ def add_parser(subparsers: Any) -> None:
     add_decoding_options(p)  # --block-size / --threshold: defaults for requests that do not set them
     p.add_argument("--prefill-chunk", type=int, default=256,
                    help="prompt tokens per prefill forward; also the prefix cache's grid")
-    p.add_argument("--prefix-cache-mb", type=float, default=2048.0, help="prefix cache budget in MiB (0: off)")
+    p.add_argument("--prefix-cache-mb", type=float, default=512.0, help="prefix cache budget in MiB (0: off)")
     p.add_argument("--prefix-snapshot-interval", type=int, default=None,
                    help="hybrid models: recurrent-state snapshots every this many tokens (a multiple of the chunk)")
     p.add_argument("--max-body-mb", type=float, default=4.0, help="largest request body accepted")

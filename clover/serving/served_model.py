@@ -69,7 +69,7 @@ class ServerOptions:
     threshold: float | None = None
     rule: str | None = None  # None: the model's config (clover-smol: exact)
     prefill_chunk: int = 256  # prompt tokens per prefill forward = the prefix cache's grid
-    prefix_cache_bytes: int = 2 * 2**30  # 0: no prefix reuse
+    prefix_cache_bytes: int = 512 * 2**20  # 0: no prefix reuse; the default: docs/serving.md "Budget"
     prefix_snapshot_interval: int | None = None  # hybrid models: recurrent snapshots every this many tokens
     temperature: float | None = None  # default when a request gives none: generation_config.json, else 0
     top_p: float | None = None
