@@ -1,7 +1,7 @@
 """The server's resident memory under agent-like growing conversations, against what its prefix cache holds.
 
     python benchmarks/bench_server_memory.py [--model DIR] [--conversations 4] [--turns 6] [--max-tokens 64]
-        [--allocators default mmap-64k arena-1] [--prefix-cache-mb MB ...] [--out benchmarks/results/bench_server_memory]
+        [--allocators default mmap-64k arena-1] [--out benchmarks/results/bench_server_memory]
 
 `--conversations` conversations grow turn by turn, as an agent's do: each turn appends a user message of about
 250 tokens (slices of this repository's Python source, deterministic) and the server's greedy answer, and sends
@@ -13,9 +13,7 @@ growth is memory that no cached prefix explains.
 mmap threshold rises to the size of each large block freed), `mmap-64k` (`MALLOC_MMAP_THRESHOLD_=65536`: blocks
 of 64 KiB and more get their own mapping, returned to the system when freed) and `arena-1`
 (`MALLOC_ARENA_MAX=1`: one heap for every thread). Wall time per run is
-printed too; read it as a rough cost only (one run each, not taking turns). `--prefix-cache-mb`: the prefix cache
-budgets to run each allocator with (default: the server's own), one fresh server each: the peak against the
-budget. `--model` none: the default model
+printed too; read it as a rough cost only (one run each, not taking turns). `--model` none: the default model
 and build. Linux only (`/proc`). Writes `<out>.json` and `<out>.md`.
 """
 
@@ -48,15 +46,14 @@ def cache_figures(url: str) -> tuple[float, float]:
     return value("clover_prefix_cache_bytes") / 2**20, value("clover_prefix_cache_entries")
 
 
-def run(model: Path | None, allocator: str, budget_mb: float | None, args: argparse.Namespace) -> dict[str, Any]:
+def run(model: Path | None, allocator: str, args: argparse.Namespace) -> dict[str, Any]:
     from openai import OpenAI
 
     slices = source_slices()
     saved = {k: os.environ.get(k) for k in ALLOCATORS[allocator]}
     os.environ.update(ALLOCATORS[allocator])  # the server subprocess inherits it
     try:
-        server = Server(model, None, "--log-level", "warning",
-                        *(["--prefix-cache-mb", str(budget_mb)] if budget_mb is not None else []))
+        server = Server(model, None, "--log-level", "warning")
     finally:
         for k, v in saved.items():
             os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
@@ -79,12 +76,11 @@ def run(model: Path | None, allocator: str, budget_mb: float | None, args: argpa
                 rows.append({"turn": turn, "conversation": c, "prompt_tokens": reply.usage.prompt_tokens,
                              "rss_mib": rss, "peak_mib": peak, "cache_mib": cache_mib, "cache_entries": entries})
             r = rows[-1]
-            print(f"{allocator}, budget {budget_mb}: turn {turn}: prompt {r['prompt_tokens']} tokens, resident {r['rss_mib']:.0f} MiB "
+            print(f"{allocator}: turn {turn}: prompt {r['prompt_tokens']} tokens, resident {r['rss_mib']:.0f} MiB "
                   f"(peak {r['peak_mib']:.0f}), prefix cache {r['cache_mib']:.0f} MiB", flush=True)
         wall = time.perf_counter() - start
     first, last = rows[0], rows[-1]
-    return {"allocator": allocator, "env": ALLOCATORS[allocator], "prefix_cache_mb": budget_mb, "rows": rows,
-            "wall_s": wall, "cache_end_mib": last["cache_mib"],
+    return {"allocator": allocator, "env": ALLOCATORS[allocator], "rows": rows, "wall_s": wall,
             "rss_growth_mib": last["rss_mib"] - first["rss_mib"],
             "cache_growth_mib": last["cache_mib"] - first["cache_mib"], "peak_mib": last["peak_mib"]}
 
@@ -93,14 +89,11 @@ def report(results: dict[str, Any]) -> list[str]:
     lines = ["# The server's memory under growing conversations", "", f"`{results['command']}`", "",
              f"Machine: {results['machine']}. Model: {results['model']}. {results['conversations']} conversations "
              f"x {results['turns']} turns, {results['max_tokens']} answer tokens, greedy.", "",
-             "| allocator | prefix cache budget (MiB) | resident growth (MiB) | prefix cache growth (MiB) | "
-             "unexplained (MiB) | prefix cache at the end (MiB) | peak (MiB) | wall (s) |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "| allocator | resident growth (MiB) | prefix cache growth (MiB) | unexplained (MiB) | peak (MiB) | "
+             "wall (s) |", "|---|---:|---:|---:|---:|---:|"]
     for r in results["runs"]:
-        budget = "server default" if r.get("prefix_cache_mb") is None else f"{r['prefix_cache_mb']:.0f}"
-        lines.append(f"| {r['allocator']} | {budget} | {r['rss_growth_mib']:.0f} | {r['cache_growth_mib']:.0f} | "
-                     f"{r['rss_growth_mib'] - r['cache_growth_mib']:.0f} | {r['cache_end_mib']:.0f} | "
-                     f"{r['peak_mib']:.0f} | {r['wall_s']:.1f} |")
+        lines.append(f"| {r['allocator']} | {r['rss_growth_mib']:.0f} | {r['cache_growth_mib']:.0f} | "
+                     f"{r['rss_growth_mib'] - r['cache_growth_mib']:.0f} | {r['peak_mib']:.0f} | {r['wall_s']:.1f} |")
     return lines + ["", "Growth: from after the first request to after the last."]
 
 
@@ -111,8 +104,6 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=6)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--allocators", nargs="+", choices=list(ALLOCATORS), default=list(ALLOCATORS))
-    ap.add_argument("--prefix-cache-mb", type=float, nargs="+", default=[None],
-                    help="prefix cache budgets, one server each (default: the server's)")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/bench_server_memory")
     args = ap.parse_args()
     if not Path("/proc/self/status").exists():
@@ -122,7 +113,7 @@ def main() -> None:
         "machine": f"{cpu_name()}, {os.cpu_count()} cores",
         "model": str(args.model) if args.model else "clover-smol (default build)",
         "conversations": args.conversations, "turns": args.turns, "max_tokens": args.max_tokens,
-        "runs": [run(args.model, a, b, args) for a in args.allocators for b in args.prefix_cache_mb]}
+        "runs": [run(args.model, a, args) for a in args.allocators]}
     lines = report(results)
     write_results(args.out, results, lines)
     print("\n".join(lines))
