@@ -40,7 +40,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from clover.engine.draft_memory import DEFAULT_CAPACITY, DraftMemory, copied_drafts  # noqa: E402
+from clover.choices import DRAFT_MEMORY_TOKENS  # noqa: E402
+from clover.engine.draft_memory import DraftMemory, copied_drafts  # noqa: E402
 from clover.engine.exact import CONTEXT_BUCKETS, COPIED_MOST  # noqa: E402
 from clover.engine.lookup import ContextLookup  # noqa: E402
 
@@ -116,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("logs", nargs="+", type=Path, help="request logs (clover serve --record-requests)")
     p.add_argument("--most", type=int, default=COPIED_MOST, help="drafts copied at most (exact mode's)")
-    p.add_argument("--capacity", type=int, default=DEFAULT_CAPACITY, help="the memory's capacity in tokens")
+    p.add_argument("--capacity", type=int, default=DRAFT_MEMORY_TOKENS, help="the memory's capacity in tokens")
     p.add_argument("--skip", type=int, default=1, help="first requests left out of the figures (a warm-up)")
     p.add_argument("--out", type=Path, default=None, help="write the figures as JSON here")
     args = p.parse_args(argv)

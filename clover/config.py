@@ -25,6 +25,14 @@ BLOCK_GRIDS = ("prompt_end", "absolute")
 LLAMA3_ROPE_FIELDS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
+def check_threshold(threshold: float, where: str = "threshold") -> float:
+    """`threshold` if it is a confidence threshold, else a ValueError naming `where`. The one place the range is
+    stated: (0, 1], as 0 would accept every position at once and 1 is one token per step."""
+    if not 0.0 < threshold <= 1.0:
+        raise ValueError(f"{where} must be in (0, 1], got {threshold!r}")
+    return threshold
+
+
 def _hybrid_layer_types(num_layers: int, interval: int = 4) -> list[str]:
     """Qwen3.5 / Qwen3-Next pattern: every `interval`-th layer (3, 7, ...) is full attention."""
     return [FULL_ATTENTION if (i + 1) % interval == 0 else LINEAR_ATTENTION for i in range(num_layers)]
@@ -164,8 +172,7 @@ class CloverConfig:
             raise bad("mask_token_id", f"must be a token id in [0, {self.vocab_size})")
         if self.block_size < 1:
             raise bad("block_size", "must be >= 1")
-        if not 0.0 < self.threshold <= 1.0:
-            raise bad("threshold", "must be in (0, 1]")
+        check_threshold(self.threshold, "CloverConfig.threshold")
         if any(not 0.0 <= p <= 1.0 for p in self.draft_acceptance):
             raise bad("draft_acceptance", "must be probabilities in [0, 1]")
         if self.context_reading not in CONTEXT_READINGS:

@@ -129,9 +129,10 @@ def add_repetition_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dry-penalty-last-n", type=int, default=-1,
                    help="DRY: tokens of history searched for repeats (-1: all, prompt included; 0: off)")
     g.add_argument("--dry-sequence-breaker", action="append", default=None, metavar="STRING",
+                   dest="dry_sequence_breakers",
                    help="DRY: a string that ends a repeat (repeatable; replaces the defaults \\n : \" *); "
                         "--dry-sequence-breaker '' for none")
-    g.add_argument("--loop-guard", type=int, default=LOOP_GUARD_SPAN, metavar="SPAN",
+    g.add_argument("--loop-guard", type=int, default=LOOP_GUARD_SPAN, metavar="SPAN", dest="loop_guard_span",
                    help="end the answer (finish reason 'repetition') once its last SPAN tokens occurred "
                         f"--loop-guard-repeats times before in it; 0 = off (default {LOOP_GUARD_SPAN})")
     g.add_argument("--loop-guard-repeats", type=int, default=LOOP_GUARD_REPEATS, metavar="R",
@@ -140,12 +141,13 @@ def add_repetition_options(p: argparse.ArgumentParser) -> None:
 
 def repetition_sampling(args: argparse.Namespace) -> dict[str, Any]:
     """`SamplingParams` keywords from the options of `add_repetition_options`."""
-    options: dict[str, Any] = {"dry_multiplier": args.dry_multiplier, "dry_base": args.dry_base,
-                               "dry_allowed_length": args.dry_allowed_length,
-                               "dry_penalty_last_n": args.dry_penalty_last_n,
-                               "loop_guard_span": args.loop_guard, "loop_guard_repeats": args.loop_guard_repeats}
-    if args.dry_sequence_breaker is not None:
-        options["dry_sequence_breakers"] = tuple(b for b in args.dry_sequence_breaker if b)
+    from clover.engine.sampling import REPETITION_FIELDS  # deferred: torch, only when a command runs
+
+    options = {name: getattr(args, name) for name in REPETITION_FIELDS}
+    if options["dry_sequence_breakers"] is None:  # not given: SamplingParams' defaults
+        del options["dry_sequence_breakers"]
+    else:  # '' given alone: none
+        options["dry_sequence_breakers"] = tuple(b for b in options["dry_sequence_breakers"] if b)
     return options
 
 

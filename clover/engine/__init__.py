@@ -20,6 +20,7 @@ Semantics and measured figures: docs/decoding.md.
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence as Seq
@@ -42,10 +43,7 @@ __all__ = [
     "register_rule", "stream",
 ]
 
-_SAMPLING_KEYS = {"temperature", "top_p", "top_k", "repetition_penalty", "seed", "stop", "grammar", "thinking_budget",
-                  "dry_multiplier",
-                  "dry_base", "dry_allowed_length", "dry_penalty_last_n", "dry_sequence_breakers", "loop_guard_span",
-                  "loop_guard_repeats"}
+_SAMPLING_KEYS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 
 
 @dataclass

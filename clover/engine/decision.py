@@ -48,6 +48,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from clover.chat_template import render_chat
+from clover.config import check_threshold
 from clover.engine.form import Field, Form, parse_form, value_text
 from clover.engine.prefill import DEFAULT_PREFILL_CHUNK, prefill
 from clover.model.quant import reading_prompt
@@ -252,8 +253,7 @@ class DecisionRun:
                decode: Decode | None = None) -> DecisionRun:
         """Validate and render: the form, its layout for this tokenizer and runner, each context's prompt.
         `decode`: how the finished text slots are detokenized (default: the tokenizer's `decode`)."""
-        if not 0.0 < threshold <= 1.0:
-            raise ValueError(f"threshold must be in (0, 1], got {threshold}")
+        check_threshold(threshold)
         if len(contexts) == 0:
             raise ValueError("contexts is empty")
         form = parse_form(schema)

@@ -23,6 +23,8 @@ from typing import Any, ClassVar
 
 import torch
 
+from clover.config import check_threshold
+
 RULES: dict[str, type["UnmaskingRule | ExactRule"]] = {}
 
 
@@ -76,8 +78,7 @@ class ThresholdRule(UnmaskingRule):
     threshold: float = 0.9
 
     def __post_init__(self) -> None:
-        if not 0.0 < self.threshold <= 1.0:
-            raise ValueError(f"threshold must be in (0, 1], got {self.threshold}")
+        check_threshold(self.threshold)
 
     def select(self, tokens: torch.Tensor, confidence: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
         return (masked & (confidence >= self.threshold)) | self.most_confident(confidence, masked)

@@ -37,7 +37,6 @@ from clover.engine.lookup import MAX_DEPTH, ContextLookup
 NGRAMS = (8, 4, 2)  # the chains, longest first: a long key finds the deep matches a short one's chain may bury
 MAX_MATCH = MAX_DEPTH  # tokens compared backwards to measure a match, as for the context's drafts
 MAX_OCCURRENCES = 32  # positions read from a chain per lookup, newest first
-DEFAULT_CAPACITY = DRAFT_MEMORY_TOKENS  # tokens of answers kept (docs/decoding.md gives the bytes per token)
 MIN_PROBABILITY = 0.1  # SuffixDecoding's default cut-off for a draft's probability
 LENGTH_FACTOR = 1.0  # drafts of at most `match * LENGTH_FACTOR` tokens (SuffixDecoding's max_spec_factor)
 END = -1  # between answers in the store: nothing matches or follows across it
@@ -57,7 +56,7 @@ class DraftMemory:
     """Earlier answers (token ids), indexed for `drafts` (module docstring). Thread-safe: a server's scheduler
     thread reads and adds while another thread may read its `stats`."""
 
-    def __init__(self, capacity: int = DEFAULT_CAPACITY, min_probability: float = MIN_PROBABILITY,
+    def __init__(self, capacity: int = DRAFT_MEMORY_TOKENS, min_probability: float = MIN_PROBABILITY,
                  length_factor: float = LENGTH_FACTOR) -> None:
         if capacity < 1:
             raise ValueError(f"a drafting memory's capacity must be >= 1 token, got {capacity}")

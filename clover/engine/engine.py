@@ -30,6 +30,7 @@ from typing import Any, Callable, Iterator, Sequence as Seq
 
 import torch
 
+from clover.config import check_threshold
 from clover.engine.block_loop import BlockBatch, BlockLoop
 from clover.engine.cost import ForwardCost
 from clover.engine.decoding import ExactRule, UnmaskingRule, make_rule
@@ -96,9 +97,8 @@ class Engine:
         if limit is not None and self.block_size > limit:
             raise ValueError(f"block_size={self.block_size}: the {self.runner.name} runner decodes blocks of at most "
                              f"{limit} tokens (its max_block_size)")
-        self.threshold = config.threshold if threshold is None else threshold
-        if not 0.0 < self.threshold <= 1.0:
-            raise ValueError(f"threshold must be in (0, 1], got {self.threshold}")
+        # checked here too: a rule without a threshold (exact) would pass any on to the requests
+        self.threshold = check_threshold(config.threshold if threshold is None else threshold)
         self.rule = make_rule(config.rule if rule is None else rule, threshold=self.threshold, **(rule_options or {}))
         if getattr(self.runner, "causal_only", False) and self.block_size > 1 and not isinstance(self.rule, ExactRule):
             raise ValueError(f"rule {self.rule.name!r} with block_size={self.block_size}: the {self.runner.name} "
@@ -160,8 +160,8 @@ class Engine:
         """Validated requests (`ValueError` naming the parameter otherwise), timed from now. `threshold` (None:
         the engine's) and `ignore_eos` (generate exactly `max_new_tokens`) are the requests' own: rows of one
         batch may differ in them (a block rule reads each row's threshold; EOS ends only rows that heed it)."""
-        if threshold is not None and not 0.0 < threshold <= 1.0:
-            raise ValueError(f"threshold must be in (0, 1], got {threshold}")
+        if threshold is not None:
+            check_threshold(threshold)
         if len(prompts) == 0:
             raise ValueError("prompts is empty: give at least one prompt")
         params = [sampling] * len(prompts) if isinstance(sampling, SamplingParams) else list(sampling)

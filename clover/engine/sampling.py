@@ -33,7 +33,7 @@ same alone or in a batch, whatever the steps or drafts around them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Sequence
 
 import torch
@@ -121,6 +121,10 @@ class SamplingParams:
     @property
     def uses_dry(self) -> bool:
         return self.dry_multiplier > 0 and self.dry_penalty_last_n != 0
+
+
+# DRY's and the loop guard's options, by their `SamplingParams` names (what the API and the CLI pass on by name)
+REPETITION_FIELDS = tuple(f.name for f in fields(SamplingParams) if f.name.startswith(("dry_", "loop_guard_")))
 
 
 class BatchSampler:

@@ -31,10 +31,8 @@ from typing import Any
 
 from clover.engine.form import FormError, parse_form
 from clover.engine.grammar import Grammar, GrammarError, ToolSchema, json_schema_grammar, tool_call_grammar
-from clover.serving.protocol import APIError, ChatCompletionRequest, NamedToolChoice
+from clover.serving.protocol import SCHEMA_PARAM, APIError, ChatCompletionRequest, NamedToolChoice
 from clover.tool_formats import HERMES, ToolFormat
-
-SCHEMA_PARAM = "response_format.json_schema.schema"
 
 
 def offers_tools(req: ChatCompletionRequest) -> bool:

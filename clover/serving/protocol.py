@@ -20,8 +20,9 @@ from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fi
                       ValidationError, ValidationInfo, ValidatorFunctionWrapHandler, field_validator, model_validator)
 from pydantic_core import PydanticCustomError
 
+from clover.config import check_threshold
 from clover.engine.decoding import RULES
-from clover.engine.sampling import MAX_TOP_LOGPROBS
+from clover.engine.sampling import MAX_TOP_LOGPROBS, REPETITION_FIELDS
 
 # -- errors ------------------------------------------------------------------------------------------------------
 
@@ -152,7 +153,8 @@ class DecodingFields(_Model):
     seed: Annotated[StrictInt, Field(ge=-(2**63), le=2**64 - 1)] | None = None  # what torch.manual_seed takes
     # Clover's own options (extra body fields)
     block_size: Annotated[StrictInt, Field(ge=1, le=256)] | None = None
-    threshold: UnitFloat | None = None
+    # the engine's own check (clover.config.check_threshold), run here too so that the 400 names the field
+    threshold: Annotated[float, Field(allow_inf_nan=False), AfterValidator(check_threshold)] | None = None
     rule: Literal[tuple(sorted(RULES))] | None = None  # type: ignore[valid-type]  # an unmasking rule's name
     # llama.cpp's DRY (off unless dry_multiplier > 0) and the loop guard (off unless loop_guard_span > 0)
     dry_multiplier: Annotated[float, Field(ge=0.0, le=100.0, allow_inf_nan=False)] | None = None
@@ -171,9 +173,7 @@ class DecodingFields(_Model):
 
     def repetition(self) -> dict[str, Any]:
         """The DRY and loop-guard fields the request set, as `SamplingParams` keywords."""
-        names = ("dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n", "dry_sequence_breakers",
-                 "loop_guard_span", "loop_guard_repeats")
-        given = {name: getattr(self, name) for name in names if getattr(self, name) is not None}
+        given = {name: getattr(self, name) for name in REPETITION_FIELDS if getattr(self, name) is not None}
         if "dry_sequence_breakers" in given:
             given["dry_sequence_breakers"] = tuple(given["dry_sequence_breakers"])
         return given
@@ -340,6 +340,9 @@ class ChatTemplateKwargs(_Model):
 
     def extra(self) -> dict[str, Any]:
         return dict(self.model_extra or {})
+
+
+SCHEMA_PARAM = "response_format.json_schema.schema"  # where a request's JSON schema is, as errors name it
 
 
 class JSONSchemaFormat(_Model):

@@ -45,7 +45,8 @@ import logging
 import threading
 import time
 from collections import Counter, OrderedDict
-from typing import Any, Callable, Hashable, Literal, Sequence as Seq
+from enum import Enum
+from typing import Any, Callable, Hashable, Sequence as Seq
 
 import torch
 
@@ -68,6 +69,13 @@ logger = logging.getLogger(__name__)
 MAX_IDLE_ENGINES = 8  # engines kept without live requests (besides the default's): created again when asked for
 
 Settle = Callable[[Any], None]  # delivers a result (or an exception) to an awaiting coroutine
+
+
+class EngineMemory(Enum):
+    """`Scheduler.submit(memory=EngineMemory.OWN)`: the request drafts from (and joins) the drafting memory of the
+    engine that runs it, as `Engine.run` does; a server passes each request its own (clover.serving.draft_memories)."""
+
+    OWN = "own"
 
 
 class QueueFull(Exception):
@@ -145,10 +153,10 @@ class Scheduler:
 
     async def submit(self, prompt: list[int], max_new_tokens: int, sampling: Seq[SamplingParams], *,
                      block_size: int | None = None, threshold: float | None = None, rule: str | None = None,
-                     ignore_eos: bool = False, memory: DraftMemory | None | Literal["engine"] = "engine",
+                     ignore_eos: bool = False, memory: DraftMemory | None | EngineMemory = EngineMemory.OWN,
                      scope: Hashable = None) -> RequestHandle:
         """Queue one prompt with one `SamplingParams` per choice; `memory`: the drafting memory its answers draft
-        from and join (clover.serving.draft_memories; "engine": the engine's own, None: none); `scope`: whose
+        from and join (clover.serving.draft_memories; `EngineMemory.OWN`: the engine's, None: none); `scope`: whose
         prefix-cache entries it reuses (clover.serving.prefix_cache: an API key's own). Raises `ValueError` for a
         request the engine refuses (it names the parameter), `QueueFull` when the server is at capacity and
         `RuntimeError` when no loop will take it (not started, stopped or died: it would wait forever). `threshold` and `ignore_eos`
@@ -156,7 +164,7 @@ class Scheduler:
         key, engine = await self.engine(block_size, rule)
         seqs = engine.make_sequences([prompt] * len(sampling), max_new_tokens, list(sampling),
                                      threshold=threshold, ignore_eos=ignore_eos)
-        if memory != "engine" and engine.memory is not None:  # an engine that drafts from a memory at all
+        if memory is not EngineMemory.OWN and engine.memory is not None:  # an engine that drafts from a memory at all
             for seq in seqs:
                 seq.memory = memory
         handle = RequestHandle(self, next(self._ids), len(seqs), asyncio.get_running_loop())

@@ -27,9 +27,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from clover.chat_template import checkpoint_template, opens_reasoning, render_chat
-from clover.choices import DRAFT_MEMORY_MODES
+from clover.choices import DRAFT_MEMORY_MODES, DRAFT_MEMORY_TOKENS
 from clover.engine import SamplingParams
-from clover.engine.draft_memory import DEFAULT_CAPACITY
 from clover.engine.logprobs import PromptScoring, TokenLogprob, banned_ids
 from clover.engine.thinking import ThinkingBudget, thinking_budget
 from clover.model import CloverForBlockDiffusion
@@ -40,7 +39,7 @@ from clover.serving.metrics import ServerMetrics
 from clover.serving.openai_format import (ChatChoice, ChoiceText, chat_body, chat_logprobs, chat_stream,
                                           completion_body, completion_logprobs, completion_stream, usage)
 from clover.serving.prefix_cache import PrefixCache
-from clover.serving.protocol import APIError, ChatCompletionRequest, CompletionRequest, SamplingFields
+from clover.serving.protocol import APIError, ChatCompletionRequest, CompletionRequest, DecodingFields, SamplingFields
 from clover.serving.draft_memories import DraftMemories
 from clover.serving.request_context import (CLIENT_KEY, GRAMMAR_PARAM, REQUEST_ID, internal_error,
                                             request_failure, unavailable)
@@ -77,7 +76,7 @@ class ServerOptions:
     tool_call_parser: str | None = None  # None: the one the template writes (clover.tool_formats.detect)
     responses_store_bytes: int = 64 * 2**20  # stored responses (`previous_response_id`), as JSON; 0: none kept
     draft_memory: str = "per-key"  # whose answers draft whose (clover.serving.draft_memories): per-key|shared|off
-    draft_memory_tokens: int = DEFAULT_CAPACITY  # tokens each drafting memory keeps
+    draft_memory_tokens: int = DRAFT_MEMORY_TOKENS  # tokens each drafting memory keeps
     record_requests: str | None = None  # a JSON-lines file every finished sequence is appended to (request_log.py)
 
     @property
@@ -202,9 +201,12 @@ class ServedModel:
         self.tokenizer = LockedTokenizer(tokenizer, options.chat_template, options.tool_call_parser)
         limit = self.runner.max_context
         self.context = min(options.max_model_len or limit, limit)
-        self.temperature = options.temperature if options.temperature is not None else \
-            float(generation_defaults.get("temperature") or 0.0)
-        self.top_p = options.top_p if options.top_p is not None else float(generation_defaults.get("top_p") or 1.0)
+        # what a request that gives no temperature or top_p gets: the server's option, else the checkpoint's
+        # generation_config.json, else greedy / no nucleus cut
+        self.sampling_defaults = {
+            "temperature": options.temperature if options.temperature is not None else
+            float(generation_defaults.get("temperature") or 0.0),
+            "top_p": options.top_p if options.top_p is not None else float(generation_defaults.get("top_p") or 1.0)}
         eos = eos_token_ids(config, tokenizer)
         prefix_cache = None
         # a runner without prefix reuse (a hybrid model on llama.cpp: no recurrent state mid-sequence) serves without
@@ -258,6 +260,11 @@ class ServedModel:
                                 f"({unit})", param=param, code="context_length_exceeded")
         return requested
 
+    def temperature_and_top_p(self, req: DecodingFields) -> dict[str, float]:
+        """The request's temperature and top_p, the server's defaults (`sampling_defaults`) where it gives none."""
+        return {name: default if getattr(req, name) is None else getattr(req, name)
+                for name, default in self.sampling_defaults.items()}
+
     def sampling(self, req: ChatCompletionRequest | CompletionRequest) -> list[SamplingParams]:
         stops = req.stop_strings()
         budget = None
@@ -269,8 +276,7 @@ class ServedModel:
             budget = self.tokenizer.thinking_budget(req.thinking_token_budget)
         try:
             return [SamplingParams(
-                temperature=self.temperature if req.temperature is None else req.temperature,
-                top_p=self.top_p if req.top_p is None else req.top_p, top_k=req.top_k or 0,
+                **self.temperature_and_top_p(req), top_k=req.top_k or 0,
                 repetition_penalty=req.repetition_penalty or 1.0,
                 seed=None if req.seed is None else (req.seed + i) % 2**64, stop=stops, logprobs=req.logprobs_top(),
                 thinking_budget=budget, **req.repetition())

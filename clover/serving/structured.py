@@ -30,13 +30,11 @@ from clover.engine.decision import DecisionRun
 from clover.engine.form import Form, FormError, parse_form
 from clover.serving.handles import until_disconnect
 from clover.serving.openai_format import sse, usage as usage_of
-from clover.serving.protocol import APIError, ChatCompletionRequest
+from clover.serving.protocol import SCHEMA_PARAM, APIError, ChatCompletionRequest
 from clover.serving.request_context import REQUEST_ID, internal_error, unavailable
 from clover.serving.scheduler import QueueFull
 
 logger = logging.getLogger(__name__)
-
-SCHEMA_PARAM = "response_format.json_schema.schema"
 
 
 def check_form(req: ChatCompletionRequest) -> Form:
