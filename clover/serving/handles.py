@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, TypeVar
+from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 from fastapi import Request
 
@@ -14,7 +14,6 @@ from clover.serving.protocol import APIError
 
 if TYPE_CHECKING:
     from clover.engine.logprobs import TokenLogprob
-    from clover.serving.scheduler import Scheduler
 
 T = TypeVar("T")
 
@@ -36,22 +35,25 @@ class RequestHandle:
 
     An engine failure arrives as the exception itself, and cancels the request's other choices first (a failed
     choice fails the request: its siblings must not decode on, holding slots). `cancel()` (e.g. when the client
-    disconnects) frees the request's slots at the scheduler's next iteration."""
+    disconnects) frees the request's slots at the scheduler's next iteration. The scheduler hands it the `Outbox`
+    its thread delivers through and the callable that cancels (knowing neither the scheduler nor its policy)."""
 
-    def __init__(self, scheduler: "Scheduler", request_id: int, n: int, loop: asyncio.AbstractEventLoop) -> None:
-        self.scheduler, self.id, self.n, self.loop = scheduler, request_id, n, loop
+    def __init__(self, request_id: int, n: int, loop: asyncio.AbstractEventLoop, outbox: Outbox,
+                 cancel: Callable[[RequestHandle], None]) -> None:
+        self.id, self.n, self.loop = request_id, n, loop
+        self.outbox, self._cancel = outbox, cancel
         self.queue: asyncio.Queue[Output | BaseException] = asyncio.Queue()
         self.cached_tokens = [0] * n  # prompt tokens each choice took from the prefix cache
         self.remaining = n
         self.done = False
 
-    def _deliver(self, item: Output | BaseException) -> None:  # scheduler thread
-        self.scheduler.outbox.put(self, item)
+    def deliver(self, item: Output | BaseException) -> None:  # scheduler thread
+        self.outbox.put(self, item)
 
     def cancel(self) -> None:
         if not self.done:
             self.done = True
-            self.scheduler.cancel(self)
+            self._cancel(self)
 
     async def __aiter__(self) -> AsyncIterator[Output]:
         while self.remaining:

@@ -167,7 +167,7 @@ class Scheduler:
         if memory is not EngineMemory.OWN and engine.memory is not None:  # an engine that drafts from a memory at all
             for seq in seqs:
                 seq.memory = memory
-        handle = RequestHandle(self, next(self._ids), len(seqs), asyncio.get_running_loop())
+        handle = RequestHandle(next(self._ids), len(seqs), asyncio.get_running_loop(), self.outbox, self.cancel)
         now = time.perf_counter()
         with self._lock:
             if self.error is not None or self._thread is None or self._stop:
@@ -293,7 +293,7 @@ class Scheduler:
             for decision in [*self.policy.deciding, *self.policy.decisions_waiting, *pending_decisions]:
                 self.policy.end_decision(decision, failure)
             for job in pending:  # never reached the policy
-                job.handle._deliver(failure)
+                job.handle.deliver(failure)
                 self._release(job)
             self.outbox.flush()
 

@@ -226,7 +226,7 @@ class SchedulePolicy:
                 job = self.jobs.get(piece.index)
                 if job is None:
                     continue
-                job.handle._deliver(Output(job.choice, piece.token_ids, piece.finished, piece.finish_reason,
+                job.handle.deliver(Output(job.choice, piece.token_ids, piece.finished, piece.finish_reason,
                                            piece.stats, piece.logprobs))
                 if piece.finished:
                     self._finished(job, piece.stats or {})
@@ -299,7 +299,7 @@ class SchedulePolicy:
             job.snapshots = None
 
     def fail(self, job: Job, exc: BaseException) -> None:
-        job.handle._deliver(exc)
+        job.handle.deliver(exc)
         self._forget(job)
 
     def _finished(self, job: Job, stats: dict[str, Any]) -> None:

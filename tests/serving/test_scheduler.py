@@ -297,7 +297,7 @@ class _Handle:
     def __init__(self, request_id: int) -> None:
         self.id, self.cached_tokens, self.items = request_id, [0], []
 
-    def _deliver(self, item) -> None:
+    def deliver(self, item) -> None:
         self.items.append(item)
 
 
