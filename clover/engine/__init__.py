@@ -49,7 +49,7 @@ _SAMPLING_KEYS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 @dataclass
 class GenerationResult:
     sequences: list[list[int]]  # new token ids per prompt; EOS and anything after it excluded
-    stats: list[dict[str, Any]]  # per prompt (see `Request.stats`)
+    stats: list[dict[str, Any]]  # per prompt (see `Sequence.stats`)
 
 
 def _sampling(sampling: SamplingParams | Seq[SamplingParams] | None,

@@ -44,7 +44,7 @@ import torch
 from clover.engine.decoding import UnmaskingRule
 from clover.engine.logprobs import TokenLogprob, token_logprobs
 from clover.engine.loop import DecodingLoop, Event, StepSnapshot
-from clover.engine.request import Request, before_eos, through_eos
+from clover.engine.request import Sequence, before_eos, through_eos
 from clover.runners.base import RunnerCache
 from clover.engine.sampling import BatchSampler, SamplingParams
 
@@ -53,7 +53,7 @@ from clover.engine.sampling import BatchSampler, SamplingParams
 class BlockBatch:
     """The tensors of the requests being block-decoded together (row r is `seqs[r]`)."""
 
-    seqs: list[Request]
+    seqs: list[Sequence]
     cache: RunnerCache
     sampler: BatchSampler
     block: torch.Tensor  # [N, B] current block, mask id where undecided
@@ -107,7 +107,7 @@ class BlockLoop(DecodingLoop):
         return max(context - prompt_len - early, 0) // block_size * block_size, f"whole blocks of {block_size}"
 
     # -- open ------------------------------------------------------------------------------------------
-    def open(self, seqs: list[Request], ids: torch.Tensor, cache: RunnerCache, **kwargs: Any) -> BlockBatch:
+    def open(self, seqs: list[Sequence], ids: torch.Tensor, cache: RunnerCache, **kwargs: Any) -> BlockBatch:
         """The prefill's last chunk carries block 1's masks as a query block: it is also block 1's first step."""
         e = self.engine
         n = len(seqs)
@@ -125,7 +125,7 @@ class BlockLoop(DecodingLoop):
         return BlockBatch(seqs, cache, sampler, block, logits, zeros, limit, zeros + 1, head, self.rule_for(seqs),
                           logprobs=self._no_logprobs(seqs))
 
-    def rule_for(self, seqs: list[Request]) -> UnmaskingRule:
+    def rule_for(self, seqs: list[Sequence]) -> UnmaskingRule:
         """The engine's rule, or a copy of it whose `threshold` is `[N, 1]`, one per row, when the rows ask for
         different ones: every rule compares confidences `[N, B]` with its threshold by broadcasting, so each row
         is decided exactly as it would be alone (options per request, one batch: as vLLM keeps sampling settings
@@ -162,7 +162,7 @@ class BlockLoop(DecodingLoop):
         logits[wanted] = out
         return logits
 
-    def _limits(self, seqs: list[Request], head: torch.Tensor | None = None) -> torch.Tensor:
+    def _limits(self, seqs: list[Sequence], head: torch.Tensor | None = None) -> torch.Tensor:
         """Positions of the block that can count: its `head` and the tokens each row may still produce."""
         remaining = torch.tensor([s.remaining for s in seqs], dtype=torch.long, device=self.engine.device)
         return (remaining if head is None else remaining + head).clamp(max=self.engine.block_size)
@@ -231,7 +231,7 @@ class BlockLoop(DecodingLoop):
         mask_id = self.engine.mask_id
         return row.index(mask_id, head) if mask_id in row[head:] else len(row)
 
-    def _force_closing(self, seqs: list[Request], block: torch.Tensor, head: torch.Tensor,
+    def _force_closing(self, seqs: list[Sequence], block: torch.Tensor, head: torch.Tensor,
                        limit: torch.Tensor) -> None:
         """Rows whose thinking budget is spent where their block's decided prefix ends: the closing sequence is
         written into the (masked) positions that follow, as far as the block and the row's `limit` go; what does
@@ -287,7 +287,7 @@ class BlockLoop(DecodingLoop):
         self._commit(b)
         return events, b
 
-    def _no_logprobs(self, seqs: list[Request]) -> list[list[TokenLogprob | None] | None]:
+    def _no_logprobs(self, seqs: list[Sequence]) -> list[list[TokenLogprob | None] | None]:
         """A fresh block's logprobs: a position list per row that asks for them."""
         return [[None] * self.engine.block_size if s.params.logprobs is not None else None for s in seqs]
 
@@ -340,7 +340,7 @@ class BlockLoop(DecodingLoop):
     def _snapshots(self, b: BlockBatch, accept: torch.Tensor, active: torch.Tensor) -> list[Event]:
         mask_id = self.engine.mask_id
         block, new, act = b.block.tolist(), accept.tolist(), active.tolist()
-        return [StepSnapshot(s.index, len(s.steps_per_block), int(b.steps[r]),
+        return [StepSnapshot(s.seq_id, len(s.steps_per_block), int(b.steps[r]),
                              [None if t == mask_id else t for t in block[r]], new[r])
                 for r, s in enumerate(b.seqs) if act[r]]
 

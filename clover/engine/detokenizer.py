@@ -50,7 +50,7 @@ class IncrementalDetokenizer:
 class StopAwareDetokenizer:
     """One request's output text for streaming, cut before the stop string that ended it.
 
-    The engine decides where a request stops (`Request` ends it after the token that completes a stop string) and
+    The engine decides where a request stops (`Sequence` ends it after the token that completes a stop string) and
     reports which string in `stats["stop_string"]`; this trims the text to match. Until the end, the last
     `max(len(stop)) - 1` characters are held back: they may be the start of a stop string completed by the next
     piece, and text once sent cannot be taken back.

@@ -40,7 +40,7 @@ from clover.engine.logprobs import TokenLogprob, banned_ids
 from clover.engine.loop import Event, StreamPiece
 from clover.engine.prefill import DEFAULT_PREFILL_CHUNK, grid_chunk, prefill
 from clover.engine.repetition import BreakerCache
-from clover.engine.request import Detokenize, Request
+from clover.engine.request import Detokenize, Sequence
 from clover.runners.base import ModelRunner, RunnerCache, release_cache
 from clover.runners.torch_runner import as_runner
 from clover.engine.sampling import SamplingParams
@@ -54,7 +54,7 @@ DecodeBatch = BlockBatch | ExactBatch  # the running batch, opaque outside the e
 class Prefill:
     """A request being prefilled on its own, one chunk per `Engine.prefill_step`, before it joins a batch."""
 
-    seq: Request
+    seq: Sequence
     cache: RunnerCache  # one row; holds `done` prompt tokens
     done: int = 0
     pad: int = 0  # columns of padding before the prompt: a prompt read on a block grid starts a whole block
@@ -145,7 +145,7 @@ class Engine:
         Inputs are validated here, before the first `next()`, so a bad request fails where it is made."""
         return self._run(self.make_sequences(prompts, max_new_tokens, sampling), snapshots)
 
-    def _run(self, seqs: list[Request], snapshots: bool) -> Iterator[Event]:
+    def _run(self, seqs: list[Sequence], snapshots: bool) -> Iterator[Event]:
         with torch.inference_mode():
             batch = self._prefill(seqs)
         while batch is not None:
@@ -156,14 +156,18 @@ class Engine:
     # -- setup ----------------------------------------------------------------------------------------
     def make_sequences(self, prompts: Seq[Seq[int]], max_new_tokens: int,
                        sampling: SamplingParams | Seq[SamplingParams], *, threshold: float | None = None,
-                       ignore_eos: bool = False) -> list[Request]:
+                       ignore_eos: bool = False, ids: Seq[int] | None = None) -> list[Sequence]:
         """Validated requests (`ValueError` naming the parameter otherwise), timed from now. `threshold` (None:
         the engine's) and `ignore_eos` (generate exactly `max_new_tokens`) are the requests' own: rows of one
-        batch may differ in them (a block rule reads each row's threshold; EOS ends only rows that heed it)."""
+        batch may differ in them (a block rule reads each row's threshold; EOS ends only rows that heed it).
+        `ids`: the sequences' `seq_id`s, what their events carry (None: their positions in `prompts`)."""
         if threshold is not None:
             check_threshold(threshold)
         if len(prompts) == 0:
             raise ValueError("prompts is empty: give at least one prompt")
+        ids = range(len(prompts)) if ids is None else list(ids)
+        if len(ids) != len(prompts):
+            raise ValueError(f"got {len(ids)} ids for {len(prompts)} prompts")
         params = [sampling] * len(prompts) if isinstance(sampling, SamplingParams) else list(sampling)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
@@ -206,21 +210,21 @@ class Engine:
                 f"{max(room, 0)} new tokens fit")
         now = time.perf_counter()
         eos = [] if ignore_eos else self.eos_ids
-        return [Request(i, p, params[i], int(max_new_tokens), start_time=now, threshold=threshold,
+        return [Sequence(ids[i], p, params[i], int(max_new_tokens), start_time=now, threshold=threshold,
                         ignore_eos=bool(ignore_eos), memory=self.memory,
                         matcher=params[i].grammar.matcher(self.vocab_size, eos, self.runner.config.eos_token_ids)
                         if params[i].grammar is not None else None,
                         budget=params[i].thinking_budget.tracker(p, self.vocab_size, eos)
                         if params[i].thinking_budget is not None else None) for i, p in enumerate(prompts)]
 
-    def eos_of(self, seq: Request) -> list[int]:
+    def eos_of(self, seq: Sequence) -> list[int]:
         """The ids that end `seq`: its grammar's (the model's, under ignore_eos: clover.engine.grammar), none under
         `ignore_eos`, else the engine's."""
         if seq.matcher is not None:
             return seq.matcher.eos_ids
         return [] if seq.ignore_eos else self.eos_ids
 
-    def heeds_eos(self, seqs: Seq[Request]) -> torch.Tensor | None:
+    def heeds_eos(self, seqs: Seq[Sequence]) -> torch.Tensor | None:
         """`[N]` bool: the rows an engine EOS ends (None when all do, the common case: no tensor built)."""
         if not any(s.ignore_eos for s in seqs):
             return None
@@ -251,7 +255,7 @@ class Engine:
         for r, (seq, (tokens, steps, forwards)) in enumerate(zip(b.seqs, pieces)):
             piece = seq.append_block(tokens, steps, forwards, self.eos_of(seq), self.detokenize, now)
             values = logprobs[r] if logprobs is not None else None
-            events.append(StreamPiece(seq.index, piece, len(seq.steps_per_block) - 1, seq.finished,
+            events.append(StreamPiece(seq.seq_id, piece, len(seq.steps_per_block) - 1, seq.finished,
                                       seq.finish_reason, seq.stats() if seq.finished else None,
                                       list(values[:len(piece)]) if values is not None else None))
             if not seq.finished:
@@ -269,7 +273,7 @@ class Engine:
         return banned_ids(self.mask_id, self.vocab_limit, self.vocab_size)
 
     # -- prefill --------------------------------------------------------------------------------------
-    def _prefill(self, seqs: list[Request]) -> DecodeBatch:
+    def _prefill(self, seqs: list[Sequence]) -> DecodeBatch:
         """Prompts, left-padded, read causally in chunks of `prefill_chunk` (`clover.engine.prefill`); the last
         chunk opens the loop."""
         self.loop.calibrate()
@@ -282,7 +286,7 @@ class Engine:
             return self.loop.open(seqs, last.ids, cache, **last.kwargs)
 
     # -- continuous batching: one request at a time -------------------------------------------------------
-    def prefill_together(self, seqs: list[Request]) -> DecodeBatch:
+    def prefill_together(self, seqs: list[Sequence]) -> DecodeBatch:
         """Prefill `seqs` in one batch (left-padded, as `run` does: each row gets what it gets alone), ready to
         join a running one. For prompts of at most `prefill_chunk` tokens this is one forward for all of them,
         where `prefill_step` takes one each: a forward of a few dozen rows leaves most of a CPU's arithmetic
@@ -290,7 +294,7 @@ class Engine:
         with torch.inference_mode():
             return self._prefill(seqs)
 
-    def begin_prefill(self, seq: Request, cache: RunnerCache | None = None) -> Prefill:
+    def begin_prefill(self, seq: Sequence, cache: RunnerCache | None = None) -> Prefill:
         """Start prefilling `seq` alone. `cache` (one row) may already hold a prefix of its prompt (prefix reuse);
         it must end on the chunk grid and leave at least one prompt token, whose logits start decoding."""
         if cache is not None and self.prompt_grid > 1:
@@ -348,8 +352,8 @@ class Engine:
             return self.loop.step(b, snapshots)
 
     def drop(self, b: DecodeBatch, indices: set[int]) -> DecodeBatch | None:
-        """Remove the requests whose `Request.index` is in `indices` (cancelled), at any step."""
-        keep = [r for r, s in enumerate(b.seqs) if s.index not in indices]
+        """Remove the requests whose `Sequence.seq_id` is in `indices` (cancelled), at any step."""
+        keep = [r for r, s in enumerate(b.seqs) if s.seq_id not in indices]
         if len(keep) == len(b.seqs):
             return b
         if not keep:

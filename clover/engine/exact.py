@@ -70,7 +70,7 @@ from clover.engine.drafting import Acceptance, best_batch_verified, best_drafts,
 from clover.engine.logprobs import TokenLogprob, token_logprobs
 from clover.engine.lookup import ContextLookup
 from clover.engine.loop import DecodingLoop, Event
-from clover.engine.request import Request, through_eos
+from clover.engine.request import Sequence, through_eos
 from clover.runners.base import RunnerCache
 from clover.engine.sampling import BatchSampler
 from clover.engine.speculative import verify
@@ -97,7 +97,7 @@ class ExactBatch:
     path's tokens; emitted at the next step; all but the last already in the cache), the drafts for the next
     forward and the request's acceptance estimate; with `lookup`, its context index and where its drafts came from."""
 
-    seqs: list[Request]
+    seqs: list[Sequence]
     cache: RunnerCache
     sampler: BatchSampler  # the rows' sampling (the target distribution and each row's seed)
     decided: torch.Tensor  # [N, W]: the first `n_decided` columns count
@@ -213,7 +213,7 @@ class ExactLoop(DecodingLoop):
         b.logprobs = [b.logprobs[r] for r in keep]
 
     # -- the loop --------------------------------------------------------------------------------------
-    def open(self, seqs: list[Request], ids: torch.Tensor, cache: RunnerCache, **kwargs: Any) -> ExactBatch:
+    def open(self, seqs: list[Sequence], ids: torch.Tensor, cache: RunnerCache, **kwargs: Any) -> ExactBatch:
         """The prefill's last chunk: it decides the first token (from the last prompt token) and drafts after it."""
         n, t = ids.shape
         e = self.engine
@@ -420,7 +420,7 @@ class ExactLoop(DecodingLoop):
         ceiling = self._memory_estimate(lookup.memory_draft).optimistic()[0]
         return [min(share, ceiling) for share in lookup.memory_draft.conditional]
 
-    def _plan(self, seqs: list[Request], acceptance: list[Acceptance], available: torch.Tensor,
+    def _plan(self, seqs: list[Sequence], acceptance: list[Acceptance], available: torch.Tensor,
               context: int, b: ExactBatch | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Per row: `k` drafts to verify (of those available) and `m` to draft next. None past the request's
         last token: the decided token is one, the drafts verified next time need one more each. Drafts copied
@@ -553,7 +553,7 @@ def _shared_estimate(prior: float) -> Acceptance:
     return estimate
 
 
-def _constraint_masks(seqs: list[Request], drafts: Callable[[int], list[int]]
+def _constraint_masks(seqs: list[Sequence], drafts: Callable[[int], list[int]]
                       ) -> tuple[list[int], list[torch.Tensor | None], list[int]]:
     """The rows a constraint binds, decided from the committed tokens before a forward (the drafts its masks consume
     may end a thinking budget, then be rejected: the rollback must still reach them), and per row the masks of the

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from clover.engine.logprobs import TokenLogprob
-from clover.engine.request import Request
+from clover.engine.request import Sequence
 from clover.runners.base import RunnerCache
 from clover.engine.sampling import SamplingParams
 
@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 class StreamPiece:
     """The committed tokens of one block of one request (what a streaming client appends)."""
 
-    index: int  # the request's position in the prompts given to the engine
+    index: int  # its sequence's `seq_id`: the request's position in the prompts given to the engine (or its id)
     token_ids: list[int]
     block: int
     finished: bool = False
@@ -79,7 +79,7 @@ class DecodingLoop:
         """The part of `prompt` the prefill reads: all of it, unless the loop opens its first block with the rest."""
         return prompt
 
-    def open(self, seqs: list[Request], ids: torch.Tensor, cache: RunnerCache, **kwargs: Any) -> Any:
+    def open(self, seqs: list[Sequence], ids: torch.Tensor, cache: RunnerCache, **kwargs: Any) -> Any:
         raise NotImplementedError
 
     def step(self, b: Any, snapshots: bool = False) -> tuple[list[Event], Any]:

@@ -1,6 +1,6 @@
-"""`Request`: one request's state and bookkeeping — what it has produced, why it stopped, what it cost.
+"""`Sequence`: one request's state and bookkeeping — what it has produced, why it stopped, what it cost.
 
-The engine owns the tensors (cache, current block) of the whole batch; a `Request` owns the Python-side facts
+The engine owns the tensors (cache, current block) of the whole batch; a `Sequence` owns the Python-side facts
 of one request: its prompt, sampling parameters, the tokens committed so far, the steps each block took, and the
 timestamps its stats are computed from. Appending a finished block is where EOS, `max_new_tokens`, stop strings
 and the loop guard (clover.engine.repetition) are applied, so that "what counts as generated" is decided in exactly
@@ -44,8 +44,9 @@ def through_eos(tokens: torch.Tensor, eos: torch.Tensor, bound: torch.Tensor,
 
 
 @dataclass
-class Request:
-    index: int  # position of the request in the caller's list
+class Sequence:
+    seq_id: int  # what its events carry as their `index`: its position in the prompts given to the engine, or the
+    # id the caller gave it (`Engine.make_sequences(ids=...)`: the scheduler's, unique across its batches)
     prompt: list[int]
     params: SamplingParams
     max_new_tokens: int

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from clover.engine.request import Request
+from clover.engine.request import Sequence
 
 
 class RequestLog:
@@ -34,7 +34,7 @@ class RequestLog:
         self._file = os.fdopen(fd, "a", encoding="utf-8")
         self._lock = threading.Lock()
 
-    def write(self, seq: Request, stats: dict[str, Any]) -> None:
+    def write(self, seq: Sequence, stats: dict[str, Any]) -> None:
         line = json.dumps({"time": time.time(), "prompt": seq.prompt, "answer": seq.generated,
                            "stats": {k: v for k, v in stats.items() if k != "steps_per_block"}})
         with self._lock:

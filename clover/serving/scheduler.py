@@ -163,7 +163,8 @@ class Scheduler:
         (generate exactly `max_new_tokens`: benchmarks) are the request's own: they never split a batch."""
         key, engine = await self.engine(block_size, rule)
         seqs = engine.make_sequences([prompt] * len(sampling), max_new_tokens, list(sampling),
-                                     threshold=threshold, ignore_eos=ignore_eos)
+                                     threshold=threshold, ignore_eos=ignore_eos,
+                                     ids=[next(self._ids) for _ in sampling])
         if memory is not EngineMemory.OWN and engine.memory is not None:  # an engine that drafts from a memory at all
             for seq in seqs:
                 seq.memory = memory
@@ -177,7 +178,6 @@ class Scheduler:
             self._outstanding += len(seqs)
             self._live[key] += len(seqs)
             for choice, seq in enumerate(seqs):
-                seq.index = next(self._ids)
                 self._inbox.append(Job(handle, choice, seq, key, now, engine, scope=scope))
             self._lock.notify()
         return handle

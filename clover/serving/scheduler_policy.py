@@ -25,13 +25,13 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable, Sequence
+from typing import Any, Callable, Hashable, Sequence as Seq
 
 from clover.engine import Engine
 from clover.engine.decision import DecisionRun
 from clover.engine.logprobs import PromptScoring
 from clover.engine.engine import DecodeBatch, Prefill
-from clover.engine.request import Request
+from clover.engine.request import Sequence
 from clover.serving.handles import Output, RequestHandle
 from clover.serving.metrics import ServerMetrics
 from clover.serving.request_log import RequestLog
@@ -49,7 +49,7 @@ class Job:
 
     handle: RequestHandle
     choice: int
-    seq: Request
+    seq: Sequence
     key: EngineKey  # which engine / batch
     arrival: float
     engine: Engine  # the engine of `key` that validated it (kept: an idle engine may be evicted meanwhile)
@@ -87,13 +87,13 @@ class SchedulePolicy:
         self.ready: list[tuple[list[Job], DecodeBatch]] = []
         self.waiting: deque[Job] = deque()
         self.prefilling: Job | None = None
-        self.jobs: dict[int, Job] = {}  # by Request.index, every job not finished
+        self.jobs: dict[int, Job] = {}  # by Sequence.seq_id, every job not finished
         self.decisions_waiting: deque[DecisionJob] = deque()
         self.deciding: list[DecisionJob] = []
 
-    def add(self, jobs: list[Job], decisions: Sequence[DecisionJob] = ()) -> None:
+    def add(self, jobs: list[Job], decisions: Seq[DecisionJob] = ()) -> None:
         for job in jobs:
-            self.jobs[job.seq.index] = job
+            self.jobs[job.seq.seq_id] = job
             self.waiting.append(job)
         self.decisions_waiting.extend(decisions)
 
@@ -214,8 +214,8 @@ class SchedulePolicy:
                 logger.exception("decode step failed")
                 del self.batches[key]
                 for seq in seqs:
-                    if seq.index in self.jobs:
-                        self.fail(self.jobs[seq.index], exc)
+                    if seq.seq_id in self.jobs:
+                        self.fail(self.jobs[seq.seq_id], exc)
                 continue
             self.metrics.engine_forwards.inc(engine.counters.forwards - forwards)
             if batch is None:
@@ -267,12 +267,12 @@ class SchedulePolicy:
         gone = {i for i, job in self.jobs.items() if job.handle.id in request_ids}
         if not gone:
             return
-        self.waiting = deque(j for j in self.waiting if j.seq.index not in gone)
-        if self.prefilling is not None and self.prefilling.seq.index in gone:
+        self.waiting = deque(j for j in self.waiting if j.seq.seq_id not in gone)
+        if self.prefilling is not None and self.prefilling.seq.seq_id in gone:
             self.prefilling = None
         ready = []
         for jobs, batch in self.ready:
-            kept = [j for j in jobs if j.seq.index not in gone]
+            kept = [j for j in jobs if j.seq.seq_id not in gone]
             if len(kept) < len(jobs) and kept:
                 batch = self.engines[kept[0].key].drop(batch, gone)
             if kept:
@@ -289,7 +289,7 @@ class SchedulePolicy:
 
     def _forget(self, job: Job) -> None:
         self._release_snapshots(job)
-        self.jobs.pop(job.seq.index, None)
+        self.jobs.pop(job.seq.seq_id, None)
         self.released(job)
 
     @staticmethod

@@ -54,7 +54,7 @@ class OracleLoop(ExactLoop):
         drafts = []
         for r, seq in enumerate(b.seqs):
             done = len(seq.generated) + int(b.n_decided[r])  # what will be emitted before the next forward
-            row = (self.reference[seq.index][done:] + [0] * width)[:width]
+            row = (self.reference[seq.seq_id][done:] + [0] * width)[:width]
             drafts.append([(t + 1) % 200 if self.random.random() < self.wrong else t for t in row])
         b.drafts = torch.tensor(drafts)
         b.n_drafts = torch.full((len(b.seqs),), width)
@@ -317,7 +317,7 @@ def test_exact_mode_sampling_draws_from_the_block1_distribution(models):
 def test_a_multibyte_stop_string_ends_output_where_it_completes_whatever_the_piece_size(stop):
     """A byte-level tokenizer spells a character in up to four tokens. The stop string is matched on text, so
     block size 1 (a token per piece) and exact mode (several per piece) end at the same token."""
-    from clover.engine.request import Request
+    from clover.engine.request import Sequence
 
     def decode(ids):
         return bytes(ids).decode("utf-8", errors="replace")
@@ -325,7 +325,7 @@ def test_a_multibyte_stop_string_ends_output_where_it_completes_whatever_the_pie
     tokens = list(("the reply: " + stop + " and more").encode())
     cuts = set()
     for size in (1, 2, 3, 5):
-        seq = Request(0, [1], SamplingParams(stop=[stop]), len(tokens))
+        seq = Sequence(0, [1], SamplingParams(stop=[stop]), len(tokens))
         for i in range(0, len(tokens), size):
             seq.append_block(tokens[i:i + size], 1, 1, [], decode)
             if seq.finished:

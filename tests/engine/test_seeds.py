@@ -122,7 +122,7 @@ def _joining(engine: Engine, prompts, sampling, arrivals: list[int]) -> list[lis
     """Request i joins the running batch at step `arrivals[i]` (exact mode: every step is a boundary)."""
     seqs = [engine.make_sequences([p], MAX_NEW, s)[0] for p, s in zip(prompts, sampling)]
     for i, s in enumerate(seqs):
-        s.index = i
+        s.seq_id = i
     out = [[] for _ in seqs]
     batch, step, waiting, joined = None, 0, list(range(len(seqs))), 0
     while waiting or batch is not None:

@@ -35,7 +35,7 @@ def _continuous(engine: Engine, arrivals: list[int], sampling: list[SamplingPara
     `drop[j]` (cancelled). Returns the tokens each request received."""
     seqs = [engine.make_sequences([p], m, s)[0] for p, m, s in zip(PROMPTS, MAX_NEW, sampling)]
     for i, s in enumerate(seqs):
-        s.index = i
+        s.seq_id = i
     out = {i: [] for i in range(len(seqs))}
     batch, step, waiting = None, 0, list(range(len(seqs)))
     joined_mid_run = 0
@@ -309,7 +309,7 @@ def _policy(model, max_running: int):
     jobs = []
     for i, (prompt, max_new) in enumerate(zip(PROMPTS, MAX_NEW)):
         seq = engine.make_sequences([prompt], max_new, [SamplingParams()])[0]
-        seq.index = i
+        seq.seq_id = i
         jobs.append(Job(_Handle(i), 0, seq, key, 0.0, engine))
     return policy, engine, jobs, released
 
@@ -323,7 +323,7 @@ def test_policy_admits_up_to_max_running_and_joins_only_at_block_boundaries(mode
         while policy.busy():
             policy.prefill_once()
             assert policy.running_count() <= 2  # admission never exceeds max_running
-            before = {j.seq.index for group, _ in policy.ready for j in group}
+            before = {j.seq.seq_id for group, _ in policy.ready for j in group}
             had_batch = bool(policy.batches)
             policy.join_ready()
             for group, _ in policy.ready:  # what stays ready waits for its batch's block boundary
@@ -333,7 +333,7 @@ def test_policy_admits_up_to_max_running_and_joins_only_at_block_boundaries(mode
             iterations += 1
             assert iterations < 1000
     assert joined_mid_run >= 1  # requests 2 and 3 joined a running batch once a slot was free
-    assert sorted(j.seq.index for j in released) == [0, 1, 2, 3] and not policy.jobs
+    assert sorted(j.seq.seq_id for j in released) == [0, 1, 2, 3] and not policy.jobs
     for job, prompt, max_new in zip(jobs, PROMPTS, MAX_NEW):
         out = job.handle.items
         assert out[-1].finished and not any(o.finished for o in out[:-1])
@@ -352,7 +352,7 @@ def test_short_prompts_are_prefilled_together_in_one_forward(models):
             before = engine.counters.forwards
             policy.prefill_once()
             assert engine.counters.forwards == before + 1
-            assert [[j.seq.index for j in group] for group, _ in policy.ready] == groups
+            assert [[j.seq.seq_id for j in group] for group, _ in policy.ready] == groups
             while policy.busy():
                 policy.prefill_once()
                 policy.join_ready()
@@ -365,12 +365,12 @@ def test_short_prompts_are_prefilled_together_in_one_forward(models):
     with torch.inference_mode():
         policy.prefill_once()
         policy.cancel({0})
-        assert [[j.seq.index for j in group] for group, _ in policy.ready] == [[1]]
+        assert [[j.seq.seq_id for j in group] for group, _ in policy.ready] == [[1]]
         while policy.busy():
             policy.prefill_once()
             policy.join_ready()
             policy.step_batches()
-    assert jobs[0].handle.items == [] and sorted(j.seq.index for j in released) == [0, 1, 2, 3]
+    assert jobs[0].handle.items == [] and sorted(j.seq.seq_id for j in released) == [0, 1, 2, 3]
     assert [t for o in jobs[1].handle.items for t in o.token_ids] == _alone(model, PROMPTS[1], MAX_NEW[1],
                                                                            SamplingParams(), [])
 
@@ -383,10 +383,10 @@ def test_policy_cancellation_drops_waiting_and_running_requests(models):
             policy.prefill_once()
             policy.join_ready()
         policy.step_batches()
-        assert [j.seq.index for j in policy.waiting] == [1]  # max_running=1: request 1 still waits
+        assert [j.seq.seq_id for j in policy.waiting] == [1]  # max_running=1: request 1 still waits
         delivered = len(jobs[0].handle.items)
         policy.cancel({0, 1})
-        assert not policy.busy() and not policy.jobs and sorted(j.seq.index for j in released) == [0, 1]
+        assert not policy.busy() and not policy.jobs and sorted(j.seq.seq_id for j in released) == [0, 1]
         policy.step_batches()  # nothing left to step: no more outputs
     assert len(jobs[0].handle.items) == delivered and jobs[1].handle.items == []
 
@@ -399,7 +399,7 @@ def test_a_failing_group_prefill_fails_only_the_bad_request(models, monkeypatch)
     together = engine.prefill_together
 
     def poisoned(seqs):
-        if any(s.index == 0 for s in seqs):
+        if any(s.seq_id == 0 for s in seqs):
             raise RuntimeError("Overflow when unpacking long long")
         return together(seqs)
 
@@ -414,4 +414,4 @@ def test_a_failing_group_prefill_fails_only_the_bad_request(models, monkeypatch)
     for job, prompt, max_new in list(zip(jobs, PROMPTS, MAX_NEW))[1:]:
         assert [t for o in job.handle.items for t in o.token_ids] == _alone(model, prompt, max_new,
                                                                             SamplingParams(), [])
-    assert sorted(j.seq.index for j in released) == [0, 1, 2, 3] and not policy.jobs
+    assert sorted(j.seq.seq_id for j in released) == [0, 1, 2, 3] and not policy.jobs
