@@ -14,7 +14,7 @@ RULE_NAMES = ("threshold", "top_k_per_step", "no_adjacent_repeat", "product_thre
               "exact")
 
 # clover.conversion: --from name -> the module under clover.conversion whose open_source(src, name) reads it
-FORMATS: dict[str, str] = {
+SOURCE_FORMATS: dict[str, str] = {
     "qwen3_5_moe": "qwen3_5",
     "qwen3_5": "qwen3_5",
     "qwen3_next": "qwen3_next",

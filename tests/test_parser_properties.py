@@ -13,11 +13,11 @@ from hypothesis import strategies as st
 
 from clover.assistant_output import OutputParser, whole_calls
 from clover.engine.detokenizer import StopAwareDetokenizer
-from clover.engine.request import Request
+from clover.engine.request import Sequence
 from clover.engine.sampling import SamplingParams
 from clover.engine.repetition import (DryConfig, LagMatches, breakers_from_texts, dry_candidates, lag_matches,
                                       naive_dry_penalty, penalty_of)
-from clover.tool_formats import FORMATS
+from clover.tool_formats import TOOL_FORMATS
 
 NAMES = st.sampled_from(["f", "get_weather", "tool_2"])
 KEYS = st.sampled_from(["a", "city", "n"])
@@ -46,7 +46,7 @@ def _typed(calls: list[tuple[str, dict]]) -> list[tuple[str, dict]]:
 
 
 def _parse(fmt: str, pieces: list[str]) -> tuple[str, list[tuple[str, dict]]]:
-    parser = OutputParser(tools=True, fmt=FORMATS[fmt], schemas=SCHEMAS)
+    parser = OutputParser(tools=True, fmt=TOOL_FORMATS[fmt], schemas=SCHEMAS)
     content, deltas = "", []
     for piece in pieces:
         d = parser.feed(piece)
@@ -56,7 +56,7 @@ def _parse(fmt: str, pieces: list[str]) -> tuple[str, list[tuple[str, dict]]]:
 
 
 @settings(max_examples=60, deadline=None)
-@given(fmt=st.sampled_from(sorted(FORMATS)), calls=CALLS, cuts=st.lists(st.integers(0, 10**4), max_size=8))
+@given(fmt=st.sampled_from(sorted(TOOL_FORMATS)), calls=CALLS, cuts=st.lists(st.integers(0, 10**4), max_size=8))
 def test_any_split_of_a_formats_calls_parses_as_the_whole(fmt, calls, cuts):
     if fmt == "qwen3_coder":  # a string value that looks like an integer is still text: the schema says string
         calls = _typed(calls)
@@ -127,10 +127,10 @@ STOPS = st.lists(st.sampled_from(["a", "ab", "ba", "b\n", "</s>", "é", "aé", "
 @given(ids=st.lists(st.integers(0, len(BYTES) - 1), min_size=1, max_size=40), stops=STOPS,
        cuts=st.lists(st.integers(1, 6), max_size=20))
 def test_stop_strings_found_by_blocks_and_streamed_give_the_naive_text(ids, stops, cuts):
-    """The engine finds a stop string block by block from a short tail of text (`Request.append_block`), the
+    """The engine finds a stop string block by block from a short tail of text (`Sequence.append_block`), the
     stream holds back what may grow into one (`StopAwareDetokenizer`): whatever the blocks, the streamed text is
     the naive definition's, and the answer ends where that definition ends it."""
-    request = Request(0, [1], SamplingParams(stop=tuple(stops)), max_new_tokens=len(ids))
+    request = Sequence(0, [1], SamplingParams(stop=tuple(stops)), max_new_tokens=len(ids))
     stream = StopAwareDetokenizer(toy_decode, stops)
     sent, at = "", 0
     for size in [*cuts, len(ids)]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from clover.choices import FORMATS
+from clover.choices import SOURCE_FORMATS
 
 
 def add_parser(subparsers: Any) -> None:
@@ -13,7 +13,7 @@ def add_parser(subparsers: Any) -> None:
         "convert", help="convert an AR checkpoint (HF directory or GGUF file) into a Clover checkpoint",
         description="Convert an AR checkpoint into a Clover checkpoint directory (config.json, safetensors, "
                     "tokenizer, generation_config.json). The result's block_size=1 forward equals the source.")
-    parser.add_argument("--from", dest="source_format", required=True, choices=list(FORMATS),
+    parser.add_argument("--from", dest="source_format", required=True, choices=list(SOURCE_FORMATS),
                         help="source layout")
     parser.add_argument("src", help="source: an HF model directory, or a .gguf file for --from gguf")
     parser.add_argument("dst", help="destination checkpoint directory (must not exist unless --force)")

@@ -18,7 +18,7 @@ from clover.choices import DRAFT_MEMORY_MODES, DRAFT_MEMORY_TOKENS
 from clover.cli.loading import add_decoding_options, load_model, resolve_model_dir
 from clover.cli.threads import set_threads
 from clover.runners.registry import runner_entry
-from clover.tool_formats import FORMATS
+from clover.tool_formats import TOOL_FORMATS
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -51,7 +51,7 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--max-body-mb", type=float, default=4.0, help="largest request body accepted")
     p.add_argument("--chat-template", default=None, metavar="FILE|clover",
                    help="a Jinja chat template file, or 'clover' for Clover's own (default: the checkpoint's own)")
-    p.add_argument("--tool-call-parser", default=None, choices=sorted(FORMATS),
+    p.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_FORMATS),
                    help="how the model writes tool calls (default: the format its chat template writes)")
     p.add_argument("--responses-store-mb", type=float, default=64.0,
                    help="memory for stored Responses API responses (previous_response_id), least recently used "

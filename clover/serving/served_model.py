@@ -49,7 +49,7 @@ from clover.serving.scheduler import QueueFull, Scheduler
 from clover.serving.grammar_route import forced_start, grammar_param, max_calls, request_grammar, route
 from clover.serving.structured import decision_response
 from clover.tokenizer import eos_token_ids, load_tokenizer
-from clover.tool_formats import FORMATS, detect
+from clover.tool_formats import TOOL_FORMATS, detect
 
 logger = logging.getLogger(__name__)
 
@@ -99,8 +99,8 @@ class ServerOptions:
             raise ValueError("ServerOptions.max_waiting, prefix_cache_bytes and responses_store_bytes must be >= 0")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"ServerOptions.max_model_len must be >= 1, got {self.max_model_len}")
-        if self.tool_call_parser is not None and self.tool_call_parser not in FORMATS:
-            raise ValueError(f"ServerOptions.tool_call_parser must be one of {sorted(FORMATS)}, "
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_FORMATS:
+            raise ValueError(f"ServerOptions.tool_call_parser must be one of {sorted(TOOL_FORMATS)}, "
                              f"got {self.tool_call_parser!r}")
 
 
@@ -124,7 +124,7 @@ class LockedTokenizer:
         self.tokenizer = tokenizer
         self.lock = threading.Lock()
         self.template = template or checkpoint_template(tokenizer)
-        self.tool_format = FORMATS[tool_call_parser] if tool_call_parser else detect(self.template)
+        self.tool_format = TOOL_FORMATS[tool_call_parser] if tool_call_parser else detect(self.template)
         self._budget: ThinkingBudget | None = None  # the tags' ids and the template's closing, made on first use
 
     def encode(self, text: str) -> list[int]:

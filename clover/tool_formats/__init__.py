@@ -53,8 +53,8 @@ HERMES = ToolFormat("hermes", CALL + "\n", '{{"name": {name}, "arguments": ', "}
 QWEN3_CODER = ToolFormat("qwen3_coder", CALL + "\n", "<function={name}>\n", "</function>\n" + END_CALL, "\n",
                          Qwen3CoderCalls, xml=True)
 LLAMA3_JSON = ToolFormat("llama3_json", "", '{{"name": {name}, "parameters": ', "}", "; ", Llama3Calls, wrapped=False)
-FORMATS = {f.name: f for f in (HERMES, QWEN3_CODER, LLAMA3_JSON)}
-__all__ = ["CALL", "END_CALL", "PYTHON_TAG", "FORMATS", "HERMES", "LLAMA3_JSON", "QWEN3_CODER", "CallDelta",
+TOOL_FORMATS = {f.name: f for f in (HERMES, QWEN3_CODER, LLAMA3_JSON)}
+__all__ = ["CALL", "END_CALL", "PYTHON_TAG", "TOOL_FORMATS", "HERMES", "LLAMA3_JSON", "QWEN3_CODER", "CallDelta",
            "CallParser", "ToolFormat", "detect", "partial_tag"]
 
 

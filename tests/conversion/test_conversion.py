@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 
 from clover import CloverForBlockDiffusion
 from clover.cli.main import main
-from clover.conversion import FORMATS, convert
+from clover.conversion import SOURCE_FORMATS, convert
 from clover.conversion.qwen3_next import split_ba, split_qkvz
 from clover.tokenizer import load_tokenizer
 
@@ -423,7 +423,7 @@ def test_unknown_format_lists_valid_formats(tmp_path: Path, capsys: pytest.Captu
         main(["convert", "--from", "mistral", str(tmp_path / "src"), str(tmp_path / "dst")])
     assert exc.value.code == 2
     err = capsys.readouterr().err
-    assert "invalid choice: 'mistral'" in err and all(name in err for name in FORMATS)
+    assert "invalid choice: 'mistral'" in err and all(name in err for name in SOURCE_FORMATS)
     with pytest.raises(ValueError, match="valid formats: qwen3_5_moe, qwen3_5, qwen3_next, llama, qwen3, "
                                          "qwen3_moe, qwen2, gguf"):
         convert("mistral", tmp_path, tmp_path / "dst")

@@ -12,7 +12,7 @@ import pytest
 from clover.assistant_output import OutputParser, whole_calls
 from clover.serving.grammar_route import request_grammar
 from clover.serving.protocol import APIError, ChatCompletionRequest
-from clover.tool_formats import FORMATS
+from clover.tool_formats import TOOL_FORMATS
 from server_helpers import concise_server, scripted_client
 
 CITY = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
@@ -51,48 +51,48 @@ def _accepts(grammar, tok, text: str) -> bool:
 
 def _parsed(fmt: str, text: str) -> tuple[str, list[tuple[str, dict]]]:
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
-    parser = OutputParser(tools=True, fmt=FORMATS[fmt], schemas=schemas)
+    parser = OutputParser(tools=True, fmt=TOOL_FORMATS[fmt], schemas=schemas)
     first, last = parser.feed(text), parser.finish()
     calls = whole_calls(first.tool_calls + last.tool_calls)
     return first.content + last.content, [(c["name"], json.loads(c["arguments"])) for c in calls]
 
 
-@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("fmt", sorted(TOOL_FORMATS))
 def test_auto_with_a_response_format_takes_each_call_with_one_start(chat_tokenizer, fmt):
     """Two calls as the model writes them, or the JSON answer: the grammar takes both, and what it takes parses as
     the calls with no content (a start written twice would land in content: openai-agents' `output_type`,
     pydantic-ai's NativeOutput and LangChain's `bind_tools(response_format=)` send this request)."""
     req = ChatCompletionRequest(model="m", messages=USER, tools=TOOLS, response_format=FORMAT)
-    grammar = request_grammar(req, chat_tokenizer, FORMATS[fmt])
+    grammar = request_grammar(req, chat_tokenizer, TOOL_FORMATS[fmt])
     two = written(fmt, CALLS)
     assert _accepts(grammar, chat_tokenizer, written(fmt, CALLS[:1]))
     assert _accepts(grammar, chat_tokenizer, two), two
     assert _accepts(grammar, chat_tokenizer, written(fmt, CALLS + CALLS[:1]))
     assert _accepts(grammar, chat_tokenizer, '{"ok": true}')
     assert _parsed(fmt, two) == ("", CALLS)
-    start = FORMATS[fmt].start
+    start = TOOL_FORMATS[fmt].start
     if start:  # a second call's start written twice is not the format's
         doubled = two.replace(start, start + start)
         assert doubled.count(start) == 4 and not _accepts(grammar, chat_tokenizer, doubled)
 
 
-@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("fmt", sorted(TOOL_FORMATS))
 def test_an_answer_that_starts_as_a_call_does_stays_open(chat_tokenizer, fmt):
     """A format whose call is a JSON object (llama3_json): the answer `{"name": ...}` and the call `{"name": "f",
     ...}` share their first bytes, and both stay possible (the grammar engine lexes greedily)."""
     named = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
     req = ChatCompletionRequest(model="m", messages=USER, tools=TOOLS, response_format={
         "type": "json_schema", "json_schema": {"name": "a", "schema": named}})
-    grammar = request_grammar(req, chat_tokenizer, FORMATS[fmt])
+    grammar = request_grammar(req, chat_tokenizer, TOOL_FORMATS[fmt])
     assert _accepts(grammar, chat_tokenizer, '{"name": "get_weather"}')
     assert _accepts(grammar, chat_tokenizer, written(fmt, CALLS))
 
 
-@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("fmt", sorted(TOOL_FORMATS))
 def test_one_call_only_without_parallel_calls(chat_tokenizer, fmt):
     req = ChatCompletionRequest(model="m", messages=USER, tools=TOOLS, response_format=FORMAT,
                                 parallel_tool_calls=False)
-    grammar = request_grammar(req, chat_tokenizer, FORMATS[fmt])
+    grammar = request_grammar(req, chat_tokenizer, TOOL_FORMATS[fmt])
     assert _accepts(grammar, chat_tokenizer, written(fmt, CALLS[:1]))
     assert not _accepts(grammar, chat_tokenizer, written(fmt, CALLS))
 

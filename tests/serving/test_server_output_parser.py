@@ -11,7 +11,7 @@ import pytest
 
 from clover.assistant_output import OutputParser, parse_assistant_output, whole_calls
 from clover.chat_template import render_chat
-from clover.tool_formats import FORMATS, CallDelta
+from clover.tool_formats import TOOL_FORMATS, CallDelta
 from clover.tool_formats.qwen3_coder import END_PARAMETER, Qwen3CoderCalls
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -46,7 +46,7 @@ def _random_cuts(text: str, rng: random.Random, longest: int = 6) -> list[int]:
     return cuts
 
 
-def _deltas(pieces: list[str], thinking: bool = False, tools: bool = True, fmt=FORMATS["hermes"],
+def _deltas(pieces: list[str], thinking: bool = False, tools: bool = True, fmt=TOOL_FORMATS["hermes"],
             schemas=None) -> tuple[str, str | None, list[CallDelta]]:
     parser = OutputParser(thinking, tools, fmt, schemas)
     content, reasoning, deltas = "", "", []
@@ -62,7 +62,7 @@ def _stream(text: str, thinking: bool, tools: bool, rng: random.Random) -> tuple
     return content, reasoning, whole_calls(deltas)
 
 
-def _whole(text: str, thinking: bool | None, tools: bool = True, fmt=FORMATS["hermes"],
+def _whole(text: str, thinking: bool | None, tools: bool = True, fmt=TOOL_FORMATS["hermes"],
            schemas=None) -> tuple[str, str | None, list]:
     content, reasoning, calls = parse_assistant_output(text, thinking, tools, fmt, schemas)
     return content, reasoning, [c["function"] for c in calls]
@@ -165,7 +165,7 @@ def _check_call_deltas(deltas: list[CallDelta]) -> None:
 def test_every_chunking_streams_the_whole_responses_calls(fmt, case):
     """One character a block, every cut in two (inside tags, keys, values), random blocks, the whole text in one:
     the same content, reasoning and calls, fragments adding up to the whole response's arguments."""
-    text, tool_format = FORMAT_TEXTS[fmt][case], FORMATS[fmt]
+    text, tool_format = FORMAT_TEXTS[fmt][case], TOOL_FORMATS[fmt]
     want = _whole(text, False, True, tool_format, SCHEMAS)
     rng = random.Random(case)
     chunkings = [[text], list(text), *(_pieces(text, [k]) for k in range(1, len(text))),
@@ -180,7 +180,7 @@ def test_the_formats_calls_parse_as_written():
     """What the whole responses hold: raw JSON arguments for the JSON formats (as the model wrote them), JSON built
     and typed by the schema for the XML format; text that is no call stays content."""
     def calls(fmt: str, i: int) -> tuple[str, list[tuple[str, str]]]:
-        content, _, found = _whole(FORMAT_TEXTS[fmt][i], False, True, FORMATS[fmt], SCHEMAS)
+        content, _, found = _whole(FORMAT_TEXTS[fmt][i], False, True, TOOL_FORMATS[fmt], SCHEMAS)
         return content, [(c["name"], c["arguments"]) for c in found]
 
     assert calls("hermes", 0) == ("Checking.", [("get_weather", '{"city": "a \\" } ] <tool>", "days": 3}'),
@@ -212,7 +212,7 @@ def test_the_formats_calls_parse_as_written():
     ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Par', '{"city": "Par'),
 ])
 def test_a_calls_arguments_stream_before_it_is_complete(fmt, written, first):
-    parser = OutputParser(tools=True, fmt=FORMATS[fmt], schemas=SCHEMAS)
+    parser = OutputParser(tools=True, fmt=TOOL_FORMATS[fmt], schemas=SCHEMAS)
     deltas = parser.feed(written).tool_calls
     assert deltas[0] == CallDelta(0, name="get_weather")
     assert "".join(d.arguments for d in deltas) == first and not any(d.done for d in deltas)
@@ -236,7 +236,7 @@ def test_a_long_string_argument_streams_in_bounded_memory():
                                                                                            "content": body}
 
 
-@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("fmt", sorted(TOOL_FORMATS))
 def test_several_calls_written_in_one_block_come_out_whole_and_in_order(fmt):
     """Exact mode commits several tokens a forward: one block may end a call, hold a second whole and start a
     third. Each comes out whole, in order, none merged into another (other servers' parsers drop arguments here)."""
@@ -247,7 +247,7 @@ def test_several_calls_written_in_one_block_come_out_whole_and_in_order(fmt):
     text = "".join(one.format(n=f"tool_{i}", i=i) for i in range(3)).rstrip("; \n")
     schemas = {f"tool_{i}": {"properties": {"i": {"type": "integer"}}} for i in range(3)}
     cut = text.index("x0")  # the first block ends inside the first call
-    parser = OutputParser(tools=True, fmt=FORMATS[fmt], schemas=schemas)
+    parser = OutputParser(tools=True, fmt=TOOL_FORMATS[fmt], schemas=schemas)
     first = parser.feed(text[:cut]).tool_calls
     assert first[0] == CallDelta(0, name="tool_0")
     rest = parser.feed(text[cut:]).tool_calls + parser.finish().tool_calls
