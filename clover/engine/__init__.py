@@ -7,12 +7,16 @@
     for piece in stream(model, [1, 2, 3], max_new_tokens=64):
         print(piece.token_ids)  # one block's committed tokens at a time
 
-Roles: `sampling` (SamplingParams, logits -> candidates + confidence), `repetition` (DRY's penalty and the loop
-guard on token histories), `decoding` (rules, by name), `request`
-(one request's state and stats), `engine` (requests in, pieces out), `loop` (what a decoding loop does),
-`block_loop` (block diffusion), `exact` (exact mode), `drafting` + `cost` (how many drafts pay), `reference` (the
-uncached recompute decoder the tests compare against), `detokenizer` (ids -> text, incrementally), `logprobs`
-(the emitted tokens' log-probabilities, when a request asks: `SamplingParams.logprobs`). The network runs
+Roles: `sampling` (SamplingParams, logits -> candidates + confidence), `noise` (sampling's noise, keyed by seed
+and position), `repetition` (DRY's penalty and the loop guard on token histories), `grammar` (output constrained
+by a JSON Schema or a tool call), `thinking` (a thinking budget), `decoding` (rules, by name), `request`
+(`Sequence`: one request's state and stats), `engine` (requests in, pieces out), `prefill` (the chunked prompt
+read generation and decision mode share), `loop` (what a decoding loop does), `block_loop` (block diffusion),
+`exact` (exact mode), `speculative` (exact mode's acceptance of sampled tokens), `drafting` + `cost` (how many
+drafts pay), `lookup` + `draft_memory` (drafts copied from the request's context and from earlier answers),
+`decision` + `form` (decision mode: a form's slots filled at once), `reference` (the uncached recompute decoder
+the tests compare against), `detokenizer` (ids -> text, incrementally), `logprobs` (the emitted tokens'
+log-probabilities, when a request asks: `SamplingParams.logprobs`; an echoed prompt's scoring). The network runs
 behind `clover.runners` (the torch model, or llama.cpp for an exported GGUF): every entry point taking a `model`
 takes a runner too.
 Semantics and measured figures: docs/decoding.md.
