@@ -1,5 +1,6 @@
 """The package's maps stay true to the tree: docs/architecture.md's package map names every module under `clover/`,
-and the "Roles" of `clover.engine` and `clover.serving` name every module of their package.
+the "Roles" of `clover.engine` and `clover.serving` name every module of their package, and a module over 450 lines
+says at its top why it is one (the "450-line mark" in its docstring).
 
 The map is the code block under "## The package": a line whose first word ends in `/` opens a folder, which holds
 the lines indented deeper below it (a nested folder's lines are its own). A module is named when its path from
@@ -85,3 +86,11 @@ def test_the_roles_docstring_names_every_module(package: str) -> None:
                    | {p.name for p in folder.iterdir() if (p / "__init__.py").is_file()})
     missing = [n for n in names if f"`{n}`" not in roles]
     assert not missing, f"clover.{package}'s Roles do not name {missing}"
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_a_module_over_450_lines_says_why_at_its_top(module: str) -> None:
+    text = (PACKAGE / module).read_text(encoding="utf-8")
+    if text.count("\n") > 450:
+        doc = ast.get_docstring(ast.parse(text)) or ""
+        assert "450-line mark" in doc, f"clover/{module} has {text.count(chr(10))} lines and does not say why"

@@ -1,5 +1,9 @@
 """Exact mode: drafts verified by the causal path. The output is block-size-1 decoding, token for token.
 
+(Over the ~450-line mark on purpose: one role, the exact loop's step — plan, forward, verify, commit, rewind —
+reading and writing one batch's state; what stands alone already lives beside it: drafting.py, cost.py, lookup.py,
+draft_memory.py, speculative.py.)
+
 Each forward reads, per row, the last decided token and `k` drafts causally (written to the cache), then a
 query block of `m + 1` masks that drafts the `m` tokens after the one this forward decides:
 

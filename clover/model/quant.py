@@ -1,5 +1,8 @@
 """Weight-only quantisation of a loaded model, and the fused projections of the fast CPU forward.
 
+(Over the ~450-line mark on purpose: one format, its packing, fusing, adapter corrections, saving and loading,
+which must agree with each other; its kernels are clover.ops.woq, the layers run in C++ clover.model.fused.)
+
 `quantize(model, "int4")` replaces every linear layer and the LM head by a `PackedLinear` (clover.ops.woq:
 int8 or int4 with a scale per group of 32 inputs, or fp32 / bf16 weights left unquantised: the same weight
 streaming for an unquantised model); embeddings and norms keep their dtype, activations stay in the model's dtype

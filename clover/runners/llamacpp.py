@@ -1,6 +1,9 @@
 """The llama.cpp runner: Clover's block decoding on llama.cpp's (quantised) CPU kernels, for a GGUF written by
 `clover export --to gguf` (dense Llama-family models; llama.cpp's C API through `clover.runners.llama_api`).
 
+(Over the ~450-line mark on purpose: the runner and its cache share one layout of sequence ids and slots, which
+both write; the C API (llama_api.py) and the hybrid and plain-GGUF runners already live beside it.)
+
     from clover.runners.llamacpp import LlamaCppRunner
     runner = LlamaCppRunner("clover-smol-q8_0.gguf", threads=2)
     result = clover.engine.generate(runner, prompts, max_new_tokens=64)   # any engine entry point

@@ -1,6 +1,10 @@
 """The served model: the server's options, the model with its tokenizer (behind a lock) and scheduler, and the
 request flow from a validated request to engine work and back to a response.
 
+(Over the ~450-line mark, for now: the chat and text-completion flows share its options, tokenizer lock and
+submission; splitting them into chat / completions modules beside the scheduler, as vLLM's serving_chat /
+serving_completion, waits for the serving folder's reorganisation, issue 54.)
+
 `ServedModel.chat` / `.completion`: check the model id and sampling fields, render the chat template and tokenize
 (in a worker thread), check `max_tokens` against the context, submit to the `Scheduler` (one background thread
 owns the model), then stream the committed blocks as SSE or collect them into one body (`openai_format.py`).
