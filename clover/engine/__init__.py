@@ -99,8 +99,8 @@ def generate(model: torch.nn.Module | ModelRunner, prompts: Any, max_new_tokens:
     """Generate for a batch of prompts (decoded together, each getting what it would get alone).
 
     `block_size`, `threshold` and `rule` default to the model config's. Sampling: `sampling=SamplingParams(...)`
-    (one, or one per prompt) or keywords `temperature`, `top_p`, `top_k`, `repetition_penalty`, `seed`, `stop`,
-    DRY's `dry_*` and the loop guard's `loop_guard_*` (docs/decoding.md "Repetition").
+    (one, or one per prompt) or its fields as keywords: `temperature`, `top_p`, `top_k`, `repetition_penalty`,
+    `seed`, `stop`, DRY's `dry_*` and the loop guard's `loop_guard_*` (docs/decoding.md "Repetition"), ...
     """
     rows = _prompts(prompts, attention_mask)
     engine = Engine(model, block_size, threshold, rule, rule_options, eos_token_ids=eos_token_ids,

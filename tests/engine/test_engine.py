@@ -275,6 +275,12 @@ def test_bad_inputs_name_the_parameter(hybrid) -> None:
         stream(hybrid, [[1, 2]], max_new_tokens=-1)
 
 
+def test_every_sampling_field_is_a_keyword(hybrid) -> None:
+    # the keywords are SamplingParams' fields, whatever field it gains (logprobs was once left out by hand)
+    pieces = [e for e in stream(hybrid, [1, 2], max_new_tokens=4, logprobs=2) if isinstance(e, StreamPiece)]
+    assert pieces and all(p.logprobs is not None and len(p.logprobs) == len(p.token_ids) for p in pieces)
+
+
 def test_context_limit_names_max_new_tokens() -> None:
     model = tiny_model("clover-tiny", max_position_embeddings=64)
     with pytest.raises(ValueError, match=r"max_new_tokens=40.*context of 64 positions \(the model.s max_position_embeddings\)"):

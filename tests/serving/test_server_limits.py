@@ -12,8 +12,9 @@ import httpx
 import pytest
 
 from clover.engine.engine import Engine
+from clover.engine.sampling import REPETITION_FIELDS, SamplingParams
 from clover.serving import ServerOptions, create_app
-from clover.serving.protocol import MAX_SCHEMA_CHARS
+from clover.serving.protocol import MAX_SCHEMA_CHARS, ChatCompletionRequest
 from model_helpers import tiny_model
 from server_helpers import server_thread
 
@@ -235,3 +236,12 @@ def test_failures_past_the_queue_name_no_exception(server, app, monkeypatch):
         r = _post(server, path, {"model": NAME, "max_tokens": 4, **body})
         assert r.status_code == 503 and "secret" not in r.text, r.text
         assert r.json()["error"]["code"] == "unavailable"
+
+
+def test_every_repetition_option_is_a_request_field_passed_on_by_name() -> None:
+    assert len(REPETITION_FIELDS) == 7 and set(REPETITION_FIELDS) <= set(ChatCompletionRequest.model_fields)
+    values = {"dry_multiplier": 0.5, "dry_base": 2.0, "dry_allowed_length": 3, "dry_penalty_last_n": 64,
+              "dry_sequence_breakers": ["\n"], "loop_guard_span": 8, "loop_guard_repeats": 3}
+    req = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}], **values)
+    params = SamplingParams(**req.repetition())
+    assert {name: getattr(params, name) for name in REPETITION_FIELDS} == values | {"dry_sequence_breakers": ("\n",)}
