@@ -512,3 +512,30 @@ def test_exact_mode_departs_from_block1_only_at_near_ties(models):
     with torch.inference_mode():  # the twins do make near-ties: the test is not vacuous
         top = model([PROMPTS[0] + ref[0]]).logits[0].float().topk(2, dim=-1).values
     assert float((top[:, 0] - top[:, 1]).max()) < 1e-4
+
+
+class ScriptedOracleLoop(OracleLoop):
+    """`OracleLoop` whose every third step has no drafts (after a step that may have accepted some)."""
+
+    def step(self, b, snapshots=False):
+        events, b = super().step(b, snapshots)
+        if b is not None and self.engine.counters.steps % 3 == 0:
+            b.n_drafts = torch.zeros_like(b.n_drafts)
+        return events, b
+
+
+@pytest.mark.parametrize("wrong", [0.0, 0.3, 1.0])
+def test_exact_mode_on_the_int4_hybrid_is_block1_near_ties_included(wrong):
+    """The int4 hybrid (DeltaNet's C++ step, gated attention, the grouped MoE) with flat logits, where near-ties are
+    everywhere: drafts accepted, partly accepted, rejected, none right after some were accepted, alone and in a
+    batch, give block size 1's tokens. Rows verified together get the bits they get alone (attention row by row,
+    DeltaNet's stepped tokens replayed by the same C++ steps when drafts are rejected)."""
+    model = quantize(tiny_model("clover-tiny", logit_scale=1.0), "int4")
+    ref = _greedy_b1(model, PROMPTS, 24)
+    for prompts in ([PROMPTS[0]], [PROMPTS[2]], PROMPTS):
+        engine = Engine(model, 6, rule="exact", eos_token_ids=[])
+        engine.loop = ScriptedOracleLoop(engine, {i: ref[PROMPTS.index(p)] for i, p in enumerate(prompts)}, wrong)
+        got = [[] for _ in prompts]
+        for e in engine.run(prompts, 24, SamplingParams()):
+            got[e.index] += e.token_ids
+        assert got == [ref[PROMPTS.index(p)] for p in prompts]
