@@ -60,8 +60,9 @@ def test_a_rewound_step_leaves_the_bits_of_its_kept_tokens_stepped_alone(model, 
     cache.mark()
     model(ids[:, 8:14], cache=cache)
     cache.rewind(torch.tensor([keep + 1]))
-    got = model(ids[:, 14:15], cache=cache).logits
     alone = _prefilled(model, ids, valid, 8)
-    for t in list(range(8, 9 + keep)) + [14]:
-        want = model(ids[:, t : t + 1], cache=alone).logits
-    assert torch.equal(got, want)
+    for t in range(8, 9 + keep):
+        model(ids[:, t : t + 1], cache=alone)
+    states = [(a.state, b.state) for a, b in zip(cache.layers, alone.layers) if hasattr(a, "state")]
+    assert states and all(torch.equal(a, b) for a, b in states)
+    assert torch.equal(model(ids[:, 14:15], cache=cache).logits, model(ids[:, 14:15], cache=alone).logits)
