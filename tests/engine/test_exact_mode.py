@@ -526,10 +526,9 @@ class ScriptedOracleLoop(OracleLoop):
 
 @pytest.mark.parametrize("wrong", [0.0, 0.3, 1.0])
 def test_exact_mode_on_the_int4_hybrid_is_block1_near_ties_included(wrong):
-    """The int4 hybrid (DeltaNet's C++ step, gated attention, the grouped MoE) with flat logits, where near-ties are
-    everywhere: drafts accepted, partly accepted, rejected, none right after some were accepted, alone and in a
-    batch, give block size 1's tokens. Rows verified together get the bits they get alone (attention row by row,
-    DeltaNet's stepped tokens replayed by the same C++ steps when drafts are rejected)."""
+    """The int4 hybrid (DeltaNet's C++ step, gated attention, the grouped MoE) with flat logits (logit scale 1):
+    drafts accepted, partly accepted, rejected, none right after some were accepted, alone and in a batch, give
+    block size 1's tokens (the bits behind it: tests/model/test_row_independence.py)."""
     model = quantize(tiny_model("clover-tiny", logit_scale=1.0), "int4")
     ref = _greedy_b1(model, PROMPTS, 24)
     for prompts in ([PROMPTS[0]], [PROMPTS[2]], PROMPTS):
