@@ -87,6 +87,10 @@ CONTEXT_BUCKETS = (4, 8, 12)  # the same for drafts copied from the request's co
 CONTEXT_PRIOR = (0.58, 0.78, 0.89, 0.98)  # their acceptance per bucket before any was verified, learned across
 # requests from there (per token: benchmarks/replay_drafts.py over clover-smol's answers to the held-out sets,
 # benchmarks/results/replay_heldout_int4.json)
+STEP_SAMPLES = 3  # timings a size needs before they price it: one step timed in a slow moment of a shared machine
+# would price its size high, and a size priced high is not run again to be re-timed (the int4 hybrid twin's 4-row
+# steps, once timed at 1.9x a row instead of the table's 1.6x, were never tried again); until then the table's
+# shape prices it from the nearest size timed that often
 STEP_MEMORY = 512  # steps after which a size's timings no longer count: a size priced high during a slow moment
 # is then no longer run, so never re-timed; once its timings age out it is priced from the sizes timed since
 
@@ -359,14 +363,15 @@ class ExactLoop(DecodingLoop):
         self._timed_cost = None
 
     def _step_cost(self, rows: int, context: int) -> float:
-        """Seconds a step of `rows` rows costs: as timed in the last `STEP_MEMORY` steps; else the table's
-        forward scaled as the nearest size timed then compares with the table (a batch's rows are separate
-        sequences, dearer than one sequence's rows, which the table times); else, before any step was timed, the
-        table's forward plus the engine's time."""
+        """Seconds a step of `rows` rows costs: as timed in the last `STEP_MEMORY` steps (at least `STEP_SAMPLES`
+        times); else the table's forward scaled as the nearest size timed then compares with the table (a batch's
+        rows are separate sequences, dearer than one sequence's rows, which the table times); else, before any
+        size was timed, the table's forward plus the engine's time."""
         if self.learns and self._timed_cost is None:
             recent = {size: [t for step, t in timed if step > self.steps - STEP_MEMORY]
                       for size, timed in self.step_time.items()}
-            self._timed_cost = {size: statistics.median(times) for size, times in recent.items() if times}
+            self._timed_cost = {size: statistics.median(times) for size, times in recent.items()
+                                if len(times) >= STEP_SAMPLES}
         timed = self._timed_cost if self.learns else None
         if not timed:
             return self.cost(rows, context) + self.overhead
@@ -410,15 +415,30 @@ class ExactLoop(DecodingLoop):
         """The shared acceptance estimate of context drafts that matched as deep as `depth`."""
         return self.context_acceptance[sum(depth >= edge for edge in CONTEXT_BUCKETS)]
 
-    def _copied_estimate(self, b: ExactBatch, r: int) -> list[float]:
+    def _copied_estimate(self, b: ExactBatch, r: int, optimistic: bool = True) -> list[float]:
         """`p_i` of row `r`'s copied drafts: for context drafts, how often such drafts were accepted at that match
         depth; for memory drafts, the share of earlier occurrences that went on with each token, capped by how
-        often such drafts were accepted."""
+        often such drafts were accepted. `optimistic`: each estimate's `Acceptance.optimistic()`, else its mean."""
         lookup = b.lookups[r]
+        estimate = self._context_estimate(lookup.depth) if lookup.memory_draft is None else \
+            self._memory_estimate(lookup.memory_draft)
+        p = estimate.optimistic()[0] if optimistic else estimate.mean()[0]
         if lookup.memory_draft is None:
-            return self._context_estimate(lookup.depth).optimistic() * self.lookup_most
-        ceiling = self._memory_estimate(lookup.memory_draft).optimistic()[0]
-        return [min(share, ceiling) for share in lookup.memory_draft.conditional]
+            return [p] * self.lookup_most
+        return [min(share, p) for share in lookup.memory_draft.conditional]
+
+    def _copies_to_verify(self, b: ExactBatch, r: int, cost: Callable[[float], float], most: int,
+                          query: int) -> int:
+        """How many of row `r`'s copied drafts (at most `most`) a forward carrying `query` masks verifies: as many
+        as pay by the estimate's mean (`best_verified`: the most committed tokens per second expected), not by its
+        optimistic bound, which overstates `p` while evidence is thin and so verifies drafts that are mostly
+        rejected past the first few (the int4 hybrid twin at p = 0.7: 7 verified for 2.3 tokens a forward, 0.96x
+        block size 1). Where none pays by the mean but one would by the optimistic bound, one is verified: a draft
+        not verified teaches the estimate nothing, and one is the cheapest to learn from."""
+        k = best_verified(self._copied_estimate(b, r, optimistic=False), cost, most, query)
+        if k == 0 and most and best_verified(self._copied_estimate(b, r), cost, most, query):
+            return 1
+        return k
 
     def _plan(self, seqs: list[Request], acceptance: list[Acceptance], available: torch.Tensor,
               context: int, b: ExactBatch | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -434,8 +454,8 @@ class ExactLoop(DecodingLoop):
             ks = [min(a, max(left - 1, 0)) for a, left in zip(avail, remaining)]
             if self.rule.adaptive:
                 cost = lambda rows: self._step_cost(rows, context)  # noqa: E731
-                ks = [min(k, best_verified(self._copied_estimate(b, r), cost, k, 0))
-                      if b is not None and bool(b.looked_up[r]) else k for r, k in enumerate(ks)]
+                ks = [self._copies_to_verify(b, r, cost, k, 0) if b is not None and bool(b.looked_up[r]) else k
+                      for r, k in enumerate(ks)]
                 if len(seqs) > 1:  # one forward as wide as its widest row
                     ks = [min(k, max(ks)) for k in ks]
             zeros = torch.zeros(len(seqs), dtype=torch.long, device=e.device)
@@ -450,8 +470,7 @@ class ExactLoop(DecodingLoop):
                     want = best_drafts(acc.optimistic(), cost, most)
                     verify = want
                     if b is not None and bool(b.looked_up[r]):
-                        verify = best_verified(self._copied_estimate(b, r), cost, avail[r],
-                                               want + 1 if want else 0)
+                        verify = self._copies_to_verify(b, r, cost, avail[r], want + 1 if want else 0)
                 else:
                     want = verify = most
                 k = min(avail[r], verify, max(remaining[r] - 1, 0))
