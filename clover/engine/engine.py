@@ -152,6 +152,7 @@ class Engine:
             with torch.inference_mode():  # not around the yield: the caller's code must not run in this mode
                 events, batch = self.loop.step(batch, snapshots)
             yield from events
+        self.loop.idle()  # after the last answer's tokens went out
 
     # -- setup ----------------------------------------------------------------------------------------
     def make_sequences(self, prompts: Seq[Seq[int]], max_new_tokens: int,

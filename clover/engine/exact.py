@@ -63,7 +63,7 @@ from typing import Any
 
 import torch
 
-from clover.engine.cost import ForwardCost, cost_table
+from clover.engine.cost import ForwardCost, cost_table, kept_table, shape_prior
 from clover.engine.decoding import ExactRule
 from clover.engine.draft_memory import MemoryDraft, copied_drafts
 from clover.engine.drafting import Acceptance, best_batch_verified, best_drafts, best_verified, expected_tokens
@@ -143,6 +143,7 @@ class ExactLoop(DecodingLoop):
         self.causal_only = bool(getattr(engine.runner, "causal_only", False))
         self.cost = cost  # measured by `calibrate`, on the thread that runs the model, before the first forward
         self.learns = cost is None  # a given table is the policy's whole cost model
+        self.measure_when_idle = False  # `cost` is `shape_prior`'s guess, to be measured when idle
         self.prior = list(getattr(engine.runner.config, "draft_acceptance", None) or []) or None
         self.overhead = 0.0  # seconds per step outside the runner, until a forward of a size has been timed
         self.steps = 0  # steps timed so far
@@ -168,6 +169,16 @@ class ExactLoop(DecodingLoop):
         never where an engine is merely made, and before a cache holds rows (a llama.cpp runner of one row has
         none to spare)."""
         if self.cost is None and self.rule.adaptive:
+            # never measured here: the model's shape stands in until the engine's first idle moment (`idle`)
+            self.cost = kept_table(self.engine.runner)
+            if self.cost is None:
+                self.cost, self.measure_when_idle = shape_prior(self.engine.runner), True
+
+    def idle(self) -> None:
+        """No request in flight: measure the cost table that the shape prior stood in for (seconds, once for this
+        model, runner and machine) and decide by it from now on."""
+        if self.measure_when_idle:
+            self.measure_when_idle = False
             self.cost = cost_table(self.engine.runner)
 
     def room(self, context: int, prompt_len: int, block_size: int) -> tuple[int, str]:

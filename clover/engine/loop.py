@@ -75,6 +75,9 @@ class DecodingLoop:
         """Measure what the loop needs of the runner before its first request (exact mode: the forward cost table),
         on the thread that runs the model and before any cache takes the runner's rows."""
 
+    def idle(self) -> None:
+        """Work deferred to a moment without requests (exact mode: measuring the cost table on first use)."""
+
     def prefilled(self, prompt: list[int]) -> list[int]:
         """The part of `prompt` the prefill reads: all of it, unless the loop opens its first block with the rest."""
         return prompt
