@@ -30,7 +30,7 @@ def model(chat_tokenizer):
 
 def _serve(model, tokenizer, mode: str, log: Path):
     with pytest.MonkeyPatch.context() as patch:  # free rows, never re-timed: exact mode verifies every draft it has
-        patch.setattr(exact, "kept_table", lambda runner: ForwardCost.flat())
+        patch.setattr(exact, "cost_table", lambda runner, recalibrate=False: ForwardCost.flat())
         patch.setattr(exact.ExactLoop, "_timed", lambda self, *args: None)
         app = create_app(model, tokenizer, ServerOptions(served_model_name=NAME, api_key=KEYS, draft_memory=mode,
                                                          prefill_chunk=16, record_requests=str(log)))

@@ -29,7 +29,7 @@ def url(chat_tokenizer):
     with pytest.MonkeyPatch.context() as patch:
         # exact mode starts from a cost table of free rows, so it drafts from its first forward; from then on the
         # steps it times decide how many, as on a real server
-        patch.setattr(exact, "kept_table", lambda runner: ForwardCost.flat())
+        patch.setattr(exact, "cost_table", lambda runner, recalibrate=False: ForwardCost.flat())
         app = create_app(model, chat_tokenizer, ServerOptions(served_model_name=NAME, prefill_chunk=16))
         with server_thread(app) as u:
             yield u
