@@ -16,6 +16,8 @@ own), after an untimed warm-up, on the same random prompts, greedy:
   itself (`causal_only`, as a random model's query block would draft noise), each forward verifies the drafts its
   cost table says pay (clover.engine.cost, measured on this twin: the cost of k rows against one is reported), and
   its tokens must equal block size 1's at every `p`. tok/s, tokens per forward;
+* the llama.cpp runner: exact mode with the same oracle drafts, sized by its cost table and at fixed counts, each
+  answer timed beside block size 1's on the same prompt (`llamacpp_exact`);
 * accuracy: the int4 twin's logits against the fp32 twin's on the fp32 twin's greedy answers (teacher-forced):
   top-1 agreement and KL(fp32 || int4); and where int4's own greedy answer parts from fp32's, fp32's margin there
   (its top logit minus its logit of int4's token).
