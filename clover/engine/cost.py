@@ -276,14 +276,15 @@ class WeightShape:
         header = getattr(runner, "_header", None)
         if header is None:
             tensors = [*runner.model.parameters(), *runner.model.buffers()]  # packed weights are buffers
-            return cls(float(sum(t.numel() * t.element_size() for t in tensors)), float(sum(t.numel() for t in tensors)))
+            return cls(float(sum(t.numel() * t.element_size() for t in tensors)),
+                       float(sum(t.numel() for t in tensors)))
         counts = {name: math.prod(dims) for name, dims in header.tensors.items()}
         per_param = Path(runner.path).stat().st_size / max(sum(counts.values()), 1)
         expert = sum(n for name, n in counts.items() if "_exps" in name)
         dense = sum(counts.values()) - expert
         arch = header.get("general.architecture")
-        return cls(dense * per_param, dense, expert * per_param, expert,
-                   int(header.get(f"{arch}.expert_count", 1) or 1), int(header.get(f"{arch}.expert_used_count", 1) or 1))
+        experts, used = (int(header.get(f"{arch}.{key}", 1) or 1) for key in ("expert_count", "expert_used_count"))
+        return cls(dense * per_param, dense, expert * per_param, expert, experts, used)
 
 
 def shape_prior(runner: Any, bandwidth: float = PRIOR_BANDWIDTH, flops: float = PRIOR_FLOPS) -> ForwardCost:
