@@ -18,6 +18,8 @@ own), after an untimed warm-up, on the same random prompts, greedy:
   its tokens must equal block size 1's at every `p`. tok/s, tokens per forward, and the speedup over block size 1
   timed again beside it, prompt by prompt (a shared machine's slow moments then fall on both), whole requests and
   after the first token (the prefill, the same in both, left out);
+* the llama.cpp runner: exact mode with the same oracle drafts, sized by its cost table and at fixed counts, each
+  answer timed beside block size 1's on the same prompt (`llamacpp_exact`);
 * accuracy: the int4 twin's logits against the fp32 twin's on the fp32 twin's greedy answers (teacher-forced):
   top-1 agreement and KL(fp32 || int4); and where int4's own greedy answer parts from fp32's, fp32's margin there
   (its top logit minus its logit of int4's token).
@@ -128,6 +130,8 @@ def worker(kind: str, path: str, job: dict) -> dict:
         sequences.append(out.sequences[0])
     result: dict[str, Any] = {"tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds,
                               "sequences": sequences}
+    if kind != "clover":
+        result.update(llamacpp_exact(model, prompts, sequences, job))
     if kind == "clover":
         result.update(exact_mode(model, prompts, sequences, job))
         # fp32 reads its own answers; int4 reads fp32's
@@ -172,6 +176,61 @@ def exact_mode(runner: Any, prompts: list[list[int]], sequences: list[list[int]]
                                     "block_size_1_tok_s_beside": tokens / seconds["block1"],
                                     "speedup": seconds["block1"] / seconds["exact"],
                                     "decode_speedup": decode["block1"] / decode["exact"]}
+    finally:
+        exact.copied_drafts = original
+    return out
+
+
+def llamacpp_exact(runner: Any, prompts: list[list[int]], sequences: list[list[int]], job: dict) -> dict:
+    """The llama.cpp runner's exact mode (its part of this benchmark): its cost of `k` rows against one (the cost
+    table, measured on this twin and kept), then at each acceptance `p` oracle drafts (`oracle_drafts`) verified
+    as the cost table sizes them (`adaptive`) and, for comparison, a fixed number of them every forward (`fixed_k`:
+    the best constant choice, and whether the sizing finds it). Each exact-mode answer is timed right after block
+    size 1's on the same prompt (`vs_block_size_1`: their time ratio over the prompts, so a busy moment of a shared
+    machine falls on both) and compared with it token for token (`first_divergence` per prompt: the index of the
+    first differing token, None where equal; a quantised file's batch of k rows may round a near tie otherwise than
+    one row does, and a random twin's logits are full of near ties). `ceiling`: the most exact mode can gain at `p`
+    by the table alone, max over `k` of `E(k) / (t(k + 1) / t(1))`, `E(k) = (1 - p^(k + 1)) / (1 - p)`."""
+    from clover.engine import exact, generate
+    from clover.engine.cost import cost_table
+
+    table = cost_table(runner)
+    rel = {r: table(r) / table(1) for r in range(1, EXACT_BLOCK + 1)}
+    out: dict[str, Any] = {"cost_ms": {r: round(1000 * s, 2) for r, s in zip(table.rows, table.seconds)},
+                           "exact": {}}
+    references = {tuple(p): s for p, s in zip(prompts, sequences)}
+    original = exact.copied_drafts
+    try:
+        for p in job["acceptance"]:
+            expected = {k: (k + 1 if p == 1 else (1 - p ** (k + 1)) / (1 - p)) for k in range(EXACT_BLOCK)}
+            runs: dict[str, Any] = {}
+            for fixed in [None, *job.get("fixed_k", (1, 2))]:
+                oracle = oracle_drafts(references, p)
+                most = EXACT_BLOCK - 1 if fixed is None else fixed
+                exact.copied_drafts = lambda index, memory, n, context=True: oracle(index, memory, min(n, most))
+                options = {"adaptive": fixed is None}
+                generate(runner, prompts[:1], max_new_tokens=4, block_size=EXACT_BLOCK, rule="exact",
+                         rule_options=options)  # warm-up
+                tokens, seconds, base, forwards, divergence = 0, 0.0, 0.0, 0, []
+                for prompt, reference in zip(prompts, sequences):
+                    start = time.perf_counter()
+                    generate(runner, [prompt], max_new_tokens=job["max_new_tokens"], block_size=1, rule="threshold")
+                    base += time.perf_counter() - start
+                    start = time.perf_counter()
+                    res = generate(runner, [prompt], max_new_tokens=job["max_new_tokens"], block_size=EXACT_BLOCK,
+                                   rule="exact", rule_options=options)
+                    seconds += time.perf_counter() - start
+                    got = res.sequences[0]
+                    tokens += len(got)
+                    forwards += res.stats[0]["forward_passes"]
+                    divergence.append(next((i for i, (a, b) in enumerate(zip(got, reference)) if a != b),
+                                           None if len(got) == len(reference) else min(len(got), len(reference))))
+                runs["adaptive" if fixed is None else f"fixed_k={fixed}"] = {
+                    "tok_s": tokens / seconds, "vs_block_size_1": base / seconds, "tokens": tokens,
+                    "forwards": forwards, "tokens_per_forward": tokens / max(forwards, 1),
+                    "first_divergence": divergence, "equal_to_block_size_1": all(d is None for d in divergence)}
+            out["exact"][str(p)] = {**runs["adaptive"], "runs": runs,
+                                    "ceiling": round(max(expected[k] / rel[k + 1] for k in expected), 3)}
     finally:
         exact.copied_drafts = original
     return out

@@ -63,7 +63,7 @@ from typing import Any
 
 import torch
 
-from clover.engine.cost import ForwardCost, cost_table
+from clover.engine.cost import ForwardCost, cost_table, kept_table, shape_prior
 from clover.engine.decoding import ExactRule
 from clover.engine.draft_memory import MemoryDraft, copied_drafts
 from clover.engine.drafting import Acceptance, best_batch_verified, best_drafts, best_verified, expected_tokens
@@ -145,8 +145,9 @@ class ExactLoop(DecodingLoop):
         # a runner that runs the causal path only (a hybrid model on llama.cpp) has no query block to draft with:
         # drafts come from the request's context alone
         self.causal_only = bool(getattr(engine.runner, "causal_only", False))
-        self.cost = cost  # measured by `calibrate`, on the thread that runs the model, before the first forward
+        self.cost = cost  # read or measured by `calibrate`, on the thread that runs the model, before the first forward
         self.learns = cost is None  # a given table is the policy's whole cost model
+        self.measure_when_idle = False  # `cost` is `shape_prior`'s guess, to be measured when idle
         self.prior = list(getattr(engine.runner.config, "draft_acceptance", None) or []) or None
         self.overhead = 0.0  # seconds per step outside the runner, until a forward of a size has been timed
         self.steps = 0  # steps timed so far
@@ -166,12 +167,23 @@ class ExactLoop(DecodingLoop):
         self.context_acceptance = [_shared_estimate(p) for p in CONTEXT_PRIOR]
         self._positions = torch.arange(engine.block_size, device=engine.device)
 
-    def calibrate(self) -> None:
-        """Measure (or read) the runner's forward cost table, once: it runs real forwards, so it is called where
-        the model runs (the engine's first prefill, or the server's scheduler thread when it makes the engine),
-        never where an engine is merely made, and before a cache holds rows (a llama.cpp runner of one row has
-        none to spare)."""
-        if self.cost is None and self.rule.adaptive:
+    def calibrate(self, defer: bool = False) -> None:
+        """Read the runner's forward cost table, or measure it now (seconds, once for this model, runner and
+        machine: real forwards, so on the thread that runs the model, before a cache holds rows: a llama.cpp runner
+        of one row has none to spare). `defer` (an engine's own prefill: `clover generate`, `generate()`): where
+        none is kept, the model's shape stands in (`shape_prior`) and the measurement waits for the engine's first
+        idle moment (`idle`), so the first answer does not wait for it. The server calls it before its first
+        request of this engine (clover.serving.scheduler), and it measures then."""
+        if self.cost is not None or not self.rule.adaptive:
+            return
+        self.cost = kept_table(self.engine.runner) if defer else cost_table(self.engine.runner)
+        if self.cost is None:
+            self.cost, self.measure_when_idle = shape_prior(self.engine.runner), True
+
+    def idle(self) -> None:
+        """No request in flight: measure the cost table that the shape prior stood in for, and decide by it."""
+        if self.measure_when_idle:
+            self.measure_when_idle = False
             self.cost = cost_table(self.engine.runner)
 
     def room(self, context: int, prompt_len: int, block_size: int) -> tuple[int, str]:
