@@ -53,7 +53,7 @@ def hub_snapshot(arg: str, repo: str, revision: str | None) -> ModelSource:
     """`repo` at `revision` (default: main) from huggingface_hub's cache (`HF_HOME` / `HF_HUB_CACHE`), downloaded
     first when online; offline (`HF_HUB_OFFLINE=1`, or the hub unreachable) the cache must hold it."""
     from huggingface_hub import constants, snapshot_download  # deferred: only a hub id needs it
-    from huggingface_hub.errors import LocalEntryNotFoundError
+    from huggingface_hub.errors import LocalEntryNotFoundError  # deferred: as above
 
     try:
         folder = Path(snapshot_download(repo, revision=revision, allow_patterns=HUB_FILES))

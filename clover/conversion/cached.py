@@ -42,7 +42,8 @@ def source_format(src: Path) -> str:
         return "gguf"
     config = src / "config.json"
     if not config.is_file():
-        raise FileNotFoundError(f"{src}: no config.json (an HF checkpoint directory or a Clover checkpoint is expected)")
+        raise FileNotFoundError(f"{src}: no config.json (an HF checkpoint directory or a Clover checkpoint is "
+                                "expected)")
     model_type = json.loads(config.read_text()).get("model_type")
     if model_type not in MODEL_TYPES:
         raise ValueError(f"{src}: config.json model_type {model_type!r} is not one Clover converts "

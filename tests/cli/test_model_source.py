@@ -31,7 +31,8 @@ def twin(family: str, tokenizer):
     greedy answer repeats its last token, which any draft would guess)."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-    config_class, model_class = {"qwen3": (Qwen3Config, Qwen3ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM)}[family]
+    config_class, model_class = {"qwen3": (Qwen3Config, Qwen3ForCausalLM),
+                                 "llama": (LlamaConfig, LlamaForCausalLM)}[family]
     torch.manual_seed(0)
     config = config_class(vocab_size=len(tokenizer), hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                           head_dim=16, num_hidden_layers=2, intermediate_size=48, tie_word_embeddings=False,
