@@ -118,6 +118,10 @@ def add_decoding_options(p: argparse.ArgumentParser) -> None:
 # what `generate` and `chat` use unless told otherwise (docs/decoding.md "Repetition": chosen by
 # benchmarks/bench_repetition.py); the API keeps OpenAI's semantics: no DRY, no loop guard unless a request asks
 DRY_MULTIPLIER = 0.8
+# repeats of a single token already count, and nothing breaks a match: llama.cpp's breakers (`\n`, `:`, `"`, `*`)
+# reset DRY after every list item, so a list that loops on items a few tokens long was never penalised
+DRY_ALLOWED_LENGTH = 1
+DRY_SEQUENCE_BREAKERS: tuple[str, ...] = ()
 LOOP_GUARD_SPAN = 32
 LOOP_GUARD_REPEATS = 2
 
@@ -130,12 +134,13 @@ def add_repetition_options(p: argparse.ArgumentParser) -> None:
                         f"(default {DRY_MULTIPLIER})")
     g.add_argument("--dry-base", type=float, default=1.75,
                    help="DRY: the penalty grows as base ** (n - allowed length)")
-    g.add_argument("--dry-allowed-length", type=int, default=2, help="DRY: repeats this long are not penalised")
+    g.add_argument("--dry-allowed-length", type=int, default=DRY_ALLOWED_LENGTH,
+                   help=f"DRY: repeats this long are not penalised (default {DRY_ALLOWED_LENGTH}; llama.cpp's: 2)")
     g.add_argument("--dry-penalty-last-n", type=int, default=-1,
                    help="DRY: tokens of history searched for repeats (-1: all, prompt included; 0: off)")
     g.add_argument("--dry-sequence-breaker", action="append", default=None, metavar="STRING",
-                   help="DRY: a string that ends a repeat (repeatable; replaces the defaults \\n : \" *); "
-                        "--dry-sequence-breaker '' for none")
+                   help="DRY: a string that ends a repeat (repeatable; default none, so list items' repeats count; "
+                        "llama.cpp's: \\n : \" *)")
     g.add_argument("--loop-guard", type=int, default=LOOP_GUARD_SPAN, metavar="SPAN",
                    help="end the answer (finish reason 'repetition') once its last SPAN tokens occurred "
                         f"--loop-guard-repeats times before in it; 0 = off (default {LOOP_GUARD_SPAN})")
@@ -149,8 +154,8 @@ def repetition_sampling(args: argparse.Namespace) -> dict[str, Any]:
                                "dry_allowed_length": args.dry_allowed_length,
                                "dry_penalty_last_n": args.dry_penalty_last_n,
                                "loop_guard_span": args.loop_guard, "loop_guard_repeats": args.loop_guard_repeats}
-    if args.dry_sequence_breaker is not None:
-        options["dry_sequence_breakers"] = tuple(b for b in args.dry_sequence_breaker if b)
+    given = args.dry_sequence_breaker
+    options["dry_sequence_breakers"] = DRY_SEQUENCE_BREAKERS if given is None else tuple(b for b in given if b)
     return options
 
 

@@ -251,7 +251,8 @@ def test_clover_smol_under_dry_in_exact_mode_is_block1_under_dry():
     Slow: it builds clover-smol's int4 build on first use and decodes three 160-token answers."""
     from clover.cli.generate import token_texts
     from clover.chat_template import CLOVER_CHAT_TEMPLATE
-    from clover.cli.loading import DRY_MULTIPLIER, LOOP_GUARD_REPEATS, LOOP_GUARD_SPAN
+    from clover.cli.loading import (DRY_ALLOWED_LENGTH, DRY_MULTIPLIER, DRY_SEQUENCE_BREAKERS, LOOP_GUARD_REPEATS,
+                                    LOOP_GUARD_SPAN)
     from clover.model import CloverForBlockDiffusion
     from clover.smol import clover_smol_dir
     from clover.tokenizer import eos_token_ids, load_tokenizer
@@ -265,7 +266,8 @@ def test_clover_smol_under_dry_in_exact_mode_is_block1_under_dry():
                                         chat_template=CLOVER_CHAT_TEMPLATE, add_generation_prompt=True)
     options = dict(vocab_limit=len(tokenizer), eos_token_ids=eos_token_ids(model.config, tokenizer),
                    detokenize=lambda t: tokenizer.decode(t, skip_special_tokens=True))
-    params = SamplingParams(dry_multiplier=DRY_MULTIPLIER, loop_guard_span=LOOP_GUARD_SPAN,
+    params = SamplingParams(dry_multiplier=DRY_MULTIPLIER, dry_allowed_length=DRY_ALLOWED_LENGTH,
+                            dry_sequence_breakers=DRY_SEQUENCE_BREAKERS, loop_guard_span=LOOP_GUARD_SPAN,
                             loop_guard_repeats=LOOP_GUARD_REPEATS)
 
     def run(block_size: int, rule: str, sampling: SamplingParams) -> list[int]:
