@@ -172,7 +172,7 @@ def main() -> None:
     def save(report: dict[str, Any]) -> None:
         readme = report.get("readme", {})
         answers = "".join(f"README prompt, `{s}`:\n\n```\n{row['answer']}\n```\n\n" for s, row in readme.items()
-                          if s in ("off", "dry-0.8+guard"))
+                          if s in ("off", "dry-0.8-nobreak-a1+guard"))
         md = (f"# bench_repetition\n\n`{command}` on {machine} (a shared machine: other jobs may have been running; "
               f"settings take turns prompt by prompt; tokens per CPU second is the cost a pause does not "
               f"count).\n\n{table(report)}\n\n{answers}")
