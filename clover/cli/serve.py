@@ -79,14 +79,14 @@ def add_parser(subparsers: Any) -> None:
 def served_model_names(given: list[str] | None, model_name: str | None, source: Path) -> list[str]:
     """The model ids a server answers to, the first one canonical: `--served-model-name`, else `model_name`, what
     `--model` named (a hub id as typed, as vLLM answers to it; a directory's or GGUF file's name); the default model
-    (no `--model`) answers to `clover-smol`, its name in the docs, first, and to its directory's name
-    (`clover-smol-<checksum>` in the cache)."""
+    (no `--model`) answers to `clover-smol`, its name in the docs, first, and to its directory's (or GGUF export's)
+    name (`clover-smol-<checksum>` in the cache)."""
     if given:
         return list(dict.fromkeys(given))
     if model_name is None:
         from clover.smol import NAME  # deferred for start-up time: clover.smol imports torch
 
-        return list(dict.fromkeys([NAME, source.name]))
+        return list(dict.fromkeys([NAME, source.stem if source.suffix == ".gguf" else source.name]))
     return [model_name]
 
 
