@@ -5,7 +5,9 @@
         [--max-new-tokens 96] [--init scaled] [--systems clover/fp32,clover/int4,llama.cpp/q4_0]
 
 The twin (`TWIN`: Qwen3.5-MoE's block pattern, 20 layers, 32 experts of which 4 routed plus a shared one, clover-smol's
-tokenizer; `--experts-scale 4`: 128 experts, the rest alike) is built once under `--work` with random weights,
+tokenizer; `--experts-scale 4`: 128 experts, the rest alike) is built once under `--work` with random weights
+(`--init scaled`, the default: drawn as trained transformers start, `scale_residual_outputs`; `--init random`: every
+weight N(0, 0.02)),
 quantised once to int4 (`clover.quantize`, saved: the runner loads packed weights, as `clover generate --model
 TWIN-int4` does) and exported once to q4_0. Each system runs in its own subprocess (its peak RSS, `VmHWM`, is its
 own), after an untimed warm-up, on the same random prompts, greedy:
