@@ -84,7 +84,13 @@ def build(work: Path, experts_scale: int, init: str = "scaled") -> dict[str, Pat
 
     paths = {"fp32": work / "twin", "int4": work / "twin-int4", "q4_0": work / "twin.q4_0.gguf"}
     smol = resolve_model_dir(None)  # clover-smol: its tokenizer (with the mask token)
-    if not (paths["fp32"] / "config.json").is_file():
+    marker = work / "init"  # how the twin under `work` was drawn: a twin drawn otherwise is not reused
+    if (paths["fp32"] / "config.json").is_file():
+        built = marker.read_text().strip() if marker.is_file() else "random"  # twins built before `--init` were
+        if built != init:
+            raise SystemExit(f"{work} holds a twin drawn with --init {built}, not {init}: pass --init {built} or "
+                             "another --work")
+    else:
         smol_config = CloverConfig.from_file(smol)
         shape = {**TWIN, "num_experts": TWIN["num_experts"] * experts_scale}
         config = CloverConfig.from_preset("clover-hybrid-small", **shape, layer_types=_hybrid_layer_types(20),
@@ -96,6 +102,7 @@ def build(work: Path, experts_scale: int, init: str = "scaled") -> dict[str, Pat
             scale_residual_outputs(model)
         model.save_pretrained(paths["fp32"], tokenizer_dir=smol)
         del model
+        marker.write_text(init + "\n")
     if not (paths["int4"] / "config.json").is_file():
         model = quantize(CloverForBlockDiffusion.from_pretrained(paths["fp32"]).eval(), "int4")
         model.save_pretrained(paths["int4"], tokenizer_dir=paths["fp32"])
