@@ -57,10 +57,9 @@ def peak_rss_mib() -> float:
 def scale_residual_outputs(model: Any) -> None:
     """The initialisation trained transformers start from (GPT-2, Megatron): every weight N(0, 0.02), and the
     projections that write into the residual stream (attention's `o_proj`, DeltaNet's `out_proj`, the experts' and the
-    shared expert's `down_proj`) N(0, 0.02 / sqrt(2 L)), so that the `2 L` branches together add about one branch's
-    worth to the stream and each layer changes it a little. With every weight at 0.02 (the random twin) each layer's
-    branch is as large as the stream: the net is chaotic, and a small error (int4's 7.8 % per matrix) grows to
-    uncorrelated logits by the last layer."""
+    shared expert's `down_proj`) N(0, 0.02 / sqrt(2 L)), so that the `2 L` branches together add to the stream about
+    what one branch adds at N(0, 0.02). (On this twin the embedding, N(0, 0.02) too, is no larger than one branch's
+    output, so the stream still changes layer by layer: docs/cpu.md, "Hybrid models".)"""
     import torch
 
     std = model.config.initializer_range / (2 * model.config.num_hidden_layers) ** 0.5
@@ -258,7 +257,8 @@ def main() -> None:
                         "$CLOVER_CACHE/bench_hybrid[-x4])")
     parser.add_argument("--experts-scale", type=int, default=1)
     parser.add_argument("--init", choices=("scaled", "random"), default="scaled",
-                        help="the twin's weights: scaled (residual outputs / sqrt(2 L), as trained nets start) or random")
+                        help="the twin's weights: scaled (residual outputs / sqrt(2 L), as trained nets "
+                        "start) or random")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--prompts", type=int, default=3)
     parser.add_argument("--prompt-len", type=int, default=64)
