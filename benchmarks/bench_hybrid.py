@@ -2,10 +2,12 @@
 (fp32 and int4) beside Clover's llama.cpp runner (q4_0), same run, and exact mode's mechanics on it.
 
     python benchmarks/bench_hybrid.py --threads 2 [--work DIR] [--experts-scale 1] [--prompts 3]
-        [--max-new-tokens 32] [--systems clover/fp32,clover/int4,llama.cpp/q4_0]
+        [--max-new-tokens 96] [--init scaled] [--systems clover/fp32,clover/int4,llama.cpp/q4_0]
 
 The twin (`TWIN`: Qwen3.5-MoE's block pattern, 20 layers, 32 experts of which 4 routed plus a shared one, clover-smol's
-tokenizer; `--experts-scale 4`: 128 experts, the rest alike) is built once under `--work` with random weights,
+tokenizer; `--experts-scale 4`: 128 experts, the rest alike) is built once under `--work` with random weights
+(`--init scaled`, the default: drawn as trained transformers start, `scale_residual_outputs`; `--init random`: every
+weight N(0, 0.02)),
 quantised once to int4 (`clover.quantize`, saved: the runner loads packed weights, as `clover generate --model
 TWIN-int4` does) and exported once to q4_0. Each system runs in its own subprocess (its peak RSS, `VmHWM`, is its
 own), after an untimed warm-up, on the same random prompts, greedy:
@@ -54,8 +56,24 @@ def peak_rss_mib() -> float:
     return float("nan")
 
 
-def build(work: Path, experts_scale: int) -> dict[str, Path]:
-    """The twin (fp32), its int4 checkpoint and its q4_0 GGUF under `work`, each built once."""
+def scale_residual_outputs(model: Any) -> None:
+    """The initialisation trained transformers start from (GPT-2, Megatron): every weight N(0, 0.02), and the
+    projections that write into the residual stream (attention's `o_proj`, DeltaNet's `out_proj`, the experts' and the
+    shared expert's `down_proj`) N(0, 0.02 / sqrt(2 L)), so that the `2 L` branches together add to the stream about
+    what one branch adds at N(0, 0.02). (On this twin the embedding, N(0, 0.02) too, is no larger than one branch's
+    output, so the stream still changes layer by layer: docs/cpu.md, "Hybrid models".)"""
+    import torch
+
+    std = model.config.initializer_range / (2 * model.config.num_hidden_layers) ** 0.5
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("o_proj.weight", "out_proj.weight", "down_proj.weight", "experts.down_proj")):
+                param.normal_(std=std)
+
+
+def build(work: Path, experts_scale: int, init: str = "scaled") -> dict[str, Path]:
+    """The twin (fp32; `init`: "scaled" (`scale_residual_outputs`) or "random", every weight N(0, 0.02)), its int4
+    checkpoint and its q4_0 GGUF under `work`, each built once."""
     import torch
 
     from clover import CloverConfig, CloverForBlockDiffusion
@@ -67,14 +85,25 @@ def build(work: Path, experts_scale: int) -> dict[str, Path]:
 
     paths = {"fp32": work / "twin", "int4": work / "twin-int4", "q4_0": work / "twin.q4_0.gguf"}
     smol = resolve_model_dir(None)  # clover-smol: its tokenizer (with the mask token)
-    if not (paths["fp32"] / "config.json").is_file():
+    marker = work / "init"  # how the twin under `work` was drawn: a twin drawn otherwise is not reused
+    if (paths["fp32"] / "config.json").is_file():
+        built = marker.read_text().strip() if marker.is_file() else "random"  # twins built before `--init` were
+        if built != init:
+            raise SystemExit(f"{work} holds a twin drawn with --init {built}, not {init}: pass --init {built} or "
+                             "another --work")
+    else:
         smol_config = CloverConfig.from_file(smol)
         shape = {**TWIN, "num_experts": TWIN["num_experts"] * experts_scale}
         config = CloverConfig.from_preset("clover-hybrid-small", **shape, layer_types=_hybrid_layer_types(20),
                                           vocab_size=smol_config.vocab_size, mask_token_id=smol_config.mask_token_id,
                                           eos_token_id=smol_config.eos_token_id)
         torch.manual_seed(0)
-        CloverForBlockDiffusion(config).eval().save_pretrained(paths["fp32"], tokenizer_dir=smol)
+        model = CloverForBlockDiffusion(config).eval()
+        if init == "scaled":
+            scale_residual_outputs(model)
+        model.save_pretrained(paths["fp32"], tokenizer_dir=smol)
+        del model
+        marker.write_text(init + "\n")
     if not (paths["int4"] / "config.json").is_file():
         model = quantize(CloverForBlockDiffusion.from_pretrained(paths["fp32"]).eval(), "int4")
         model.save_pretrained(paths["int4"], tokenizer_dir=paths["fp32"])
@@ -286,10 +315,13 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=None, help="where the twin is built (default: "
                         "$CLOVER_CACHE/bench_hybrid[-x4])")
     parser.add_argument("--experts-scale", type=int, default=1)
+    parser.add_argument("--init", choices=("scaled", "random"), default="scaled",
+                        help="the twin's weights: scaled (residual outputs / sqrt(2 L), as trained nets "
+                        "start) or random")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--prompts", type=int, default=3)
     parser.add_argument("--prompt-len", type=int, default=64)
-    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--acceptance", default="0.9,0.7,0.5,0")
     parser.add_argument("--systems", default="clover/fp32,clover/int4,llama.cpp/q4_0")
     parser.add_argument("--out", type=Path, default=RESULTS / "bench_hybrid.json")
@@ -307,7 +339,7 @@ def main() -> None:
     work = args.work or cache_root() / ("bench_hybrid" + (f"-x{args.experts_scale}" if args.experts_scale > 1 else ""))
     work.mkdir(parents=True, exist_ok=True)
     started = time.time()
-    paths = build(work, args.experts_scale)
+    paths = build(work, args.experts_scale, args.init)
     config = CloverConfig.from_file(paths["fp32"])
     rng = random.Random(0)
     prompts = [[rng.randrange(config.vocab_size - 1) for _ in range(args.prompt_len)] for _ in range(args.prompts)]
@@ -338,7 +370,7 @@ def main() -> None:
                   f"equal to block size 1: {e['equal_to_block_size_1']}", flush=True)
     report = summarise(systems, work, args)
     report.update({"command": " ".join(sys.argv), "machine": machine(args.threads), "twin": {
-        **TWIN, "num_experts": config.num_experts}, "twin_parameters": _parameters(config),
+        **TWIN, "num_experts": config.num_experts, "init": args.init}, "twin_parameters": _parameters(config),
         "minutes": round((time.time() - started) / 60, 1)})
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1) + "\n")
