@@ -2,10 +2,12 @@
 (fp32 and int4) beside Clover's llama.cpp runner (q4_0), same run, and exact mode's mechanics on it.
 
     python benchmarks/bench_hybrid.py --threads 2 [--work DIR] [--experts-scale 1] [--prompts 3]
-        [--max-new-tokens 32] [--systems clover/fp32,clover/int4,llama.cpp/q4_0]
+        [--max-new-tokens 96] [--init scaled] [--systems clover/fp32,clover/int4,llama.cpp/q4_0]
 
 The twin (`TWIN`: Qwen3.5-MoE's block pattern, 20 layers, 32 experts of which 4 routed plus a shared one, clover-smol's
-tokenizer; `--experts-scale 4`: 128 experts, the rest alike) is built once under `--work` with random weights,
+tokenizer; `--experts-scale 4`: 128 experts, the rest alike) is built once under `--work` with random weights
+(`--init scaled`, the default: drawn as trained transformers start, `scale_residual_outputs`; `--init random`: every
+weight N(0, 0.02)),
 quantised once to int4 (`clover.quantize`, saved: the runner loads packed weights, as `clover generate --model
 TWIN-int4` does) and exported once to q4_0. Each system runs in its own subprocess (its peak RSS, `VmHWM`, is its
 own), after an untimed warm-up, on the same random prompts, greedy:
@@ -15,7 +17,11 @@ own), after an untimed warm-up, on the same random prompts, greedy:
   answer, each drafted token replaced by another at rate `1 - p` (`p` in `--acceptance`): the runner drafts nothing
   itself (`causal_only`, as a random model's query block would draft noise), each forward verifies the drafts its
   cost table says pay (clover.engine.cost, measured on this twin: the cost of k rows against one is reported), and
-  its tokens must equal block size 1's at every `p`. tok/s, tokens per forward;
+  its tokens must equal block size 1's at every `p`. tok/s, tokens per forward, and the speedup over block size 1
+  timed again beside it, prompt by prompt (a shared machine's slow moments then fall on both), whole requests and
+  after the first token (the prefill, the same in both, left out);
+* the llama.cpp runner: exact mode with the same oracle drafts, sized by its cost table and at fixed counts, each
+  answer timed beside block size 1's on the same prompt (`llamacpp_exact`);
 * accuracy: the int4 twin's logits against the fp32 twin's on the fp32 twin's greedy answers (teacher-forced):
   top-1 agreement and KL(fp32 || int4); and where int4's own greedy answer parts from fp32's, fp32's margin there
   (its top logit minus its logit of int4's token).
@@ -50,8 +56,24 @@ def peak_rss_mib() -> float:
     return float("nan")
 
 
-def build(work: Path, experts_scale: int) -> dict[str, Path]:
-    """The twin (fp32), its int4 checkpoint and its q4_0 GGUF under `work`, each built once."""
+def scale_residual_outputs(model: Any) -> None:
+    """The initialisation trained transformers start from (GPT-2, Megatron): every weight N(0, 0.02), and the
+    projections that write into the residual stream (attention's `o_proj`, DeltaNet's `out_proj`, the experts' and the
+    shared expert's `down_proj`) N(0, 0.02 / sqrt(2 L)), so that the `2 L` branches together add to the stream about
+    what one branch adds at N(0, 0.02). (On this twin the embedding, N(0, 0.02) too, is no larger than one branch's
+    output, so the stream still changes layer by layer: docs/cpu.md, "Hybrid models".)"""
+    import torch
+
+    std = model.config.initializer_range / (2 * model.config.num_hidden_layers) ** 0.5
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("o_proj.weight", "out_proj.weight", "down_proj.weight", "experts.down_proj")):
+                param.normal_(std=std)
+
+
+def build(work: Path, experts_scale: int, init: str = "scaled") -> dict[str, Path]:
+    """The twin (fp32; `init`: "scaled" (`scale_residual_outputs`) or "random", every weight N(0, 0.02)), its int4
+    checkpoint and its q4_0 GGUF under `work`, each built once."""
     import torch
 
     from clover import CloverConfig, CloverForBlockDiffusion
@@ -63,14 +85,25 @@ def build(work: Path, experts_scale: int) -> dict[str, Path]:
 
     paths = {"fp32": work / "twin", "int4": work / "twin-int4", "q4_0": work / "twin.q4_0.gguf"}
     smol = resolve_model_dir(None)  # clover-smol: its tokenizer (with the mask token)
-    if not (paths["fp32"] / "config.json").is_file():
+    marker = work / "init"  # how the twin under `work` was drawn: a twin drawn otherwise is not reused
+    if (paths["fp32"] / "config.json").is_file():
+        built = marker.read_text().strip() if marker.is_file() else "random"  # twins built before `--init` were
+        if built != init:
+            raise SystemExit(f"{work} holds a twin drawn with --init {built}, not {init}: pass --init {built} or "
+                             "another --work")
+    else:
         smol_config = CloverConfig.from_file(smol)
         shape = {**TWIN, "num_experts": TWIN["num_experts"] * experts_scale}
         config = CloverConfig.from_preset("clover-hybrid-small", **shape, layer_types=_hybrid_layer_types(20),
                                           vocab_size=smol_config.vocab_size, mask_token_id=smol_config.mask_token_id,
                                           eos_token_id=smol_config.eos_token_id)
         torch.manual_seed(0)
-        CloverForBlockDiffusion(config).eval().save_pretrained(paths["fp32"], tokenizer_dir=smol)
+        model = CloverForBlockDiffusion(config).eval()
+        if init == "scaled":
+            scale_residual_outputs(model)
+        model.save_pretrained(paths["fp32"], tokenizer_dir=smol)
+        del model
+        marker.write_text(init + "\n")
     if not (paths["int4"] / "config.json").is_file():
         model = quantize(CloverForBlockDiffusion.from_pretrained(paths["fp32"]).eval(), "int4")
         model.save_pretrained(paths["int4"], tokenizer_dir=paths["fp32"])
@@ -85,7 +118,7 @@ def oracle_drafts(references: dict[tuple[int, ...], list[int]], p: float) -> Any
     tokens after the request's context, each replaced by another token with probability `1 - p` (drawn from a
     generator keyed by the position, so every run drafts the same)."""
 
-    def drafts(index: Any, memory: Any, most: int) -> tuple[list[int], None]:
+    def drafts(index: Any, memory: Any, most: int) -> tuple[list[int], None, int]:
         context = list(index.tokens)
         for prompt, answer in references.items():
             if tuple(context[: len(prompt)]) == prompt:
@@ -94,8 +127,8 @@ def oracle_drafts(references: dict[tuple[int, ...], list[int]], p: float) -> Any
                 for i, token in enumerate(answer[done : done + most]):
                     rng = random.Random(hash((prompt[:4], done + i, p)))
                     out.append(token if rng.random() < p else (token + 1 + rng.randrange(1000)) % 49152)
-                return out, None
-        return [], None
+                return out, None, 0  # no memory draft; no context match (the shallowest depth's estimate)
+        return [], None, 0
 
     return drafts
 
@@ -126,6 +159,8 @@ def worker(kind: str, path: str, job: dict) -> dict:
         sequences.append(out.sequences[0])
     result: dict[str, Any] = {"tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds,
                               "sequences": sequences}
+    if kind != "clover":
+        result.update(llamacpp_exact(model, prompts, sequences, job))
     if kind == "clover":
         result.update(exact_mode(model, prompts, sequences, job))
         # fp32 reads its own answers; int4 reads fp32's
@@ -150,17 +185,81 @@ def exact_mode(runner: Any, prompts: list[list[int]], sequences: list[list[int]]
         for p in job["acceptance"]:
             exact.copied_drafts = oracle_drafts(references, p)
             generate(runner, prompts[:1], max_new_tokens=4, block_size=EXACT_BLOCK, rule="exact")  # warm-up
-            tokens, seconds, forwards, equal = 0, 0.0, 0, True
+            tokens, forwards, equal = 0, 0, True
+            seconds = {"exact": 0.0, "block1": 0.0}  # whole requests
+            decode = {"exact": 0.0, "block1": 0.0}  # after the first token (the same prefill in both)
             for prompt, reference in zip(prompts, sequences):
-                start = time.perf_counter()
-                res = generate(runner, [prompt], max_new_tokens=job["max_new_tokens"], block_size=EXACT_BLOCK,
-                               rule="exact")
-                seconds += time.perf_counter() - start
+                # block size 1 timed again beside each exact run: a shared machine's slow moments fall on both
+                for name, rule in (("block1", "threshold"), ("exact", "exact")):
+                    start = time.perf_counter()
+                    res = generate(runner, [prompt], max_new_tokens=job["max_new_tokens"],
+                                   block_size=1 if rule == "threshold" else EXACT_BLOCK, rule=rule)
+                    took = time.perf_counter() - start
+                    seconds[name] += took
+                    decode[name] += took - res.stats[0]["time_to_first_token_s"]
                 tokens += len(res.sequences[0])
                 forwards += res.stats[0]["forward_passes"]
                 equal &= res.sequences[0] == reference
-            out["exact"][str(p)] = {"tok_s": tokens / seconds, "tokens": tokens, "forwards": forwards,
-                                    "tokens_per_forward": tokens / max(forwards, 1), "equal_to_block_size_1": equal}
+            out["exact"][str(p)] = {"tok_s": tokens / seconds["exact"], "tokens": tokens, "forwards": forwards,
+                                    "tokens_per_forward": tokens / max(forwards, 1), "equal_to_block_size_1": equal,
+                                    "block_size_1_tok_s_beside": tokens / seconds["block1"],
+                                    "speedup": seconds["block1"] / seconds["exact"],
+                                    "decode_speedup": decode["block1"] / decode["exact"]}
+    finally:
+        exact.copied_drafts = original
+    return out
+
+
+def llamacpp_exact(runner: Any, prompts: list[list[int]], sequences: list[list[int]], job: dict) -> dict:
+    """The llama.cpp runner's exact mode (its part of this benchmark): its cost of `k` rows against one (the cost
+    table, measured on this twin and kept), then at each acceptance `p` oracle drafts (`oracle_drafts`) verified
+    as the cost table sizes them (`adaptive`) and, for comparison, a fixed number of them every forward (`fixed_k`:
+    the best constant choice, and whether the sizing finds it). Each exact-mode answer is timed right after block
+    size 1's on the same prompt (`vs_block_size_1`: their time ratio over the prompts, so a busy moment of a shared
+    machine falls on both) and compared with it token for token (`first_divergence` per prompt: the index of the
+    first differing token, None where equal; a quantised file's batch of k rows may round a near tie otherwise than
+    one row does, and a random twin's logits are full of near ties). `ceiling`: the most exact mode can gain at `p`
+    by the table alone, max over `k` of `E(k) / (t(k + 1) / t(1))`, `E(k) = (1 - p^(k + 1)) / (1 - p)`."""
+    from clover.engine import exact, generate
+    from clover.engine.cost import cost_table
+
+    table = cost_table(runner)
+    rel = {r: table(r) / table(1) for r in range(1, EXACT_BLOCK + 1)}
+    out: dict[str, Any] = {"cost_ms": {r: round(1000 * s, 2) for r, s in zip(table.rows, table.seconds)},
+                           "exact": {}}
+    references = {tuple(p): s for p, s in zip(prompts, sequences)}
+    original = exact.copied_drafts
+    try:
+        for p in job["acceptance"]:
+            expected = {k: (k + 1 if p == 1 else (1 - p ** (k + 1)) / (1 - p)) for k in range(EXACT_BLOCK)}
+            runs: dict[str, Any] = {}
+            for fixed in [None, *job.get("fixed_k", (1, 2))]:
+                oracle = oracle_drafts(references, p)
+                most = EXACT_BLOCK - 1 if fixed is None else fixed
+                exact.copied_drafts = lambda index, memory, n, context=True: oracle(index, memory, min(n, most))
+                options = {"adaptive": fixed is None}
+                generate(runner, prompts[:1], max_new_tokens=4, block_size=EXACT_BLOCK, rule="exact",
+                         rule_options=options)  # warm-up
+                tokens, seconds, base, forwards, divergence = 0, 0.0, 0.0, 0, []
+                for prompt, reference in zip(prompts, sequences):
+                    start = time.perf_counter()
+                    generate(runner, [prompt], max_new_tokens=job["max_new_tokens"], block_size=1, rule="threshold")
+                    base += time.perf_counter() - start
+                    start = time.perf_counter()
+                    res = generate(runner, [prompt], max_new_tokens=job["max_new_tokens"], block_size=EXACT_BLOCK,
+                                   rule="exact", rule_options=options)
+                    seconds += time.perf_counter() - start
+                    got = res.sequences[0]
+                    tokens += len(got)
+                    forwards += res.stats[0]["forward_passes"]
+                    divergence.append(next((i for i, (a, b) in enumerate(zip(got, reference)) if a != b),
+                                           None if len(got) == len(reference) else min(len(got), len(reference))))
+                runs["adaptive" if fixed is None else f"fixed_k={fixed}"] = {
+                    "tok_s": tokens / seconds, "vs_block_size_1": base / seconds, "tokens": tokens,
+                    "forwards": forwards, "tokens_per_forward": tokens / max(forwards, 1),
+                    "first_divergence": divergence, "equal_to_block_size_1": all(d is None for d in divergence)}
+            out["exact"][str(p)] = {**runs["adaptive"], "runs": runs,
+                                    "ceiling": round(max(expected[k] / rel[k + 1] for k in expected), 3)}
     finally:
         exact.copied_drafts = original
     return out
@@ -216,10 +315,13 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=None, help="where the twin is built (default: "
                         "$CLOVER_CACHE/bench_hybrid[-x4])")
     parser.add_argument("--experts-scale", type=int, default=1)
+    parser.add_argument("--init", choices=("scaled", "random"), default="scaled",
+                        help="the twin's weights: scaled (residual outputs / sqrt(2 L), as trained nets "
+                        "start) or random")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--prompts", type=int, default=3)
     parser.add_argument("--prompt-len", type=int, default=64)
-    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--acceptance", default="0.9,0.7,0.5,0")
     parser.add_argument("--systems", default="clover/fp32,clover/int4,llama.cpp/q4_0")
     parser.add_argument("--out", type=Path, default=RESULTS / "bench_hybrid.json")
@@ -237,7 +339,7 @@ def main() -> None:
     work = args.work or cache_root() / ("bench_hybrid" + (f"-x{args.experts_scale}" if args.experts_scale > 1 else ""))
     work.mkdir(parents=True, exist_ok=True)
     started = time.time()
-    paths = build(work, args.experts_scale)
+    paths = build(work, args.experts_scale, args.init)
     config = CloverConfig.from_file(paths["fp32"])
     rng = random.Random(0)
     prompts = [[rng.randrange(config.vocab_size - 1) for _ in range(args.prompt_len)] for _ in range(args.prompts)]
@@ -263,12 +365,12 @@ def main() -> None:
         s = systems[name]
         print(f"{name}: {s['tok_s']:.2f} tok/s at block size 1, peak RSS {s['peak_rss_mib']:.0f} MiB", flush=True)
         for p, e in s.get("exact", {}).items():
-            print(f"  exact p={p}: {e['tok_s']:.2f} tok/s ({e['tok_s'] / s['tok_s']:.2f}x block size 1), "
-                  f"{e['tokens_per_forward']:.2f} tokens/forward, equal to block size 1: {e['equal_to_block_size_1']}",
-                  flush=True)
+            print(f"  exact p={p}: {e['tok_s']:.2f} tok/s ({e['speedup']:.2f}x block size 1 timed beside it, "
+                  f"{e['decode_speedup']:.2f}x after the first token), {e['tokens_per_forward']:.2f} tokens/forward, "
+                  f"equal to block size 1: {e['equal_to_block_size_1']}", flush=True)
     report = summarise(systems, work, args)
     report.update({"command": " ".join(sys.argv), "machine": machine(args.threads), "twin": {
-        **TWIN, "num_experts": config.num_experts}, "twin_parameters": _parameters(config),
+        **TWIN, "num_experts": config.num_experts, "init": args.init}, "twin_parameters": _parameters(config),
         "minutes": round((time.time() - started) / 60, 1)})
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1) + "\n")
@@ -285,7 +387,8 @@ def summarise(systems: dict[str, dict[str, Any]], work: Path, args: argparse.Nam
             ratios[f"{name} / llama.cpp/q4_0 tok/s"] = s["tok_s"] / llama["tok_s"]
             ratios[f"{name} / llama.cpp/q4_0 peak RSS"] = s["peak_rss_mib"] / llama["peak_rss_mib"]
         for p, e in s.get("exact", {}).items():
-            ratios[f"{name} exact p={p} / block size 1"] = e["tok_s"] / s["tok_s"]
+            ratios[f"{name} exact p={p} / block size 1"] = e["speedup"]
+            ratios[f"{name} exact p={p} / block size 1, after the first token"] = e["decode_speedup"]
         if "cost_ms" in s:
             one = s["cost_ms"]["1"]
             ratios[f"{name} cost of k rows / 1 row"] = {k: round(v / one, 2) for k, v in s["cost_ms"].items()}

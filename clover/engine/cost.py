@@ -20,6 +20,17 @@ plausible and fresh: one whose rows contradict each other (`implausibility`: a l
 calibration on a shared machine) or older than `MAX_AGE_S` (what the fingerprint cannot see: the machine's power
 settings, a firmware or microcode update) is measured again. A fresh calibration that is itself implausible is
 measured once more; if that one is too, it is used by this process only, with a warning, and not kept.
+
+**First use.** Before a combination's table is kept, `shape_prior` stands in for it, so a first answer starts at
+once: the weights' bytes and parameters from the model's shape (a GGUF's header, a torch model's tensors) give
+
+    t(R) = (dense bytes + expert bytes * (1 - (1 - k / E)^R)) / bandwidth + R * 2 * active parameters / flops
+
+(every forward reads the dense weights once; `R` rows touch that share of `E` experts when each row picks `k`;
+every row multiplies the active parameters), with a two-core machine's bandwidth and arithmetic guessed
+(`PRIOR_BANDWIDTH`, `PRIOR_FLOPS`). Exact mode times its steps and corrects the guess's scale as it decodes; only
+how rows compare is the prior's until the real table is measured at the engine's first idle moment
+(clover.engine.exact: `ExactLoop.idle`) and kept.
 """
 
 from __future__ import annotations
@@ -27,6 +38,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import platform
 import time
 from dataclasses import asdict, dataclass, field
@@ -49,6 +61,8 @@ MAX_AGE_S = 7 * 24 * 3600.0  # a kept table is measured again after a week
 # path to a matrix product may lose that much)
 CHEAPER_SLACK, DEARER_FACTOR = 0.25, 2.0
 CALIBRATION_TRIES = 2
+# a two-core CPU guessed for `shape_prior` (module docstring): weights read a second, arithmetic a second
+PRIOR_BANDWIDTH, PRIOR_FLOPS = 10e9, 60e9
 
 
 @dataclass
@@ -136,6 +150,9 @@ def fingerprint(runner: Any) -> dict[str, Any]:
         config.pop(name, None)
     model = getattr(runner, "model", None)
     weights: Any = getattr(runner, "path", None)
+    header = getattr(runner, "_header", None)
+    if header is not None:  # a GGUF: its weight types and size, wherever the file lies (a copy shares the table)
+        weights = {"file_type": header.get("general.file_type"), "bytes": Path(runner.path).stat().st_size}
     if model is not None:
         weights = {"dtype": str(next(model.parameters()).dtype), "quantization": getattr(model, "quantization", None)}
         if weights["quantization"] is not None:  # packed weights run on Clover's own kernels, as built and run now
@@ -210,14 +227,19 @@ def _fastest_forwards(runner: Any, cache: Any, rows: tuple[int, ...], vocab: int
     return [best[r] for r in rows]
 
 
+def kept_table(runner: Any) -> ForwardCost | None:
+    """The table kept in `$CLOVER_CACHE/costs/` for the runner's combination (readable, plausible and fresh), or
+    None: nothing is measured."""
+    path = _table_path(runner)
+    return _trusted(path) if path.is_file() else None
+
+
 def cost_table(runner: Any, recalibrate: bool = False) -> ForwardCost:
-    """The runner's cost table: read from `$CLOVER_CACHE/costs/` when this combination was measured before (and
-    the kept table is readable, plausible and fresh), else measured now (seconds) and kept there."""
-    path = cache_root() / "costs" / f"{_digest(fingerprint(runner))}.json"
-    if path.is_file() and not recalibrate:
-        kept = _trusted(path)
-        if kept is not None:
-            return kept
+    """The runner's cost table: the kept one (`kept_table`), else measured now (seconds) and kept."""
+    kept = None if recalibrate else kept_table(runner)
+    if kept is not None:
+        return kept
+    path = _table_path(runner)
     logger.info("measuring the forward cost of %s rows at %d and %d context tokens (once for this model, runner "
                 "and machine)", CALIBRATION_ROWS[-1], SHORT_CONTEXT, LONG_CONTEXT)
     for attempt in range(1, CALIBRATION_TRIES + 1):
@@ -229,6 +251,50 @@ def cost_table(runner: Any, recalibrate: bool = False) -> ForwardCost:
         logger.warning("the forward-cost calibration contradicts itself (%s, a busy machine?): %s", problem,
                        "measuring again" if attempt < CALIBRATION_TRIES else "using it for now, not keeping it")
     return table
+
+
+def _table_path(runner: Any) -> Path:
+    return cache_root() / "costs" / f"{_digest(fingerprint(runner))}.json"
+
+
+@dataclass
+class WeightShape:
+    """What a forward reads and multiplies: dense weights (every row uses them) and experts (`used` of `experts`
+    a row), in bytes as stored and in parameters."""
+
+    dense_bytes: float
+    dense_params: float
+    expert_bytes: float = 0.0
+    expert_params: float = 0.0
+    experts: int = 1
+    used: int = 1
+
+    @classmethod
+    def of(cls, runner: Any) -> WeightShape:
+        """From a GGUF's header (tensor shapes, the file's size shared out by parameters: quantised blocks store
+        a fixed number of bytes a weight) or a torch model's tensors."""
+        header = getattr(runner, "_header", None)
+        if header is None:
+            tensors = [*runner.model.parameters(), *runner.model.buffers()]  # packed weights are buffers
+            return cls(float(sum(t.numel() * t.element_size() for t in tensors)),
+                       float(sum(t.numel() for t in tensors)))
+        counts = {name: math.prod(dims) for name, dims in header.tensors.items()}
+        per_param = Path(runner.path).stat().st_size / max(sum(counts.values()), 1)
+        expert = sum(n for name, n in counts.items() if "_exps" in name)
+        dense = sum(counts.values()) - expert
+        arch = header.get("general.architecture")
+        experts, used = (int(header.get(f"{arch}.{key}", 1) or 1) for key in ("expert_count", "expert_used_count"))
+        return cls(dense * per_param, dense, expert * per_param, expert, experts, used)
+
+
+def shape_prior(runner: Any, bandwidth: float = PRIOR_BANDWIDTH, flops: float = PRIOR_FLOPS) -> ForwardCost:
+    """The cost table guessed from the model's shape (module docstring: first use), for `CALIBRATION_ROWS`."""
+    w = WeightShape.of(runner)
+    share = min(w.used / w.experts, 1.0)
+    active = w.dense_params + w.expert_params * share
+    seconds = [(w.dense_bytes + w.expert_bytes * (1 - (1 - share) ** r)) / bandwidth + r * 2 * active / flops
+               for r in CALIBRATION_ROWS]
+    return ForwardCost(list(CALIBRATION_ROWS), seconds, key={"kind": "prior", **fingerprint(runner)})
 
 
 def _trusted(path: Path) -> ForwardCost | None:

@@ -152,6 +152,7 @@ class Engine:
             with torch.inference_mode():  # not around the yield: the caller's code must not run in this mode
                 events, batch = self.loop.step(batch, snapshots)
             yield from events
+        self.loop.idle()  # after the last answer's tokens went out
 
     # -- setup ----------------------------------------------------------------------------------------
     def make_sequences(self, prompts: Seq[Seq[int]], max_new_tokens: int,
@@ -276,7 +277,7 @@ class Engine:
     def _prefill(self, seqs: list[Sequence]) -> DecodeBatch:
         """Prompts, left-padded, read causally in chunks of `prefill_chunk` (`clover.engine.prefill`); the last
         chunk opens the loop."""
-        self.loop.calibrate()
+        self.loop.calibrate(defer=True)  # a first answer does not wait for a measurement (`DecodingLoop.idle`)
         cache = self.runner.new_cache(len(seqs))
         last = prefill([self.loop.prefilled(s.prompt) for s in seqs], self.mask_id, self.prefill_chunk,
                        lambda ids, **kwargs: self.forward(ids, cache, **kwargs), self.device, self.prompt_grid)

@@ -67,7 +67,7 @@ from typing import Any
 
 import torch
 
-from clover.engine.cost import ForwardCost, cost_table
+from clover.engine.cost import ForwardCost, cost_table, kept_table, shape_prior
 from clover.engine.decoding import ExactRule
 from clover.engine.draft_memory import MemoryDraft, copied_drafts
 from clover.engine.drafting import Acceptance, best_batch_verified, best_drafts, best_verified, expected_tokens
@@ -91,6 +91,10 @@ CONTEXT_BUCKETS = (4, 8, 12)  # the same for drafts copied from the request's co
 CONTEXT_PRIOR = (0.58, 0.78, 0.89, 0.98)  # their acceptance per bucket before any was verified, learned across
 # requests from there (per token: benchmarks/replay_drafts.py over clover-smol's answers to the held-out sets,
 # benchmarks/results/replay_heldout_int4.json)
+STEP_SAMPLES = 3  # timings a size needs before they price it: one step timed in a slow moment of a shared machine
+# would price its size high, and a size priced high is not run again to be re-timed (the int4 hybrid twin's 4-row
+# steps, once timed at 1.9x a row instead of the table's 1.6x, were never tried again); until then the table's
+# shape prices it from the nearest size timed that often
 STEP_MEMORY = 512  # steps after which a size's timings no longer count: a size priced high during a slow moment
 # is then no longer run, so never re-timed; once its timings age out it is priced from the sizes timed since
 
@@ -145,8 +149,9 @@ class ExactLoop(DecodingLoop):
         # a runner that runs the causal path only (a hybrid model on llama.cpp) has no query block to draft with:
         # drafts come from the request's context alone
         self.causal_only = bool(getattr(engine.runner, "causal_only", False))
-        self.cost = cost  # measured by `calibrate`, on the thread that runs the model, before the first forward
+        self.cost = cost  # read or measured by `calibrate`, on the thread that runs the model, before the first forward
         self.learns = cost is None  # a given table is the policy's whole cost model
+        self.measure_when_idle = False  # `cost` is `shape_prior`'s guess, to be measured when idle
         self.prior = list(getattr(engine.runner.config, "draft_acceptance", None) or []) or None
         self.overhead = 0.0  # seconds per step outside the runner, until a forward of a size has been timed
         self.steps = 0  # steps timed so far
@@ -166,12 +171,23 @@ class ExactLoop(DecodingLoop):
         self.context_acceptance = [_shared_estimate(p) for p in CONTEXT_PRIOR]
         self._positions = torch.arange(engine.block_size, device=engine.device)
 
-    def calibrate(self) -> None:
-        """Measure (or read) the runner's forward cost table, once: it runs real forwards, so it is called where
-        the model runs (the engine's first prefill, or the server's scheduler thread when it makes the engine),
-        never where an engine is merely made, and before a cache holds rows (a llama.cpp runner of one row has
-        none to spare)."""
-        if self.cost is None and self.rule.adaptive:
+    def calibrate(self, defer: bool = False) -> None:
+        """Read the runner's forward cost table, or measure it now (seconds, once for this model, runner and
+        machine: real forwards, so on the thread that runs the model, before a cache holds rows: a llama.cpp runner
+        of one row has none to spare). `defer` (an engine's own prefill: `clover generate`, `generate()`): where
+        none is kept, the model's shape stands in (`shape_prior`) and the measurement waits for the engine's first
+        idle moment (`idle`), so the first answer does not wait for it. The server calls it before its first
+        request of this engine (clover.serving.scheduler), and it measures then."""
+        if self.cost is not None or not self.rule.adaptive:
+            return
+        self.cost = kept_table(self.engine.runner) if defer else cost_table(self.engine.runner)
+        if self.cost is None:
+            self.cost, self.measure_when_idle = shape_prior(self.engine.runner), True
+
+    def idle(self) -> None:
+        """No request in flight: measure the cost table that the shape prior stood in for, and decide by it."""
+        if self.measure_when_idle:
+            self.measure_when_idle = False
             self.cost = cost_table(self.engine.runner)
 
     def room(self, context: int, prompt_len: int, block_size: int) -> tuple[int, str]:
@@ -363,14 +379,15 @@ class ExactLoop(DecodingLoop):
         self._timed_cost = None
 
     def _step_cost(self, rows: int, context: int) -> float:
-        """Seconds a step of `rows` rows costs: as timed in the last `STEP_MEMORY` steps; else the table's
-        forward scaled as the nearest size timed then compares with the table (a batch's rows are separate
-        sequences, dearer than one sequence's rows, which the table times); else, before any step was timed, the
-        table's forward plus the engine's time."""
+        """Seconds a step of `rows` rows costs: as timed in the last `STEP_MEMORY` steps (at least `STEP_SAMPLES`
+        times); else the table's forward scaled as the nearest size timed then compares with the table (a batch's
+        rows are separate sequences, dearer than one sequence's rows, which the table times); else, before any
+        size was timed, the table's forward plus the engine's time."""
         if self.learns and self._timed_cost is None:
             recent = {size: [t for step, t in timed if step > self.steps - STEP_MEMORY]
                       for size, timed in self.step_time.items()}
-            self._timed_cost = {size: statistics.median(times) for size, times in recent.items() if times}
+            self._timed_cost = {size: statistics.median(times) for size, times in recent.items()
+                                if len(times) >= STEP_SAMPLES}
         timed = self._timed_cost if self.learns else None
         if not timed:
             return self.cost(rows, context) + self.overhead
@@ -414,15 +431,30 @@ class ExactLoop(DecodingLoop):
         """The shared acceptance estimate of context drafts that matched as deep as `depth`."""
         return self.context_acceptance[sum(depth >= edge for edge in CONTEXT_BUCKETS)]
 
-    def _copied_estimate(self, b: ExactBatch, r: int) -> list[float]:
+    def _copied_estimate(self, b: ExactBatch, r: int, optimistic: bool = True) -> list[float]:
         """`p_i` of row `r`'s copied drafts: for context drafts, how often such drafts were accepted at that match
         depth; for memory drafts, the share of earlier occurrences that went on with each token, capped by how
-        often such drafts were accepted."""
+        often such drafts were accepted. `optimistic`: each estimate's `Acceptance.optimistic()`, else its mean."""
         lookup = b.lookups[r]
+        estimate = self._context_estimate(lookup.depth) if lookup.memory_draft is None else \
+            self._memory_estimate(lookup.memory_draft)
+        p = estimate.optimistic()[0] if optimistic else estimate.mean()[0]
         if lookup.memory_draft is None:
-            return self._context_estimate(lookup.depth).optimistic() * self.lookup_most
-        ceiling = self._memory_estimate(lookup.memory_draft).optimistic()[0]
-        return [min(share, ceiling) for share in lookup.memory_draft.conditional]
+            return [p] * self.lookup_most
+        return [min(share, p) for share in lookup.memory_draft.conditional]
+
+    def _copies_to_verify(self, b: ExactBatch, r: int, cost: Callable[[float], float], most: int,
+                          query: int) -> int:
+        """How many of row `r`'s copied drafts (at most `most`) a forward carrying `query` masks verifies: as many
+        as pay by the estimate's mean (`best_verified`: the most committed tokens per second expected), not by its
+        optimistic bound, which overstates `p` while evidence is thin and so verifies drafts that are mostly
+        rejected past the first few (the int4 hybrid twin at p = 0.7: 7 verified for 2.3 tokens a forward, 0.96x
+        block size 1). Where none pays by the mean but one would by the optimistic bound, one is verified: a draft
+        not verified teaches the estimate nothing, and one is the cheapest to learn from."""
+        k = best_verified(self._copied_estimate(b, r, optimistic=False), cost, most, query)
+        if k == 0 and most and best_verified(self._copied_estimate(b, r), cost, most, query):
+            return 1
+        return k
 
     def _plan(self, seqs: list[Sequence], acceptance: list[Acceptance], available: torch.Tensor,
               context: int, b: ExactBatch | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -438,8 +470,8 @@ class ExactLoop(DecodingLoop):
             ks = [min(a, max(left - 1, 0)) for a, left in zip(avail, remaining)]
             if self.rule.adaptive:
                 cost = lambda rows: self._step_cost(rows, context)  # noqa: E731
-                ks = [min(k, best_verified(self._copied_estimate(b, r), cost, k, 0))
-                      if b is not None and bool(b.looked_up[r]) else k for r, k in enumerate(ks)]
+                ks = [self._copies_to_verify(b, r, cost, k, 0) if b is not None and bool(b.looked_up[r]) else k
+                      for r, k in enumerate(ks)]
                 if len(seqs) > 1:  # one forward as wide as its widest row
                     ks = [min(k, max(ks)) for k in ks]
             zeros = torch.zeros(len(seqs), dtype=torch.long, device=e.device)
@@ -454,8 +486,7 @@ class ExactLoop(DecodingLoop):
                     want = best_drafts(acc.optimistic(), cost, most)
                     verify = want
                     if b is not None and bool(b.looked_up[r]):
-                        verify = best_verified(self._copied_estimate(b, r), cost, avail[r],
-                                               want + 1 if want else 0)
+                        verify = self._copies_to_verify(b, r, cost, avail[r], want + 1 if want else 0)
                 else:
                     want = verify = most
                 k = min(avail[r], verify, max(remaining[r] - 1, 0))

@@ -71,9 +71,13 @@ class DecodingLoop:
     def check(self, params: list[SamplingParams]) -> None:
         """Raise `ValueError` naming the request whose sampling parameters this loop cannot serve."""
 
-    def calibrate(self) -> None:
+    def calibrate(self, defer: bool = False) -> None:
         """Measure what the loop needs of the runner before its first request (exact mode: the forward cost table),
-        on the thread that runs the model and before any cache takes the runner's rows."""
+        on the thread that runs the model and before any cache takes the runner's rows; `defer`: a stand-in now,
+        the measurement at the first `idle` moment."""
+
+    def idle(self) -> None:
+        """Work deferred to a moment without requests (exact mode: measuring the cost table on first use)."""
 
     def prefilled(self, prompt: list[int]) -> list[int]:
         """The part of `prompt` the prefill reads: all of it, unless the loop opens its first block with the rest."""

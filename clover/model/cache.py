@@ -157,15 +157,17 @@ class DeltaNetLayerCache:
         self.recording = False
         # (state before, conv inputs [N, C, K-1 + T] history first, k [N, H, T, dk], v, g [N, H, T], beta)
         self.undo: tuple[torch.Tensor, ...] | None = None
+        self.stepped = False  # the recorded tokens were stepped one by one (the layer's C++ decoding step)
 
     def record(self, state: torch.Tensor, full: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-               beta: torch.Tensor) -> None:
-        """Called by the layer for a forward's clean tokens (a no-op unless recording)."""
+               beta: torch.Tensor, stepped: bool = False) -> None:
+        """Called by the layer for a forward's clean tokens (a no-op unless recording); `stepped`: by the C++
+        decoding step (`clover.model.deltanet.GatedDeltaNet._fused_step`), not the chunked rule."""
         if not self.recording:
             return
         if self.undo is not None:
             raise RuntimeError("only one forward can run between CloverCache.mark and rewind")
-        self.undo = (state, full, k, v, g, beta)
+        self.undo, self.stepped = (state, full, k, v, g, beta), stepped
 
     def rewind(self, keep: torch.Tensor, fed: torch.Tensor) -> None:
         """Keep each row's first `keep[r]` of the `fed[r]` clean tokens of the recorded forward.
@@ -175,10 +177,17 @@ class DeltaNetLayerCache:
         That costs one state-only pass of the rule over at most `T` tokens per layer — no projections, no
         other layer — and needs only `O(T)` extra memory, where per-token states would need `T` states of
         `dk x dv` per head. Rows that keep everything get, bit for bit, the state the forward computed (the same
-        call on the same inputs). The conv window is the `K-1` inputs that end at the last kept token."""
+        call on the same inputs); where the forward stepped its tokens one by one in C++, they are stepped again
+        (`deltanet_replay`), so a kept prefix has the bits of its own steps too. The conv window is the `K-1`
+        inputs that end at the last kept token."""
         state0, full, k, v, g, beta = self.undo
         t = k.shape[2]
-        if bool((keep < fed).any()):
+        if bool((keep < fed).any()) and self.stepped:
+            # the same C++ steps over the kept tokens: the state a block-size-1 step would have, bit for bit
+            from clover.ops import woq  # deferred: the extension is compiled on first use
+
+            self.state = woq.extension().deltanet_replay(state0, k, v, g, beta, keep)
+        elif bool((keep < fed).any()):
             kept = (torch.arange(t, device=keep.device)[None] < keep[:, None])[:, None].to(g.dtype)  # [N, 1, T]
             _, self.state, _ = chunk_gated_delta_rule(None, k, v, g * kept, beta * kept, state0,
                                                       chunk_size=min(t, 64))

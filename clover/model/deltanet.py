@@ -140,11 +140,17 @@ class GatedDeltaNet(nn.Module):
                 cache: DeltaNetLayerCache | None) -> torch.Tensor:
         n, t, _ = x.shape
         lc, p, bsz = layout.clean_len, layout.causal_len, layout.block_size
-        if (self.fused_step and t == p == lc <= FUSED_STEP_TOKENS and (clean_valid is None or bool(clean_valid.all()))
+        if (self.fused_step and 0 < p == lc <= FUSED_STEP_TOKENS and (t == lc or layout.query_start == lc)
+                and (clean_valid is None or bool(clean_valid.all()))
                 and cache is not None and cache.state is not None and x.dtype == torch.float32
                 and x.device.type == "cpu" and not (x.requires_grad and torch.is_grad_enabled())
                 and not _reading_prompt()):
-            return self._fused_step(x, cache)
+            clean = self._fused_step(x[:, :lc], cache)
+            if t == lc:
+                return clean
+            # a query block after them (exact mode's drafting) reads the state they left, as the module path does
+            query = BlockLayout(0, bsz, query_blocks=layout.query_blocks)
+            return torch.cat([clean, self.forward(x[:, lc:], query, None, cache)], dim=1)
         if layout.causal_clean and layout.query_blocks and layout.query_start < lc:
             # the query blocks would need the causal recurrence's state at each block start of the clean stream
             raise ValueError("Gated DeltaNet reads committed context block-causally: context_reading='causal' "
@@ -237,7 +243,8 @@ class GatedDeltaNet(nn.Module):
             self.norm.weight, self.norm.eps, cache.state.contiguous(), self.num_k_heads, self.head_k_dim,
             self.head_v_dim)
         if cache.recording:
-            cache.record(cache.state, torch.cat([cache.conv, mixed.transpose(1, 2)], dim=2), k, v, g, beta)
+            cache.record(cache.state, torch.cat([cache.conv, mixed.transpose(1, 2)], dim=2), k, v, g, beta,
+                         stepped=True)
         cache.state, cache.conv = state, window
         return self.out_proj(y)
 

@@ -22,7 +22,7 @@ from torch.utils.checkpoint import checkpoint
 
 from clover.checkpoint import load_state_dict_strict, save_checkpoint
 from clover.config import CONTEXT_READINGS, LINEAR_ATTENTION, CloverConfig
-from clover.model.attention import Attention
+from clover.model.attention import ROWS_ALONE, Attention, CleanRows
 from clover.model.cache import CloverCache
 from clover.model.deltanet import GatedDeltaNet
 from clover.model.fused import fused_layers, runs_fused
@@ -71,7 +71,7 @@ class DecoderLayer(nn.Module):
         if self.layer_type == LINEAR_ATTENTION:
             x = self.linear_attn(x, ctx.layout, ctx.clean_valid, cache_layer)
         else:
-            x = self.self_attn(x, ctx.rope, ctx.mask, ctx.is_causal, ctx.layout.clean_len, cache_layer)
+            x = self.self_attn(x, ctx.rope, ctx.mask, ctx.is_causal, ctx.layout.clean_len, cache_layer, ctx.clean_rows)
         h = h + x
         return h + self.mlp(self.post_attention_layernorm(h))
 
@@ -85,6 +85,7 @@ class _ForwardContext:
     is_causal: bool
     gate: Any = None  # a gated adapter's `AdapterGate` (clover.model.lora), or None
     fused: bool = False  # layers marked `fused` run as one C++ call (clover.model.fused.runs_fused)
+    clean_rows: CleanRows | None = None  # how causal clean rows attend (`_clean_rows`)
 
 
 class _CleanKeys:
@@ -220,6 +221,7 @@ class CloverForBlockDiffusion(nn.Module):
         past_valid = cache.past_valid() if cache is not None else None
         mask, is_causal = layout.attention_mask(past_valid, clean_valid, n, device)
         ctx = _ForwardContext(layout, clean_valid, self.model.rotary(positions_t, h.dtype), mask, is_causal, gate)
+        ctx.clean_rows = self._clean_rows(layout, past_valid, clean_valid, mask, is_causal, n, device)
         ctx.fused = any(layer.fused for layer in self.model.layers) and runs_fused(h, ctx)
         if self._runs_frozen_clean(ctx, cache):
             h = self._frozen_clean_layers(h, ctx)
@@ -246,6 +248,30 @@ class CloverForBlockDiffusion(nn.Module):
             query_logits=logits[:, keep:] if nq else None,
             hidden_states=hidden if output_hidden_states else None,
         )
+
+    @staticmethod
+    def _clean_rows(layout: BlockLayout, past_valid: torch.Tensor | None, clean_valid: torch.Tensor | None,
+                    mask: torch.Tensor | None, is_causal: bool, n: int, device: torch.device) -> CleanRows | None:
+        """Where every clean row is causal, each gets the attention bits it gets in a forward without the rows after
+        it (clover.model.attention): the clean rows attend apart from query rows, with the mask of a forward of
+        them alone; and 2 .. `ROWS_ALONE` of them after a cache (a decoding step, exact mode's drafts) attend one
+        at a time, each with the mask of a one-row forward at its place (None where no row of the batch is padded
+        up to it). None: every row in one call (no causal rows to keep apart)."""
+        lc, past = layout.clean_len, 0 if past_valid is None else past_valid.shape[1]
+        if lc == 0 or layout.causal_len != lc:
+            return None
+        alone = 1 < lc <= ROWS_ALONE and past > 0
+        if layout.query_len == 0 and not alone:
+            return None
+        if layout.query_len:
+            mask, is_causal = BlockLayout(lc, causal_clean=True).attention_mask(past_valid, clean_valid, n, device)
+        if not alone:
+            return CleanRows(mask, is_causal)
+        rows = []
+        for i in range(lc):
+            row = None if mask is None else mask[:, :, i : i + 1, : past + i + 1]
+            rows.append(None if row is None or bool(row.all()) else row)
+        return CleanRows(mask, is_causal, rows)
 
     def _layer(self, layer: DecoderLayer, h: torch.Tensor, ctx: _ForwardContext, cache_layer: Any) -> torch.Tensor:
         if self.gradient_checkpointing and self.training:

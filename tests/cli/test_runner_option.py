@@ -47,7 +47,8 @@ def test_generate_with_the_llamacpp_runner(exported, chat_tokenizer, capsys):
     want = generate(runner, [ids], 12, eos_token_ids=[chat_tokenizer.eos_token_id],
                     vocab_limit=len(chat_tokenizer)).sequences[0]
     assert out["token_ids"] == want
-    assert _generate(capsys, "--model", str(checkpoint))["runner"] == "torch"
+    assert _generate(capsys, "--model", str(checkpoint))["runner"] == "torch"  # --runner auto, by what --model names
+    assert _generate(capsys, "--model", str(gguf))["token_ids"] == want  # ... a GGUF file: the llama.cpp runner
 
 
 def test_decide_with_the_llamacpp_runner(exported, chat_tokenizer, capsys, tmp_path):
@@ -66,8 +67,8 @@ def test_decide_with_the_llamacpp_runner(exported, chat_tokenizer, capsys, tmp_p
 @pytest.mark.parametrize("args, message", [
     (["--runner", "llamacpp", "--model", "{checkpoint}"], "takes a GGUF file.*clover export --to gguf"),
     (["--runner", "llamacpp", "--model", "{gguf}", "--dtype", "bfloat16"], "--dtype.*GGUF's weight types"),
-    (["--model", "{gguf}"], "GGUF file: run it with --runner llamacpp"),
-    (["--runner", "llamacpp", "--model", "{checkpoint}/missing.gguf"], "no such GGUF file"),
+    (["--runner", "llamacpp", "--model", "{checkpoint}/config.json"], "a file that is not a GGUF file"),
+    (["--runner", "llamacpp", "--model", "{checkpoint}/missing.gguf"], "no such file or directory"),
 ])
 def test_runner_misuse_is_a_clear_error(exported, capsys, args, message):
     import re

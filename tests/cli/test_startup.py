@@ -60,7 +60,7 @@ def test_the_runners_offered_are_the_registered_runners(capsys) -> None:
     assert sorted(RUNNERS) == ["llamacpp", "torch"]
     runner_option = next(a for a in build_parser()._subparsers._group_actions[0].choices["serve"]._actions
                          if a.dest == "runner")
-    assert sorted(runner_option.choices) == sorted(RUNNERS)
+    assert sorted(runner_option.choices) == sorted(["auto", *RUNNERS])  # auto: by what --model names
     assert main(["info", "--runners", "--json"]) == 0
     assert [r["name"] for r in json.loads(capsys.readouterr().out)] == list(RUNNERS)
     assert {name: runner_class(name).name for name in RUNNERS} == {name: name for name in RUNNERS}

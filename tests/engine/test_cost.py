@@ -165,3 +165,45 @@ def test_the_real_calibration_is_positive_grows_with_rows_and_rewinds_after_each
     assert table.per_token >= 0 and table.per_row_token >= 0 and table(16, long) >= table(16)
     assert table.seconds[-1] > 1.5 * table.seconds[0] and min(table.seconds[1:]) > 0.9 * table.seconds[0]
     assert table.key == cost.fingerprint(runner) and time.time() - 60 < table.measured_at <= time.time()
+
+
+def test_a_first_engine_decodes_on_the_shape_prior_and_measures_when_idle(calibrations):
+    """Nothing kept: the first answer's tokens come before any calibration (the shape prior decides), the table is
+    measured once the engine is idle and kept; the next engine reads it and measures nothing."""
+    from clover.engine import Engine, SamplingParams
+
+    runner = as_runner(tiny_model("clover-tiny-dense"))
+    engine = Engine(runner, 4, rule="exact")
+    events = engine.run([[5, 6, 7, 8]], 12, SamplingParams())
+    next(events)
+    assert not calibrations and engine.loop.cost.key["kind"] == "prior"
+    list(events)
+    assert len(calibrations) == 1 and engine.loop.cost == cost.kept_table(runner)
+    again = Engine(runner, 4, rule="exact")
+    list(again.run([[5, 6, 7, 8]], 4, SamplingParams()))
+    assert len(calibrations) == 1 and again.loop.cost == engine.loop.cost
+
+
+def test_the_shape_prior_is_plausible_and_grows_with_rows_and_experts(tmp_path):
+    """Rows cost more, never implausibly; a GGUF's experts: one row reads its chosen few, many rows most of them,
+    so a MoE's prior is cheaper at one row and dearer per row than a dense model of the same bytes."""
+    from types import SimpleNamespace
+
+    from clover.conversion.gguf_header import GGUFHeader
+
+    runner = as_runner(tiny_model("clover-tiny-dense"))
+    prior = cost.shape_prior(runner)
+    assert cost.implausibility(prior) is None and prior.rows == list(cost.CALIBRATION_ROWS)
+    assert all(a < b for a, b in zip(prior.seconds, prior.seconds[1:])) and prior.key["kind"] == "prior"
+    (tmp_path / "m.gguf").write_bytes(bytes(2**20))
+
+    def gguf(tensors, metadata):
+        return SimpleNamespace(name="llamacpp", device=torch.device("cpu"), threads=2, config=runner.config,
+                               path=tmp_path / "m.gguf", _header=GGUFHeader({"general.architecture": "x", **metadata},
+                                                                            tensors))
+
+    dense = cost.shape_prior(gguf({"blk.0.ffn_up.weight": (1024, 1024)}, {}))
+    moe = cost.shape_prior(gguf({"blk.0.ffn_up_exps.weight": (1024, 64, 16), "blk.0.attn_q.weight": (64, 1024)},
+                                {"x.expert_count": 16, "x.expert_used_count": 2}))
+    assert cost.implausibility(moe) is None and moe.seconds[0] < dense.seconds[0] / 2
+    assert moe.seconds[4] / moe.seconds[0] > dense.seconds[4] / dense.seconds[0]

@@ -142,3 +142,28 @@ def test_the_files_chat_template_and_the_cli(twin, runner, capsys):
     out = json.loads(capsys.readouterr().out)
     want = generate(runner, [ids], max_new_tokens=8, block_size=1).sequences[0]
     assert out["token_ids"] == want
+
+
+@pytest.mark.parametrize("which", ["plain", "clover"])
+def test_the_gguf_tokenizer_equals_autotokenizers(which, twin, tmp_path):
+    """`gguf_tokenizer` skips AutoTokenizer's reading of a model config (seconds on a first use); the tokenizer is
+    the same: ids, decoded text, special tokens and chat template, on llama.cpp's Qwen3 file and Clover's Llama one."""
+    from transformers import AutoTokenizer
+
+    from clover.cli.main import main as clover_main
+    from clover.conversion.gguf import gguf_tokenizer
+
+    path = twin[0]
+    if which == "clover":
+        path = tmp_path / "smol.f16.gguf"
+        assert clover_main(["export", "clover-smol", str(path)]) == 0
+    fast, auto = gguf_tokenizer(path, None), AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    texts = ["Hello world!  def f(x):\n\treturn x**2", "<|im_start|>user\nhi<|im_end|>\n", "ünïcödé 😀 1234567",
+             '{"a": [1, 2.5e-3]}   \n\n  tail ']
+    for text in texts:
+        for special in (True, False):
+            ids = auto(text, add_special_tokens=special)["input_ids"]
+            assert fast(text, add_special_tokens=special)["input_ids"] == ids
+            assert fast.decode(ids) == auto.decode(ids)
+    assert fast.chat_template == auto.chat_template and fast.special_tokens_map == auto.special_tokens_map
+    assert len(fast) == len(auto) and fast.all_special_ids == auto.all_special_ids

@@ -125,7 +125,7 @@ def test_continuous_batching_joins_and_drops(pair):
     engine = Engine(runner, 4, 0.9)
     seqs = [engine.make_sequences([p], MAX_NEW, SamplingParams())[0] for p in PROMPTS]
     for i, s in enumerate(seqs):
-        s.index = i
+        s.seq_id = i
     out: dict[int, list[int]] = {i: [] for i in range(len(seqs))}
     batch, step, waiting = None, 0, [0, 1, 2]
     while waiting or batch is not None:

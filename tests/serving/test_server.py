@@ -416,7 +416,11 @@ def test_the_default_model_is_served_as_clover_smol_and_its_full_id():
 
     cached = Path("/cache/clover/clover-smol-0123456789ab")
     assert served_model_names(None, None, cached) == ["clover-smol", "clover-smol-0123456789ab"]
-    assert served_model_names(None, str(cached), cached) == ["clover-smol-0123456789ab"]  # --model: its own name
+    assert served_model_names(None, cached.name, cached) == ["clover-smol-0123456789ab"]  # --model: its own name
+    gguf = cached / "clover-smol-0123456789ab-q8_0.gguf"  # the default model on the llama.cpp runner
+    assert served_model_names(None, None, gguf) == ["clover-smol", "clover-smol-0123456789ab-q8_0"]
+    converted = Path("/cache/clover/converted/Qwen--Qwen3-0.6B-c0ffee")
+    assert served_model_names(None, "Qwen/Qwen3-0.6B", converted) == ["Qwen/Qwen3-0.6B"]  # a hub id, as vLLM
     assert served_model_names(["a", "b", "a"], None, cached) == ["a", "b"]
 
 

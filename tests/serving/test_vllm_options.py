@@ -71,7 +71,7 @@ def test_shared_options_are_passed_with_their_meaning(checkpoint):
 
 @pytest.mark.parametrize("flags", [("--record-requests", "log.jsonl"), ("--draft-memory", "shared"),
                                    ("--max-body-mb", "1"), ("--draft-memory-tokens", "10"), ("--block-size", "4"),
-                                   ("--prefix-cache-mb", "512"), ("--responses-store-mb", "1"), ("--max-queue", "3")])
+                                   ("--prefix-cache-mb", "1024"), ("--responses-store-mb", "1"), ("--max-queue", "3")])
 def test_an_option_vllm_cannot_honour_is_refused_by_name(checkpoint, flags):
     with pytest.raises(SystemExit, match=f"{flags[0]} is not served by vLLM"):
         _argv(checkpoint, *flags)

@@ -12,6 +12,7 @@
 
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <tuple>
@@ -153,4 +154,37 @@ deltanet_step(torch::Tensor mixed, torch::Tensor z, torch::Tensor a, torch::Tens
     }
   });
   return {y, out_state, window, ko, vo, go, bo};
+}
+
+// The state after each row's first keep[n] of T recorded tokens (k [N, Hv, T, dk], v [N, Hv, T, dv], g and beta
+// [N, Hv, T], as `deltanet_step` returned them), from the state before them [N, Hv, dk, dv]: the same head steps, so
+// the same bits, as the forward that stepped them (CloverCache.rewind after exact mode's rejected drafts).
+torch::Tensor deltanet_replay(torch::Tensor state, torch::Tensor k, torch::Tensor v, torch::Tensor g,
+                              torch::Tensor beta, torch::Tensor keep) {
+  for (const auto& [t, name] : {std::pair{&state, "state"}, {&k, "k"}, {&v, "v"}, {&g, "g"}, {&beta, "beta"}})
+    check_f32(*t, name);
+  TORCH_CHECK(state.dim() == 4 && k.dim() == 4 && v.dim() == 4, "state [N, Hv, dk, dv], k [N, Hv, T, dk], v");
+  const int64_t N = state.size(0), Hv = state.size(1), dk = state.size(2), dv = state.size(3), T = k.size(2);
+  TORCH_CHECK(k.size(0) == N && k.size(1) == Hv && k.size(3) == dk && v.size(2) == T && v.size(3) == dv &&
+                  g.numel() == N * Hv * T && beta.numel() == N * Hv * T,
+              "k [N, Hv, T, dk], v [N, Hv, T, dv], g and beta [N, Hv, T] of the state's N, Hv, dk, dv");
+  auto kept = keep.to(torch::kLong).contiguous();
+  TORCH_CHECK(kept.numel() == N, "keep must hold one count per row");
+  auto out = state.clone();
+  const float *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>(), *gp = g.data_ptr<float>();
+  const float* bp = beta.data_ptr<float>();
+  const int64_t* kk = kept.data_ptr<int64_t>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, N * Hv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> q(dk, 0.f), o(dv);  // the read is not needed: q = 0
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t n = i / Hv, steps = std::min<int64_t>(std::max<int64_t>(kk[n], 0), T);
+      for (int64_t t = 0; t < steps; ++t) {
+        const int64_t it = i * T + t;
+        head_step(op + i * dk * dv, op + i * dk * dv, q.data(), kp + it * dk, vp + it * dv, std::exp(gp[it]), bp[it],
+                  dk, dv, o.data());
+      }
+    }
+  });
+  return out;
 }
