@@ -44,8 +44,7 @@ ALLOWED_UP = {("clover.model.modeling", "clover.engine")}
 # prompt-reading ContextVar (`quant.reading_prompt`, read by deltanet and fused) and `quant`'s loader, which builds
 # fused layers (issue 54: `forward(..., prompt=True)` on the runner interface instead of the ContextVar); the
 # decoding loops' `Engine` annotation (type checking only: a loop reads its engine's settings)
-PENDING_CIRCLES = [{"clover.runners.llamacpp", "clover.runners.llamacpp_hybrid", "clover.runners.llamacpp_plain"},
-                   {"clover.model.deltanet", "clover.model.quant", "clover.model.fused", "clover.model.modeling"},
+PENDING_CIRCLES = [{"clover.model.deltanet", "clover.model.quant", "clover.model.fused", "clover.model.modeling"},
                    {"clover.engine.engine", "clover.engine.block_loop", "clover.engine.exact", "clover.engine.loop"}]
 # `clover train` and `clover data` are training's front end; every other module serves inference.
 TRAINING_FRONT_ENDS = {"clover.cli.train", "clover.cli.data"}

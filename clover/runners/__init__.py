@@ -2,7 +2,10 @@
 
     base          ModelRunner / RunnerCache / StoredPrefix (the interface), RunnerOptions (how one is opened)
     torch_runner  TorchRunner: the PyTorch model, every architecture, CPU or CUDA (the reference)
-    llamacpp      LlamaCppRunner: a GGUF on llama.cpp's quantised CPU kernels (dense Llama-family models)
+    llamacpp      LlamaCppRunner: a GGUF on llama.cpp's quantised CPU kernels (Clover's dense exports)
+    llamacpp_hybrid, llamacpp_plain  its causal-path subclasses: hybrid exports, plain AR GGUFs
+    llamacpp_open LlamaCppFile: `--runner llamacpp`, the class a GGUF file needs
+    llama_api, llamacpp_ar  llama.cpp's C API (ctypes); its own greedy loop (the benchmarks' baseline)
     registry      name -> runner class, imported on first use (`--runner`, `clover info --runners`)
 
 This package's `__init__` imports only the registry, so listing the runners costs no torch import.

@@ -199,7 +199,7 @@ class LlamaCppRunner:
         except ValueError as e:
             raise ValueError(f"{e}. LlamaCppRunner runs dense Llama-family GGUFs written by `clover export --to "
                              "gguf`; a hybrid model's GGUF (qwen35moe / qwen35) runs on HybridLlamaCppRunner "
-                             "(clover.runners.llamacpp_hybrid; LlamaCppRunner.open and --runner llamacpp pick it)") from e
+                             "(clover.runners.llamacpp_hybrid; --runner llamacpp picks it: clover.runners.llamacpp_open)") from e
         if source.mask_token_id is None:
             raise ValueError(f"{self.path} has no mask token (no clover.mask_token_id metadata): block decoding "
                              "needs one. Export the model with `clover export --to gguf`, which writes it")
@@ -274,26 +274,13 @@ class LlamaCppRunner:
     @classmethod
     def open(cls, path: str | Path, options: RunnerOptions) -> LlamaCppRunner:
         """The GGUF file `path` with `options`' threads, rows and KV cells; it keeps the GGUF's weight types and
-        runs on the CPU, so a dtype, quantisation or device is refused. A hybrid model's GGUF (llama.cpp's
-        `qwen35moe` / `qwen35`) opens `clover.runners.llamacpp_hybrid.HybridLlamaCppRunner`; a file without Clover's
-        metadata (llama.cpp's converter wrote it) `clover.runners.llamacpp_plain.PlainLlamaCppRunner`."""
+        runs on the CPU, so a dtype, quantisation or device is refused. This class's own; which class a file needs
+        (a hybrid's, a plain AR file's) `clover.runners.llamacpp_open` chooses."""
         if options.dtype or options.quant not in ("none", "auto"):
             raise ValueError("--dtype / --quant: the llama.cpp runner keeps the GGUF's weight types (choose them "
                              "with `clover export --to gguf --quant`)")
         if options.device not in (None, "cpu"):
             raise ValueError(f"--device {options.device}: the llama.cpp runner runs on the CPU; use --runner torch")
-        if cls is LlamaCppRunner and Path(path).is_file():
-            # deferred: gguf's reader and the causal runners' modules, only when a GGUF file is opened
-            from clover.conversion.gguf import gguf_architecture, written_by_clover
-            from clover.conversion.gguf_header import read_header
-            from clover.runners.llamacpp_hybrid import HYBRID_ARCHITECTURES, HybridLlamaCppRunner
-            from clover.runners.llamacpp_plain import PlainLlamaCppRunner
-
-            header = read_header(Path(path))
-            if not written_by_clover(header):
-                cls = PlainLlamaCppRunner
-            elif gguf_architecture(Path(path), header) in HYBRID_ARCHITECTURES:
-                cls = HybridLlamaCppRunner
         return cls(path, threads=options.threads, max_rows=options.max_rows, n_ctx=options.ctx)
 
     def tokenizer_cache_dir(self) -> Path:

@@ -1,7 +1,7 @@
 """The llama.cpp runner for a hybrid (Gated DeltaNet) model's causal path: block size 1 and exact mode on a GGUF
 that `clover export --to gguf` wrote as llama.cpp's `qwen35moe` / `qwen35` (clover.conversion.gguf_hybrid).
 
-    runner = LlamaCppRunner.open("model.q4_0.gguf", options)     # picks this class for a hybrid GGUF
+    runner = LlamaCppFile.open("model.q4_0.gguf", options)     # picks this class for a hybrid GGUF
     generate(runner, prompts, block_size=1)                       # or rule="exact" with any block size
 
 **Causal only.** llama.cpp's DeltaNet is the AR recurrence; Clover's block-bidirectional read of a block being

@@ -1,7 +1,7 @@
 """The llama.cpp runner for a plain autoregressive GGUF: a file without Clover's metadata, as llama.cpp's own
 `convert_hf_to_gguf.py` writes it (Llama, Qwen2.5, Qwen3, Qwen3.5, ... : any architecture llama.cpp runs).
 
-    runner = LlamaCppRunner.open("Qwen3-0.6B-Q8_0.gguf", options)   # picks this class for a file without Clover's keys
+    runner = LlamaCppFile.open("Qwen3-0.6B-Q8_0.gguf", options)   # picks this class for a file without Clover's keys
     generate(runner, prompts, block_size=1)                          # or rule="exact": block size 1's answers
 
 An AR model has no masked block to draft with, so it runs the causal path exactly as a hybrid GGUF does

@@ -59,7 +59,7 @@ def runner_class(name: str) -> Any:
 
 register_runner("torch", "clover.runners.torch_runner:TorchRunner", takes="checkpoint", devices=("cpu", "cuda"),
                 summary="the PyTorch model: any Clover checkpoint, CPU or CUDA, every decoding mode (the reference)")
-register_runner("llamacpp", "clover.runners.llamacpp:LlamaCppRunner", takes="gguf",
+register_runner("llamacpp", "clover.runners.llamacpp_open:LlamaCppFile", takes="gguf",
                 summary="llama.cpp's quantised CPU kernels: a GGUF from `clover export --to gguf` (dense Llama-family "
                         "models; hybrids' causal path), or any plain AR GGUF at block size 1 / exact mode "
                         "(docs/gguf.md)")

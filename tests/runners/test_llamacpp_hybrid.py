@@ -24,7 +24,7 @@ from clover.engine import Engine, SamplingParams, generate
 from clover.engine.loop import StreamPiece
 from clover.runners import llama_api
 from clover.runners.base import RunnerOptions
-from clover.runners.llamacpp import LlamaCppRunner
+from clover.runners.llamacpp_open import LlamaCppFile
 from clover.runners.llamacpp_hybrid import ROLLBACK, HybridCache, HybridLlamaCppRunner
 from model_helpers import PROMPTS
 
@@ -211,7 +211,7 @@ def test_block_rules_and_query_blocks_are_refused(twin):
 
 def test_open_picks_the_hybrid_runner(twin):
     _, _, runner = twin
-    opened = LlamaCppRunner.open(runner.path, RunnerOptions(threads=1, max_rows=1))
+    opened = LlamaCppFile.open(runner.path, RunnerOptions(threads=1, max_rows=1))
     assert isinstance(opened, HybridLlamaCppRunner)
     opened.close()
 

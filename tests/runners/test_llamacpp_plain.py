@@ -20,7 +20,7 @@ import torch
 from clover.engine import Engine, SamplingParams, generate
 from clover.engine.loop import StreamPiece
 from clover.runners.base import RunnerOptions
-from clover.runners.llamacpp import LlamaCppRunner
+from clover.runners.llamacpp_open import LlamaCppFile
 from clover.runners.llamacpp_plain import PlainLlamaCppRunner
 from conftest import llama_cpp_sdist
 from model_helpers import PROMPTS
@@ -90,7 +90,7 @@ def test_a_plain_gguf_opens_the_plain_runner(twin):
     fields = gguf.GGUFReader(str(twin[0])).fields
     assert fields["general.architecture"].contents() == "qwen3"
     assert not any(key.startswith("clover.") for key in fields)  # llama.cpp's file, nothing of Clover's
-    opened = LlamaCppRunner.open(twin[0], RunnerOptions(threads=1, max_rows=1))
+    opened = LlamaCppFile.open(twin[0], RunnerOptions(threads=1, max_rows=1))
     assert isinstance(opened, PlainLlamaCppRunner) and not opened.recurrent
     # a mask id past the vocabulary, never emitted: its logit is -inf
     assert opened.config.vocab_size == opened.n_vocab + 1 == opened.config.mask_token_id + 1
