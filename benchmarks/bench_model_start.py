@@ -18,13 +18,14 @@ import argparse
 import hashlib
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from clover.engine.cost import processor_name
 
 REPO = "bench-org/qwen3-smol-shape"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
@@ -97,12 +98,7 @@ def main() -> None:
         for _ in range(args.rounds):
             for name, argv in rows.items():
                 runs[name].append(timed(argv, env))
-    machine = {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()}
-    try:
-        machine["cpu"] = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
-                              if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+    machine = {"cpu": processor_name(), "cores": os.cpu_count()}
     medians = {name: statistics.median(times) for name, times in runs.items()}
     hub, local = medians.values()
     print(f"start of `clover generate --max-new-tokens 1` ({machine['cpu']}, {machine['cores']} cores, "

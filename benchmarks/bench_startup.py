@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import socket
 import statistics
@@ -23,6 +22,8 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+
+from clover.engine.cost import processor_name
 
 README_PROMPT = "Write a Python function that reverses a string."
 
@@ -83,12 +84,7 @@ def main() -> None:
     for _ in range(args.rounds):
         for name, run in rows.items():
             runs[name].append(run())
-    machine = {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()}
-    try:
-        machine["cpu"] = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
-                              if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+    machine = {"cpu": processor_name(), "cores": os.cpu_count()}
     print(f"start-up, {args.label} ({machine['cpu']}, {machine['cores']} cores): wall seconds, median of "
           f"{args.rounds}")
     for name, times in runs.items():

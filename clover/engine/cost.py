@@ -159,14 +159,16 @@ def fingerprint(runner: Any) -> dict[str, Any]:
             weights["kernels"] = [woq.kernel_tag(), woq.has_vnni()]
     return {"runner": runner.name, "model_shape": _digest(config), "weights": _digest(weights),
             "device": str(runner.device), "threads": getattr(runner, "threads", None) or torch.get_num_threads(),
-            "torch": torch.__version__, "cpu": _processor()}
+            "torch": torch.__version__, "cpu": processor_name()}
 
 
 def _digest(value: Any) -> str:
     return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def _processor() -> str:
+def processor_name() -> str:
+    """The CPU's model name (/proc/cpuinfo), else what `platform` knows: what a cost table and a benchmark's figures
+    are recorded against."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
             for line in f:
