@@ -38,7 +38,7 @@ from clover.engine.draft_memory import DraftMemory
 from clover.engine.exact import ExactBatch, ExactLoop
 from clover.engine.logprobs import TokenLogprob, banned_ids
 from clover.engine.loop import Event, StreamPiece
-from clover.engine.prefill import DEFAULT_PREFILL_CHUNK, grid_chunk, prefill
+from clover.engine.prefill import DEFAULT_PREFILL_CHUNK, EXPECTED_ANSWER, grid_chunk, prefill
 from clover.engine.repetition import BreakerCache
 from clover.engine.request import Detokenize, Sequence
 from clover.runners.base import ModelRunner, RunnerCache, release_cache
@@ -303,6 +303,8 @@ class Engine:
                              "so a prefix cached for another prompt does not line up: prefill it whole")
         self.loop.calibrate()
         cache = cache if cache is not None else self.runner.new_cache(1)
+        if hasattr(cache, "expect"):  # its KV allocated once at about its final size (clover.model.cache)
+            cache.expect(len(seq.prompt) + min(seq.max_new_tokens, EXPECTED_ANSWER) + self.block_size)
         done = cache.length
         if cache.batch_size != 1 or done % self.prefill_chunk or done >= len(seq.prompt):
             raise ValueError(f"a reused prefix must be one row ending on the {self.prefill_chunk}-token grid before "

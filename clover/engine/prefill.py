@@ -26,6 +26,9 @@ import torch
 from clover.model.quant import reading_prompt
 
 DEFAULT_PREFILL_CHUNK = 2048  # prompt tokens per prefill forward
+# answer tokens a request's KV is first allocated for beside its prompt (`CloverCache.expect`); a longer answer
+# grows it by quarters. Bounded: a request allowed the whole context must not reserve it all.
+EXPECTED_ANSWER = 512
 
 # forward(clean ids [N, T], **kwargs) for one prefill chunk: kwargs are `prefix_len`, `attention_mask`,
 # `logits_to_keep=0` (the runner's `forward` with the cache and block size bound by the caller)

@@ -14,29 +14,31 @@ A warm start at grid point `g` then runs exactly the forwards the cold start ran
 **What is kept.** An entry holds one row of KV for its prompt up to its last grid point `L` (and the recurrent
 state there), plus recurrent snapshots at earlier grid points every `snapshot_interval` tokens (hybrid models:
 branches of a conversation, e.g. the same system prompt and tools with different user turns, resume there).
-Dense models resume at any grid point of an entry (KV is sliced). An entry whose tokens a newer prompt extends
+Dense models resume at any grid point of an entry. An entry whose tokens a newer prompt extends
 is superseded by the newer one (which inherits its snapshots), so an agent's conversation is one growing entry.
 
 **Scoped.** Entries belong to a scope (the API key a request came with, `clover.serving.request_context`): a
 request reuses only its own scope's prefixes, so neither its `cached_tokens` nor its time to first token tells a
 client anything about another key's prompts. Without API keys every request has the one scope.
 
-**Runner-neutral.** The store asks only what `clover.runners.base` defines of a one-row cache: `snapshot()`,
-`prefix(length, snapshot, copy=True)` to keep an entry, and on the entry `prefix(length, snapshot)` for a new
-request's cache and `storages(snapshots)` for the budget. On the torch runner an entry is an exact-size copy of the
-KV and the cache a lookup returns shares the entry's tensors: safe because a cache never writes inside positions
-it holds (the `CloverCache` invariant: the request's first append reallocates, DeltaNet states are replaced, not
-updated in place). On the llama.cpp runner an entry is its prefix's cells saved to host memory, and a lookup
-writes them back into a new row (`clover.runners.llamacpp`). At least one prompt token is always left to prefill
-(its logits start decoding).
+**Stored as shared blocks.** Where the runner's cache can be cut into blocks of KV (`kv_block`: the torch
+runner), an entry is a chain of `grid`-token blocks that entries share (`clover.serving.prefix_blocks`): an agent's
+next turn stores only its new blocks, and conversations of one API key that start with the same system prompt and
+tools hold that start once. A lookup assembles the request's own contiguous KV from the blocks (one copy: the
+request's buffers are allocated once at about their final size, `CloverCache.expect`, and grow only past it).
+Elsewhere (the llama.cpp runner: an entry is its prefix's cells saved to host memory, written back into a new row
+on a lookup) an entry is the runner's own copy (`prefix(length, snapshot, copy=True)`). At least one prompt token
+is always left to prefill (its logits start decoding).
 
-**Budget.** `budget_bytes` of KV and snapshots (storage shared between entries counted once where the runner can
-tell); least recently used entries are evicted first. The snapshots a prefill in flight has taken count too
-(`hold`): a long prompt on a hybrid model snapshots every grid point on its way (a 32k-token prompt at a 256-token
-grid, 128 of them: ~8 GB on the 35B preset), and they live until its prefill ends. Stored entries make room for
-them, and the prefill keeps at most a budget's worth (`SnapshotBudget`: it thins its earlier snapshots to every
-other one when the next would not fit, always keeping the newest). One scheduler thread owns the store: it is not
-thread-safe.
+**Budget.** `budget_bytes` of KV blocks and snapshots, each storage counted once however many entries hold it
+(`storages`): everything the store holds. Over budget, the least recently used entry gives memory back leaves
+first: a block chain is cut back to its previous resumable point, one point at a time, so its start (the system
+prompt and tools the next conversation may send again) goes last; an entry that cannot be cut is dropped whole.
+The snapshots a prefill in flight has taken count too (`hold`): a long prompt on a hybrid model snapshots every
+grid point on its way (a 32k-token prompt at a 256-token grid, 128 of them: ~8 GB on the 35B preset), and they
+live until its prefill ends. Stored entries make room for them, and the prefill keeps at most a budget's worth
+(`SnapshotBudget`: it thins its earlier snapshots to every other one when the next would not fit, always keeping
+the newest). One scheduler thread owns the store: it is not thread-safe.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from dataclasses import dataclass, field
 from typing import Any, Hashable
 
 from clover.runners.base import RunnerCache, StoredPrefix
+from clover.serving.prefix_blocks import BlockTable
 
 logger = logging.getLogger(__name__)
 
@@ -72,8 +75,8 @@ class _Entry:
 
 @dataclass
 class Reuse:
-    """A prefix found in the store: `length` prompt tokens already in `cache` (sharing the entry's tensors,
-    which the request never writes into: see the module docstring)."""
+    """A prefix found in the store: `length` prompt tokens already in `cache` (the request's own copy of the
+    entry's blocks, or the runner's new row: see the module docstring)."""
 
     length: int
     cache: RunnerCache
@@ -87,7 +90,8 @@ class PrefixCacheStats:
     queried_tokens: int = 0
     hit_tokens: int = 0
     inserts: int = 0
-    evictions: int = 0
+    evictions: int = 0  # entries dropped
+    cuts: int = 0  # entries cut back to an earlier point (their last blocks freed)
 
 
 class PrefixCache:
@@ -100,6 +104,7 @@ class PrefixCache:
         self.grid, self.budget_bytes, self.recurrent, self.snapshot_interval = grid, budget_bytes, recurrent, interval
         self.entries: OrderedDict[int, _Entry] = OrderedDict()  # LRU order: oldest first
         self.index: dict[int, dict[int, _Entry]] = {}  # chain hash at a resumable point -> entries
+        self.blocks = BlockTable()  # the KV blocks that entries' chains share (caches with `kv_block`)
         self.stats = PrefixCacheStats()
         self.memory_bytes = 0
         self.in_flight_bytes = 0  # snapshots held by prefills in flight (`hold`), not stored yet
@@ -158,9 +163,19 @@ class PrefixCache:
                 return
             states = {**states, end: cache.snapshot()}
         kept = {p: s for p, s in states.items() if p <= end}
-        # KV kept apart from the request's (torch: an exact-size copy); the state at `end` is the snapshot itself
-        stored = cache.prefix(end, kept.get(end), copy=True)
-        entry = _Entry(tokens[:end], stored, kept, chain_hashes(tokens, self.grid, end, scope), scope)
+        hashes = chain_hashes(tokens, self.grid, end, scope)
+        # KV kept apart from the request's: shared blocks where the cache can be cut into them (the blocks this
+        # entry shares with stored ones are not copied again), else the runner's own copy; the state at `end` is
+        # the snapshot itself
+        if hasattr(cache, "kv_block"):
+            # room first for the blocks it copies: the store stays within its budget even while it copies them
+            fresh = self.blocks.new_bytes(cache, tokens, hashes, self.grid, end, scope)
+            self.hold(fresh)
+            stored = self.blocks.chain(cache, tokens, hashes, self.grid, end, scope)
+            self.in_flight_bytes -= fresh
+        else:
+            stored = cache.prefix(end, kept.get(end), copy=True)
+        entry = _Entry(tokens[:end], stored, kept, hashes, scope)
         # entries that this one extends are superseded: inherit their snapshots, drop them
         for k, h in enumerate(entry.hashes):
             for old in list(self.index.get(h, {}).values()):
@@ -180,33 +195,55 @@ class PrefixCache:
             self._evict()
 
     def _evict(self) -> None:
-        """Drop least recently used entries until within budget. One pass counts each storage's holders; an
-        eviction then subtracts the storages only it held (a recount per eviction would be quadratic)."""
+        """Free the least recently used entry's memory, its leaves first, until within budget: an entry stored as
+        a block chain is cut back to its previous resumable point, one at a time (its first blocks, a system
+        prompt and tools that the next conversation may share, go last); it is dropped when nothing is left to
+        cut, or when every storage it still holds is held by another entry too (cutting it frees nothing). One
+        pass counts each storage's holders; a cut or an eviction then subtracts the storages only it held (a
+        recount per step would be quadratic)."""
         holders: dict[int, int] = {}
         for entry in self.entries.values():
             for ptr in _storages(entry):
                 holders[ptr] = holders.get(ptr, 0) + 1
         while self.memory_bytes + self.in_flight_bytes > self.budget_bytes and self.entries:
-            for ptr, nbytes in _storages(self._evict_oldest()).items():
-                holders[ptr] -= 1
-                if not holders[ptr]:
-                    self.memory_bytes -= nbytes
+            entry = next(iter(self.entries.values()))
+            before = _storages(entry)
+            if hasattr(entry.cache, "trim") and len(entry.points) > 1 and any(holders[p] == 1 for p in before):
+                self._cut(entry, entry.points[-2])
+                after = _storages(entry)
+            else:
+                self._remove(entry)
+                self.stats.evictions += 1
+                after = {}
+            for ptr, nbytes in before.items():
+                if ptr not in after:
+                    holders[ptr] -= 1
+                    if not holders[ptr]:
+                        self.memory_bytes -= nbytes
 
-    def _evict_oldest(self) -> _Entry:
-        entry = next(iter(self.entries.values()))
-        self._remove(entry)
-        self.stats.evictions += 1
-        return entry
+    def _cut(self, entry: _Entry, end: int) -> None:
+        """Cut `entry` back to its resumable point `end` (its blocks, snapshots and index points past it go)."""
+        for p in entry.points:
+            if p > end:
+                self._unindex(entry, p)
+        entry.cache.trim(end)
+        entry.tokens, entry.hashes = entry.tokens[:end], entry.hashes[: end // self.grid]
+        entry.states = {p: s for p, s in entry.states.items() if p <= end}
+        entry.points = [p for p in entry.points if p <= end]
+        self.stats.cuts += 1
 
     def _remove(self, entry: _Entry) -> None:
         self.entries.pop(id(entry), None)
         for p in entry.points:
-            h = entry.hashes[p // self.grid - 1]
-            bucket = self.index.get(h)
-            if bucket is not None:
-                bucket.pop(id(entry), None)
-                if not bucket:
-                    del self.index[h]
+            self._unindex(entry, p)
+
+    def _unindex(self, entry: _Entry, point: int) -> None:
+        h = entry.hashes[point // self.grid - 1]
+        bucket = self.index.get(h)
+        if bucket is not None:
+            bucket.pop(id(entry), None)
+            if not bucket:
+                del self.index[h]
 
     def _recount(self) -> None:
         """Bytes of every tensor held, each storage once (snapshots are shared between entries)."""
@@ -218,6 +255,7 @@ class PrefixCache:
     def clear(self) -> None:
         self.entries.clear()
         self.index.clear()
+        self.blocks = BlockTable()
         self.memory_bytes = 0
 
 

@@ -243,6 +243,7 @@ class Scheduler:
         try:
             try:
                 self._make_engine(self.default_key)
+                release_free_heap()  # what loading and the cost calibration freed, before the first request
             finally:
                 self._started.set()
             while True:

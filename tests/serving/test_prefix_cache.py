@@ -126,8 +126,11 @@ def test_byte_budget_evicts_least_recently_used(models):
     assert store.lookup(caches[1][0] + [1]) is None
     assert store.lookup(caches[0][0] + [1]) is not None and store.lookup(caches[2][0] + [1]) is not None
     tiny = PrefixCache(GRID, size - 1, recurrent=False)
-    tiny.insert(*caches[0], {})
-    assert not tiny.entries and tiny.memory_bytes == 0
+    tiny.insert(*caches[0], {})  # 2 blocks over a budget of less: its first block is kept
+    assert tiny.memory_bytes == size // 2 and next(iter(tiny.entries.values())).tokens == caches[0][0][:GRID]
+    tinier = PrefixCache(GRID, size // 2 - 1, recurrent=False)
+    tinier.insert(*caches[0], {})
+    assert not tinier.entries and tinier.memory_bytes == 0
 
 
 def test_hybrid_cache_cannot_be_cut_without_a_snapshot(models):
