@@ -584,6 +584,17 @@ def same_answers(results: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def against_llama_server(results: list[dict[str, Any]]) -> list[str]:
+    """Each other system's peak resident memory and task time as multiples of llama-server's (`llamacpp-server`,
+    the anchor), measured in the same run; none without it."""
+    anchor = next((r["summary"] for r in results if r["system"] == "llamacpp-server"), None)
+    if anchor is None or not anchor["peak_rss_mib"] or not anchor["task_time_s"]:
+        return []
+    return [f"`{r['system']}` against llama-server: peak RSS {r['summary']['peak_rss_mib'] / anchor['peak_rss_mib']:.2f}x"
+            f", task time {r['summary']['task_time_s'] / anchor['task_time_s']:.2f}x."
+            for r in results if r["system"] != "llamacpp-server" and r["summary"]["peak_rss_mib"]]
+
+
 def markdown(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     lines = [f"# bench_agent: {meta['category']}, {meta['tasks']} tasks", "",
              f"Command: `{meta['command']}`  ", f"Machine: {meta['machine']}", "",
@@ -604,6 +615,7 @@ def markdown(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     lines += ["", "TTFT: medians, streamed (first: each task's first request, its whole prompt cold; later: every "
               "other request). Per-task results: the JSON beside this file."]
     lines += [f"llama.cpp: {build} (xllamacpp {version})." for build, version in builds]
+    lines += against_llama_server(results)
     lines += same_answers(results)
     return "\n".join(lines) + "\n"
 

@@ -194,3 +194,15 @@ def test_clover_on_the_llamacpp_runner_serves_the_llama_server_systems_file():
     argv = bench.SYSTEMS["clover-llamacpp"].argv(9000, args)
     assert argv[argv.index("--model") + 1] == "/other.gguf"
     assert bench.parse_args(["--gguf-quant", "q4_0"]).gguf_quant == "q4_0"
+
+
+def test_the_report_gives_peak_memory_and_task_time_against_llama_server():
+    def result(system, peak, wall):
+        summary = bench.summarize([{"passed": False, "wall_s": wall, "steps": []}], peak)
+        return {"system": system, "describe": system, "summary": summary}
+
+    results = [result("clover", 1200.0, 400.0), result("llamacpp-server", 960.0, 800.0)]
+    assert bench.against_llama_server(results) == [
+        "`clover` against llama-server: peak RSS 1.25x, task time 0.50x."]
+    assert "peak RSS 1.25x" in bench.markdown(results, {"category": "c", "tasks": 1, "command": "x", "machine": "m"})
+    assert bench.against_llama_server(results[:1]) == []
