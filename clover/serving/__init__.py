@@ -7,7 +7,7 @@ Roles: `protocol` (request models, error format), `app` (routes), `served_model`
 request flow), `openai_format` (response bodies, SSE), `middleware` (request ids, auth, errors), `request_context`
 (the calling key and request id), `scheduler` (the batch's background thread), `scheduler_policy` (admit / join /
 step / drop), `handles` (asyncio side), `heap` (free heap memory given back when idle), `prefix_cache` (reused
-prompt prefixes), `draft_memories` (whose answers draft whose), `structured` (response_format by decision mode),
+prompt prefixes), `prefix_blocks` (the KV blocks its entries share), `draft_memories` (whose answers draft whose), `structured` (response_format by decision mode),
 `grammar_route` (response_format and forced tool calls by grammar), `responses` / `responses_protocol` /
 `responses_format` / `response_store` (the Responses API over the chat flow), `metrics` (Prometheus),
 `request_log` (--record-requests), `vllm` (Clover checkpoints on vLLM's server); reasoning / tool calls are parsed
