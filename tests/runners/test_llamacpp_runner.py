@@ -118,6 +118,39 @@ def test_rewound_drafts_leave_no_trace(pair):
     torch.testing.assert_close(a, b, atol=1e-4, rtol=0)  # the same cells, maybe summed in another order
 
 
+def test_new_cells_carry_every_id_of_the_slot_with_few_copies(pair, monkeypatch):
+    """A forward's clean cells end up carrying every sequence id of the row's slot (history for any later group),
+    the ids no token of the decode attends with written at once: one causal token needs no `llama_memory_seq_cp`
+    (it took one a slot id, 16, per generated token), a verification of 3 causal tokens two."""
+    _, runner = pair
+    cache = runner.new_cache(1)
+    prompt = torch.tensor([PROMPTS[2]])
+    runner.forward(prompt, 1, cache=cache, prefix_len=prompt.shape[1], logits_to_keep=0)
+    lib, copies = runner._lib, []
+    monkeypatch.setattr(runner, "_lib", type("Counting", (), {"__getattr__": lambda _, name: getattr(lib, name),
+                                                              "llama_memory_seq_cp": lambda _, *a: copies.append(a)
+                                                              or lib.llama_memory_seq_cp(*a)})())
+    runner.forward(torch.tensor([[5]]), 1, cache=cache, prefix_len=1, logits_to_keep=0)
+    assert copies == []
+    runner.forward(torch.tensor([[6, 7, 8]]), 1, cache=cache, prefix_len=3, logits_to_keep=0)
+    assert len(copies) == 2
+    end = cache.lengths[0]
+    for s in runner._ids(cache.slots[0]):
+        assert lib.llama_memory_seq_pos_max(runner._memory, s) == end - 1
+    cache.release()
+
+
+def test_flash_attention_is_on_with_an_f16_kv_cache_only(pair):
+    """llama.cpp's flash attention (llama-server's CPU default) runs with an f16 KV cache, which rounds K and V
+    through f16 anyway; at f32 the plain path keeps the tests' exactness. Its choice keys the cost table."""
+    from clover.runners.llamacpp import flash_attention
+
+    _, runner = pair
+    assert (flash_attention("f16", None), flash_attention("f32", None)) == (True, False)
+    assert flash_attention("f32", True) and not flash_attention("f16", False)
+    assert runner.kernel_options == {"kv_type": "f32", "flash_attn": False}
+
+
 def test_continuous_batching_joins_and_drops(pair):
     """Requests prefilled alone join a running batch at block boundaries and one is cancelled mid-run; each
     gets exactly what the torch runner gives it alone."""
