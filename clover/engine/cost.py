@@ -157,9 +157,12 @@ def fingerprint(runner: Any) -> dict[str, Any]:
         weights = {"dtype": str(next(model.parameters()).dtype), "quantization": getattr(model, "quantization", None)}
         if weights["quantization"] is not None:  # packed weights run on Clover's own kernels, as built and run now
             weights["kernels"] = [woq.kernel_tag(), woq.has_vnni()]
-    return {"runner": runner.name, "model_shape": _digest(config), "weights": _digest(weights),
-            "device": str(runner.device), "threads": getattr(runner, "threads", None) or torch.get_num_threads(),
-            "torch": torch.__version__, "cpu": processor_name()}
+    found = {"runner": runner.name, "model_shape": _digest(config), "weights": _digest(weights),
+             "device": str(runner.device), "threads": getattr(runner, "threads", None) or torch.get_num_threads(),
+             "torch": torch.__version__, "cpu": processor_name()}
+    if getattr(runner, "kernel_options", None):  # a runner's own kernel choices (llama.cpp's flash attention)
+        found["kernel_options"] = runner.kernel_options
+    return found
 
 
 def _digest(value: Any) -> str:

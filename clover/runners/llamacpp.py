@@ -15,12 +15,14 @@ all the ids given. A forward of Clover's layout (`clover.runners.base`) then tak
 row of the batch owns a slot of `K = max_block_size + 1` ids `s_0 … s_{K-2}, q`; its history cells carry them all;
 
 * clean token in group `g` (a causal token is a group of its own, a committed block one group) is written with
-  ids `[q, s_{G-1}, …, s_g]`: it sees the history and the groups up to its own (causal between groups, both
-  directions inside a block), and is seen by later groups and by the query;
+  ids `[q, s_{K-2}, …, s_g]`: it sees the history and the groups up to its own (causal between groups, both
+  directions inside a block), and is seen by later groups and by the query (no token of the decode attends with
+  an id past the last group's, `s_{G-1}`, so those are written at once);
 * query token: `[q]` only: it sees the history, every clean token and its whole block, and nobody sees it.
 
-After the decode the query cells are removed (`llama_memory_seq_rm`) and the new clean cells get the slot's
-other ids (`llama_memory_seq_cp`), so they are history for the next forward. A causal run longer than the slot
+After the decode the query cells are removed (`llama_memory_seq_rm`) and the new clean cells get the ids before
+their group's (`llama_memory_seq_cp`, `G - 1` calls: none for one causal token), so they are history for the next
+forward. A causal run longer than the slot
 (a prompt) is decoded first with causal attention on. Exact mode's rewind removes the rejected cells. Rows are
 independent sequences, so batches need no padding: each row's positions are its own, and a forward whose rows do
 not fit one decode is split between rows. A query block costs no sequence ids, so it may be longer than
@@ -180,8 +182,9 @@ class LlamaCppRunner:
     `n_ctx`: KV cells shared by all rows (default `max_rows * max_position_embeddings`, at most 16384); one row
     may hold `max_context = min(max_position_embeddings, n_ctx)` positions;
     `max_block_size`: the largest block size an engine may use with it (default: 16, or the model's block size if
-    larger); `kv_type`: "f16" (llama.cpp's default) or "f32"; `flash_attn`: llama.cpp's flash attention (off by
-    default: on a CPU it rounds through f16)."""
+    larger); `kv_type`: "f16" (llama.cpp's default) or "f32"; `flash_attn`: llama.cpp's flash attention (None:
+    on with an f16 KV cache, as llama-server's `auto` turns it on for a CPU, off with f32, where the plain path
+    keeps the exactness the tests check; `flash_attention` says why)."""
 
     name = "llamacpp"
     cache_class = LlamaCppCache
@@ -189,7 +192,7 @@ class LlamaCppRunner:
 
     def __init__(self, path: str | Path, *, threads: int | None = None, max_rows: int | None = 8,
                  n_ctx: int | None = None, max_block_size: int | None = None, kv_type: str = "f16",
-                 flash_attn: bool = False, verbose: bool = False) -> None:
+                 flash_attn: bool | None = None, verbose: bool = False) -> None:
         lib = llama_api.load()
         self.path = Path(path)
         if not self.path.is_file():
@@ -244,7 +247,7 @@ class LlamaCppRunner:
             raise RuntimeError(f"llama.cpp could not load {self.path}")
         self.n_vocab = lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(self._model))
 
-    def _open_context(self, n_seq_max: int, kv_type: str, flash_attn: bool, n_rs_seq: int = 0) -> None:
+    def _open_context(self, n_seq_max: int, kv_type: str, flash_attn: bool | None, n_rs_seq: int = 0) -> None:
         """The context (`n_ctx` cells, `n_batch` a ubatch, one KV cache all sequences share; `n_rs_seq` recurrent-
         state snapshots per sequence, for a hybrid model's rollback), its memory and a batch whose tokens may
         carry `ids_per_slot` sequence ids."""
@@ -254,11 +257,10 @@ class LlamaCppRunner:
         ctx_params.n_seq_max, ctx_params.n_rs_seq = n_seq_max, n_rs_seq
         ctx_params.kv_unified = True
         ctx_params.n_threads = ctx_params.n_threads_batch = self.threads
+        self.kernel_options = {"kv_type": kv_type, "flash_attn": flash_attention(kv_type, flash_attn)}  # cost key
         kv = llama_api.GGML_TYPE_F32 if kv_type == "f32" else llama_api.GGML_TYPE_F16
         ctx_params.type_k = ctx_params.type_v = kv
-        # llama.cpp's CPU flash attention rounds through f16 (logits ~1e-2 off at f32, enough to flip near ties
-        # between batch layouts); the plain path matches the torch runner to ~1e-5 at f32
-        ctx_params.flash_attn_type = (llama_api.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn
+        ctx_params.flash_attn_type = (llama_api.LLAMA_FLASH_ATTN_TYPE_ENABLED if self.kernel_options["flash_attn"]
                                       else llama_api.LLAMA_FLASH_ATTN_TYPE_DISABLED)
         self._ctx = lib.llama_init_from_model(self._model, ctx_params)
         if not self._ctx:
@@ -453,10 +455,10 @@ class LlamaCppRunner:
         for r, row in enumerate(rows):
             ids, own = slot_ids[r], []
             q, position = ids[-1], cache.lengths[r]
-            if row.clean:
-                last = row.clean[-1][2]
+            if row.clean:  # group g written with [q, s_{K-2} .. s_g]: ids past the last group are seen by no
+                # token of this decode, so they are written now rather than copied after it
                 for t, c, g in row.clean:
-                    own.append((r, c, t, position, [q] + ids[g:last + 1][::-1], c in row.want))
+                    own.append((r, c, t, position, [q] + ids[g:-1][::-1], c in row.want))
                     position += 1
             for t, c in row.query:
                 own.append((r, c, t, position, [q], c in row.want))
@@ -475,9 +477,11 @@ class LlamaCppRunner:
             ids = slot_ids[r]
             if row.query:
                 self._lib.llama_memory_seq_rm(self._memory, ids[-1], cache.lengths[r], -1)
-            if row.clean:  # the new cells join the history: every id of the slot sees them from now on
-                for s in ids[:-1]:
-                    self._lib.llama_memory_seq_cp(self._memory, ids[-1], s, starts[r], cache.lengths[r])
+            if row.clean:  # the new cells join the history: every id of the slot sees them from now on (they all
+                # carry the last group's id; the ids before it are added: none for a single causal token)
+                last = row.clean[-1][2]
+                for s in ids[:last]:
+                    self._lib.llama_memory_seq_cp(self._memory, ids[last], s, starts[r], cache.lengths[r])
         return outputs
 
     def _decode(self, items: list[tuple[int, int, int, int, list[int], bool]],
@@ -504,6 +508,19 @@ class LlamaCppRunner:
         if self.config.vocab_size > self.n_vocab:  # a plain GGUF's mask id, past its vocabulary (llamacpp_plain)
             out = torch.nn.functional.pad(out, (0, self.config.vocab_size - self.n_vocab), value=float("-inf"))
         return {rc: out[i] for i, rc in enumerate(wanted)}
+
+
+def flash_attention(kv_type: str, asked: bool | None) -> bool:
+    """Whether a context uses llama.cpp's flash attention: as `asked`, else (None) with an f16 KV cache only.
+
+    Why on with f16: its CPU kernel works query row by query row, so a position's logits are the same bits decoded
+    alone or inside a verification of several tokens, and exact mode's answers on a quantised file are block size
+    1's (with the plain path they differ by up to ~0.9 on clover-smol's q4_0 and q8_0 exports, and part from block
+    size 1's after some tokens: docs/gguf.md); it is also one fused op per layer where the plain path is six (each
+    a barrier of the CPU threads), and what llama-server's `auto` picks on a CPU. It rounds q and the running
+    output through f16, so at f32 (kv_type "f32", where the tests compare the runner with the torch runner at
+    ~1e-5) it stays off: the plain path keeps f32 throughout."""
+    return asked if asked is not None else kv_type == "f16"
 
 
 def _sha256(path: Path) -> str:

@@ -152,7 +152,7 @@ class HybridLlamaCppRunner(LlamaCppRunner):
 
     def __init__(self, path: str | Path, *, threads: int | None = None, max_rows: int | None = 8,
                  n_ctx: int | None = None, max_block_size: int | None = None, kv_type: str = "f16",
-                 flash_attn: bool = False, verbose: bool = False, rollback: int = ROLLBACK) -> None:
+                 flash_attn: bool | None = None, verbose: bool = False, rollback: int = ROLLBACK) -> None:
         lib = llama_api.load()
         self.path = Path(path)
         if not self.path.is_file():

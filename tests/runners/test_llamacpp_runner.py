@@ -118,6 +118,76 @@ def test_rewound_drafts_leave_no_trace(pair):
     torch.testing.assert_close(a, b, atol=1e-4, rtol=0)  # the same cells, maybe summed in another order
 
 
+def test_new_cells_carry_every_id_of_the_slot_with_few_copies(pair, monkeypatch):
+    """A forward's clean cells end up carrying every sequence id of the row's slot (history for any later group),
+    the ids no token of the decode attends with written at once: one causal token needs no `llama_memory_seq_cp`
+    (it took one a slot id, 16, per generated token), a verification of 3 causal tokens two."""
+    _, runner = pair
+    cache = runner.new_cache(1)
+    prompt = torch.tensor([PROMPTS[2]])
+    runner.forward(prompt, 1, cache=cache, prefix_len=prompt.shape[1], logits_to_keep=0)
+    lib, copies = runner._lib, []
+    monkeypatch.setattr(runner, "_lib", type("Counting", (), {"__getattr__": lambda _, name: getattr(lib, name),
+                                                              "llama_memory_seq_cp": lambda _, *a: copies.append(a)
+                                                              or lib.llama_memory_seq_cp(*a)})())
+    runner.forward(torch.tensor([[5]]), 1, cache=cache, prefix_len=1, logits_to_keep=0)
+    assert copies == []
+    runner.forward(torch.tensor([[6, 7, 8]]), 1, cache=cache, prefix_len=3, logits_to_keep=0)
+    assert len(copies) == 2
+    end = cache.lengths[0]
+    for s in runner._ids(cache.slots[0]):
+        assert lib.llama_memory_seq_pos_max(runner._memory, s) == end - 1
+    cache.release()
+
+
+def test_flash_attention_is_on_with_an_f16_kv_cache_only(pair):
+    """llama.cpp's flash attention (llama-server's CPU default) runs with an f16 KV cache, which rounds K and V
+    through f16 anyway; at f32 the plain path keeps the tests' exactness. Its choice keys the cost table."""
+    from clover.runners.llamacpp import flash_attention
+
+    _, runner = pair
+    assert (flash_attention("f16", None), flash_attention("f32", None)) == (True, False)
+    assert flash_attention("f32", True) and not flash_attention("f16", False)
+    assert runner.kernel_options == {"kv_type": "f32", "flash_attn": False}
+
+
+@pytest.fixture(scope="module")
+def quantised(tmp_path_factory, chat_tokenizer) -> LlamaCppRunner:
+    """The runner as users run it: a q8_0 export, llama.cpp's default f16 KV cache (so flash attention on)."""
+    directory = tmp_path_factory.mktemp("runner-q8_0")
+    checkpoint = build_checkpoint(directory / "model", chat_tokenizer, block_size=4, context_reading="causal")
+    return LlamaCppRunner(export_gguf(checkpoint, directory / "model.gguf", "q8_0"), threads=1, max_rows=4,
+                          max_block_size=8)
+
+
+def test_quantised_logits_do_not_depend_on_the_batch(quantised):
+    """With flash attention a position's logits are the same bits decoded alone or inside a verification of
+    several tokens (its CPU kernel works query row by query row), which is what makes exact mode equal block size 1
+    on a quantised file. (The plain path is batch-dependent on clover-smol's exports, up to ~0.9 apart on q4_0 and
+    q8_0 with 2 threads, though not on this tiny model: docs/gguf.md.)"""
+    runner, tokens = quantised, [7, 11, 13, 17, 19]
+    prompt = torch.tensor([PROMPTS[2]])
+    alone, batched = runner.new_cache(1), runner.new_cache(1)
+    for cache in (alone, batched):
+        runner.forward(prompt, 1, cache=cache, prefix_len=prompt.shape[1], logits_to_keep=0)
+    one = torch.ones(1, 1, dtype=torch.bool)
+    want = torch.cat([runner.forward(torch.tensor([[t]]), 1, cache=alone, prefix_len=1, logits_at=one)
+                      for t in tokens])
+    got = runner.forward(torch.tensor([tokens]), 1, cache=batched, prefix_len=len(tokens),
+                         logits_at=torch.ones(1, len(tokens), dtype=torch.bool))
+    assert torch.equal(got, want)
+    alone.release(), batched.release()
+
+
+@pytest.mark.parametrize("options", [{"adaptive": False}, None])
+def test_quantised_exact_mode_is_block_size_1(quantised, options):
+    """Exact mode on a q8_0 file with an f16 KV cache gives block size 1's tokens, a batch of prompts at once,
+    drafting the whole block every forward or as the cost table sizes it."""
+    want = generate(quantised, PROMPTS, MAX_NEW, block_size=1, rule="threshold")
+    got = generate(quantised, PROMPTS, MAX_NEW, block_size=4, rule="exact", rule_options=options)
+    assert got.sequences == want.sequences
+
+
 def test_continuous_batching_joins_and_drops(pair):
     """Requests prefilled alone join a running batch at block boundaries and one is cancelled mid-run; each
     gets exactly what the torch runner gives it alone."""
