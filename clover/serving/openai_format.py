@@ -4,7 +4,8 @@ Committed blocks arrive per choice (`Output`); `ChoiceText` detokenises them inc
 until they cannot match), `ChatChoice` also splits reasoning, content and tool calls (`OutputParser`), the same
 way for streamed and whole responses. A streamed tool call goes out as it is written, in OpenAI's chunks: one
 with its `index`, `id`, `type` and `function.name` (`arguments: ""`), then its `function.arguments` fragments;
-a block that finishes one call and starts others sends each call's chunks whole and in order. The request flow that feeds them is `served_model.py`'s.
+a block that finishes one call and starts others sends each call's chunks whole and in order. The request flows
+that feed them are `chat.py`'s and `completions.py`'s.
 """
 
 from __future__ import annotations
