@@ -36,10 +36,11 @@ class RequestHandle:
     An engine failure arrives as the exception itself, and cancels the request's other choices first (a failed
     choice fails the request: its siblings must not decode on, holding slots). `cancel()` (e.g. when the client
     disconnects) frees the request's slots at the scheduler's next iteration. The scheduler hands it the `Outbox`
-    its thread delivers through and the callable that cancels (knowing neither the scheduler nor its policy)."""
+    its thread delivers through and the callable that cancels by its id (knowing neither the scheduler nor its
+    policy)."""
 
     def __init__(self, request_id: int, n: int, loop: asyncio.AbstractEventLoop, outbox: Outbox,
-                 cancel: Callable[[RequestHandle], None]) -> None:
+                 cancel: Callable[[int], None]) -> None:
         self.id, self.n, self.loop = request_id, n, loop
         self.outbox, self._cancel = outbox, cancel
         self.queue: asyncio.Queue[Output | BaseException] = asyncio.Queue()
@@ -53,7 +54,7 @@ class RequestHandle:
     def cancel(self) -> None:
         if not self.done:
             self.done = True
-            self._cancel(self)
+            self._cancel(self.id)
 
     async def __aiter__(self) -> AsyncIterator[Output]:
         while self.remaining:
