@@ -59,7 +59,7 @@ async def create_chat_completion(server: ServedModel, req: ChatCompletionRequest
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return StreamingResponse(chat_stream(handle, choices, rid, created, name, run.prompt_tokens, include_usage,
                                              texts, raw), media_type="text/event-stream")
-    await server.collect(request, handle, lambda _, out: choices[out.choice].push_output(out))
+    await server.collect(request, handle, lambda _, piece: choices[handle.choice(piece)].push_output(piece))
     logprobs = [chat_logprobs(c.logprobs, texts, raw) for c in choices] if req.logprobs else None
     return JSONResponse(chat_body(rid, created, name, choices, usage(run.prompt_tokens, sum(c.tokens for c in choices),
                                                                      max(handle.cached_tokens)), logprobs))

@@ -16,7 +16,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from clover.engine.logprobs import PromptScoring, TokenLogprob, banned_ids
-from clover.serving.handles import Output, RequestHandle
+from clover.engine.loop import StreamPiece
+from clover.serving.handles import RequestHandle
 from clover.serving.openai_format import ChoiceText, completion_body, completion_logprobs, completion_stream, usage
 from clover.serving.protocol import APIError, CompletionRequest
 from clover.serving.request_context import REQUEST_ID, internal_error, unavailable
@@ -61,9 +62,9 @@ async def create_completion(server: ServedModel, req: CompletionRequest, request
                                                    include_usage, token_texts, echoed),
                                  media_type="text/event-stream")
 
-    def take(i: int, out: Output) -> None:
-        k = i * req.n + out.choice
-        texts[k] += choices[k].push(out)
+    def take(i: int, piece: StreamPiece) -> None:
+        k = i * req.n + handles[i].choice(piece)
+        texts[k] += choices[k].push(piece)
 
     await server.collect(request, handles, take)
     logprobs = None

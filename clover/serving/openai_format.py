@@ -1,6 +1,6 @@
 """OpenAI's response formats: chat and text completion bodies, their streamed (SSE) chunks, usage.
 
-Committed blocks arrive per choice (`Output`); `ChoiceText` detokenises them incrementally (stop strings held back
+Committed blocks arrive per choice (the engine's `StreamPiece`); `ChoiceText` detokenises them incrementally (stop strings held back
 until they cannot match), `ChatChoice` also splits reasoning, content and tool calls (`OutputParser`), the same
 way for streamed and whole responses. A streamed tool call goes out as it is written, in OpenAI's chunks: one
 with its `index`, `id`, `type` and `function.name` (`arguments: ""`), then its `function.arguments` fragments;
@@ -16,13 +16,14 @@ import uuid
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Sequence
 
 from clover.engine import StopAwareDetokenizer
-from clover.serving.handles import Output, RequestHandle, merge
+from clover.serving.handles import RequestHandle, merge
 from clover.assistant_output import OutputDelta, OutputParser
 from clover.tool_formats import HERMES, CallDelta, ToolFormat
 from clover.serving.request_context import REQUEST_ID, request_failure
 
 if TYPE_CHECKING:
     from clover.engine.logprobs import TokenLogprob
+    from clover.engine.loop import StreamPiece
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +47,7 @@ class ChoiceText:
         self.token_ids: list[int] = []  # kept with `logprobs`, when the request asked for them
         self.logprobs: list[TokenLogprob] = []
 
-    def push(self, out: Output) -> str:
+    def push(self, out: StreamPiece) -> str:
         self.tokens += len(out.token_ids)
         if out.logprobs is not None:
             self.token_ids += out.token_ids
@@ -90,7 +91,7 @@ class ChatChoice(ChoiceText):
         self.reasoning += delta.reasoning
         return delta
 
-    def push_output(self, out: Output) -> OutputDelta:
+    def push_output(self, out: StreamPiece) -> OutputDelta:
         """What one committed block adds; at the end, a finished answer with tool calls has reason `tool_calls`.
         An answer the length limit ended inside a call keeps reason `length`, with the call as far as it got (in
         `cut_calls`); the text of a call block that names no call yet is dropped, never content (a forced call's
@@ -241,7 +242,8 @@ async def chat_stream(handle: RequestHandle, choices: list[ChatChoice], rid: str
         for i in range(len(choices)):
             yield chunk(i, {"role": "assistant", "content": ""})
         async for out in handle:
-            c = choices[out.choice]
+            index = handle.choice(out)
+            c = choices[index]
             delta = c.push_output(out)
             text: dict[str, Any] = {}
             if delta.reasoning:
@@ -250,12 +252,12 @@ async def chat_stream(handle: RequestHandle, choices: list[ChatChoice], rid: str
                 text["content"] = delta.content
             bodies = ([text] if text else []) + [{"tool_calls": [e]} for e in c.call_entries(delta.tool_calls)]
             if out.logprobs and texts is not None:  # a token's values come with the block that committed it
-                yield chunk(out.choice, bodies.pop(0) if bodies else {},
+                yield chunk(index, bodies.pop(0) if bodies else {},
                             extra={"logprobs": chat_logprobs(out.logprobs, texts, raw)})
             for body in bodies:
-                yield chunk(out.choice, body)
+                yield chunk(index, body)
             if out.finished:
-                yield chunk(out.choice, {}, c.finish_reason, c.extra)
+                yield chunk(index, {}, c.finish_reason, c.extra)
         if include_usage:
             yield sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
                        "choices": [], "usage": usage(prompt_tokens, sum(c.tokens for c in choices),
@@ -293,7 +295,7 @@ async def completion_stream(handles: list[RequestHandle], choices: list[ChoiceTe
             if text or lps:
                 yield chunk(k, text, extra=lps)
         async for i, out in merge(handles):
-            k = i * n + out.choice
+            k = i * n + handles[i].choice(out)
             text = choices[k].push(out)
             lps = values(k, out.token_ids, out.logprobs) if out.logprobs else {}
             if text or lps:

@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from clover.serving.chat import ChatRun, start_chat
 from clover.serving.grammar_route import route
-from clover.serving.handles import Output
+from clover.engine.loop import StreamPiece
 from clover.serving.protocol import APIError
 from clover.serving.request_context import CLIENT_KEY, REQUEST_ID, request_failure
 from clover.serving.responses_format import EventStream, OutputItems, usage
@@ -93,8 +93,8 @@ class ResponseAnswer:
         self.id, self.created = f"resp_{uuid.uuid4().hex}", int(time.time())
         self.store = req.store and server.stored.capacity > 0
 
-    def push(self, out: Output) -> list[dict[str, Any]]:
-        delta = self.choice.push_output(out)
+    def push(self, piece: StreamPiece) -> list[dict[str, Any]]:
+        delta = self.choice.push_output(piece)
         return self.items.push(delta, [c["id"] for c in self.choice.calls], self.choice.cut_calls)
 
     def finish(self) -> tuple[list[dict[str, Any]], dict[str, Any]]:

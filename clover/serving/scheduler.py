@@ -166,7 +166,8 @@ class Scheduler:
         if memory is not EngineMemory.OWN and engine.memory is not None:  # an engine that drafts from a memory at all
             for seq in seqs:
                 seq.memory = memory
-        handle = RequestHandle(next(self._ids), len(seqs), asyncio.get_running_loop(), self.outbox, self.cancel)
+        handle = RequestHandle(next(self._ids), [seq.seq_id for seq in seqs], asyncio.get_running_loop(), self.outbox,
+                               self.cancel)
         now = time.perf_counter()
         self._queue([Job(handle, choice, seq, key, now, engine, scope=scope) for choice, seq in enumerate(seqs)])
         return handle

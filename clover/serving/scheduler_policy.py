@@ -32,7 +32,7 @@ from clover.engine.decision import DecisionRun
 from clover.engine.logprobs import PromptScoring
 from clover.engine.engine import DecodeBatch, Prefill
 from clover.engine.request import Sequence
-from clover.serving.handles import Output, RequestHandle
+from clover.serving.handles import RequestHandle
 from clover.serving.metrics import ServerMetrics
 from clover.serving.request_log import RequestLog
 from clover.serving.prefix_cache import PrefixCache, SnapshotBudget
@@ -231,8 +231,7 @@ class SchedulePolicy:
                 job = self.jobs.get(piece.index)
                 if job is None:
                     continue
-                job.handle.deliver(Output(job.choice, piece.token_ids, piece.finished, piece.finish_reason,
-                                           piece.stats, piece.logprobs))
+                job.handle.deliver(piece)
                 if piece.finished:
                     self._finished(job, piece.stats or {})
 

@@ -20,12 +20,13 @@ from starlette.concurrency import run_in_threadpool
 
 from clover.choices import DRAFT_MEMORY_MODES, DRAFT_MEMORY_TOKENS
 from clover.engine import SamplingParams
+from clover.engine.loop import StreamPiece
 from clover.engine.thinking import ThinkingBudget
 from clover.model import CloverForBlockDiffusion
 from clover.runners.base import ModelRunner
 from clover.runners.torch_runner import as_runner
 from clover.serving.draft_memories import DraftMemories
-from clover.serving.handles import Output, RequestHandle, merge, until_disconnect
+from clover.serving.handles import RequestHandle, merge, until_disconnect
 from clover.serving.locked_tokenizer import LockedTokenizer
 from clover.serving.metrics import ServerMetrics
 from clover.serving.prefix_cache import PrefixCache
@@ -194,7 +195,7 @@ class ServedModel:
 
 
     async def collect(self, request: Request, handles: RequestHandle | list[RequestHandle],
-                      take: Callable[[int, Output], Any]) -> None:
+                      take: Callable[[int, StreamPiece], Any]) -> None:
         """Run a non-streamed request to the end (`take(handle index, output)` for each output), or cancel it
         when the client disconnects first."""
         handles = handles if isinstance(handles, list) else [handles]
