@@ -71,11 +71,11 @@ class Outbox:
         self.items.append((handle, item))
 
     def flush(self) -> None:
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestHandle, StreamPiece | BaseException]]] = {}
+        by_event_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestHandle, StreamPiece | BaseException]]] = {}
         for handle, item in self.items:
-            by_loop.setdefault(handle.event_loop, []).append((handle, item))
+            by_event_loop.setdefault(handle.event_loop, []).append((handle, item))
         self.items = []
-        for event_loop, items in by_loop.items():
+        for event_loop, items in by_event_loop.items():
             try:
                 event_loop.call_soon_threadsafe(_put_all, items)
             except RuntimeError:  # the event loop is gone (shutdown)

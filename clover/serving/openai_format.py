@@ -62,19 +62,19 @@ class ChoiceText:
 
 class ChatChoice(ChoiceText):
     """A chat choice: its text split into reasoning, content and tool calls (ids given here) as it arrives; a call
-    streams as it is written (`CallDelta`s), `calls` holds each call as it stands so far (OpenAI's form).
+    streams as it is written (`CallDelta`s), `tool_calls` holds each call as it stands so far (OpenAI's form).
     `forced`: the start of the answer the server wrote itself (a forced tool call), parsed but never sent as text;
     a call it starts goes out with the first block. `max_calls`: the calls kept (`parallel_tool_calls: false`:
     the first), None: all."""
 
     def __init__(self, decode: Callable[[list[int]], str], stops: tuple[str, ...], thinking: bool, tools: bool,
-                 forced: str, max_calls: int | None = None, fmt: ToolFormat = HERMES,
+                 forced: str, max_calls: int | None = None, tool_format: ToolFormat = HERMES,
                  schemas: dict[str, Any] | None = None) -> None:
         super().__init__(decode, stops)
-        self.parser = OutputParser(thinking, tools, fmt, schemas)
+        self.parser = OutputParser(thinking, tools, tool_format, schemas)
         self.max_calls = max_calls
         self.content, self.reasoning = "", ""
-        self.calls: list[dict[str, Any]] = []
+        self.tool_calls: list[dict[str, Any]] = []
         self.forced = bool(forced)
         self.cut_calls: set[int] = set()  # the calls the length limit cut (reported incomplete)
         self.opening = OutputDelta(tool_calls=self._take(self.parser.feed(forced)).tool_calls)
@@ -83,10 +83,10 @@ class ChatChoice(ChoiceText):
         delta.tool_calls = [d for d in delta.tool_calls if self.max_calls is None or d.index < self.max_calls]
         for d in delta.tool_calls:
             if d.name is not None:
-                assert d.index == len(self.calls), "calls start in index order"
-                self.calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                assert d.index == len(self.tool_calls), "calls start in index order"
+                self.tool_calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
                                    "function": {"name": d.name, "arguments": ""}})
-            self.calls[d.index]["function"]["arguments"] += d.arguments
+            self.tool_calls[d.index]["function"]["arguments"] += d.arguments
         self.content += delta.content
         self.reasoning += delta.reasoning
         return delta
@@ -104,8 +104,8 @@ class ChatChoice(ChoiceText):
             delta = delta + self.parser.finish(cut)
         delta, self.opening = self.opening + self._take(delta), OutputDelta()
         if first_open is not None:
-            self.cut_calls.update(range(first_open, len(self.calls)))
-        if self.finished and self.calls and self.finish_reason == "stop":
+            self.cut_calls.update(range(first_open, len(self.tool_calls)))
+        if self.finished and self.tool_calls and self.finish_reason == "stop":
             self.finish_reason = "tool_calls"
         return delta
 
@@ -116,7 +116,7 @@ class ChatChoice(ChoiceText):
         entries: list[dict[str, Any]] = []
         for d in deltas:
             if d.name is not None:
-                entries.append({"index": d.index, "id": self.calls[d.index]["id"], "type": "function",
+                entries.append({"index": d.index, "id": self.tool_calls[d.index]["id"], "type": "function",
                                 "function": {"name": d.name, "arguments": ""}})
             if not d.arguments:
                 continue
@@ -127,12 +127,12 @@ class ChatChoice(ChoiceText):
         return entries
 
     def message(self) -> dict[str, Any]:
-        msg: dict[str, Any] = {"role": "assistant", "content": self.content if self.content or not self.calls
+        msg: dict[str, Any] = {"role": "assistant", "content": self.content if self.content or not self.tool_calls
                                else None}
         if self.reasoning:
             msg["reasoning_content"] = self.reasoning
-        if self.calls:
-            msg["tool_calls"] = self.calls
+        if self.tool_calls:
+            msg["tool_calls"] = self.tool_calls
         return msg
 
 

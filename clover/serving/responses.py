@@ -95,7 +95,7 @@ class ResponseAnswer:
 
     def push(self, piece: StreamPiece) -> list[dict[str, Any]]:
         delta = self.choice.push_output(piece)
-        return self.items.push(delta, [c["id"] for c in self.choice.calls], self.choice.cut_calls)
+        return self.items.push(delta, [c["id"] for c in self.choice.tool_calls], self.choice.cut_calls)
 
     def finish(self) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         """(the events closing the output, the final body), the response stored when asked."""
@@ -112,7 +112,7 @@ class ResponseAnswer:
     def body(self, status: str, usage: dict[str, Any] | None = None,
              error: dict[str, Any] | None = None) -> dict[str, Any]:
         req, server = self.req, self.server
-        fmt = req.text_format()
+        text_format = req.text_format()
         choice = req.tool_choice or "auto"
         return {
             "id": self.id, "object": "response", "created_at": self.created, "status": status, "error": error,
@@ -124,7 +124,7 @@ class ResponseAnswer:
             "parallel_tool_calls": req.parallel_tool_calls is not False,
             "tool_choice": choice.model_dump() if isinstance(choice, ResponsesToolChoice) else choice,
             "tools": [t.model_dump(exclude_none=True) for t in req.tools],
-            "text": {"format": fmt.echo() if fmt is not None else {"type": "text"}},
+            "text": {"format": text_format.echo() if text_format is not None else {"type": "text"}},
             "reasoning": req.reasoning.model_dump() if req.reasoning is not None else None,
             "truncation": "disabled", "metadata": req.metadata or {}, "usage": usage,
         }

@@ -215,7 +215,7 @@ class Scheduler:
     def start(self) -> None:
         """Start the thread; it makes the default engine first (returns once made, raises what refused it)."""
         if self._thread is None:
-            self._thread = threading.Thread(target=self._loop, name="clover-scheduler", daemon=True)
+            self._thread = threading.Thread(target=self._serve, name="clover-scheduler", daemon=True)
             self._thread.start()
         self._started.wait()
         if self.error is not None:
@@ -232,8 +232,9 @@ class Scheduler:
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self.error is None
 
-    # -- the loop (scheduler thread) --------------------------------------------------------------------------
-    def _loop(self) -> None:
+    # -- the thread -------------------------------------------------------------------------------------------
+    def _serve(self) -> None:
+        """The thread's body: the default engine first, then iterations until stopped (or a bug kills it)."""
         try:
             try:
                 self._make_engine(self.default_key)
