@@ -65,18 +65,18 @@ class _Trimmed:
 
 class OutputParser:
     """Feed text deltas; get `OutputDelta`s. `thinking`: the prompt opened `<think>` (the output starts as
-    reasoning); `tools`: calls in `fmt` become tool calls (else they are plain content); `schemas` (tool name ->
+    reasoning); `tools`: calls in `tool_format` become tool calls (else they are plain content); `schemas` (tool name ->
     `parameters`) types the XML format's values. In a format whose calls are the whole answer (`llama3_json`), an
     answer that starts like a call goes to the format's parser whole: its calls, or content when it is none."""
 
-    def __init__(self, thinking: bool = False, tools: bool = False, fmt: ToolFormat = HERMES,
+    def __init__(self, thinking: bool = False, tools: bool = False, tool_format: ToolFormat = HERMES,
                  schemas: dict[str, Any] | None = None) -> None:
         self.mode = _REASONING if thinking else _CONTENT
         self.reasoning_seen = thinking
         self.tools = tools
-        self.fmt, self.schemas = fmt, schemas
+        self.tool_format, self.schemas = tool_format, schemas
         self.buf = ""
-        self.calls: CallParser | None = None  # the open call block's (or the answer's) parser
+        self.call_parser: CallParser | None = None  # the open call block's (or the answer's) parser
         self.next_index = 0  # the index of the next call
         self.content = _Trimmed()
         self.reasoning = _Trimmed()
@@ -84,7 +84,7 @@ class OutputParser:
     def _tags(self) -> list[str]:
         if self.mode == _REASONING:
             return [END_THINK]
-        return ([] if self.reasoning_seen else [THINK]) + ([CALL] if self.tools and self.fmt.wrapped else [])
+        return ([] if self.reasoning_seen else [THINK]) + ([CALL] if self.tools and self.tool_format.wrapped else [])
 
     def _emit(self, text: str, out: OutputDelta) -> None:
         if self.mode == _REASONING:
@@ -106,21 +106,21 @@ class OutputParser:
         self.buf += text
         while True:
             if self.mode == _WHOLE:
-                out.tool_calls += self._calls().feed(self.buf)
+                out.tool_calls += self._call_parser().feed(self.buf)
                 self.buf = ""
                 return out
             if self.mode == _CALL:
                 end = self.buf.find(END_CALL)
                 if end < 0:  # feed the block what cannot be the start of its end tag
                     keep = partial_tag(self.buf, [END_CALL])
-                    out.tool_calls += self._calls().feed(self.buf[: len(self.buf) - keep])
+                    out.tool_calls += self._call_parser().feed(self.buf[: len(self.buf) - keep])
                     self.buf = self.buf[len(self.buf) - keep:]
                     return out
                 body, self.buf = self.buf[:end], self.buf[end + len(END_CALL):]
-                out.tool_calls += self._calls().feed(body)
+                out.tool_calls += self._call_parser().feed(body)
                 self._close_calls(out, CALL, END_CALL)
                 continue
-            if (self.mode == _CONTENT and self.tools and not self.fmt.wrapped and not self.content.started
+            if (self.mode == _CONTENT and self.tools and not self.tool_format.wrapped and not self.content.started
                     and (THINK not in self.buf or self.reasoning_seen)):
                 starts = self._answer_is_call()
                 if starts is None:
@@ -145,10 +145,10 @@ class OutputParser:
             else:
                 self.mode = _CALL
 
-    def _calls(self) -> CallParser:
-        if self.calls is None:
-            self.calls = self.fmt.calls(self.schemas, self.next_index)
-        return self.calls
+    def _call_parser(self) -> CallParser:
+        if self.call_parser is None:
+            self.call_parser = self.tool_format.parser(self.schemas, self.next_index)
+        return self.call_parser
 
     @property
     def in_call(self) -> bool:
@@ -164,9 +164,9 @@ class OutputParser:
         """End the open call block (or answer): its last deltas, or its text as content (within its tags, as
         written) when it was no call; `cut`: the text ended inside it, and a block that is no call yet is
         dropped (a cut call is never content)."""
-        deltas, text = self._calls().close()
-        self.next_index = self._calls().next_index
-        self.calls, self.mode = None, _CONTENT
+        deltas, text = self._call_parser().close()
+        self.next_index = self._call_parser().next_index
+        self.call_parser, self.mode = None, _CONTENT
         out.tool_calls += deltas
         if text is not None and not cut:
             self._emit(opening + text + closing, out)
@@ -177,22 +177,23 @@ class OutputParser:
         out = OutputDelta()
         rest, self.buf = self.buf, ""
         if self.mode in (_WHOLE, _CALL):
-            out.tool_calls += self._calls().feed(rest)
+            out.tool_calls += self._call_parser().feed(rest)
             self._close_calls(out, CALL if self.mode == _CALL else "", cut=cut)
             return out
         self._emit(rest, out)
         return out
 
 
-def parse_assistant_output(text: str, thinking: bool | None = None, tools: bool = True, fmt: ToolFormat = HERMES,
-                           schemas: dict[str, Any] | None = None) -> tuple[str, str | None, list[dict[str, Any]]]:
+def parse_assistant_output(text: str, thinking: bool | None = None, tools: bool = True,
+                           tool_format: ToolFormat = HERMES, schemas: dict[str, Any] | None = None,
+                           ) -> tuple[str, str | None, list[dict[str, Any]]]:
     """The whole text at once: `(content, reasoning or None, tool calls)`, each call in OpenAI's form
     `{"id": "call_<i>", "type": "function", "function": {"name", "arguments": "<json>"}}`. `thinking` None: the
     text starts inside reasoning when it closes a `</think>` it did not open."""
     if thinking is None:
         end = text.find(END_THINK)
         thinking = end >= 0 and THINK not in text[:end]
-    parser = OutputParser(thinking, tools, fmt, schemas)
+    parser = OutputParser(thinking, tools, tool_format, schemas)
     delta = parser.feed(text) + parser.finish()
     calls = [{"id": f"call_{i}", "type": "function", "function": c} for i, c in enumerate(whole_calls(delta.tool_calls))]
     return delta.content, delta.reasoning or None, calls

@@ -46,7 +46,7 @@ def _typed(calls: list[tuple[str, dict]]) -> list[tuple[str, dict]]:
 
 
 def _parse(fmt: str, pieces: list[str]) -> tuple[str, list[tuple[str, dict]]]:
-    parser = OutputParser(tools=True, fmt=TOOL_FORMATS[fmt], schemas=SCHEMAS)
+    parser = OutputParser(tools=True, tool_format=TOOL_FORMATS[fmt], schemas=SCHEMAS)
     content, deltas = "", []
     for piece in pieces:
         d = parser.feed(piece)

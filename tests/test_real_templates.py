@@ -77,8 +77,8 @@ def test_a_call_the_template_renders_parses_back_typed(real_templates, pair, nam
     assert full.startswith(prompt)
     answer = full[len(prompt):]
     answer = answer[: min(answer.find(t) for t in END_OF_TURN if t in answer)]
-    content, _, calls = parse_assistant_output(answer, thinking=opens_reasoning(prompt), fmt=detect(template),
-                                               schemas=SCHEMAS)
+    content, _, calls = parse_assistant_output(answer, thinking=opens_reasoning(prompt),
+                                               tool_format=detect(template), schemas=SCHEMAS)
     assert content == ""
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == \
         [("get_weather", ARGS)]

@@ -169,7 +169,9 @@ class Engine:
         ids = range(len(prompts)) if ids is None else list(ids)
         if len(ids) != len(prompts):
             raise ValueError(f"got {len(ids)} ids for {len(prompts)} prompts")
-        params = [sampling] * len(prompts) if isinstance(sampling, SamplingParams) else list(sampling)
+        # each request's own seed, drawn now where it gave none: the sequence carries it (a record reproduces it)
+        params = [p.resolved() for p in ([sampling] * len(prompts) if isinstance(sampling, SamplingParams)
+                                         else list(sampling))]
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
         if not isinstance(max_new_tokens, numbers.Integral) or max_new_tokens < 1:

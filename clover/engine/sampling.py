@@ -33,7 +33,7 @@ same alone or in a batch, whatever the steps or drafts around them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Callable, Sequence
 
 import torch
@@ -118,6 +118,14 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    def resolved(self) -> SamplingParams:
+        """These parameters with the seed their noise is keyed by: a sampled request that gave none gets a fresh one
+        now (unseeded requests differ from run to run), kept with the request so that a record of it reproduces
+        its tokens; a greedy or seeded request is returned as it is."""
+        if self.greedy or self.seed is not None:
+            return self
+        return replace(self, seed=fresh_seed())
+
     @property
     def uses_dry(self) -> bool:
         return self.dry_multiplier > 0 and self.dry_penalty_last_n != 0
@@ -139,7 +147,7 @@ class BatchSampler:
                  breakers: Callable[[tuple[str, ...]], Breakers] | None = None) -> None:
         self.params = list(params)
         # per row: the seed its noise is keyed by (clover.engine.noise); None for greedy rows, which draw nothing
-        self.seeds = [None if p.greedy else fresh_seed() if p.seed is None else p.seed for p in self.params]
+        self.seeds = [None if p.greedy else p.resolved().seed for p in self.params]
         n = len(self.params)
         self.temperature = torch.tensor([p.temperature for p in self.params], device=device)
         self.top_p = torch.tensor([p.top_p for p in self.params], device=device)

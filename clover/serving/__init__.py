@@ -3,8 +3,9 @@
     from clover.serving import create_app, ServerOptions
     app = create_app("checkpoints/clover-smol", options=ServerOptions(api_key="secret"))
 
-Roles: `protocol` (request models, error format), `app` (routes), `served_model` (options, model and tokenizer,
-request flow), `openai_format` (response bodies, SSE), `middleware` (request ids, auth, errors), `request_context`
+Roles: `protocol` (request models, error format, request -> engine options), `app` (routes), `served_model`
+(options, model and scheduler, what the routes share), `locked_tokenizer` (the tokenizer behind a lock), `chat` /
+`completions` (each route's request flow), `openai_format` (response bodies, SSE), `middleware` (request ids, auth, errors), `request_context`
 (the calling key and request id), `scheduler` (the batch's background thread), `scheduler_policy` (admit / join /
 step / drop), `handles` (asyncio side), `heap` (free heap memory given back when idle), `prefix_cache` (reused
 prompt prefixes), `prefix_blocks` (the KV blocks its entries share), `draft_memories` (whose answers draft whose), `structured` (response_format by decision mode),

@@ -5,8 +5,8 @@
     uvicorn.run(app, host="127.0.0.1", port=8000)
 
 This module is the routes only. Each role has its module: `served_model.py` (options, the model, its tokenizer and
-scheduler, the request flow), `openai_format.py` (response bodies, SSE chunks), `responses.py` (the Responses API
-over the chat flow), `middleware.py` (request ids, auth, body limit, errors), `scheduler.py` /
+scheduler, what the routes share), `chat.py` / `completions.py` / `responses.py` (each route's request flow),
+`openai_format.py` (response bodies, SSE chunks), `middleware.py` (request ids, auth, body limit, errors), `scheduler.py` /
 `scheduler_policy.py` / `handles.py` (continuous batching).
 
 Every error is OpenAI's `{"error": {"message", "type", "param", "code"}}`, always with a code, and a 4xx status for
@@ -28,6 +28,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 from clover.runners.base import ModelRunner
+from clover.serving.chat import create_chat_completion
+from clover.serving.completions import create_completion
 from clover.serving.middleware import add_error_handling
 from clover.serving.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse
 from clover.serving.request_context import CLIENT_KEY
@@ -77,11 +79,11 @@ def create_app(model: torch.nn.Module | ModelRunner | str | Path, tokenizer: Any
 
     @app.post("/v1/chat/completions", responses=STREAMED)
     async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
-        return await server.chat(req, request)
+        return await create_chat_completion(server, req, request)
 
     @app.post("/v1/completions", responses=STREAMED)
     async def completions(req: CompletionRequest, request: Request) -> Response:
-        return await server.completion(req, request)
+        return await create_completion(server, req, request)
 
     @app.post("/v1/responses", responses=STREAMED)
     async def create(req: ResponsesRequest, request: Request) -> Response:

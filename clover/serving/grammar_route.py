@@ -49,33 +49,33 @@ def max_calls(req: ChatCompletionRequest) -> int | None:
     return 1 if req.parallel_tool_calls is False or isinstance(req.tool_choice, NamedToolChoice) else None
 
 
-def forced_start(req: ChatCompletionRequest, fmt: ToolFormat = HERMES) -> str:
-    """The start of the answer the prompt holds when a call is forced (`fmt`: the model's call format): the
+def forced_start(req: ChatCompletionRequest, tool_format: ToolFormat = HERMES) -> str:
+    """The start of the answer the prompt holds when a call is forced (`tool_format`: the model's call format): the
     call's opening (`<tool_call>\\n`), and for a named function its call up to the arguments; "" otherwise."""
     if not forces_call(req):
         return ""
     if isinstance(req.tool_choice, NamedToolChoice):
         name = req.tool_choice.function.name
-        return fmt.start + fmt.head.format(name=name if fmt.xml else json.dumps(name))
-    return fmt.start
+        return tool_format.start + tool_format.head.format(name=name if tool_format.xml else json.dumps(name))
+    return tool_format.start
 
 
 def route(req: ChatCompletionRequest) -> str | None:
     """"decision", "grammar" or None (free text) for a chat request."""
     if forces_call(req):
         return "grammar"  # the call alone, whatever response_format says
-    fmt = req.response_format
-    if fmt is not None and fmt.type == "json_schema":
+    response_format = req.response_format
+    if response_format is not None and response_format.type == "json_schema":
         if req.structured_mode == "decision":
             return "decision"  # decision mode refuses what it cannot serve, naming it
         if req.structured_mode is None and not offers_tools(req) and req.n == 1:
             try:
-                parse_form(fmt.json_schema.schema_)
+                parse_form(response_format.json_schema.schema_)
                 return "decision"
             except FormError:
                 pass
         return "grammar"
-    if fmt is not None and fmt.type == "json_object":
+    if response_format is not None and response_format.type == "json_object":
         return "grammar"
     return None
 
@@ -85,13 +85,13 @@ def grammar_param(req: ChatCompletionRequest) -> str:
     call them, else the response format's schema."""
     if offers_tools(req):
         return "tools"
-    fmt = req.response_format
-    return SCHEMA_PARAM if fmt is not None and fmt.type == "json_schema" else "response_format"
+    response_format = req.response_format
+    return SCHEMA_PARAM if response_format is not None and response_format.type == "json_schema" else "response_format"
 
 
-def request_grammar(req: ChatCompletionRequest, tokenizer: Any, fmt: ToolFormat = HERMES) -> Grammar:
+def request_grammar(req: ChatCompletionRequest, tokenizer: Any, tool_format: ToolFormat = HERMES) -> Grammar:
     """The grammar of a request that `route` sends here (the 400 naming the keyword when it cannot compile); calls
-    in `fmt`, the model's format."""
+    in `tool_format`, the model's format."""
     if req.logprobs:  # refused here, naming the field (the engine refuses it too, later and naming none)
         raise APIError(400, "logprobs cannot be combined with a grammar-constrained answer (tools with tool_choice "
                             "'required' or a function, or a response_format): the tokens a grammar forces are "
@@ -102,10 +102,11 @@ def request_grammar(req: ChatCompletionRequest, tokenizer: Any, fmt: ToolFormat 
     try:
         if isinstance(req.tool_choice, NamedToolChoice):  # the prompt holds the call up to its arguments
             return tool_call_grammar([t for t in tools if t.name == req.tool_choice.function.name], tokenizer,
-                                     tail=fmt.tail, xml=fmt.xml)
+                                     tail=tool_format.tail, xml=tool_format.xml)
         if req.tool_choice == "required":  # the prompt holds the call's opening
-            return tool_call_grammar(tools, tokenizer, head=fmt.head, tail=fmt.tail, xml=fmt.xml,
-                                     more=fmt.separator + fmt.start if parallel else None)
+            return tool_call_grammar(tools, tokenizer, head=tool_format.head, tail=tool_format.tail,
+                                     xml=tool_format.xml,
+                                     more=tool_format.separator + tool_format.start if parallel else None)
     except GrammarError as exc:
         raise APIError(400, f"tools: {exc}", param="tools", code="unsupported_schema") from exc
     answer = req.response_format
@@ -119,8 +120,9 @@ def request_grammar(req: ChatCompletionRequest, tokenizer: Any, fmt: ToolFormat 
     if not tools:
         return grammar
     try:  # tool_choice "auto": the call(s) or the answer; nothing is forced, so each call's `head` has its start
-        return tool_call_grammar(tools, tokenizer, head=fmt.start + fmt.head, tail=fmt.tail, xml=fmt.xml,
-                                 more=fmt.separator if parallel else None,
+        return tool_call_grammar(tools, tokenizer, head=tool_format.start + tool_format.head, tail=tool_format.tail,
+                                 xml=tool_format.xml,
+                                 more=tool_format.separator if parallel else None,
                                  json_answer=schema if schema is not None else {"type": "object"})
     except GrammarError as exc:
         raise APIError(400, f"tools: {exc}", param="tools", code="unsupported_schema") from exc

@@ -5,57 +5,48 @@ request's work is cancelled when its client disconnects (`until_disconnect`)."""
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, TypeVar
+from typing import AsyncIterator, Awaitable, Callable, Sequence as Seq, TypeVar
 
 from fastapi import Request
 
+from clover.engine.loop import StreamPiece
 from clover.serving.protocol import APIError
-
-if TYPE_CHECKING:
-    from clover.engine.logprobs import TokenLogprob
 
 T = TypeVar("T")
 
 
-@dataclass
-class Output:
-    """What one sequence (`choice`) produced when one of its blocks was committed."""
-
-    choice: int
-    token_ids: list[int]
-    finished: bool = False
-    finish_reason: str | None = None
-    stats: dict[str, Any] | None = None
-    logprobs: list[TokenLogprob] | None = None  # one per token of `token_ids`, when the request asked for them
-
-
 class RequestHandle:
-    """The asyncio side of a submitted request: iterate it for `Output`s of all its choices, in commit order.
+    """The asyncio side of a submitted request: iterate it for the engine's `StreamPiece`s of all its choices, in
+    commit order (`choice(piece)`: which choice a piece belongs to).
 
     An engine failure arrives as the exception itself, and cancels the request's other choices first (a failed
     choice fails the request: its siblings must not decode on, holding slots). `cancel()` (e.g. when the client
     disconnects) frees the request's slots at the scheduler's next iteration. The scheduler hands it the `Outbox`
-    its thread delivers through and the callable that cancels (knowing neither the scheduler nor its policy)."""
+    its thread delivers through and the callable that cancels by its id (knowing neither the scheduler nor its
+    policy)."""
 
-    def __init__(self, request_id: int, n: int, loop: asyncio.AbstractEventLoop, outbox: Outbox,
-                 cancel: Callable[[RequestHandle], None]) -> None:
-        self.id, self.n, self.loop = request_id, n, loop
+    def __init__(self, request_id: int, seq_ids: Seq[int], event_loop: asyncio.AbstractEventLoop, outbox: Outbox,
+                 cancel: Callable[[int], None]) -> None:
+        self.id, self.n, self.event_loop = request_id, len(seq_ids), event_loop
+        self._choices = {seq_id: choice for choice, seq_id in enumerate(seq_ids)}  # its sequences' ids -> choice
         self.outbox, self._cancel = outbox, cancel
-        self.queue: asyncio.Queue[Output | BaseException] = asyncio.Queue()
-        self.cached_tokens = [0] * n  # prompt tokens each choice took from the prefix cache
-        self.remaining = n
+        self.queue: asyncio.Queue[StreamPiece | BaseException] = asyncio.Queue()
+        self.cached_tokens = [0] * self.n  # prompt tokens each choice took from the prefix cache
+        self.remaining = self.n
         self.done = False
 
-    def deliver(self, item: Output | BaseException) -> None:  # scheduler thread
+    def choice(self, piece: StreamPiece) -> int:
+        return self._choices[piece.index]
+
+    def deliver(self, item: StreamPiece | BaseException) -> None:  # scheduler thread
         self.outbox.put(self, item)
 
     def cancel(self) -> None:
         if not self.done:
             self.done = True
-            self._cancel(self)
+            self._cancel(self.id)
 
-    async def __aiter__(self) -> AsyncIterator[Output]:
+    async def __aiter__(self) -> AsyncIterator[StreamPiece]:
         while self.remaining:
             item = await self.queue.get()
             if isinstance(item, BaseException):
@@ -74,35 +65,35 @@ class Outbox:
     taking the GIL from the model thread). Scheduler thread only."""
 
     def __init__(self) -> None:
-        self.items: list[tuple[RequestHandle, Output | BaseException]] = []
+        self.items: list[tuple[RequestHandle, StreamPiece | BaseException]] = []
 
-    def put(self, handle: RequestHandle, item: Output | BaseException) -> None:
+    def put(self, handle: RequestHandle, item: StreamPiece | BaseException) -> None:
         self.items.append((handle, item))
 
     def flush(self) -> None:
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestHandle, Output | BaseException]]] = {}
+        by_event_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestHandle, StreamPiece | BaseException]]] = {}
         for handle, item in self.items:
-            by_loop.setdefault(handle.loop, []).append((handle, item))
+            by_event_loop.setdefault(handle.event_loop, []).append((handle, item))
         self.items = []
-        for loop, items in by_loop.items():
+        for event_loop, items in by_event_loop.items():
             try:
-                loop.call_soon_threadsafe(_put_all, items)
+                event_loop.call_soon_threadsafe(_put_all, items)
             except RuntimeError:  # the event loop is gone (shutdown)
                 pass
 
 
-def _put_all(items: list[tuple[RequestHandle, Output | BaseException]]) -> None:  # event loop
+def _put_all(items: list[tuple[RequestHandle, StreamPiece | BaseException]]) -> None:  # event loop
     for handle, item in items:
         handle.queue.put_nowait(item)
 
 
-async def merge(handles: list[RequestHandle]) -> AsyncIterator[tuple[int, Output]]:
+async def merge(handles: list[RequestHandle]) -> AsyncIterator[tuple[int, StreamPiece]]:
     """Outputs of several requests as they come (one completion request with several prompts)."""
     if len(handles) == 1:
         async for out in handles[0]:
             yield 0, out
         return
-    queue: asyncio.Queue[tuple[int, Output | BaseException | None]] = asyncio.Queue()
+    queue: asyncio.Queue[tuple[int, StreamPiece | BaseException | None]] = asyncio.Queue()
 
     async def pump(i: int, handle: RequestHandle) -> None:
         try:

@@ -1,10 +1,11 @@
 """OpenAI's response formats: chat and text completion bodies, their streamed (SSE) chunks, usage.
 
-Committed blocks arrive per choice (`Output`); `ChoiceText` detokenises them incrementally (stop strings held back
+Committed blocks arrive per choice (the engine's `StreamPiece`); `ChoiceText` detokenises them incrementally (stop strings held back
 until they cannot match), `ChatChoice` also splits reasoning, content and tool calls (`OutputParser`), the same
 way for streamed and whole responses. A streamed tool call goes out as it is written, in OpenAI's chunks: one
 with its `index`, `id`, `type` and `function.name` (`arguments: ""`), then its `function.arguments` fragments;
-a block that finishes one call and starts others sends each call's chunks whole and in order. The request flow that feeds them is `served_model.py`'s.
+a block that finishes one call and starts others sends each call's chunks whole and in order. The request flows
+that feed them are `chat.py`'s and `completions.py`'s.
 """
 
 from __future__ import annotations
@@ -15,13 +16,14 @@ import uuid
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Sequence
 
 from clover.engine import StopAwareDetokenizer
-from clover.serving.handles import Output, RequestHandle, merge
+from clover.serving.handles import RequestHandle, merge
 from clover.assistant_output import OutputDelta, OutputParser
 from clover.tool_formats import HERMES, CallDelta, ToolFormat
 from clover.serving.request_context import REQUEST_ID, request_failure
 
 if TYPE_CHECKING:
     from clover.engine.logprobs import TokenLogprob
+    from clover.engine.loop import StreamPiece
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +47,7 @@ class ChoiceText:
         self.token_ids: list[int] = []  # kept with `logprobs`, when the request asked for them
         self.logprobs: list[TokenLogprob] = []
 
-    def push(self, out: Output) -> str:
+    def push(self, out: StreamPiece) -> str:
         self.tokens += len(out.token_ids)
         if out.logprobs is not None:
             self.token_ids += out.token_ids
@@ -60,19 +62,19 @@ class ChoiceText:
 
 class ChatChoice(ChoiceText):
     """A chat choice: its text split into reasoning, content and tool calls (ids given here) as it arrives; a call
-    streams as it is written (`CallDelta`s), `calls` holds each call as it stands so far (OpenAI's form).
+    streams as it is written (`CallDelta`s), `tool_calls` holds each call as it stands so far (OpenAI's form).
     `forced`: the start of the answer the server wrote itself (a forced tool call), parsed but never sent as text;
     a call it starts goes out with the first block. `max_calls`: the calls kept (`parallel_tool_calls: false`:
     the first), None: all."""
 
     def __init__(self, decode: Callable[[list[int]], str], stops: tuple[str, ...], thinking: bool, tools: bool,
-                 forced: str, max_calls: int | None = None, fmt: ToolFormat = HERMES,
+                 forced: str, max_calls: int | None = None, tool_format: ToolFormat = HERMES,
                  schemas: dict[str, Any] | None = None) -> None:
         super().__init__(decode, stops)
-        self.parser = OutputParser(thinking, tools, fmt, schemas)
+        self.parser = OutputParser(thinking, tools, tool_format, schemas)
         self.max_calls = max_calls
         self.content, self.reasoning = "", ""
-        self.calls: list[dict[str, Any]] = []
+        self.tool_calls: list[dict[str, Any]] = []
         self.forced = bool(forced)
         self.cut_calls: set[int] = set()  # the calls the length limit cut (reported incomplete)
         self.opening = OutputDelta(tool_calls=self._take(self.parser.feed(forced)).tool_calls)
@@ -81,15 +83,15 @@ class ChatChoice(ChoiceText):
         delta.tool_calls = [d for d in delta.tool_calls if self.max_calls is None or d.index < self.max_calls]
         for d in delta.tool_calls:
             if d.name is not None:
-                assert d.index == len(self.calls), "calls start in index order"
-                self.calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                assert d.index == len(self.tool_calls), "calls start in index order"
+                self.tool_calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
                                    "function": {"name": d.name, "arguments": ""}})
-            self.calls[d.index]["function"]["arguments"] += d.arguments
+            self.tool_calls[d.index]["function"]["arguments"] += d.arguments
         self.content += delta.content
         self.reasoning += delta.reasoning
         return delta
 
-    def push_output(self, out: Output) -> OutputDelta:
+    def push_output(self, out: StreamPiece) -> OutputDelta:
         """What one committed block adds; at the end, a finished answer with tool calls has reason `tool_calls`.
         An answer the length limit ended inside a call keeps reason `length`, with the call as far as it got (in
         `cut_calls`); the text of a call block that names no call yet is dropped, never content (a forced call's
@@ -102,8 +104,8 @@ class ChatChoice(ChoiceText):
             delta = delta + self.parser.finish(cut)
         delta, self.opening = self.opening + self._take(delta), OutputDelta()
         if first_open is not None:
-            self.cut_calls.update(range(first_open, len(self.calls)))
-        if self.finished and self.calls and self.finish_reason == "stop":
+            self.cut_calls.update(range(first_open, len(self.tool_calls)))
+        if self.finished and self.tool_calls and self.finish_reason == "stop":
             self.finish_reason = "tool_calls"
         return delta
 
@@ -114,7 +116,7 @@ class ChatChoice(ChoiceText):
         entries: list[dict[str, Any]] = []
         for d in deltas:
             if d.name is not None:
-                entries.append({"index": d.index, "id": self.calls[d.index]["id"], "type": "function",
+                entries.append({"index": d.index, "id": self.tool_calls[d.index]["id"], "type": "function",
                                 "function": {"name": d.name, "arguments": ""}})
             if not d.arguments:
                 continue
@@ -125,12 +127,12 @@ class ChatChoice(ChoiceText):
         return entries
 
     def message(self) -> dict[str, Any]:
-        msg: dict[str, Any] = {"role": "assistant", "content": self.content if self.content or not self.calls
+        msg: dict[str, Any] = {"role": "assistant", "content": self.content if self.content or not self.tool_calls
                                else None}
         if self.reasoning:
             msg["reasoning_content"] = self.reasoning
-        if self.calls:
-            msg["tool_calls"] = self.calls
+        if self.tool_calls:
+            msg["tool_calls"] = self.tool_calls
         return msg
 
 
@@ -240,7 +242,8 @@ async def chat_stream(handle: RequestHandle, choices: list[ChatChoice], rid: str
         for i in range(len(choices)):
             yield chunk(i, {"role": "assistant", "content": ""})
         async for out in handle:
-            c = choices[out.choice]
+            index = handle.choice(out)
+            c = choices[index]
             delta = c.push_output(out)
             text: dict[str, Any] = {}
             if delta.reasoning:
@@ -249,12 +252,12 @@ async def chat_stream(handle: RequestHandle, choices: list[ChatChoice], rid: str
                 text["content"] = delta.content
             bodies = ([text] if text else []) + [{"tool_calls": [e]} for e in c.call_entries(delta.tool_calls)]
             if out.logprobs and texts is not None:  # a token's values come with the block that committed it
-                yield chunk(out.choice, bodies.pop(0) if bodies else {},
+                yield chunk(index, bodies.pop(0) if bodies else {},
                             extra={"logprobs": chat_logprobs(out.logprobs, texts, raw)})
             for body in bodies:
-                yield chunk(out.choice, body)
+                yield chunk(index, body)
             if out.finished:
-                yield chunk(out.choice, {}, c.finish_reason, c.extra)
+                yield chunk(index, {}, c.finish_reason, c.extra)
         if include_usage:
             yield sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
                        "choices": [], "usage": usage(prompt_tokens, sum(c.tokens for c in choices),
@@ -292,7 +295,7 @@ async def completion_stream(handles: list[RequestHandle], choices: list[ChoiceTe
             if text or lps:
                 yield chunk(k, text, extra=lps)
         async for i, out in merge(handles):
-            k = i * n + out.choice
+            k = i * n + handles[i].choice(out)
             text = choices[k].push(out)
             lps = values(k, out.token_ids, out.logprobs) if out.logprobs else {}
             if text or lps:

@@ -8,13 +8,18 @@ Clover's own options ride along as extra body fields (`block_size`, `threshold`,
 `dry_penalty_last_n`, `dry_sequence_breakers`; the loop guard's `loop_guard_span`, `loop_guard_repeats`; vLLM's
 `thinking_token_budget`), as in the `extra_body` of the official client;
 `chat_template_kwargs.enable_thinking` switches the `<think>` block on or off (None: the template's default); other
-`chat_template_kwargs` are passed to the checkpoint's template.
+`chat_template_kwargs` are passed to the checkpoint's template. `DecodingFields.to_options(defaults)` translates a
+request into the engine's options (the engine checks them).
+
+(Over the 450-line mark: the chat and completion models share their field types, bounds and validators, and one
+module shows everything a request may contain; the Responses API's own models are `responses_protocol.py`.)
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Mapping
 
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictInt, StrictStr,
                       ValidationError, ValidationInfo, ValidatorFunctionWrapHandler, field_validator, model_validator)
@@ -22,7 +27,7 @@ from pydantic_core import PydanticCustomError
 
 from clover.config import check_threshold
 from clover.engine.decoding import RULES
-from clover.engine.sampling import MAX_TOP_LOGPROBS, REPETITION_FIELDS
+from clover.engine.sampling import MAX_TOP_LOGPROBS, REPETITION_FIELDS, SamplingParams
 
 # -- errors ------------------------------------------------------------------------------------------------------
 
@@ -150,7 +155,8 @@ class DecodingFields(_Model):
     top_p: UnitFloat | None = None
     top_k: Count | None = None  # vLLM extension; 0 = off
     repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0, allow_inf_nan=False)] | None = None
-    seed: Annotated[StrictInt, Field(ge=-(2**63), le=2**64 - 1)] | None = None  # what torch.manual_seed takes
+    # keys the noise of sampled tokens (clover.engine.noise), taken mod 2**64
+    seed: Annotated[StrictInt, Field(ge=-(2**63), le=2**64 - 1)] | None = None
     # Clover's own options (extra body fields)
     block_size: Annotated[StrictInt, Field(ge=1, le=256)] | None = None
     # the engine's own check (clover.config.check_threshold), run here too so that the 400 names the field
@@ -178,6 +184,31 @@ class DecodingFields(_Model):
             given["dry_sequence_breakers"] = tuple(given["dry_sequence_breakers"])
         return given
 
+    def stop_strings(self) -> tuple[str, ...]:
+        return ()
+
+    def logprobs_top(self) -> int | None:
+        """Alternatives per token when logprobs are asked for (`SamplingParams.logprobs`), else None."""
+        return None
+
+    def to_options(self, defaults: Mapping[str, float], **parts: Any) -> SamplingParams:
+        """The request's options as the engine takes them (vLLM's `to_sampling_params(defaults)`): the server's
+        `defaults` (temperature, top_p) where the request gives none; `parts`, what the server builds for it
+        after routing (a grammar, a thinking budget). The engine's checks (`SamplingParams`) are a 400."""
+        if self.thinking_token_budget is not None and self.logprobs_top() is not None:
+            raise APIError(400, "thinking_token_budget cannot be combined with logprobs (the closing tokens it "
+                                "forces are decided without the model's logits)", param="thinking_token_budget",
+                           code="unsupported_parameter")
+        given = {name: getattr(self, name) for name in defaults}
+        try:
+            return SamplingParams(
+                **{name: defaults[name] if value is None else value for name, value in given.items()},
+                top_k=self.top_k or 0, repetition_penalty=self.repetition_penalty or 1.0,
+                seed=None if self.seed is None else self.seed % 2**64,
+                stop=self.stop_strings(), logprobs=self.logprobs_top(), **self.repetition(), **parts)
+        except ValueError as exc:
+            raise APIError(400, str(exc), code="invalid_value") from exc
+
 
 class SamplingFields(DecodingFields):
     """Fields shared by chat and text completions."""
@@ -202,6 +233,12 @@ class SamplingFields(DecodingFields):
         if value:
             raise PydanticCustomError("unsupported_parameter", "logit_bias is not supported by this server")
         return value
+
+    def choice_options(self, options: SamplingParams) -> list[SamplingParams]:
+        """One `options` per choice (`n`); a seeded request's choice `i` draws with seed `seed + i`."""
+        if options.seed is None:
+            return [options] * self.n
+        return [dataclasses.replace(options, seed=(options.seed + i) % 2**64) for i in range(self.n)]
 
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -406,7 +443,6 @@ class ChatCompletionRequest(SamplingFields):
         return self
 
     def logprobs_top(self) -> int | None:
-        """Alternatives per token when logprobs are asked for (`SamplingParams.logprobs`), else None."""
         return (self.top_logprobs or 0) if self.logprobs else None
 
     @property

@@ -1,7 +1,8 @@
 """`clover serve --record-requests FILE`: every finished sequence as one JSON line, for offline analysis.
 
-A line holds the prompt's and the answer's token ids, in the order the server finished them, with the engine's
-figures for the answer (forwards, drafts accepted by source, finish reason): what `benchmarks/replay_drafts.py`
+A line holds the prompt's and the answer's token ids, in the order the server finished them, the seed its sampled
+tokens were keyed by (drawn by the engine when the request gave none; null when greedy), with the engine's figures
+for the answer (forwards, drafts accepted by source, finish reason): what `benchmarks/replay_drafts.py`
 replays to predict what a drafting policy would have accepted, beside what the server measured. Prompts and
 answers are the users' text: the file is written with owner-only permissions, and only when asked for.
 """
@@ -35,7 +36,7 @@ class RequestLog:
         self._lock = threading.Lock()
 
     def write(self, seq: Sequence, stats: dict[str, Any]) -> None:
-        line = json.dumps({"time": time.time(), "prompt": seq.prompt, "answer": seq.generated,
+        line = json.dumps({"time": time.time(), "prompt": seq.prompt, "answer": seq.generated, "seed": seq.params.seed,
                            "stats": {k: v for k, v in stats.items() if k != "steps_per_block"}})
         with self._lock:
             self._file.write(line + "\n")

@@ -1,7 +1,7 @@
 """OpenAI's Responses API (`POST /v1/responses`, `GET` / `DELETE /v1/responses/{id}`) over the chat path.
 
 A request is translated into a chat request (`responses_protocol.to_chat`: its input after the conversation of
-`previous_response_id`), which runs as any chat request does (`ServedModel.start_chat`: the chat template, tool
+`previous_response_id`), which runs as any chat request does (`chat.start_chat`: the chat template, tool
 calls, forced calls and JSON formats by grammar, reasoning, cancellation when the client leaves); its answer's
 deltas become output items and stream events (`responses_format.py`). A finished response with `store` (the
 default) is kept in `ServedModel.stored` (`response_store.py`: bounded, in memory), with its whole conversation, for
@@ -23,15 +23,16 @@ from typing import TYPE_CHECKING, Any, AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from clover.serving.chat import ChatRun, start_chat
 from clover.serving.grammar_route import route
-from clover.serving.handles import Output
+from clover.engine.loop import StreamPiece
 from clover.serving.protocol import APIError
 from clover.serving.request_context import CLIENT_KEY, REQUEST_ID, request_failure
 from clover.serving.responses_format import EventStream, OutputItems, usage
 from clover.serving.responses_protocol import ResponsesRequest, ResponsesToolChoice, input_messages, to_chat
 
 if TYPE_CHECKING:
-    from clover.serving.served_model import ChatRun, ServedModel
+    from clover.serving.served_model import ServedModel
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +69,7 @@ async def create_response(server: ServedModel, req: ResponsesRequest, request: R
     conversation = previous + input_messages(req.input)
     chat = to_chat(req, conversation)
     try:
-        run = await server.start_chat(chat, route(chat))
+        run = await start_chat(server, chat, route(chat))
     except APIError as exc:
         raise _renamed(exc) from None
     answer = ResponseAnswer(server, req, run, conversation)
@@ -92,9 +93,9 @@ class ResponseAnswer:
         self.id, self.created = f"resp_{uuid.uuid4().hex}", int(time.time())
         self.store = req.store and server.stored.capacity > 0
 
-    def push(self, out: Output) -> list[dict[str, Any]]:
-        delta = self.choice.push_output(out)
-        return self.items.push(delta, [c["id"] for c in self.choice.calls], self.choice.cut_calls)
+    def push(self, piece: StreamPiece) -> list[dict[str, Any]]:
+        delta = self.choice.push_output(piece)
+        return self.items.push(delta, [c["id"] for c in self.choice.tool_calls], self.choice.cut_calls)
 
     def finish(self) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         """(the events closing the output, the final body), the response stored when asked."""
@@ -111,7 +112,7 @@ class ResponseAnswer:
     def body(self, status: str, usage: dict[str, Any] | None = None,
              error: dict[str, Any] | None = None) -> dict[str, Any]:
         req, server = self.req, self.server
-        fmt = req.text_format()
+        text_format = req.text_format()
         choice = req.tool_choice or "auto"
         return {
             "id": self.id, "object": "response", "created_at": self.created, "status": status, "error": error,
@@ -119,11 +120,11 @@ class ResponseAnswer:
             "model": server.options.served_model_name, "output": self.items.items if status != "in_progress" else [],
             "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
             "previous_response_id": req.previous_response_id, "store": self.store, "background": False,
-            **server.temperature_and_top_p(req),
+            "temperature": self.run.options.temperature, "top_p": self.run.options.top_p,
             "parallel_tool_calls": req.parallel_tool_calls is not False,
             "tool_choice": choice.model_dump() if isinstance(choice, ResponsesToolChoice) else choice,
             "tools": [t.model_dump(exclude_none=True) for t in req.tools],
-            "text": {"format": fmt.echo() if fmt is not None else {"type": "text"}},
+            "text": {"format": text_format.echo() if text_format is not None else {"type": "text"}},
             "reasoning": req.reasoning.model_dump() if req.reasoning is not None else None,
             "truncation": "disabled", "metadata": req.metadata or {}, "usage": usage,
         }

@@ -42,7 +42,7 @@ class OutputItems:
     def __init__(self) -> None:
         self.items: list[dict[str, Any]] = []
         self.open: dict[str, Any] | None = None  # the reasoning or message item text flows into
-        self.calls: dict[int, dict[str, Any]] = {}  # call index -> its item
+        self.call_items: dict[int, dict[str, Any]] = {}  # call index -> its item
         self.output_index: dict[str, int] = {}  # item id -> its place in `items`
 
     def push(self, delta: OutputDelta, call_ids: list[str], cut: set[int] | frozenset[int] = frozenset()) -> list[dict[str, Any]]:
@@ -121,10 +121,10 @@ class OutputItems:
             item = {"id": _id("fc"), "type": "function_call", "call_id": call_ids[delta.index], "name": delta.name,
                     "arguments": "", "status": "in_progress"}
             self._append(item)
-            self.calls[delta.index] = item
+            self.call_items[delta.index] = item
             events.append({"type": "response.output_item.added", "output_index": len(self.items) - 1,
                            "item": dict(item)})
-        item = self.calls[delta.index]
+        item = self.call_items[delta.index]
         if delta.arguments:
             item["arguments"] += delta.arguments
             events.append({"type": "response.function_call_arguments.delta", **self._where(item),

@@ -357,12 +357,13 @@ def to_chat(req: ResponsesRequest, conversation: list[dict[str, Any]]) -> ChatCo
         body["tool_choice"] = {"type": "function", "function": {"name": req.tool_choice.name}}
     else:
         body["tool_choice"] = req.tool_choice
-    fmt = req.text_format()
-    if fmt is not None and fmt.type != "text":
-        body["response_format"] = {"type": fmt.type}
-        if fmt.type == "json_schema":
-            body["response_format"]["json_schema"] = {"name": fmt.name, "schema": fmt.schema_,
-                                                      "description": fmt.description, "strict": fmt.strict}
+    text_format = req.text_format()
+    if text_format is not None and text_format.type != "text":
+        body["response_format"] = {"type": text_format.type}
+        if text_format.type == "json_schema":
+            body["response_format"]["json_schema"] = {
+                "name": text_format.name, "schema": text_format.schema_, "description": text_format.description,
+                "strict": text_format.strict}
         body["structured_mode"] = "grammar"  # decision mode answers the chat API only (structured.py)
     try:
         return ChatCompletionRequest.model_validate(body)

@@ -115,11 +115,9 @@ class Scheduler:
         self.outbox = Outbox()  # the handles' results of an iteration, delivered at its end
         self._ids = itertools.count()
         self._lock = threading.Condition()
-        self._inbox: list[Job] = []
-        self._decision_inbox: list[DecisionJob] = []
+        self._inbox: list[Job | DecisionJob] = []  # generation and decision work alike, in arrival order
         self._orders: list[tuple[EngineKey, Settle]] = []  # engines asked for by the event loop
-        self._cancelled: set[int] = set()
-        self._cancelled_decisions: set[int] = set()
+        self._cancelled: set[int] = set()  # ids of requests (handles) and decision runs whose clients left
         self._outstanding = 0  # sequences submitted and not finished (under _lock)
         self._stop = False
         self._thread: threading.Thread | None = None
@@ -168,18 +166,10 @@ class Scheduler:
         if memory is not EngineMemory.OWN and engine.memory is not None:  # an engine that drafts from a memory at all
             for seq in seqs:
                 seq.memory = memory
-        handle = RequestHandle(next(self._ids), len(seqs), asyncio.get_running_loop(), self.outbox, self.cancel)
+        handle = RequestHandle(next(self._ids), [seq.seq_id for seq in seqs], asyncio.get_running_loop(), self.outbox,
+                               self.cancel)
         now = time.perf_counter()
-        with self._lock:
-            if self.error is not None or self._thread is None or self._stop:
-                raise RuntimeError("the scheduler is not running")
-            if self._outstanding + len(seqs) > self.max_running + self.max_waiting:
-                raise QueueFull(f"server at capacity ({self.max_running} running + {self.max_waiting} waiting)")
-            self._outstanding += len(seqs)
-            self._live[key] += len(seqs)
-            for choice, seq in enumerate(seqs):
-                self._inbox.append(Job(handle, choice, seq, key, now, engine, scope=scope))
-            self._lock.notify()
+        self._queue([Job(handle, choice, seq, key, now, engine, scope=scope) for choice, seq in enumerate(seqs)])
         return handle
 
     def decide(self, run: DecisionRun | PromptScoring) -> asyncio.Future[list[Any]]:
@@ -187,41 +177,45 @@ class Scheduler:
         results (decisions, or each prompt's logprobs), or the exception a step raised. Raises like `submit` when
         the server is at capacity or not running."""
         future = _SettledFuture(loop=asyncio.get_running_loop())
-        job = DecisionJob(run, future.settle)
+        job = DecisionJob(next(self._ids), run, future.settle)
         # a request that went away (its coroutine cancelled: the client left) stops its decision run
-        future.add_done_callback(lambda f: self.cancel_decision(job) if f.cancelled() else None)
+        future.add_done_callback(lambda f: self.cancel(job.id) if f.cancelled() else None)
+        self._queue([job])
+        return future
+
+    def _queue(self, jobs: Seq[Job | DecisionJob]) -> None:
+        """Into the inbox, within the capacity (`QueueFull` beyond it; `RuntimeError` when no loop runs)."""
+        rows = sum(job.rows for job in jobs)
         with self._lock:
             if self.error is not None or self._thread is None or self._stop:
                 raise RuntimeError("the scheduler is not running")
-            if self._outstanding + job.rows > self.max_running + self.max_waiting:
+            if self._outstanding + rows > self.max_running + self.max_waiting:
                 raise QueueFull(f"server at capacity ({self.max_running} running + {self.max_waiting} waiting)")
-            self._outstanding += job.rows
-            self._decision_inbox.append(job)
-            self._lock.notify()
-        return future
-
-    def cancel(self, handle: RequestHandle) -> None:
-        with self._lock:
-            self._cancelled.add(handle.id)
+            self._outstanding += rows
+            for job in jobs:
+                if isinstance(job, Job):
+                    self._live[job.key] += 1
+            self._inbox.extend(jobs)
             self._lock.notify()
 
-    def cancel_decision(self, job: DecisionJob) -> None:
-        """Stop a decision run whose client went away (any thread; a finished run is left alone)."""
+    def cancel(self, request_id: int) -> None:
+        """Stop a request (a handle's id) or decision run (its job's id) whose client went away, at the next
+        iteration (any thread; one already finished is left alone)."""
         with self._lock:
-            self._cancelled_decisions.add(id(job))
+            self._cancelled.add(request_id)
             self._lock.notify()
 
     @property
     def load(self) -> dict[str, int]:
         """Sequences per stage: the policy's, the inbox counted as waiting (read from any thread)."""
         load = self.policy.load
-        return {**load, "waiting": load["waiting"] + len(self._inbox) + sum(d.rows for d in list(self._decision_inbox))}
+        return {**load, "waiting": load["waiting"] + sum(job.rows for job in list(self._inbox))}
 
     # -- lifecycle ----------------------------------------------------------------------------------------------
     def start(self) -> None:
         """Start the thread; it makes the default engine first (returns once made, raises what refused it)."""
         if self._thread is None:
-            self._thread = threading.Thread(target=self._loop, name="clover-scheduler", daemon=True)
+            self._thread = threading.Thread(target=self._serve, name="clover-scheduler", daemon=True)
             self._thread.start()
         self._started.wait()
         if self.error is not None:
@@ -238,8 +232,9 @@ class Scheduler:
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self.error is None
 
-    # -- the loop (scheduler thread) --------------------------------------------------------------------------
-    def _loop(self) -> None:
+    # -- the thread -------------------------------------------------------------------------------------------
+    def _serve(self) -> None:
+        """The thread's body: the default engine first, then iterations until stopped (or a bug kills it)."""
         try:
             try:
                 self._make_engine(self.default_key)
@@ -248,28 +243,24 @@ class Scheduler:
                 self._started.set()
             while True:
                 with self._lock:
-                    while not (self._stop or self._inbox or self._decision_inbox or self._cancelled
-                               or self._cancelled_decisions or self._orders or self.policy.busy()):
+                    while not (self._stop or self._inbox or self._cancelled or self._orders or self.policy.busy()):
                         self._lock.wait()
                     if self._stop:
                         break
                     new, self._inbox = self._inbox, []
-                    decisions, self._decision_inbox = self._decision_inbox, []
                     cancelled, self._cancelled = self._cancelled, set()
-                    gone, self._cancelled_decisions = self._cancelled_decisions, set()
                     orders, self._orders = self._orders, []
                     for job in new:  # its engine was evicted after the request got it: it is back
-                        self.engines.setdefault(job.key, job.engine)
+                        if isinstance(job, Job):
+                            self.engines.setdefault(job.key, job.engine)
                 for key, settle in orders:
                     try:
                         settle(self._make_engine(key))
                     except Exception as exc:  # noqa: BLE001 - options this engine refuses: that request's error
                         settle(exc)
-                self.policy.add(new, decisions)
+                self.policy.add(new)
                 if cancelled:
                     self.policy.cancel(cancelled)
-                if gone:
-                    self.policy.cancel_decisions(gone)
                 with torch.inference_mode():
                     self.policy.prefill_once()
                     self.policy.join_ready()
@@ -287,15 +278,10 @@ class Scheduler:
             with self._lock:
                 self._stop = True
                 pending, self._inbox = self._inbox, []
-                pending_decisions, self._decision_inbox = self._decision_inbox, []
             failure = self.error or RuntimeError("the server is shutting down")
-            for job in list(self.policy.jobs.values()):
+            self.policy.add(pending)  # those that never reached it, failed with the rest
+            for job in [*self.policy.jobs.values(), *self.policy.deciding, *self.policy.decisions_waiting]:
                 self.policy.fail(job, failure)
-            for decision in [*self.policy.deciding, *self.policy.decisions_waiting, *pending_decisions]:
-                self.policy.end_decision(decision, failure)
-            for job in pending:  # never reached the policy
-                job.handle.deliver(failure)
-                self._release(job)
             self.outbox.flush()
 
     def _release(self, job: Job | DecisionJob) -> None:  # it left the policy (finished, failed or cancelled)

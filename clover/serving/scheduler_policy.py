@@ -32,7 +32,7 @@ from clover.engine.decision import DecisionRun
 from clover.engine.logprobs import PromptScoring
 from clover.engine.engine import DecodeBatch, Prefill
 from clover.engine.request import Sequence
-from clover.serving.handles import Output, RequestHandle
+from clover.serving.handles import RequestHandle
 from clover.serving.metrics import ServerMetrics
 from clover.serving.request_log import RequestLog
 from clover.serving.prefix_cache import PrefixCache, SnapshotBudget
@@ -62,9 +62,11 @@ class Job:
 
 @dataclass
 class DecisionJob:
-    """A decision run (or a prompt scoring, which runs the same way: `step` until done, then `results`) and where
-    its result goes (`deliver`: the results, or the exception that ended it)."""
+    """A decision run (or a prompt scoring, which runs the same way: `step` until done, then `results`), its id
+    (from the counter of request ids: one cancel set holds both) and where its result goes (`deliver`: the
+    results, or the exception that ended it)."""
 
+    id: int
     run: DecisionRun | PromptScoring
     deliver: Callable[[list[Any] | BaseException], None]
 
@@ -91,11 +93,14 @@ class SchedulePolicy:
         self.decisions_waiting: deque[DecisionJob] = deque()
         self.deciding: list[DecisionJob] = []
 
-    def add(self, jobs: list[Job], decisions: Seq[DecisionJob] = ()) -> None:
+    def add(self, jobs: Seq[Job | DecisionJob]) -> None:
+        """New work, in arrival order: sequences wait for a prefill, decision runs for their rows to fit."""
         for job in jobs:
-            self.jobs[job.seq.seq_id] = job
-            self.waiting.append(job)
-        self.decisions_waiting.extend(decisions)
+            if isinstance(job, DecisionJob):
+                self.decisions_waiting.append(job)
+            else:
+                self.jobs[job.seq.seq_id] = job
+                self.waiting.append(job)
 
     @property
     def load(self) -> dict[str, int]:
@@ -226,8 +231,7 @@ class SchedulePolicy:
                 job = self.jobs.get(piece.index)
                 if job is None:
                     continue
-                job.handle.deliver(Output(job.choice, piece.token_ids, piece.finished, piece.finish_reason,
-                                           piece.stats, piece.logprobs))
+                job.handle.deliver(piece)
                 if piece.finished:
                     self._finished(job, piece.stats or {})
 
@@ -244,26 +248,25 @@ class SchedulePolicy:
                 done = job.run.step()
             except Exception as exc:  # noqa: BLE001 - this decision's failure, not the server's
                 logger.exception("decision step failed")
-                self.end_decision(job, exc)
+                self._end_decision(job, exc)
                 continue
             if done:
-                self.end_decision(job, job.run.results())
+                self._end_decision(job, job.run.results())
 
-    def end_decision(self, job: DecisionJob, outcome: list[Any] | BaseException) -> None:
+    def _end_decision(self, job: DecisionJob, outcome: list[Any] | BaseException) -> None:
+        """The run leaves (waiting or running), its rows freed; `outcome` goes to its caller."""
         if job in self.deciding:
             self.deciding.remove(job)
+        if job in self.decisions_waiting:
+            self.decisions_waiting.remove(job)
         job.deliver(outcome)
         self.released(job)
 
-    def cancel_decisions(self, gone: set[int]) -> None:
-        """Stop the decision runs whose `id()` is in `gone` (their clients left): waiting or running, their rows
-        are freed at once; a run already ended is not there any more."""
-        for job in [j for j in [*self.decisions_waiting, *self.deciding] if id(j) in gone]:
-            if job in self.decisions_waiting:
-                self.decisions_waiting.remove(job)
-            self.end_decision(job, RuntimeError("the client went away"))
-
     def cancel(self, request_ids: set[int]) -> None:
+        """Drop the requests (handle ids) and decision runs (job ids) in `request_ids`, wherever they are: their
+        rows are freed at once; one already finished is not there any more."""
+        for job in [j for j in [*self.decisions_waiting, *self.deciding] if j.id in request_ids]:
+            self._end_decision(job, RuntimeError("the client went away"))
         gone = {i for i, job in self.jobs.items() if job.handle.id in request_ids}
         if not gone:
             return
@@ -298,7 +301,10 @@ class SchedulePolicy:
             job.snapshots.release()
             job.snapshots = None
 
-    def fail(self, job: Job, exc: BaseException) -> None:
+    def fail(self, job: Job | DecisionJob, exc: BaseException) -> None:
+        if isinstance(job, DecisionJob):
+            self._end_decision(job, exc)
+            return
         job.handle.deliver(exc)
         self._forget(job)
 

@@ -39,14 +39,14 @@ logger = logging.getLogger(__name__)
 
 def check_form(req: ChatCompletionRequest) -> Form:
     """The request's form, or the 400 that names what cannot be served."""
-    fmt = req.response_format
-    assert fmt is not None
-    if fmt.type == "json_object":
+    response_format = req.response_format
+    assert response_format is not None
+    if response_format.type == "json_object":
         raise APIError(400, "response_format type 'json_object' is not supported: give type 'json_schema' with a "
                             "schema (flat object of enum, boolean, bounded integer or bounded string fields)",
                        param="response_format.type", code="invalid_value")
     try:
-        form = parse_form(fmt.json_schema.schema_)
+        form = parse_form(response_format.json_schema.schema_)
     except FormError as exc:
         param = f"{SCHEMA_PARAM}.{exc.path}" if exc.path else SCHEMA_PARAM
         raise APIError(400, f"{SCHEMA_PARAM}: {exc}", param=param, code="unsupported_schema") from exc

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from clover.tool_formats.calls import JsonCall
+from clover.tool_formats.call_parser import JsonCall
 
 
-class HermesCalls(JsonCall):
+class HermesParser(JsonCall):
     """The inside of one `<tool_call>` block."""
 
     def __init__(self, schemas: dict[str, Any] | None = None, first_index: int = 0) -> None:

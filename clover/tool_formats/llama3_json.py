@@ -11,13 +11,13 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from clover.tool_formats.calls import CallDelta, CallParser, JsonCall, ObjectEnd, object_call
+from clover.tool_formats.call_parser import CallDelta, CallParser, JsonCall, ObjectEnd, object_call
 
 PYTHON_TAG = "<|python_tag|>"
 KEYS = ("parameters", "arguments")
 
 
-class Llama3Calls(CallParser):
+class Llama3Parser(CallParser):
     """The whole answer, once it starts like a call (`{` or `<|python_tag|>`)."""
 
     def __init__(self, schemas: dict[str, Any] | None = None, first_index: int = 0) -> None:

@@ -15,13 +15,13 @@ import json
 import re
 from typing import Any
 
-from clover.tool_formats.calls import CallDelta, CallParser, partial_tag
+from clover.tool_formats.call_parser import CallDelta, CallParser, partial_tag
 
 FUNCTION, END_FUNCTION = "<function=", "</function>"
 PARAMETER, END_PARAMETER = "<parameter=", "</parameter>"
 
 
-class Qwen3CoderCalls(CallParser):
+class Qwen3CoderParser(CallParser):
     """The inside of one `<tool_call>` block."""
 
     def __init__(self, schemas: dict[str, Any] | None = None, first_index: int = 0) -> None:

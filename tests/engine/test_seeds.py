@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 
-from clover.engine import Engine, SamplingParams, generate
+from clover.engine import Engine, SamplingParams, generate, sampling
 from clover.engine.cost import ForwardCost
 from clover.engine.noise import exponential_noise, noise_key
 from model_helpers import PROMPTS, tiny_model
@@ -172,3 +172,17 @@ def test_block_rules_repeat_a_seed_alone_and_in_a_batch(models, preset):
                          eos_token_ids=[]).sequences[0]
         assert alone == batch[i]
     assert batch[0] != batch[3]  # seeded and greedy differ: the rule samples
+
+
+
+def test_an_unseeded_request_carries_the_seed_that_reproduces_it(models, monkeypatch):
+    """The engine draws an unseeded sampled request's seed when it takes the request and keeps it on the sequence
+    (what the request log records); that seed is the one its tokens were drawn with."""
+    engine = Engine(models["clover-tiny"], 4, 0.5, eos_token_ids=[])
+    unseeded = SamplingParams(temperature=1.0)
+    drawn = engine.make_sequences(PROMPTS[:1], MAX_NEW, [unseeded])[0].params.seed
+    assert drawn is not None and unseeded.seed is None
+    assert engine.make_sequences(PROMPTS[:1], MAX_NEW, [SamplingParams()])[0].params.seed is None  # greedy: none
+    monkeypatch.setattr(sampling, "fresh_seed", lambda: drawn)  # the next unseeded request draws the same seed
+    assert _run(engine, PROMPTS[:1], [unseeded]) == _run(engine, PROMPTS[:1], [SamplingParams(temperature=1.0,
+                                                                                              seed=drawn)])

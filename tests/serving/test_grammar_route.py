@@ -51,7 +51,7 @@ def _accepts(grammar, tok, text: str) -> bool:
 
 def _parsed(fmt: str, text: str) -> tuple[str, list[tuple[str, dict]]]:
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
-    parser = OutputParser(tools=True, fmt=TOOL_FORMATS[fmt], schemas=schemas)
+    parser = OutputParser(tools=True, tool_format=TOOL_FORMATS[fmt], schemas=schemas)
     first, last = parser.feed(text), parser.finish()
     calls = whole_calls(first.tool_calls + last.tool_calls)
     return first.content + last.content, [(c["name"], json.loads(c["arguments"])) for c in calls]

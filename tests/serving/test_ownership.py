@@ -88,7 +88,7 @@ def test_every_runner_call_runs_on_the_scheduler_thread_under_mixed_requests(cha
 async def _tokens(handle):
     out = [[] for _ in range(handle.n)]
     async for piece in handle:
-        out[piece.choice] += piece.token_ids
+        out[handle.choice(piece)] += piece.token_ids
     return out
 
 

@@ -90,7 +90,7 @@ def test_a_dropped_row_leaves_the_others_untouched(models):
 async def _collect(handle):
     tokens = [[] for _ in range(handle.n)]
     async for out in handle:
-        tokens[out.choice] += out.token_ids
+        tokens[handle.choice(out)] += out.token_ids
     return tokens
 
 

@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from clover.serving import ServerOptions, create_app
-from clover.serving.served_model import LockedTokenizer
+from clover.serving.locked_tokenizer import LockedTokenizer
 from server_helpers import ScriptedLM, server_thread
 
 NAME = "scripted"

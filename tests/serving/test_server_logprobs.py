@@ -13,7 +13,7 @@ from clover.chat_template import render_chat
 from clover.engine import Engine, SamplingParams
 from clover.engine.logprobs import banned_ids, log_probs
 from clover.serving import ServerOptions, create_app
-from clover.serving.served_model import LockedTokenizer
+from clover.serving.locked_tokenizer import LockedTokenizer
 from model_helpers import tiny_model
 from server_helpers import server_thread
 

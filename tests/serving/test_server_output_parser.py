@@ -12,7 +12,7 @@ import pytest
 from clover.assistant_output import OutputParser, parse_assistant_output, whole_calls
 from clover.chat_template import render_chat
 from clover.tool_formats import TOOL_FORMATS, CallDelta
-from clover.tool_formats.qwen3_coder import END_PARAMETER, Qwen3CoderCalls
+from clover.tool_formats.qwen3_coder import END_PARAMETER, Qwen3CoderParser
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
@@ -212,7 +212,7 @@ def test_the_formats_calls_parse_as_written():
     ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Par', '{"city": "Par'),
 ])
 def test_a_calls_arguments_stream_before_it_is_complete(fmt, written, first):
-    parser = OutputParser(tools=True, fmt=TOOL_FORMATS[fmt], schemas=SCHEMAS)
+    parser = OutputParser(tools=True, tool_format=TOOL_FORMATS[fmt], schemas=SCHEMAS)
     deltas = parser.feed(written).tool_calls
     assert deltas[0] == CallDelta(0, name="get_weather")
     assert "".join(d.arguments for d in deltas) == first and not any(d.done for d in deltas)
@@ -225,7 +225,7 @@ def test_a_long_string_argument_streams_in_bounded_memory():
     body = 'def f(x):\n    return "</function>" + x  # <parameter=y>\n' * 400
     text = (f"<function=write>\n<parameter=path>\na.py\n</parameter>\n<parameter=content>\n{body}\n</parameter>\n"
             "</function>")
-    parser = Qwen3CoderCalls({"write": {"properties": {"path": {"type": "string"}, "content": {"type": "string"}}}})
+    parser = Qwen3CoderParser({"write": {"properties": {"path": {"type": "string"}, "content": {"type": "string"}}}})
     deltas, held = [], 0
     for i in range(0, len(text), 7):
         deltas += parser.feed(text[i:i + 7])
@@ -247,7 +247,7 @@ def test_several_calls_written_in_one_block_come_out_whole_and_in_order(fmt):
     text = "".join(one.format(n=f"tool_{i}", i=i) for i in range(3)).rstrip("; \n")
     schemas = {f"tool_{i}": {"properties": {"i": {"type": "integer"}}} for i in range(3)}
     cut = text.index("x0")  # the first block ends inside the first call
-    parser = OutputParser(tools=True, fmt=TOOL_FORMATS[fmt], schemas=schemas)
+    parser = OutputParser(tools=True, tool_format=TOOL_FORMATS[fmt], schemas=schemas)
     first = parser.feed(text[:cut]).tool_calls
     assert first[0] == CallDelta(0, name="tool_0")
     rest = parser.feed(text[cut:]).tool_calls + parser.finish().tool_calls

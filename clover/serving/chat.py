@@ -1,0 +1,113 @@
+"""Chat completions (`POST /v1/chat/completions`), vLLM's `serving_chat`: route the request (free text, a grammar,
+or decision mode: `grammar_route.route`), render the chat template and tokenize in a worker thread, check
+`max_tokens` against the context, submit one sequence per choice, then stream the committed blocks as SSE or
+collect them into one body (`openai_format.py`). The Responses API runs through `start_chat` (responses.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import uuid
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from jinja2.exceptions import TemplateError
+from starlette.concurrency import run_in_threadpool
+
+from clover.chat_template import opens_reasoning
+from clover.engine.grammar import Grammar
+from clover.engine.sampling import SamplingParams
+from clover.serving.grammar_route import forced_start, grammar_param, max_calls, request_grammar, route
+from clover.serving.handles import RequestHandle
+from clover.serving.openai_format import ChatChoice, chat_body, chat_logprobs, chat_stream, usage
+from clover.serving.protocol import APIError, ChatCompletionRequest
+from clover.serving.request_context import GRAMMAR_PARAM
+from clover.serving.structured import decision_response
+
+if TYPE_CHECKING:
+    from clover.serving.served_model import ServedModel
+
+
+@dataclass
+class ChatRun:
+    """A submitted chat request: its handle, one `ChatChoice` per choice (fed with the handle's outputs by whoever
+    reads it), its prompt's length in tokens, and the options it runs with (its first choice's)."""
+
+    handle: RequestHandle
+    choices: list[ChatChoice]
+    prompt_tokens: int
+    options: SamplingParams
+
+
+async def create_chat_completion(server: ServedModel, req: ChatCompletionRequest, request: Request) -> Response:
+    server.check_model(req.model)
+    path = route(req)
+    if path == "decision":  # structured outputs in the form subset: decision decoding (structured.py)
+        if req.logprobs:
+            raise APIError(400, "logprobs cannot be combined with a response_format served by decision mode "
+                                "(its slots are scored as whole values); pass structured_mode 'grammar'",
+                           param="logprobs", code="unsupported_parameter")
+        return await decision_response(server, req, request)
+    run = await start_chat(server, req, path)
+    handle, choices = run.handle, run.choices
+    rid, created, name = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), server.options.served_model_name
+    texts, raw = server.tokenizer.token_texts, server.tokenizer.token_bytes
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return StreamingResponse(chat_stream(handle, choices, rid, created, name, run.prompt_tokens, include_usage,
+                                             texts, raw), media_type="text/event-stream")
+    await server.collect(request, handle, lambda _, piece: choices[handle.choice(piece)].push_output(piece))
+    logprobs = [chat_logprobs(c.logprobs, texts, raw) for c in choices] if req.logprobs else None
+    return JSONResponse(chat_body(rid, created, name, choices, usage(run.prompt_tokens, sum(c.tokens for c in choices),
+                                                                     max(handle.cached_tokens)), logprobs))
+
+
+async def start_chat(server: ServedModel, req: ChatCompletionRequest, path: str | None) -> ChatRun:
+    """A chat request that `route` sends to free generation (None) or the grammar ("grammar"), submitted: its
+    options resolved, its prompt rendered, `max_tokens` checked, the work queued. The caller reads the run (or
+    cancels it)."""
+    assert path != "decision", "decision mode answers whole (structured.py)"
+    # a grammar's answer is rendered without reasoning: no budget to keep (clover.engine.thinking)
+    options = req.to_options(server.sampling_defaults,
+                             thinking_budget=server.thinking_budget(req) if path != "grammar" else None)
+    rule = req.rule
+    if path == "grammar":  # grammar-constrained decoding, in exact mode (grammar_route.py)
+        GRAMMAR_PARAM.set(grammar_param(req))  # in this request's context: what its failure names
+        grammar = await run_in_threadpool(_grammar, server, req)
+        options = dataclasses.replace(options, grammar=grammar)
+        rule = rule or "exact"
+    ids, forced, thinking, tools = await run_in_threadpool(chat_prompt, server, req, path == "grammar")
+    param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
+    max_new = await server.max_new_tokens(req.max_new_tokens(), len(ids), req.block_size, rule, param, "messages")
+    handle = await server.submit(ids, max_new, req.choice_options(options), req, rule)
+    stops = req.stop_strings()
+    schemas = {t.function.name: t.function.parameters for t in req.tools or []}
+    choices = [ChatChoice(server.tokenizer.decode, stops, thinking, tools, forced, max_calls(req),
+                          server.tokenizer.tool_format, schemas) for _ in range(req.n)]
+    return ChatRun(handle, choices, len(ids), options)
+
+
+def _grammar(server: ServedModel, req: ChatCompletionRequest) -> Grammar:
+    with server.tokenizer.lock:
+        return request_grammar(req, server.tokenizer.tokenizer, server.tokenizer.tool_format)
+
+
+def chat_prompt(server: ServedModel, req: ChatCompletionRequest,
+                constrained: bool = False) -> tuple[list[int], str, bool, bool]:
+    """(prompt ids, forced start of the answer, thinking, parse tool calls). `constrained`: a grammar writes the
+    answer (no reasoning first)."""
+    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+    forced = forced_start(req, server.tokenizer.tool_format)
+    # a grammar answers at once: no reasoning first, whatever the template's default
+    enable = False if forced or constrained else req.enable_thinking
+    kwargs = req.chat_template_kwargs.extra() if req.chat_template_kwargs else {}
+    try:
+        text = server.tokenizer.render_chat([m.to_template() for m in req.messages], tools, enable, kwargs)
+    except (ValueError, TemplateError) as exc:  # the checkpoint's template may refuse a conversation itself
+        raise APIError(400, f"the chat template cannot render these messages: {exc}" if isinstance(
+            exc, TemplateError) else str(exc), param="messages", code="invalid_value") from exc
+    ids = server.tokenizer.encode(text + forced)
+    return ids, forced, opens_reasoning(text), bool(tools) and req.tool_choice != "none"
