@@ -3,7 +3,7 @@
 
     python benchmarks/bench_hybrid.py --threads 2 [--work DIR] [--experts-scale 1] [--prompts 3]
         [--max-new-tokens 96] [--init scaled] [--systems clover/fp32,clover/int4,llama.cpp/q4_0]
-        [--exact clover/fp32,clover/int4] [--acceptance 0.9,0.7,0.5,0]
+        [--exact clover/fp32,clover/int4,llama.cpp/q4_0] [--acceptance 0.9,0.7,0.5,0]
 
 The twin (`TWIN`: Qwen3.5-MoE's block pattern, 20 layers, 32 experts of which 4 routed plus a shared one, clover-smol's
 tokenizer; `--experts-scale 4`: 128 experts, the rest alike, drawn straight into int4 (`draw_int4`: its fp32 form,
@@ -25,7 +25,7 @@ own), after an untimed warm-up, on the same random prompts, greedy:
   its tokens must equal block size 1's at every `p`. tok/s, tokens per forward, and the speedup over block size 1
   timed again beside it, prompt by prompt (a shared machine's slow moments then fall on both), whole requests and
   after the first token (the prefill, the same in both, left out);
-* the llama.cpp runner: exact mode with the same oracle drafts, sized by its cost table and at fixed counts, each
+* the llama.cpp runner (when in `--exact`): exact mode with the same oracle drafts, sized by its cost table and at fixed counts, each
   answer timed beside block size 1's on the same prompt (`llamacpp_exact`);
 * accuracy: the int4 twin's logits against the fp32 twin's on the fp32 twin's greedy answers (teacher-forced):
   top-1 agreement and KL(fp32 || int4); and where int4's own greedy answer parts from fp32's, fp32's margin there
@@ -213,7 +213,7 @@ def worker(kind: str, path: str, job: dict) -> dict:
         sequences.append(out.sequences[0])
     result: dict[str, Any] = {"tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds,
                               "sequences": sequences}
-    if kind != "clover":
+    if kind != "clover" and job["exact"]:
         result.update(llamacpp_exact(model, prompts, sequences, job))
     if kind == "clover" and job["exact"]:
         result["rows_cost"] = rows_cost(model)
@@ -452,9 +452,9 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--acceptance", default="0.9,0.7,0.5,0")
     parser.add_argument("--systems", default="clover/fp32,clover/int4,llama.cpp/q4_0")
-    parser.add_argument("--exact", default="clover/fp32,clover/int4",
-                        help="the Clover systems whose exact mode and cost of k rows are measured (the others: "
-                        "block size 1)")
+    parser.add_argument("--exact", default="clover/fp32,clover/int4,llama.cpp/q4_0",
+                        help="the systems whose exact mode is measured, and for Clover's the cost of k rows (the "
+                        "others: block size 1)")
     parser.add_argument("--out", type=Path, default=RESULTS / "bench_hybrid.json")
     parser.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
