@@ -17,16 +17,16 @@ own), after an untimed warm-up, on the same random prompts, greedy:
 * block size 1 (the threshold rule at block size 1: one token per forward): tok/s;
 * Clover's runner only (the systems in `--exact`): the cost of a verifying step of k rows against one, k = 1..6,
   beside the experts those rows route to and the bytes a forward then reads, and the ceiling of exact mode those
-  costs leave (`rows_cost`); then exact mode (`rule="exact"`, block size 16) with drafts taken from the system's own block-size-1
-  answer, each drafted token replaced by another at rate `1 - p` (`p` in `--acceptance`): the runner drafts nothing
-  itself (`causal_only`, as a random model's query block would draft noise), each forward verifies the drafts its
-  cost table says pay (clover.engine.cost, measured again in this run on this twin: a kept table may have been
-  measured in a busy moment; the cost of k rows against one is reported), and
-  its tokens must equal block size 1's at every `p`. tok/s, tokens per forward, and the speedup over block size 1
+  costs leave (`rows_cost`); then exact mode (`rule="exact"`, block size 16) with drafts taken from the system's own
+  block-size-1 answer, each drafted token replaced by another at rate `1 - p` (`p` in `--acceptance`): the runner
+  drafts nothing itself (`causal_only`, as a random model's query block would draft noise), each forward verifies
+  the drafts its cost table says pay (clover.engine.cost, measured again in this run on this twin: a kept table may
+  have been measured in a busy moment; the cost of k rows against one is reported), and its tokens must equal
+  block size 1's at every `p`. tok/s, tokens per forward, and the speedup over block size 1
   timed again beside it, prompt by prompt (a shared machine's slow moments then fall on both), whole requests and
   after the first token (the prefill, the same in both, left out);
-* the llama.cpp runner (when in `--exact`): exact mode with the same oracle drafts, sized by its cost table and at fixed counts, each
-  answer timed beside block size 1's on the same prompt (`llamacpp_exact`);
+* the llama.cpp runner (when in `--exact`): exact mode with the same oracle drafts, sized by its cost table and at
+  fixed counts, each answer timed beside block size 1's on the same prompt (`llamacpp_exact`);
 * accuracy: the int4 twin's logits against the fp32 twin's on the fp32 twin's greedy answers (teacher-forced):
   top-1 agreement and KL(fp32 || int4); and where int4's own greedy answer parts from fp32's, fp32's margin there
   (its top logit minus its logit of int4's token).
@@ -530,7 +530,8 @@ def summarise(systems: dict[str, dict[str, Any]], work: Path, args: argparse.Nam
             ratios[f"{name} exact p={p} / block size 1, after the first token"] = e["decode_speedup"]
         if "cost_ms" in s:
             one = s["cost_ms"]["1"]
-            ratios[f"{name} cost of k rows / 1 row (cost table)"] = {k: round(v / one, 2) for k, v in s["cost_ms"].items()}
+            ratios[f"{name} cost of k rows / 1 row (cost table)"] = {k: round(v / one, 2)
+                                                                     for k, v in s["cost_ms"].items()}
         if "rows_cost" in s:
             c = s["rows_cost"]
             ratios[f"{name} verifying step of k rows / 1 row"] = c["cost_vs_one_row"]
