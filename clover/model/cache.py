@@ -159,7 +159,9 @@ class DeltaNetLayerCache:
         # (state before, conv inputs [N, C, K-1 + T] history first, k [N, H, T, dk], v, g [N, H, T], beta)
         self.undo: tuple[torch.Tensor, ...] | None = None
         self.steps: torch.Tensor | None = None  # [T, N, Hv, dk, dv]: the state after each recorded token, where
-        # the C++ decoding step stepped them (`GatedDeltaNet._fused_step`); None where the chunked rule ran
+        # the C++ decoding step stepped them (`GatedDeltaNet._fused_step`); None where the chunked rule ran. The state
+        # a rewind leaves is a view of it, so the T slots live until the next forward replaces the state (a prefix
+        # shared from this cache holds them too, and `CloverCache.storages` counts them)
 
     def record(self, state: torch.Tensor, full: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                beta: torch.Tensor) -> None:
