@@ -3,9 +3,11 @@
 
     python benchmarks/bench_hybrid.py --threads 2 [--work DIR] [--experts-scale 1] [--prompts 3]
         [--max-new-tokens 96] [--init scaled] [--systems clover/fp32,clover/int4,llama.cpp/q4_0]
+        [--exact clover/fp32,clover/int4,llama.cpp/q4_0] [--acceptance 0.9,0.7,0.5,0]
 
 The twin (`TWIN`: Qwen3.5-MoE's block pattern, 20 layers, 32 experts of which 4 routed plus a shared one, clover-smol's
-tokenizer; `--experts-scale 4`: 128 experts, the rest alike) is built once under `--work` with random weights
+tokenizer; `--experts-scale 4`: 128 experts, the rest alike, drawn straight into int4 (`draw_int4`: its fp32 form,
+17 GB, is never whole in memory), so run with `--systems clover/int4`) is built once under `--work` with random weights
 (`--init scaled`, the default: drawn as trained transformers start, `scale_residual_outputs`; `--init random`: every
 weight N(0, 0.02)),
 quantised once to int4 (`clover.quantize`, saved: the runner loads packed weights, as `clover generate --model
@@ -13,15 +15,18 @@ TWIN-int4` does) and exported once to q4_0. Each system runs in its own subproce
 own), after an untimed warm-up, on the same random prompts, greedy:
 
 * block size 1 (the threshold rule at block size 1: one token per forward): tok/s;
-* Clover's runner only: exact mode (`rule="exact"`, block size 16) with drafts taken from the system's own block-size-1
-  answer, each drafted token replaced by another at rate `1 - p` (`p` in `--acceptance`): the runner drafts nothing
-  itself (`causal_only`, as a random model's query block would draft noise), each forward verifies the drafts its
-  cost table says pay (clover.engine.cost, measured on this twin: the cost of k rows against one is reported), and
-  its tokens must equal block size 1's at every `p`. tok/s, tokens per forward, and the speedup over block size 1
+* Clover's runner only (the systems in `--exact`): the cost of a verifying step of k rows against one, k = 1..6,
+  beside the experts those rows route to and the bytes a forward then reads, and the ceiling of exact mode those
+  costs leave (`rows_cost`); then exact mode (`rule="exact"`, block size 16) with drafts taken from the system's own
+  block-size-1 answer, each drafted token replaced by another at rate `1 - p` (`p` in `--acceptance`): the runner
+  drafts nothing itself (`causal_only`, as a random model's query block would draft noise), each forward verifies
+  the drafts its cost table says pay (clover.engine.cost, measured again in this run on this twin: a kept table may
+  have been measured in a busy moment; the cost of k rows against one is reported), and its tokens must equal
+  block size 1's at every `p`. tok/s, tokens per forward, and the speedup over block size 1
   timed again beside it, prompt by prompt (a shared machine's slow moments then fall on both), whole requests and
   after the first token (the prefill, the same in both, left out);
-* the llama.cpp runner: exact mode with the same oracle drafts, sized by its cost table and at fixed counts, each
-  answer timed beside block size 1's on the same prompt (`llamacpp_exact`);
+* the llama.cpp runner (when in `--exact`): exact mode with the same oracle drafts, sized by its cost table and at
+  fixed counts, each answer timed beside block size 1's on the same prompt (`llamacpp_exact`);
 * accuracy: the int4 twin's logits against the fp32 twin's on the fp32 twin's greedy answers (teacher-forced):
   top-1 agreement and KL(fp32 || int4); and where int4's own greedy answer parts from fp32's, fp32's margin there
   (its top logit minus its logit of int4's token).
@@ -76,15 +81,20 @@ def build(work: Path, experts_scale: int, init: str = "scaled") -> dict[str, Pat
     checkpoint and its q4_0 GGUF under `work`, each built once."""
     import torch
 
-    from clover import CloverConfig, CloverForBlockDiffusion
+    from clover import CloverForBlockDiffusion
     from clover.cli.loading import resolve_model_dir
-    from clover.config import _hybrid_layer_types
     from clover.conversion.gguf_export import export_gguf
     from clover.model.quant import quantize
     from clover.runners.llama_api import quantize_rows
 
     paths = {"fp32": work / "twin", "int4": work / "twin-int4", "q4_0": work / "twin.q4_0.gguf"}
     smol = resolve_model_dir(None)  # clover-smol: its tokenizer (with the mask token)
+    if experts_scale > 1:  # its fp32 form does not fit beside other work (17 GB at 4x): drawn straight into int4
+        if not (paths["int4"] / "config.json").is_file():
+            model = draw_int4(_twin_config(smol, experts_scale), init)
+            model.save_pretrained(paths["int4"], tokenizer_dir=smol)
+            (work / "init").write_text(init + "\n")
+        return {"int4": paths["int4"]}
     marker = work / "init"  # how the twin under `work` was drawn: a twin drawn otherwise is not reused
     if (paths["fp32"] / "config.json").is_file():
         built = marker.read_text().strip() if marker.is_file() else "random"  # twins built before `--init` were
@@ -92,13 +102,8 @@ def build(work: Path, experts_scale: int, init: str = "scaled") -> dict[str, Pat
             raise SystemExit(f"{work} holds a twin drawn with --init {built}, not {init}: pass --init {built} or "
                              "another --work")
     else:
-        smol_config = CloverConfig.from_file(smol)
-        shape = {**TWIN, "num_experts": TWIN["num_experts"] * experts_scale}
-        config = CloverConfig.from_preset("clover-hybrid-small", **shape, layer_types=_hybrid_layer_types(20),
-                                          vocab_size=smol_config.vocab_size, mask_token_id=smol_config.mask_token_id,
-                                          eos_token_id=smol_config.eos_token_id)
         torch.manual_seed(0)
-        model = CloverForBlockDiffusion(config).eval()
+        model = CloverForBlockDiffusion(_twin_config(smol, experts_scale)).eval()
         if init == "scaled":
             scale_residual_outputs(model)
         model.save_pretrained(paths["fp32"], tokenizer_dir=smol)
@@ -111,6 +116,55 @@ def build(work: Path, experts_scale: int, init: str = "scaled") -> dict[str, Pat
     if not paths["q4_0"].is_file():
         export_gguf(paths["fp32"], paths["q4_0"], "q4_0", kquant=quantize_rows)
     return paths
+
+
+def _twin_config(smol: Path, experts_scale: int) -> Any:
+    from clover import CloverConfig
+    from clover.config import _hybrid_layer_types
+
+    smol_config = CloverConfig.from_file(smol)
+    shape = {**TWIN, "num_experts": TWIN["num_experts"] * experts_scale}
+    return CloverConfig.from_preset("clover-hybrid-small", **shape, layer_types=_hybrid_layer_types(20),
+                                    vocab_size=smol_config.vocab_size, mask_token_id=smol_config.mask_token_id,
+                                    eos_token_id=smol_config.eos_token_id)
+
+
+def draw_int4(config: Any, init: str) -> Any:
+    """The twin drawn as `build` draws it, packed to int4 without its fp32 form ever whole in memory: the routed
+    experts are left on the meta device while the model is drawn, then each MoE layer's are drawn, packed and freed
+    in turn (the same distributions; other draws than the fp32 twin's), the rest quantised as `quantize` does."""
+    from types import SimpleNamespace
+    from unittest import mock
+
+    import torch
+    from torch import nn
+
+    from clover import CloverForBlockDiffusion
+    from clover.model.moe import Experts, SparseMoE
+    from clover.model.quant import PackedExperts, default_activations, quantize
+
+    def on_meta(self: Experts, cfg: Any) -> None:
+        nn.Module.__init__(self)
+        e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h, device="meta"))
+        self.down_proj = nn.Parameter(torch.empty(e, h, i, device="meta"))
+
+    torch.manual_seed(0)
+    with mock.patch.object(Experts, "__init__", on_meta):
+        model = CloverForBlockDiffusion(config).eval()
+    if init == "scaled":
+        scale_residual_outputs(model)
+    std = config.initializer_range
+    down_std = std / (2 * config.num_hidden_layers) ** 0.5 if init == "scaled" else std
+    e, h, i = config.num_experts, config.hidden_size, config.moe_intermediate_size
+    for name, module in model.named_modules():
+        if isinstance(module, SparseMoE):
+            drawn = SimpleNamespace(gate_up_proj=torch.empty(e, 2 * i, h).normal_(std=std),
+                                    down_proj=torch.empty(e, h, i).normal_(std=down_std))
+            module.experts = PackedExperts.from_experts(drawn, "int4", name=f"{name}.experts",
+                                                        activations=default_activations("int4"))
+            del drawn
+    return quantize(model, "int4")
 
 
 def oracle_drafts(references: dict[tuple[int, ...], list[int]], p: float) -> Any:
@@ -159,9 +213,10 @@ def worker(kind: str, path: str, job: dict) -> dict:
         sequences.append(out.sequences[0])
     result: dict[str, Any] = {"tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds,
                               "sequences": sequences}
-    if kind != "clover":
+    if kind != "clover" and job["exact"]:
         result.update(llamacpp_exact(model, prompts, sequences, job))
-    if kind == "clover":
+    if kind == "clover" and job["exact"]:
+        result["rows_cost"] = rows_cost(model)
         result.update(exact_mode(model, prompts, sequences, job))
         # fp32 reads its own answers; int4 reads fp32's
         result["teacher_forced"] = teacher_forced(model, prompts, job.get("reference_sequences") or sequences,
@@ -176,7 +231,7 @@ def exact_mode(runner: Any, prompts: list[list[int]], sequences: list[list[int]]
     from clover.engine.cost import cost_table
 
     runner.causal_only = True  # drafts come from `oracle_drafts` alone
-    table = cost_table(runner)
+    table = cost_table(runner, recalibrate=True)  # measured in this run (a kept table may be a busy moment's)
     out: dict[str, Any] = {"cost_ms": {r: round(1000 * s, 2) for r, s in zip(table.rows, table.seconds)},
                            "exact": {}}
     original = exact.copied_drafts
@@ -208,6 +263,79 @@ def exact_mode(runner: Any, prompts: list[list[int]], sequences: list[list[int]]
     finally:
         exact.copied_drafts = original
     return out
+
+
+def rows_cost(runner: Any, most: int = 6, repeats: int = 9, context: int = 64) -> dict[str, Any]:
+    """What verifying costs on this shape: a step of `k` causal rows after a cached context (`k - 1` drafts), timed
+    whole as exact mode pays it (`mark`, the forward with logits at every row, the `rewind` of a rejection at the
+    first draft), the counts taking turns, the median of `repeats` rounds; beside it the experts those rows route to
+    (the union over the rows, the mean over MoE layers, from the router) and the bytes a forward then reads (the
+    packed dense weights and LM head once, each routed expert once: a memory-bound forward's cost ratio). The
+    ceiling at `p`: the most exact mode can gain with these costs (`measured`; `bytes`: were a forward to cost the
+    bytes it reads), `max_k E_p(k - 1) / c(k)`,
+    `E_p(j) = 1 + p + ... + p^j` tokens a step (each draft kept with probability `p` while the ones before were).
+    Each step keeps its first token, so the context grows by one a step (64 to 124 tokens over the rounds)."""
+    import statistics
+
+    import torch
+
+    from clover.model.moe import SparseMoE
+    from clover.model.quant import PackedExperts
+
+    model = runner.model
+    moes = [m for m in model.modules() if isinstance(m, SparseMoE)]
+    union: list[int] = []
+    hooks = [m.register_forward_pre_hook(
+        lambda m, args: union.append(int(m.gate(args[0].reshape(-1, args[0].shape[-1]))[1].unique().numel())))
+        for m in moes]
+    gen = torch.Generator().manual_seed(0)
+    vocab = min(runner.config.vocab_size, 1000)
+    times: dict[int, list[float]] = {k: [] for k in range(1, most + 1)}
+    unions: dict[int, list[int]] = {k: [] for k in range(1, most + 1)}
+    cache = runner.new_cache(1)
+    with torch.inference_mode():
+        runner.forward(torch.randint(0, vocab, (1, context), generator=gen), 1, cache=cache, prefix_len=context,
+                       logits_to_keep=0)
+        for round_ in range(repeats + 1):  # the first round warms each shape up, not counted
+            for k in range(1, most + 1):
+                ids = torch.randint(0, vocab, (1, k), generator=gen)
+                at = torch.ones(1, k, dtype=torch.bool)
+                union.clear()
+                start = time.perf_counter()
+                cache.mark()
+                runner.forward(ids, 1, cache=cache, prefix_len=k, logits_at=at)
+                cache.rewind(torch.ones(1, dtype=torch.long))  # the decided token kept, the drafts rejected
+                took = time.perf_counter() - start
+                if round_:
+                    times[k].append(took)
+                    unions[k].append(statistics.mean(union))
+    for hook in hooks:
+        hook.remove()
+    experts = [m.experts for m in moes]
+    expert_bytes = sum(sum(b.numel() * b.element_size() for b in e.buffers()) if isinstance(e, PackedExperts) else
+                       sum(p.numel() * p.element_size() for p in e.parameters()) for e in experts)
+    embed = model.model.embed_tokens.weight
+    total = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    dense = total - expert_bytes - embed.numel() * embed.element_size()  # one embedding row is read, not the table
+    num_experts = runner.config.num_experts
+    median = {k: statistics.median(v) for k, v in times.items()}
+    routed = {k: statistics.mean(v) for k, v in unions.items()}
+    read = {k: dense + expert_bytes * routed[k] / num_experts for k in routed}
+    cost = {k: median[k] / median[1] for k in median}
+    ceiling: dict[str, Any] = {}
+    for p in (0.9, 0.7, 0.5):
+        for name, ratio in (("measured", cost), ("bytes", {k: read[k] / read[1] for k in read})):
+            gains = {k: sum(p ** i for i in range(k)) / ratio[k] for k in ratio}
+            best = max(gains, key=gains.get)
+            ceiling.setdefault(str(p), {})[name] = {"speedup": round(gains[best], 3), "rows": best,
+                                                    "tokens_per_forward": round(sum(p ** i for i in range(best)), 3)}
+    return {"ms": {k: round(1000 * v, 2) for k, v in median.items()},
+            "cost_vs_one_row": {k: round(v, 3) for k, v in cost.items()},
+            "experts_routed": {k: round(v, 2) for k, v in routed.items()}, "experts": num_experts,
+            "top_k": runner.config.num_experts_per_tok,
+            "bytes_read_mb": {k: round(v / 1e6, 1) for k, v in read.items()},
+            "bytes_vs_one_row": {k: round(v / read[1], 3) for k, v in read.items()},
+            "dense_mb": round(dense / 1e6, 1), "experts_mb": round(expert_bytes / 1e6, 1), "ceiling": ceiling}
 
 
 def llamacpp_exact(runner: Any, prompts: list[list[int]], sequences: list[list[int]], job: dict) -> dict:
@@ -324,6 +452,9 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--acceptance", default="0.9,0.7,0.5,0")
     parser.add_argument("--systems", default="clover/fp32,clover/int4,llama.cpp/q4_0")
+    parser.add_argument("--exact", default="clover/fp32,clover/int4,llama.cpp/q4_0",
+                        help="the systems whose exact mode is measured, and for Clover's the cost of k rows (the "
+                        "others: block size 1)")
     parser.add_argument("--out", type=Path, default=RESULTS / "bench_hybrid.json")
     parser.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -340,7 +471,11 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     started = time.time()
     paths = build(work, args.experts_scale, args.init)
-    config = CloverConfig.from_file(paths["fp32"])
+    config = CloverConfig.from_file(paths["int4"])
+    missing = [name for name in args.systems.split(",") if name.split("/")[1] not in paths]
+    if missing:
+        raise SystemExit(f"--experts-scale {args.experts_scale} builds the int4 twin only (its fp32 form does not fit "
+                         f"in memory beside other work): drop {','.join(missing)} from --systems")
     rng = random.Random(0)
     prompts = [[rng.randrange(config.vocab_size - 1) for _ in range(args.prompt_len)] for _ in range(args.prompts)]
     systems: dict[str, dict[str, Any]] = {}
@@ -348,7 +483,7 @@ def main() -> None:
         runner, form = name.split("/")
         kind = "clover" if runner == "clover" else "llamacpp"
         job = {"threads": args.threads, "prompts": prompts, "max_new_tokens": args.max_new_tokens,
-               "acceptance": [float(p) for p in args.acceptance.split(",")],
+               "acceptance": [float(p) for p in args.acceptance.split(",")], "exact": name in args.exact.split(","),
                "result": str(work / f"{name.replace('/', '_')}.json"),
                "logits_out": str(work / f"{name.replace('/', '_')}.logits.safetensors")}
         job["reference_sequences"] = systems.get("clover/fp32", {}).get("sequences")
@@ -364,6 +499,10 @@ def main() -> None:
         systems[name] = json.loads(Path(job["result"]).read_text())
         s = systems[name]
         print(f"{name}: {s['tok_s']:.2f} tok/s at block size 1, peak RSS {s['peak_rss_mib']:.0f} MiB", flush=True)
+        if "rows_cost" in s:
+            c = s["rows_cost"]
+            print(f"  cost of k rows / 1: {c['cost_vs_one_row']}, experts routed {c['experts_routed']}, "
+                  f"bytes / 1 row {c['bytes_vs_one_row']}, ceiling {c['ceiling']}", flush=True)
         for p, e in s.get("exact", {}).items():
             print(f"  exact p={p}: {e['tok_s']:.2f} tok/s ({e['speedup']:.2f}x block size 1 timed beside it, "
                   f"{e['decode_speedup']:.2f}x after the first token), {e['tokens_per_forward']:.2f} tokens/forward, "
@@ -391,7 +530,13 @@ def summarise(systems: dict[str, dict[str, Any]], work: Path, args: argparse.Nam
             ratios[f"{name} exact p={p} / block size 1, after the first token"] = e["decode_speedup"]
         if "cost_ms" in s:
             one = s["cost_ms"]["1"]
-            ratios[f"{name} cost of k rows / 1 row"] = {k: round(v / one, 2) for k, v in s["cost_ms"].items()}
+            ratios[f"{name} cost of k rows / 1 row (cost table)"] = {k: round(v / one, 2)
+                                                                     for k, v in s["cost_ms"].items()}
+        if "rows_cost" in s:
+            c = s["rows_cost"]
+            ratios[f"{name} verifying step of k rows / 1 row"] = c["cost_vs_one_row"]
+            ratios[f"{name} experts routed by k rows"] = c["experts_routed"]
+            ratios[f"{name} ceiling of exact mode by these costs"] = c["ceiling"]
     report: dict[str, Any] = {"systems": systems, "ratios": ratios}
     fp32, int4 = systems.get("clover/fp32", {}), systems.get("clover/int4", {})
     if "sequences" in fp32 and "sequences" in int4 and "teacher_forced" in int4:

@@ -153,8 +153,9 @@ class DeltaNetLayerCache:
     """Recurrent state and conv window of one Gated DeltaNet layer (zeros = empty history).
 
     While `recording` (between `CloverCache.mark` and `rewind`), the layer keeps in `undo` what the forward's
-    clean tokens did to it: the state before them, their conv inputs, and their `k, v, g, beta` — enough to
-    recompute the state over any prefix of them without running the model again."""
+    clean tokens did to it: the state before them, their conv inputs, and either their `k, v, g, beta` (the chunked
+    rule: enough to recompute the state over any prefix of them without running the model again) or, where the C++
+    decoding step stepped them, the state after each of them (`steps`)."""
 
     def __init__(self) -> None:
         self.state: torch.Tensor | None = None  # [N, Hv, dk, dv], fp32
@@ -162,44 +163,54 @@ class DeltaNetLayerCache:
         self.recording = False
         # (state before, conv inputs [N, C, K-1 + T] history first, k [N, H, T, dk], v, g [N, H, T], beta)
         self.undo: tuple[torch.Tensor, ...] | None = None
-        self.stepped = False  # the recorded tokens were stepped one by one (the layer's C++ decoding step)
+        self.steps: torch.Tensor | None = None  # [T, N, Hv, dk, dv]: the state after each recorded token, where
+        # the C++ decoding step stepped them (`GatedDeltaNet._fused_step`); None where the chunked rule ran. The state
+        # a rewind leaves is a view of it, so the T slots live until the next forward replaces the state (a prefix
+        # shared from this cache holds them too, and `CloverCache.storages` counts them)
 
     def record(self, state: torch.Tensor, full: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-               beta: torch.Tensor, stepped: bool = False) -> None:
-        """Called by the layer for a forward's clean tokens (a no-op unless recording); `stepped`: by the C++
-        decoding step (`clover.model.deltanet.GatedDeltaNet._fused_step`), not the chunked rule."""
-        if not self.recording:
-            return
+               beta: torch.Tensor) -> None:
+        """Called by the layer for a forward's clean tokens run by the chunked rule (a no-op unless recording)."""
+        if self.recording:
+            self._record((state, full, k, v, g, beta))
+
+    def record_steps(self, state: torch.Tensor, full: torch.Tensor, steps: torch.Tensor) -> None:
+        """Called by the C++ decoding step for a forward's clean tokens, with the state after each (`steps`)."""
+        if self.recording:
+            self._record((state, full), steps)
+
+    def _record(self, undo: tuple[torch.Tensor, ...], steps: torch.Tensor | None = None) -> None:
         if self.undo is not None:
             raise RuntimeError("only one forward can run between CloverCache.mark and rewind")
-        self.undo, self.stepped = (state, full, k, v, g, beta), stepped
+        self.undo, self.steps = undo, steps
 
     def rewind(self, keep: torch.Tensor, fed: torch.Tensor) -> None:
         """Keep each row's first `keep[r]` of the `fed[r]` clean tokens of the recorded forward.
 
-        The state is recomputed from the state before the forward by the chunked causal rule over the recorded
-        `k, v, g, beta`, with `g = beta = 0` from `keep[r]` on (exactly the identity step: `S * exp(0) + k * 0`).
-        That costs one state-only pass of the rule over at most `T` tokens per layer — no projections, no
-        other layer — and needs only `O(T)` extra memory, where per-token states would need `T` states of
-        `dk x dv` per head. Rows that keep everything get, bit for bit, the state the forward computed (the same
-        call on the same inputs); where the forward stepped its tokens one by one in C++, they are stepped again
-        (`deltanet_replay`), so a kept prefix has the bits of its own steps too. The conv window is the `K-1`
-        inputs that end at the last kept token."""
-        state0, full, k, v, g, beta = self.undo
-        t = k.shape[2]
-        if bool((keep < fed).any()) and self.stepped:
-            # the same C++ steps over the kept tokens: the state a block-size-1 step would have, bit for bit
-            from clover.ops import woq  # deferred: the extension is compiled on first use
-
-            self.state = woq.extension().deltanet_replay(state0, k, v, g, beta, keep)
+        Where the C++ decoding step stepped the tokens, the state after the kept ones is the one it wrote then
+        (`steps`): the bits a block-size-1 step gives, at no cost. Else it is recomputed from the state before the
+        forward by the chunked causal rule over the recorded `k, v, g, beta`, with `g = beta = 0` from `keep[r]` on
+        (exactly the identity step: `S * exp(0) + k * 0`): one state-only pass of the rule over at most `T` tokens
+        per layer — no projections, no other layer — and only `O(T)` extra memory, where per-token states would need
+        `T` states of `dk x dv` per head. Rows that keep everything get, bit for bit, the state the forward computed
+        (the same call on the same inputs). The conv window is the `K-1` inputs that end at the last kept token."""
+        state0, full = self.undo[:2]
+        if self.steps is not None:
+            counts = keep.tolist()
+            if len(set(counts)) == 1:  # every row keeps as many (one row): a view, no copy
+                self.state = state0 if counts[0] == 0 else self.steps[counts[0] - 1]
+            else:
+                self.state = torch.stack([state0[r] if j == 0 else self.steps[j - 1, r] for r, j in enumerate(counts)])
         elif bool((keep < fed).any()):
+            k, v, g, beta = self.undo[2:]
+            t = k.shape[2]
             kept = (torch.arange(t, device=keep.device)[None] < keep[:, None])[:, None].to(g.dtype)  # [N, 1, T]
             _, self.state, _ = chunk_gated_delta_rule(None, k, v, g * kept, beta * kept, state0,
                                                       chunk_size=min(t, 64))
-        k1 = full.shape[2] - t
+        k1 = self.conv.shape[2]  # the window the forward left: K-1 inputs
         index = (keep[:, None] + torch.arange(k1, device=keep.device)[None])[:, None].expand(-1, full.shape[1], -1)
         self.conv = full.gather(2, index)
-        self.recording, self.undo = False, None
+        self.recording, self.undo, self.steps = False, None, None
 
     def select(self, rows: torch.Tensor) -> None:
         if self.state is not None:

@@ -235,16 +235,14 @@ class GatedDeltaNet(nn.Module):
         drafts as block size 1's steps)."""
         from clover.ops import woq  # deferred: the extension is compiled on first use
 
-        n, t, _ = x.shape
         mixed = self.in_proj_qkv(x)
-        y, state, window, k, v, g, beta = woq.extension().deltanet_step(
+        y, state, window, states = woq.extension().deltanet_step(
             mixed, self.in_proj_z(x), self.in_proj_a(x), self.in_proj_b(x), cache.conv.contiguous(),
             self.conv1d.weight, None if self.causal_read else self.conv1d_right.weight, self.A_log, self.dt_bias,
             self.norm.weight, self.norm.eps, cache.state.contiguous(), self.num_k_heads, self.head_k_dim,
-            self.head_v_dim)
-        if cache.recording:
-            cache.record(cache.state, torch.cat([cache.conv, mixed.transpose(1, 2)], dim=2), k, v, g, beta,
-                         stepped=True)
+            self.head_v_dim, cache.recording)
+        if cache.recording:  # the state after each token, kept for a rewind to pick from
+            cache.record_steps(cache.state, torch.cat([cache.conv, mixed.transpose(1, 2)], dim=2), states)
         cache.state, cache.conv = state, window
         return self.out_proj(y)
 

@@ -66,3 +66,25 @@ def test_a_rewound_step_leaves_the_bits_of_its_kept_tokens_stepped_alone(model, 
     states = [(a.state, b.state) for a, b in zip(cache.layers, alone.layers) if hasattr(a, "state")]
     assert states and all(torch.equal(a, b) for a, b in states)
     assert torch.equal(model(ids[:, 14:15], cache=cache).logits, model(ids[:, 14:15], cache=alone).logits)
+
+
+@torch.no_grad()
+def test_rows_that_keep_different_counts_get_the_states_of_their_kept_steps(model):
+    """A batch's rows reject their drafts at different places: each row's DeltaNet state and conv window after the
+    rewind are those of stepping its own kept tokens alone (the C++ step kept the state after each token)."""
+    ids = torch.randint(0, 250, (3, 14))
+    valid = torch.ones_like(ids, dtype=torch.bool)
+    cache = _prefilled(model, ids, valid, 8)
+    cache.mark()
+    model(ids[:, 8:14], cache=cache)
+    keep = [1, 6, 3]
+    cache.rewind(torch.tensor(keep))
+    for r, kept in enumerate(keep):
+        alone = _prefilled(model, ids, valid, 8)  # the same prefill (a batch's prompt rows may round otherwise)
+        alone.select([r])
+        for t in range(8, 8 + kept):
+            model(ids[r : r + 1, t : t + 1], cache=alone)
+        layers = [(a, b) for a, b in zip(cache.layers, alone.layers) if hasattr(a, "state")]
+        assert layers
+        for a, b in layers:
+            assert torch.equal(a.state[r], b.state[0]) and torch.equal(a.conv[r], b.conv[0])

@@ -7,7 +7,10 @@
 //   S' = S exp(g);  delta = (v - S'^T k) beta;  S'' = S' + k delta^T;  o = S''^T q;
 //   y = w_norm * o / rms(o) * silu(z)  (per value head).
 // Two passes over each head's state [dk, dv] (decay and read k; write and read q), into a new state tensor: the cache
-// may have recorded the old one (CloverCache.mark). Value heads run in parallel.
+// may have recorded the old one (CloverCache.mark). With `keep_states` (exact mode's verified drafts, to be partly
+// undone) each token's step writes into a slot of its own, so the state after every prefix of the tokens is kept at
+// no extra pass: undoing the rejected ones picks a slot (CloverCache.rewind) instead of stepping the kept ones
+// again. Value heads run in parallel.
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -61,12 +64,13 @@ void check_f32(const torch::Tensor& t, const char* name) {
 
 // mixed [N, T, C], z [N, T, Hv dv], a and b [N, T, Hv]: T causal tokens per row, stepped in turn (each step the same
 // code and bits as a forward of that token alone) -> (y [N, T, Hv dv], new state [N, Hv, dk, dv], new conv window
-// [N, C, K-1], k [N, Hv, T, dk], v [N, Hv, T, dv], g [N, Hv, T], beta [N, Hv, T]): the last four as the module
-// computes them, for the cache's record.
-std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor>
+// [N, C, K-1], states [T, N, Hv, dk, dv]: with `keep_states` the state after each token (the new state is its last
+// slot, a view), else empty).
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor>
 deltanet_step(torch::Tensor mixed, torch::Tensor z, torch::Tensor a, torch::Tensor b, torch::Tensor history,
               torch::Tensor conv_w, c10::optional<torch::Tensor> right_w, torch::Tensor a_log, torch::Tensor dt_bias,
-              torch::Tensor norm_w, double norm_eps, torch::Tensor state, int64_t k_heads, int64_t dk, int64_t dv) {
+              torch::Tensor norm_w, double norm_eps, torch::Tensor state, int64_t k_heads, int64_t dk, int64_t dv,
+              bool keep_states) {
   for (const auto& [t, name] : {std::pair{&mixed, "mixed"}, {&z, "z"}, {&a, "a"}, {&b, "b"}, {&history, "history"},
                                 {&conv_w, "conv weight"}, {&a_log, "A_log"}, {&dt_bias, "dt_bias"},
                                 {&norm_w, "norm weight"}, {&state, "state"}})
@@ -86,10 +90,10 @@ deltanet_step(torch::Tensor mixed, torch::Tensor z, torch::Tensor a, torch::Tens
     TORCH_CHECK(right_w->numel() == C * K, "right conv weight must be [C, 1, K]");
   }
   auto opts = mixed.options();
-  auto y = torch::empty({N, T, Hv * dv}, opts), out_state = torch::empty_like(state);
+  auto y = torch::empty({N, T, Hv * dv}, opts);
+  // one slot per token (keep_states) or one slot stepped in place
+  auto states = torch::empty({keep_states ? T : 1, N, Hv, dk, dv}, opts);
   auto window = torch::empty({N, C, K - 1}, opts), conv = torch::empty({N, T, C}, opts);
-  auto ko = torch::empty({N, Hv, T, dk}, opts), vo = torch::empty({N, Hv, T, dv}, opts);
-  auto go = torch::empty({N, Hv, T}, opts), bo = torch::empty({N, Hv, T}, opts);
   const float *m = mixed.data_ptr<float>(), *hist = history.data_ptr<float>(), *w = conv_w.data_ptr<float>();
   const float* rw = right_w ? right_w->data_ptr<float>() : nullptr;
   float *cp = conv.data_ptr<float>(), *win = window.data_ptr<float>();
@@ -115,14 +119,14 @@ deltanet_step(torch::Tensor mixed, torch::Tensor z, torch::Tensor a, torch::Tens
   const float *zp = z.data_ptr<float>(), *ap = a.data_ptr<float>(), *bp = b.data_ptr<float>();
   const float *alog = a_log.data_ptr<float>(), *dt = dt_bias.data_ptr<float>(), *nw = norm_w.data_ptr<float>();
   const float* sp = state.data_ptr<float>();
-  float *yp = y.data_ptr<float>(), *osp = out_state.data_ptr<float>(), *kp = ko.data_ptr<float>();
-  float *vp = vo.data_ptr<float>(), *gp = go.data_ptr<float>(), *betap = bo.data_ptr<float>();
+  float *yp = y.data_ptr<float>(), *osp = states.data_ptr<float>();
+  const int64_t slot = N * Hv * dk * dv;  // one token's states
   at::parallel_for(0, N * Hv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> q(dk), o(dv);
+    std::vector<float> q(dk), k(dk), v(dv), o(dv);
     for (int64_t i = begin; i < end; ++i) {
       const int64_t n = i / Hv, h = i % Hv, kh = h / rep;
       for (int64_t t = 0; t < T; ++t) {
-        const int64_t nt = n * T + t, it = i * T + t;  // [N, T, ...] and [N, Hv, T, ...] rows
+        const int64_t nt = n * T + t;  // [N, T, ...] rows
         const float* row = cp + nt * C;
         // q and k of the key head, L2-normalised
         float qq = 0.f, kk = 0.f;
@@ -131,19 +135,18 @@ deltanet_step(torch::Tensor mixed, torch::Tensor z, torch::Tensor a, torch::Tens
           kk += row[key_dim + kh * dk + d] * row[key_dim + kh * dk + d];
         }
         const float qn = 1.f / std::sqrt(qq + 1e-6f), kn = 1.f / std::sqrt(kk + 1e-6f);
-        float* k = kp + it * dk;
         for (int64_t d = 0; d < dk; ++d) {
           q[d] = row[kh * dk + d] * qn * qscale;
           k[d] = row[key_dim + kh * dk + d] * kn;
         }
-        float* v = vp + it * dv;
         for (int64_t d = 0; d < dv; ++d) v[d] = row[2 * key_dim + h * dv + d];
         const float g = -std::exp(alog[h]) * softplus(ap[nt * Hv + h] + dt[h]);
         const float beta = 1.f / (1.f + std::exp(-bp[nt * Hv + h]));
-        gp[it] = g, betap[it] = beta;
-        // the first token reads the cached state, the rest the new one (in place: each element read, then written)
-        head_step(t == 0 ? sp + i * dk * dv : osp + i * dk * dv, osp + i * dk * dv, q.data(), k, v, std::exp(g),
-                  beta, dk, dv, o.data());
+        // the first token reads the cached state, the rest the state the token before wrote (the same slot, in
+        // place: each element read, then written; or the slot before)
+        float* out = osp + (keep_states ? t * slot : 0) + i * dk * dv;
+        const float* in = t == 0 ? sp + i * dk * dv : keep_states ? out - slot : out;
+        head_step(in, out, q.data(), k.data(), v.data(), std::exp(g), beta, dk, dv, o.data());
         // gated RMSNorm of the head's output
         float ss = 0.f;
         for (int64_t d = 0; d < dv; ++d) ss += o[d] * o[d];
@@ -153,38 +156,5 @@ deltanet_step(torch::Tensor mixed, torch::Tensor z, torch::Tensor a, torch::Tens
       }
     }
   });
-  return {y, out_state, window, ko, vo, go, bo};
-}
-
-// The state after each row's first keep[n] of T recorded tokens (k [N, Hv, T, dk], v [N, Hv, T, dv], g and beta
-// [N, Hv, T], as `deltanet_step` returned them), from the state before them [N, Hv, dk, dv]: the same head steps, so
-// the same bits, as the forward that stepped them (CloverCache.rewind after exact mode's rejected drafts).
-torch::Tensor deltanet_replay(torch::Tensor state, torch::Tensor k, torch::Tensor v, torch::Tensor g,
-                              torch::Tensor beta, torch::Tensor keep) {
-  for (const auto& [t, name] : {std::pair{&state, "state"}, {&k, "k"}, {&v, "v"}, {&g, "g"}, {&beta, "beta"}})
-    check_f32(*t, name);
-  TORCH_CHECK(state.dim() == 4 && k.dim() == 4 && v.dim() == 4, "state [N, Hv, dk, dv], k [N, Hv, T, dk], v");
-  const int64_t N = state.size(0), Hv = state.size(1), dk = state.size(2), dv = state.size(3), T = k.size(2);
-  TORCH_CHECK(k.size(0) == N && k.size(1) == Hv && k.size(3) == dk && v.size(2) == T && v.size(3) == dv &&
-                  g.numel() == N * Hv * T && beta.numel() == N * Hv * T,
-              "k [N, Hv, T, dk], v [N, Hv, T, dv], g and beta [N, Hv, T] of the state's N, Hv, dk, dv");
-  auto kept = keep.to(torch::kLong).contiguous();
-  TORCH_CHECK(kept.numel() == N, "keep must hold one count per row");
-  auto out = state.clone();
-  const float *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>(), *gp = g.data_ptr<float>();
-  const float* bp = beta.data_ptr<float>();
-  const int64_t* kk = kept.data_ptr<int64_t>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, N * Hv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> q(dk, 0.f), o(dv);  // the read is not needed: q = 0
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t n = i / Hv, steps = std::min<int64_t>(std::max<int64_t>(kk[n], 0), T);
-      for (int64_t t = 0; t < steps; ++t) {
-        const int64_t it = i * T + t;
-        head_step(op + i * dk * dv, op + i * dk * dv, q.data(), kp + it * dk, vp + it * dv, std::exp(gp[it]), bp[it],
-                  dk, dv, o.data());
-      }
-    }
-  });
-  return out;
+  return {y, states[states.size(0) - 1], window, keep_states ? states : torch::Tensor()};
 }

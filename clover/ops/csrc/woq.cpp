@@ -881,6 +881,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("shared_gate_up") = py::none(), py::arg("shared_down") = py::none(),
         py::arg("shared_gate") = py::none(), py::arg("passes") = 1, py::arg("vector") = true);
   m.def("deltanet_step", &deltanet_step, "one Gated DeltaNet decoding step after the input projections (deltanet.cpp)");
-  m.def("deltanet_replay", &deltanet_replay, "the state after a prefix of recorded DeltaNet steps (deltanet.cpp)");
   m.def("decoder_layers", &decoder_layers, "Llama-form decoder layers over packed weights, in turn (layer.cpp)");
 }

@@ -84,9 +84,8 @@ torch::Tensor moe_forward(torch::Tensor x, torch::Tensor router, int64_t top_k, 
                           int64_t passes, bool vector);
 
 // One Gated DeltaNet decoding step after the input projections (deltanet.cpp).
-std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor>
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor>
 deltanet_step(torch::Tensor mixed, torch::Tensor z, torch::Tensor a, torch::Tensor b, torch::Tensor history,
               torch::Tensor conv_w, c10::optional<torch::Tensor> right_w, torch::Tensor a_log, torch::Tensor dt_bias,
-              torch::Tensor norm_w, double norm_eps, torch::Tensor state, int64_t k_heads, int64_t dk, int64_t dv);
-torch::Tensor deltanet_replay(torch::Tensor state, torch::Tensor k, torch::Tensor v, torch::Tensor g,
-                              torch::Tensor beta, torch::Tensor keep);
+              torch::Tensor norm_w, double norm_eps, torch::Tensor state, int64_t k_heads, int64_t dk, int64_t dv,
+              bool keep_states);
