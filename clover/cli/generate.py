@@ -120,6 +120,7 @@ def run(args: argparse.Namespace) -> int:
 def engine_for(args: argparse.Namespace, runner: Any, tokenizer: Any) -> tuple[Engine, SamplingParams]:
     """The engine and sampling `generate` decodes with for the parsed `args` on a loaded runner (benchmarks that
     measure `generate`'s path build theirs here too)."""
+    # deferred for start-up time: torch and the engine load only when the command runs
     from clover.engine import Engine, SamplingParams
     from clover.engine.grammar import json_schema_grammar
     from clover.engine.thinking import thinking_budget
