@@ -19,6 +19,9 @@ only write past `length` (appends; a forward's query keys/values, which the next
 buffer reallocates), DeltaNet layers replace their tensors — so a
 `prefix` may share tensors with the cache it was cut from. The one exception is `rewind`, which gives back
 positions written by the forward since `mark` (no `prefix` is ever cut from those).
+
+(Over the 450-line mark: the attention and DeltaNet layer caches and the batch operations over both stay in one
+file because every operation — select, concat, prefix, rewind, compact — must treat the two kinds alike.)
 """
 
 from __future__ import annotations
