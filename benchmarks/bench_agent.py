@@ -30,6 +30,12 @@ limit, 20: the task is then failed, as BFCL fails a forced quit). Tool calls are
 any Hermes `<tool_call>` blocks left in the content, read by the client: a server may return a call it does not
 parse as text, and `clover serve` leaves malformed ones there.
 
+Every system reads the same prompt text. Where the model's own template renders no tools (clover-smol's, SmolLM2's),
+`clover serve` writes the tools, calls and results into the messages in the Hermes form
+(`clover.chat_template.hermes_messages`); llama-server would render such a chat without any tools, so the agent sends
+it the messages already written that way (and no `tools`), and reads its calls from the content. The report gives
+no ratio between systems whose prompt-token totals differ by more than 2 %: they did not serve the same work.
+
 Tasks are BFCL's multi-turn categories (`bfcl-eval`'s data): the tools of the task's classes (BFCL's schema
 dialect converted to JSON Schema), executed by bfcl-eval's own back-end classes (GorillaFileSystem, TwitterAPI,
 ...), and each task scored by bfcl-eval's `multi_turn_checker` (state of every back-end instance and the
@@ -319,15 +325,18 @@ def call_problem(call: Call, names: set[str]) -> str | None:
 
 def run_agent(client: Any, model: str, turns: list[Turn], backend: ToolBackend, count_tokens: Callable[[str], int], *,
               max_steps: int = BFCL_MAX_STEPS, max_tokens: int = 256, deadline: float = float("inf"),
-              extra_body: dict[str, Any] | None = None) -> AgentRun:
+              extra_body: dict[str, Any] | None = None, tools_as_text: bool = False) -> AgentRun:
     """Run a multi-turn task: per user turn, request -> execute the calls -> `tool` messages -> request ...,
     until an answer has no call that can be answered, or `max_steps` requests (a forced quit: the run stops).
 
     Calls that parse and name an offered tool are executed by `backend` (all of a step's calls in one batch, in
     order); the others get an error as their tool result. Errors from the server (a timeout, a full context) and
     the `deadline` (time.monotonic()) stop the run with `error` set. `count_tokens` (text -> tokens) counts the
-    tokens of first deltas, and completion tokens for servers that report no usage in streams."""
+    tokens of first deltas, and completion tokens for servers that report no usage in streams. `tools_as_text`:
+    the tools, calls and results sent written into the messages in the Hermes form, no `tools` (module docstring)."""
     import openai
+
+    from clover.chat_template import hermes_messages, normalize_messages
 
     run = AgentRun()
     messages: list[dict[str, Any]] = []
@@ -343,7 +352,9 @@ def run_agent(client: Any, model: str, turns: list[Turn], backend: ToolBackend, 
                 run.error = "time budget"
                 return run
             try:
-                answer = stream_answer(client, model, messages, turn.tools, max_tokens, extra_body or {})
+                sent, tools = ((hermes_messages(normalize_messages(messages), turn.tools), [])
+                               if tools_as_text else (messages, turn.tools))
+                answer = stream_answer(client, model, sent, tools, max_tokens, extra_body or {})
             except openai.APIError as exc:
                 run.error = f"{type(exc).__name__}: {str(exc)[:200]}"
                 return run
@@ -451,15 +462,29 @@ def token_counter(args: argparse.Namespace) -> Callable[[str], int]:
     return lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
+def tools_as_text(system: System, args: argparse.Namespace) -> bool:
+    """Whether the agent writes the tools into the messages for `system`: a llama.cpp server on a model whose
+    template renders none (module docstring)."""
+    from clover.chat_template import checkpoint_template, renders_tools
+    from clover.smol import clover_smol_dir
+    from clover.tokenizer import load_tokenizer
+
+    if not system.llama_cpp or system.clover:
+        return False
+    tokenizer = load_tokenizer(args.model or clover_smol_dir())
+    return not renders_tools(tokenizer, checkpoint_template(tokenizer))
+
+
 def run_task(client: Any, system: System, task: Task, args: argparse.Namespace, deadline: float,
-             count: Callable[[str], int]) -> dict[str, Any]:
+             count: Callable[[str], int], as_text: bool) -> dict[str, Any]:
     """One task: the agent against its own bfcl-eval back-end, then the checker; its record."""
     run_name = f"bench_agent_{system.name}_{uuid.uuid4().hex[:8]}"
     backend = BFCLBackend(task, run_name)
     start = time.perf_counter()
     try:
         run = run_agent(client, MODEL_ID, task.turns, backend, count, max_steps=args.max_steps,
-                        max_tokens=args.max_tokens, deadline=deadline, extra_body=system.extra_body)
+                        max_tokens=args.max_tokens, deadline=deadline, extra_body=system.extra_body,
+                        tools_as_text=as_text)
     finally:
         backend.close()
     wall = time.perf_counter() - start
@@ -478,7 +503,7 @@ def run_system(system: System, tasks: list[Task], args: argparse.Namespace, budg
     """Start the system's server, run the tasks (none started after `budget_s`), stop it."""
     import openai
 
-    count = token_counter(args)
+    count, as_text = token_counter(args), tools_as_text(system, args)
     records = []
     log = Path(args.out) / f"{system.name}.requests.jsonl"  # clover serve's record of every request
     log.unlink(missing_ok=True)
@@ -494,14 +519,15 @@ def run_system(system: System, tasks: list[Task], args: argparse.Namespace, budg
         for task in tasks:
             if time.monotonic() > deadline:
                 break
-            records.append(run_task(client, system, task, args, deadline, count))
+            records.append(run_task(client, system, task, args, deadline, count, as_text))
         peak = server.peak_rss_mib()
         if system.clover:
             metrics = httpx.get(f"{server.url}/metrics", timeout=30).text
             memory, prefix_cache = draft_memory_tokens(metrics), prefix_cache_mib(metrics)
     build = {"llama_cpp_build": llama_server.llama_cpp_build()} if system.llama_cpp else {}
     engine = engine_figures(records, log) if system.clover else {}
-    return {"system": system.name, "describe": system.describe, **build, "tasks": records, "peak_rss_mib": peak,
+    return {"system": system.name, "describe": system.describe, **build, "tools_as_text": as_text, "tasks": records,
+            "peak_rss_mib": peak,
             "summary": {**summarize(records, peak), **engine, "draft_memory_tokens": memory,
                         "prefix_cache_mib": prefix_cache}}
 
@@ -584,15 +610,31 @@ def same_answers(results: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+SAME_WORK = 0.02  # prompt-token totals further apart than this: the systems did not serve the same prompts
+
+
 def against_llama_server(results: list[dict[str, Any]]) -> list[str]:
-    """Each other system's peak resident memory and task time as multiples of llama-server's (`llamacpp-server`,
-    the anchor), measured in the same run; none without it."""
-    anchor = next((r["summary"] for r in results if r["system"] == "llamacpp-server"), None)
-    if anchor is None or not anchor["peak_rss_mib"] or not anchor["task_time_s"]:
-        return []
-    return [f"`{r['system']}` against llama-server: peak RSS {r['summary']['peak_rss_mib'] / anchor['peak_rss_mib']:.2f}x"
-            f", task time {r['summary']['task_time_s'] / anchor['task_time_s']:.2f}x."
-            for r in results if r["system"] != "llamacpp-server" and r["summary"]["peak_rss_mib"]]
+    """Each Clover system's peak resident memory and task time as multiples of each llama.cpp server's (the
+    anchors: `llamacpp-server`, `llamacpp-server-ngram`, ...), measured in the same run. No ratio where the two
+    read prompt-token totals more than `SAME_WORK` apart (then what differs is said instead)."""
+    lines = []
+    anchors = [r for r in results if r["system"].startswith("llamacpp-server")]
+    for anchor in anchors:
+        a = anchor["summary"]
+        if not a["peak_rss_mib"] or not a["task_time_s"]:
+            continue
+        for r in results:
+            s = r["summary"]
+            if r["system"].startswith("llamacpp-server") or not s["peak_rss_mib"]:
+                continue
+            if a["prompt_tokens"] and s["prompt_tokens"] and \
+                    abs(s["prompt_tokens"] - a["prompt_tokens"]) > SAME_WORK * a["prompt_tokens"]:
+                lines.append(f"`{r['system']}` against `{anchor['system']}`: no ratio, the prompts differ "
+                             f"({s['prompt_tokens']} against {a['prompt_tokens']} prompt tokens).")
+                continue
+            lines.append(f"`{r['system']}` against `{anchor['system']}`: peak RSS "
+                         f"{s['peak_rss_mib'] / a['peak_rss_mib']:.2f}x, task time {s['task_time_s'] / a['task_time_s']:.2f}x.")
+    return lines
 
 
 def markdown(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:

@@ -197,12 +197,43 @@ def test_clover_on_the_llamacpp_runner_serves_the_llama_server_systems_file():
 
 
 def test_the_report_gives_peak_memory_and_task_time_against_llama_server():
-    def result(system, peak, wall):
-        summary = bench.summarize([{"passed": False, "wall_s": wall, "steps": []}], peak)
+    def result(system, peak, wall, prompt=1000):
+        step = {"ttft_s": 0.1, "total_s": 1.0, "later_tokens": 0, "prompt_tokens": prompt, "cached_tokens": 0,
+                "completion_tokens": 5, "calls": 0, "valid_calls": 0}
+        summary = bench.summarize([{"passed": False, "wall_s": wall, "steps": [step]}], peak)
         return {"system": system, "describe": system, "summary": summary}
 
-    results = [result("clover", 1200.0, 400.0), result("llamacpp-server", 960.0, 800.0)]
+    results = [result("clover", 1200.0, 400.0), result("llamacpp-server", 960.0, 800.0),
+               result("llamacpp-server-ngram", 1000.0, 500.0, prompt=1010)]
     assert bench.against_llama_server(results) == [
-        "`clover` against llama-server: peak RSS 1.25x, task time 0.50x."]
+        "`clover` against `llamacpp-server`: peak RSS 1.25x, task time 0.50x.",
+        "`clover` against `llamacpp-server-ngram`: peak RSS 1.20x, task time 0.80x."]
     assert "peak RSS 1.25x" in bench.markdown(results, {"category": "c", "tasks": 1, "command": "x", "machine": "m"})
     assert bench.against_llama_server(results[:1]) == []
+    # a llama-server that read other prompts (its template rendered no tools) gets no ratio
+    unfair = [results[0], result("llamacpp-server", 960.0, 300.0, prompt=65)]
+    assert bench.against_llama_server(unfair) == [
+        "`clover` against `llamacpp-server`: no ratio, the prompts differ (1000 against 65 prompt tokens)."]
+
+
+def test_llama_server_reads_the_tools_clover_writes_into_a_template_without_them():
+    """clover-smol's template renders no tools: clover serve writes them into the messages (Hermes form); the agent
+    sends llama-server the same text, so both prefill the same prompt."""
+    from clover.chat_template import hermes_messages, normalize_messages, render_chat
+    from clover.smol import clover_smol_dir
+    from clover.tokenizer import load_tokenizer
+
+    args = bench.parse_args([])
+    assert bench.tools_as_text(bench.SYSTEMS["llamacpp-server-ngram"], args)
+    assert not bench.tools_as_text(bench.SYSTEMS["clover-llamacpp"], args)
+    assert not bench.tools_as_text(bench.SYSTEMS["clover"], args)
+    tokenizer = load_tokenizer(clover_smol_dir())
+    tools = [{"type": "function", "function": {"name": "ls", "description": "list", "parameters": {
+        "type": "object", "properties": {"a": {"type": "string"}}}}}]
+    chat = [{"role": "system", "content": "S."}, {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "", "tool_calls": [
+                {"id": "1", "type": "function", "function": {"name": "ls", "arguments": '{"a": "x"}'}}]},
+            {"role": "tool", "tool_call_id": "1", "content": "out"}]
+    sent = hermes_messages(normalize_messages(chat), tools)
+    assert render_chat(tokenizer, sent, None, add_generation_prompt=True) == \
+        render_chat(tokenizer, chat, tools, add_generation_prompt=True)
