@@ -265,9 +265,23 @@ def cpu_name() -> str:
         return platform.processor() or platform.machine()
 
 
+def cpu_isa() -> str:
+    """The widest vector extensions the processor reports (the int4 kernels' path depends on them)."""
+    try:
+        flags = set(next(line for line in Path("/proc/cpuinfo").read_text().splitlines()
+                         if line.startswith("flags")).split(":", 1)[1].split())
+    except (OSError, StopIteration):
+        return "unknown ISA"
+    named = [name for flag, name in (("avx2", "AVX2"), ("avx512f", "AVX-512"), ("avx512_vnni", "VNNI"),
+                                     ("amx_tile", "AMX")) if flag in flags]
+    return "+".join(named) or "no AVX2"
+
+
 def machine() -> str:
-    """The processor, its cores and the load average now (call it before a run: a figure's conditions)."""
-    return f"{cpu_name()}, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at the start"
+    """The processor, its vector extensions, its cores and the load average now (call it before a run: a figure's
+    conditions)."""
+    return (f"{cpu_name()} ({cpu_isa()}), {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} "
+            "at the start")
 
 
 def run_agent(model: Path, args: argparse.Namespace, extra: list[str]) -> None:
