@@ -615,25 +615,37 @@ SAME_WORK = 0.02  # prompt-token totals further apart than this: the systems did
 
 def against_llama_server(results: list[dict[str, Any]]) -> list[str]:
     """Each Clover system's peak resident memory and task time as multiples of each llama.cpp server's (the
-    anchors: `llamacpp-server`, `llamacpp-server-ngram`, ...), measured in the same run. No ratio where the two
-    read prompt-token totals more than `SAME_WORK` apart (then what differs is said instead)."""
+    anchors: `llamacpp-server`, `llamacpp-server-ngram`, ...), measured in the same run. Task time over the tasks
+    both finished (a time budget may stop one system earlier). No ratio where the two read prompt-token totals
+    more than `SAME_WORK` apart over those tasks (then what differs is said instead)."""
+    def finished(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
+        return {t["id"]: t for t in result["tasks"] if t.get("error") != "time budget"}
+
+    def prompt_tokens(tasks: list[dict[str, Any]]) -> int:
+        return sum(s["prompt_tokens"] or 0 for t in tasks for s in t["steps"])
+
     lines = []
-    anchors = [r for r in results if r["system"].startswith("llamacpp-server")]
-    for anchor in anchors:
-        a = anchor["summary"]
-        if not a["peak_rss_mib"] or not a["task_time_s"]:
+    for anchor in (r for r in results if r["system"].startswith("llamacpp-server")):
+        if not anchor["summary"]["peak_rss_mib"]:
             continue
         for r in results:
-            s = r["summary"]
-            if r["system"].startswith("llamacpp-server") or not s["peak_rss_mib"]:
+            if r["system"].startswith("llamacpp-server") or not r["summary"]["peak_rss_mib"]:
                 continue
-            if a["prompt_tokens"] and s["prompt_tokens"] and \
-                    abs(s["prompt_tokens"] - a["prompt_tokens"]) > SAME_WORK * a["prompt_tokens"]:
+            a, b = finished(anchor), finished(r)
+            common = [i for i in b if i in a]
+            if not common:
+                continue
+            mine, theirs = [b[i] for i in common], [a[i] for i in common]
+            tokens_a, tokens_b = prompt_tokens(theirs), prompt_tokens(mine)
+            if tokens_a and tokens_b and abs(tokens_b - tokens_a) > SAME_WORK * tokens_a:
                 lines.append(f"`{r['system']}` against `{anchor['system']}`: no ratio, the prompts differ "
-                             f"({s['prompt_tokens']} against {a['prompt_tokens']} prompt tokens).")
+                             f"({tokens_b} against {tokens_a} prompt tokens).")
                 continue
+            time_a, time_b = sum(t["wall_s"] for t in theirs), sum(t["wall_s"] for t in mine)
             lines.append(f"`{r['system']}` against `{anchor['system']}`: peak RSS "
-                         f"{s['peak_rss_mib'] / a['peak_rss_mib']:.2f}x, task time {s['task_time_s'] / a['task_time_s']:.2f}x.")
+                         f"{r['summary']['peak_rss_mib'] / anchor['summary']['peak_rss_mib']:.2f}x, task time "
+                         f"{time_b / time_a:.2f}x ({time_b:.1f} s against {time_a:.1f} s over {len(common)} task"
+                         f"{'s' * (len(common) != 1)}).")
     return lines
 
 

@@ -197,23 +197,30 @@ def test_clover_on_the_llamacpp_runner_serves_the_llama_server_systems_file():
 
 
 def test_the_report_gives_peak_memory_and_task_time_against_llama_server():
-    def result(system, peak, wall, prompt=1000):
+    def result(system, peak, wall, prompt=1000, stopped=False):
         step = {"ttft_s": 0.1, "total_s": 1.0, "later_tokens": 0, "prompt_tokens": prompt, "cached_tokens": 0,
                 "completion_tokens": 5, "calls": 0, "valid_calls": 0}
-        summary = bench.summarize([{"passed": False, "wall_s": wall, "steps": [step]}], peak)
-        return {"system": system, "describe": system, "summary": summary}
+        tasks = [{"id": "t0", "passed": False, "wall_s": wall, "steps": [step], "error": None},
+                 {"id": "t1", "passed": False, "wall_s": 7.0, "steps": [step],
+                  "error": "time budget" if stopped else None}]
+        return {"system": system, "describe": system, "tasks": tasks, "summary": bench.summarize(tasks, peak)}
 
-    results = [result("clover", 1200.0, 400.0), result("llamacpp-server", 960.0, 800.0),
-               result("llamacpp-server-ngram", 1000.0, 500.0, prompt=1010)]
+    results = [result("clover", 1200.0, 393.0), result("llamacpp-server", 960.0, 793.0),
+               result("llamacpp-server-ngram", 1000.0, 493.0, prompt=1010)]
     assert bench.against_llama_server(results) == [
-        "`clover` against `llamacpp-server`: peak RSS 1.25x, task time 0.50x.",
-        "`clover` against `llamacpp-server-ngram`: peak RSS 1.20x, task time 0.80x."]
+        "`clover` against `llamacpp-server`: peak RSS 1.25x, task time 0.50x (400.0 s against 800.0 s over 2 tasks).",
+        "`clover` against `llamacpp-server-ngram`: peak RSS 1.20x, task time 0.80x (400.0 s against 500.0 s over 2 "
+        "tasks)."]
+    # a task the time budget stopped on one side is left out of both
+    stopped = [results[0], result("llamacpp-server", 960.0, 793.0, stopped=True)]
+    assert bench.against_llama_server(stopped) == [
+        "`clover` against `llamacpp-server`: peak RSS 1.25x, task time 0.50x (393.0 s against 793.0 s over 1 task)."]
     assert "peak RSS 1.25x" in bench.markdown(results, {"category": "c", "tasks": 1, "command": "x", "machine": "m"})
     assert bench.against_llama_server(results[:1]) == []
     # a llama-server that read other prompts (its template rendered no tools) gets no ratio
     unfair = [results[0], result("llamacpp-server", 960.0, 300.0, prompt=65)]
     assert bench.against_llama_server(unfair) == [
-        "`clover` against `llamacpp-server`: no ratio, the prompts differ (1000 against 65 prompt tokens)."]
+        "`clover` against `llamacpp-server`: no ratio, the prompts differ (2000 against 130 prompt tokens)."]
 
 
 def test_llama_server_reads_the_tools_clover_writes_into_a_template_without_them():
