@@ -540,10 +540,11 @@ class LlamaCppRunner:
 def flash_attention(kv_type: str, asked: bool | None) -> bool:
     """Whether a context uses llama.cpp's flash attention: as `asked`, else (None) with an f16 KV cache only.
 
-    Why on with f16: its CPU kernel works query row by query row, so a position's logits are the same bits decoded
-    alone or inside a verification of several tokens, and exact mode's answers on a quantised file are block size
-    1's (with the plain path they differ by up to ~0.9 on clover-smol's q4_0 and q8_0 exports, and part from block
-    size 1's after some tokens: docs/gguf.md); it is also one fused op per layer where the plain path is six (each
+    Why on with f16: in the decode shapes the runner gives it (module docstring, "flash attention's shapes") its
+    CPU kernel sums each query row in one pass, so a position's logits are the same bits decoded alone or inside
+    a verification of several tokens, and exact mode's answers on a quantised file are block size 1's (with the
+    plain path they differ by up to ~0.9 on clover-smol's q4_0 and q8_0 exports, and part from block size 1's
+    after some tokens: docs/gguf.md); it is also one fused op per layer where the plain path is six (each
     a barrier of the CPU threads), and what llama-server's `auto` picks on a CPU. It rounds q and the running
     output through f16, so at f32 (kv_type "f32", where the tests compare the runner with the torch runner at
     ~1e-5) it stays off: the plain path keeps f32 throughout."""
