@@ -39,7 +39,8 @@ Per set and system: tokens/s end to end (prefill included), tokens per forward, 
 seconds to each answer's first token (its prefill) summed over the prompts, tokens/s after it, and how
 many answers are token for token the reference's (`default` and `int4-full` against `int4-b1`, `fp32-exact`
 against `fp32-b1`, `clover-llamacpp-<q>` against `llamacpp-b1-<q>`, llama.cpp's own systems against `int4-b1`: a
-different quantisation, so agreement, not identity) and, per prompt, where it first parts from it
+different quantisation, so agreement, not identity: the q4_0 export rounds the int4 build's Q4_1 weights again,
+and parts from it within the first tokens, docs/gguf.md) and, per prompt, where it first parts from it
 (`first_divergence`: the index of the first differing token, None when equal); the JSON
 also keeps each prompt's tokens, seconds, prefill and forwards (`by_prompt`: where one slow moment went). With any
 llama.cpp system, `_llama_cpp_build` records the xllamacpp version and the llama.cpp release it carries.

@@ -28,6 +28,19 @@ independent sequences, so batches need no padding: each row's positions are its 
 not fit one decode is split between rows. A query block costs no sequence ids, so it may be longer than
 `max_block_size` (decision mode's answer block); blocks of clean tokens may not.
 
+**Flash attention's shapes** (llama.cpp b11549's CPU kernel, f16 KV). A decode's attention takes one of three
+paths by its number of tokens `T`: `T >= 64` is tiled (sums in f32); `2 <= T < 64` sums each query row in one pass
+over the keys (the value sum in f16); `T == 1` over 512 or more KV cells splits the keys between the threads and
+merges their partial sums (`use_split_kv_path`). The three round differently: on clover-smol's q4_0 export, 2
+threads, a tool prompt of ~300 tokens, one token decoded alone and the same token inside a verification were up
+to ~1 apart per logit, so exact mode's answers parted from block size 1's at a near tie. So every token after the
+prompt's head takes the second path: a lone token is decoded beside a copy of itself on the scratch sequence id
+(seen by nothing, removed after; it changes no other row's bits, as a position's logits do not depend on the
+batch's other rows), and a decode with the sequence-id masks holds at most 63 tokens (whole rows go in separate
+decodes beyond). A prompt's head (the causal run decoded before, `_decode_rows`) keeps llama.cpp's tiling: block
+size 1 and exact mode read it alike, save where exact mode's first forward also verifies copied drafts, which move
+the cut between head and tail by their number (docs/gguf.md). With flash attention off (f32 KV) nothing is padded.
+
 **Prefix reuse** (`clover.runners.base`). A stored prefix is kept out of the KV cache, in host memory: the
 first `n` cells of a row are copied to the runner's scratch sequence id (`llama_memory_seq_cp`: no KV is copied),
 saved with `llama_state_seq_get_data` (their positions, keys and values, ~23 KB a token for SmolLM2-135M in f16)
@@ -70,6 +83,7 @@ from clover.runners.base import RunnerOptions
 
 logger = logging.getLogger(__name__)
 
+FLASH_TILE_ROWS = 64  # llama.cpp's CPU flash attention tiles decodes of this many tokens or more (Q_TILE_SZ)
 MAX_SEQ_IDS = 256  # llama.cpp's LLAMA_MAX_SEQ: every row's slot of ids (and the scratch id) must fit in it
 DEFAULT_MAX_CELLS = 16384  # the default KV budget (SmolLM2-135M: 23 KB per cell in f16, so ~380 MB)
 TOKENIZER_MANIFEST = "clover-manifest.json"  # a cached tokenizer's files and their sha256, written last
@@ -188,6 +202,7 @@ class LlamaCppRunner:
 
     name = "llamacpp"
     cache_class = LlamaCppCache
+    _pad_id: int | None = None  # the sequence id a lone token's twin is decoded on (module docstring); None: none
     causal_only = False  # block rules and query blocks run here (a hybrid GGUF's runner runs the causal path only)
 
     def __init__(self, path: str | Path, *, threads: int | None = None, max_rows: int | None = 8,
@@ -234,6 +249,10 @@ class LlamaCppRunner:
         self._free = list(range(max_rows))
         self._abandoned: collections.deque[list[int]] = collections.deque()  # slots of caches dropped unreleased
         self._scratch = max_rows * self.ids_per_slot  # the sequence id a prefix passes through to be saved
+        # flash attention's one-pass shape for every token after the prompt's head (module docstring)
+        flash = self.kernel_options["flash_attn"]
+        self._pad_id = self._scratch if flash else None
+        self._decode_rows_most = FLASH_TILE_ROWS - 1 if flash else self.n_batch
         self._finalizer = weakref.finalize(self, llama_api.free_all, lib, self._batch, self._ctx, self._model)
 
     def _load_model(self, lib: Any, verbose: bool) -> None:
@@ -467,7 +486,8 @@ class LlamaCppRunner:
             if len(own) > self.n_batch:
                 raise ValueError(f"{len(own)} tokens of one row in one block forward exceed the runner's batch of "
                                  f"{self.n_batch}: a smaller block (or a shorter form)")
-            if len(items) + len(own) > self.n_batch:  # rows are independent: whole rows may go in separate decodes
+            if items and len(items) + len(own) > self._decode_rows_most:  # rows are independent: whole rows may
+                # go in separate decodes (and do past flash attention's tiled size: module docstring)
                 outputs |= self._decode(items, causal=False)
                 items = []
             items += own
@@ -486,8 +506,13 @@ class LlamaCppRunner:
 
     def _decode(self, items: list[tuple[int, int, int, int, list[int], bool]],
                 causal: bool) -> dict[tuple[int, int], torch.Tensor]:
-        """One `llama_decode` of `(row, column, token, position, sequence ids, wants logits)` items."""
+        """One `llama_decode` of `(row, column, token, position, sequence ids, wants logits)` items. With flash
+        attention a lone token is decoded beside a copy of itself on the scratch id (module docstring)."""
         lib, batch = self._lib, self._batch
+        padded = len(items) == 1 and self._pad_id is not None
+        if padded:  # seen by no other token (its only id is one no other cell carries), removed after the decode
+            _, _, token, position, _, _ = items[0]
+            items = [*items, (-1, -1, token, position, [self._pad_id], False)]
         batch.n_tokens = len(items)
         for i, (_, _, token, position, seq_ids, logits) in enumerate(items):
             batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = token, position, len(seq_ids), logits
@@ -495,6 +520,8 @@ class LlamaCppRunner:
                 batch.seq_id[i][j] = s
         lib.llama_set_causal_attn(self._ctx, causal)
         rc = lib.llama_decode(self._ctx, batch)
+        if padded:
+            lib.llama_memory_seq_rm(self._memory, self._pad_id, 0, -1)
         if rc == 1:
             raise RuntimeError(f"llama.cpp's KV cache is full ({self.n_ctx} cells shared by all rows): create the "
                                "runner with a larger n_ctx (--ctx)")
@@ -513,10 +540,11 @@ class LlamaCppRunner:
 def flash_attention(kv_type: str, asked: bool | None) -> bool:
     """Whether a context uses llama.cpp's flash attention: as `asked`, else (None) with an f16 KV cache only.
 
-    Why on with f16: its CPU kernel works query row by query row, so a position's logits are the same bits decoded
-    alone or inside a verification of several tokens, and exact mode's answers on a quantised file are block size
-    1's (with the plain path they differ by up to ~0.9 on clover-smol's q4_0 and q8_0 exports, and part from block
-    size 1's after some tokens: docs/gguf.md); it is also one fused op per layer where the plain path is six (each
+    Why on with f16: in the decode shapes the runner gives it (module docstring, "flash attention's shapes") its
+    CPU kernel sums each query row in one pass, so a position's logits are the same bits decoded alone or inside
+    a verification of several tokens, and exact mode's answers on a quantised file are block size 1's (with the
+    plain path they differ by up to ~0.9 on clover-smol's q4_0 and q8_0 exports, and part from block size 1's
+    after some tokens: docs/gguf.md); it is also one fused op per layer where the plain path is six (each
     a barrier of the CPU threads), and what llama-server's `auto` picks on a CPU. It rounds q and the running
     output through f16, so at f32 (kv_type "f32", where the tests compare the runner with the torch runner at
     ~1e-5) it stays off: the plain path keeps f32 throughout."""

@@ -179,6 +179,44 @@ def test_quantised_logits_do_not_depend_on_the_batch(quantised):
     alone.release(), batched.release()
 
 
+@pytest.fixture(scope="module")
+def quantised_two_threads(quantised) -> LlamaCppRunner:
+    """The q8_0 export on two threads: where llama.cpp splits a lone query's attention between its threads."""
+    return LlamaCppRunner(quantised.path, threads=2, max_rows=4, max_block_size=8)
+
+
+LONG = [(i * 37 + 5) % 250 + 3 for i in range(530)]  # over 512 KV cells: past llama.cpp's split-KV threshold
+
+
+def test_logits_do_not_depend_on_the_batch_over_a_long_context(quantised_two_threads):
+    """Past 512 KV cells, with more than one thread, llama.cpp's flash attention splits a decode of ONE query
+    token between its threads (each sums part of the keys, the parts merged after) where a decode of 2-63 tokens
+    sums each row in one pass: different roundings, up to ~1 apart on clover-smol's q4_0 export at 2 threads. The
+    runner never decodes one token alone, so a position's logits stay the same bits alone or in a verification."""
+    runner, tokens = quantised_two_threads, [7, 11, 13, 17, 19]
+    prompt = torch.tensor([LONG])
+    alone, batched = runner.new_cache(1), runner.new_cache(1)
+    for cache in (alone, batched):
+        runner.forward(prompt, 1, cache=cache, prefix_len=prompt.shape[1], logits_to_keep=0)
+    one = torch.ones(1, 1, dtype=torch.bool)
+    want = torch.cat([runner.forward(torch.tensor([[t]]), 1, cache=alone, prefix_len=1, logits_at=one)
+                      for t in tokens])
+    got = runner.forward(torch.tensor([tokens]), 1, cache=batched, prefix_len=len(tokens),
+                         logits_at=torch.ones(1, len(tokens), dtype=torch.bool))
+    assert torch.equal(got, want)
+    alone.release(), batched.release()
+
+
+def test_quantised_exact_mode_is_block_size_1_over_a_long_context(quantised_two_threads):
+    """Exact mode's tokens are block size 1's past the split-KV threshold, on two threads, alone and batched."""
+    prompts = [LONG, LONG[:300] + PROMPTS[0], PROMPTS[1]]
+    for batch in ([prompts[0]], prompts):
+        want = generate(quantised_two_threads, batch, MAX_NEW, block_size=1, rule="threshold")
+        got = generate(quantised_two_threads, batch, MAX_NEW, block_size=4, rule="exact",
+                       rule_options={"adaptive": False})
+        assert got.sequences == want.sequences
+
+
 @pytest.mark.parametrize("options", [{"adaptive": False}, None])
 def test_quantised_exact_mode_is_block_size_1(quantised, options):
     """Exact mode on a q8_0 file with an f16 KV cache gives block size 1's tokens, a batch of prompts at once,
