@@ -91,10 +91,11 @@ def run(args: argparse.Namespace, save: Any = None) -> dict[str, Any]:
                     eos_token_ids=eos_token_ids(model.config, tokenizer), token_texts=token_texts(tokenizer))
     sets: dict[str, list[tuple[dict, Any]]] = {"readme": [({"messages": [{"role": "user", "content": README_PROMPT}],
                                                             "tools": None}, None)]}
+    # lists early: a run stopped before the end keeps them (results are saved after each set)
+    sets |= {"lists": [({"messages": [{"role": "user", "content": p}], "tools": None}, None) for p in LIST_PROMPTS]}
     texts = text_sets(args.limit)
     sets |= {"chat": texts["chat"], "code": texts["code"]}
     sets |= {"tools": tool_sets(args.tool_limit, ("tools_heldout",))["tools_heldout"]}
-    sets |= {"lists": [({"messages": [{"role": "user", "content": p}], "tools": None}, None) for p in LIST_PROMPTS]}
     for setting in SETTINGS.values():  # first calls build kernels and caches (DRY's breaker table): not timed
         list(engine.run([[1, 2, 3]], 4, setting))
 

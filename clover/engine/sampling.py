@@ -218,12 +218,10 @@ class BatchSampler:
         """`row_tokens[r]` joined row `r`'s history (its prompt, then what it commits): the repetition penalty
         marks them seen, DRY appends them."""
         for row, toks in enumerate(row_tokens):
-            if not len(toks):
-                continue
-            if self.presence is not None:
-                self.presence[row, torch.as_tensor(list(toks), dtype=torch.long, device=self.presence.device)] = True
-            if self.dry[row] is not None:
+            if self.dry[row] is not None:  # an empty prompt too (a block grid's): DRY counts what comes after it
                 self.dry[row].extend(toks)
+            if self.presence is not None and len(toks):
+                self.presence[row, torch.as_tensor(list(toks), dtype=torch.long, device=self.presence.device)] = True
 
     def observe_block(self, tokens: torch.Tensor, accepted: torch.Tensor) -> None:
         """Mark newly accepted tokens `tokens[accepted]` (`[N, B]`) as seen."""

@@ -160,6 +160,11 @@ def test_generate_defaults_let_the_answer_copy_the_prompt_and_penalise_it_repeat
         assert torch.allclose(got[0, j], expected), j
     assert not torch.equal(got, logits)
 
+    empty = BatchSampler([params], V, banned=[])  # an empty prompt (a block grid's): the answer still counts
+    empty.observe([[]])
+    empty.observe([answer])
+    assert torch.equal(empty.model_logits(logits.clone(), [(0, name)]), got)
+
 
 # -- in the loops: exact mode is block size 1 under the same sampler ------------------------------------------------
 MAX_NEW = 24
