@@ -21,8 +21,8 @@ Systems, each through the path its users take, greedy:
 
 `--rules api` (default): the Clover systems without DRY and the loop guard, the OpenAI semantics `clover serve` keeps
 (what an agent or a code benchmark gets from the API); `--rules generate`: under `generate`'s repetition defaults (DRY
-0.8, allowed length 1, no breakers, the loop guard). llama-server: its own defaults (temperature 0, no repetition
-penalty, no DRY).
+0.8, allowed length 1, no breakers, the answer alone as DRY's history, the loop guard). llama-server: its own
+defaults (temperature 0, no repetition penalty, no DRY).
 
 Sets (the problem ids are recorded):
 

@@ -11,15 +11,17 @@ prompts (our BFCL eval split) and list prompts (`LIST_PROMPTS`), batch 1, greedy
   * `dry-0.8+guard` DRY at llama.cpp's suggested strength (multiplier 0.8, base 1.75, allowed length 2, its
                     breakers) and the loop guard: what `generate` and `chat` ran by default before
   * `dry-2.0+guard` a stronger DRY
-  * `dry-0.8-nobreak-a1+guard` what `generate` and `chat` run by default: DRY 0.8, allowed length 1, no
-                    sequence breakers (clover.cli.loading), and the loop guard
+  * `dry-0.8-nobreak-a1+guard` DRY 0.8, allowed length 1, no sequence breakers, the prompt in DRY's history, and
+                    the loop guard: the default before DRY's history became the answer alone
+  * `default`       what `generate` and `chat` run given no option (clover.cli.loading.default_repetition): DRY
+                    0.8, allowed length 1, no sequence breakers, DRY's history the answer alone, and the loop guard
   * `dry-2.0-nobreak+guard` a stronger DRY without breakers, allowed length 2
 
 Per set and setting: the share of 4-grams of an answer that already occurred earlier in it (repeated 4-grams), the
 answer's mean length in tokens, the share that end by themselves (EOS) and by the loop guard, tokens/s end to end
 and tokens per CPU second of the process (a shared machine may pause a process: CPU time is what a setting costs);
 for code the share whose Python code blocks parse; for tool calls the share with a well-formed call and BFCL's exact
-match. Writes benchmarks/results/bench_repetition.{md,json}.
+match. Writes benchmarks/results/bench_repetition.{md,json} (the json with every answer).
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_smol import code_parses, prompt_ids, text_sets, tool_quality, tool_sets  # noqa: E402
 
 from clover.cli.generate import token_texts  # noqa: E402
-from clover.cli.loading import DRY_ALLOWED_LENGTH, DRY_MULTIPLIER, DRY_SEQUENCE_BREAKERS  # noqa: E402
+from clover.cli.loading import default_repetition  # noqa: E402
 from clover.engine import Engine, SamplingParams  # noqa: E402
 from clover.engine.cost import cost_table  # noqa: E402
 from clover.model import CloverForBlockDiffusion  # noqa: E402
@@ -60,9 +62,10 @@ SETTINGS = {
     "guard": SamplingParams(**GUARD),
     "dry-0.8+guard": SamplingParams(dry_multiplier=0.8, **GUARD),
     "dry-2.0+guard": SamplingParams(dry_multiplier=2.0, **GUARD),
-    "dry-0.8-nobreak-a1+guard": SamplingParams(dry_multiplier=DRY_MULTIPLIER, dry_allowed_length=DRY_ALLOWED_LENGTH,
-                                               dry_sequence_breakers=DRY_SEQUENCE_BREAKERS, **GUARD),
+    "dry-0.8-nobreak-a1+guard": SamplingParams(dry_multiplier=0.8, dry_allowed_length=1, dry_sequence_breakers=(),
+                                               dry_include_prompt=True, **GUARD),
     "dry-2.0-nobreak+guard": SamplingParams(dry_multiplier=2.0, dry_sequence_breakers=(), **GUARD),
+    "default": SamplingParams(**default_repetition()),
 }
 
 
@@ -88,10 +91,11 @@ def run(args: argparse.Namespace, save: Any = None) -> dict[str, Any]:
                     eos_token_ids=eos_token_ids(model.config, tokenizer), token_texts=token_texts(tokenizer))
     sets: dict[str, list[tuple[dict, Any]]] = {"readme": [({"messages": [{"role": "user", "content": README_PROMPT}],
                                                             "tools": None}, None)]}
+    # lists early: a run stopped before the end keeps them (results are saved after each set)
+    sets |= {"lists": [({"messages": [{"role": "user", "content": p}], "tools": None}, None) for p in LIST_PROMPTS]}
     texts = text_sets(args.limit)
     sets |= {"chat": texts["chat"], "code": texts["code"]}
     sets |= {"tools": tool_sets(args.tool_limit, ("tools_heldout",))["tools_heldout"]}
-    sets |= {"lists": [({"messages": [{"role": "user", "content": p}], "tools": None}, None) for p in LIST_PROMPTS]}
     for setting in SETTINGS.values():  # first calls build kernels and caches (DRY's breaker table): not timed
         list(engine.run([[1, 2, 3]], 4, setting))
 
@@ -122,11 +126,10 @@ def run(args: argparse.Namespace, save: Any = None) -> dict[str, Any]:
                 row["code_parses"] = statistics.mean(code_parses(a) for a in answers)
             if name == "tools":
                 row |= tool_quality(answers, chats)
-            if name == "readme":
-                row["answer"] = answers[0]
+            row["answers"] = answers  # kept: a figure can be read against the text it counts
             report[name][setting] = row
             print(name, setting, {k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()
-                                  if k != "answer"}, flush=True)
+                                  if k != "answers"}, flush=True)
         if save is not None:  # after each set: a long run stopped early keeps what it measured
             save(report)
     return report
@@ -171,8 +174,8 @@ def main() -> None:
 
     def save(report: dict[str, Any]) -> None:
         readme = report.get("readme", {})
-        answers = "".join(f"README prompt, `{s}`:\n\n```\n{row['answer']}\n```\n\n" for s, row in readme.items()
-                          if s in ("off", "dry-0.8-nobreak-a1+guard"))
+        answers = "".join(f"README prompt, `{s}`:\n\n```\n{row['answers'][0]}\n```\n\n" for s, row in readme.items()
+                          if s in ("off", "default"))
         md = (f"# bench_repetition\n\n`{command}` on {machine} (a shared machine: other jobs may have been running; "
               f"settings take turns prompt by prompt; tokens per CPU second is the cost a pause does not "
               f"count).\n\n{table(report)}\n\n{answers}")

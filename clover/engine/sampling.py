@@ -59,6 +59,9 @@ class SamplingParams:
     dry_allowed_length: int = 2
     dry_penalty_last_n: int = -1  # -1: the whole history (prompt and output)
     dry_sequence_breakers: tuple[str, ...] = DEFAULT_BREAKERS
+    # whether repeats of the prompt count (llama.cpp's and text-generation-webui's DRY: yes); False: DRY's history
+    # is the answer alone, so copying a name or number from the prompt costs nothing
+    dry_include_prompt: bool = True
     # loop guard: end the answer (finish_reason "repetition") once its last `loop_guard_span` tokens occurred
     # `loop_guard_repeats` times before in it; 0: off
     loop_guard_span: int = 0
@@ -107,6 +110,8 @@ class SamplingParams:
         if self.dry_penalty_last_n < -1:
             raise ValueError(f"dry_penalty_last_n must be >= -1 (-1 = the whole history, 0 = off), "
                              f"got {self.dry_penalty_last_n}")
+        if not isinstance(self.dry_include_prompt, bool):
+            raise ValueError(f"dry_include_prompt must be a bool, got {self.dry_include_prompt!r}")
         if any(not isinstance(b, str) or not b for b in self.dry_sequence_breakers):
             raise ValueError(f"dry_sequence_breakers must be non-empty strings, got {list(self.dry_sequence_breakers)}")
         if self.loop_guard_span < 0:
@@ -213,12 +218,10 @@ class BatchSampler:
         """`row_tokens[r]` joined row `r`'s history (its prompt, then what it commits): the repetition penalty
         marks them seen, DRY appends them."""
         for row, toks in enumerate(row_tokens):
-            if not len(toks):
-                continue
-            if self.presence is not None:
-                self.presence[row, torch.as_tensor(list(toks), dtype=torch.long, device=self.presence.device)] = True
-            if self.dry[row] is not None:
+            if self.dry[row] is not None:  # an empty prompt too (a block grid's): DRY counts what comes after it
                 self.dry[row].extend(toks)
+            if self.presence is not None and len(toks):
+                self.presence[row, torch.as_tensor(list(toks), dtype=torch.long, device=self.presence.device)] = True
 
     def observe_block(self, tokens: torch.Tensor, accepted: torch.Tensor) -> None:
         """Mark newly accepted tokens `tokens[accepted]` (`[N, B]`) as seen."""
@@ -322,7 +325,9 @@ class BatchSampler:
 
 class DryRow:
     """One request's DRY state: its config (breakers resolved) and the lag matches of its history
-    (clover.engine.repetition), fed by `extend`; `penalise` subtracts the penalty from a row's logits."""
+    (clover.engine.repetition), fed by `extend` (first the prompt, then what the request commits: BatchSampler.
+    observe); `penalise` subtracts the penalty from a row's logits. Without `dry_include_prompt` the prompt is left
+    out: the history is the answer alone."""
 
     def __init__(self, params: SamplingParams, breakers: Callable[[tuple[str, ...]], Breakers] | None,
                  device: torch.device | str) -> None:
@@ -335,8 +340,12 @@ class DryRow:
         self.single = self.config.breakers.single_ids()
         self.state = LagMatches([], self.config.window, device)
         self.history: list[int] = []  # the same tokens as a list (the breaker scan reads a few from the end)
+        self.skip_prompt = not params.dry_include_prompt  # until the prompt has come (and gone)
 
     def extend(self, tokens: Sequence[int]) -> None:
+        if self.skip_prompt:
+            self.skip_prompt = False
+            return
         tokens = [int(t) for t in tokens]
         if not len(self.state):  # a whole prompt: the Z-algorithm at once
             self.state = LagMatches(tokens, self.config.window, self.state.tokens.device)

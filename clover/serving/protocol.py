@@ -5,8 +5,9 @@ agent frameworks send many optional fields). Declared fields are typed strictly 
 belongs is a 400, not a silent coercion — and their bounds appear in the OpenAPI schema that the fuzz test reads.
 Clover's own options ride along as extra body fields (`block_size`, `threshold`, `rule`; vLLM's `ignore_eos`,
 `top_k`, `repetition_penalty`; llama.cpp's DRY `dry_multiplier`, `dry_base`, `dry_allowed_length`,
-`dry_penalty_last_n`, `dry_sequence_breakers`; the loop guard's `loop_guard_span`, `loop_guard_repeats`; vLLM's
-`thinking_token_budget`), as in the `extra_body` of the official client;
+`dry_penalty_last_n`, `dry_sequence_breakers`, and Clover's `dry_include_prompt`; the loop guard's
+`loop_guard_span`, `loop_guard_repeats`; vLLM's `thinking_token_budget`), as in the `extra_body` of the official
+client;
 `chat_template_kwargs.enable_thinking` switches the `<think>` block on or off (None: the template's default); other
 `chat_template_kwargs` are passed to the checkpoint's template. `DecodingFields.to_options(defaults)` translates a
 request into the engine's options (the engine checks them).
@@ -169,6 +170,7 @@ class DecodingFields(_Model):
     dry_penalty_last_n: Annotated[StrictInt, Field(ge=-1, le=MAX_COUNT)] | None = None
     dry_sequence_breakers: Annotated[list[Annotated[Text, Field(min_length=1, max_length=MAX_BREAKER_CHARS)]],
                                      Field(max_length=32)] | None = None
+    dry_include_prompt: StrictBool | None = None
     loop_guard_span: Annotated[StrictInt, Field(ge=0, le=4096)] | None = None
     loop_guard_repeats: Annotated[StrictInt, Field(ge=1, le=1024)] | None = None
     # vLLM's extension: always generate max_tokens (benchmarks); under a grammar, up to where it can only end

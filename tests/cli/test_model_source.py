@@ -165,18 +165,36 @@ def test_what_is_neither_a_path_nor_a_hub_id_is_named(capsys, tmp_path, arg, mes
     assert arg in err and message in err
 
 
-def test_serve_a_hub_id_offline(hf_home, chat_tokenizer, monkeypatch, tmp_path):
+@pytest.mark.parametrize("repo", list(TWINS))
+def test_serve_a_hub_id_offline(hf_home, chat_tokenizer, monkeypatch, tmp_path, temp_clover_cache, repo):
     """`clover serve --model ORG/NAME` in a process started with HF_HOME and HF_HUB_OFFLINE=1 answers with the
-    base's greedy tokens."""
+    base's greedy tokens, and a second start serves the conversion the first left in the cache (not converted
+    again: its files are the same files)."""
     from server_helpers import server_process
 
     home, models = hf_home
-    repo = "tiny-org/llama-twin"
     want = chat_tokenizer.decode(greedy(models[repo], chat_tokenizer, 8), skip_special_tokens=True)
     monkeypatch.setenv("HF_HOME", str(home))  # the server's process inherits this environment
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with server_process(Path(repo), name=repo, timeout=180, log=tmp_path / "server.log") as (url, _):
-        r = httpx.post(f"{url}/v1/completions", json={"model": repo, "prompt": PROMPT, "max_tokens": 8,
-                                                     "temperature": 0}, timeout=120)
-    assert r.status_code == 200, r.text
-    assert r.json()["choices"][0]["text"] == want
+
+    def answer(start: int) -> str:
+        with server_process(Path(repo), name=repo, timeout=180, log=tmp_path / f"server-{start}.log") as (url, _):
+            r = httpx.post(f"{url}/v1/completions", json={"model": repo, "prompt": PROMPT, "max_tokens": 8,
+                                                         "temperature": 0}, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["text"]
+
+    def files(entry: Path) -> dict[str, tuple[int, int]]:
+        return {str(p.relative_to(entry)): (p.stat().st_ino, p.stat().st_mtime_ns) for p in entry.rglob("*")}
+
+    assert answer(1) == want
+    entry = temp_clover_cache / "converted" / f"{repo.replace('/', '--')}-{COMMIT}"
+    first = files(entry)
+    assert first and answer(2) == want
+    assert files(entry) == first
+
+
+def test_serve_names_an_id_not_in_the_cache_offline(offline_hub, capsys):
+    assert main(["serve", "--model", "nobody/no-such-model", "--threads", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "nobody/no-such-model" in err and "not in the hub cache" in err and "HF_HUB_OFFLINE" in err

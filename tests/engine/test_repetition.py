@@ -130,6 +130,42 @@ def test_dry_parameters_are_validated():
         generate(model, [PROMPTS[0]], 4, dry_multiplier=0.8)
 
 
+def _generate_defaults() -> SamplingParams:
+    """The repetition rules `clover generate` and `clover chat` apply when given no option."""
+    from clover.cli.loading import default_repetition
+
+    return SamplingParams(**default_repetition())
+
+
+def test_generate_defaults_let_the_answer_copy_the_prompt_and_penalise_it_repeating_itself():
+    """An answer copies names and numbers from its prompt (a function's name, "12 and 13" in a question): under
+    `generate`'s defaults copying them costs nothing, while the answer repeating its own text is penalised as DRY
+    penalises it, its history being the answer alone."""
+    params = _generate_defaults()
+    name = [5, 6, 7, 8, 9]  # a name five tokens long, given by the prompt
+    prompt = [1, 2, *name, 3, 4, 0, 1, 2, *name, 10]
+    sampler = BatchSampler([params], V, banned=[], breakers=BreakerCache(V, V, token_texts=lambda: TEXTS))
+    sampler.observe([prompt])
+    logits = torch.randn(1, len(name) + 1, V)
+    assert torch.equal(sampler.model_logits(logits.clone(), [(0, name)]), logits)  # the name copied: untouched
+
+    answer = [*name, 3, 11, 4]  # the answer wrote the name once: writing it again is a repeat
+    sampler.observe([answer])
+    got = sampler.model_logits(logits.clone(), [(0, name)])
+    breakers = breakers_from_texts(TEXTS, params.dry_sequence_breakers)
+    cfg = DryConfig(params.dry_multiplier, params.dry_base, params.dry_allowed_length, params.dry_penalty_last_n,
+                    breakers)
+    for j in range(len(name) + 1):
+        expected = logits[0, j] - naive_dry_penalty(answer + name[:j], cfg, V)
+        assert torch.allclose(got[0, j], expected), j
+    assert not torch.equal(got, logits)
+
+    empty = BatchSampler([params], V, banned=[])  # an empty prompt (a block grid's): the answer still counts
+    empty.observe([[]])
+    empty.observe([answer])
+    assert torch.equal(empty.model_logits(logits.clone(), [(0, name)]), got)
+
+
 # -- in the loops: exact mode is block size 1 under the same sampler ------------------------------------------------
 MAX_NEW = 24
 STRONG = dict(dry_multiplier=4.0, dry_base=2.0, dry_allowed_length=1, dry_sequence_breakers=())
@@ -156,13 +192,14 @@ def _naive_greedy(model, prompt, max_new, params: SamplingParams) -> list[int]:
             p = params.repetition_penalty
             x = torch.where(seen, torch.where(x > 0, x / p, x * p), x)
         if params.uses_dry:
-            x = x - naive_dry_penalty(seq, cfg, x.shape[0])
+            x = x - naive_dry_penalty(seq if params.dry_include_prompt else seq[len(prompt):], cfg, x.shape[0])
         seq.append(int(x.argmax()))
     return seq[len(prompt):]
 
 
 @pytest.mark.parametrize("preset, extra", [("clover-tiny", {}),
-                                           ("clover-tiny-dense", {"repetition_penalty": 1.5, "dry_penalty_last_n": 12})])
+                                           ("clover-tiny-dense", {"repetition_penalty": 1.5, "dry_penalty_last_n": 12}),
+                                           ("clover-tiny", {"dry_include_prompt": False})])
 def test_exact_mode_under_dry_is_block1_under_dry(models, preset, extra):
     model = models[preset]
     params = SamplingParams(**STRONG, **extra)
@@ -251,8 +288,6 @@ def test_clover_smol_under_dry_in_exact_mode_is_block1_under_dry():
     Slow: it builds clover-smol's int4 build on first use and decodes three 160-token answers."""
     from clover.cli.generate import token_texts
     from clover.chat_template import CLOVER_CHAT_TEMPLATE
-    from clover.cli.loading import (DRY_ALLOWED_LENGTH, DRY_MULTIPLIER, DRY_SEQUENCE_BREAKERS, LOOP_GUARD_REPEATS,
-                                    LOOP_GUARD_SPAN)
     from clover.model import CloverForBlockDiffusion
     from clover.smol import clover_smol_dir
     from clover.tokenizer import eos_token_ids, load_tokenizer
@@ -266,9 +301,7 @@ def test_clover_smol_under_dry_in_exact_mode_is_block1_under_dry():
                                         chat_template=CLOVER_CHAT_TEMPLATE, add_generation_prompt=True)
     options = dict(vocab_limit=len(tokenizer), eos_token_ids=eos_token_ids(model.config, tokenizer),
                    detokenize=lambda t: tokenizer.decode(t, skip_special_tokens=True))
-    params = SamplingParams(dry_multiplier=DRY_MULTIPLIER, dry_allowed_length=DRY_ALLOWED_LENGTH,
-                            dry_sequence_breakers=DRY_SEQUENCE_BREAKERS, loop_guard_span=LOOP_GUARD_SPAN,
-                            loop_guard_repeats=LOOP_GUARD_REPEATS)
+    params = _generate_defaults()
 
     def run(block_size: int, rule: str, sampling: SamplingParams) -> list[int]:
         engine = Engine(model, block_size, rule=rule, token_texts=token_texts(tokenizer), **options)

@@ -239,9 +239,9 @@ def test_failures_past_the_queue_name_no_exception(server, app, monkeypatch):
 
 
 def test_every_repetition_option_is_a_request_field_passed_on_by_name() -> None:
-    assert len(REPETITION_FIELDS) == 7 and set(REPETITION_FIELDS) <= set(ChatCompletionRequest.model_fields)
+    assert len(REPETITION_FIELDS) == 8 and set(REPETITION_FIELDS) <= set(ChatCompletionRequest.model_fields)
     values = {"dry_multiplier": 0.5, "dry_base": 2.0, "dry_allowed_length": 3, "dry_penalty_last_n": 64,
-              "dry_sequence_breakers": ["\n"], "loop_guard_span": 8, "loop_guard_repeats": 3}
+              "dry_sequence_breakers": ["\n"], "dry_include_prompt": False, "loop_guard_span": 8, "loop_guard_repeats": 3}
     req = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}], **values)
     params = SamplingParams(**req.repetition())
     assert {name: getattr(params, name) for name in REPETITION_FIELDS} == values | {"dry_sequence_breakers": ("\n",)}
