@@ -150,8 +150,8 @@ def add_repetition_options(p: argparse.ArgumentParser) -> None:
 
 
 def repetition_sampling(args: argparse.Namespace) -> dict[str, Any]:
-    """`SamplingParams` keywords from the options of `add_repetition_options`."""
-    from clover.engine.sampling import REPETITION_FIELDS  # deferred: torch, only when a command runs
+    """`RequestOptions.of` keywords from the options of `add_repetition_options`."""
+    from clover.engine.request import REPETITION_FIELDS  # deferred: torch, only when a command runs
 
     options = {name: getattr(args, name) for name in REPETITION_FIELDS}
     given = options["dry_sequence_breakers"]  # '' given alone: none

@@ -39,7 +39,7 @@ runner's measured cost (`clover.engine.cost`) and the request's acceptance so fa
 always the whole block (`adaptive=False`: `m = B - 1`, every draft verified). `m = 0` is a one-row forward with
 no query block: block size 1 itself.
 
-With a grammar (clover.engine.grammar, a request's `SamplingParams.grammar`) the causal logits are masked to the
+With a grammar (clover.engine.grammar, a request's `RequestOptions.grammar`) the causal logits are masked to the
 allowed tokens before the choice, each draft's position with the grammar advanced past the drafts before it, so a
 draft is checked against the masked choice; the query block drafts the allowed argmax. The tokens the grammar
 forces after a decision (and an EOS when it can only end) are decided at once: they are emitted with it and fed,
@@ -237,7 +237,7 @@ class ExactLoop(DecodingLoop):
         """The prefill's last chunk: it decides the first token (from the last prompt token) and drafts after it."""
         n, t = ids.shape
         e = self.engine
-        sampler = BatchSampler([s.params for s in seqs], e.vocab_size, e.banned_ids, e.device, e.breakers)
+        sampler = BatchSampler([s.options.sampling for s in seqs], e.vocab_size, e.banned_ids, e.device, e.breakers)
         sampler.observe([s.prompt for s in seqs])
         acceptance = [Acceptance(e.block_size - 1, self.prior) for _ in seqs]
         none = torch.zeros(n, dtype=torch.long, device=e.device)
@@ -245,7 +245,7 @@ class ExactLoop(DecodingLoop):
         start = torch.full((n,), t - 1, dtype=torch.long, device=e.device)
         constrained, masks, _ = _constraint_masks(seqs, lambda r: [])
         tokens, accepted, query, logprobs = self._forward(ids, start, none, cache, sampler, acceptance, int(m.max()),
-                                                          masks, [len(s.generated) for s in seqs], **kwargs)
+                                                          masks, seqs, **kwargs)
         ones = accepted + 1
         lookups = [Lookup(ContextLookup(s.prompt)) if self.rule.lookup else None for s in seqs]
         b = ExactBatch(seqs, cache, sampler, tokens, ones, ones.clone(), query, ones * query.shape[1], acceptance,
@@ -286,8 +286,7 @@ class ExactLoop(DecodingLoop):
         if width > 1:  # drafts to verify: the cache must be able to forget the rejected ones
             b.cache.mark()
         tokens, accepted, query, b.logprobs = self._forward(
-            ids, b.n_feed - 1, k, b.cache, b.sampler, b.acceptance, int(m.max()), masks,
-            [len(s.generated) for s in b.seqs], prefix_len=width,
+            ids, b.n_feed - 1, k, b.cache, b.sampler, b.acceptance, int(m.max()), masks, b.seqs, prefix_len=width,
             attention_mask=None if bool(real.all()) else real, drafts_in=drafts_k)
         if width > 1:
             b.cache.rewind(b.n_feed + accepted)
@@ -408,7 +407,7 @@ class ExactLoop(DecodingLoop):
             lookup.memory_draft = None
             if (n_drafts[r] and not self.rule.adaptive) or s.remaining <= 1:
                 continue
-            drafts, memory_draft, depth = copied_drafts(lookup.index, s.memory, most)
+            drafts, memory_draft, depth = copied_drafts(lookup.index, s.options.memory, most)
             if drafts and n_drafts[r]:  # the model drafted too: the copy replaces its drafts where it promises more
                 lookup.memory_draft, lookup.depth = memory_draft, depth
                 copied = expected_tokens(self._copied_estimate(b, r), len(drafts))
@@ -522,15 +521,15 @@ class ExactLoop(DecodingLoop):
 
     def _forward(self, ids: torch.Tensor, start: torch.Tensor, k: torch.Tensor, cache: RunnerCache,
                  sampler: BatchSampler, acceptance: list[Acceptance], drafts: int,
-                 masks: list[torch.Tensor | None], positions: list[int], drafts_in: torch.Tensor | None = None,
+                 masks: list[torch.Tensor | None], seqs: list[Sequence], drafts_in: torch.Tensor | None = None,
                  **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[list[TokenLogprob] | None]]:
         """Forward `ids` `[N, T]` as causal clean tokens (written to the cache) and, when `drafts > 0`, a query
         block of `drafts + 1` masks. Row `r`'s logits at clean positions `start[r] .. start[r] + k[r]` decide the
         token after the last fed token and after each of its `k[r]` drafts `drafts_in[r]` (masked by the row's
-        grammar, `masks[r]` `[1 + k[r], V]`, where it has one); `positions[r]`: the answer position of the token
-        decided after the last fed one (the tokens the row has decided so far), which keys a sampled row's noise
-        (clover.engine.speculative). Returns the committed tokens `[N, 1 + max k]` (-1
-        after each row's), the drafts accepted `[N]` and `[N, drafts]` new drafts: query output `j` predicts the
+        grammar, `masks[r]` `[1 + k[r], V]`, where it has one); the rows' sequences `seqs` give the answer position
+        of the token decided after the last fed one (the tokens the row has decided so far), which keys a sampled
+        row's noise (clover.engine.speculative), and the logprobs each asks for. Returns the committed tokens
+        `[N, 1 + max k]` (-1 after each row's), the drafts accepted `[N]` and `[N, drafts]` new drafts: query output `j` predicts the
         token two positions after the last clean one plus `j` (the mask at query position 0 stands for the token
         this forward decides); their logits stay in `_query_logits` for a grammar's drafts. Last, per row that asks
         for logprobs, its committed tokens' (clover.engine.logprobs: from the causal logits, before any mask or
@@ -554,7 +553,8 @@ class ExactLoop(DecodingLoop):
         else:
             logits = out.new_zeros(n, kk + 1 + drafts, out.shape[-1])
             logits[torch.cat([wanted, torch.ones(n, drafts, dtype=torch.bool, device=e.device)], dim=1)] = out
-        tops = [p.logprobs for p in sampler.params]
+        tops = [s.options.logprobs for s in seqs]
+        positions = [len(s.generated) for s in seqs]
         asked = [r for r, top in enumerate(tops) if top is not None]
         raw = logits[asked, :kk + 1] if asked else None  # a copy: `verify` consumes `logits`
         for r, mask in enumerate(masks):

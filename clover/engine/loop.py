@@ -24,9 +24,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from clover.engine.logprobs import TokenLogprob
-from clover.engine.request import Sequence
+from clover.engine.request import RequestOptions, Sequence
 from clover.runners.base import RunnerCache
-from clover.engine.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from clover.engine.engine import Engine
@@ -68,8 +67,8 @@ class DecodingLoop:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
 
-    def check(self, params: list[SamplingParams]) -> None:
-        """Raise `ValueError` naming the request whose sampling parameters this loop cannot serve."""
+    def check(self, options: list[RequestOptions]) -> None:
+        """Raise `ValueError` naming the request whose options this loop cannot serve."""
 
     def calibrate(self, defer: bool = False) -> None:
         """Measure what the loop needs of the runner before its first request (exact mode: the forward cost table),

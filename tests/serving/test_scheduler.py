@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 
-from clover.engine import Engine, SamplingParams, generate
+from clover.engine import Engine, RequestOptions, SamplingParams, generate
 from clover.serving.metrics import ServerMetrics
 from clover.serving.prefix_cache import PrefixCache
 from clover.serving.scheduler import QueueFull, Scheduler
@@ -26,7 +26,7 @@ def models():
 
 
 def _alone(model, prompt, max_new, sampling, eos):
-    return generate(model, [prompt], max_new, block_size=4, threshold=0.5, sampling=sampling,
+    return generate(model, [prompt], max_new, block_size=4, threshold=0.5, options=sampling,
                     eos_token_ids=eos).sequences[0]
 
 
@@ -159,7 +159,7 @@ def test_requests_with_other_decoding_options_run_in_their_own_batch(models):
 
     async def run():
         a = await sched.submit(PROMPTS[0], 12, [SamplingParams()])
-        b = await sched.submit(PROMPTS[1], 12, [SamplingParams()], block_size=2, threshold=0.3)
+        b = await sched.submit(PROMPTS[1], 12, [RequestOptions(threshold=0.3)], block_size=2)
         c = await sched.submit(PROMPTS[1], 12, [SamplingParams()], rule="left_to_right")
         return await asyncio.gather(_collect(a), _collect(b), _collect(c))
 
