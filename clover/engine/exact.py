@@ -103,7 +103,8 @@ STEP_MEMORY = 512  # steps after which a size's timings no longer count: a size 
 class ExactBatch:
     """Exact mode's running batch. Between steps, per row: the tokens the last forward decided (the causal
     path's tokens; emitted at the next step; all but the last already in the cache), the drafts for the next
-    forward and the request's acceptance estimate; with `lookup`, its context index and where its drafts came from."""
+    forward and the request's acceptance estimate; with `lookup`, its copied drafts (its context index, where its
+    drafts came from)."""
 
     seqs: list[Sequence]
     cache: RunnerCache
@@ -115,13 +116,13 @@ class ExactBatch:
     drafts: torch.Tensor  # [N, D]: the tokens after the last decided one, as the query block predicted them
     n_drafts: torch.Tensor  # [N]: drafts usable next forward (0 where they were made after a rejected token)
     acceptance: list[Acceptance]
-    lookups: list[Lookup | None]
+    copies: list[CopiedDrafts | None]
     looked_up: torch.Tensor  # [N] bool: this row's drafts were copied from its context, not drafted
     logprobs: list[list[TokenLogprob] | None]  # per row asking for them: the decided tokens' (else None)
 
 
 @dataclass
-class Lookup:
+class CopiedDrafts:
     """A request's copied drafts: the n-gram index of its own context, the drafting memory's draft when the
     current drafts came from there (None when from the context), and the depth of the match they continue."""
 
@@ -218,7 +219,7 @@ class ExactLoop(DecodingLoop):
                           torch.cat([b.n_decided, new.n_decided]), torch.cat([b.n_feed, new.n_feed]),
                           torch.cat([_pad(b.drafts, drafts), _pad(new.drafts, drafts)]),
                           torch.cat([b.n_drafts, new.n_drafts]), b.acceptance + new.acceptance,
-                          b.lookups + new.lookups, torch.cat([b.looked_up, new.looked_up]), b.logprobs + new.logprobs)
+                          b.copies + new.copies, torch.cat([b.looked_up, new.looked_up]), b.logprobs + new.logprobs)
 
     def keep_rows(self, b: ExactBatch, keep: list[int]) -> None:
         idx = torch.tensor(keep, dtype=torch.long, device=self.engine.device)
@@ -228,7 +229,7 @@ class ExactLoop(DecodingLoop):
         b.decided, b.n_decided, b.n_feed = b.decided[idx], b.n_decided[idx], b.n_feed[idx]
         b.drafts, b.n_drafts = b.drafts[idx], b.n_drafts[idx]
         b.acceptance = [b.acceptance[r] for r in keep]
-        b.lookups = [b.lookups[r] for r in keep]
+        b.copies = [b.copies[r] for r in keep]
         b.looked_up = b.looked_up[idx]
         b.logprobs = [b.logprobs[r] for r in keep]
 
@@ -247,9 +248,9 @@ class ExactLoop(DecodingLoop):
         tokens, accepted, query, logprobs = self._forward(ids, start, none, cache, sampler, acceptance, int(m.max()),
                                                           masks, seqs, **kwargs)
         ones = accepted + 1
-        lookups = [Lookup(ContextLookup(s.prompt)) if self.rule.lookup else None for s in seqs]
+        copies = [CopiedDrafts(ContextLookup(s.prompt)) if self.rule.lookup else None for s in seqs]
         b = ExactBatch(seqs, cache, sampler, tokens, ones, ones.clone(), query, ones * query.shape[1], acceptance,
-                       lookups, none.bool(), logprobs)
+                       copies, none.bool(), logprobs)
         self._after_commit(b, constrained, accepted, [0] * n)
         self._observe(b)
         return b
@@ -291,24 +292,24 @@ class ExactLoop(DecodingLoop):
         if width > 1:
             b.cache.rewind(b.n_feed + accepted)
         for r, (acc, verified, took) in enumerate(zip(b.acceptance, k.tolist(), accepted.tolist())):
-            lookup = b.lookups[r]
+            copied = b.copies[r]
             acc.tick()
             reached = min(took + 1, verified)  # drafts compared: accepted up to `took`, then one rejected
             if verified:
-                source = "model" if not bool(b.looked_up[r]) else "memory" if lookup.memory_draft else "context"
+                source = "model" if not bool(b.looked_up[r]) else "memory" if copied.memory_draft else "context"
                 counts = b.seqs[r].drafts.setdefault(source, [0, 0])
                 counts[0] += took
                 counts[1] += reached
             if bool(b.looked_up[r]):
                 tally = self.lookup_tally
-                if lookup.memory_draft is not None:
+                if copied.memory_draft is not None:
                     tally = self.memory_tally
                     if verified:
-                        estimate = self._memory_estimate(lookup.memory_draft)
+                        estimate = self._memory_estimate(copied.memory_draft)
                         estimate.tick()
                         estimate.observe(verified, took)
                 elif verified:
-                    estimate = self._context_estimate(lookup.depth)
+                    estimate = self._context_estimate(copied.depth)
                     estimate.tick()
                     estimate.observe(verified, took)
                 tally[0] += verified > 0
@@ -402,19 +403,19 @@ class ExactLoop(DecodingLoop):
         since (emitted at this step's start)."""
         most = self.lookup_most
         n_drafts = b.n_drafts.tolist()
-        for r, (s, lookup) in enumerate(zip(b.seqs, b.lookups)):
-            lookup.index.extend(s.generated[len(lookup.index) - len(s.prompt):])
-            lookup.memory_draft = None
+        for r, (s, copied) in enumerate(zip(b.seqs, b.copies)):
+            copied.index.extend(s.generated[len(copied.index) - len(s.prompt):])
+            copied.memory_draft = None
             if (n_drafts[r] and not self.rule.adaptive) or s.remaining <= 1:
                 continue
-            drafts, memory_draft, depth = copied_drafts(lookup.index, s.options.memory, most)
+            drafts, memory_draft, depth = copied_drafts(copied.index, s.options.memory, most)
             if drafts and n_drafts[r]:  # the model drafted too: the copy replaces its drafts where it promises more
-                lookup.memory_draft, lookup.depth = memory_draft, depth
-                copied = expected_tokens(self._copied_estimate(b, r), len(drafts))
-                if copied <= expected_tokens(b.acceptance[r].optimistic(), n_drafts[r]):
-                    lookup.memory_draft = None
+                copied.memory_draft, copied.depth = memory_draft, depth
+                promised = expected_tokens(self._copied_estimate(b, r), len(drafts))
+                if promised <= expected_tokens(b.acceptance[r].optimistic(), n_drafts[r]):
+                    copied.memory_draft = None
                     continue
-            lookup.memory_draft, lookup.depth = memory_draft, depth
+            copied.memory_draft, copied.depth = memory_draft, depth
             if drafts:
                 b.drafts = _pad(b.drafts, len(drafts))
                 b.drafts[r] = -1
@@ -434,13 +435,13 @@ class ExactLoop(DecodingLoop):
         """`p_i` of row `r`'s copied drafts: for context drafts, how often such drafts were accepted at that match
         depth; for memory drafts, the share of earlier occurrences that went on with each token, capped by how
         often such drafts were accepted. `optimistic`: each estimate's `Acceptance.optimistic()`, else its mean."""
-        lookup = b.lookups[r]
-        estimate = self._context_estimate(lookup.depth) if lookup.memory_draft is None else \
-            self._memory_estimate(lookup.memory_draft)
+        copied = b.copies[r]
+        estimate = self._context_estimate(copied.depth) if copied.memory_draft is None else \
+            self._memory_estimate(copied.memory_draft)
         p = estimate.optimistic()[0] if optimistic else estimate.mean()[0]
-        if lookup.memory_draft is None:
+        if copied.memory_draft is None:
             return [p] * self.lookup_most
-        return [min(share, p) for share in lookup.memory_draft.conditional]
+        return [min(share, p) for share in copied.memory_draft.conditional]
 
     def _copies_to_verify(self, b: ExactBatch, r: int, cost: Callable[[float], float], most: int,
                           query: int) -> int:

@@ -19,7 +19,7 @@ picks the loop, once, when the engine is made: the engine never checks which loo
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 
@@ -56,6 +56,20 @@ class StepSnapshot:
 
 
 Event = StreamPiece | StepSnapshot
+
+
+class Run(Protocol):
+    """Work that is stepped to its end and then read whole, beside the decoding batches: a decision run
+    (clover.engine.decision) or a prompt scoring (clover.engine.logprobs). The server's scheduler steps every run
+    it holds through these three names, on the thread that runs the model."""
+
+    prompts: list[list[int]]  # its rows (what it holds of the runner while it runs)
+
+    def step(self) -> bool:
+        """One step (a forward, or a prompt's chunked forwards); True once the run is done."""
+
+    def results(self) -> list[Any]:
+        """One result per prompt, once done."""
 
 
 class DecodingLoop:

@@ -43,16 +43,14 @@ import asyncio
 import itertools
 import logging
 import threading
-import time
 from collections import Counter, OrderedDict
 from typing import Any, Callable, Hashable, Sequence as Seq
 
 import torch
 
 from clover.engine import Engine
-from clover.engine.decision import DecisionRun
+from clover.engine.loop import Run
 from clover.engine.request import Options
-from clover.engine.logprobs import PromptScoring
 from clover.engine.exact import ExactLoop
 from clover.runners.base import ModelRunner
 from clover.runners.torch_runner import as_runner
@@ -153,11 +151,10 @@ class Scheduler:
                                      ids=[next(self._ids) for _ in options])
         handle = RequestHandle(next(self._ids), [seq.seq_id for seq in seqs], asyncio.get_running_loop(), self.outbox,
                                self.cancel)
-        now = time.perf_counter()
-        self._queue([Job(handle, choice, seq, key, now, engine, scope=scope) for choice, seq in enumerate(seqs)])
+        self._queue([Job(handle, seq, key, engine, scope) for seq in seqs])
         return handle
 
-    def decide(self, run: DecisionRun | PromptScoring) -> asyncio.Future[list[Any]]:
+    def decide(self, run: Run) -> asyncio.Future[list[Any]]:
         """Queue a decision run or a prompt scoring (its rows count against `max_running`); the future gets its
         results (decisions, or each prompt's logprobs), or the exception a step raised. Raises like `submit` when
         the server is at capacity or not running."""

@@ -16,7 +16,7 @@ from clover.engine import Engine, RequestOptions, SamplingParams, StreamPiece, g
 from clover.engine.cost import ForwardCost
 from clover.engine.decoding import ExactRule
 from clover.engine.drafting import Acceptance, best_batch_verified, best_drafts, best_verified, expected_tokens
-from clover.engine.exact import STEP_MEMORY, ExactBatch, ExactLoop, Lookup
+from clover.engine.exact import STEP_MEMORY, CopiedDrafts, ExactBatch, ExactLoop
 from clover.engine.lookup import ContextLookup
 from clover.model import quantize
 from clover.ops import woq
@@ -392,10 +392,10 @@ def test_copied_drafts_are_judged_by_match_depth_and_replace_weaker_model_drafts
         acc.confidence = 1.0
         acceptance.append(acc)
     model_drafts = torch.tensor([[50, 51, 52]] * 3)
-    b = SimpleNamespace(seqs=seqs, lookups=[Lookup(ContextLookup(c)) for c, _ in rows], acceptance=acceptance,
+    b = SimpleNamespace(seqs=seqs, copies=[CopiedDrafts(ContextLookup(c)) for c, _ in rows], acceptance=acceptance,
                         drafts=model_drafts.clone(), n_drafts=torch.full((3,), 3), looked_up=torch.zeros(3, dtype=bool))
     loop._look_up(b)
-    assert b.lookups[0].depth == 13 and b.lookups[1].depth == 2
+    assert b.copies[0].depth == 13 and b.copies[1].depth == 2
     deep_p, shallow_p = (loop._copied_estimate(b, r)[0] for r in (0, 1))
     assert deep_p > 0.95 and shallow_p < deep_p - 0.1
     # row 0: the model's drafts are poor, the deep copy replaces them (what followed the match, as deep as it is)
@@ -568,7 +568,7 @@ def test_copied_drafts_verified_earn_near_the_best_fixed_count_from_the_first_fo
     rates = []
     for _ in range(20):  # requests
         loop = Engine(models["clover-tiny-dense"], 16, rule="exact", cost=TWIN_COST, eos_token_ids=[]).loop
-        b = SimpleNamespace(lookups=[Lookup(ContextLookup([1, 2, 3]))])
+        b = SimpleNamespace(copies=[CopiedDrafts(ContextLookup([1, 2, 3]))])
         tokens = seconds = 0.0
         for _ in range(30):
             k = loop._copies_to_verify(b, 0, TWIN_COST, 15, 0)

@@ -253,7 +253,8 @@ def test_a_32k_prompt_on_a_hybrid_twin_keeps_its_snapshots_within_a_small_prefix
     def observed():  # the store and the prefill's snapshots (measured, not as counted), after each prefill chunk
         prefill_once()
         job = sched.policy.prefilling
-        held = 0 if job is None else sum(snapshot_bytes(job.prefill.cache, s) for s in job.states.values())
+        alone = None if job is None else job.prefill
+        held = 0 if alone is None else sum(snapshot_bytes(alone.progress.cache, s) for s in alone.states.values())
         peak.append(held + store.memory_bytes)
 
     sched.policy.prefill_once = observed

@@ -297,6 +297,9 @@ class _Handle:
     def __init__(self, request_id: int) -> None:
         self.id, self.cached_tokens, self.items = request_id, [0], []
 
+    def choice_of(self, seq_id: int) -> int:
+        return 0
+
     def deliver(self, item) -> None:
         self.items.append(item)
 
@@ -310,7 +313,7 @@ def _policy(model, max_running: int):
     for i, (prompt, max_new) in enumerate(zip(PROMPTS, MAX_NEW)):
         seq = engine.make_sequences([prompt], max_new, [SamplingParams()])[0]
         seq.seq_id = i
-        jobs.append(Job(_Handle(i), 0, seq, key, 0.0, engine))
+        jobs.append(Job(_Handle(i), seq, key, engine))
     return policy, engine, jobs, released
 
 
