@@ -223,14 +223,14 @@ def test_a_commit_failing_after_rows_finished_fails_them_too(models):
 def test_a_prefix_lookup_error_fails_one_request_not_the_loop(models):
     model = models["clover-tiny"]
     store = PrefixCache(8, 1 << 30, recurrent=True)
-    lookup = store.lookup
+    find = store.find
 
     def picky_lookup(tokens, scope=None):  # (only prompts longer than a chunk are looked up: PROMPTS[2] is)
         if tokens == PROMPTS[2]:
             raise ValueError("bad prompt")
-        return lookup(tokens, scope)
+        return find(tokens, scope)
 
-    store.lookup = picky_lookup
+    store.find = picky_lookup
     sched = _scheduler(model, prefix_cache=store)
     sched.start()
 
