@@ -44,7 +44,7 @@ from bench_smol import code_parses, prompt_ids, text_sets, tool_quality, tool_se
 
 from clover.cli.generate import token_texts  # noqa: E402
 from clover.cli.loading import default_repetition  # noqa: E402
-from clover.engine import Engine, SamplingParams  # noqa: E402
+from clover.engine import Engine, RequestOptions  # noqa: E402
 from clover.engine.cost import cost_table  # noqa: E402
 from clover.model import CloverForBlockDiffusion  # noqa: E402
 from clover.runners.torch_runner import as_runner  # noqa: E402
@@ -58,14 +58,14 @@ GUARD = {"loop_guard_span": 32, "loop_guard_repeats": 2}
 LIST_PROMPTS = ["List 20 kinds of fruit, one per line.", "Name 15 programming languages as a bulleted list.",
                 "Give me a numbered list of 12 famous scientists.", "List ten things to pack for a beach trip."]
 SETTINGS = {
-    "off": SamplingParams(),
-    "guard": SamplingParams(**GUARD),
-    "dry-0.8+guard": SamplingParams(dry_multiplier=0.8, **GUARD),
-    "dry-2.0+guard": SamplingParams(dry_multiplier=2.0, **GUARD),
-    "dry-0.8-nobreak-a1+guard": SamplingParams(dry_multiplier=0.8, dry_allowed_length=1, dry_sequence_breakers=(),
+    "off": RequestOptions(),
+    "guard": RequestOptions.of(**GUARD),
+    "dry-0.8+guard": RequestOptions.of(dry_multiplier=0.8, **GUARD),
+    "dry-2.0+guard": RequestOptions.of(dry_multiplier=2.0, **GUARD),
+    "dry-0.8-nobreak-a1+guard": RequestOptions.of(dry_multiplier=0.8, dry_allowed_length=1, dry_sequence_breakers=(),
                                                dry_include_prompt=True, **GUARD),
-    "dry-2.0-nobreak+guard": SamplingParams(dry_multiplier=2.0, dry_sequence_breakers=(), **GUARD),
-    "default": SamplingParams(**default_repetition()),
+    "dry-2.0-nobreak+guard": RequestOptions.of(dry_multiplier=2.0, dry_sequence_breakers=(), **GUARD),
+    "default": RequestOptions.of(**default_repetition()),
 }
 
 

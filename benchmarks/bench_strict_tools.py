@@ -33,7 +33,7 @@ from bench_smol import Chats, tool_sets  # benchmarks/, next to this script
 
 from clover.assistant_output import CALL, parse_assistant_output
 from clover.chat_template import render_chat
-from clover.engine import Engine, SamplingParams
+from clover.engine import Engine, RequestOptions
 from clover.engine.grammar import tool_call_grammar
 from clover.model import CloverForBlockDiffusion
 from clover.tool_formats import HERMES
@@ -69,7 +69,7 @@ def answer(engine: Engine, tokenizer: Any, chat: dict[str, Any], way: str, max_n
         grammar = tool_call_grammar([(t["function"]["name"], t["function"].get("parameters")) for t in chat["tools"]],
                                     tokenizer, head=HERMES.head, tail=HERMES.tail)
     out, stats = [], {}
-    for event in engine.run([ids], max_new_tokens, SamplingParams(grammar=grammar)):
+    for event in engine.run([ids], max_new_tokens, RequestOptions(grammar=grammar)):
         out += event.token_ids
         stats = event.stats or stats
     return forced + tokenizer.decode(out, skip_special_tokens=True), stats

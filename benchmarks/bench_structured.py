@@ -35,7 +35,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args()
     from clover.chat_template import render_chat
-    from clover.engine import Engine, SamplingParams
+    from clover.engine import Engine, RequestOptions
     from clover.engine.grammar import json_schema_grammar
     from clover.model import CloverForBlockDiffusion
     from clover.tokenizer import eos_token_ids, load_tokenizer
@@ -57,7 +57,7 @@ def main() -> None:
     for text in PROMPTS:
         ids = tokenizer(render_chat(tokenizer, [{"role": "user", "content": text}], add_generation_prompt=True),
                         add_special_tokens=False)["input_ids"]
-        for name, params in (("free", SamplingParams()), ("grammar", SamplingParams(grammar=grammar))):
+        for name, params in (("free", RequestOptions()), ("grammar", RequestOptions(grammar=grammar))):
             stats, out = {}, []
             for ev in engine.run([ids], args.max_new_tokens, params):
                 out += ev.token_ids

@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, prompt in (("cold", first), ("resumed", second)):
         seq = engine.make_sequences([prompt], 32, SamplingParams())[0]
         with torch.inference_mode():
-            reuse = store.lookup(prompt)
+            reuse = store.find(prompt)
             note(f"{name}: looked up ({reuse.length if reuse else 0} reused)", 0, reuse.cache if reuse else None)
             prefill = engine.begin_prefill(seq, reuse.cache if reuse else None)
             del reuse

@@ -30,9 +30,10 @@ SOURCE_FORMATS: dict[str, str] = {
     "arclm": "released",
 }
 
-# clover.serving.draft_memories: whose answers draft whose (clover serve --draft-memory), and how many answer tokens
-# a drafting memory keeps (clover.engine.draft_memory)
+# clover.serving.draft_memories: whose answers draft whose (clover serve --draft-memory; the default: each API key
+# its own), and how many answer tokens a drafting memory keeps (clover.engine.draft_memory)
 DRAFT_MEMORY_MODES = ("per-key", "shared", "off")
+DRAFT_MEMORY = "per-key"
 DRAFT_MEMORY_TOKENS = 262_144
 
 # clover.conversion.gguf_export: the GGUF weight formats it writes

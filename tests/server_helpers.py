@@ -275,7 +275,7 @@ def decode_alone(engine: Any, prompt: list[int], store: Any, max_new: int = 12,
     from clover.engine import SamplingParams
 
     seq = engine.make_sequences([prompt], max_new, sampling or SamplingParams())[0]
-    reuse = store.lookup(prompt) if store is not None else None
+    reuse = store.find(prompt) if store is not None else None
     states = dict(reuse.states) if reuse is not None else {}
     prefill = engine.begin_prefill(seq, reuse.cache if reuse is not None else None)
     batch = None

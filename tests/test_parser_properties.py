@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from clover.assistant_output import OutputParser, whole_calls
 from clover.engine.detokenizer import StopAwareDetokenizer
 from clover.engine.request import Sequence
-from clover.engine.sampling import SamplingParams
+from clover.engine.request import RequestOptions
 from clover.engine.repetition import (DryConfig, LagMatches, breakers_from_texts, dry_candidates, lag_matches,
                                       naive_dry_penalty, penalty_of)
 from clover.tool_formats import TOOL_FORMATS
@@ -130,7 +130,7 @@ def test_stop_strings_found_by_blocks_and_streamed_give_the_naive_text(ids, stop
     """The engine finds a stop string block by block from a short tail of text (`Sequence.append_block`), the
     stream holds back what may grow into one (`StopAwareDetokenizer`): whatever the blocks, the streamed text is
     the naive definition's, and the answer ends where that definition ends it."""
-    request = Sequence(0, [1], SamplingParams(stop=tuple(stops)), max_new_tokens=len(ids))
+    request = Sequence(0, [1], RequestOptions.of(stop=tuple(stops)), max_new_tokens=len(ids))
     stream = StopAwareDetokenizer(toy_decode, stops)
     sent, at = "", 0
     for size in [*cuts, len(ids)]:

@@ -24,8 +24,9 @@ def add_parser(subparsers: Any) -> None:
     add_thinking_budget_option(p)
     p.add_argument("--max-new-tokens", type=int, default=512)
     add_decoding_options(p)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
+    # unset: the engine's defaults (clover.engine.sampling.SamplingParams: greedy, no cut)
+    p.add_argument("--temperature", type=float, default=None, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=None, help="default 1: no nucleus cut")
     p.add_argument("--seed", type=int, default=None)
     add_repetition_options(p)
     p.add_argument("--no-stats", action="store_true", help="do not print tokens/forward and tokens/s per reply")
@@ -36,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
     # deferred for start-up time: torch, transformers and the engine load only when the command runs
     from clover.chat_template import render_chat
     from clover.cli.generate import token_texts
-    from clover.engine import Engine, SamplingParams, StopAwareDetokenizer, StreamPiece
+    from clover.engine import Engine, RequestOptions, StopAwareDetokenizer, StreamPiece
     from clover.engine.thinking import thinking_budget
     from clover.tokenizer import eos_token_ids
 
@@ -45,8 +46,8 @@ def run(args: argparse.Namespace) -> int:
     decode = lambda t: tokenizer.decode(t, skip_special_tokens=True)  # noqa: E731
     eos = eos_token_ids(model.config, tokenizer)
     budget = None if args.thinking_token_budget is None else thinking_budget(args.thinking_token_budget, tokenizer)
-    sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed,
-                              thinking_budget=budget, **repetition_sampling(args))
+    options = RequestOptions.of(temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+                                thinking_budget=budget, **repetition_sampling(args))
     engine = Engine(model, args.block_size, args.threshold, args.rule, detokenize=decode, vocab_limit=len(tokenizer),
                     eos_token_ids=eos, token_texts=token_texts(tokenizer))
     system = [{"role": "system", "content": args.system}] if args.system else []
@@ -71,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
         detok = StopAwareDetokenizer(decode)
         sys.stdout.write("clover> ")
         stats: dict[str, Any] = {}
-        for event in engine.run([ids], args.max_new_tokens, sampling):
+        for event in engine.run([ids], args.max_new_tokens, options):
             if isinstance(event, StreamPiece):
                 sys.stdout.write(detok.push(event.token_ids, event.finished))
                 if event.finished:

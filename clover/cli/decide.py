@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
 def _by_grammar(runner: Any, tokenizer: Any, text: str, schema: dict[str, Any], max_new_tokens: int) -> dict[str, Any]:
     """The answer to a schema outside the form subset: exact mode under its grammar, after decision mode's prompt."""
     # deferred for start-up time: the engine loads only when the command runs
-    from clover.engine import Engine, SamplingParams
+    from clover.engine import Engine, RequestOptions
     from clover.engine.decision import render_prompt
     from clover.engine.grammar import json_schema_grammar
     from clover.tokenizer import eos_token_ids
@@ -96,7 +96,7 @@ def _by_grammar(runner: Any, tokenizer: Any, text: str, schema: dict[str, Any], 
     engine = Engine(runner, rule="exact", eos_token_ids=eos_token_ids(runner.config, tokenizer),
                     vocab_limit=len(tokenizer))
     tokens, stats = [], {}
-    for event in engine.run([render_prompt(tokenizer, text, schema)], max_new_tokens, SamplingParams(grammar=grammar)):
+    for event in engine.run([render_prompt(tokenizer, text, schema)], max_new_tokens, RequestOptions(grammar=grammar)):
         tokens += event.token_ids
         stats = event.stats or stats
     if stats["finish_reason"] != "eos":

@@ -20,7 +20,7 @@ from clover.cli.loading import (add_decoding_options, add_repetition_options, ad
 from clover.cli.threads import set_threads
 
 if TYPE_CHECKING:
-    from clover.engine import Engine, SamplingParams, StepSnapshot, StreamPiece
+    from clover.engine import Engine, RequestOptions, StepSnapshot, StreamPiece
 
 MASK_GLYPH = "░"
 
@@ -44,11 +44,12 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--tokens-per-step", type=int, default=None, help="k of --rule top_k_per_step")
     p.add_argument("--sub-block-size", type=int, default=None,
                    help="size of --rule sub_blocks (default 8, Fast-dLLM v2's)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
+    # unset: the engine's defaults (clover.engine.sampling.SamplingParams: greedy, no cut, no penalty)
+    p.add_argument("--temperature", type=float, default=None, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=None, help="default 1: no nucleus cut")
+    p.add_argument("--top-k", type=int, default=None, help="default 0: off")
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--repetition-penalty", type=float, default=None, help="default 1: off")
     add_repetition_options(p)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--json-schema", type=Path, default=None, metavar="FILE",
@@ -85,9 +86,9 @@ def run(args: argparse.Namespace) -> int:
     set_threads(args.threads)
     runner, tokenizer, source = load_model(args)
     ids = _prompt_ids(tokenizer, args)
-    engine, sampling = engine_for(args, runner, tokenizer)
+    engine, options = engine_for(args, runner, tokenizer)
     decode = lambda t: tokenizer.decode(t, skip_special_tokens=True)  # noqa: E731
-    events = engine.run([ids], args.max_new_tokens, sampling, snapshots=args.show_steps)
+    events = engine.run([ids], args.max_new_tokens, options, snapshots=args.show_steps)
     steps = _StepPainter(tokenizer) if args.show_steps else None
     detok = StopAwareDetokenizer(decode, args.stop)
     token_ids, stats = [], {}
@@ -117,11 +118,11 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def engine_for(args: argparse.Namespace, runner: Any, tokenizer: Any) -> tuple[Engine, SamplingParams]:
-    """The engine and sampling `generate` decodes with for the parsed `args` on a loaded runner (benchmarks that
+def engine_for(args: argparse.Namespace, runner: Any, tokenizer: Any) -> tuple[Engine, RequestOptions]:
+    """The engine and request options `generate` decodes with for the parsed `args` on a loaded runner (benchmarks that
     measure `generate`'s path build theirs here too)."""
     # deferred for start-up time: torch and the engine load only when the command runs
-    from clover.engine import Engine, SamplingParams
+    from clover.engine import Engine, RequestOptions
     from clover.engine.grammar import json_schema_grammar
     from clover.engine.thinking import thinking_budget
     from clover.tokenizer import eos_token_ids
@@ -135,15 +136,15 @@ def engine_for(args: argparse.Namespace, runner: Any, tokenizer: Any) -> tuple[E
         grammar = json_schema_grammar(schema, tokenizer)
         args.rule = args.rule or "exact"  # block decoding cannot follow a grammar
     budget = None if args.thinking_token_budget is None else thinking_budget(args.thinking_token_budget, tokenizer)
-    sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                              repetition_penalty=args.repetition_penalty, seed=args.seed, stop=tuple(args.stop),
-                              grammar=grammar, thinking_budget=budget, **repetition_sampling(args))
+    options = RequestOptions.of(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                                repetition_penalty=args.repetition_penalty, seed=args.seed, stop=tuple(args.stop),
+                                grammar=grammar, thinking_budget=budget, **repetition_sampling(args))
     rule_options = {name: value for name, value in (("k", args.tokens_per_step), ("size", args.sub_block_size))
                     if value is not None} or None
     engine = Engine(runner, args.block_size, args.threshold, args.rule, rule_options,
                     detokenize=lambda t: tokenizer.decode(t, skip_special_tokens=True), vocab_limit=len(tokenizer),
                     eos_token_ids=eos_token_ids(runner.config, tokenizer), token_texts=token_texts(tokenizer))
-    return engine, sampling
+    return engine, options
 
 
 def token_texts(tokenizer: Any) -> Any:

@@ -157,8 +157,8 @@ def add_repetition_options(p: argparse.ArgumentParser) -> None:
 
 
 def repetition_sampling(args: argparse.Namespace) -> dict[str, Any]:
-    """`SamplingParams` keywords from the options of `add_repetition_options`."""
-    from clover.engine.sampling import REPETITION_FIELDS  # deferred: torch, only when a command runs
+    """`RequestOptions.of` keywords from the options of `add_repetition_options`."""
+    from clover.engine.request import REPETITION_FIELDS  # deferred: torch, only when a command runs
 
     options = {name: getattr(args, name) for name in REPETITION_FIELDS}
     given = options["dry_sequence_breakers"]  # '' given alone: none
@@ -167,7 +167,7 @@ def repetition_sampling(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def default_repetition() -> dict[str, Any]:
-    """The `SamplingParams` keywords `generate` and `chat` use when given no repetition option."""
+    """The `RequestOptions.of` keywords `generate` and `chat` use when given no repetition option."""
     parser = argparse.ArgumentParser()
     add_repetition_options(parser)
     return repetition_sampling(parser.parse_args([]))

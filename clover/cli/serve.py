@@ -14,7 +14,7 @@ import threading
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
-from clover.choices import DRAFT_MEMORY_MODES, DRAFT_MEMORY_TOKENS
+from clover.choices import DRAFT_MEMORY, DRAFT_MEMORY_MODES, DRAFT_MEMORY_TOKENS
 from clover.cli.loading import add_decoding_options, choose_runner, load_model, model_path
 from clover.cli.model_source import locate
 from clover.cli.threads import set_threads
@@ -56,7 +56,7 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--responses-store-mb", type=float, default=64.0,
                    help="memory for stored Responses API responses (previous_response_id), least recently used "
                         "evicted first (0: none kept)")
-    p.add_argument("--draft-memory", choices=DRAFT_MEMORY_MODES, default="per-key",
+    p.add_argument("--draft-memory", choices=DRAFT_MEMORY_MODES, default=DRAFT_MEMORY,
                    help="exact mode's drafts from earlier answers: one memory per API key (one for all without "
                         "keys), one shared by every client, or none (docs/agents.md)")
     p.add_argument("--draft-memory-tokens", type=int, default=DRAFT_MEMORY_TOKENS,

@@ -10,13 +10,13 @@
 Roles: `sampling` (SamplingParams, logits -> candidates + confidence), `noise` (sampling's noise, keyed by seed
 and position), `repetition` (DRY's penalty and the loop guard on token histories), `grammar` (output constrained
 by a JSON Schema or a tool call), `thinking` (a thinking budget), `decoding` (rules, by name), `request`
-(`Sequence`: one request's state and stats), `engine` (requests in, pieces out), `prefill` (the chunked prompt
+(`RequestOptions`: what a request asks, checked once; `Sequence`: one request's state and stats), `engine` (requests in, pieces out), `prefill` (the chunked prompt
 read generation and decision mode share), `loop` (what a decoding loop does), `block_loop` (block diffusion),
 `exact` (exact mode), `speculative` (exact mode's acceptance of sampled tokens), `drafting` + `cost` (how many
 drafts pay), `lookup` + `draft_memory` (drafts copied from the request's context and from earlier answers),
 `decision` + `form` (decision mode: a form's slots filled at once), `reference` (the uncached recompute decoder
 the tests compare against), `detokenizer` (ids -> text, incrementally), `logprobs` (the emitted tokens'
-log-probabilities, when a request asks: `SamplingParams.logprobs`; an echoed prompt's scoring). The network runs
+log-probabilities, when a request asks: `RequestOptions.logprobs`; an echoed prompt's scoring). The network runs
 behind `clover.runners` (the torch model, or llama.cpp for an exported GGUF): every entry point taking a `model`
 takes a runner too.
 Semantics and measured figures: docs/decoding.md.
@@ -24,7 +24,6 @@ Semantics and measured figures: docs/decoding.md.
 
 from __future__ import annotations
 
-import dataclasses
 import numbers
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence as Seq
@@ -36,18 +35,15 @@ from clover.engine.detokenizer import IncrementalDetokenizer, StopAwareDetokeniz
 from clover.engine.engine import DEFAULT_PREFILL_CHUNK, Engine
 from clover.engine.loop import Event, StepSnapshot, StreamPiece
 from clover.engine.sampling import SamplingParams
-from clover.engine.request import Detokenize
+from clover.engine.request import Detokenize, Options, RequestOptions
 from clover.runners.base import ModelRunner
 from clover.runners.torch_runner import TorchRunner
 
 __all__ = [
-    "DEFAULT_PREFILL_CHUNK", "Engine", "GenerationResult", "IncrementalDetokenizer", "RULES", "SamplingParams",
-    "ModelRunner", "StepSnapshot", "StopAwareDetokenizer", "StreamPiece", "TorchRunner", "UnmaskingRule", "generate",
-    "make_rule",
-    "register_rule", "stream",
+    "DEFAULT_PREFILL_CHUNK", "Engine", "GenerationResult", "IncrementalDetokenizer", "ModelRunner", "RULES",
+    "RequestOptions", "SamplingParams", "StepSnapshot", "StopAwareDetokenizer", "StreamPiece", "TorchRunner",
+    "UnmaskingRule", "generate", "make_rule", "register_rule", "stream",
 ]
-
-_SAMPLING_KEYS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 
 
 @dataclass
@@ -56,16 +52,12 @@ class GenerationResult:
     stats: list[dict[str, Any]]  # per prompt (see `Sequence.stats`)
 
 
-def _sampling(sampling: SamplingParams | Seq[SamplingParams] | None,
-              kwargs: dict[str, Any]) -> SamplingParams | list[SamplingParams]:
-    unknown = sorted(set(kwargs) - _SAMPLING_KEYS)
-    if unknown:
-        raise TypeError(f"unknown generation arguments {unknown}; sampling takes {sorted(_SAMPLING_KEYS)}")
-    if sampling is not None:
+def _options(options: Options | Seq[Options] | None, kwargs: dict[str, Any]) -> Options | list[Options]:
+    if options is not None:
         if kwargs:
-            raise TypeError("pass sampling options either as `sampling=SamplingParams(...)` or as keywords, not both")
-        return sampling if isinstance(sampling, SamplingParams) else list(sampling)
-    return SamplingParams(**kwargs)
+            raise TypeError("pass request options either as `options=RequestOptions(...)` or as keywords, not both")
+        return options if isinstance(options, (RequestOptions, SamplingParams)) else list(options)
+    return RequestOptions.of(**kwargs)
 
 
 def _prompts(prompts: Any, attention_mask: torch.Tensor | None) -> list[list[int]]:
@@ -92,22 +84,23 @@ def _prompts(prompts: Any, attention_mask: torch.Tensor | None) -> list[list[int
 
 def generate(model: torch.nn.Module | ModelRunner, prompts: Any, max_new_tokens: int = 128, *, block_size: int | None = None,
              threshold: float | None = None, rule: str | UnmaskingRule | ExactRule | None = None,
-             rule_options: dict[str, Any] | None = None, sampling: SamplingParams | Seq[SamplingParams] | None = None,
+             rule_options: dict[str, Any] | None = None, options: Options | Seq[Options] | None = None,
              attention_mask: torch.Tensor | None = None, detokenize: Detokenize | None = None,
              vocab_limit: int | None = None, eos_token_ids: Seq[int] | None = None,
-             prefill_chunk: int = DEFAULT_PREFILL_CHUNK, **sampling_kwargs: Any) -> GenerationResult:
+             prefill_chunk: int = DEFAULT_PREFILL_CHUNK, **keywords: Any) -> GenerationResult:
     """Generate for a batch of prompts (decoded together, each getting what it would get alone).
 
-    `block_size`, `threshold` and `rule` default to the model config's. Sampling: `sampling=SamplingParams(...)`
-    (one, or one per prompt) or its fields as keywords: `temperature`, `top_p`, `top_k`, `repetition_penalty`,
-    `seed`, `stop`, DRY's `dry_*` and the loop guard's `loop_guard_*` (docs/decoding.md "Repetition"), ...
+    `block_size`, `threshold` and `rule` default to the model config's. A request's options:
+    `options=RequestOptions(...)` (one, or one per prompt; bare `SamplingParams` ask nothing else) or their fields
+    as keywords: `temperature`, `top_p`, `top_k`, `repetition_penalty`, `seed`, `stop`, DRY's `dry_*` and the loop
+    guard's `loop_guard_*` (docs/decoding.md "Repetition"), `grammar`, `thinking_budget`, `logprobs`, ...
     """
     rows = _prompts(prompts, attention_mask)
     engine = Engine(model, block_size, threshold, rule, rule_options, eos_token_ids=eos_token_ids,
                     vocab_limit=vocab_limit, detokenize=detokenize, prefill_chunk=prefill_chunk)
     sequences: list[list[int]] = [[] for _ in rows]
     stats: list[dict[str, Any]] = [{} for _ in rows]
-    for event in engine.run(rows, max_new_tokens, _sampling(sampling, sampling_kwargs)):
+    for event in engine.run(rows, max_new_tokens, _options(options, keywords)):
         if isinstance(event, StreamPiece):
             sequences[event.index].extend(event.token_ids)
             if event.stats is not None:
@@ -118,10 +111,10 @@ def generate(model: torch.nn.Module | ModelRunner, prompts: Any, max_new_tokens:
 def stream(model: torch.nn.Module | ModelRunner, prompt_ids: Seq[int] | torch.Tensor, max_new_tokens: int = 128, *,
            block_size: int | None = None, threshold: float | None = None,
            rule: str | UnmaskingRule | ExactRule | None = None,
-           rule_options: dict[str, Any] | None = None, sampling: SamplingParams | None = None,
+           rule_options: dict[str, Any] | None = None, options: Options | None = None,
            detokenize: Detokenize | None = None, vocab_limit: int | None = None,
            eos_token_ids: Seq[int] | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
-           snapshots: bool = False, **sampling_kwargs: Any) -> Iterator[Event]:
+           snapshots: bool = False, **keywords: Any) -> Iterator[Event]:
     """Decode one prompt, yielding a `StreamPiece` (the block's committed ids) as each block is final; the last
     piece has `finished=True` and the request's `stats`. With `snapshots=True`, also a `StepSnapshot` after every
     denoising step. Detokenise in the caller (`IncrementalDetokenizer`)."""
@@ -132,4 +125,4 @@ def stream(model: torch.nn.Module | ModelRunner, prompt_ids: Seq[int] | torch.Te
         ids = ids[0]
     engine = Engine(model, block_size, threshold, rule, rule_options, eos_token_ids=eos_token_ids,
                     vocab_limit=vocab_limit, detokenize=detokenize, prefill_chunk=prefill_chunk)
-    return engine.run([ids], max_new_tokens, _sampling(sampling, sampling_kwargs), snapshots=snapshots)
+    return engine.run([ids], max_new_tokens, _options(options, keywords), snapshots=snapshots)

@@ -44,9 +44,9 @@ import torch
 from clover.engine.decoding import UnmaskingRule
 from clover.engine.logprobs import TokenLogprob, token_logprobs
 from clover.engine.loop import DecodingLoop, Event, StepSnapshot
-from clover.engine.request import Sequence, before_eos, through_eos
+from clover.engine.request import RequestOptions, Sequence, before_eos, through_eos
 from clover.runners.base import RunnerCache
-from clover.engine.sampling import BatchSampler, SamplingParams
+from clover.engine.sampling import BatchSampler
 
 
 @dataclass
@@ -92,9 +92,9 @@ class BlockLoop(DecodingLoop):
     def prefilled(self, prompt: list[int]) -> list[int]:
         return prompt[: len(prompt) - self._head(prompt)]
 
-    def check(self, params: list[SamplingParams]) -> None:
-        for i, p in enumerate(params):
-            if p.grammar is not None:
+    def check(self, options: list[RequestOptions]) -> None:
+        for i, o in enumerate(options):
+            if o.grammar is not None:
                 raise ValueError(
                     f"rule {self.rule.name!r} cannot follow a grammar (request {i}): its steps fill a block's "
                     f"positions in any order, and a grammar decides what may come next only left to right; use rule "
@@ -119,7 +119,7 @@ class BlockLoop(DecodingLoop):
         limit = self._limits(seqs, head)
         self._force_closing(seqs, block, head, limit)
         logits = self._open_block(ids if ids.shape[1] else None, block, head, cache, limit, **kwargs)
-        sampler = BatchSampler([s.params for s in seqs], e.vocab_size, e.banned_ids, e.device, e.breakers)
+        sampler = BatchSampler([s.options.sampling for s in seqs], e.vocab_size, e.banned_ids, e.device, e.breakers)
         sampler.observe([s.prompt for s in seqs])
         zeros = torch.zeros(n, dtype=torch.long, device=e.device)
         return BlockBatch(seqs, cache, sampler, block, logits, zeros, limit, zeros + 1, head, self.rule_for(seqs),
@@ -132,7 +132,7 @@ class BlockLoop(DecodingLoop):
         per sequence)."""
         if "threshold" not in getattr(self.rule, "__dataclass_fields__", {}):
             return self.rule  # a rule without a threshold (top_k_per_step): the requests' thresholds do not apply
-        own = [self.rule.threshold if s.threshold is None else s.threshold for s in seqs]
+        own = [self.rule.threshold if s.options.threshold is None else s.options.threshold for s in seqs]
         if all(t == self.rule.threshold for t in own):
             return self.rule
         rule = copy.copy(self.rule)  # not `dataclasses.replace`: its check takes one float
@@ -289,7 +289,7 @@ class BlockLoop(DecodingLoop):
 
     def _no_logprobs(self, seqs: list[Sequence]) -> list[list[TokenLogprob | None] | None]:
         """A fresh block's logprobs: a position list per row that asks for them."""
-        return [[None] * self.engine.block_size if s.params.logprobs is not None else None for s in seqs]
+        return [[None] * self.engine.block_size if s.options.logprobs is not None else None for s in seqs]
 
     def _record_logprobs(self, b: BlockBatch, tokens: torch.Tensor, accept: torch.Tensor) -> None:
         """The values of the tokens this step unmasked (rows asking for logprobs): from the prediction the step
@@ -300,7 +300,7 @@ class BlockLoop(DecodingLoop):
             at = accept[r].nonzero()[:, 0]
             if not at.numel():
                 continue
-            values = token_logprobs(b.logits[r, at], tokens[r, at].tolist(), b.seqs[r].params.logprobs,
+            values = token_logprobs(b.logits[r, at], tokens[r, at].tolist(), b.seqs[r].options.logprobs,
                                     self.engine.banned_ids)
             for p, value in zip(at.tolist(), values):
                 row[p] = value
@@ -323,7 +323,7 @@ class BlockLoop(DecodingLoop):
         the same as checking the finished block (the prefix never changes); only rows with stop strings that took
         this step decode any text."""
         e = self.engine
-        rows = [r for r, s in enumerate(b.seqs) if s.params.stop]
+        rows = [r for r, s in enumerate(b.seqs) if s.options.stop]
         if not rows or e.detokenize is None:
             return
         act, block, limit, head = active.tolist(), b.block.tolist(), b.limit.tolist(), b.head.tolist()

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import numbers
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterator, Sequence as Seq
 
 import torch
@@ -40,7 +40,7 @@ from clover.engine.logprobs import TokenLogprob, banned_ids
 from clover.engine.loop import Event, StreamPiece
 from clover.engine.prefill import DEFAULT_PREFILL_CHUNK, EXPECTED_ANSWER, grid_chunk, prefill
 from clover.engine.repetition import BreakerCache
-from clover.engine.request import Detokenize, Sequence
+from clover.engine.request import Detokenize, Options, RequestOptions, Sequence, as_options
 from clover.runners.base import ModelRunner, RunnerCache, release_cache
 from clover.runners.torch_runner import as_runner
 from clover.engine.sampling import SamplingParams
@@ -138,12 +138,15 @@ class Engine:
         return settings | self.loop.figures()
 
     # -- public ---------------------------------------------------------------------------------------
-    def run(self, prompts: Seq[Seq[int]], max_new_tokens: int, sampling: SamplingParams | Seq[SamplingParams],
+    def run(self, prompts: Seq[Seq[int]], max_new_tokens: int, options: Options | Seq[Options],
             snapshots: bool = False) -> Iterator[Event]:
-        """Decode `prompts` together; yield a `StreamPiece` per request per block (and `StepSnapshot`s).
+        """Decode `prompts` together; yield a `StreamPiece` per request per block (and `StepSnapshot`s). Requests
+        that name no drafting memory draft from (and join) the engine's own (`draft_memory`).
 
         Inputs are validated here, before the first `next()`, so a bad request fails where it is made."""
-        return self._run(self.make_sequences(prompts, max_new_tokens, sampling), snapshots)
+        given = [as_options(o) for o in self._per_prompt(options, len(prompts))]
+        own = [o if o.memory is not None else replace(o, memory=self.memory) for o in given]
+        return self._run(self.make_sequences(prompts, max_new_tokens, own), snapshots)
 
     def _run(self, seqs: list[Sequence], snapshots: bool) -> Iterator[Event]:
         with torch.inference_mode():
@@ -155,42 +158,29 @@ class Engine:
         self.loop.idle()  # after the last answer's tokens went out
 
     # -- setup ----------------------------------------------------------------------------------------
-    def make_sequences(self, prompts: Seq[Seq[int]], max_new_tokens: int,
-                       sampling: SamplingParams | Seq[SamplingParams], *, threshold: float | None = None,
-                       ignore_eos: bool = False, ids: Seq[int] | None = None) -> list[Sequence]:
-        """Validated requests (`ValueError` naming the parameter otherwise), timed from now. `threshold` (None:
-        the engine's) and `ignore_eos` (generate exactly `max_new_tokens`) are the requests' own: rows of one
-        batch may differ in them (a block rule reads each row's threshold; EOS ends only rows that heed it).
+    def make_sequences(self, prompts: Seq[Seq[int]], max_new_tokens: int, options: Options | Seq[Options], *,
+                       ids: Seq[int] | None = None) -> list[Sequence]:
+        """Validated requests (`ValueError` naming the parameter otherwise), timed from now, one per prompt with
+        its `options` (one for all, or one each; bare `SamplingParams` ask nothing else): rows of one batch may
+        differ in any of them (a block rule reads each row's threshold; EOS ends only rows that heed it). A
+        sampled request that gave no seed gets one now, which its sequence carries (a record reproduces it).
         `ids`: the sequences' `seq_id`s, what their events carry (None: their positions in `prompts`)."""
-        if threshold is not None:
-            check_threshold(threshold)
         if len(prompts) == 0:
             raise ValueError("prompts is empty: give at least one prompt")
         ids = range(len(prompts)) if ids is None else list(ids)
         if len(ids) != len(prompts):
             raise ValueError(f"got {len(ids)} ids for {len(prompts)} prompts")
-        # each request's own seed, drawn now where it gave none: the sequence carries it (a record reproduces it)
-        params = [p.resolved() for p in ([sampling] * len(prompts) if isinstance(sampling, SamplingParams)
-                                         else list(sampling))]
-        if len(params) != len(prompts):
-            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        opts = [as_options(o).resolved() for o in self._per_prompt(options, len(prompts))]
+        if self.memory is None:  # a drafting memory only where this engine drafts from one
+            opts = [o if o.memory is None else replace(o, memory=None) for o in opts]
         if not isinstance(max_new_tokens, numbers.Integral) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-        if self.detokenize is None and any(p.stop for p in params):
+        if self.detokenize is None and any(o.stop for o in opts):
             raise ValueError("stop strings need a detokenizer: pass detokenize=tokenizer.decode")
-        if self.breakers is None and any(p.uses_dry and p.dry_sequence_breakers for p in params):
+        if self.breakers is None and any(o.sampling.uses_dry and o.sampling.dry_sequence_breakers for o in opts):
             raise ValueError("DRY sequence breakers need the vocabulary's texts: pass detokenize=tokenizer.decode "
                              "(or dry_sequence_breakers=())")
-        for i, p in enumerate(params):
-            if p.logprobs is not None and (p.grammar is not None or p.thinking_budget is not None):
-                what = "a grammar" if p.grammar is not None else "a thinking budget"
-                raise ValueError(f"request {i}: logprobs cannot be combined with {what} (the tokens {what} forces "
-                                 "are decided without the model's logits)")
-            if p.grammar is not None and p.thinking_budget is not None:
-                raise ValueError(f"request {i}: a thinking budget cannot be combined with a grammar (a grammar's "
-                                 "answer has no reasoning to bound, and a forced close would break it; "
-                                 "clover.engine.thinking)")
-        self.loop.check(params)
+        self.loop.check(opts)
         prompts = [list(map(int, p)) for p in prompts]
         for i, p in enumerate(prompts):
             if not p:
@@ -212,26 +202,35 @@ class Engine:
                 f"needs its positions in {unit}, within {where}; at most "
                 f"{max(room, 0)} new tokens fit")
         now = time.perf_counter()
-        eos = [] if ignore_eos else self.eos_ids
-        return [Sequence(ids[i], p, params[i], int(max_new_tokens), start_time=now, threshold=threshold,
-                        ignore_eos=bool(ignore_eos), memory=self.memory,
-                        matcher=params[i].grammar.matcher(self.vocab_size, eos, self.runner.config.eos_token_ids)
-                        if params[i].grammar is not None else None,
-                        budget=params[i].thinking_budget.tracker(p, self.vocab_size, eos)
-                        if params[i].thinking_budget is not None else None) for i, p in enumerate(prompts)]
+        return [Sequence(ids[i], p, o, int(max_new_tokens), start_time=now,
+                         matcher=o.grammar.matcher(self.vocab_size, [] if o.ignore_eos else self.eos_ids,
+                                                   self.runner.config.eos_token_ids)
+                         if o.grammar is not None else None,
+                         budget=o.thinking_budget.tracker(p, self.vocab_size, [] if o.ignore_eos else self.eos_ids)
+                         if o.thinking_budget is not None else None) for i, (p, o) in enumerate(zip(prompts, opts))]
+
+    @staticmethod
+    def _per_prompt(options: Options | Seq[Options], n: int) -> list[Options]:
+        """One options object per prompt: `options` for each, or the list given (its length checked)."""
+        if isinstance(options, (RequestOptions, SamplingParams)):
+            return [options] * n
+        options = list(options)
+        if len(options) != n:
+            raise ValueError(f"got {len(options)} options for {n} prompts")
+        return options
 
     def eos_of(self, seq: Sequence) -> list[int]:
         """The ids that end `seq`: its grammar's (the model's, under ignore_eos: clover.engine.grammar), none under
         `ignore_eos`, else the engine's."""
         if seq.matcher is not None:
             return seq.matcher.eos_ids
-        return [] if seq.ignore_eos else self.eos_ids
+        return [] if seq.options.ignore_eos else self.eos_ids
 
     def heeds_eos(self, seqs: Seq[Sequence]) -> torch.Tensor | None:
         """`[N]` bool: the rows an engine EOS ends (None when all do, the common case: no tensor built)."""
-        if not any(s.ignore_eos for s in seqs):
+        if not any(s.options.ignore_eos for s in seqs):
             return None
-        return torch.tensor([not s.ignore_eos for s in seqs], dtype=torch.bool, device=self.device)
+        return torch.tensor([not s.options.ignore_eos for s in seqs], dtype=torch.bool, device=self.device)
 
     # -- what the loops share -----------------------------------------------------------------------------
     def forward(self, ids: torch.Tensor | None, cache: RunnerCache, block_size: int | None = None,
@@ -263,8 +262,8 @@ class Engine:
                                       list(values[:len(piece)]) if values is not None else None))
             if not seq.finished:
                 keep.append(r)
-            elif seq.memory is not None:
-                seq.memory.add(seq.generated)
+            elif seq.options.memory is not None:
+                seq.options.memory.add(seq.generated)
         if not keep:
             b.seqs = []
             release_cache(b.cache)  # the batch ends here (its loop returns None): llama.cpp's slots come back now

@@ -39,7 +39,7 @@ runner's measured cost (`clover.engine.cost`) and the request's acceptance so fa
 always the whole block (`adaptive=False`: `m = B - 1`, every draft verified). `m = 0` is a one-row forward with
 no query block: block size 1 itself.
 
-With a grammar (clover.engine.grammar, a request's `SamplingParams.grammar`) the causal logits are masked to the
+With a grammar (clover.engine.grammar, a request's `RequestOptions.grammar`) the causal logits are masked to the
 allowed tokens before the choice, each draft's position with the grammar advanced past the drafts before it, so a
 draft is checked against the masked choice; the query block drafts the allowed argmax. The tokens the grammar
 forces after a decision (and an EOS when it can only end) are decided at once: they are emitted with it and fed,
@@ -103,7 +103,8 @@ STEP_MEMORY = 512  # steps after which a size's timings no longer count: a size 
 class ExactBatch:
     """Exact mode's running batch. Between steps, per row: the tokens the last forward decided (the causal
     path's tokens; emitted at the next step; all but the last already in the cache), the drafts for the next
-    forward and the request's acceptance estimate; with `lookup`, its context index and where its drafts came from."""
+    forward and the request's acceptance estimate; with `lookup`, its copied drafts (its context index, where its
+    drafts came from)."""
 
     seqs: list[Sequence]
     cache: RunnerCache
@@ -115,13 +116,13 @@ class ExactBatch:
     drafts: torch.Tensor  # [N, D]: the tokens after the last decided one, as the query block predicted them
     n_drafts: torch.Tensor  # [N]: drafts usable next forward (0 where they were made after a rejected token)
     acceptance: list[Acceptance]
-    lookups: list[Lookup | None]
+    copies: list[CopiedDrafts | None]
     looked_up: torch.Tensor  # [N] bool: this row's drafts were copied from its context, not drafted
     logprobs: list[list[TokenLogprob] | None]  # per row asking for them: the decided tokens' (else None)
 
 
 @dataclass
-class Lookup:
+class CopiedDrafts:
     """A request's copied drafts: the n-gram index of its own context, the drafting memory's draft when the
     current drafts came from there (None when from the context), and the depth of the match they continue."""
 
@@ -218,7 +219,7 @@ class ExactLoop(DecodingLoop):
                           torch.cat([b.n_decided, new.n_decided]), torch.cat([b.n_feed, new.n_feed]),
                           torch.cat([_pad(b.drafts, drafts), _pad(new.drafts, drafts)]),
                           torch.cat([b.n_drafts, new.n_drafts]), b.acceptance + new.acceptance,
-                          b.lookups + new.lookups, torch.cat([b.looked_up, new.looked_up]), b.logprobs + new.logprobs)
+                          b.copies + new.copies, torch.cat([b.looked_up, new.looked_up]), b.logprobs + new.logprobs)
 
     def keep_rows(self, b: ExactBatch, keep: list[int]) -> None:
         idx = torch.tensor(keep, dtype=torch.long, device=self.engine.device)
@@ -228,7 +229,7 @@ class ExactLoop(DecodingLoop):
         b.decided, b.n_decided, b.n_feed = b.decided[idx], b.n_decided[idx], b.n_feed[idx]
         b.drafts, b.n_drafts = b.drafts[idx], b.n_drafts[idx]
         b.acceptance = [b.acceptance[r] for r in keep]
-        b.lookups = [b.lookups[r] for r in keep]
+        b.copies = [b.copies[r] for r in keep]
         b.looked_up = b.looked_up[idx]
         b.logprobs = [b.logprobs[r] for r in keep]
 
@@ -237,7 +238,7 @@ class ExactLoop(DecodingLoop):
         """The prefill's last chunk: it decides the first token (from the last prompt token) and drafts after it."""
         n, t = ids.shape
         e = self.engine
-        sampler = BatchSampler([s.params for s in seqs], e.vocab_size, e.banned_ids, e.device, e.breakers)
+        sampler = BatchSampler([s.options.sampling for s in seqs], e.vocab_size, e.banned_ids, e.device, e.breakers)
         sampler.observe([s.prompt for s in seqs])
         acceptance = [Acceptance(e.block_size - 1, self.prior) for _ in seqs]
         none = torch.zeros(n, dtype=torch.long, device=e.device)
@@ -245,11 +246,11 @@ class ExactLoop(DecodingLoop):
         start = torch.full((n,), t - 1, dtype=torch.long, device=e.device)
         constrained, masks, _ = _constraint_masks(seqs, lambda r: [])
         tokens, accepted, query, logprobs = self._forward(ids, start, none, cache, sampler, acceptance, int(m.max()),
-                                                          masks, [len(s.generated) for s in seqs], **kwargs)
+                                                          masks, seqs, **kwargs)
         ones = accepted + 1
-        lookups = [Lookup(ContextLookup(s.prompt)) if self.rule.lookup else None for s in seqs]
+        copies = [CopiedDrafts(ContextLookup(s.prompt)) if self.rule.lookup else None for s in seqs]
         b = ExactBatch(seqs, cache, sampler, tokens, ones, ones.clone(), query, ones * query.shape[1], acceptance,
-                       lookups, none.bool(), logprobs)
+                       copies, none.bool(), logprobs)
         self._after_commit(b, constrained, accepted, [0] * n)
         self._observe(b)
         return b
@@ -286,30 +287,29 @@ class ExactLoop(DecodingLoop):
         if width > 1:  # drafts to verify: the cache must be able to forget the rejected ones
             b.cache.mark()
         tokens, accepted, query, b.logprobs = self._forward(
-            ids, b.n_feed - 1, k, b.cache, b.sampler, b.acceptance, int(m.max()), masks,
-            [len(s.generated) for s in b.seqs], prefix_len=width,
+            ids, b.n_feed - 1, k, b.cache, b.sampler, b.acceptance, int(m.max()), masks, b.seqs, prefix_len=width,
             attention_mask=None if bool(real.all()) else real, drafts_in=drafts_k)
         if width > 1:
             b.cache.rewind(b.n_feed + accepted)
         for r, (acc, verified, took) in enumerate(zip(b.acceptance, k.tolist(), accepted.tolist())):
-            lookup = b.lookups[r]
+            copied = b.copies[r]
             acc.tick()
             reached = min(took + 1, verified)  # drafts compared: accepted up to `took`, then one rejected
             if verified:
-                source = "model" if not bool(b.looked_up[r]) else "memory" if lookup.memory_draft else "context"
+                source = "model" if not bool(b.looked_up[r]) else "memory" if copied.memory_draft else "context"
                 counts = b.seqs[r].drafts.setdefault(source, [0, 0])
                 counts[0] += took
                 counts[1] += reached
             if bool(b.looked_up[r]):
                 tally = self.lookup_tally
-                if lookup.memory_draft is not None:
+                if copied.memory_draft is not None:
                     tally = self.memory_tally
                     if verified:
-                        estimate = self._memory_estimate(lookup.memory_draft)
+                        estimate = self._memory_estimate(copied.memory_draft)
                         estimate.tick()
                         estimate.observe(verified, took)
                 elif verified:
-                    estimate = self._context_estimate(lookup.depth)
+                    estimate = self._context_estimate(copied.depth)
                     estimate.tick()
                     estimate.observe(verified, took)
                 tally[0] += verified > 0
@@ -403,19 +403,19 @@ class ExactLoop(DecodingLoop):
         since (emitted at this step's start)."""
         most = self.lookup_most
         n_drafts = b.n_drafts.tolist()
-        for r, (s, lookup) in enumerate(zip(b.seqs, b.lookups)):
-            lookup.index.extend(s.generated[len(lookup.index) - len(s.prompt):])
-            lookup.memory_draft = None
+        for r, (s, copied) in enumerate(zip(b.seqs, b.copies)):
+            copied.index.extend(s.generated[len(copied.index) - len(s.prompt):])
+            copied.memory_draft = None
             if (n_drafts[r] and not self.rule.adaptive) or s.remaining <= 1:
                 continue
-            drafts, memory_draft, depth = copied_drafts(lookup.index, s.memory, most)
+            drafts, memory_draft, depth = copied_drafts(copied.index, s.options.memory, most)
             if drafts and n_drafts[r]:  # the model drafted too: the copy replaces its drafts where it promises more
-                lookup.memory_draft, lookup.depth = memory_draft, depth
-                copied = expected_tokens(self._copied_estimate(b, r), len(drafts))
-                if copied <= expected_tokens(b.acceptance[r].optimistic(), n_drafts[r]):
-                    lookup.memory_draft = None
+                copied.memory_draft, copied.depth = memory_draft, depth
+                promised = expected_tokens(self._copied_estimate(b, r), len(drafts))
+                if promised <= expected_tokens(b.acceptance[r].optimistic(), n_drafts[r]):
+                    copied.memory_draft = None
                     continue
-            lookup.memory_draft, lookup.depth = memory_draft, depth
+            copied.memory_draft, copied.depth = memory_draft, depth
             if drafts:
                 b.drafts = _pad(b.drafts, len(drafts))
                 b.drafts[r] = -1
@@ -435,13 +435,13 @@ class ExactLoop(DecodingLoop):
         """`p_i` of row `r`'s copied drafts: for context drafts, how often such drafts were accepted at that match
         depth; for memory drafts, the share of earlier occurrences that went on with each token, capped by how
         often such drafts were accepted. `optimistic`: each estimate's `Acceptance.optimistic()`, else its mean."""
-        lookup = b.lookups[r]
-        estimate = self._context_estimate(lookup.depth) if lookup.memory_draft is None else \
-            self._memory_estimate(lookup.memory_draft)
+        copied = b.copies[r]
+        estimate = self._context_estimate(copied.depth) if copied.memory_draft is None else \
+            self._memory_estimate(copied.memory_draft)
         p = estimate.optimistic()[0] if optimistic else estimate.mean()[0]
-        if lookup.memory_draft is None:
+        if copied.memory_draft is None:
             return [p] * self.lookup_most
-        return [min(share, p) for share in lookup.memory_draft.conditional]
+        return [min(share, p) for share in copied.memory_draft.conditional]
 
     def _copies_to_verify(self, b: ExactBatch, r: int, cost: Callable[[float], float], most: int,
                           query: int) -> int:
@@ -522,15 +522,15 @@ class ExactLoop(DecodingLoop):
 
     def _forward(self, ids: torch.Tensor, start: torch.Tensor, k: torch.Tensor, cache: RunnerCache,
                  sampler: BatchSampler, acceptance: list[Acceptance], drafts: int,
-                 masks: list[torch.Tensor | None], positions: list[int], drafts_in: torch.Tensor | None = None,
+                 masks: list[torch.Tensor | None], seqs: list[Sequence], drafts_in: torch.Tensor | None = None,
                  **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[list[TokenLogprob] | None]]:
         """Forward `ids` `[N, T]` as causal clean tokens (written to the cache) and, when `drafts > 0`, a query
         block of `drafts + 1` masks. Row `r`'s logits at clean positions `start[r] .. start[r] + k[r]` decide the
         token after the last fed token and after each of its `k[r]` drafts `drafts_in[r]` (masked by the row's
-        grammar, `masks[r]` `[1 + k[r], V]`, where it has one); `positions[r]`: the answer position of the token
-        decided after the last fed one (the tokens the row has decided so far), which keys a sampled row's noise
-        (clover.engine.speculative). Returns the committed tokens `[N, 1 + max k]` (-1
-        after each row's), the drafts accepted `[N]` and `[N, drafts]` new drafts: query output `j` predicts the
+        grammar, `masks[r]` `[1 + k[r], V]`, where it has one); the rows' sequences `seqs` give the answer position
+        of the token decided after the last fed one (the tokens the row has decided so far), which keys a sampled
+        row's noise (clover.engine.speculative), and the logprobs each asks for. Returns the committed tokens
+        `[N, 1 + max k]` (-1 after each row's), the drafts accepted `[N]` and `[N, drafts]` new drafts: query output `j` predicts the
         token two positions after the last clean one plus `j` (the mask at query position 0 stands for the token
         this forward decides); their logits stay in `_query_logits` for a grammar's drafts. Last, per row that asks
         for logprobs, its committed tokens' (clover.engine.logprobs: from the causal logits, before any mask or
@@ -554,7 +554,8 @@ class ExactLoop(DecodingLoop):
         else:
             logits = out.new_zeros(n, kk + 1 + drafts, out.shape[-1])
             logits[torch.cat([wanted, torch.ones(n, drafts, dtype=torch.bool, device=e.device)], dim=1)] = out
-        tops = [p.logprobs for p in sampler.params]
+        tops = [s.options.logprobs for s in seqs]
+        positions = [len(s.generated) for s in seqs]
         asked = [r for r, top in enumerate(tops) if top is not None]
         raw = logits[asked, :kk + 1] if asked else None  # a copy: `verify` consumes `logits`
         for r, mask in enumerate(masks):

@@ -10,7 +10,7 @@ sampling (vLLM's default, `raw_logprobs`). Which logits a token's value comes fr
   stood at that step; with block size 1 it is the causal one;
 * a prompt's tokens (`prompt_logprobs`, the completions API's `echo`): one causal forward over the prompt.
 
-Nothing here runs for a request that asks for no logprobs (`SamplingParams.logprobs` None).
+Nothing here runs for a request that asks for no logprobs (`RequestOptions.logprobs` None).
 """
 
 from __future__ import annotations
@@ -20,9 +20,10 @@ from typing import Any, Sequence
 
 import torch
 
-from clover.engine.sampling import MAX_TOP_LOGPROBS
 from clover.model.quant import reading_prompt
 from clover.runners.base import release_cache
+
+MAX_TOP_LOGPROBS = 20  # the most alternatives a token's logprobs may list (OpenAI's and vLLM's limit)
 
 
 @dataclass

@@ -19,14 +19,13 @@ picks the loop, once, when the engine is made: the engine never checks which loo
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 
 from clover.engine.logprobs import TokenLogprob
-from clover.engine.request import Sequence
+from clover.engine.request import RequestOptions, Sequence
 from clover.runners.base import RunnerCache
-from clover.engine.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from clover.engine.engine import Engine
@@ -59,6 +58,20 @@ class StepSnapshot:
 Event = StreamPiece | StepSnapshot
 
 
+class Run(Protocol):
+    """Work that is stepped to its end and then read whole, beside the decoding batches: a decision run
+    (clover.engine.decision) or a prompt scoring (clover.engine.logprobs). The server's scheduler steps every run
+    it holds through these three names, on the thread that runs the model."""
+
+    prompts: list[list[int]]  # its rows (what it holds of the runner while it runs)
+
+    def step(self) -> bool:
+        """One step (a forward, or a prompt's chunked forwards); True once the run is done."""
+
+    def results(self) -> list[Any]:
+        """One result per prompt, once done."""
+
+
 class DecodingLoop:
     """The interface of a loop (module docstring); `engine` gives it the runner call, emission and settings."""
 
@@ -68,8 +81,8 @@ class DecodingLoop:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
 
-    def check(self, params: list[SamplingParams]) -> None:
-        """Raise `ValueError` naming the request whose sampling parameters this loop cannot serve."""
+    def check(self, options: list[RequestOptions]) -> None:
+        """Raise `ValueError` naming the request whose options this loop cannot serve."""
 
     def calibrate(self, defer: bool = False) -> None:
         """Measure what the loop needs of the runner before its first request (exact mode: the forward cost table),

@@ -1,7 +1,8 @@
-"""`Sequence`: one request's state and bookkeeping — what it has produced, why it stopped, what it cost.
+"""`Sequence`: one request's state and bookkeeping — what it has produced, why it stopped, what it cost — and
+`RequestOptions`: everything the request asked for, built and checked once.
 
 The engine owns the tensors (cache, current block) of the whole batch; a `Sequence` owns the Python-side facts
-of one request: its prompt, sampling parameters, the tokens committed so far, the steps each block took, and the
+of one request: its prompt, its options, the tokens committed so far, the steps each block took, and the
 timestamps its stats are computed from. Appending a finished block is where EOS, `max_new_tokens`, stop strings
 and the loop guard (clover.engine.repetition) are applied, so that "what counts as generated" is decided in exactly
 one place; the EOS cut itself is `before_eos`
@@ -11,13 +12,15 @@ one place; the EOS cut itself is `before_eos`
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Callable, Sequence as Seq
 
 import torch
 
+from clover.config import check_threshold
 from clover.engine.draft_memory import DraftMemory
 from clover.engine.grammar import Matcher
+from clover.engine.logprobs import MAX_TOP_LOGPROBS
 from clover.engine.repetition import RepeatGuard
 from clover.engine.sampling import SamplingParams
 from clover.engine.thinking import BudgetTracker
@@ -43,12 +46,95 @@ def through_eos(tokens: torch.Tensor, eos: torch.Tensor, bound: torch.Tensor,
     return torch.where(hit.any(1), torch.minimum(bound, hit.int().argmax(1) + 1), bound)
 
 
+@dataclass(frozen=True)
+class RequestOptions:
+    """What one request asks of the engine besides its prompt and length: how its logits become tokens
+    (`sampling`, its seed resolved once: `resolved`), when it ends, what constrains it, what it reports, its rule's
+    own option and the answers it drafts from. Every check of a request's options (and of which combine) is here;
+    a server maps the `ValueError` to a 400."""
+
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop: tuple[str, ...] = ()  # stop strings (need a detokenizer in the engine)
+    # loop guard: end the answer (finish_reason "repetition") once its last `loop_guard_span` tokens occurred
+    # `loop_guard_repeats` times before in it; 0: off
+    loop_guard_span: int = 0
+    loop_guard_repeats: int = 2
+    # a `clover.engine.grammar.Grammar` the output must follow (exact mode); None: free text
+    grammar: Any = field(default=None, compare=False)
+    # a `clover.engine.thinking.ThinkingBudget`: at most so many reasoning tokens, then the template's closing text
+    # is forced; None: reasoning unbounded
+    thinking_budget: Any = field(default=None, compare=False)
+    # report each emitted token's log-probability and this many alternatives (clover.engine.logprobs);
+    # None: none (nothing is computed)
+    logprobs: int | None = None
+    threshold: float | None = None  # a block rule's confidence threshold for this row (None: the engine's)
+    ignore_eos: bool = False  # the engine's EOS does not end it (it runs to `max_new_tokens`)
+    # earlier answers it drafts from and joins when it finishes (clover.engine.draft_memory; exact mode);
+    # None: none (`Engine.run` gives its requests the engine's own)
+    memory: DraftMemory | None = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty")
+        if self.loop_guard_span < 0:
+            raise ValueError(f"loop_guard_span must be >= 0 (0 = off), got {self.loop_guard_span}")
+        if self.loop_guard_repeats < 1:
+            raise ValueError(f"loop_guard_repeats must be >= 1, got {self.loop_guard_repeats}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}] (alternatives per token) or None, "
+                             f"got {self.logprobs}")
+        if self.threshold is not None:
+            check_threshold(self.threshold)
+        if self.logprobs is not None and (self.grammar is not None or self.thinking_budget is not None):
+            what = "a grammar" if self.grammar is not None else "a thinking budget"
+            raise ValueError(f"logprobs cannot be combined with {what} (the tokens {what} forces are decided "
+                             "without the model's logits)")
+        if self.grammar is not None and self.thinking_budget is not None:
+            raise ValueError("a thinking budget cannot be combined with a grammar (a grammar's answer has no "
+                             "reasoning to bound, and a forced close would break it; clover.engine.thinking)")
+
+    @classmethod
+    def of(cls, **keywords: Any) -> RequestOptions:
+        """Options from keywords of either level: `SamplingParams`' fields build `sampling`, the rest are these
+        options' own (`generate(..., temperature=0.7, stop=["."])`); a keyword given as None takes its default (a
+        command line's unset option); `TypeError` names any unknown one."""
+        unknown = sorted(set(keywords) - KEYWORDS)
+        if unknown:
+            raise TypeError(f"unknown generation arguments {unknown}; the options are {sorted(KEYWORDS)}")
+        keywords = {k: v for k, v in keywords.items() if v is not None}
+        sampling = {k: keywords.pop(k) for k in list(keywords) if k in SAMPLING_FIELDS}
+        return cls(SamplingParams(**sampling), **keywords)
+
+    def resolved(self) -> RequestOptions:
+        """These options with the seed their draws are keyed by (`SamplingParams.resolved`): drawn once, when the
+        engine takes the request, and kept with it so that a record of it reproduces its tokens."""
+        sampling = self.sampling.resolved()
+        return self if sampling is self.sampling else replace(self, sampling=sampling)
+
+
+SAMPLING_FIELDS = frozenset(f.name for f in fields(SamplingParams))
+# what `RequestOptions.of` (and `generate`'s keywords) take: both levels' fields
+KEYWORDS = SAMPLING_FIELDS | {f.name for f in fields(RequestOptions)} - {"sampling"}
+# DRY's and the loop guard's options, by name (what the API and the CLI pass on by name)
+REPETITION_FIELDS = tuple(f.name for f in (*fields(SamplingParams), *fields(RequestOptions))
+                          if f.name.startswith(("dry_", "loop_guard_")))
+
+
+Options = RequestOptions | SamplingParams  # a request's options (bare sampling parameters ask nothing else)
+
+
+def as_options(options: Options) -> RequestOptions:
+    """A request's options; bare `SamplingParams` are options that ask nothing else."""
+    return options if isinstance(options, RequestOptions) else RequestOptions(options)
+
+
 @dataclass
 class Sequence:
     seq_id: int  # what its events carry as their `index`: its position in the prompts given to the engine, or the
     # id the caller gave it (`Engine.make_sequences(ids=...)`: the scheduler's, unique across its batches)
     prompt: list[int]
-    params: SamplingParams
+    options: RequestOptions  # resolved (its seed drawn) and checked
     max_new_tokens: int
     generated: list[int] = field(default_factory=list)
     steps_per_block: list[int] = field(default_factory=list)
@@ -59,19 +145,15 @@ class Sequence:
     start_time: float = 0.0
     first_output_time: float | None = None
     end_time: float | None = None
-    matcher: Matcher | None = None  # where the request is in its grammar (`params.grammar`), if it has one
-    budget: BudgetTracker | None = None  # where the request is in its thinking budget (`params.thinking_budget`)
-    guard: RepeatGuard | None = field(default=None, repr=False)  # the loop guard (`params.loop_guard_span`)
-    threshold: float | None = None  # a block rule's confidence threshold for this row (None: the engine's)
-    ignore_eos: bool = False  # the engine's EOS does not end it (it runs to `max_new_tokens`)
-    memory: DraftMemory | None = field(default=None, repr=False)  # earlier answers it drafts from; it joins them
-    # when it finishes (clover.engine.draft_memory; exact mode)
+    matcher: Matcher | None = None  # where the request is in its grammar (`options.grammar`), if it has one
+    budget: BudgetTracker | None = None  # where the request is in its thinking budget (`options.thinking_budget`)
+    guard: RepeatGuard | None = field(default=None, repr=False)  # the loop guard (`options.loop_guard_span`)
     drafts: dict[str, list[int]] = field(default_factory=dict)  # exact mode: by source ("model", "context",
     # "memory"), [drafts accepted, drafts verified]
 
     def __post_init__(self) -> None:
-        if self.guard is None and self.params.loop_guard_span:
-            self.guard = RepeatGuard(self.params.loop_guard_span, self.params.loop_guard_repeats)
+        if self.guard is None and self.options.loop_guard_span:
+            self.guard = RepeatGuard(self.options.loop_guard_span, self.options.loop_guard_repeats)
 
     @property
     def finished(self) -> bool:
@@ -111,7 +193,7 @@ class Sequence:
         piece, ended = before_eos(block, eos_ids)
         if ended:
             self.finish_reason = EOS
-        if self.params.stop and piece:
+        if self.options.stop and piece:
             cut, which = self._find_stop(piece, detokenize)
             if which is not None:
                 piece, self.finish_reason, self.stop_string = piece[:cut], STOP, which
@@ -143,13 +225,13 @@ class Sequence:
         earlier text was checked when its block was appended)."""
         if detokenize is None:
             raise ValueError("stop strings need a detokenizer (pass `detokenize=tokenizer.decode`)")
-        tail = self._text_tail(max(len(s) for s in self.params.stop), detokenize)
+        tail = self._text_tail(max(len(s) for s in self.options.stop), detokenize)
         text = detokenize(tail + piece)
-        if not any(s in text for s in self.params.stop):
+        if not any(s in text for s in self.options.stop):
             return len(piece), None
         for k in range(1, len(piece) + 1):
             text = detokenize(tail + piece[:k])
-            for s in self.params.stop:
+            for s in self.options.stop:
                 if s in text:
                     return k, s
         return len(piece), None  # pragma: no cover - the full text contained it

@@ -33,21 +33,22 @@ same alone or in a batch, whatever the steps or drafts around them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields, replace
-from typing import Any, Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Callable, Sequence
 
 import torch
 
 from clover.engine.noise import fresh_seed, noise_key, race
 from clover.engine.repetition import DEFAULT_BREAKERS, Breakers, DryConfig, LagMatches, dry_candidates, penalty_of
 
-MAX_TOP_LOGPROBS = 20  # the most alternatives a token's logprobs may list (OpenAI's and vLLM's limit)
 Extension = Sequence[tuple[int, Sequence[int]]]  # per row: (first position, tokens after the history)
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How one request turns logits into tokens (independent of the unmasking rule and the engine)."""
+    """How one request turns logits into tokens: the transforms of its logits and the seed its draws are keyed by
+    (independent of the unmasking rule and the engine; the rest of what a request asks is its
+    `clover.engine.request.RequestOptions`)."""
 
     temperature: float = 0.0  # 0: greedy
     top_p: float = 1.0
@@ -62,27 +63,10 @@ class SamplingParams:
     # whether repeats of the prompt count (llama.cpp's and text-generation-webui's DRY: yes); False: DRY's history
     # is the answer alone, so copying a name or number from the prompt costs nothing
     dry_include_prompt: bool = True
-    # loop guard: end the answer (finish_reason "repetition") once its last `loop_guard_span` tokens occurred
-    # `loop_guard_repeats` times before in it; 0: off
-    loop_guard_span: int = 0
-    loop_guard_repeats: int = 2
     seed: int | None = None  # keys the noise of every sampled token with its position (clover.engine.noise);
-    # None: a fresh random seed per request
-    stop: tuple[str, ...] = field(default_factory=tuple)  # stop strings (need a detokenizer in the engine)
-    # a `clover.engine.grammar.Grammar` the output must follow (exact mode); None: free text
-    grammar: Any = field(default=None, compare=False)
-    # a `clover.engine.thinking.ThinkingBudget`: at most so many reasoning tokens, then the template's closing text
-    # is forced; None: reasoning unbounded
-    thinking_budget: Any = field(default=None, compare=False)
-    # report each emitted token's log-probability and this many alternatives (clover.engine.logprobs);
-    # None: none (nothing is computed)
-    logprobs: int | None = None
+    # None: a fresh random seed per request (drawn once: `resolved`)
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        else:
-            object.__setattr__(self, "stop", tuple(self.stop))
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
@@ -91,14 +75,9 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
         if self.repetition_penalty <= 0:
             raise ValueError(f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty}")
-        self._check_repetition()
-        if any(not s for s in self.stop):
-            raise ValueError("stop strings must be non-empty")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
-            raise ValueError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}] (alternatives per token) or None, "
-                             f"got {self.logprobs}")
+        self._check_dry()
 
-    def _check_repetition(self) -> None:
+    def _check_dry(self) -> None:
         breakers = self.dry_sequence_breakers
         object.__setattr__(self, "dry_sequence_breakers", (breakers,) if isinstance(breakers, str) else tuple(breakers))
         if not self.dry_multiplier >= 0 or self.dry_multiplier == float("inf"):
@@ -114,10 +93,6 @@ class SamplingParams:
             raise ValueError(f"dry_include_prompt must be a bool, got {self.dry_include_prompt!r}")
         if any(not isinstance(b, str) or not b for b in self.dry_sequence_breakers):
             raise ValueError(f"dry_sequence_breakers must be non-empty strings, got {list(self.dry_sequence_breakers)}")
-        if self.loop_guard_span < 0:
-            raise ValueError(f"loop_guard_span must be >= 0 (0 = off), got {self.loop_guard_span}")
-        if self.loop_guard_repeats < 1:
-            raise ValueError(f"loop_guard_repeats must be >= 1, got {self.loop_guard_repeats}")
 
     @property
     def greedy(self) -> bool:
@@ -136,9 +111,6 @@ class SamplingParams:
         return self.dry_multiplier > 0 and self.dry_penalty_last_n != 0
 
 
-# DRY's and the loop guard's options, by their `SamplingParams` names (what the API and the CLI pass on by name)
-REPETITION_FIELDS = tuple(f.name for f in fields(SamplingParams) if f.name.startswith(("dry_", "loop_guard_")))
-
 
 class BatchSampler:
     """The sampling transforms of a batch of requests, as tensors, so a step costs a handful of kernels.
@@ -150,9 +122,7 @@ class BatchSampler:
     def __init__(self, params: Sequence[SamplingParams], vocab_size: int, banned: Sequence[int],
                  device: torch.device | str = "cpu",
                  breakers: Callable[[tuple[str, ...]], Breakers] | None = None) -> None:
-        self.params = list(params)
-        # per row: the seed its noise is keyed by (clover.engine.noise); None for greedy rows, which draw nothing
-        self.seeds = [None if p.greedy else p.resolved().seed for p in self.params]
+        self.params = [p.resolved() for p in params]  # a sampled row draws with its own seed (drawn now if none)
         n = len(self.params)
         self.temperature = torch.tensor([p.temperature for p in self.params], device=device)
         self.top_p = torch.tensor([p.top_p for p in self.params], device=device)
@@ -164,6 +134,11 @@ class BatchSampler:
         self.presence = torch.zeros(n, vocab_size, dtype=torch.bool, device=device) if self.uses_penalty else None
         self.dry = [DryRow(p, breakers, device) if p.uses_dry else None for p in self.params]
         self._update_flags()
+
+    @property
+    def seeds(self) -> list[int | None]:
+        """Per row: the seed its noise is keyed by (clover.engine.noise); None for greedy rows, which draw nothing."""
+        return [None if p.greedy else p.seed for p in self.params]
 
     @property
     def uses_penalty(self) -> bool:
@@ -183,7 +158,6 @@ class BatchSampler:
     def select(self, rows: Sequence[int]) -> None:
         idx = torch.as_tensor(list(rows), dtype=torch.long, device=self.temperature.device)
         self.params = [self.params[i] for i in rows]
-        self.seeds = [self.seeds[i] for i in rows]
         self.temperature, self.top_p = self.temperature[idx], self.top_p[idx]
         self.top_k, self.penalty = self.top_k[idx], self.penalty[idx]
         self.dry = [self.dry[i] for i in rows]
@@ -196,7 +170,6 @@ class BatchSampler:
         """The rows of several samplers in one (a request joins a running batch), each with its own seed."""
         new = cls.__new__(cls)
         new.params = [p for s in samplers for p in s.params]
-        new.seeds = [seed for s in samplers for seed in s.seeds]
         new.temperature = torch.cat([s.temperature for s in samplers])
         new.top_p = torch.cat([s.top_p for s in samplers])
         new.top_k = torch.cat([s.top_k for s in samplers])
@@ -270,7 +243,8 @@ class BatchSampler:
         the noise of sampled row `rows[j]` at answer position `positions[j]` and step `steps[j]` (None: 0) — the
         exponential race, argmax(p / E) with E ~ Exp(1), a draw from p (clover.engine.noise)."""
         steps = steps if steps is not None else [0] * len(rows)
-        return race(probs, [noise_key(self.seeds[r], t, s) for r, t, s in zip(rows, positions, steps)])
+        seeds = self.seeds
+        return race(probs, [noise_key(seeds[r], t, s) for r, t, s in zip(rows, positions, steps)])
 
     def model_logits(self, logits: torch.Tensor, extension: Extension | None = None) -> torch.Tensor:
         """`logits` `[N, B, V]` -> the model's distribution as fp32 logits: banned ids, then the repetition

@@ -6,7 +6,6 @@ collect them into one body (`openai_format.py`). The Responses API runs through 
 
 from __future__ import annotations
 
-import dataclasses
 import time
 import uuid
 from dataclasses import dataclass
@@ -19,7 +18,7 @@ from starlette.concurrency import run_in_threadpool
 
 from clover.chat_template import opens_reasoning
 from clover.engine.grammar import Grammar
-from clover.engine.sampling import SamplingParams
+from clover.engine.request import RequestOptions
 from clover.serving.grammar_route import forced_start, grammar_param, max_calls, request_grammar, route
 from clover.serving.handles import RequestHandle
 from clover.serving.openai_format import ChatChoice, chat_body, chat_logprobs, chat_stream, usage
@@ -39,7 +38,7 @@ class ChatRun:
     handle: RequestHandle
     choices: list[ChatChoice]
     prompt_tokens: int
-    options: SamplingParams
+    options: RequestOptions
 
 
 async def create_chat_completion(server: ServedModel, req: ChatCompletionRequest, request: Request) -> Response:
@@ -70,15 +69,14 @@ async def start_chat(server: ServedModel, req: ChatCompletionRequest, path: str 
     options resolved, its prompt rendered, `max_tokens` checked, the work queued. The caller reads the run (or
     cancels it)."""
     assert path != "decision", "decision mode answers whole (structured.py)"
-    # a grammar's answer is rendered without reasoning: no budget to keep (clover.engine.thinking)
-    options = req.to_options(server.sampling_defaults,
-                             thinking_budget=server.thinking_budget(req) if path != "grammar" else None)
-    rule = req.rule
+    rule, grammar, budget = req.rule, None, None
     if path == "grammar":  # grammar-constrained decoding, in exact mode (grammar_route.py)
         GRAMMAR_PARAM.set(grammar_param(req))  # in this request's context: what its failure names
         grammar = await run_in_threadpool(_grammar, server, req)
-        options = dataclasses.replace(options, grammar=grammar)
         rule = rule or "exact"
+    else:  # a grammar's answer is rendered without reasoning: no budget to keep (clover.engine.thinking)
+        budget = server.thinking_budget(req)
+    options = server.request_options(req, grammar=grammar, thinking_budget=budget)
     ids, forced, thinking, tools = await run_in_threadpool(chat_prompt, server, req, path == "grammar")
     param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
     max_new = await server.max_new_tokens(req.max_new_tokens(), len(ids), req.block_size, rule, param, "messages")

@@ -33,7 +33,7 @@ async def create_completion(server: ServedModel, req: CompletionRequest, request
     server.check_model(req.model)
     if req.suffix:
         raise APIError(400, "suffix is not supported by this server", param="suffix", code="unsupported_parameter")
-    sampling = req.choice_options(req.to_options(server.sampling_defaults, thinking_budget=server.thinking_budget(req)))
+    options = req.choice_options(server.request_options(req, thinking_budget=server.thinking_budget(req)))
     prompts = await run_in_threadpool(completion_prompts, server, req)
     max_news = [await server.max_new_tokens(req.max_new_tokens(), len(ids), req.block_size, req.rule, "max_tokens",
                                             "prompt")
@@ -44,7 +44,7 @@ async def create_completion(server: ServedModel, req: CompletionRequest, request
     handles: list[RequestHandle] = []
     try:
         for (ids, _), max_new in zip(prompts, max_news):
-            handles.append(await server.submit(ids, max_new, sampling, req))
+            handles.append(await server.submit(ids, max_new, options, req))
     except APIError:
         for h in handles:
             h.cancel()

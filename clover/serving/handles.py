@@ -38,6 +38,10 @@ class RequestHandle:
     def choice(self, piece: StreamPiece) -> int:
         return self._choices[piece.index]
 
+    def choice_of(self, seq_id: int) -> int:
+        """Which choice the sequence `seq_id` is."""
+        return self._choices[seq_id]
+
     def deliver(self, item: StreamPiece | BaseException) -> None:  # scheduler thread
         self.outbox.put(self, item)
 

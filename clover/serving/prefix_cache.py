@@ -24,10 +24,10 @@ client anything about another key's prompts. Without API keys every request has 
 **Stored as shared blocks.** Where the runner's cache can be cut into blocks of KV (`kv_block`: the torch
 runner), an entry is a chain of `grid`-token blocks that entries share (`clover.serving.prefix_blocks`): an agent's
 next turn stores only its new blocks, and conversations of one API key that start with the same system prompt and
-tools hold that start once. A lookup assembles the request's own contiguous KV from the blocks (one copy: the
+tools hold that start once. A `find` assembles the request's own contiguous KV from the blocks (one copy: the
 request's buffers are allocated once at about their final size, `CloverCache.expect`, and grow only past it).
 Elsewhere (the llama.cpp runner: an entry is its prefix's cells saved to host memory, written back into a new row
-on a lookup) an entry is the runner's own copy (`prefix(length, snapshot, copy=True)`). At least one prompt token
+on a `find`) an entry is the runner's own copy (`prefix(length, snapshot, copy=True)`). At least one prompt token
 is always left to prefill (its logits start decoding).
 
 **Budget.** `budget_bytes` of KV blocks and snapshots, each storage counted once however many entries hold it
@@ -126,8 +126,8 @@ class PrefixCache:
         if nbytes > 0 and self.memory_bytes + self.in_flight_bytes > self.budget_bytes:
             self._evict()
 
-    # -- lookup -----------------------------------------------------------------------------------------------
-    def lookup(self, tokens: list[int], scope: Hashable = None) -> Reuse | None:
+    # -- find -------------------------------------------------------------------------------------------------
+    def find(self, tokens: list[int], scope: Hashable = None) -> Reuse | None:
         """The longest stored prefix of `tokens` among the entries of `scope` (another scope's prompts are never
         reused: a hit would tell a client that another one sent that prefix), or None."""
         self.stats.queries += 1

@@ -28,7 +28,8 @@ from pydantic_core import PydanticCustomError
 
 from clover.config import check_threshold
 from clover.engine.decoding import RULES
-from clover.engine.sampling import MAX_TOP_LOGPROBS, REPETITION_FIELDS, SamplingParams
+from clover.engine.logprobs import MAX_TOP_LOGPROBS
+from clover.engine.request import REPETITION_FIELDS, RequestOptions
 
 # -- errors ------------------------------------------------------------------------------------------------------
 
@@ -180,7 +181,7 @@ class DecodingFields(_Model):
     thinking_token_budget: Count | None = None
 
     def repetition(self) -> dict[str, Any]:
-        """The DRY and loop-guard fields the request set, as `SamplingParams` keywords."""
+        """The DRY and loop-guard fields the request set, as `RequestOptions.of` keywords."""
         given = {name: getattr(self, name) for name in REPETITION_FIELDS if getattr(self, name) is not None}
         if "dry_sequence_breakers" in given:
             given["dry_sequence_breakers"] = tuple(given["dry_sequence_breakers"])
@@ -190,24 +191,26 @@ class DecodingFields(_Model):
         return ()
 
     def logprobs_top(self) -> int | None:
-        """Alternatives per token when logprobs are asked for (`SamplingParams.logprobs`), else None."""
+        """Alternatives per token when logprobs are asked for (`RequestOptions.logprobs`), else None."""
         return None
 
-    def to_options(self, defaults: Mapping[str, float], **parts: Any) -> SamplingParams:
+    def to_options(self, defaults: Mapping[str, float], **parts: Any) -> RequestOptions:
         """The request's options as the engine takes them (vLLM's `to_sampling_params(defaults)`): the server's
         `defaults` (temperature, top_p) where the request gives none; `parts`, what the server builds for it
-        after routing (a grammar, a thinking budget). The engine's checks (`SamplingParams`) are a 400."""
+        after routing (a grammar, a thinking budget, its drafting memory). The engine's checks
+        (`RequestOptions`, `SamplingParams`) are a 400."""
         if self.thinking_token_budget is not None and self.logprobs_top() is not None:
             raise APIError(400, "thinking_token_budget cannot be combined with logprobs (the closing tokens it "
                                 "forces are decided without the model's logits)", param="thinking_token_budget",
                            code="unsupported_parameter")
         given = {name: getattr(self, name) for name in defaults}
         try:
-            return SamplingParams(
+            return RequestOptions.of(
                 **{name: defaults[name] if value is None else value for name, value in given.items()},
                 top_k=self.top_k or 0, repetition_penalty=self.repetition_penalty or 1.0,
-                seed=None if self.seed is None else self.seed % 2**64,
-                stop=self.stop_strings(), logprobs=self.logprobs_top(), **self.repetition(), **parts)
+                seed=None if self.seed is None else self.seed % 2**64, stop=self.stop_strings(),
+                logprobs=self.logprobs_top(), threshold=self.threshold, ignore_eos=self.ignore_eos,
+                **self.repetition(), **parts)
         except ValueError as exc:
             raise APIError(400, str(exc), code="invalid_value") from exc
 
@@ -236,11 +239,13 @@ class SamplingFields(DecodingFields):
             raise PydanticCustomError("unsupported_parameter", "logit_bias is not supported by this server")
         return value
 
-    def choice_options(self, options: SamplingParams) -> list[SamplingParams]:
+    def choice_options(self, options: RequestOptions) -> list[RequestOptions]:
         """One `options` per choice (`n`); a seeded request's choice `i` draws with seed `seed + i`."""
-        if options.seed is None:
+        seed = options.sampling.seed
+        if seed is None:
             return [options] * self.n
-        return [dataclasses.replace(options, seed=(options.seed + i) % 2**64) for i in range(self.n)]
+        return [dataclasses.replace(options, sampling=dataclasses.replace(options.sampling, seed=(seed + i) % 2**64))
+                for i in range(self.n)]
 
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:

@@ -36,7 +36,8 @@ class RequestLog:
         self._lock = threading.Lock()
 
     def write(self, seq: Sequence, stats: dict[str, Any]) -> None:
-        line = json.dumps({"time": time.time(), "prompt": seq.prompt, "answer": seq.generated, "seed": seq.params.seed,
+        line = json.dumps({"time": time.time(), "prompt": seq.prompt, "answer": seq.generated,
+                           "seed": seq.options.sampling.seed,
                            "stats": {k: v for k, v in stats.items() if k != "steps_per_block"}})
         with self._lock:
             self._file.write(line + "\n")

@@ -120,7 +120,7 @@ class ResponseAnswer:
             "model": server.options.served_model_name, "output": self.items.items if status != "in_progress" else [],
             "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
             "previous_response_id": req.previous_response_id, "store": self.store, "background": False,
-            "temperature": self.run.options.temperature, "top_p": self.run.options.top_p,
+            "temperature": self.run.options.sampling.temperature, "top_p": self.run.options.sampling.top_p,
             "parallel_tool_calls": req.parallel_tool_calls is not False,
             "tool_choice": choice.model_dump() if isinstance(choice, ResponsesToolChoice) else choice,
             "tools": [t.model_dump(exclude_none=True) for t in req.tools],

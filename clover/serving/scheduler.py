@@ -43,17 +43,14 @@ import asyncio
 import itertools
 import logging
 import threading
-import time
 from collections import Counter, OrderedDict
-from enum import Enum
 from typing import Any, Callable, Hashable, Sequence as Seq
 
 import torch
 
-from clover.engine import Engine, SamplingParams
-from clover.engine.decision import DecisionRun
-from clover.engine.draft_memory import DraftMemory
-from clover.engine.logprobs import PromptScoring
+from clover.engine import Engine
+from clover.engine.loop import Run
+from clover.engine.request import Options
 from clover.engine.exact import ExactLoop
 from clover.runners.base import ModelRunner
 from clover.runners.torch_runner import as_runner
@@ -69,13 +66,6 @@ logger = logging.getLogger(__name__)
 MAX_IDLE_ENGINES = 8  # engines kept without live requests (besides the default's): created again when asked for
 
 Settle = Callable[[Any], None]  # delivers a result (or an exception) to an awaiting coroutine
-
-
-class EngineMemory(Enum):
-    """`Scheduler.submit(memory=EngineMemory.OWN)`: the request drafts from (and joins) the drafting memory of the
-    engine that runs it, as `Engine.run` does; a server passes each request its own (clover.serving.draft_memories)."""
-
-    OWN = "own"
 
 
 class QueueFull(Exception):
@@ -149,30 +139,22 @@ class Scheduler:
             self._lock.notify()
         return key, await future
 
-    async def submit(self, prompt: list[int], max_new_tokens: int, sampling: Seq[SamplingParams], *,
-                     block_size: int | None = None, threshold: float | None = None, rule: str | None = None,
-                     ignore_eos: bool = False, memory: DraftMemory | None | EngineMemory = EngineMemory.OWN,
-                     scope: Hashable = None) -> RequestHandle:
-        """Queue one prompt with one `SamplingParams` per choice; `memory`: the drafting memory its answers draft
-        from and join (clover.serving.draft_memories; `EngineMemory.OWN`: the engine's, None: none); `scope`: whose
-        prefix-cache entries it reuses (clover.serving.prefix_cache: an API key's own). Raises `ValueError` for a
-        request the engine refuses (it names the parameter), `QueueFull` when the server is at capacity and
-        `RuntimeError` when no loop will take it (not started, stopped or died: it would wait forever). `threshold` and `ignore_eos`
-        (generate exactly `max_new_tokens`: benchmarks) are the request's own: they never split a batch."""
+    async def submit(self, prompt: list[int], max_new_tokens: int, options: Seq[Options], *,
+                     block_size: int | None = None, rule: str | None = None, scope: Hashable = None) -> RequestHandle:
+        """Queue one prompt with one `RequestOptions` per choice (its drafting memory, its threshold, ...: the
+        request's own, which never split a batch); `scope`: whose prefix-cache entries it reuses
+        (clover.serving.prefix_cache: an API key's own). Raises `ValueError` for a request the engine refuses (it
+        names the parameter), `QueueFull` when the server is at capacity and `RuntimeError` when no loop will take
+        it (not started, stopped or died: it would wait forever)."""
         key, engine = await self.engine(block_size, rule)
-        seqs = engine.make_sequences([prompt] * len(sampling), max_new_tokens, list(sampling),
-                                     threshold=threshold, ignore_eos=ignore_eos,
-                                     ids=[next(self._ids) for _ in sampling])
-        if memory is not EngineMemory.OWN and engine.memory is not None:  # an engine that drafts from a memory at all
-            for seq in seqs:
-                seq.memory = memory
+        seqs = engine.make_sequences([prompt] * len(options), max_new_tokens, list(options),
+                                     ids=[next(self._ids) for _ in options])
         handle = RequestHandle(next(self._ids), [seq.seq_id for seq in seqs], asyncio.get_running_loop(), self.outbox,
                                self.cancel)
-        now = time.perf_counter()
-        self._queue([Job(handle, choice, seq, key, now, engine, scope=scope) for choice, seq in enumerate(seqs)])
+        self._queue([Job(handle, seq, key, engine, scope) for seq in seqs])
         return handle
 
-    def decide(self, run: DecisionRun | PromptScoring) -> asyncio.Future[list[Any]]:
+    def decide(self, run: Run) -> asyncio.Future[list[Any]]:
         """Queue a decision run or a prompt scoring (its rows count against `max_running`); the future gets its
         results (decisions, or each prompt's logprobs), or the exception a step raised. Raises like `submit` when
         the server is at capacity or not running."""

@@ -28,9 +28,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Sequence as Seq
 
 from clover.engine import Engine
-from clover.engine.decision import DecisionRun
-from clover.engine.logprobs import PromptScoring
 from clover.engine.engine import DecodeBatch, Prefill
+from clover.engine.loop import Run
 from clover.engine.request import Sequence
 from clover.serving.handles import RequestHandle
 from clover.serving.metrics import ServerMetrics
@@ -44,19 +43,27 @@ GROUP_ROWS = 2048  # padded prompt rows of one grouped prefill forward (bounds i
 
 
 @dataclass
+class AlonePrefill:
+    """A job prefilled on its own, chunk by chunk: the engine's progress, the prefix-cache snapshots taken so far
+    (and inherited from the prefix it reused) and those it took itself, held against the prefix cache's budget."""
+
+    progress: Prefill
+    states: dict[int, Any] = field(default_factory=dict)
+    snapshots: SnapshotBudget | None = None
+
+
+@dataclass
 class Job:
-    """One sequence (one choice of one request) on its way through the scheduler."""
+    """One sequence (one choice of one request) on its way through the scheduler: its request's handle and the
+    sequence, which carries what the request asked (`Sequence.options`) and when it arrived (`start_time`); where
+    it runs; and its prefill while it is prefilled alone."""
 
     handle: RequestHandle
-    choice: int
     seq: Sequence
     key: EngineKey  # which engine / batch
-    arrival: float
     engine: Engine  # the engine of `key` that validated it (kept: an idle engine may be evicted meanwhile)
-    prefill: Prefill | None = None
-    states: dict[int, Any] = field(default_factory=dict)  # prefix-cache snapshots taken so far (and inherited)
-    snapshots: SnapshotBudget | None = None  # those it took, held against the prefix cache's budget
     scope: Hashable = None  # whose prefix-cache entries it reuses and adds to (its API key's index)
+    prefill: AlonePrefill | None = None
     rows = 1  # cache rows (and sequences) it holds
 
 
@@ -67,7 +74,7 @@ class DecisionJob:
     results, or the exception that ended it)."""
 
     id: int
-    run: DecisionRun | PromptScoring
+    run: Run
     deliver: Callable[[list[Any] | BaseException], None]
 
     @property
@@ -164,35 +171,36 @@ class SchedulePolicy:
             self.prefilling = self.waiting.popleft()
         job = self.prefilling
         engine = self.engines[job.key]
-        try:  # lookup and begin_prefill too: what one request makes them raise must not kill the loop
+        try:  # find and begin_prefill too: what one request makes them raise must not kill the loop
             if job.prefill is None:
                 # a prompt read on a block grid is padded to whole blocks: no prefix of another prompt lines up
                 caches = self.prefix_cache is not None and engine.prompt_grid == 1
-                reuse = self.prefix_cache.lookup(job.seq.prompt, job.scope) if caches else None
+                reuse = self.prefix_cache.find(job.seq.prompt, job.scope) if caches else None
                 if reuse is not None:
-                    job.handle.cached_tokens[job.choice] = reuse.length
-                    job.states = dict(reuse.states)
-                job.prefill = engine.begin_prefill(job.seq, reuse.cache if reuse else None)
-            batch = engine.prefill_step(job.prefill)
+                    job.handle.cached_tokens[job.handle.choice_of(job.seq.seq_id)] = reuse.length
+                job.prefill = AlonePrefill(engine.begin_prefill(job.seq, reuse.cache if reuse else None),
+                                           dict(reuse.states) if reuse else {})
+            batch = engine.prefill_step(job.prefill.progress)
         except Exception as exc:  # noqa: BLE001 - this request's failure, not the server's
             logger.exception("prefill failed")
             self.prefilling = None
             self.fail(job, exc)
             return
-        done, total = job.prefill.done, len(job.seq.prompt)
-        caches = self.prefix_cache is not None and engine.prompt_grid == 1  # (see the lookup above)
+        alone = job.prefill
+        done, total = alone.progress.done, len(job.seq.prompt)
+        caches = self.prefix_cache is not None and engine.prompt_grid == 1  # (see the find above)
         if caches and self.prefix_cache.wants_snapshot(done, total):
-            job.snapshots = job.snapshots or SnapshotBudget(self.prefix_cache)
-            job.snapshots.add(job.states, done, job.prefill.cache)
+            alone.snapshots = alone.snapshots or SnapshotBudget(self.prefix_cache)
+            alone.snapshots.add(alone.states, done, alone.progress.cache)
         if batch is None:
             return
         self.prefilling = None
         if caches:
             before = self.prefix_cache.stats.evictions
             self._release_snapshots(job)  # stored with the entry (counted there) from now on
-            self.prefix_cache.insert(job.seq.prompt, job.prefill.cache, job.states, job.scope)
+            self.prefix_cache.insert(job.seq.prompt, alone.progress.cache, alone.states, job.scope)
             self.metrics.prefix_cache_evictions.inc(self.prefix_cache.stats.evictions - before)
-        job.prefill, job.states = None, {}
+        job.prefill = None
         self.ready.append(([job], batch))
 
     def join_ready(self) -> None:
@@ -297,9 +305,9 @@ class SchedulePolicy:
 
     @staticmethod
     def _release_snapshots(job: Job) -> None:
-        if job.snapshots is not None:
-            job.snapshots.release()
-            job.snapshots = None
+        if job.prefill is not None and job.prefill.snapshots is not None:
+            job.prefill.snapshots.release()
+            job.prefill.snapshots = None
 
     def fail(self, job: Job | DecisionJob, exc: BaseException) -> None:
         if isinstance(job, DecisionJob):
@@ -312,7 +320,8 @@ class SchedulePolicy:
         self._forget(job)
         if self.request_log is not None:
             self.request_log.write(job.seq, stats)
-        self.metrics.record_finished(len(job.seq.prompt), job.handle.cached_tokens[job.choice], stats,
-                                     latency=(job.seq.end_time or time.perf_counter()) - job.arrival,
-                                     scope=job.scope, ttft=None if job.seq.first_output_time is None
-                                     else job.seq.first_output_time - job.arrival)
+        seq = job.seq
+        self.metrics.record_finished(len(seq.prompt), job.handle.cached_tokens[job.handle.choice_of(seq.seq_id)],
+                                     stats, latency=(seq.end_time or time.perf_counter()) - seq.start_time,
+                                     scope=job.scope, ttft=None if seq.first_output_time is None
+                                     else seq.first_output_time - seq.start_time)

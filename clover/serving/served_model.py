@@ -18,8 +18,8 @@ import torch
 from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 
-from clover.choices import DRAFT_MEMORY_MODES, DRAFT_MEMORY_TOKENS
-from clover.engine import SamplingParams
+from clover.choices import DRAFT_MEMORY, DRAFT_MEMORY_MODES, DRAFT_MEMORY_TOKENS
+from clover.engine import RequestOptions, SamplingParams
 from clover.engine.loop import StreamPiece
 from clover.engine.thinking import ThinkingBudget
 from clover.model import CloverForBlockDiffusion
@@ -62,7 +62,7 @@ class ServerOptions:
     chat_template: str | None = None  # None: the checkpoint's own (Clover's for a checkpoint without one)
     tool_call_parser: str | None = None  # None: the one the template writes (clover.tool_formats.detect)
     responses_store_bytes: int = 64 * 2**20  # stored responses (`previous_response_id`), as JSON; 0: none kept
-    draft_memory: str = "per-key"  # whose answers draft whose (clover.serving.draft_memories): per-key|shared|off
+    draft_memory: str = DRAFT_MEMORY  # whose answers draft whose (clover.serving.draft_memories): per-key|shared|off
     draft_memory_tokens: int = DRAFT_MEMORY_TOKENS  # tokens each drafting memory keeps
     record_requests: str | None = None  # a JSON-lines file every finished sequence is appended to (request_log.py)
 
@@ -104,11 +104,11 @@ class ServedModel:
         limit = self.runner.max_context
         self.context = min(options.max_model_len or limit, limit)
         # what a request that gives no temperature or top_p gets: the server's option, else the checkpoint's
-        # generation_config.json, else greedy / no nucleus cut
-        self.sampling_defaults = {
-            "temperature": options.temperature if options.temperature is not None else
-            float(generation_defaults.get("temperature") or 0.0),
-            "top_p": options.top_p if options.top_p is not None else float(generation_defaults.get("top_p") or 1.0)}
+        # generation_config.json, else the engine's (greedy / no nucleus cut)
+        engine = SamplingParams()
+        self.sampling_defaults = {name: getattr(options, name) if getattr(options, name) is not None else
+                                  float(generation_defaults.get(name) or getattr(engine, name))
+                                  for name in ("temperature", "top_p")}
         eos = eos_token_ids(config, tokenizer)
         prefix_cache = None
         # a runner without prefix reuse (a hybrid model on llama.cpp: no recurrent state mid-sequence) serves without
@@ -162,30 +162,37 @@ class ServedModel:
                                 f"({unit})", param=param, code="context_length_exceeded")
         return requested
 
+    def request_options(self, req: DecodingFields, **parts: Any) -> RequestOptions:
+        """The request's options (`DecodingFields.to_options`) with this server's sampling defaults and the drafting
+        memory of the key it came with (clover.serving.draft_memories); `parts`: what routing built (a grammar, a
+        thinking budget)."""
+        return req.to_options(self.sampling_defaults, memory=self.memories.for_request(), **parts)
+
     def thinking_budget(self, req: DecodingFields) -> ThinkingBudget | None:
         """The request's reasoning budget, closed with this template's own text (None: unbounded)."""
         if req.thinking_token_budget is None:
             return None
         return self.tokenizer.thinking_budget(req.thinking_token_budget)
 
-    async def resolve_breakers(self, sampling: list[SamplingParams], block_size: int | None, rule: str | None) -> None:
+    async def resolve_breakers(self, options: list[RequestOptions], block_size: int | None, rule: str | None) -> None:
         """DRY's sequence breakers resolved against the vocabulary now, in a worker thread (a pass over the
         vocabulary per breaker), so that the scheduler thread finds them in its engine's cache."""
-        wanted = {p.dry_sequence_breakers for p in sampling if p.uses_dry and p.dry_sequence_breakers}
+        wanted = {o.sampling.dry_sequence_breakers for o in options
+                  if o.sampling.uses_dry and o.sampling.dry_sequence_breakers}
         if wanted:
             _, engine = await self.scheduler.engine(block_size, rule)
             if engine.breakers is not None:
                 for breakers in wanted:
                     await run_in_threadpool(engine.breakers, breakers)
 
-    async def submit(self, prompt: list[int], max_new: int, sampling: list[SamplingParams],
+    async def submit(self, prompt: list[int], max_new: int, options: list[RequestOptions],
                      req: SamplingFields, rule: str | None = None) -> RequestHandle:
+        """One prompt queued with `options` per choice, on the engine of the request's block size and `rule`
+        (None: the request's); the scheduler's refusals as API errors."""
         try:
-            await self.resolve_breakers(sampling, req.block_size, rule or req.rule)
-            return await self.scheduler.submit(prompt, max_new, sampling, block_size=req.block_size,
-                                               threshold=req.threshold, rule=rule or req.rule,
-                                               ignore_eos=req.ignore_eos, memory=self.memories.for_request(),
-                                               scope=CLIENT_KEY.get())
+            await self.resolve_breakers(options, req.block_size, rule or req.rule)
+            return await self.scheduler.submit(prompt, max_new, options, block_size=req.block_size,
+                                               rule=rule or req.rule, scope=CLIENT_KEY.get())
         except QueueFull as exc:
             raise APIError(429, f"{exc}; retry later", type="rate_limit_error", code="server_busy") from exc
         except ValueError as exc:

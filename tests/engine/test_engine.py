@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from clover import CloverConfig, CloverForBlockDiffusion
-from clover.engine import Engine, SamplingParams, StepSnapshot, StreamPiece, generate, make_rule, stream
+from clover.engine import Engine, RequestOptions, SamplingParams, StepSnapshot, StreamPiece, generate, make_rule, stream
 from clover.engine.reference import recompute_decode
 from model_helpers import PROMPTS, tiny_model
 
@@ -221,7 +221,7 @@ def test_stop_string_ends_decoding_as_soon_as_it_is_complete(hybrid) -> None:
     k = next(i for i in range(9, 16) if text[i - 1:i + 1] not in text[:i])  # first occurrence ends at block pos 1+
     stop = text[k - 1:k + 1]
     engine = Engine(hybrid, 8, 1.0, "left_to_right", eos_token_ids=[], detokenize=detok)
-    events = list(engine.run(PROMPTS[:1], 16, SamplingParams(stop=(stop,))))
+    events = list(engine.run(PROMPTS[:1], 16, RequestOptions.of(stop=(stop,))))
     stats = events[-1].stats
     assert sum((e.token_ids for e in events), []) == full.sequences[0][:k + 1]
     assert stats["finish_reason"] == "stop" and stats["stop_string"] == stop

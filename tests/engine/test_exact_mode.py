@@ -12,11 +12,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from clover.engine import Engine, SamplingParams, StreamPiece, generate, stream
+from clover.engine import Engine, RequestOptions, SamplingParams, StreamPiece, generate, stream
 from clover.engine.cost import ForwardCost
 from clover.engine.decoding import ExactRule
 from clover.engine.drafting import Acceptance, best_batch_verified, best_drafts, best_verified, expected_tokens
-from clover.engine.exact import STEP_MEMORY, ExactBatch, ExactLoop, Lookup
+from clover.engine.exact import STEP_MEMORY, CopiedDrafts, ExactBatch, ExactLoop
 from clover.engine.lookup import ContextLookup
 from clover.model import quantize
 from clover.ops import woq
@@ -175,7 +175,7 @@ def test_exact_with_a_stop_string(models):
     stop = decode(ref[9:11])
     want = generate(model, [PROMPTS[2]], 24, block_size=1, eos_token_ids=[], detokenize=decode, stop=[stop])
     engine = OracleDrafts(model, 8, {0: ref}, wrong=0.0, eos_token_ids=[], detokenize=decode)
-    got = list(engine.run([PROMPTS[2]], 24, SamplingParams(stop=[stop])))
+    got = list(engine.run([PROMPTS[2]], 24, RequestOptions.of(stop=[stop])))
     assert sum((e.token_ids for e in got), []) == want.sequences[0] and got[-1].finish_reason == "stop"
     assert len(want.sequences[0]) < 24
 
@@ -325,7 +325,7 @@ def test_a_multibyte_stop_string_ends_output_where_it_completes_whatever_the_pie
     tokens = list(("the reply: " + stop + " and more").encode())
     cuts = set()
     for size in (1, 2, 3, 5):
-        seq = Sequence(0, [1], SamplingParams(stop=[stop]), len(tokens))
+        seq = Sequence(0, [1], RequestOptions.of(stop=[stop]), len(tokens))
         for i in range(0, len(tokens), size):
             seq.append_block(tokens[i:i + size], 1, 1, [], decode)
             if seq.finished:
@@ -387,15 +387,15 @@ def test_copied_drafts_are_judged_by_match_depth_and_replace_weaker_model_drafts
     rows = [(deep, 0.1), (shallow, 0.99), (deep, 0.99)]  # (context, the model's own acceptance)
     seqs, acceptance = [], []
     for context, p in rows:
-        seqs.append(SimpleNamespace(prompt=context, generated=[], remaining=64, memory=None))
+        seqs.append(SimpleNamespace(prompt=context, generated=[], remaining=64, options=RequestOptions()))
         acc = Acceptance(3, prior=[p] * 3, strength=1000)
         acc.confidence = 1.0
         acceptance.append(acc)
     model_drafts = torch.tensor([[50, 51, 52]] * 3)
-    b = SimpleNamespace(seqs=seqs, lookups=[Lookup(ContextLookup(c)) for c, _ in rows], acceptance=acceptance,
+    b = SimpleNamespace(seqs=seqs, copies=[CopiedDrafts(ContextLookup(c)) for c, _ in rows], acceptance=acceptance,
                         drafts=model_drafts.clone(), n_drafts=torch.full((3,), 3), looked_up=torch.zeros(3, dtype=bool))
     loop._look_up(b)
-    assert b.lookups[0].depth == 13 and b.lookups[1].depth == 2
+    assert b.copies[0].depth == 13 and b.copies[1].depth == 2
     deep_p, shallow_p = (loop._copied_estimate(b, r)[0] for r in (0, 1))
     assert deep_p > 0.95 and shallow_p < deep_p - 0.1
     # row 0: the model's drafts are poor, the deep copy replaces them (what followed the match, as deep as it is)
@@ -568,7 +568,7 @@ def test_copied_drafts_verified_earn_near_the_best_fixed_count_from_the_first_fo
     rates = []
     for _ in range(20):  # requests
         loop = Engine(models["clover-tiny-dense"], 16, rule="exact", cost=TWIN_COST, eos_token_ids=[]).loop
-        b = SimpleNamespace(lookups=[Lookup(ContextLookup([1, 2, 3]))])
+        b = SimpleNamespace(copies=[CopiedDrafts(ContextLookup([1, 2, 3]))])
         tokens = seconds = 0.0
         for _ in range(30):
             k = loop._copies_to_verify(b, 0, TWIN_COST, 15, 0)

@@ -9,7 +9,7 @@ import json
 import jsonschema_rs
 import pytest
 
-from clover.engine import Engine, SamplingParams, generate
+from clover.engine import Engine, RequestOptions, generate
 from clover.engine.decoding import ExactRule
 from clover.engine.grammar import GrammarError, json_schema_grammar, tool_call_grammar
 from clover.engine.reference import constrained_greedy
@@ -65,7 +65,7 @@ def test_drafts_checked_against_the_masked_choice(model, chat_tokenizer, grammar
     engine = Engine(model, 4, rule="exact", eos_token_ids=eos)
     engine.loop = OracleLoop(engine, dict(enumerate(want)), wrong)
     out = [[] for _ in prompts]
-    for ev in engine.run(prompts, MAX_NEW, SamplingParams(grammar=grammar)):
+    for ev in engine.run(prompts, MAX_NEW, RequestOptions.of(grammar=grammar)):
         if hasattr(ev, "token_ids"):
             out[ev.index] += ev.token_ids
     assert out == want

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from clover.engine import Engine, SamplingParams
+from clover.engine import Engine, RequestOptions, SamplingParams
 from clover.engine.logprobs import PromptScoring, banned_ids, log_probs
 from clover.runners.torch_runner import as_runner
 from model_helpers import PROMPTS, tiny_model
@@ -61,9 +61,9 @@ def test_exact_mode_logprobs_are_the_causal_forwards_whatever_it_drafts(model, w
     size 1's."""
     reference = dict(enumerate(_greedy_b1(model, PROMPTS, 24)))
     engine = OracleDrafts(model, 4, reference, wrong=wrong, eos_token_ids=[])
-    tokens, values = _run(engine, PROMPTS, 24, SamplingParams(logprobs=TOP))
+    tokens, values = _run(engine, PROMPTS, 24, RequestOptions.of(logprobs=TOP))
     assert tokens == [reference[i] for i in range(len(PROMPTS))]
-    b1_tokens, b1_values = _run(Engine(model, 1, eos_token_ids=[]), PROMPTS, 24, SamplingParams(logprobs=TOP))
+    b1_tokens, b1_values = _run(Engine(model, 1, eos_token_ids=[]), PROMPTS, 24, RequestOptions.of(logprobs=TOP))
     assert b1_tokens == tokens
     for prompt, toks, vals, b1 in zip(PROMPTS, tokens, values, b1_values):
         _assert_causal(model, prompt, toks, vals)
@@ -73,7 +73,7 @@ def test_exact_mode_logprobs_are_the_causal_forwards_whatever_it_drafts(model, w
 
 def test_sampled_exact_mode_reports_the_raw_distribution(model):
     """Under temperature and top-k the values are still the model's own log-softmax (before any transform)."""
-    params = SamplingParams(temperature=1.5, top_k=5, seed=3, logprobs=TOP)
+    params = RequestOptions.of(temperature=1.5, top_k=5, seed=3, logprobs=TOP)
     engine = Engine(model, 4, rule="exact", rule_options=WHOLE, eos_token_ids=[])
     tokens, values = _run(engine, PROMPTS[:1], 16, params)
     _assert_causal(model, PROMPTS[0], tokens[0], values[0])
@@ -85,7 +85,7 @@ def test_block_rule_logprobs_are_the_unmasking_steps(model, rule, block_size):
     the output is the same as without logprobs."""
     engine = Engine(model, block_size, threshold=0.5, rule=rule, eos_token_ids=[])
     plain, none = _run(engine, PROMPTS, 20, SamplingParams())
-    tokens, values = _run(engine, PROMPTS, 20, SamplingParams(logprobs=2))
+    tokens, values = _run(engine, PROMPTS, 20, RequestOptions.of(logprobs=2))
     assert tokens == plain and none == [[], [], []]
     for toks, vals in zip(tokens, values):
         assert [v.token for v in vals] == toks
@@ -98,7 +98,7 @@ def test_asking_for_logprobs_changes_no_output_and_mixes_in_a_batch(model):
     """Rows that ask and rows that do not share a batch; every row's tokens are what they are without logprobs."""
     engine = Engine(model, 4, rule="exact", rule_options=WHOLE, eos_token_ids=[])
     plain, _ = _run(engine, PROMPTS, 20, SamplingParams())
-    mixed = [SamplingParams(logprobs=1), SamplingParams(), SamplingParams(logprobs=0)]
+    mixed = [RequestOptions.of(logprobs=1), SamplingParams(), RequestOptions.of(logprobs=0)]
     tokens, values = _run(engine, PROMPTS, 20, mixed)
     assert tokens == plain
     assert values[1] == []
@@ -122,8 +122,8 @@ def test_prompt_scoring_is_the_causal_forward_in_any_chunking(model):
 
 def test_logprobs_validation(model):
     with pytest.raises(ValueError, match="logprobs must be in"):
-        SamplingParams(logprobs=21)
+        RequestOptions.of(logprobs=21)
     engine = Engine(model, 4, rule="exact", rule_options=WHOLE, eos_token_ids=[])
     grammar = object()  # refused before the grammar is read
     with pytest.raises(ValueError, match="logprobs cannot be combined with a grammar"):
-        engine.make_sequences([[1, 2]], 4, SamplingParams(logprobs=0, grammar=grammar))
+        engine.make_sequences([[1, 2]], 4, RequestOptions.of(logprobs=0, grammar=grammar))

@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from clover.engine import Engine, SamplingParams, generate
+from clover.engine import Engine, RequestOptions, SamplingParams, generate
 from clover.engine.repetition import (BreakerCache, Breakers, DryConfig, LagMatches, RepeatGuard, breakers_from_texts,
                                       lag_matches, naive_dry_penalty, rep_limit, z_array)
 from clover.engine.sampling import BatchSampler
@@ -123,25 +123,25 @@ def test_dry_parameters_are_validated():
                        ({"dry_sequence_breakers": ("",)}, "breakers"), ({"loop_guard_span": -1}, "loop_guard_span"),
                        ({"loop_guard_repeats": 0}, "loop_guard_repeats")]:
         with pytest.raises(ValueError, match=match):
-            SamplingParams(**bad)
+            RequestOptions.of(**bad)
     assert SamplingParams(dry_sequence_breakers="\n").dry_sequence_breakers == ("\n",)
     model = tiny_model()
     with pytest.raises(ValueError, match="detokenize"):  # breakers are strings: they need the vocabulary's texts
         generate(model, [PROMPTS[0]], 4, dry_multiplier=0.8)
 
 
-def _generate_defaults() -> SamplingParams:
+def _generate_defaults() -> RequestOptions:
     """The repetition rules `clover generate` and `clover chat` apply when given no option."""
     from clover.cli.loading import default_repetition
 
-    return SamplingParams(**default_repetition())
+    return RequestOptions.of(**default_repetition())
 
 
 def test_generate_defaults_let_the_answer_copy_the_prompt_and_penalise_it_repeating_itself():
     """An answer copies names and numbers from its prompt (a function's name, "12 and 13" in a question): under
     `generate`'s defaults copying them costs nothing, while the answer repeating its own text is penalised as DRY
     penalises it, its history being the answer alone."""
-    params = _generate_defaults()
+    params = _generate_defaults().sampling
     name = [5, 6, 7, 8, 9]  # a name five tokens long, given by the prompt
     prompt = [1, 2, *name, 3, 4, 0, 1, 2, *name, 10]
     sampler = BatchSampler([params], V, banned=[], breakers=BreakerCache(V, V, token_texts=lambda: TEXTS))
@@ -206,10 +206,10 @@ def test_exact_mode_under_dry_is_block1_under_dry(models, preset, extra):
     plain = generate(model, PROMPTS, MAX_NEW, block_size=1, eos_token_ids=[]).sequences
     ref = [_naive_greedy(model, p, MAX_NEW, params) for p in PROMPTS]
     assert ref != plain  # the penalties change what is written
-    assert generate(model, PROMPTS, MAX_NEW, block_size=1, eos_token_ids=[], sampling=params).sequences == ref
+    assert generate(model, PROMPTS, MAX_NEW, block_size=1, eos_token_ids=[], options=params).sequences == ref
     for block_size, options in ((4, {}), (8, {"adaptive": False}), (8, {"lookup": False})):
         got = generate(model, PROMPTS, MAX_NEW, block_size=block_size, rule="exact", rule_options=options,
-                       eos_token_ids=[], sampling=params)
+                       eos_token_ids=[], options=params)
         assert got.sequences == ref, (block_size, options)
 
 
@@ -239,9 +239,9 @@ def test_block_rules_use_the_penalised_logits(models):
     params = SamplingParams(**STRONG)
     ref = [_naive_greedy(model, p, MAX_NEW, params) for p in PROMPTS]
     assert generate(model, PROMPTS, MAX_NEW, block_size=1, rule="threshold", eos_token_ids=[],
-                    sampling=params).sequences == ref
+                    options=params).sequences == ref
     plain = generate(model, PROMPTS, MAX_NEW, block_size=4, rule="threshold", eos_token_ids=[]).sequences
-    penalised = generate(model, PROMPTS, MAX_NEW, block_size=4, rule="threshold", eos_token_ids=[], sampling=params)
+    penalised = generate(model, PROMPTS, MAX_NEW, block_size=4, rule="threshold", eos_token_ids=[], options=params)
     assert penalised.sequences != plain
 
 
@@ -261,7 +261,7 @@ def test_the_loop_guard_ends_a_looping_answer_in_every_loop(models):
     cut after the token that completed the repeat, the same in exact mode, block size 1 and a block rule."""
     model = models["clover-tiny-dense"]
     plain = generate(model, PROMPTS, 48, block_size=1, eos_token_ids=[]).sequences
-    params = SamplingParams(loop_guard_span=4, loop_guard_repeats=2)
+    params = RequestOptions.of(loop_guard_span=4, loop_guard_repeats=2)
     expected = []
     for seq in plain:
         guard = RepeatGuard(4, 2)
@@ -269,7 +269,7 @@ def test_the_loop_guard_ends_a_looping_answer_in_every_loop(models):
         expected.append(seq[:cut] if cut else seq)
     assert any(len(e) < 48 for e in expected)
     for kw in ({"block_size": 4, "rule": "exact"}, {"block_size": 4, "rule": "left_to_right"}):
-        out = generate(model, PROMPTS, 48, eos_token_ids=[], sampling=params, **kw)
+        out = generate(model, PROMPTS, 48, eos_token_ids=[], options=params, **kw)
         if kw["rule"] == "exact":
             assert out.sequences == expected, kw
         for seq, st in zip(out.sequences, out.stats):  # a block rule writes other tokens: its own cut
@@ -303,7 +303,7 @@ def test_clover_smol_under_dry_in_exact_mode_is_block1_under_dry():
                    detokenize=lambda t: tokenizer.decode(t, skip_special_tokens=True))
     params = _generate_defaults()
 
-    def run(block_size: int, rule: str, sampling: SamplingParams) -> list[int]:
+    def run(block_size: int, rule: str, sampling: RequestOptions | SamplingParams) -> list[int]:
         engine = Engine(model, block_size, rule=rule, token_texts=token_texts(tokenizer), **options)
         return [t for e in engine.run([ids], 160, sampling) for t in e.token_ids]
 

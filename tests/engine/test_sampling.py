@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from clover.engine import SamplingParams
+from clover.engine import RequestOptions, SamplingParams
 from clover.engine.sampling import BatchSampler
 
 
@@ -113,8 +113,8 @@ def test_sampling_params_validation() -> None:
     for kwargs, name in [({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"), ({"top_k": -1}, "top_k"),
                          ({"repetition_penalty": 0}, "repetition_penalty"), ({"stop": [""]}, "stop")]:
         with pytest.raises(ValueError, match=name):
-            SamplingParams(**kwargs)
-    assert SamplingParams(stop="</s>").stop == ("</s>",)
+            RequestOptions.of(**kwargs)
+    assert RequestOptions.of(stop="</s>").stop == ("</s>",)
 
 
 # -- detokenizer --------------------------------------------------------------------------------------------

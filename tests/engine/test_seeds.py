@@ -35,7 +35,7 @@ def block1(models):
     """Block size 1's seeded text per preset: the reference."""
     out = {}
     for preset, model in models.items():
-        out[preset] = generate(model, PROMPTS, MAX_NEW, block_size=1, sampling=SAMPLING, eos_token_ids=[]).sequences
+        out[preset] = generate(model, PROMPTS, MAX_NEW, block_size=1, options=SAMPLING, eos_token_ids=[]).sequences
         greedy = generate(model, PROMPTS, MAX_NEW, block_size=1, eos_token_ids=[]).sequences
         assert all(a != b for a, b in zip(out[preset], greedy))  # the requests really sample
     return out
@@ -166,9 +166,9 @@ def test_block_rules_repeat_a_seed_alone_and_in_a_batch(models, preset):
     seeded request's text is the same alone, in a batch and run again (the rule's own text, not block size 1's)."""
     model = models[preset]
     batch = generate(model, PROMPTS + PROMPTS[:1], MAX_NEW, block_size=4, threshold=0.5,
-                     sampling=SAMPLING + [SamplingParams()], eos_token_ids=[]).sequences
+                     options=SAMPLING + [SamplingParams()], eos_token_ids=[]).sequences
     for i, prompt in enumerate(PROMPTS):
-        alone = generate(model, [prompt], MAX_NEW, block_size=4, threshold=0.5, sampling=SAMPLING[i],
+        alone = generate(model, [prompt], MAX_NEW, block_size=4, threshold=0.5, options=SAMPLING[i],
                          eos_token_ids=[]).sequences[0]
         assert alone == batch[i]
     assert batch[0] != batch[3]  # seeded and greedy differ: the rule samples
@@ -180,9 +180,9 @@ def test_an_unseeded_request_carries_the_seed_that_reproduces_it(models, monkeyp
     (what the request log records); that seed is the one its tokens were drawn with."""
     engine = Engine(models["clover-tiny"], 4, 0.5, eos_token_ids=[])
     unseeded = SamplingParams(temperature=1.0)
-    drawn = engine.make_sequences(PROMPTS[:1], MAX_NEW, [unseeded])[0].params.seed
+    drawn = engine.make_sequences(PROMPTS[:1], MAX_NEW, [unseeded])[0].options.sampling.seed
     assert drawn is not None and unseeded.seed is None
-    assert engine.make_sequences(PROMPTS[:1], MAX_NEW, [SamplingParams()])[0].params.seed is None  # greedy: none
+    assert engine.make_sequences(PROMPTS[:1], MAX_NEW, [SamplingParams()])[0].options.sampling.seed is None  # greedy: none
     monkeypatch.setattr(sampling, "fresh_seed", lambda: drawn)  # the next unseeded request draws the same seed
     assert _run(engine, PROMPTS[:1], [unseeded]) == _run(engine, PROMPTS[:1], [SamplingParams(temperature=1.0,
                                                                                               seed=drawn)])

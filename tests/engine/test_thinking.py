@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from clover.chat_template import CLOVER_CHAT_TEMPLATE, render_chat
-from clover.engine import Engine, SamplingParams, generate
+from clover.engine import Engine, RequestOptions, generate
 from clover.engine.decoding import ExactRule
 from clover.engine.thinking import DONE, REASONING, BudgetTracker, ThinkingBudget, closing_text, thinking_budget
 from model_helpers import tiny_model
@@ -77,16 +77,16 @@ def test_a_budget_closes_reasoning_after_n_tokens_and_the_answer_goes_on(model, 
 def test_exact_mode_with_a_budget_equals_block_size_1(model, chat_tokenizer, block_size):
     eos, prompts = [chat_tokenizer.eos_token_id], _prompts(chat_tokenizer)
     for budgets in ((0, 0, 0), (3, 3, 3), (0, 5, 1000), (7, 1000, 2)):  # uniform, and a budget per row
-        sampling = [SamplingParams(thinking_budget=_budget(chat_tokenizer, n)) for n in budgets]
+        sampling = [RequestOptions.of(thinking_budget=_budget(chat_tokenizer, n)) for n in budgets]
         want = generate(model, prompts, MAX_NEW, block_size=1, rule=EXACT, eos_token_ids=eos,
-                        sampling=sampling).sequences
+                        options=sampling).sequences
         assert want == [_reference(model, p, s.thinking_budget, eos) for p, s in zip(prompts, sampling)]
         got = generate(model, prompts, MAX_NEW, block_size=block_size, rule=EXACT, eos_token_ids=eos,
-                       sampling=sampling).sequences
+                       options=sampling).sequences
         assert got == want, budgets
         for p, s, w in zip(prompts, sampling, want):  # alone as in the batch
             assert generate(model, [p], MAX_NEW, block_size=block_size, rule=EXACT, eos_token_ids=eos,
-                            sampling=s).sequences[0] == w
+                            options=s).sequences[0] == w
 
 
 @pytest.mark.parametrize("wrong", [0.0, 0.3])
@@ -94,7 +94,7 @@ def test_drafts_across_the_budget_are_checked_against_the_forced_close(model, ch
     """Drafts from the budgeted reference (some wrong) run into and past the closing sequence: accepted while equal
     to the constrained choice, so the output is still block size 1's."""
     eos, prompts = [chat_tokenizer.eos_token_id], _prompts(chat_tokenizer)
-    sampling = [SamplingParams(thinking_budget=_budget(chat_tokenizer, n)) for n in (2, 5, 0)]
+    sampling = [RequestOptions.of(thinking_budget=_budget(chat_tokenizer, n)) for n in (2, 5, 0)]
     want = [_reference(model, p, s.thinking_budget, eos) for p, s in zip(prompts, sampling)]
     engine = Engine(model, 8, rule=EXACT, eos_token_ids=eos)
     engine.loop = OracleLoop(engine, dict(enumerate(want)), wrong)
@@ -119,7 +119,7 @@ def test_a_spent_budget_leaves_the_constrained_path(model, chat_tokenizer, monke
 
     monkeypatch.setattr(BudgetTracker, "masks_for", spy)
     eos, prompts = [chat_tokenizer.eos_token_id], _prompts(chat_tokenizer)
-    sampling = [SamplingParams(thinking_budget=_budget(chat_tokenizer, n)) for n in (2, 5, 0)]
+    sampling = [RequestOptions.of(thinking_budget=_budget(chat_tokenizer, n)) for n in (2, 5, 0)]
     want = [_reference(model, p, s.thinking_budget, eos) for p, s in zip(prompts, sampling)]
     phases.clear()
     engine = Engine(model, 8, rule=EXACT, eos_token_ids=eos)
@@ -235,7 +235,7 @@ def test_what_cannot_be_combined_is_refused(model, chat_tokenizer):
     with pytest.raises(ValueError, match="thinking budget cannot be combined with a grammar"):
         generate(model, [prompt], 4, rule=EXACT, grammar=grammar, thinking_budget=budget)
     with pytest.raises(ValueError, match="logprobs cannot be combined with a thinking budget"):
-        generate(model, [prompt], 4, rule=EXACT, sampling=SamplingParams(thinking_budget=budget, logprobs=0))
+        generate(model, [prompt], 4, rule=EXACT, options=RequestOptions.of(thinking_budget=budget, logprobs=0))
     for bad in (-1, 2.5, "3", True):
         with pytest.raises(ValueError, match="thinking_token_budget must be an integer >= 0"):
             thinking_budget(bad, chat_tokenizer)

@@ -13,7 +13,7 @@ import pytest
 import torch
 from pydantic import BaseModel
 
-from clover.engine import Engine, SamplingParams, generate
+from clover.engine import Engine, RequestOptions, SamplingParams, generate
 from clover.engine.decision import DecisionRun
 from clover.serving import ServerOptions, create_app
 from clover.serving.handles import until_disconnect
@@ -115,7 +115,7 @@ def test_thresholds_and_ignore_eos_are_per_row_of_one_batch(hybrid):
     sched.policy.step_batches = observed_step
 
     async def run():
-        handles = [await sched.submit(prompt, 16, [SamplingParams()], **o) for o in options]
+        handles = [await sched.submit(prompt, 16, [RequestOptions(**o)]) for o in options]
         return await asyncio.gather(*(_tokens(h) for h in handles))
 
     try:
@@ -140,8 +140,8 @@ def test_two_thousand_option_sets_leave_a_bounded_set_of_engines(hybrid):
         handles = []
         for i in range(first, first + count):  # each a distinct option set: its threshold, ignore_eos, engine
             block_size, rule = keys[(i - first) * len(keys) // count]  # in runs of one engine: prefilled together
-            handles.append(await sched.submit(PROMPTS[i % 2], 1, [SamplingParams()], threshold=0.05 + 0.9 * i / 2000,
-                                              block_size=block_size, rule=rule, ignore_eos=bool(i % 2)))
+            own = RequestOptions(threshold=0.05 + 0.9 * i / 2000, ignore_eos=bool(i % 2))
+            handles.append(await sched.submit(PROMPTS[i % 2], 1, [own], block_size=block_size, rule=rule))
         await asyncio.gather(*(_tokens(h) for h in handles))
 
     async def run():
@@ -165,7 +165,7 @@ def test_a_failing_choice_frees_its_siblings_slots(hybrid):
     prefill_step, failed = engine.prefill_step, []
 
     def failing_prefill_step(p):  # the second choice's prefill fails; the first is already decoding by then
-        if p.seq.params.seed == 3:
+        if p.seq.options.sampling.seed == 3:
             failed.append(True)
             raise RuntimeError("out of memory")
         return prefill_step(p)
@@ -253,7 +253,8 @@ def test_a_32k_prompt_on_a_hybrid_twin_keeps_its_snapshots_within_a_small_prefix
     def observed():  # the store and the prefill's snapshots (measured, not as counted), after each prefill chunk
         prefill_once()
         job = sched.policy.prefilling
-        held = 0 if job is None else sum(snapshot_bytes(job.prefill.cache, s) for s in job.states.values())
+        alone = None if job is None else job.prefill
+        held = 0 if alone is None else sum(snapshot_bytes(alone.progress.cache, s) for s in alone.states.values())
         peak.append(held + store.memory_bytes)
 
     sched.policy.prefill_once = observed

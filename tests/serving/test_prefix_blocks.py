@@ -59,7 +59,7 @@ def test_blocks_are_never_shared_across_keys(dense):
     prompt = _prompt(32, 4)
     store = PrefixCache(GRID, 1 << 30, recurrent=False)
     store.insert(prompt, _prefilled(dense, prompt), {}, scope=0)
-    assert store.lookup(prompt + [1], scope=1) is None
+    assert store.find(prompt + [1], scope=1) is None
     store.insert(prompt, _prefilled(dense, prompt), {}, scope=1)
     first, second = (entry.cache.blocks for entry in store.entries.values())
     assert not any(x is y for x, y in zip(first, second))  # the same tokens, two keys: two copies
@@ -75,8 +75,8 @@ def test_eviction_cuts_the_oldest_entry_from_its_end(dense):
     store.insert(old, _prefilled(dense, old), {})
     store.insert(new, _prefilled(dense, new), {})  # 5 + 3 blocks: the old entry loses its last 2
     assert store.memory_bytes == 6 * block and store.stats.evictions == 0 and store.stats.cuts == 2
-    assert store.lookup(old + [1]).length == 24  # its first 3 blocks are still there
-    assert store.lookup(new + [1]).length == 24
+    assert store.find(old + [1]).length == 24  # its first 3 blocks are still there
+    assert store.find(new + [1]).length == 24
 
 
 def test_eviction_frees_shared_blocks_last(dense):
@@ -89,7 +89,7 @@ def test_eviction_frees_shared_blocks_last(dense):
     store.insert(old, _prefilled(dense, old), {})
     store.insert(new, _prefilled(dense, new), {})
     assert store.memory_bytes == 3 * block and store.stats.cuts == 2
-    assert store.lookup(tools + _prompt(9, 10)).length == 16 and store.lookup(new + [1]).length == 24
+    assert store.find(tools + _prompt(9, 10)).length == 16 and store.find(new + [1]).length == 24
 
 
 @pytest.mark.parametrize("preset", ["clover-tiny", "clover-tiny-dense"])

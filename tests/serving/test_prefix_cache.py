@@ -91,13 +91,13 @@ def test_lookup_leaves_a_token_to_prefill_and_verifies_tokens(models):
         model(torch.tensor([prompt]), cache=cache, logits_to_keep=0)
     store.insert(prompt, cache, {})
     assert store.memory_bytes == cache.memory_bytes()["total"]  # an exact-size copy, not the request's buffers
-    assert store.lookup(prompt).length == 24  # the whole prompt is stored, but its last token must run
-    assert store.lookup(prompt + [1]).length == 32
-    assert store.lookup(prompt[:17]).length == 16  # dense: any grid point of an entry
+    assert store.find(prompt).length == 24  # the whole prompt is stored, but its last token must run
+    assert store.find(prompt + [1]).length == 32
+    assert store.find(prompt[:17]).length == 16  # dense: any grid point of an entry
     other = list(prompt)
     other[3] = (other[3] + 1) % 250
-    assert store.lookup(other + [1]) is None
-    hit = store.lookup(prompt + [1])
+    assert store.find(other + [1]) is None
+    hit = store.find(prompt + [1])
     assert hit.cache.length == 32 and hit.cache.next_position.tolist() == [32]
     torch.testing.assert_close(hit.cache.layers[0].keys_values()[0], cache.layers[0].keys_values()[0][:, :, :32])
 
@@ -117,14 +117,14 @@ def test_byte_budget_evicts_least_recently_used(models):
     store = PrefixCache(GRID, 2 * size, recurrent=False)
     store.insert(*caches[0], {})
     store.insert(*caches[1], {})
-    assert store.lookup(caches[0][0] + [1]) is not None  # 0 is now the most recently used
+    assert store.find(caches[0][0] + [1]) is not None  # 0 is now the most recently used
     store.insert(*caches[2], {})
     assert store.stats.evictions == 1 and store.memory_bytes <= 2 * size
     counted = store.memory_bytes  # eviction subtracts what the evicted entry held alone: the same as a recount
     store._recount()
     assert store.memory_bytes == counted
-    assert store.lookup(caches[1][0] + [1]) is None
-    assert store.lookup(caches[0][0] + [1]) is not None and store.lookup(caches[2][0] + [1]) is not None
+    assert store.find(caches[1][0] + [1]) is None
+    assert store.find(caches[0][0] + [1]) is not None and store.find(caches[2][0] + [1]) is not None
     tiny = PrefixCache(GRID, size - 1, recurrent=False)
     tiny.insert(*caches[0], {})  # 2 blocks over a budget of less: its first block is kept
     assert tiny.memory_bytes == size // 2 and next(iter(tiny.entries.values())).tokens == caches[0][0][:GRID]
@@ -178,7 +178,7 @@ def test_a_scope_reuses_only_its_own_prefixes(models):
         cache = model.new_cache(1)
         with torch.inference_mode():
             model(torch.tensor([prompt]), cache=cache, logits_to_keep=0)
-        assert store.lookup(prompt, scope) is None  # scope 1 never sees scope 0's entry
+        assert store.find(prompt, scope) is None  # scope 1 never sees scope 0's entry
         store.insert(prompt, cache, {}, scope)
-    assert store.lookup(prompt, 0).length == store.lookup(prompt, 1).length == 24
-    assert store.entries_of(0) == store.entries_of(1) == 1 and store.lookup(prompt) is None
+    assert store.find(prompt, 0).length == store.find(prompt, 1).length == 24
+    assert store.entries_of(0) == store.entries_of(1) == 1 and store.find(prompt) is None

@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 
-from clover.engine import Engine, SamplingParams, generate
+from clover.engine import Engine, RequestOptions, SamplingParams, generate
 from clover.serving.metrics import ServerMetrics
 from clover.serving.prefix_cache import PrefixCache
 from clover.serving.scheduler import QueueFull, Scheduler
@@ -26,7 +26,7 @@ def models():
 
 
 def _alone(model, prompt, max_new, sampling, eos):
-    return generate(model, [prompt], max_new, block_size=4, threshold=0.5, sampling=sampling,
+    return generate(model, [prompt], max_new, block_size=4, threshold=0.5, options=sampling,
                     eos_token_ids=eos).sequences[0]
 
 
@@ -159,7 +159,7 @@ def test_requests_with_other_decoding_options_run_in_their_own_batch(models):
 
     async def run():
         a = await sched.submit(PROMPTS[0], 12, [SamplingParams()])
-        b = await sched.submit(PROMPTS[1], 12, [SamplingParams()], block_size=2, threshold=0.3)
+        b = await sched.submit(PROMPTS[1], 12, [RequestOptions(threshold=0.3)], block_size=2)
         c = await sched.submit(PROMPTS[1], 12, [SamplingParams()], rule="left_to_right")
         return await asyncio.gather(_collect(a), _collect(b), _collect(c))
 
@@ -223,14 +223,14 @@ def test_a_commit_failing_after_rows_finished_fails_them_too(models):
 def test_a_prefix_lookup_error_fails_one_request_not_the_loop(models):
     model = models["clover-tiny"]
     store = PrefixCache(8, 1 << 30, recurrent=True)
-    lookup = store.lookup
+    find = store.find
 
     def picky_lookup(tokens, scope=None):  # (only prompts longer than a chunk are looked up: PROMPTS[2] is)
         if tokens == PROMPTS[2]:
             raise ValueError("bad prompt")
-        return lookup(tokens, scope)
+        return find(tokens, scope)
 
-    store.lookup = picky_lookup
+    store.find = picky_lookup
     sched = _scheduler(model, prefix_cache=store)
     sched.start()
 
@@ -297,6 +297,9 @@ class _Handle:
     def __init__(self, request_id: int) -> None:
         self.id, self.cached_tokens, self.items = request_id, [0], []
 
+    def choice_of(self, seq_id: int) -> int:
+        return 0
+
     def deliver(self, item) -> None:
         self.items.append(item)
 
@@ -310,7 +313,7 @@ def _policy(model, max_running: int):
     for i, (prompt, max_new) in enumerate(zip(PROMPTS, MAX_NEW)):
         seq = engine.make_sequences([prompt], max_new, [SamplingParams()])[0]
         seq.seq_id = i
-        jobs.append(Job(_Handle(i), 0, seq, key, 0.0, engine))
+        jobs.append(Job(_Handle(i), seq, key, engine))
     return policy, engine, jobs, released
 
 

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from clover.engine.engine import Engine
-from clover.engine.sampling import REPETITION_FIELDS, SamplingParams
+from clover.engine.request import REPETITION_FIELDS, RequestOptions
 from clover.serving import ServerOptions, create_app
 from clover.serving.protocol import MAX_SCHEMA_CHARS, ChatCompletionRequest
 from model_helpers import tiny_model
@@ -243,5 +243,6 @@ def test_every_repetition_option_is_a_request_field_passed_on_by_name() -> None:
     values = {"dry_multiplier": 0.5, "dry_base": 2.0, "dry_allowed_length": 3, "dry_penalty_last_n": 64,
               "dry_sequence_breakers": ["\n"], "dry_include_prompt": False, "loop_guard_span": 8, "loop_guard_repeats": 3}
     req = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}], **values)
-    params = SamplingParams(**req.repetition())
-    assert {name: getattr(params, name) for name in REPETITION_FIELDS} == values | {"dry_sequence_breakers": ("\n",)}
+    options = RequestOptions.of(**req.repetition())
+    params = {**vars(options.sampling), **vars(options)}
+    assert {name: params[name] for name in REPETITION_FIELDS} == values | {"dry_sequence_breakers": ("\n",)}

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from clover.chat_template import render_chat
-from clover.engine import Engine, SamplingParams
+from clover.engine import Engine, RequestOptions
 from clover.engine.logprobs import banned_ids, log_probs
 from clover.serving import ServerOptions, create_app
 from clover.serving.locked_tokenizer import LockedTokenizer
@@ -47,7 +47,7 @@ def _block1(model, tokenizer, prompt, max_new, top):
     """Block size 1's tokens and values offline (the reference exact mode must match)."""
     engine = Engine(model, 1, eos_token_ids=[tokenizer.eos_token_id], vocab_limit=len(tokenizer))
     values = []
-    for e in engine.run([prompt], max_new, SamplingParams(logprobs=top)):
+    for e in engine.run([prompt], max_new, RequestOptions.of(logprobs=top)):
         values += e.logprobs
     return values
 
