@@ -160,13 +160,8 @@ def quantised(tmp_path_factory, chat_tokenizer) -> LlamaCppRunner:
                           max_block_size=8)
 
 
-def test_quantised_logits_do_not_depend_on_the_batch(quantised):
-    """With flash attention a position's logits are the same bits decoded alone or inside a verification of
-    several tokens (its CPU kernel works query row by query row), which is what makes exact mode equal block size 1
-    on a quantised file. (The plain path is batch-dependent on clover-smol's exports, up to ~0.9 apart on q4_0 and
-    q8_0 with 2 threads, though not on this tiny model: docs/gguf.md.)"""
-    runner, tokens = quantised, [7, 11, 13, 17, 19]
-    prompt = torch.tensor([PROMPTS[2]])
+def _assert_alone_equals_batched(runner: LlamaCppRunner, prompt: torch.Tensor, tokens: list[int]) -> None:
+    """`tokens` decoded one forward each after `prompt` give the same logits, bit for bit, as one forward of all."""
     alone, batched = runner.new_cache(1), runner.new_cache(1)
     for cache in (alone, batched):
         runner.forward(prompt, 1, cache=cache, prefix_len=prompt.shape[1], logits_to_keep=0)
@@ -177,6 +172,14 @@ def test_quantised_logits_do_not_depend_on_the_batch(quantised):
                          logits_at=torch.ones(1, len(tokens), dtype=torch.bool))
     assert torch.equal(got, want)
     alone.release(), batched.release()
+
+
+def test_quantised_logits_do_not_depend_on_the_batch(quantised):
+    """With flash attention a position's logits are the same bits decoded alone or inside a verification of
+    several tokens (its CPU kernel works query row by query row), which is what makes exact mode equal block size 1
+    on a quantised file. (The plain path is batch-dependent on clover-smol's exports, up to ~0.9 apart on q4_0 and
+    q8_0 with 2 threads, though not on this tiny model: docs/gguf.md.)"""
+    _assert_alone_equals_batched(quantised, torch.tensor([PROMPTS[2]]), [7, 11, 13, 17, 19])
 
 
 @pytest.fixture(scope="module")
@@ -193,18 +196,7 @@ def test_logits_do_not_depend_on_the_batch_over_a_long_context(quantised_two_thr
     token between its threads (each sums part of the keys, the parts merged after) where a decode of 2-63 tokens
     sums each row in one pass: different roundings, up to ~1 apart on clover-smol's q4_0 export at 2 threads. The
     runner never decodes one token alone, so a position's logits stay the same bits alone or in a verification."""
-    runner, tokens = quantised_two_threads, [7, 11, 13, 17, 19]
-    prompt = torch.tensor([LONG])
-    alone, batched = runner.new_cache(1), runner.new_cache(1)
-    for cache in (alone, batched):
-        runner.forward(prompt, 1, cache=cache, prefix_len=prompt.shape[1], logits_to_keep=0)
-    one = torch.ones(1, 1, dtype=torch.bool)
-    want = torch.cat([runner.forward(torch.tensor([[t]]), 1, cache=alone, prefix_len=1, logits_at=one)
-                      for t in tokens])
-    got = runner.forward(torch.tensor([tokens]), 1, cache=batched, prefix_len=len(tokens),
-                         logits_at=torch.ones(1, len(tokens), dtype=torch.bool))
-    assert torch.equal(got, want)
-    alone.release(), batched.release()
+    _assert_alone_equals_batched(quantised_two_threads, torch.tensor([LONG]), [7, 11, 13, 17, 19])
 
 
 def test_quantised_exact_mode_is_block_size_1_over_a_long_context(quantised_two_threads):
