@@ -45,7 +45,8 @@ ALLOWED_UP = {("clover.model.modeling", "clover.engine")}
 # fused layers (issue 54: `forward(..., prompt=True)` on the runner interface instead of the ContextVar); the
 # decoding loops' `Engine` annotation (type checking only: a loop reads its engine's settings)
 PENDING_CIRCLES = [{"clover.model.deltanet", "clover.model.quant", "clover.model.fused", "clover.model.modeling"},
-                   {"clover.engine.engine", "clover.engine.block_loop", "clover.engine.exact", "clover.engine.loop"}]
+                   {"clover.engine.engine", "clover.engine.loops.block_loop", "clover.engine.loops.exact",
+                    "clover.engine.loops.loop"}]
 # `clover train` and `clover data` are training's front end; every other module serves inference.
 TRAINING_FRONT_ENDS = {"clover.cli.train", "clover.cli.data"}
 
@@ -197,10 +198,11 @@ def test_a_planted_import_cycle_is_caught(tmp_path: Path) -> None:
 
 
 def test_a_planted_cycle_through_a_function_level_import_is_caught(tmp_path: Path) -> None:
-    copy = _plant(tmp_path, "serving/handles.py",
-                  "def _planted():\n    # deferred: a planted cost\n    from clover.serving.scheduler import Scheduler")
+    copy = _plant(tmp_path, "serving/scheduling/handles.py",
+                  "def _planted():\n    # deferred: a planted cost\n"
+                  "    from clover.serving.scheduling.scheduler import Scheduler")
     assert not import_cycles(copy)  # not at import time
-    assert any(set(c) == {"clover.serving.handles", "clover.serving.scheduler"}
+    assert any(set(c) == {"clover.serving.scheduling.handles", "clover.serving.scheduling.scheduler"}
                for c in import_cycles(copy, import_time_only=False))
 
 

@@ -55,8 +55,8 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device: torch.device
              grid: int = 1) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`[N, W]` ids with each prompt right-aligned (`pad_id` before it) and the `[N, W]` mask of real tokens, `W`
     the longest length rounded up to a multiple of `grid`; the mask is None when no row is padded. On a block grid
-    a prompt may be empty (an absolute grid whose prompt fits in the first generated block: clover.engine.block_loop);
-    its row is all padding."""
+    a prompt may be empty (an absolute grid whose prompt fits in the first generated block:
+    clover.engine.loops.block_loop); its row is all padding."""
     if not prompts or (grid == 1 and any(len(p) == 0 for p in prompts)):
         raise ValueError("left_pad needs at least one prompt, each of at least one token")
     longest = -(-max(len(p) for p in prompts) // grid) * grid

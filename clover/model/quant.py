@@ -74,8 +74,8 @@ def reading_prompt(reading: bool = True) -> Iterator[None]:
     says. Which path a row takes depends only on whether it is a prompt token, never on how many rows share its
     forward: so the linear layers of exact mode's first forward, which may carry query rows beside the prompt's last
     chunk, compute the prompt's rows as block size 1's do, a batch and a resumed prefix
-    (clover.serving.prefix_cache) as one request does, and decoding steps of any batch size run the kernel. For
-    the same reason prompt forwards take one path through a layer however many rows they have: the fused C++ layer
+    (clover.serving.scheduling.prefix_cache) as one request does, and decoding steps of any batch size run the kernel.
+    For the same reason prompt forwards take one path through a layer however many rows they have: the fused C++ layer
     (clover.model.fused) with the kernel, the modules with `fp32`. `reading=False` inside: not (the LM head, which
     reads only the few rows kept for logits)."""
     token = _READING_PROMPT.set(reading)

@@ -17,7 +17,7 @@ row keeps the first `keep[r]` clean tokens of the forward after `mark`), and rea
 a batch ends it calls `release_cache(cache)`: a cache that holds a runner's scarce resource (llama.cpp's slots)
 gives it back then, on the owner's thread; tensors need nothing (reference counting frees them).
 
-**Prefix reuse** (the server's `clover.serving.prefix_cache`) asks three more things of a one-row cache:
+**Prefix reuse** (the server's `clover.serving.scheduling.prefix_cache`) asks three more things of a one-row cache:
 `snapshot()` (what a cut at the current length cannot recover: a DeltaNet layer's recurrent state; None where
 every layer can be cut anywhere), `prefix(length, snapshot, copy=True)` (its first `length` tokens kept apart
 from it: a `StoredPrefix` that outlives the request and is never written) and, on what that returns,

@@ -17,12 +17,12 @@ from jinja2.exceptions import TemplateError
 from starlette.concurrency import run_in_threadpool
 
 from clover.chat_template import opens_reasoning
-from clover.engine.grammar import Grammar
+from clover.engine.constraints.grammar import Grammar
 from clover.engine.request import RequestOptions
 from clover.serving.grammar_route import forced_start, grammar_param, max_calls, request_grammar, route
-from clover.serving.handles import RequestHandle
-from clover.serving.openai_format import ChatChoice, chat_body, chat_logprobs, chat_stream, usage
-from clover.serving.protocol import APIError, ChatCompletionRequest
+from clover.serving.scheduling.handles import RequestHandle
+from clover.serving.api.openai_format import ChatChoice, chat_body, chat_logprobs, chat_stream, usage
+from clover.serving.api.protocol import APIError, ChatCompletionRequest
 from clover.serving.request_context import GRAMMAR_PARAM
 from clover.serving.structured import decision_response
 
@@ -74,7 +74,7 @@ async def start_chat(server: ServedModel, req: ChatCompletionRequest, path: str 
         GRAMMAR_PARAM.set(grammar_param(req))  # in this request's context: what its failure names
         grammar = await run_in_threadpool(_grammar, server, req)
         rule = rule or "exact"
-    else:  # a grammar's answer is rendered without reasoning: no budget to keep (clover.engine.thinking)
+    else:  # a grammar's answer is rendered without reasoning: no budget to keep (clover.engine.constraints.thinking)
         budget = server.thinking_budget(req)
     options = server.request_options(req, grammar=grammar, thinking_budget=budget)
     ids, forced, thinking, tools = await run_in_threadpool(chat_prompt, server, req, path == "grammar")

@@ -16,12 +16,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from clover.engine.logprobs import PromptScoring, TokenLogprob, banned_ids
-from clover.engine.loop import StreamPiece
-from clover.serving.handles import RequestHandle
-from clover.serving.openai_format import ChoiceText, completion_body, completion_logprobs, completion_stream, usage
-from clover.serving.protocol import APIError, CompletionRequest
+from clover.engine.loops.loop import StreamPiece
+from clover.serving.scheduling.handles import RequestHandle
+from clover.serving.api.openai_format import ChoiceText, completion_body, completion_logprobs, completion_stream, usage
+from clover.serving.api.protocol import APIError, CompletionRequest
 from clover.serving.request_context import REQUEST_ID, internal_error, unavailable
-from clover.serving.scheduler import QueueFull
+from clover.serving.scheduling.scheduler import QueueFull
 
 if TYPE_CHECKING:
     from clover.serving.served_model import ServedModel

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from clover.engine import Engine, SamplingParams
-from clover.engine.cost import ForwardCost
+from clover.engine.drafts.cost import ForwardCost
 from clover.model import quantize
 from clover.model.cache import CloverCache
-from clover.serving.prefix_cache import PrefixCache, chain_hashes
+from clover.serving.scheduling.prefix_cache import PrefixCache, chain_hashes
 from clover.smol import BUILD_ACTIVATIONS
 from model_helpers import tiny_model
 from server_helpers import decode_alone as _decode

@@ -55,7 +55,7 @@ import torch
 
 from clover.assistant_output import END_THINK, THINK
 from clover.chat_template import render_chat
-from clover.engine.grammar import draft_through
+from clover.engine.constraints.grammar import draft_through
 
 IDLE, REASONING, CLOSING, DONE = "idle", "reasoning", "closing", "done"
 _REASONING_MARK, _ANSWER_MARK = "CLOVER-REASONING-MARK", "CLOVER-ANSWER-MARK"

@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 from typing import Any, Hashable
 
 from clover.runners.base import RunnerCache, StoredPrefix
-from clover.serving.prefix_blocks import BlockTable
+from clover.serving.scheduling.prefix_blocks import BlockTable
 
 logger = logging.getLogger(__name__)
 

@@ -49,17 +49,17 @@ from typing import Any, Callable, Hashable, Sequence as Seq
 import torch
 
 from clover.engine import Engine
-from clover.engine.loop import Run
+from clover.engine.loops.loop import Run
 from clover.engine.request import Options
-from clover.engine.exact import ExactLoop
+from clover.engine.loops.exact import ExactLoop
 from clover.runners.base import ModelRunner
 from clover.runners.torch_runner import as_runner
-from clover.serving.handles import Outbox, RequestHandle
-from clover.serving.heap import release_free_heap
+from clover.serving.scheduling.handles import Outbox, RequestHandle
+from clover.serving.scheduling.heap import release_free_heap
 from clover.serving.metrics import ServerMetrics
-from clover.serving.prefix_cache import PrefixCache
+from clover.serving.scheduling.prefix_cache import PrefixCache
 from clover.serving.request_log import RequestLog
-from clover.serving.scheduler_policy import DecisionJob, EngineKey, Job, SchedulePolicy
+from clover.serving.scheduling.scheduler_policy import DecisionJob, EngineKey, Job, SchedulePolicy
 
 logger = logging.getLogger(__name__)
 

@@ -16,14 +16,14 @@ import uuid
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Sequence
 
 from clover.engine import StopAwareDetokenizer
-from clover.serving.handles import RequestHandle, merge
+from clover.serving.scheduling.handles import RequestHandle, merge
 from clover.assistant_output import OutputDelta, OutputParser
 from clover.tool_formats import HERMES, CallDelta, ToolFormat
 from clover.serving.request_context import REQUEST_ID, request_failure
 
 if TYPE_CHECKING:
     from clover.engine.logprobs import TokenLogprob
-    from clover.engine.loop import StreamPiece
+    from clover.engine.loops.loop import StreamPiece
 
 logger = logging.getLogger(__name__)
 

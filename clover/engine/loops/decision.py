@@ -49,7 +49,7 @@ import torch
 
 from clover.chat_template import render_chat
 from clover.config import check_threshold
-from clover.engine.form import Field, Form, parse_form, value_text
+from clover.engine.constraints.form import Field, Form, parse_form, value_text
 from clover.engine.prefill import DEFAULT_PREFILL_CHUNK, prefill
 from clover.model.quant import reading_prompt
 from clover.runners.base import ModelRunner, release_cache

@@ -43,7 +43,7 @@ import torch
 
 from clover.engine.decoding import UnmaskingRule
 from clover.engine.logprobs import TokenLogprob, token_logprobs
-from clover.engine.loop import DecodingLoop, Event, StepSnapshot
+from clover.engine.loops.loop import DecodingLoop, Event, StepSnapshot
 from clover.engine.request import RequestOptions, Sequence, before_eos, through_eos
 from clover.runners.base import RunnerCache
 from clover.engine.sampling import BatchSampler
