@@ -39,14 +39,10 @@ LAYERS: list[tuple[str, ...]] = [
 # the one import up, inside the function: `model.generate(...)`, the documented entry point (docs/design.md §5),
 # hands over to the engine
 ALLOWED_UP = {("clover.model.modeling", "clover.engine")}
-# circles through function-level imports still to be cut (remove an entry once its circle is gone): `LlamaCppRunner.
-# open` picks its own subclasses (issue 55 gives the llama.cpp runners a shared constructor instead); the model's
-# prompt-reading ContextVar (`quant.reading_prompt`, read by deltanet and fused) and `quant`'s loader, which builds
-# fused layers (issue 54: `forward(..., prompt=True)` on the runner interface instead of the ContextVar); the
-# decoding loops' `Engine` annotation (type checking only: a loop reads its engine's settings)
-PENDING_CIRCLES = [{"clover.model.deltanet", "clover.model.quant", "clover.model.fused", "clover.model.modeling"},
-                   {"clover.engine.engine", "clover.engine.loops.block_loop", "clover.engine.loops.exact",
-                    "clover.engine.loops.loop"}]
+# circles through function-level imports still to be cut (remove an entry once its circle is gone); none is left:
+# the runner takes `forward(..., prompt=True)` where the engine set the model's ContextVar, the loops type their engine
+# as `LoopEngine` (clover.engine.loops.loop), and `quant` marks fused layers without importing `fused` or `modeling`
+PENDING_CIRCLES: list[set[str]] = []
 # `clover train` and `clover data` are training's front end; every other module serves inference.
 TRAINING_FRONT_ENDS = {"clover.cli.train", "clover.cli.data"}
 

@@ -37,14 +37,13 @@ from clover.engine.decoding import ExactRule, UnmaskingRule, make_rule
 from clover.engine.drafts.draft_memory import DraftMemory
 from clover.engine.loops.exact import ExactBatch, ExactLoop
 from clover.engine.logprobs import TokenLogprob, banned_ids
-from clover.engine.loops.loop import Event, StreamPiece
+from clover.engine.loops.loop import EngineCounters, Event, StreamPiece
 from clover.engine.prefill import DEFAULT_PREFILL_CHUNK, EXPECTED_ANSWER, grid_chunk, prefill
 from clover.engine.constraints.repetition import BreakerCache
 from clover.engine.request import Detokenize, Options, RequestOptions, Sequence, as_options
 from clover.runners.base import ModelRunner, RunnerCache, release_cache
 from clover.runners.torch_runner import as_runner
 from clover.engine.sampling import SamplingParams
-from clover.model.quant import reading_prompt
 
 
 DecodeBatch = BlockBatch | ExactBatch  # the running batch, opaque outside the engine (the scheduler holds it)
@@ -58,15 +57,6 @@ class Prefill:
     cache: RunnerCache  # one row; holds `done` prompt tokens
     done: int = 0
     pad: int = 0  # columns of padding before the prompt: a prompt read on a block grid starts a whole block
-
-
-@dataclass
-class EngineCounters:
-    """Batch-level figures, for benchmarks: engine overhead = wall time - forward time."""
-
-    forwards: int = 0
-    forward_time_s: float = 0.0
-    steps: int = 0
 
 
 class Engine:
@@ -284,8 +274,7 @@ class Engine:
                        lambda ids, **kwargs: self.forward(ids, cache, **kwargs), self.device, self.prompt_grid)
         for s in seqs:
             s.prefill_forwards = last.forwards
-        with reading_prompt():
-            return self.loop.open(seqs, last.ids, cache, **last.kwargs)
+        return self.loop.open(seqs, last.ids, cache, prompt=True, **last.kwargs)
 
     # -- continuous batching: one request at a time -------------------------------------------------------
     def prefill_together(self, seqs: list[Sequence]) -> DecodeBatch:
@@ -327,12 +316,12 @@ class Engine:
         if p.done < p.pad:
             kwargs["attention_mask"] = torch.arange(p.done, end, device=self.device)[None] >= p.pad
         p.seq.prefill_forwards += 1
-        with torch.inference_mode(), reading_prompt():
+        with torch.inference_mode():
             if end < len(prompt):
-                self.forward(ids, p.cache, logits_to_keep=0, **kwargs)
+                self.forward(ids, p.cache, logits_to_keep=0, prompt=True, **kwargs)
                 opened = None
             else:
-                opened = self.loop.open([p.seq], ids, p.cache, **kwargs)
+                opened = self.loop.open([p.seq], ids, p.cache, prompt=True, **kwargs)
         p.done = end
         return opened
 

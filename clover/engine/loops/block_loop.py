@@ -43,7 +43,7 @@ import torch
 
 from clover.engine.decoding import UnmaskingRule
 from clover.engine.logprobs import TokenLogprob, token_logprobs
-from clover.engine.loops.loop import DecodingLoop, Event, StepSnapshot
+from clover.engine.loops.loop import DecodingLoop, Event, LoopEngine, StepSnapshot
 from clover.engine.request import RequestOptions, Sequence, before_eos, through_eos
 from clover.runners.base import RunnerCache
 from clover.engine.sampling import BatchSampler
@@ -76,7 +76,7 @@ class BlockLoop(DecodingLoop):
 
     name = "block"
 
-    def __init__(self, engine: Any, rule: UnmaskingRule) -> None:
+    def __init__(self, engine: LoopEngine, rule: UnmaskingRule) -> None:
         super().__init__(engine)
         self.rule = rule
         self._positions = torch.arange(engine.block_size, device=engine.device)
