@@ -1,6 +1,6 @@
 """Decision decoding: fill every slot of a form at once, most confident first (docs/decision.md).
 
-The form (`clover.engine.form`) is rendered as the JSON answer with masked slots, after the prompt:
+The form (`clover.engine.constraints.form`) is rendered as the JSON answer with masked slots, after the prompt:
 
     prompt | {"category": [s s s] , "urgency": [s s] , "needs_human": [s] , "summary": "[t t t t t t] } EOS [MASK]...
 

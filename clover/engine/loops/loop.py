@@ -60,7 +60,7 @@ Event = StreamPiece | StepSnapshot
 
 class Run(Protocol):
     """Work that is stepped to its end and then read whole, beside the decoding batches: a decision run
-    (clover.engine.decision) or a prompt scoring (clover.engine.logprobs). The server's scheduler steps every run
+    (clover.engine.loops.decision) or a prompt scoring (clover.engine.logprobs). The server's scheduler steps every run
     it holds through these three names, on the thread that runs the model."""
 
     prompts: list[list[int]]  # its rows (what it holds of the runner while it runs)
