@@ -25,8 +25,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bench_server import machine, write_results  # noqa: E402
 
-from clover.engine.draft_memory import MAX_MATCH, DraftMemory  # noqa: E402
-from clover.engine.exact import COPIED_MOST  # noqa: E402
+from clover.engine.drafts.draft_memory import MAX_MATCH, DraftMemory  # noqa: E402
+from clover.engine.loops.exact import COPIED_MOST  # noqa: E402
 from clover.smol import clover_smol_dir  # noqa: E402
 from clover.tokenizer import load_tokenizer  # noqa: E402
 

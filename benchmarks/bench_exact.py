@@ -11,9 +11,9 @@ slow minute of a shared machine hits them alike):
   * `default`     what `clover generate` runs: the int4 build, exact mode, drafts sized by the measured cost
   * `int4-b1`     the int4 build at block size 1 (one token a forward: the speed reference)
   * `int4-full`   the int4 build, exact mode drafting the whole block every forward (not adaptive)
-  * `no-lookup`   the default without drafts copied from the context after a rejection (clover.engine.lookup),
+  * `no-lookup`   the default without drafts copied from the context after a rejection (clover.engine.drafts.lookup),
                   nor from the drafting memory
-  * `no-memory`   the default without the drafting memory (clover.engine.draft_memory: drafts from the answers
+  * `no-memory`   the default without the drafting memory (clover.engine.drafts.draft_memory: drafts from the answers
                   the engine gave before, which `default` keeps over the whole run, as a server would)
   * `fp32-exact`, `fp32-b1`   the same two in fp32 torch (`--systems` adds them; slow)
   * `llama-q4_0`, `llama-q8_0`   llama.cpp's own AR generation (`clover.runners.llamacpp_ar`: one causal sequence,
@@ -72,7 +72,7 @@ from bench_smol import prompt_ids, text_sets, tool_sets  # noqa: E402
 from server_process import ServerProcess  # noqa: E402
 
 from clover.engine import Engine, SamplingParams  # noqa: E402
-from clover.engine.cost import cost_table  # noqa: E402
+from clover.engine.drafts.cost import cost_table  # noqa: E402
 from clover.runners.torch_runner import as_runner  # noqa: E402
 from clover.model import CloverForBlockDiffusion  # noqa: E402
 from clover.smol import build_quantized, clover_smol_dir, clover_smol_gguf  # noqa: E402

@@ -20,8 +20,8 @@ own), after an untimed warm-up, on the same random prompts, greedy:
   costs leave (`rows_cost`); then exact mode (`rule="exact"`, block size 16) with drafts taken from the system's own
   block-size-1 answer, each drafted token replaced by another at rate `1 - p` (`p` in `--acceptance`): the runner
   drafts nothing itself (`causal_only`, as a random model's query block would draft noise), each forward verifies
-  the drafts its cost table says pay (clover.engine.cost, measured again in this run on this twin: a kept table may
-  have been measured in a busy moment; the cost of k rows against one is reported), and its tokens must equal
+  the drafts its cost table says pay (clover.engine.drafts.cost, measured again in this run on this twin: a kept table
+  may have been measured in a busy moment; the cost of k rows against one is reported), and its tokens must equal
   block size 1's at every `p`. tok/s, tokens per forward, and the speedup over block size 1
   timed again beside it, prompt by prompt (a shared machine's slow moments then fall on both), whole requests and
   after the first token (the prefill, the same in both, left out);
@@ -168,8 +168,8 @@ def draw_int4(config: Any, init: str) -> Any:
 
 
 def oracle_drafts(references: dict[tuple[int, ...], list[int]], p: float) -> Any:
-    """A stand-in for exact mode's copied drafts (`clover.engine.exact.copied_drafts`): the reference answer's next
-    tokens after the request's context, each replaced by another token with probability `1 - p` (drawn from a
+    """A stand-in for exact mode's copied drafts (`clover.engine.loops.exact.copied_drafts`): the reference answer's
+    next tokens after the request's context, each replaced by another token with probability `1 - p` (drawn from a
     generator keyed by the position, so every run drafts the same)."""
 
     def drafts(index: Any, memory: Any, most: int) -> tuple[list[int], None, int]:
@@ -227,8 +227,9 @@ def worker(kind: str, path: str, job: dict) -> dict:
 
 def exact_mode(runner: Any, prompts: list[list[int]], sequences: list[list[int]], job: dict) -> dict:
     """Exact mode with oracle drafts at each acceptance `p` (module docstring), and the runner's cost table."""
-    from clover.engine import exact, generate
-    from clover.engine.cost import cost_table
+    from clover.engine import generate
+    from clover.engine.loops import exact
+    from clover.engine.drafts.cost import cost_table
 
     runner.causal_only = True  # drafts come from `oracle_drafts` alone
     table = cost_table(runner, recalibrate=True)  # measured in this run (a kept table may be a busy moment's)
@@ -348,8 +349,9 @@ def llamacpp_exact(runner: Any, prompts: list[list[int]], sequences: list[list[i
     first differing token, None where equal; a quantised file's batch of k rows may round a near tie otherwise than
     one row does, and a random twin's logits are full of near ties). `ceiling`: the most exact mode can gain at `p`
     by the table alone, max over `k` of `E(k) / (t(k + 1) / t(1))`, `E(k) = (1 - p^(k + 1)) / (1 - p)`."""
-    from clover.engine import exact, generate
-    from clover.engine.cost import cost_table
+    from clover.engine import generate
+    from clover.engine.loops import exact
+    from clover.engine.drafts.cost import cost_table
 
     table = cost_table(runner)
     rel = {r: table(r) / table(1) for r in range(1, EXACT_BLOCK + 1)}

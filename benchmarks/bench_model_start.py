@@ -25,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from clover.engine.cost import processor_name
+from clover.engine.drafts.cost import processor_name
 
 REPO = "bench-org/qwen3-smol-shape"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"

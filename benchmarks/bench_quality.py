@@ -73,7 +73,7 @@ from clover.assistant_output import parse_assistant_output  # noqa: E402
 from clover.chat_template import render_chat  # noqa: E402
 from clover.cli import generate  # noqa: E402
 from clover.cli.loading import load_model  # noqa: E402
-from clover.engine.cost import processor_name  # noqa: E402
+from clover.engine.drafts.cost import processor_name  # noqa: E402
 from clover.smol import base_dir, clover_smol_gguf  # noqa: E402
 from clover.training.bfcl import bfcl_to_chats, tool_call_matches  # noqa: E402
 

@@ -45,7 +45,7 @@ from bench_smol import code_parses, prompt_ids, text_sets, tool_quality, tool_se
 from clover.cli.generate import token_texts  # noqa: E402
 from clover.cli.loading import default_repetition  # noqa: E402
 from clover.engine import Engine, RequestOptions  # noqa: E402
-from clover.engine.cost import cost_table  # noqa: E402
+from clover.engine.drafts.cost import cost_table  # noqa: E402
 from clover.model import CloverForBlockDiffusion  # noqa: E402
 from clover.runners.torch_runner import as_runner  # noqa: E402
 from clover.smol import clover_smol_dir  # noqa: E402

@@ -224,7 +224,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5, help="--readme: runs per system")
     args = parser.parse_args()
     if args.readme:
-        from clover.engine.cost import processor_name
+        from clover.engine.drafts.cost import processor_name
 
         print(f"{processor_name()}, {args.threads} threads; {args.repeats} runs each")
         report = readme_speed(args.repeats, args.threads)

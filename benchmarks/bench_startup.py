@@ -23,7 +23,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from clover.engine.cost import processor_name
+from clover.engine.drafts.cost import processor_name
 
 README_PROMPT = "Write a Python function that reverses a string."
 

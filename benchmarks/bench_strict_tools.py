@@ -34,7 +34,7 @@ from bench_smol import Chats, tool_sets  # benchmarks/, next to this script
 from clover.assistant_output import CALL, parse_assistant_output
 from clover.chat_template import render_chat
 from clover.engine import Engine, RequestOptions
-from clover.engine.grammar import tool_call_grammar
+from clover.engine.constraints.grammar import tool_call_grammar
 from clover.model import CloverForBlockDiffusion
 from clover.tool_formats import HERMES
 from clover.tokenizer import eos_token_ids, load_tokenizer

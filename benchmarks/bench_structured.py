@@ -36,7 +36,7 @@ def main() -> None:
     args = parser.parse_args()
     from clover.chat_template import render_chat
     from clover.engine import Engine, RequestOptions
-    from clover.engine.grammar import json_schema_grammar
+    from clover.engine.constraints.grammar import json_schema_grammar
     from clover.model import CloverForBlockDiffusion
     from clover.tokenizer import eos_token_ids, load_tokenizer
 

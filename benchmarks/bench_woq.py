@@ -10,7 +10,7 @@
   elsewhere hits them alike. What a format does to clover-smol's next-token choices:
   benchmarks/bench_quant_agreement.py.
 * `--dense` (int8 / int4): the two ways a layer that rounds its input twice can read a prompt's rows
-  (`clover.model.quant.prompt_matmul`): the kernel, and the weights decoded by `woq.dequantize` for torch's fp32
+  (`clover.model.prompt_rows.prompt_matmul`): the kernel, and the weights decoded by `woq.dequantize` for torch's fp32
   matmul (ms, the two taking turns); and `woq.dequantize` alone in G weights/s, vectorised (AVX2) against its
   portable loop.
 

@@ -11,8 +11,8 @@ the context so far and commits the accepted ones plus the causal choice, i.e. `1
 `accepted` is how many drafts equal the recorded answer's next tokens (the answers are the model's greedy
 choices, so a draft is accepted exactly when it equals them). Drafts come from
 
-  * `context`: the request's own prompt and answer so far (clover.engine.lookup);
-  * `memory`: the answers before it (clover.engine.draft_memory), shared by every request of the log, as
+  * `context`: the request's own prompt and answer so far (clover.engine.drafts.lookup);
+  * `memory`: the answers before it (clover.engine.drafts.draft_memory), shared by every request of the log, as
     `clover serve --draft-memory shared` (or per-key with one key) keeps them;
   * `both`: whichever matches deeper, as exact mode chooses;
 
@@ -41,9 +41,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from clover.choices import DRAFT_MEMORY_TOKENS  # noqa: E402
-from clover.engine.draft_memory import DraftMemory, copied_drafts  # noqa: E402
-from clover.engine.exact import CONTEXT_BUCKETS, COPIED_MOST  # noqa: E402
-from clover.engine.lookup import ContextLookup  # noqa: E402
+from clover.engine.drafts.draft_memory import DraftMemory, copied_drafts  # noqa: E402
+from clover.engine.loops.exact import CONTEXT_BUCKETS, COPIED_MOST  # noqa: E402
+from clover.engine.drafts.lookup import ContextLookup  # noqa: E402
 
 POLICIES = ("context", "memory", "both")
 

@@ -65,8 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     from clover.cli.main import build_parser
     from clover.cli.threads import set_threads
     from clover.engine import Engine, SamplingParams
-    from clover.serving.heap import release_free_heap
-    from clover.serving.prefix_cache import PrefixCache
+    from clover.serving.scheduling.heap import release_free_heap
+    from clover.serving.scheduling.prefix_cache import PrefixCache
     from clover.serving.served_model import ServerOptions
 
     serve = build_parser().parse_args(["serve", "--threads", str(args.threads)])

@@ -31,7 +31,7 @@ SOURCE_FORMATS: dict[str, str] = {
 }
 
 # clover.serving.draft_memories: whose answers draft whose (clover serve --draft-memory; the default: each API key
-# its own), and how many answer tokens a drafting memory keeps (clover.engine.draft_memory)
+# its own), and how many answer tokens a drafting memory keeps (clover.engine.drafts.draft_memory)
 DRAFT_MEMORY_MODES = ("per-key", "shared", "off")
 DRAFT_MEMORY = "per-key"
 DRAFT_MEMORY_TOKENS = 262_144

@@ -88,7 +88,7 @@ class CloverConfig:
     threshold: float = 0.9
     rule: str = "threshold"  # the decoding rule by name (clover.engine.decoding.RULES); "exact": drafts verified
     draft_acceptance: list[float] = field(default_factory=list)  # exact mode's prior: the measured chance that
-    # draft i is accepted when drafts 1..i-1 were (clover.engine.drafting); empty: a generic prior
+    # draft i is accepted when drafts 1..i-1 were (clover.engine.drafts.drafting); empty: a generic prior
     # How committed context is read: "block_causal" (a committed block reads itself in both directions, as the
     # BD3-LM clean stream is trained) or "causal" (committed tokens are read exactly as the AR base reads them;
     # only the block being decoded is bidirectional). Exact mode's verification reads drafts causally either way.

@@ -269,8 +269,8 @@ class ScriptedLM(nn.Module):
 
 def decode_alone(engine: Any, prompt: list[int], store: Any, max_new: int = 12,
                  sampling: Any = None) -> tuple[list[int], torch.Tensor, int]:
-    """What the scheduler does for one request with a prefix store (`clover.serving.prefix_cache`): prefill it
-    alone on the grid from the longest stored prefix, snapshotting on the way, store it, then decode. Returns
+    """What the scheduler does for one request with a prefix store (`clover.serving.scheduling.prefix_cache`): prefill
+    it alone on the grid from the longest stored prefix, snapshotting on the way, store it, then decode. Returns
     (tokens, what the first forward decided: block decoding's logits or exact mode's drafts, reused length)."""
     from clover.engine import SamplingParams
 

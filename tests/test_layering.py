@@ -17,6 +17,11 @@ a lower layer, never one of its own layer or above):
     cli
     __init__                        the package's facade (`clover.CloverForBlockDiffusion`, `clover.decide`)
 
+Inside the engine and the server, their parts (a module or subpackage) keep an order of their own by the same rule,
+`INNER_LAYERS`: the engine's constraints, drafts and sampling below the request, the request below the loops, the loops
+below the engine; the server's wire formats (`api`) below the scheduling, the scheduling below the served model, the
+served model below the routes' flows.
+
 Inference never imports training (checked on its own below, as training sits beside the engine).
 """
 
@@ -39,13 +44,18 @@ LAYERS: list[tuple[str, ...]] = [
 # the one import up, inside the function: `model.generate(...)`, the documented entry point (docs/design.md §5),
 # hands over to the engine
 ALLOWED_UP = {("clover.model.modeling", "clover.engine")}
-# circles through function-level imports still to be cut (remove an entry once its circle is gone): `LlamaCppRunner.
-# open` picks its own subclasses (issue 55 gives the llama.cpp runners a shared constructor instead); the model's
-# prompt-reading ContextVar (`quant.reading_prompt`, read by deltanet and fused) and `quant`'s loader, which builds
-# fused layers (issue 54: `forward(..., prompt=True)` on the runner interface instead of the ContextVar); the
-# decoding loops' `Engine` annotation (type checking only: a loop reads its engine's settings)
-PENDING_CIRCLES = [{"clover.model.deltanet", "clover.model.quant", "clover.model.fused", "clover.model.modeling"},
-                   {"clover.engine.engine", "clover.engine.block_loop", "clover.engine.exact", "clover.engine.loop"}]
+# circles through function-level imports still to be cut (remove an entry once its circle is gone); none is left:
+# the runner takes `forward(..., prompt=True)` where the engine set the model's ContextVar, the loops type their engine
+# as `LoopEngine` (clover.engine.loops.loop), and `quant` marks fused layers without importing `fused` or `modeling`
+PENDING_CIRCLES: list[set[str]] = []
+# the parts of a unit, in the same form as LAYERS (a part is a module or subpackage of the unit's folder)
+INNER_LAYERS: dict[str, list[tuple[str, ...]]] = {
+    "engine": [("constraints", "drafts", "noise", "logprobs", "decoding", "detokenizer", "prefill"),
+               ("sampling", "reference"), ("request",), ("loops",), ("engine",), ("__init__",)],
+    "serving": [("api", "metrics", "request_log", "locked_tokenizer", "response_store", "vllm"),
+                ("request_context", "scheduling"), ("draft_memories", "grammar_route", "structured"),
+                ("served_model",), ("chat", "completions", "middleware"), ("responses",), ("app",), ("__init__",)],
+}
 # `clover train` and `clover data` are training's front end; every other module serves inference.
 TRAINING_FRONT_ENDS = {"clover.cli.train", "clover.cli.data"}
 
@@ -103,6 +113,28 @@ def upward_imports(root: Path = PACKAGE, layers: list[tuple[str, ...]] = LAYERS,
     return bad
 
 
+def inner_upward_imports(package: str, layers: list[tuple[str, ...]], root: Path = PACKAGE) -> list[str]:
+    """As `upward_imports`, among the parts of the unit `package` (an import of the package itself, or of a name its
+    `__init__` holds, is an import of its `__init__` part)."""
+    rank = {u: i for i, layer in enumerate(layers) for u in layer}
+
+    def part(module: str) -> str:
+        parts = module.split(".")
+        return parts[2] if len(parts) > 2 and parts[2] in rank else "__init__"
+
+    bad = []
+    for path in sorted((root / package).rglob("*.py")):
+        src = module_name(path, root)
+        own = src.split(".")[2:3]
+        if own and own[0] not in rank:
+            bad.append(f"{src}: its part {own[0]!r} has no place in {package}'s order")
+            continue
+        for dst in sorted(d for d in imports(path) if d == f"clover.{package}" or d.startswith(f"clover.{package}.")):
+            if part(dst) != part(src) and rank[part(dst)] >= rank[part(src)]:
+                bad.append(f"{src} -> {dst}")
+    return bad
+
+
 def import_cycles(root: Path = PACKAGE, import_time_only: bool = True,
                   allowed: set[tuple[str, str]] = ALLOWED_UP) -> list[list[str]]:
     """Cycles among the modules' import-time imports (a cycle there fails or half-initialises a module); with
@@ -137,6 +169,12 @@ def import_cycles(root: Path = PACKAGE, import_time_only: bool = True,
 
 def test_imports_only_go_down_the_order() -> None:
     assert not upward_imports(), "\n".join(upward_imports())
+
+
+@pytest.mark.parametrize("package", sorted(INNER_LAYERS))
+def test_the_parts_of_a_unit_import_only_down_their_order(package: str) -> None:
+    bad = inner_upward_imports(package, INNER_LAYERS[package])
+    assert not bad, "\n".join(bad)
 
 
 def test_no_module_imports_itself_back_at_import_time() -> None:
@@ -190,6 +228,18 @@ def test_a_planted_upward_import_is_caught(tmp_path: Path, relative: str, line: 
     assert not upward_imports(PACKAGE)
 
 
+@pytest.mark.parametrize("relative, line, found", [
+    ("engine/constraints/grammar.py", "from clover.engine.request import Sequence",
+     "clover.engine.constraints.grammar -> clover.engine.request"),
+    ("serving/api/protocol.py", "from clover.serving import create_app", "clover.serving.api.protocol -> clover.serving"),
+])
+def test_a_planted_import_up_a_units_parts_is_caught(tmp_path: Path, relative: str, line: str, found: str) -> None:
+    package = relative.split("/")[0]
+    copy = _plant(tmp_path, relative, line)
+    assert found in inner_upward_imports(package, INNER_LAYERS[package], copy)
+    assert not inner_upward_imports(package, INNER_LAYERS[package])
+
+
 def test_a_planted_import_cycle_is_caught(tmp_path: Path) -> None:
     copy = _plant(tmp_path, "engine/sampling.py", "from clover.engine.request import Sequence")
     assert any(set(c) == {"clover.engine.request", "clover.engine.sampling"} for c in import_cycles(copy))
@@ -197,10 +247,11 @@ def test_a_planted_import_cycle_is_caught(tmp_path: Path) -> None:
 
 
 def test_a_planted_cycle_through_a_function_level_import_is_caught(tmp_path: Path) -> None:
-    copy = _plant(tmp_path, "serving/handles.py",
-                  "def _planted():\n    # deferred: a planted cost\n    from clover.serving.scheduler import Scheduler")
+    copy = _plant(tmp_path, "serving/scheduling/handles.py",
+                  "def _planted():\n    # deferred: a planted cost\n"
+                  "    from clover.serving.scheduling.scheduler import Scheduler")
     assert not import_cycles(copy)  # not at import time
-    assert any(set(c) == {"clover.serving.handles", "clover.serving.scheduler"}
+    assert any(set(c) == {"clover.serving.scheduling.handles", "clover.serving.scheduling.scheduler"}
                for c in import_cycles(copy, import_time_only=False))
 
 

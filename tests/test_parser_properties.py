@@ -15,7 +15,8 @@ from clover.assistant_output import OutputParser, whole_calls
 from clover.engine.detokenizer import StopAwareDetokenizer
 from clover.engine.request import Sequence
 from clover.engine.request import RequestOptions
-from clover.engine.repetition import (DryConfig, LagMatches, breakers_from_texts, dry_candidates, lag_matches,
+from clover.engine.constraints.repetition import (DryConfig, LagMatches, breakers_from_texts, dry_candidates,
+                                                  lag_matches,
                                       naive_dry_penalty, penalty_of)
 from clover.tool_formats import TOOL_FORMATS
 

@@ -38,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
     from clover.chat_template import render_chat
     from clover.cli.generate import token_texts
     from clover.engine import Engine, RequestOptions, StopAwareDetokenizer, StreamPiece
-    from clover.engine.thinking import thinking_budget
+    from clover.engine.constraints.thinking import thinking_budget
     from clover.tokenizer import eos_token_ids
 
     set_threads(args.threads)

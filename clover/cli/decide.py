@@ -2,12 +2,12 @@
 
 Prints one JSON object: `values` (valid against the schema), `path` and what it cost. The schema is routed as the
 server routes `response_format` (docs/structured.md):
-  * a form, inside decision mode's subset (`clover.engine.form`: a flat object of enum / boolean / bounded integer /
-    bounded string fields): decision decoding (`clover.engine.decision`, docs/decision.md), all slots at once;
-    also `probabilities` (each field's), `forward_passes` and `order` (the fields completed at each step); with
-    `--autoregressive` the AR constrained baseline (block size 1, field by field);
-  * any other JSON Schema: grammar-constrained decoding (`clover.engine.grammar`) in exact mode after the same
-    prompt (the schema in a system turn), i.e. constrained block-size-1 greedy output; also `tokens`,
+  * a form, inside decision mode's subset (`clover.engine.constraints.form`: a flat object of enum / boolean /
+    bounded integer / bounded string fields): decision decoding (`clover.engine.loops.decision`, docs/decision.md),
+    all slots at once; also `probabilities` (each field's), `forward_passes` and `order` (the fields completed at
+    each step); with `--autoregressive` the AR constrained baseline (block size 1, field by field);
+  * any other JSON Schema: grammar-constrained decoding (`clover.engine.constraints.grammar`) in exact mode after
+    the same prompt (the schema in a system turn), i.e. constrained block-size-1 greedy output; also `tokens`,
     `forward_passes` and `forced_tokens` (decided with no forward).
 Either runs on the torch runner or, with `--runner llamacpp`, on a GGUF exported by `clover export --to gguf`
 (docs/gguf.md). `--json-schema` is another name for `--schema` (as `clover generate --json-schema`).
@@ -50,8 +50,8 @@ def add_parser(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     # deferred for start-up time: torch, the engine and the model load only when the command runs
-    from clover.engine.decision import decide, decide_autoregressive
-    from clover.engine.form import FormError, parse_form
+    from clover.engine.loops.decision import decide, decide_autoregressive
+    from clover.engine.constraints.form import FormError, parse_form
 
     set_threads(args.threads)
     try:
@@ -88,8 +88,8 @@ def _by_grammar(runner: Any, tokenizer: Any, text: str, schema: dict[str, Any], 
     """The answer to a schema outside the form subset: exact mode under its grammar, after decision mode's prompt."""
     # deferred for start-up time: the engine loads only when the command runs
     from clover.engine import Engine, RequestOptions
-    from clover.engine.decision import render_prompt
-    from clover.engine.grammar import json_schema_grammar
+    from clover.engine.loops.decision import render_prompt
+    from clover.engine.constraints.grammar import json_schema_grammar
     from clover.tokenizer import eos_token_ids
 
     grammar = json_schema_grammar(schema, tokenizer)  # GrammarError (a ValueError) names what it cannot enforce

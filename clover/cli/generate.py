@@ -123,8 +123,8 @@ def engine_for(args: argparse.Namespace, runner: Any, tokenizer: Any) -> tuple[E
     measure `generate`'s path build theirs here too)."""
     # deferred for start-up time: torch and the engine load only when the command runs
     from clover.engine import Engine, RequestOptions
-    from clover.engine.grammar import json_schema_grammar
-    from clover.engine.thinking import thinking_budget
+    from clover.engine.constraints.grammar import json_schema_grammar
+    from clover.engine.constraints.thinking import thinking_budget
     from clover.tokenizer import eos_token_ids
 
     grammar = None

@@ -1,5 +1,5 @@
-"""`clover info [DIR|PRESET]`: layers, parameter counts and the memory a model needs; with `--cost`, what one
-forward of R rows costs on this machine (exact mode sizes its drafts by it: clover.engine.cost); with `--runners`, the
+"""`clover info [DIR|PRESET]`: layers, parameter counts and the memory a model needs; with `--cost`, what one forward
+of R rows costs on this machine (exact mode sizes its drafts by it: clover.engine.drafts.cost); with `--runners`, the
 registered runners (clover.runners.registry)."""
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def forward_cost(args: argparse.Namespace) -> dict:
     """The cost table of the model `args` names, as the engine's exact mode reads it."""
     # deferred for start-up time: torch and the model load only when the command runs
-    from clover.engine.cost import cost_table
+    from clover.engine.drafts.cost import cost_table
 
     set_threads(args.threads)
     args.model = args.target

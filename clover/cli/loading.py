@@ -174,7 +174,7 @@ def default_repetition() -> dict[str, Any]:
 
 
 def add_thinking_budget_option(p: argparse.ArgumentParser) -> None:
-    """vLLM's `thinking_token_budget`, for `generate` and `chat` (clover.engine.thinking)."""
+    """vLLM's `thinking_token_budget`, for `generate` and `chat` (clover.engine.constraints.thinking)."""
     p.add_argument("--thinking-token-budget", type=_budget, default=None, metavar="N",
                    help="chat prompts: at most N reasoning tokens, then the chat template's closing text (</think>) "
                         "is forced and the answer follows (default: unbounded)")

@@ -7,18 +7,18 @@
     for piece in stream(model, [1, 2, 3], max_new_tokens=64):
         print(piece.token_ids)  # one block's committed tokens at a time
 
-Roles: `sampling` (SamplingParams, logits -> candidates + confidence), `noise` (sampling's noise, keyed by seed
-and position), `repetition` (DRY's penalty and the loop guard on token histories), `grammar` (output constrained
-by a JSON Schema or a tool call), `thinking` (a thinking budget), `decoding` (rules, by name), `request`
-(`RequestOptions`: what a request asks, checked once; `Sequence`: one request's state and stats), `engine` (requests in, pieces out), `prefill` (the chunked prompt
-read generation and decision mode share), `loop` (what a decoding loop does), `block_loop` (block diffusion),
-`exact` (exact mode), `speculative` (exact mode's acceptance of sampled tokens), `drafting` + `cost` (how many
-drafts pay), `lookup` + `draft_memory` (drafts copied from the request's context and from earlier answers),
-`decision` + `form` (decision mode: a form's slots filled at once), `reference` (the uncached recompute decoder
-the tests compare against), `detokenizer` (ids -> text, incrementally), `logprobs` (the emitted tokens'
-log-probabilities, when a request asks: `RequestOptions.logprobs`; an echoed prompt's scoring). The network runs
-behind `clover.runners` (the torch model, or llama.cpp for an exported GGUF): every entry point taking a `model`
-takes a runner too.
+Roles: `engine` (requests in, pieces out), `request` (`RequestOptions`: what a request asks, checked once;
+`Sequence`: one request's state and stats), `prefill` (the chunked prompt read generation and decision mode share),
+`decoding` (rules, by name), `sampling` (SamplingParams, logits -> candidates + confidence), `noise` (sampling's
+noise, keyed by seed and position), `logprobs` (the emitted tokens' log-probabilities, when a request asks:
+`RequestOptions.logprobs`; an echoed prompt's scoring), `detokenizer` (ids -> text, incrementally), `reference` (the
+uncached recompute decoder the tests compare against); `loops` (what a step does: `loop` the interface,
+`block_loop` block diffusion, `exact` exact mode with `speculative` its acceptance of sampled tokens, `decision`
+decision mode), `drafts` (exact mode's drafts: `lookup` + `draft_memory` copy them from the request's context and
+from earlier answers, `drafting` + `cost` say how many pay), `constraints` (what bounds the output: `grammar` a JSON
+Schema or a tool call, `thinking` a thinking budget, `repetition` DRY and the loop guard, `form` decision mode's
+forms). The network runs behind `clover.runners` (the torch model, or llama.cpp for an exported GGUF): every entry
+point taking a `model` takes a runner too.
 Semantics and measured figures: docs/decoding.md.
 """
 
@@ -33,7 +33,7 @@ import torch
 from clover.engine.decoding import RULES, ExactRule, UnmaskingRule, make_rule, register_rule
 from clover.engine.detokenizer import IncrementalDetokenizer, StopAwareDetokenizer
 from clover.engine.engine import DEFAULT_PREFILL_CHUNK, Engine
-from clover.engine.loop import Event, StepSnapshot, StreamPiece
+from clover.engine.loops.loop import Event, StepSnapshot, StreamPiece
 from clover.engine.sampling import SamplingParams
 from clover.engine.request import Detokenize, Options, RequestOptions
 from clover.runners.base import ModelRunner

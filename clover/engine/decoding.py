@@ -11,7 +11,7 @@ for the whole batch at once (SGLang's `dllm/algorithm` style). Contract, checked
 Rules are looked up by name in `RULES` (`make_rule("threshold", threshold=0.9)`); the engine never branches on
 the rule's name. To add one: subclass `UnmaskingRule`, decorate with `@register_rule`, and list its name in
 `clover.choices.RULE_NAMES` (what the CLI's `--rule` offers, known without importing torch). `exact` is not an
-unmasking rule but a loop of its own (drafts verified by the causal path, clover.engine.exact): `ExactRule` holds
+unmasking rule but a loop of its own (drafts verified by the causal path, clover.engine.loops.exact): `ExactRule` holds
 its options, and its type is what makes the engine run that loop.
 """
 
@@ -189,12 +189,12 @@ class ExactRule:
     """Exact mode: the output is the model's causal choice (block size 1), token for token, at fewer forwards:
     every forward verifies drafted tokens causally, commits the longest prefix of drafts equal to the causal
     choice plus that choice at the first difference, undoes the cache state of the rest, and drafts anew from a
-    query block of masks (clover.engine.exact, docs/decoding.md "Exact mode"). `adaptive`: how many drafts to
+    query block of masks (clover.engine.loops.exact, docs/decoding.md "Exact mode"). `adaptive`: how many drafts to
     verify and to make is chosen per step from the runner's measured cost and the request's acceptance so far
-    (clover.engine.drafting); False: always the whole block. `lookup`: a forward left without the query block's
+    (clover.engine.drafts.drafting); False: always the whole block. `lookup`: a forward left without the query block's
     drafts (after a rejection) verifies drafts copied from the request's own context instead
-    (clover.engine.lookup), when the context offers a continuation, or from the answers the engine gave before
-    (`memory`: clover.engine.draft_memory), whichever matches the longer suffix of the context."""
+    (clover.engine.drafts.lookup), when the context offers a continuation, or from the answers the engine gave before
+    (`memory`: clover.engine.drafts.draft_memory), whichever matches the longer suffix of the context."""
 
     name: ClassVar[str] = "exact"
     adaptive: bool = True

@@ -1,6 +1,6 @@
 """The engine: requests in, pieces of text out — validation, prefill, continuous batching, emission.
 
-What happens between a prompt's prefill and its last token is a decoding loop (clover.engine.loop), chosen once
+What happens between a prompt's prefill and its last token is a decoding loop (clover.engine.loops.loop), chosen once
 from the rule: `BlockLoop` (block_loop.py) denoises blocks with an unmasking rule, `ExactLoop` (exact.py) verifies
 drafts against the causal path. The engine drives whichever it was given and never asks which:
 
@@ -31,20 +31,19 @@ from typing import Any, Callable, Iterator, Sequence as Seq
 import torch
 
 from clover.config import check_threshold
-from clover.engine.block_loop import BlockBatch, BlockLoop
-from clover.engine.cost import ForwardCost
+from clover.engine.loops.block_loop import BlockBatch, BlockLoop
+from clover.engine.drafts.cost import ForwardCost
 from clover.engine.decoding import ExactRule, UnmaskingRule, make_rule
-from clover.engine.draft_memory import DraftMemory
-from clover.engine.exact import ExactBatch, ExactLoop
+from clover.engine.drafts.draft_memory import DraftMemory
+from clover.engine.loops.exact import ExactBatch, ExactLoop
 from clover.engine.logprobs import TokenLogprob, banned_ids
-from clover.engine.loop import Event, StreamPiece
+from clover.engine.loops.loop import EngineCounters, Event, StreamPiece
 from clover.engine.prefill import DEFAULT_PREFILL_CHUNK, EXPECTED_ANSWER, grid_chunk, prefill
-from clover.engine.repetition import BreakerCache
+from clover.engine.constraints.repetition import BreakerCache
 from clover.engine.request import Detokenize, Options, RequestOptions, Sequence, as_options
 from clover.runners.base import ModelRunner, RunnerCache, release_cache
 from clover.runners.torch_runner import as_runner
 from clover.engine.sampling import SamplingParams
-from clover.model.quant import reading_prompt
 
 
 DecodeBatch = BlockBatch | ExactBatch  # the running batch, opaque outside the engine (the scheduler holds it)
@@ -60,15 +59,6 @@ class Prefill:
     pad: int = 0  # columns of padding before the prompt: a prompt read on a block grid starts a whole block
 
 
-@dataclass
-class EngineCounters:
-    """Batch-level figures, for benchmarks: engine overhead = wall time - forward time."""
-
-    forwards: int = 0
-    forward_time_s: float = 0.0
-    steps: int = 0
-
-
 class Engine:
     """Decodes batches of prompts with one model, block size and rule (defaults: the model config's).
 
@@ -76,8 +66,8 @@ class Engine:
     `detokenize`: ids -> text, needed for stop strings and DRY's sequence breakers (`token_texts`, every id's text
     at once, reads those faster); `prefill_chunk`: prompt tokens per prefill forward,
     which bounds the prefill's activation memory for long prompts; `cost`: exact mode's forward cost table
-    (`clover.engine.cost`; measured on first use when None); `draft_memory`: the answers exact mode drafts from
-    (clover.engine.draft_memory; a new one when None, unless the rule's `memory` option is off), which every
+    (`clover.engine.drafts.cost`; measured on first use when None); `draft_memory`: the answers exact mode drafts from
+    (clover.engine.drafts.draft_memory; a new one when None, unless the rule's `memory` option is off), which every
     request this engine makes joins when it finishes (a server may give a request another: one per API key).
     """
 
@@ -220,8 +210,8 @@ class Engine:
         return options
 
     def eos_of(self, seq: Sequence) -> list[int]:
-        """The ids that end `seq`: its grammar's (the model's, under ignore_eos: clover.engine.grammar), none under
-        `ignore_eos`, else the engine's."""
+        """The ids that end `seq`: its grammar's (the model's, under ignore_eos: clover.engine.constraints.grammar),
+        none under `ignore_eos`, else the engine's."""
         if seq.matcher is not None:
             return seq.matcher.eos_ids
         return [] if seq.options.ignore_eos else self.eos_ids
@@ -284,8 +274,7 @@ class Engine:
                        lambda ids, **kwargs: self.forward(ids, cache, **kwargs), self.device, self.prompt_grid)
         for s in seqs:
             s.prefill_forwards = last.forwards
-        with reading_prompt():
-            return self.loop.open(seqs, last.ids, cache, **last.kwargs)
+        return self.loop.open(seqs, last.ids, cache, prompt=True, **last.kwargs)
 
     # -- continuous batching: one request at a time -------------------------------------------------------
     def prefill_together(self, seqs: list[Sequence]) -> DecodeBatch:
@@ -327,12 +316,12 @@ class Engine:
         if p.done < p.pad:
             kwargs["attention_mask"] = torch.arange(p.done, end, device=self.device)[None] >= p.pad
         p.seq.prefill_forwards += 1
-        with torch.inference_mode(), reading_prompt():
+        with torch.inference_mode():
             if end < len(prompt):
-                self.forward(ids, p.cache, logits_to_keep=0, **kwargs)
+                self.forward(ids, p.cache, logits_to_keep=0, prompt=True, **kwargs)
                 opened = None
             else:
-                opened = self.loop.open([p.seq], ids, p.cache, **kwargs)
+                opened = self.loop.open([p.seq], ids, p.cache, prompt=True, **kwargs)
         p.done = end
         return opened
 

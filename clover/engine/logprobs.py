@@ -20,7 +20,6 @@ from typing import Any, Sequence
 
 import torch
 
-from clover.model.quant import reading_prompt
 from clover.runners.base import release_cache
 
 MAX_TOP_LOGPROBS = 20  # the most alternatives a token's logprobs may list (OpenAI's and vLLM's limit)
@@ -85,10 +84,8 @@ class PromptScoring:
             with torch.inference_mode():
                 for start in range(0, len(prompt), self.chunk):
                     ids = prompt[start:start + self.chunk]
-                    with reading_prompt():
-                        logits = self.runner.forward(torch.tensor([ids], dtype=torch.long,
-                                                                  device=self.runner.device),
-                                                     1, cache=cache, prefix_len=len(ids))
+                    logits = self.runner.forward(torch.tensor([ids], dtype=torch.long, device=self.runner.device),
+                                                 1, cache=cache, prefix_len=len(ids), prompt=True)
                     # position t predicts token t + 1; the prompt's last position predicts the answer's first
                     out += token_logprobs(logits[0], prompt[start + 1:start + 1 + len(ids)], self.top, self.banned)
         finally:

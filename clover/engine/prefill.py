@@ -7,10 +7,10 @@ row computes what it computes alone (docs/architecture.md).
 
 The padded prompts are read causally in chunks of `chunk` tokens (bounding the activation memory of long
 prompts); every chunk but the last is written to the cache without logits. Every forward that reads prompt tokens,
-the caller's first one too, runs inside `reading_prompt()` (clover.model.quant: one path through a quantised layer
-for prompt rows, whatever shares their forward). With a block `grid` (a model whose `prompt_reading` is "blocks")
-the prompts are read on that grid instead: left-padded further to whole blocks, so the grid ends where every prompt
-ends (padding is invalid, so each row still reads what it reads alone: its first block holds its first
+the caller's first one too, is asked of the runner with `prompt=True` (clover.runners.base: one path through a
+quantised layer for prompt rows, whatever shares their forward). With a block `grid` (a model whose `prompt_reading`
+is "blocks") the prompts are read on that grid instead: left-padded further to whole blocks, so the grid ends where
+every prompt ends (padding is invalid, so each row still reads what it reads alone: its first block holds its first
 `len % grid` tokens), each block read in both directions and chunks cut on block boundaries. The last chunk is
 returned to the caller, whose first forward carries it with its first query block (the prefill's last forward is
 decoding's first step).
@@ -22,8 +22,6 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
-
-from clover.model.quant import reading_prompt
 
 DEFAULT_PREFILL_CHUNK = 2048  # prompt tokens per prefill forward
 # answer tokens a request's KV is first allocated for beside its prompt (`CloverCache.expect`); a longer answer
@@ -55,8 +53,8 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device: torch.device
              grid: int = 1) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`[N, W]` ids with each prompt right-aligned (`pad_id` before it) and the `[N, W]` mask of real tokens, `W`
     the longest length rounded up to a multiple of `grid`; the mask is None when no row is padded. On a block grid
-    a prompt may be empty (an absolute grid whose prompt fits in the first generated block: clover.engine.block_loop);
-    its row is all padding."""
+    a prompt may be empty (an absolute grid whose prompt fits in the first generated block:
+    clover.engine.loops.block_loop); its row is all padding."""
     if not prompts or (grid == 1 and any(len(p) == 0 for p in prompts)):
         raise ValueError("left_pad needs at least one prompt, each of at least one token")
     longest = -(-max(len(p) for p in prompts) // grid) * grid
@@ -86,8 +84,7 @@ def prefill(prompts: Sequence[Sequence[int]], pad_id: int, chunk: int, forward: 
     starts = range(0, ids.shape[1], chunk)
     for start in starts[:-1]:
         end = start + chunk
-        with reading_prompt():
-            forward(ids[:, start:end], prefix_len=end - start if grid == 1 else 0,
-                    attention_mask=None if valid is None else valid[:, start:end], logits_to_keep=0)
+        forward(ids[:, start:end], prefix_len=end - start if grid == 1 else 0,
+                attention_mask=None if valid is None else valid[:, start:end], logits_to_keep=0, prompt=True)
     last = starts[-1]
     return LastChunk(ids[:, last:], None if valid is None else valid[:, last:], len(starts), grid)

@@ -71,9 +71,9 @@ def recompute_decode(model: torch.nn.Module, prompt: Sequence[int], max_new_toke
 @torch.inference_mode()
 def constrained_greedy(model: torch.nn.Module, prompt: Sequence[int], max_new_tokens: int, grammar: Any,
                        eos_ids: Sequence[int]) -> list[int]:
-    """Block-size-1 greedy decoding under a grammar (`clover.engine.grammar`), recomputing the whole sequence for
-    every token: the forced tokens first, else the argmax among the allowed ones. Exact mode must give the same.
-    `eos_ids` empty (ignore_eos): the model's EOS ends the answer where the grammar can only end."""
+    """Block-size-1 greedy decoding under a grammar (`clover.engine.constraints.grammar`), recomputing the whole
+    sequence for every token: the forced tokens first, else the argmax among the allowed ones. Exact mode must give the
+    same. `eos_ids` empty (ignore_eos): the model's EOS ends the answer where the grammar can only end."""
     matcher = grammar.matcher(model.config.vocab_size, eos_ids, model.config.eos_token_ids)
     eos_ids = matcher.eos_ids
     prompt, generated = list(prompt), []

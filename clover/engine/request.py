@@ -4,8 +4,8 @@
 The engine owns the tensors (cache, current block) of the whole batch; a `Sequence` owns the Python-side facts
 of one request: its prompt, its options, the tokens committed so far, the steps each block took, and the
 timestamps its stats are computed from. Appending a finished block is where EOS, `max_new_tokens`, stop strings
-and the loop guard (clover.engine.repetition) are applied, so that "what counts as generated" is decided in exactly
-one place; the EOS cut itself is `before_eos`
+and the loop guard (clover.engine.constraints.repetition) are applied, so that "what counts as generated" is decided
+in exactly one place; the EOS cut itself is `before_eos`
 (a list of tokens) and `through_eos` (rows of a tensor, for the loops: no step or draft is spent after an EOS).
 """
 
@@ -18,12 +18,12 @@ from typing import Any, Callable, Sequence as Seq
 import torch
 
 from clover.config import check_threshold
-from clover.engine.draft_memory import DraftMemory
-from clover.engine.grammar import Matcher
+from clover.engine.drafts.draft_memory import DraftMemory
+from clover.engine.constraints.grammar import Matcher
 from clover.engine.logprobs import MAX_TOP_LOGPROBS
-from clover.engine.repetition import RepeatGuard
+from clover.engine.constraints.repetition import RepeatGuard
 from clover.engine.sampling import SamplingParams
-from clover.engine.thinking import BudgetTracker
+from clover.engine.constraints.thinking import BudgetTracker
 
 Detokenize = Callable[[list[int]], str]
 
@@ -59,17 +59,17 @@ class RequestOptions:
     # `loop_guard_repeats` times before in it; 0: off
     loop_guard_span: int = 0
     loop_guard_repeats: int = 2
-    # a `clover.engine.grammar.Grammar` the output must follow (exact mode); None: free text
+    # a `clover.engine.constraints.grammar.Grammar` the output must follow (exact mode); None: free text
     grammar: Any = field(default=None, compare=False)
-    # a `clover.engine.thinking.ThinkingBudget`: at most so many reasoning tokens, then the template's closing text
-    # is forced; None: reasoning unbounded
+    # a `clover.engine.constraints.thinking.ThinkingBudget`: at most so many reasoning tokens, then the template's
+    # closing text is forced; None: reasoning unbounded
     thinking_budget: Any = field(default=None, compare=False)
     # report each emitted token's log-probability and this many alternatives (clover.engine.logprobs);
     # None: none (nothing is computed)
     logprobs: int | None = None
     threshold: float | None = None  # a block rule's confidence threshold for this row (None: the engine's)
     ignore_eos: bool = False  # the engine's EOS does not end it (it runs to `max_new_tokens`)
-    # earlier answers it drafts from and joins when it finishes (clover.engine.draft_memory; exact mode);
+    # earlier answers it drafts from and joins when it finishes (clover.engine.drafts.draft_memory; exact mode);
     # None: none (`Engine.run` gives its requests the engine's own)
     memory: DraftMemory | None = field(default=None, compare=False, repr=False)
 
@@ -92,7 +92,8 @@ class RequestOptions:
                              "without the model's logits)")
         if self.grammar is not None and self.thinking_budget is not None:
             raise ValueError("a thinking budget cannot be combined with a grammar (a grammar's answer has no "
-                             "reasoning to bound, and a forced close would break it; clover.engine.thinking)")
+                             "reasoning to bound, and a forced close would break it; "
+                             "clover.engine.constraints.thinking)")
 
     @classmethod
     def of(cls, **keywords: Any) -> RequestOptions:

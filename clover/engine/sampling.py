@@ -15,7 +15,7 @@ sampler returns, for logits `[N, B, V]`:
 
 Transforms, in order: banned ids (the mask token, ids the tokenizer cannot decode) -> repetition penalty (CTRL /
 `transformers` form over the prompt and every generated token, the block's already-decided tokens included)
--> DRY (llama.cpp's "don't repeat yourself", clover.engine.repetition) -> temperature -> top-k -> top-p.
+-> DRY (llama.cpp's "don't repeat yourself", clover.engine.constraints.repetition) -> temperature -> top-k -> top-p.
 
 Histories per position. The repetition penalty and DRY read the tokens before the position they judge. A caller
 gives each row an `extension` (first position, tokens): position `first + j` reads the row's history (prompt and
@@ -39,7 +39,8 @@ from typing import Callable, Sequence
 import torch
 
 from clover.engine.noise import fresh_seed, noise_key, race
-from clover.engine.repetition import DEFAULT_BREAKERS, Breakers, DryConfig, LagMatches, dry_candidates, penalty_of
+from clover.engine.constraints.repetition import (DEFAULT_BREAKERS, Breakers, DryConfig, LagMatches, dry_candidates,
+                                                  penalty_of)
 
 Extension = Sequence[tuple[int, Sequence[int]]]  # per row: (first position, tokens after the history)
 
@@ -299,9 +300,9 @@ class BatchSampler:
 
 class DryRow:
     """One request's DRY state: its config (breakers resolved) and the lag matches of its history
-    (clover.engine.repetition), fed by `extend` (first the prompt, then what the request commits: BatchSampler.
-    observe); `penalise` subtracts the penalty from a row's logits. Without `dry_include_prompt` the prompt is left
-    out: the history is the answer alone."""
+    (clover.engine.constraints.repetition), fed by `extend` (first the prompt, then what the request commits:
+    BatchSampler. observe); `penalise` subtracts the penalty from a row's logits. Without `dry_include_prompt` the
+    prompt is left out: the history is the answer alone."""
 
     def __init__(self, params: SamplingParams, breakers: Callable[[tuple[str, ...]], Breakers] | None,
                  device: torch.device | str) -> None:

@@ -272,7 +272,7 @@ class CloverCache:
     def kv_block(self, start: int, end: int) -> torch.Tensor:
         """A copy of every attention layer's keys and values at positions `[start, end)`: `[A, N, Hkv, end - start,
         Dk + Dv]` for the `A` attention layers, keys first on the last axis (a prefix-cache block:
-        clover.serving.prefix_blocks; `of_blocks` reads them back)."""
+        clover.serving.scheduling.prefix_blocks; `of_blocks` reads them back)."""
         parts = [torch.cat([layer.k[:, :, start:end], layer.v[:, :, start:end]], dim=-1)
                  for layer in self.layers if isinstance(layer, AttentionLayerCache)]
         return torch.stack(parts) if parts else torch.empty(0)

@@ -28,6 +28,7 @@ from clover.config import CloverConfig
 from clover.model.cache import DeltaNetLayerCache
 from clover.model.layout import BlockLayout
 from clover.model.norms import GatedRMSNorm
+from clover.model.prompt_rows import is_reading_prompt
 from clover.ops.delta_rule import (block_bidirectional_read, chunk_gated_delta_rule, l2norm,
                                    recurrent_gated_delta_rule)
 
@@ -36,14 +37,6 @@ PREFILL_CHUNK = 64  # chunk of the causal chunked rule
 # token by token in one C++ call (`GatedDeltaNet._fused_step`), each token with the bits it gets alone; longer
 # runs (a prompt's chunks) take the chunked rule
 FUSED_STEP_TOKENS = 16
-
-
-def _reading_prompt() -> bool:
-    """Prompt chunks take the chunked rule however short (a prompt's state has the same bits however it is served:
-    clover.model.quant.reading_prompt)."""
-    from clover.model.quant import is_reading_prompt  # deferred: clover.model.quant imports this module
-
-    return is_reading_prompt()
 
 
 class GatedDeltaNet(nn.Module):
@@ -140,11 +133,13 @@ class GatedDeltaNet(nn.Module):
                 cache: DeltaNetLayerCache | None) -> torch.Tensor:
         n, t, _ = x.shape
         lc, p, bsz = layout.clean_len, layout.causal_len, layout.block_size
+        # prompt chunks take the chunked rule however short: a prompt's state has the same bits however it is
+        # served (clover.model.prompt_rows)
         if (self.fused_step and 0 < p == lc <= FUSED_STEP_TOKENS and (t == lc or layout.query_start == lc)
                 and (clean_valid is None or bool(clean_valid.all()))
                 and cache is not None and cache.state is not None and x.dtype == torch.float32
                 and x.device.type == "cpu" and not (x.requires_grad and torch.is_grad_enabled())
-                and not _reading_prompt()):
+                and not is_reading_prompt()):
             clean = self._fused_step(x[:, :lc], cache)
             if t == lc:
                 return clean

@@ -6,39 +6,36 @@ projections are all `PackedLinear` (clover.model.quant), with plain softmax atte
 gate), RMSNorm and a dense SwiGLU, runs instead as `clover/ops/csrc/layer.cpp`: the same packed kernels, the
 norms, RoPE, the attention of a block step and SiLU as loops, keys and values written straight into the cache.
 
-`quantize` marks such layers (`DecoderLayer.fused`); they take this path for fp32 activations on a CPU without
-autograd, and the module path otherwise, which stays the reference (tests/model/test_fused_layer.py). When every
-layer of a model is marked (and none has a hook) the model runs the whole stack in one call (`fused_layers`).
+`quantize` marks such layers (`DecoderLayer.fused`, `clover.model.quant.can_fuse`); they take this path for fp32
+activations on a CPU without autograd, and the module path otherwise, which stays the reference
+(tests/model/test_fused_layer.py). When every layer of a model is marked (and none has a hook) the model runs the
+whole stack in one call (`fused_layers`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
-from clover.model.attention import Attention
-from clover.model.moe import SwiGLU
-from clover.model.quant import PackedLinear, is_reading_prompt, prompt_matmul
+from clover.model.layout import BlockLayout
+from clover.model.prompt_rows import is_reading_prompt, prompt_matmul
 from clover.ops import woq
 
-if TYPE_CHECKING:
-    from clover.model.modeling import DecoderLayer, _ForwardContext
+
+class LayerContext(Protocol):
+    """What the fused path reads of one forward's context (built by clover.model.modeling's forward)."""
+
+    layout: BlockLayout
+    rope: tuple[torch.Tensor, torch.Tensor]
+    mask: torch.Tensor | None
+    is_causal: bool
+    gate: Any  # a gated adapter's `AdapterGate` (clover.model.lora), or None
 
 
-def can_fuse(layer: nn.Module) -> bool:
-    """Whether `layer` has the structure the fused layer computes."""
-    attn, mlp = getattr(layer, "self_attn", None), layer.mlp
-    norms = (layer.input_layernorm, layer.post_attention_layernorm)
-    return (isinstance(attn, Attention) and isinstance(attn.qkv_proj, PackedLinear)
-            and isinstance(attn.o_proj, PackedLinear) and attn.q_norm is None and not attn.output_gate
-            and isinstance(mlp, SwiGLU) and isinstance(mlp.gate_up_proj, PackedLinear)
-            and isinstance(mlp.down_proj, PackedLinear) and not any(norm.zero_centered for norm in norms))
-
-
-def runs_fused(h: torch.Tensor, ctx: _ForwardContext) -> bool:
+def runs_fused(h: torch.Tensor, ctx: LayerContext) -> bool:
     """Whether a forward's marked layers take the fused path: fp32 on a CPU, nothing for autograd to record, and
     either prompt rows the integer kernel multiplies (however many: a prompt token's bits must not depend on the
     rows beside it, `reading_prompt`, and the fused layer computes other bits than the modules) or fewer decoding
@@ -50,7 +47,7 @@ def runs_fused(h: torch.Tensor, ctx: _ForwardContext) -> bool:
     return h.shape[0] * h.shape[1] < woq.DENSE_ROWS
 
 
-def layer_weights(layer: DecoderLayer) -> tuple:
+def layer_weights(layer: nn.Module) -> tuple:
     """The layer's weights as the C++ layer takes them: `(norm1, norm2, eps, qkv, o, gate_up, down)`, each
     projection its `PackedLinear.kernel_args()`."""
     # submodules and parameters from the modules' dicts: `nn.Module.__getattr__` is slow for a hot path, and
@@ -65,10 +62,10 @@ def layer_weights(layer: DecoderLayer) -> tuple:
     except (KeyError, AttributeError) as error:  # `fused` is set once, by `quantize`
         raise RuntimeError("a decoder layer marked for the fused C++ path no longer has packed projections (its "
                            "modules were replaced after quantising): set `layer.fused = "
-                           "clover.model.fused.can_fuse(layer)` after changing a quantised layer") from error
+                           "clover.model.quant.can_fuse(layer)` after changing a quantised layer") from error
 
 
-def fused_layers(layers: Sequence[DecoderLayer], h: torch.Tensor, ctx: _ForwardContext,
+def fused_layers(layers: Sequence[nn.Module], h: torch.Tensor, ctx: LayerContext,
                  caches: Sequence[Any] | None) -> torch.Tensor:
     """`layer(h)` of each layer in turn by the C++ layer, in one call; each layer's first `clean_len` keys/values
     are committed to its cache (`caches[i]`, or none) as `Attention.forward` does (the rest are written past its

@@ -30,7 +30,8 @@ from clover.model.layout import BlockLayout
 from clover.model.lora import ADAPTER_CONFIG, adapter_tensor_names, has_lora, load_adapter, save_adapter
 from clover.model.moe import Experts, SparseMoE, SwiGLU, TopKRouter
 from clover.model.norms import RMSNorm
-from clover.model.quant import QUANT_CONFIG, prepare_quantized, reading_prompt, save_quantization
+from clover.model.prompt_rows import reading_prompt
+from clover.model.quant import QUANT_CONFIG, prepare_quantized, save_quantization
 from clover.model.rope import RotaryEmbedding
 
 

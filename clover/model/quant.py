@@ -43,10 +43,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-from collections.abc import Iterator
-from contextlib import contextmanager
-from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
 
@@ -58,49 +54,12 @@ from clover.model.attention import Attention
 from clover.model.deltanet import GatedDeltaNet
 from clover.model.lora import AdapterGate, LoRALinear, TrainableRowsEmbedding, has_lora, merge_and_unload
 from clover.model.moe import Experts, SparseMoE, SwiGLU, run_experts
+from clover.model.prompt_rows import is_reading_prompt, prompt_matmul
 from clover.ops import woq
 
 logger = logging.getLogger(__name__)
 
 QUANT_CONFIG = "quantization.json"
-PROMPT_MATMULS = ("kernel", "fp32")  # how prompt rows multiply (`prompt_matmul`)
-_READING_PROMPT: ContextVar[bool] = ContextVar("clover_reading_prompt", default=False)
-
-
-@contextmanager
-def reading_prompt(reading: bool = True) -> Iterator[None]:
-    """Forwards inside read prompt tokens (prefill chunks, and the forward that carries the last one with the first
-    query block): there an int8 / int4 layer that rounds its input twice (`int8x2`) multiplies as `prompt_matmul()`
-    says. Which path a row takes depends only on whether it is a prompt token, never on how many rows share its
-    forward: so the linear layers of exact mode's first forward, which may carry query rows beside the prompt's last
-    chunk, compute the prompt's rows as block size 1's do, a batch and a resumed prefix
-    (clover.serving.prefix_cache) as one request does, and decoding steps of any batch size run the kernel. For
-    the same reason prompt forwards take one path through a layer however many rows they have: the fused C++ layer
-    (clover.model.fused) with the kernel, the modules with `fp32`. `reading=False` inside: not (the LM head, which
-    reads only the few rows kept for logits)."""
-    token = _READING_PROMPT.set(reading)
-    try:
-        yield
-    finally:
-        _READING_PROMPT.reset(token)
-
-
-def is_reading_prompt() -> bool:
-    return _READING_PROMPT.get()
-
-
-def prompt_matmul() -> str:
-    """How prompt rows of a layer that rounds its input twice multiply (`reading_prompt`): `$CLOVER_PROMPT_MATMUL`,
-    one of `PROMPT_MATMULS`. `kernel` (the default): the integer kernel that decoding steps run, so every row of a
-    request is computed alike, and alike on every x86 CPU (its AVX2 and AVX-512 VNNI tiles give the same bits); with
-    VNNI it is faster than torch's fp32 matmul at every row count. `fp32`: the weights dequantised for one fp32
-    matmul of the unrounded rows, for a CPU with AVX2 alone and prompts of thousands of tokens, where it is ~1.3x
-    the kernel's speed, but slower below several hundred, where dequantising every weight dominates (docs/cpu.md,
-    "Prompt rows")."""
-    choice = os.environ.get("CLOVER_PROMPT_MATMUL", "kernel")
-    if choice not in PROMPT_MATMULS:
-        raise ValueError(f"CLOVER_PROMPT_MATMUL must be one of {', '.join(PROMPT_MATMULS)}; got {choice!r}")
-    return choice
 
 
 class PackedLinear(nn.Module):
@@ -431,14 +390,20 @@ def _low_rank(layers: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor] | No
     return a, b
 
 
+def can_fuse(layer: nn.Module) -> bool:
+    """Whether the decoder layer `layer` has the structure the fused C++ layer computes (clover.model.fused)."""
+    attn, mlp = getattr(layer, "self_attn", None), layer.mlp
+    norms = (layer.input_layernorm, layer.post_attention_layernorm)
+    return (isinstance(attn, Attention) and isinstance(attn.qkv_proj, PackedLinear)
+            and isinstance(attn.o_proj, PackedLinear) and attn.q_norm is None and not attn.output_gate
+            and isinstance(mlp, SwiGLU) and isinstance(mlp.gate_up_proj, PackedLinear)
+            and isinstance(mlp.down_proj, PackedLinear) and not any(norm.zero_centered for norm in norms))
+
+
 def _convert(model: nn.Module, kind: str, group_size: int, head: str, activations: str,
              ranks: dict[str, int] | None = None) -> dict[str, int]:
     """Fuse and pack: from the weights (and adapters), or, given the stored layers' correction `ranks`, empty
     modules on the meta device of the right shapes for a checkpoint to fill. Returns the corrected layers' ranks."""
-    # deferred: clover.model.fused and clover.model.modeling import this module (PackedLinear, from_pretrained)
-    from clover.model.fused import can_fuse
-    from clover.model.modeling import DecoderLayer
-
     meta = ranks is not None
     corrected: dict[str, int] = {}
     lm_head = getattr(model, "lm_head", None)
@@ -490,7 +455,7 @@ def _convert(model: nn.Module, kind: str, group_size: int, head: str, activation
             owner, _, attr = name.rpartition(".")
             setattr(model.get_submodule(owner), attr, packed([module], name))
     for module in model.modules():
-        if isinstance(module, DecoderLayer):
+        if hasattr(module, "fused"):  # a decoder layer (clover.model.modeling): its flag for the C++ path
             module.fused = can_fuse(module)
         if isinstance(module, GatedDeltaNet):
             module.fused_step = True

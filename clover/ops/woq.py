@@ -133,7 +133,7 @@ def compile_kernels(sources: tuple[Path, ...], tag: str) -> Any:
 
 def kernel_tag() -> str:
     """What the compiled kernels are: their sources, flags and torch version (the build's name; a forward's cost
-    depends on it, clover.engine.cost)."""
+    depends on it, clover.engine.drafts.cost)."""
     source = "".join(path.read_text() for path in SOURCES + HEADERS)
     return hashlib.sha256(f"{source}|{FLAGS}|{torch.__version__}".encode()).hexdigest()[:12]
 

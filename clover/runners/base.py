@@ -2,7 +2,7 @@
 
 One call, `forward`, covers every pass the engine makes (its layout is `clover.model.layout.BlockLayout`'s):
 
-    forward(ids, block_size, cache=..., prefix_len=..., attention_mask=..., query_ids=..., logits_at=...)
+    forward(ids, block_size, cache=..., prefix_len=..., attention_mask=..., query_ids=..., logits_at=..., prompt=...)
 
 * `ids` `[N, T]`: clean tokens, written to `cache`: a causal prefix of `prefix_len`, then blocks of `block_size`
   (all causal for a model whose `context_reading` is "causal"); `attention_mask` marks padding (0) to skip.
@@ -10,6 +10,10 @@ One call, `forward`, covers every pass the engine makes (its layout is `clover.m
   directions, never cached (the masked block being denoised).
 * `logits_at` `[N, T + block_size]` bool: the positions whose logits are needed (clean then query), returned as
   `[selected, V]` in row-major order; or `logits_to_keep=0` for none (a prefill chunk).
+* `prompt`: the forward reads prompt tokens (a prefill chunk, or the last one with the first query block). A runner
+  whose arithmetic depends on how many rows share a forward computes prompt rows one way whatever shares them, so a
+  prompt's cache has the same bits alone, batched or resumed from a stored prefix (the torch runner: an int8 / int4
+  layer that rounds its input twice, `clover.model.prompt_rows`); a runner without such a path ignores it.
 
 The cache is the runner's own (`new_cache`). The engine keeps it per batch and calls `select(rows)` (rows leave),
 `type(cache).concat(caches)` (batches join), `mark()` / `rewind(keep)` (exact mode undoes rejected drafts: each
@@ -17,7 +21,7 @@ row keeps the first `keep[r]` clean tokens of the forward after `mark`), and rea
 a batch ends it calls `release_cache(cache)`: a cache that holds a runner's scarce resource (llama.cpp's slots)
 gives it back then, on the owner's thread; tensors need nothing (reference counting frees them).
 
-**Prefix reuse** (the server's `clover.serving.prefix_cache`) asks three more things of a one-row cache:
+**Prefix reuse** (the server's `clover.serving.scheduling.prefix_cache`) asks three more things of a one-row cache:
 `snapshot()` (what a cut at the current length cannot recover: a DeltaNet layer's recurrent state; None where
 every layer can be cut anywhere), `prefix(length, snapshot, copy=True)` (its first `length` tokens kept apart
 from it: a `StoredPrefix` that outlives the request and is never written) and, on what that returns,
@@ -108,4 +112,5 @@ class ModelRunner(Protocol):
 
     def forward(self, ids: torch.Tensor | None, block_size: int, *, cache: Any, prefix_len: int = 0,
                 attention_mask: torch.Tensor | None = None, query_ids: torch.Tensor | None = None,
-                logits_at: torch.Tensor | None = None, logits_to_keep: int | None = None) -> torch.Tensor: ...
+                logits_at: torch.Tensor | None = None, logits_to_keep: int | None = None,
+                prompt: bool = False) -> torch.Tensor: ...

@@ -409,7 +409,8 @@ class LlamaCppRunner:
     # -- forward ----------------------------------------------------------------------------------------
     def forward(self, ids: torch.Tensor | None, block_size: int, *, cache: LlamaCppCache, prefix_len: int = 0,
                 attention_mask: torch.Tensor | None = None, query_ids: torch.Tensor | None = None,
-                logits_at: torch.Tensor | None = None, logits_to_keep: int | None = None) -> torch.Tensor:
+                logits_at: torch.Tensor | None = None, logits_to_keep: int | None = None,
+                prompt: bool = False) -> torch.Tensor:
         self._reclaim()
         n = cache.batch_size
         clean = ids.tolist() if ids is not None else [[] for _ in range(n)]

@@ -209,7 +209,8 @@ class HybridLlamaCppRunner(LlamaCppRunner):
 
     def forward(self, ids: torch.Tensor | None, block_size: int, *, cache: HybridCache, prefix_len: int = 0,
                 attention_mask: torch.Tensor | None = None, query_ids: torch.Tensor | None = None,
-                logits_at: torch.Tensor | None = None, logits_to_keep: int | None = None) -> torch.Tensor:
+                logits_at: torch.Tensor | None = None, logits_to_keep: int | None = None,
+                prompt: bool = False) -> torch.Tensor:
         """Causal clean tokens only (module docstring); logits where `logits_at` selects (or none)."""
         self._reclaim()
         if query_ids is not None:

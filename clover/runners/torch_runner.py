@@ -11,6 +11,7 @@ import torch
 
 from clover.config import CloverConfig
 from clover.model import CloverForBlockDiffusion, quantize
+from clover.model.prompt_rows import reading_prompt
 from clover.runners.base import ModelRunner, RunnerOptions
 
 
@@ -48,8 +49,10 @@ class TorchRunner:
     def new_cache(self, batch_size: int) -> Any:
         return self.model.new_cache(batch_size)
 
-    def forward(self, ids: torch.Tensor | None, block_size: int, *, cache: Any, **kwargs: Any) -> torch.Tensor:
-        return self.model(ids, block_size, cache=cache, **kwargs).logits
+    def forward(self, ids: torch.Tensor | None, block_size: int, *, cache: Any, prompt: bool = False,
+                **kwargs: Any) -> torch.Tensor:
+        with reading_prompt(prompt):  # the model's layers read it (clover.model.prompt_rows)
+            return self.model(ids, block_size, cache=cache, **kwargs).logits
 
 
 def as_runner(model: torch.nn.Module | ModelRunner) -> ModelRunner:

@@ -3,16 +3,17 @@
     from clover.serving import create_app, ServerOptions
     app = create_app("checkpoints/clover-smol", options=ServerOptions(api_key="secret"))
 
-Roles: `protocol` (request models, error format, request -> engine options), `app` (routes), `served_model`
-(options, model and scheduler, what the routes share), `locked_tokenizer` (the tokenizer behind a lock), `chat` /
-`completions` (each route's request flow), `openai_format` (response bodies, SSE), `middleware` (request ids, auth, errors), `request_context`
-(the calling key and request id), `scheduler` (the batch's background thread), `scheduler_policy` (admit / join /
-step / drop), `handles` (asyncio side), `heap` (free heap memory given back when idle), `prefix_cache` (reused
-prompt prefixes), `prefix_blocks` (the KV blocks its entries share), `draft_memories` (whose answers draft whose), `structured` (response_format by decision mode),
-`grammar_route` (response_format and forced tool calls by grammar), `responses` / `responses_protocol` /
-`responses_format` / `response_store` (the Responses API over the chat flow), `metrics` (Prometheus),
-`request_log` (--record-requests), `vllm` (Clover checkpoints on vLLM's server); reasoning / tool calls are parsed
-by `clover.assistant_output`. Semantics and measured figures: docs/serving.md.
+Roles: `app` (routes), `served_model` (options, model and scheduler, what the routes share), `locked_tokenizer`
+(the tokenizer behind a lock), `chat` / `completions` (each route's request flow), `middleware` (request ids, auth,
+errors), `request_context` (the calling key and request id), `draft_memories` (whose answers draft whose),
+`structured` (response_format by decision mode), `grammar_route` (response_format and forced tool calls by
+grammar), `responses` / `response_store` (the Responses API over the chat flow), `metrics` (Prometheus),
+`request_log` (--record-requests); `api` (the wire: `protocol` request models, error format, request -> engine
+options; `openai_format` response bodies, SSE; `responses_protocol` / `responses_format` the Responses API's),
+`scheduling` (continuous batching: `scheduler` the batch's background thread, `scheduler_policy` admit / join /
+step / drop, `handles` the asyncio side, `prefix_cache` reused prompt prefixes, `prefix_blocks` the KV blocks its
+entries share, `heap` free heap memory given back when idle), `vllm` (Clover checkpoints on vLLM's server);
+reasoning / tool calls are parsed by `clover.assistant_output`. Semantics and measured figures: docs/serving.md.
 """
 
 from typing import Any

@@ -31,10 +31,10 @@ from clover.runners.base import ModelRunner
 from clover.serving.chat import create_chat_completion
 from clover.serving.completions import create_completion
 from clover.serving.middleware import add_error_handling
-from clover.serving.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse
+from clover.serving.api.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse
 from clover.serving.request_context import CLIENT_KEY
 from clover.serving.responses import create_response, delete_response, stored_response
-from clover.serving.responses_protocol import ResponsesRequest
+from clover.serving.api.responses_protocol import ResponsesRequest
 from clover.serving.served_model import ServedModel, ServerOptions, load
 
 ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 429, 503)}

@@ -1,15 +1,16 @@
 """Chat completions (`POST /v1/chat/completions`), vLLM's `serving_chat`: route the request (free text, a grammar,
 or decision mode: `grammar_route.route`), render the chat template and tokenize in a worker thread, check
-`max_tokens` against the context, submit one sequence per choice, then stream the committed blocks as SSE or
-collect them into one body (`openai_format.py`). The Responses API runs through `start_chat` (responses.py).
+`max_tokens` against the context, submit one sequence per choice, then stream the committed blocks as SSE
+(`chat_stream`) or collect them into one body (the formats: `openai_format.py`). The Responses API runs through `start_chat` (responses.py).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, AsyncIterator
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -17,17 +18,20 @@ from jinja2.exceptions import TemplateError
 from starlette.concurrency import run_in_threadpool
 
 from clover.chat_template import opens_reasoning
-from clover.engine.grammar import Grammar
+from clover.engine.constraints.grammar import Grammar
 from clover.engine.request import RequestOptions
 from clover.serving.grammar_route import forced_start, grammar_param, max_calls, request_grammar, route
-from clover.serving.handles import RequestHandle
-from clover.serving.openai_format import ChatChoice, chat_body, chat_logprobs, chat_stream, usage
-from clover.serving.protocol import APIError, ChatCompletionRequest
-from clover.serving.request_context import GRAMMAR_PARAM
+from clover.serving.scheduling.handles import RequestHandle
+from clover.serving.api.openai_format import (ChatChoice, TokenBytes, TokenTexts, chat_body, chat_logprobs, chunk_sse,
+                                              sse, usage)
+from clover.serving.api.protocol import APIError, ChatCompletionRequest
+from clover.serving.request_context import GRAMMAR_PARAM, REQUEST_ID, request_failure
 from clover.serving.structured import decision_response
 
 if TYPE_CHECKING:
     from clover.serving.served_model import ServedModel
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -74,7 +78,7 @@ async def start_chat(server: ServedModel, req: ChatCompletionRequest, path: str 
         GRAMMAR_PARAM.set(grammar_param(req))  # in this request's context: what its failure names
         grammar = await run_in_threadpool(_grammar, server, req)
         rule = rule or "exact"
-    else:  # a grammar's answer is rendered without reasoning: no budget to keep (clover.engine.thinking)
+    else:  # a grammar's answer is rendered without reasoning: no budget to keep (clover.engine.constraints.thinking)
         budget = server.thinking_budget(req)
     options = server.request_options(req, grammar=grammar, thinking_budget=budget)
     ids, forced, thinking, tools = await run_in_threadpool(chat_prompt, server, req, path == "grammar")
@@ -109,3 +113,46 @@ def chat_prompt(server: ServedModel, req: ChatCompletionRequest,
             exc, TemplateError) else str(exc), param="messages", code="invalid_value") from exc
     ids = server.tokenizer.encode(text + forced)
     return ids, forced, opens_reasoning(text), bool(tools) and req.tool_choice != "none"
+
+
+async def chat_stream(handle: RequestHandle, choices: list[ChatChoice], rid: str, created: int, model: str,
+                      prompt_tokens: int, include_usage: bool, texts: TokenTexts | None = None,
+                      raw: TokenBytes | None = None) -> AsyncIterator[str]:
+    """A chat completion's SSE events: a role chunk per choice, the deltas of committed blocks (with their tokens'
+    logprobs when asked for: `texts` names the tokens), a finish chunk per choice, the usage chunk when asked for,
+    `[DONE]`; an error after the start is reported in-band."""
+
+    def chunk(index: int, delta: dict[str, Any], finish: str | None = None, extra: dict[str, Any] = {}) -> str:
+        return chunk_sse(rid, "chat.completion.chunk", created, model, include_usage,
+                         {"index": index, "delta": delta, "finish_reason": finish, **extra})
+
+    try:
+        for i in range(len(choices)):
+            yield chunk(i, {"role": "assistant", "content": ""})
+        async for out in handle:
+            index = handle.choice(out)
+            c = choices[index]
+            delta = c.push_output(out)
+            text: dict[str, Any] = {}
+            if delta.reasoning:
+                text["reasoning_content"] = delta.reasoning
+            if delta.content:
+                text["content"] = delta.content
+            bodies = ([text] if text else []) + [{"tool_calls": [e]} for e in c.call_entries(delta.tool_calls)]
+            if out.logprobs and texts is not None:  # a token's values come with the block that committed it
+                yield chunk(index, bodies.pop(0) if bodies else {},
+                            extra={"logprobs": chat_logprobs(out.logprobs, texts, raw)})
+            for body in bodies:
+                yield chunk(index, body)
+            if out.finished:
+                yield chunk(index, {}, c.finish_reason, c.extra)
+        if include_usage:
+            yield sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+                       "choices": [], "usage": usage(prompt_tokens, sum(c.tokens for c in choices),
+                                                     max(handle.cached_tokens))})
+    except Exception as exc:  # noqa: BLE001 - the stream has started: report in-band
+        logger.exception("request %s: generation failed", REQUEST_ID.get())
+        yield sse(request_failure(exc).body())
+    finally:
+        handle.cancel()  # no-op when finished; frees the slots when the client went away
+    yield "data: [DONE]\n\n"

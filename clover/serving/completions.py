@@ -1,6 +1,6 @@
 """Text completions (`POST /v1/completions`), vLLM's `serving_completion`: tokenize each prompt (or take its ids),
 check `max_tokens` against the context, submit one request per prompt (one sequence per choice), then stream the
-committed blocks as SSE or collect them into one body (`openai_format.py`). `echo` with `logprobs` scores the
+committed blocks as SSE (`completion_stream`) or collect them into one body (the formats: `openai_format.py`). `echo` with `logprobs` scores the
 prompts first (`prompt_logprobs`).
 """
 
@@ -9,19 +9,20 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, AsyncIterator, Sequence
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from clover.engine.logprobs import PromptScoring, TokenLogprob, banned_ids
-from clover.engine.loop import StreamPiece
-from clover.serving.handles import RequestHandle
-from clover.serving.openai_format import ChoiceText, completion_body, completion_logprobs, completion_stream, usage
-from clover.serving.protocol import APIError, CompletionRequest
-from clover.serving.request_context import REQUEST_ID, internal_error, unavailable
-from clover.serving.scheduler import QueueFull
+from clover.engine.loops.loop import StreamPiece
+from clover.serving.scheduling.handles import RequestHandle, merge
+from clover.serving.api.openai_format import (ChoiceText, TokenTexts, chunk_sse, completion_body, completion_logprobs,
+                                              sse, usage)
+from clover.serving.api.protocol import APIError, CompletionRequest
+from clover.serving.request_context import REQUEST_ID, internal_error, request_failure, unavailable
+from clover.serving.scheduling.scheduler import QueueFull
 
 if TYPE_CHECKING:
     from clover.serving.served_model import ServedModel
@@ -115,3 +116,48 @@ async def prompt_logprobs(server: ServedModel, prompts: list[list[int]], top: in
     except Exception as exc:  # noqa: BLE001 - a step raised: our bug, named by the request id only
         logger.error("request %s: prompt scoring failed", REQUEST_ID.get(), exc_info=exc)
         raise internal_error() from None
+
+
+async def completion_stream(handles: list[RequestHandle], choices: list[ChoiceText], echo: list[str], n: int,
+                            rid: str, created: int, model: str, prompt_tokens: int, include_usage: bool,
+                            texts: TokenTexts | None = None,
+                            echo_logprobs: list[tuple[list[int], list[TokenLogprob | None]]] | None = None
+                            ) -> AsyncIterator[str]:
+    """A text completion's SSE events (choice `k` is choice `k % n` of prompt `k // n`), as `chat_stream`; with
+    `texts`, each chunk carries its tokens' logprobs (`echo_logprobs[k]`: the echoed prompt's tokens and values)."""
+    offsets = [0] * len(choices)
+
+    def values(k: int, tokens: list[int], lps: Sequence[TokenLogprob | None] | None) -> dict[str, Any]:
+        if texts is None or lps is None:
+            return {}
+        body, offsets[k] = completion_logprobs(tokens, lps, texts, offsets[k])
+        return {"logprobs": body}
+
+    def chunk(index: int, text: str, finish: str | None = None, extra: dict[str, Any] = {}) -> str:
+        return chunk_sse(rid, "text_completion", created, model, include_usage,
+                         {"index": index, "text": text, "finish_reason": finish, **extra})
+
+    try:
+        for k, text in enumerate(echo):
+            lps = values(k, *echo_logprobs[k]) if echo_logprobs else {}
+            if text or lps:
+                yield chunk(k, text, extra=lps)
+        async for i, out in merge(handles):
+            k = i * n + handles[i].choice(out)
+            text = choices[k].push(out)
+            lps = values(k, out.token_ids, out.logprobs) if out.logprobs else {}
+            if text or lps:
+                yield chunk(k, text, extra=lps)
+            if out.finished:
+                yield chunk(k, "", choices[k].finish_reason, choices[k].extra)
+        if include_usage:
+            yield sse({"id": rid, "object": "text_completion", "created": created, "model": model,
+                       "choices": [], "usage": usage(prompt_tokens, sum(c.tokens for c in choices),
+                                                     sum(max(h.cached_tokens) for h in handles))})
+    except Exception as exc:  # noqa: BLE001
+        logger.exception("request %s: generation failed", REQUEST_ID.get())
+        yield sse(request_failure(exc).body())
+    finally:
+        for h in handles:
+            h.cancel()
+    yield "data: [DONE]\n\n"

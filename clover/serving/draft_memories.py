@@ -1,4 +1,4 @@
-"""Whose answers draft whose: the server's drafting memories (clover.engine.draft_memory), by API key.
+"""Whose answers draft whose: the server's drafting memories (clover.engine.drafts.draft_memory), by API key.
 
 A draft never changes an answer (exact mode verifies it), but its speed can: a client whose request decodes
 unusually fast learns that the server has written that text before, perhaps for another client. So by default
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import threading
 
-from clover.engine.draft_memory import DraftMemory
+from clover.engine.drafts.draft_memory import DraftMemory
 from clover.serving.request_context import CLIENT_KEY
 
 

@@ -1,5 +1,5 @@
-"""Structured outputs and forced tool calls by grammar-constrained decoding (clover.engine.grammar): which requests
-take this path, and the grammar each one gets.
+"""Structured outputs and forced tool calls by grammar-constrained decoding (clover.engine.constraints.grammar): which
+requests take this path, and the grammar each one gets.
 
     tool_choice "required"         one or more calls of the offered tools (exactly one with
                                    `parallel_tool_calls: false`), each call's arguments valid against its tool's
@@ -29,9 +29,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from clover.engine.form import FormError, parse_form
-from clover.engine.grammar import Grammar, GrammarError, ToolSchema, json_schema_grammar, tool_call_grammar
-from clover.serving.protocol import SCHEMA_PARAM, APIError, ChatCompletionRequest, NamedToolChoice
+from clover.engine.constraints.form import FormError, parse_form
+from clover.engine.constraints.grammar import Grammar, GrammarError, ToolSchema, json_schema_grammar, tool_call_grammar
+from clover.serving.api.protocol import SCHEMA_PARAM, APIError, ChatCompletionRequest, NamedToolChoice
 from clover.tool_formats import HERMES, ToolFormat
 
 

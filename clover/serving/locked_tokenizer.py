@@ -9,7 +9,7 @@ import threading
 from typing import Any
 
 from clover.chat_template import checkpoint_template, render_chat
-from clover.engine.thinking import ThinkingBudget, thinking_budget
+from clover.engine.constraints.thinking import ThinkingBudget, thinking_budget
 from clover.tool_formats import TOOL_FORMATS, detect
 
 
@@ -78,7 +78,7 @@ class LockedTokenizer:
 
     def thinking_budget(self, tokens: int) -> ThinkingBudget:
         """A budget of `tokens` reasoning tokens, closed with this template's own closing text
-        (clover.engine.thinking)."""
+        (clover.engine.constraints.thinking)."""
         if self._budget is None:
             with self.lock:
                 self._budget = thinking_budget(0, self.tokenizer, self.template)

@@ -9,13 +9,10 @@ describe one API key's requests are that key's only (`ServerMetrics`, docs/servi
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Any, Callable, Hashable
+from typing import Any, Callable, Hashable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
-
-if TYPE_CHECKING:
-    from clover.serving.prefix_cache import PrefixCache
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 TPF_BUCKETS = (1.0, 1.25, 1.5, 2.0, 2.5, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 32.0)
@@ -112,9 +109,10 @@ class ServerMetrics:
         if ttft is not None:
             figures.ttft.observe(ttft)
 
-    def record_load(self, load: dict[str, int], prefix_cache: PrefixCache | None) -> None:
-        """The gauges, once per scheduler iteration (`load`: sequences per stage, `Scheduler.load`)."""
+    def record_load(self, load: dict[str, int], prefix_cache_bytes: int | None) -> None:
+        """The gauges, once per scheduler iteration (`load`: sequences per stage, `Scheduler.load`;
+        `prefix_cache_bytes`: what the prefix cache holds, None without one)."""
         self.running.set(load["running"])
         self.queue_depth.set(load["waiting"] + load["ready"] + load["prefilling"])
-        if prefix_cache is not None:
-            self.prefix_cache_bytes.set(prefix_cache.memory_bytes)
+        if prefix_cache_bytes is not None:
+            self.prefix_cache_bytes.set(prefix_cache_bytes)

@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from clover.serving.request_context import CLIENT_KEY, REQUEST_ID, internal_error
-from clover.serving.protocol import APIError
+from clover.serving.api.protocol import APIError
 
 if TYPE_CHECKING:
     from clover.serving.served_model import ServedModel

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from contextvars import ContextVar
 
-from clover.engine.grammar import GrammarTooComplex
-from clover.serving.protocol import APIError
+from clover.engine.constraints.grammar import GrammarTooComplex
+from clover.serving.api.protocol import APIError
 
 CLIENT_KEY: ContextVar[int | None] = ContextVar("clover_client_key", default=None)  # the key's index; None: no keys
 REQUEST_ID: ContextVar[str] = ContextVar("clover_request_id", default="unknown")

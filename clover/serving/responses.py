@@ -25,11 +25,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from clover.serving.chat import ChatRun, start_chat
 from clover.serving.grammar_route import route
-from clover.engine.loop import StreamPiece
-from clover.serving.protocol import APIError
+from clover.engine.loops.loop import StreamPiece
+from clover.serving.api.protocol import APIError
 from clover.serving.request_context import CLIENT_KEY, REQUEST_ID, request_failure
-from clover.serving.responses_format import EventStream, OutputItems, usage
-from clover.serving.responses_protocol import ResponsesRequest, ResponsesToolChoice, input_messages, to_chat
+from clover.serving.api.responses_format import EventStream, OutputItems, usage
+from clover.serving.api.responses_protocol import ResponsesRequest, ResponsesToolChoice, input_messages, to_chat
 
 if TYPE_CHECKING:
     from clover.serving.served_model import ServedModel

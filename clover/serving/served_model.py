@@ -20,21 +20,21 @@ from starlette.concurrency import run_in_threadpool
 
 from clover.choices import DRAFT_MEMORY, DRAFT_MEMORY_MODES, DRAFT_MEMORY_TOKENS
 from clover.engine import RequestOptions, SamplingParams
-from clover.engine.loop import StreamPiece
-from clover.engine.thinking import ThinkingBudget
+from clover.engine.loops.loop import StreamPiece
+from clover.engine.constraints.thinking import ThinkingBudget
 from clover.model import CloverForBlockDiffusion
 from clover.runners.base import ModelRunner
 from clover.runners.torch_runner import as_runner
 from clover.serving.draft_memories import DraftMemories
-from clover.serving.handles import RequestHandle, merge, until_disconnect
+from clover.serving.scheduling.handles import RequestHandle, merge, until_disconnect
 from clover.serving.locked_tokenizer import LockedTokenizer
 from clover.serving.metrics import ServerMetrics
-from clover.serving.prefix_cache import PrefixCache
-from clover.serving.protocol import APIError, DecodingFields, SamplingFields
+from clover.serving.scheduling.prefix_cache import PrefixCache
+from clover.serving.api.protocol import APIError, DecodingFields, SamplingFields
 from clover.serving.request_context import CLIENT_KEY, REQUEST_ID, request_failure, unavailable
 from clover.serving.request_log import RequestLog
 from clover.serving.response_store import ResponseStore
-from clover.serving.scheduler import QueueFull, Scheduler
+from clover.serving.scheduling.scheduler import QueueFull, Scheduler
 from clover.tokenizer import eos_token_ids, load_tokenizer
 from clover.tool_formats import TOOL_FORMATS
 

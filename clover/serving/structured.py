@@ -1,8 +1,8 @@
 """OpenAI structured outputs (`response_format`) on chat completions, served by decision decoding.
 
 `response_format: {"type": "json_schema", "json_schema": {"name", "schema"}}` with a schema inside the decision
-subset (`clover.engine.form`: a flat object of enum / boolean / bounded integer / bounded string fields) is
-answered by `clover.engine.decision.decide` on the chat messages: the message content is the JSON object,
+subset (`clover.engine.constraints.form`: a flat object of enum / boolean / bounded integer / bounded string fields) is
+answered by `clover.engine.loops.decision.decide` on the chat messages: the message content is the JSON object,
 valid against the schema (routing: `clover.serving.grammar_route.route`; other schemas take the grammar path),
 and the response carries a `decision` object (each field's probability, forward
 passes, the order the fields were decided in). A schema outside the subset, `json_object`, or options that do
@@ -26,13 +26,13 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from clover.engine.decision import DecisionRun
-from clover.engine.form import Form, FormError, parse_form
-from clover.serving.handles import until_disconnect
-from clover.serving.openai_format import sse, usage as usage_of
-from clover.serving.protocol import SCHEMA_PARAM, APIError, ChatCompletionRequest
+from clover.engine.loops.decision import DecisionRun
+from clover.engine.constraints.form import Form, FormError, parse_form
+from clover.serving.scheduling.handles import until_disconnect
+from clover.serving.api.openai_format import sse, usage as usage_of
+from clover.serving.api.protocol import SCHEMA_PARAM, APIError, ChatCompletionRequest
 from clover.serving.request_context import REQUEST_ID, internal_error, unavailable
-from clover.serving.scheduler import QueueFull
+from clover.serving.scheduling.scheduler import QueueFull
 
 logger = logging.getLogger(__name__)
 

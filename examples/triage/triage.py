@@ -12,7 +12,7 @@ their urgency only through those rules (an outage or a feature request without a
 The model is the `clover-tiny-dense` preset (2 attention layers) with a wider hidden size and a byte-level BPE
 trained on the generated text, trained from scratch with the project's trainer on the block-diffusion objective
 (one 32-token block holds the whole answer) plus the causal AR term, so the same weights decode both ways. The comparison decodes the
-held-out tickets one at a time with `clover.engine.decision.decide` (threshold 0.9 and 1.0) and with
+held-out tickets one at a time with `clover.engine.loops.decision.decide` (threshold 0.9 and 1.0) and with
 `decide_autoregressive` (block size 1, field by field), and prints per-field and whole-form accuracy, forms that
 break a rule, forward passes and latency as a markdown table (also written to `runs/triage/table.md`). A run
 stopped early resumes when started again; each stage is skipped when its output exists.
@@ -119,8 +119,8 @@ def write_data(root: Path, n_train: int, n_eval: int, seed: int) -> Any:
     """Tickets (held-out ones never in training), the tokenizer, and token shards whose response is the answer
     block exactly as decision decoding lays it out (`Layout.fill`)."""
     from clover import CloverConfig
-    from clover.engine.decision import render_layout, render_prompt
-    from clover.engine.form import parse_form
+    from clover.engine.loops.decision import render_layout, render_prompt
+    from clover.engine.constraints.form import parse_form
     from clover.training.data import write_token_shards
 
     rng = random.Random(seed)
@@ -157,7 +157,7 @@ def write_data(root: Path, n_train: int, n_eval: int, seed: int) -> Any:
 
 def compare(checkpoint: Path, root: Path, n: int) -> dict[str, dict[str, float]]:
     from clover import CloverForBlockDiffusion
-    from clover.engine.decision import decide, decide_autoregressive
+    from clover.engine.loops.decision import decide, decide_autoregressive
     from clover.tokenizer import load_tokenizer
 
     model = CloverForBlockDiffusion.from_pretrained(checkpoint).eval()

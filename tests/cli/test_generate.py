@@ -54,7 +54,7 @@ def test_cli_generate_repetition_options(checkpoint: Path, capsys) -> None:
     """DRY and the loop guard are on by default (docs/decoding.md "Repetition"); `--dry-multiplier 0 --loop-guard 0`
     gives the model's own tokens; the guard's cut reports finish_reason "repetition"; a bad value is an error."""
     from clover.cli.main import main
-    from clover.engine.repetition import RepeatGuard
+    from clover.engine.constraints.repetition import RepeatGuard
 
     def run(*flags: str) -> dict:
         assert main(["generate", "hello", "--model", str(checkpoint), "--max-new-tokens", "40", "--json",
@@ -184,7 +184,7 @@ def test_cli_thinking_token_budget(chat_tokenizer, tmp_path: Path, capsys) -> No
     import io
 
     from clover.cli.main import main
-    from clover.engine.thinking import thinking_budget
+    from clover.engine.constraints.thinking import thinking_budget
     from server_helpers import build_checkpoint
 
     checkpoint = build_checkpoint(tmp_path / "model", chat_tokenizer, preset="clover-tiny")

@@ -14,7 +14,7 @@ from clover import CloverForBlockDiffusion
 from clover.chat_template import render_chat
 from clover.cli.main import main
 from clover.engine import generate
-from clover.engine.decision import decide
+from clover.engine.loops.decision import decide
 from clover.runners.llamacpp import LlamaCppRunner
 from clover.serving import ServerOptions, create_app
 

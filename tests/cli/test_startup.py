@@ -79,6 +79,6 @@ def test_generate_imports_only_what_it_runs(tmp_path: Path, chat_tokenizer) -> N
     status, errors, modules = imported_modules("generate", "--model", str(model), "--quant", "none", "--threads", "1",
                                                "--max-new-tokens", "3", "Hello")
     assert status == 0, errors
-    assert "clover.engine.exact" in modules or "clover.engine.block_loop" in modules  # it decoded here
+    assert "clover.engine.loops.exact" in modules or "clover.engine.loops.block_loop" in modules  # it decoded here
     heavy = [h for h in NOT_FOR_GENERATE if any(m == h or m.startswith(h + ".") for m in modules)]
     assert not heavy, f"clover generate imported {heavy}"

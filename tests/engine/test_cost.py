@@ -1,4 +1,4 @@
-"""The forward-cost table (clover.engine.cost): measured once per combination of model shape, weights' format,
+"""The forward-cost table (clover.engine.drafts.cost): measured once per combination of model shape, weights' format,
 kernels, runner, threads, software and processor, kept under $CLOVER_CACHE and read back; measured again when any of
 them changes, or when the kept file cannot be read, contradicts itself or is old. And the measurement itself, for
 real, on a small model."""
@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from clover.engine import cost
+from clover.engine.drafts import cost
 from clover.model import quantize
 from clover.ops import woq
 from clover.runners.torch_runner import as_runner

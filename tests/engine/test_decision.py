@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from clover import CloverConfig
-from clover.engine.decision import decide, decide_autoregressive, decide_batch, render_layout, render_prompt
-from clover.engine.form import MAX_CHOICES, FormError, parse_form
+from clover.engine.loops.decision import decide, decide_autoregressive, decide_batch, render_layout, render_prompt
+from clover.engine.constraints.form import MAX_CHOICES, FormError, parse_form
 from clover.model.cache import CloverCache
 from model_helpers import tiny_model
 
@@ -175,7 +175,7 @@ def test_cli_decide_routes_other_schemas_to_the_grammar(tmp_path, chat_tokenizer
     constrained block-size-1 greedy answer; what the grammar cannot enforce, or --autoregressive, is refused by name."""
     from clover import CloverForBlockDiffusion
     from clover.cli.main import main
-    from clover.engine.grammar import json_schema_grammar
+    from clover.engine.constraints.grammar import json_schema_grammar
     from clover.engine.reference import constrained_greedy
     from server_helpers import build_checkpoint
 

@@ -1,4 +1,4 @@
-"""The drafting memory (clover.engine.draft_memory): the deepest match among earlier answers, its most frequent
+"""The drafting memory (clover.engine.drafts.draft_memory): the deepest match among earlier answers, its most frequent
 continuation cut by probability and by the match's length, bounded by eviction; and in exact mode, drafts that
 make a repeated answer cheaper and never change it."""
 
@@ -10,8 +10,8 @@ from collections import Counter
 import pytest
 
 from clover.engine import Engine, SamplingParams
-from clover.engine.cost import ForwardCost
-from clover.engine.draft_memory import MAX_MATCH, MAX_OCCURRENCES, NGRAMS, DraftMemory
+from clover.engine.drafts.cost import ForwardCost
+from clover.engine.drafts.draft_memory import MAX_MATCH, MAX_OCCURRENCES, NGRAMS, DraftMemory
 from model_helpers import PROMPTS, tiny_model
 
 

@@ -13,15 +13,15 @@ import pytest
 import torch
 
 from clover.engine import Engine, RequestOptions, SamplingParams, StreamPiece, generate, stream
-from clover.engine.cost import ForwardCost
+from clover.engine.drafts.cost import ForwardCost
 from clover.engine.decoding import ExactRule
-from clover.engine.drafting import Acceptance, best_batch_verified, best_drafts, best_verified, expected_tokens
-from clover.engine.exact import STEP_MEMORY, CopiedDrafts, ExactBatch, ExactLoop
-from clover.engine.lookup import ContextLookup
+from clover.engine.drafts.drafting import Acceptance, best_batch_verified, best_drafts, best_verified, expected_tokens
+from clover.engine.loops.exact import STEP_MEMORY, CopiedDrafts, ExactBatch, ExactLoop
+from clover.engine.drafts.lookup import ContextLookup
 from clover.model import quantize
 from clover.ops import woq
-from clover.serving.prefix_cache import PrefixCache
-from clover.serving.scheduler import Scheduler
+from clover.serving.scheduling.prefix_cache import PrefixCache
+from clover.serving.scheduling.scheduler import Scheduler
 from model_helpers import PROMPTS, tiny_model
 
 PRESETS = ["clover-tiny", "clover-tiny-dense"]
@@ -286,7 +286,7 @@ def test_exact_mode_sampling_draws_from_the_block1_distribution(models):
     tokens with the joint distribution block-size-1 sampling has, computed from the model itself; drafts that are
     often right and often wrong both occur, so acceptance and the residual draw are both exercised."""
     from clover.engine.sampling import BatchSampler
-    from clover.engine.speculative import target_probs
+    from clover.engine.loops.speculative import target_probs
 
     model = models["clover-tiny-dense"]
     prompt, trials = PROMPTS[1], 3000

@@ -1,6 +1,6 @@
-"""Grammar-constrained decoding (clover.engine.grammar): exact mode under a grammar is constrained block-size-1
-greedy decoding token for token (alone, batched, with drafts accepted and rejected), every answer follows the
-grammar, forced tokens cost no forward, and what the engine cannot enforce is refused by name."""
+"""Grammar-constrained decoding (clover.engine.constraints.grammar): exact mode under a grammar is constrained
+block-size-1 greedy decoding token for token (alone, batched, with drafts accepted and rejected), every answer follows
+the grammar, forced tokens cost no forward, and what the engine cannot enforce is refused by name."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 
 from clover.engine import Engine, RequestOptions, generate
 from clover.engine.decoding import ExactRule
-from clover.engine.grammar import GrammarError, json_schema_grammar, tool_call_grammar
+from clover.engine.constraints.grammar import GrammarError, json_schema_grammar, tool_call_grammar
 from clover.engine.reference import constrained_greedy
 from model_helpers import tiny_model
 from test_exact_mode import OracleLoop

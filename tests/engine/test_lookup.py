@@ -1,4 +1,4 @@
-"""Drafts copied from the context (clover.engine.lookup): the longest suffix n-gram's latest earlier occurrence,
+"""Drafts copied from the context (clover.engine.drafts.lookup): the longest suffix n-gram's latest earlier occurrence,
 as many tokens as the match is deep, and an index grown token by token that equals one built at once."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from clover.engine.lookup import MAX_DEPTH, ContextLookup
+from clover.engine.drafts.lookup import MAX_DEPTH, ContextLookup
 
 
 def _brute_force(tokens: list[int], most: int, max_ngram: int, min_ngram: int) -> list[int]:

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from clover.engine import Engine, RequestOptions, SamplingParams, generate
-from clover.engine.repetition import (BreakerCache, Breakers, DryConfig, LagMatches, RepeatGuard, breakers_from_texts,
+from clover.engine.constraints.repetition import (BreakerCache, Breakers, DryConfig, LagMatches, RepeatGuard,
+                                                  breakers_from_texts,
                                       lag_matches, naive_dry_penalty, rep_limit, z_array)
 from clover.engine.sampling import BatchSampler
 from model_helpers import PROMPTS, tiny_model

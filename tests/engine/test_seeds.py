@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from clover.engine import Engine, SamplingParams, generate, sampling
-from clover.engine.cost import ForwardCost
+from clover.engine.drafts.cost import ForwardCost
 from clover.engine.noise import exponential_noise, noise_key
 from model_helpers import PROMPTS, tiny_model
 from test_exact_mode import OracleDrafts
@@ -145,7 +145,8 @@ def _joining(engine: Engine, prompts, sampling, arrivals: list[int]) -> list[lis
 @pytest.mark.parametrize("preset", ["clover-tiny-dense"])  # (the hybrid's rows are batched alike, and slower)
 def test_a_seed_gives_the_same_text_alone_in_a_batch_and_joining_mid_flight(models, block1, preset):
     """Alone, in a batch with other seeded and greedy rows, joining a running batch: one text per seed. A batch
-    drafts one number for all its rows (clover.engine.drafting), so a row's drafts differ from its drafts alone."""
+    drafts one number for all its rows (clover.engine.drafts.drafting), so a row's drafts differ from its drafts
+    alone."""
     model, ref = models[preset], block1[preset]
     adaptive = dict(cost=ForwardCost([1, 2, 4, 8, 16, 32], [1.0, 1.05, 1.1, 1.3, 1.8, 3.0]), eos_token_ids=[])
     for i, prompt in enumerate(PROMPTS):

@@ -1,4 +1,4 @@
-"""Speculative verification (clover.engine.speculative): the greedy rule, the distribution of the committed
+"""Speculative verification (clover.engine.loops.speculative): the greedy rule, the distribution of the committed
 tokens, batch invariance, and errors."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch
 
 from clover.engine import SamplingParams
 from clover.engine.sampling import BatchSampler
-from clover.engine.speculative import target_probs, verify
+from clover.engine.loops.speculative import target_probs, verify
 
 V = 6
 BANNED = [5]  # stands for the mask id: never committed, and a draft of it is always rejected

@@ -1,6 +1,7 @@
-"""A thinking budget (clover.engine.thinking): at most N reasoning tokens, then the template's closing text, then the
-answer; exact mode with a budget is block-size-1 decoding with the same budget token for token (alone, batched, with
-drafts accepted and rejected across the budget), block rules keep it too, and what cannot be combined is refused."""
+"""A thinking budget (clover.engine.constraints.thinking): at most N reasoning tokens, then the template's closing
+text, then the answer; exact mode with a budget is block-size-1 decoding with the same budget token for token (alone,
+batched, with drafts accepted and rejected across the budget), block rules keep it too, and what cannot be combined is
+refused."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import torch
 from clover.chat_template import CLOVER_CHAT_TEMPLATE, render_chat
 from clover.engine import Engine, RequestOptions, generate
 from clover.engine.decoding import ExactRule
-from clover.engine.thinking import DONE, REASONING, BudgetTracker, ThinkingBudget, closing_text, thinking_budget
+from clover.engine.constraints.thinking import (DONE, REASONING, BudgetTracker, ThinkingBudget, closing_text,
+                                                thinking_budget)
 from model_helpers import tiny_model
 from server_helpers import ScriptedLM
 from test_exact_mode import OracleLoop
@@ -228,7 +230,7 @@ def test_closing_text_is_the_templates_own(chat_tokenizer):
 
 
 def test_what_cannot_be_combined_is_refused(model, chat_tokenizer):
-    from clover.engine.grammar import json_schema_grammar
+    from clover.engine.constraints.grammar import json_schema_grammar
 
     budget, prompt = _budget(chat_tokenizer, 3), _prompts(chat_tokenizer)[0]
     grammar = json_schema_grammar({"type": "object"}, chat_tokenizer)

@@ -12,7 +12,7 @@ import torch
 from model_helpers import assert_close_up_to_activation_rounding, tiny_model
 
 from clover.model import CloverForBlockDiffusion, quantize
-from clover.model.fused import can_fuse
+from clover.model.quant import can_fuse
 from clover.model.lora import LoraConfig, apply_lora
 from clover.ops import woq
 

@@ -19,7 +19,7 @@ from torch import nn
 
 from clover.model import CloverForBlockDiffusion, quantize
 from clover.model.lora import LoraConfig, LoRALinear, TrainableRowsEmbedding, apply_lora, has_lora
-from clover.model import quant
+from clover.model import prompt_rows, quant
 from clover.model.moe import Experts, SparseMoE
 from clover.model.quant import PackedExperts, PackedLinear, default_activations, default_head
 from clover.ops import woq
@@ -117,22 +117,22 @@ def test_prompt_rows_rounded_twice_multiply_as_prompt_matmul_says(kind, monkeypa
     x = torch.randn(4, 64, 64)
     kernel = woq.woq_linear(x, **args, activations="int8x2")
     monkeypatch.delenv("CLOVER_PROMPT_MATMUL", raising=False)
-    with quant.reading_prompt():
+    with prompt_rows.reading_prompt():
         assert torch.equal(layer(x), kernel)
     monkeypatch.setenv("CLOVER_PROMPT_MATMUL", "fp32")
-    with quant.reading_prompt():
+    with prompt_rows.reading_prompt():
         assert torch.equal(layer(x), woq.reference_linear(x, **args))
         assert torch.equal(layer(x[:, :3]), woq.reference_linear(x[:, :3], **args))
-        with quant.reading_prompt(False):
+        with prompt_rows.reading_prompt(False):
             assert torch.equal(layer(x), kernel)
     assert torch.equal(layer(x), kernel)
     assert_close_up_to_activation_rounding(woq.reference_linear(x, **args), kernel)
     layer.activations = "int8"
-    with quant.reading_prompt():
+    with prompt_rows.reading_prompt():
         assert torch.equal(layer(x), woq.woq_linear(x, **args, activations="int8"))
     monkeypatch.setenv("CLOVER_PROMPT_MATMUL", "bf16")
     with pytest.raises(ValueError, match="CLOVER_PROMPT_MATMUL must be one of kernel, fp32; got 'bf16'"):
-        quant.prompt_matmul()
+        prompt_rows.prompt_matmul()
 
 
 @pytest.mark.parametrize("matmul", ["kernel", "fp32"])
@@ -146,7 +146,7 @@ def test_a_prompt_rows_bits_do_not_depend_on_how_many_rows_share_its_forward(mat
     layer = PackedLinear.from_weight(torch.randn(960, 576), "int4", activations="int8x2",
                                      correction=(torch.randn(8, 576), torch.randn(8, 960) * 0.01))
     x = torch.randn(300, 576)
-    with quant.reading_prompt():
+    with prompt_rows.reading_prompt():
         full = layer(x)
         for rows in (*range(1, 20), 31, 33, 255, 257):
             assert torch.equal(layer(x[:rows]), full[:rows]), rows

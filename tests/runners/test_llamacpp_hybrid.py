@@ -21,7 +21,7 @@ from server_helpers import build_checkpoint
 from clover import CloverForBlockDiffusion
 from clover.conversion.gguf_export import export_gguf
 from clover.engine import Engine, SamplingParams, generate
-from clover.engine.loop import StreamPiece
+from clover.engine.loops.loop import StreamPiece
 from clover.runners import llama_api
 from clover.runners.base import RunnerOptions
 from clover.runners.llamacpp_open import LlamaCppFile
@@ -29,7 +29,7 @@ from clover.runners.llamacpp_hybrid import ROLLBACK, HybridCache, HybridLlamaCpp
 from model_helpers import PROMPTS
 
 MAX_NEW = 24
-# prompts that repeat themselves, so the context offers drafts (clover.engine.lookup) that are partly right
+# prompts that repeat themselves, so the context offers drafts (clover.engine.drafts.lookup) that are partly right
 LOOPING = [[5, 17, 3, 99, 42, 7, 11, 5, 17, 3, 99, 42, 7, 11, 5, 17], [64, 1, 2, 3, 64, 1, 2, 3, 64, 1]]
 
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from clover.engine import Engine, SamplingParams, generate
-from clover.engine.loop import StreamPiece
+from clover.engine.loops.loop import StreamPiece
 from clover.runners.base import RunnerOptions
 from clover.runners.llamacpp_open import LlamaCppFile
 from clover.runners.llamacpp_plain import PlainLlamaCppRunner

@@ -1,6 +1,6 @@
 """Prefix reuse on the llama.cpp runner: a request resumed from a stored prefix prefills only its new tokens and
 gives what a cold start gives; stored prefixes live in host memory, not in the KV cache
-(`clover.runners.llamacpp`, `clover.serving.prefix_cache`)."""
+(`clover.runners.llamacpp`, `clover.serving.scheduling.prefix_cache`)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from clover.conversion.gguf_export import export_gguf
 from clover.engine import Engine, generate
 from clover.runners.llamacpp import LlamaCppRunner
 from clover.serving import ServerOptions, create_app
-from clover.serving.prefix_cache import PrefixCache
+from clover.serving.scheduling.prefix_cache import PrefixCache
 
 GRID = 8
 

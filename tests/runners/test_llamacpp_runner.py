@@ -22,8 +22,8 @@ from server_helpers import build_checkpoint
 from clover import CloverForBlockDiffusion
 from clover.conversion.gguf_export import export_gguf
 from clover.engine import Engine, SamplingParams, generate
-from clover.engine.decision import decide_autoregressive, decide_batch, render_layout
-from clover.engine.form import parse_form
+from clover.engine.loops.decision import decide_autoregressive, decide_batch, render_layout
+from clover.engine.constraints.form import parse_form
 from clover.runners import llama_api
 from clover.runners.llamacpp import LlamaCppRunner
 from model_helpers import PROMPTS

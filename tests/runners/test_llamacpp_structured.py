@@ -14,7 +14,7 @@ from server_helpers import checkpoint_and_gguf, server_thread
 
 from clover import CloverForBlockDiffusion
 from clover.cli.main import main
-from clover.engine.form import parse_form
+from clover.engine.constraints.form import parse_form
 from clover.runners.llamacpp import LlamaCppRunner
 from clover.serving import ServerOptions, create_app
 

@@ -11,7 +11,7 @@ import pytest
 
 from clover.assistant_output import OutputParser, whole_calls
 from clover.serving.grammar_route import request_grammar
-from clover.serving.protocol import APIError, ChatCompletionRequest
+from clover.serving.api.protocol import APIError, ChatCompletionRequest
 from clover.tool_formats import TOOL_FORMATS
 from server_helpers import concise_server, scripted_client
 

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-import clover.serving.scheduler as scheduler_module
+import clover.serving.scheduling.scheduler as scheduler_module
 from clover.engine import SamplingParams
-from clover.serving.heap import release_free_heap
-from clover.serving.scheduler import Scheduler
+from clover.serving.scheduling.heap import release_free_heap
+from clover.serving.scheduling.scheduler import Scheduler
 from model_helpers import tiny_model
 
 glibc = pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc",

@@ -14,12 +14,12 @@ import torch
 from pydantic import BaseModel
 
 from clover.engine import Engine, RequestOptions, SamplingParams, generate
-from clover.engine.decision import DecisionRun
+from clover.engine.loops.decision import DecisionRun
 from clover.serving import ServerOptions, create_app
-from clover.serving.handles import until_disconnect
-from clover.serving.prefix_cache import PrefixCache, snapshot_bytes
-from clover.serving.protocol import APIError
-from clover.serving.scheduler import MAX_IDLE_ENGINES, Scheduler
+from clover.serving.scheduling.handles import until_disconnect
+from clover.serving.scheduling.prefix_cache import PrefixCache, snapshot_bytes
+from clover.serving.api.protocol import APIError
+from clover.serving.scheduling.scheduler import MAX_IDLE_ENGINES, Scheduler
 from clover.serving.served_model import read_generation_defaults
 from model_helpers import PROMPTS, tiny_model
 from server_helpers import ConciseLM, server_thread

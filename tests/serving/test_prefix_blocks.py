@@ -9,7 +9,7 @@ import torch
 
 from clover.engine import Engine
 from clover.model.cache import AttentionLayerCache
-from clover.serving.prefix_cache import PrefixCache
+from clover.serving.scheduling.prefix_cache import PrefixCache
 from model_helpers import tiny_model
 from server_helpers import decode_alone as _decode
 

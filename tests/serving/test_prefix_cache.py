@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from clover.engine import Engine, SamplingParams
-from clover.engine.cost import ForwardCost
+from clover.engine.drafts.cost import ForwardCost
 from clover.model import quantize
 from clover.model.cache import CloverCache
-from clover.serving.prefix_cache import PrefixCache, chain_hashes
+from clover.serving.scheduling.prefix_cache import PrefixCache, chain_hashes
 from clover.smol import BUILD_ACTIVATIONS
 from model_helpers import tiny_model
 from server_helpers import decode_alone as _decode
@@ -49,7 +49,7 @@ def test_reused_prefix_gives_exactly_the_cold_start_tokens(models, preset, sampl
 @pytest.mark.parametrize("preset", ["clover-tiny", "clover-tiny-dense"])
 def test_reuse_on_a_packed_build_gives_exactly_the_cold_start_tokens(preset, quant, matmul, monkeypatch):
     """The int4 / int8 builds that round activations twice (clover-smol's) read prompt rows as
-    `clover.model.quant.prompt_matmul` says (the fused layer's kernel, or a dequantised fp32 matmul, which rounds
+    `clover.model.prompt_rows.prompt_matmul` says (the fused layer's kernel, or a dequantised fp32 matmul, which rounds
     differently) and decoding rows by the kernel. A warm start reads the rest of its prompt in the chunks a cold
     start reads after the reused point, on the same path."""
     monkeypatch.setenv("CLOVER_PROMPT_MATMUL", matmul)

@@ -11,9 +11,9 @@ import torch
 
 from clover.engine import Engine, RequestOptions, SamplingParams, generate
 from clover.serving.metrics import ServerMetrics
-from clover.serving.prefix_cache import PrefixCache
-from clover.serving.scheduler import QueueFull, Scheduler
-from clover.serving.scheduler_policy import Job, SchedulePolicy
+from clover.serving.scheduling.prefix_cache import PrefixCache
+from clover.serving.scheduling.scheduler import QueueFull, Scheduler
+from clover.serving.scheduling.scheduler_policy import Job, SchedulePolicy
 from model_helpers import PROMPTS, tiny_model
 
 PROMPTS = PROMPTS + [list(range(30, 57))]

@@ -79,7 +79,7 @@ def test_logprob_bytes_are_the_tokens_own_bytes(chat_tokenizer):
     parts = tok.token_bytes(ids)
     assert b"".join(parts) == "é€".encode() and len(parts) == len(ids)
     assert any(text == "\ufffd" for text in tok.token_texts(ids))  # a partial token's text is U+FFFD
-    from clover.serving.openai_format import chat_logprobs
+    from clover.serving.api.openai_format import chat_logprobs
     from clover.engine.logprobs import TokenLogprob
 
     values = [TokenLogprob(i, -1.0, [(i, -1.0)]) for i in ids]

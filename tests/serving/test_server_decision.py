@@ -11,8 +11,8 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from clover.engine.decision import decide_batch
-from clover.engine.form import parse_form
+from clover.engine.loops.decision import decide_batch
+from clover.engine.constraints.form import parse_form
 from clover.serving import ServerOptions, create_app
 from server_helpers import server_thread
 from model_helpers import tiny_model

@@ -14,7 +14,7 @@ import pytest
 from clover.engine.engine import Engine
 from clover.engine.request import REPETITION_FIELDS, RequestOptions
 from clover.serving import ServerOptions, create_app
-from clover.serving.protocol import MAX_SCHEMA_CHARS, ChatCompletionRequest
+from clover.serving.api.protocol import MAX_SCHEMA_CHARS, ChatCompletionRequest
 from model_helpers import tiny_model
 from server_helpers import server_thread
 
@@ -152,7 +152,7 @@ def test_a_generation_failure_is_a_500_naming_only_the_request_id(server, monkey
 def test_dry_breakers_are_resolved_off_the_scheduler_thread(server, monkeypatch):
     """Resolving breaker strings against the vocabulary takes a pass over it per breaker: it runs in a worker
     thread before the request is queued, so the scheduler (every stream's steps) never waits for it."""
-    from clover.engine import repetition
+    from clover.engine.constraints import repetition
 
     threads: list[str] = []
     resolve = repetition.breakers_from_texts
@@ -214,7 +214,7 @@ def test_a_schema_too_complex_to_follow_is_a_400_naming_it(server, path, body, p
 def test_failures_past_the_queue_name_no_exception(server, app, monkeypatch):
     """A decision run or a prompt scoring whose step raises is our bug: a 500 naming the request id only (not a 503
     carrying the exception); a scheduler that died makes a 503 in our words, not its exception's."""
-    from clover.engine.decision import DecisionRun
+    from clover.engine.loops.decision import DecisionRun
     from clover.engine.logprobs import PromptScoring
 
     def broken(self):

@@ -9,8 +9,8 @@ import asyncio
 import openai
 import pytest
 
-from clover.engine import exact
-from clover.engine.cost import ForwardCost
+from clover.engine.loops import exact
+from clover.engine.drafts.cost import ForwardCost
 from clover.serving import ServerOptions, create_app
 from model_helpers import tiny_model
 from server_helpers import server_thread

@@ -1,8 +1,8 @@
-"""The thinking budget served (`thinking_token_budget`, vLLM's request field; clover.engine.thinking) on a checkpoint
-carrying Qwen3.5's real chat template: the streamed and whole `reasoning_content` hold at most N tokens, closed by
-the template's own `</think>`, and the answer follows; the Responses API takes it too; bad values are a 400 naming
-the field. And the prefix cache never shares what differs between a thinking and a non-thinking render of the same
-conversation (it is keyed by token ids: the reuse stops where the renders diverge)."""
+"""The thinking budget served (`thinking_token_budget`, vLLM's request field; clover.engine.constraints.thinking) on a
+checkpoint carrying Qwen3.5's real chat template: the streamed and whole `reasoning_content` hold at most N tokens,
+closed by the template's own `</think>`, and the answer follows; the Responses API takes it too; bad values are a 400
+naming the field. And the prefix cache never shares what differs between a thinking and a non-thinking render of the
+same conversation (it is keyed by token ids: the reuse stops where the renders diverge)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from clover.chat_template import render_chat
-from clover.engine.thinking import thinking_budget
+from clover.engine.constraints.thinking import thinking_budget
 from server_helpers import ScriptedLM, server_thread, stream_chat
 
 NAME = "qwen35"

@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from clover.choices import DRAFT_MEMORY_TOKENS
-from clover.engine.lookup import MAX_DEPTH, ContextLookup
+from clover.engine.drafts.lookup import MAX_DEPTH, ContextLookup
 
 NGRAMS = (8, 4, 2)  # the chains, longest first: a long key finds the deep matches a short one's chain may bury
 MAX_MATCH = MAX_DEPTH  # tokens compared backwards to measure a match, as for the context's drafts

@@ -8,7 +8,7 @@ cannot enforce (`uniqueItems`, `if`/`then`) instead of silently ignoring it.
     grammar = json_schema_grammar(schema, tokenizer)       # GrammarError (a ValueError) naming the keyword
     generate(model, prompts, grammar=grammar, rule="exact")
 
-What a grammar changes in decoding (clover.engine.exact): the causal choice is made among the allowed tokens
+What a grammar changes in decoding (clover.engine.loops.exact): the causal choice is made among the allowed tokens
 only, and the tokens the grammar forces (llguidance's fast-forward tokens: the canonical tokenization of bytes no
 choice can change, e.g. `", "` and the next key) are committed with no forward of their own; when the grammar can
 only end, an EOS is forced too. This is part of the definition of constrained decoding, the same at every block

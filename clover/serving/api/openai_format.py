@@ -5,27 +5,23 @@ until they cannot match), `ChatChoice` also splits reasoning, content and tool c
 way for streamed and whole responses. A streamed tool call goes out as it is written, in OpenAI's chunks: one
 with its `index`, `id`, `type` and `function.name` (`arguments: ""`), then its `function.arguments` fragments;
 a block that finishes one call and starts others sends each call's chunks whole and in order. The request flows
-that feed them are `chat.py`'s and `completions.py`'s.
+that feed them, and stream them, are `chat.py`'s and `completions.py`'s.
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import uuid
-from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from clover.engine import StopAwareDetokenizer
-from clover.serving.handles import RequestHandle, merge
 from clover.assistant_output import OutputDelta, OutputParser
 from clover.tool_formats import HERMES, CallDelta, ToolFormat
-from clover.serving.request_context import REQUEST_ID, request_failure
 
 if TYPE_CHECKING:
     from clover.engine.logprobs import TokenLogprob
-    from clover.engine.loop import StreamPiece
+    from clover.engine.loops.loop import StreamPiece
 
-logger = logging.getLogger(__name__)
 
 TokenTexts = Callable[[list[int]], list[str]]  # ids -> each token's own text
 TokenBytes = Callable[[list[int]], list[bytes]]  # ids -> each token's own bytes
@@ -225,91 +221,3 @@ def chunk_sse(rid: str, obj: str, created: int, model: str, include_usage: bool,
     if include_usage:
         body["usage"] = None  # OpenAI: usage is null on every chunk but the final one
     return sse(body)
-
-
-async def chat_stream(handle: RequestHandle, choices: list[ChatChoice], rid: str, created: int, model: str,
-                      prompt_tokens: int, include_usage: bool, texts: TokenTexts | None = None,
-                      raw: TokenBytes | None = None) -> AsyncIterator[str]:
-    """A chat completion's SSE events: a role chunk per choice, the deltas of committed blocks (with their tokens'
-    logprobs when asked for: `texts` names the tokens), a finish chunk per choice, the usage chunk when asked for,
-    `[DONE]`; an error after the start is reported in-band."""
-
-    def chunk(index: int, delta: dict[str, Any], finish: str | None = None, extra: dict[str, Any] = {}) -> str:
-        return chunk_sse(rid, "chat.completion.chunk", created, model, include_usage,
-                         {"index": index, "delta": delta, "finish_reason": finish, **extra})
-
-    try:
-        for i in range(len(choices)):
-            yield chunk(i, {"role": "assistant", "content": ""})
-        async for out in handle:
-            index = handle.choice(out)
-            c = choices[index]
-            delta = c.push_output(out)
-            text: dict[str, Any] = {}
-            if delta.reasoning:
-                text["reasoning_content"] = delta.reasoning
-            if delta.content:
-                text["content"] = delta.content
-            bodies = ([text] if text else []) + [{"tool_calls": [e]} for e in c.call_entries(delta.tool_calls)]
-            if out.logprobs and texts is not None:  # a token's values come with the block that committed it
-                yield chunk(index, bodies.pop(0) if bodies else {},
-                            extra={"logprobs": chat_logprobs(out.logprobs, texts, raw)})
-            for body in bodies:
-                yield chunk(index, body)
-            if out.finished:
-                yield chunk(index, {}, c.finish_reason, c.extra)
-        if include_usage:
-            yield sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                       "choices": [], "usage": usage(prompt_tokens, sum(c.tokens for c in choices),
-                                                     max(handle.cached_tokens))})
-    except Exception as exc:  # noqa: BLE001 - the stream has started: report in-band
-        logger.exception("request %s: generation failed", REQUEST_ID.get())
-        yield sse(request_failure(exc).body())
-    finally:
-        handle.cancel()  # no-op when finished; frees the slots when the client went away
-    yield "data: [DONE]\n\n"
-
-
-async def completion_stream(handles: list[RequestHandle], choices: list[ChoiceText], echo: list[str], n: int,
-                            rid: str, created: int, model: str, prompt_tokens: int, include_usage: bool,
-                            texts: TokenTexts | None = None,
-                            echo_logprobs: list[tuple[list[int], list[TokenLogprob | None]]] | None = None
-                            ) -> AsyncIterator[str]:
-    """A text completion's SSE events (choice `k` is choice `k % n` of prompt `k // n`), as `chat_stream`; with
-    `texts`, each chunk carries its tokens' logprobs (`echo_logprobs[k]`: the echoed prompt's tokens and values)."""
-    offsets = [0] * len(choices)
-
-    def values(k: int, tokens: list[int], lps: Sequence[TokenLogprob | None] | None) -> dict[str, Any]:
-        if texts is None or lps is None:
-            return {}
-        body, offsets[k] = completion_logprobs(tokens, lps, texts, offsets[k])
-        return {"logprobs": body}
-
-    def chunk(index: int, text: str, finish: str | None = None, extra: dict[str, Any] = {}) -> str:
-        return chunk_sse(rid, "text_completion", created, model, include_usage,
-                         {"index": index, "text": text, "finish_reason": finish, **extra})
-
-    try:
-        for k, text in enumerate(echo):
-            lps = values(k, *echo_logprobs[k]) if echo_logprobs else {}
-            if text or lps:
-                yield chunk(k, text, extra=lps)
-        async for i, out in merge(handles):
-            k = i * n + handles[i].choice(out)
-            text = choices[k].push(out)
-            lps = values(k, out.token_ids, out.logprobs) if out.logprobs else {}
-            if text or lps:
-                yield chunk(k, text, extra=lps)
-            if out.finished:
-                yield chunk(k, "", choices[k].finish_reason, choices[k].extra)
-        if include_usage:
-            yield sse({"id": rid, "object": "text_completion", "created": created, "model": model,
-                       "choices": [], "usage": usage(prompt_tokens, sum(c.tokens for c in choices),
-                                                     sum(max(h.cached_tokens) for h in handles))})
-    except Exception as exc:  # noqa: BLE001
-        logger.exception("request %s: generation failed", REQUEST_ID.get())
-        yield sse(request_failure(exc).body())
-    finally:
-        for h in handles:
-            h.cancel()
-    yield "data: [DONE]\n\n"

@@ -7,7 +7,8 @@ commits it; `ExactLoop` (exact.py) verifies drafts against the causal path, a fo
 picks the loop, once, when the engine is made: the engine never checks which loop it runs.
 
     check(params)              refuse requests the loop cannot serve (before anything runs)
-    open(seqs, ids, cache)     the prefill's last chunk -> a batch at its first step
+    open(seqs, ids, cache, **kw)  the prefill's last chunk -> a batch at its first step (`kw`, `prompt=True`
+                               among them, go to the forward that reads it)
     step(batch)                -> events, the batch (None once every request finished)
     at_boundary(batch)         whether requests can join now
     join(a, b) / keep_rows     batches merge; finished or cancelled rows leave
@@ -19,16 +20,15 @@ picks the loop, once, when the engine is made: the engine never checks which loo
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+from typing import Any, ClassVar, Protocol
 
 import torch
 
+from clover.engine.constraints.repetition import BreakerCache
+from clover.engine.drafts.draft_memory import DraftMemory
 from clover.engine.logprobs import TokenLogprob
-from clover.engine.request import RequestOptions, Sequence
-from clover.runners.base import RunnerCache
-
-if TYPE_CHECKING:
-    from clover.engine.engine import Engine
+from clover.engine.request import Detokenize, RequestOptions, Sequence
+from clover.runners.base import ModelRunner, RunnerCache
 
 
 @dataclass
@@ -60,7 +60,7 @@ Event = StreamPiece | StepSnapshot
 
 class Run(Protocol):
     """Work that is stepped to its end and then read whole, beside the decoding batches: a decision run
-    (clover.engine.decision) or a prompt scoring (clover.engine.logprobs). The server's scheduler steps every run
+    (clover.engine.loops.decision) or a prompt scoring (clover.engine.logprobs). The server's scheduler steps every run
     it holds through these three names, on the thread that runs the model."""
 
     prompts: list[list[int]]  # its rows (what it holds of the runner while it runs)
@@ -72,13 +72,58 @@ class Run(Protocol):
         """One result per prompt, once done."""
 
 
+@dataclass
+class EngineCounters:
+    """Batch-level figures, for benchmarks: engine overhead = wall time - forward time."""
+
+    forwards: int = 0
+    forward_time_s: float = 0.0
+    steps: int = 0
+
+
+class LoopEngine(Protocol):
+    """What a loop may ask of the engine that drives it (clover.engine.engine.Engine): the runner call, emission
+    and the settings every loop shares."""
+
+    runner: ModelRunner
+    device: torch.device
+    block_size: int
+    mask_id: int
+    vocab_size: int
+    banned_ids: torch.Tensor  # ids never emitted (the mask, past the vocabulary limit)
+    eos: torch.Tensor  # `eos_ids` as a tensor
+    eos_ids: list[int]
+    causal_context: bool  # the model reads committed context causally (its config's `context_reading`)
+    detokenize: Detokenize | None
+    breakers: BreakerCache | None  # DRY's sequence breakers by token
+    memory: DraftMemory | None  # the drafting memory, where the rule drafts from one
+    counters: EngineCounters
+
+    def forward(self, ids: torch.Tensor | None, cache: RunnerCache, block_size: int | None = None,
+                **kwargs: Any) -> torch.Tensor:
+        """The runner's logits for one forward, timed and counted."""
+
+    def masks(self, n: int, width: int | None = None) -> torch.Tensor:
+        """`[n, width]` mask ids (width: the block size)."""
+
+    def eos_of(self, seq: Sequence) -> list[int]:
+        """The ids that end `seq`."""
+
+    def heeds_eos(self, seqs: list[Sequence]) -> torch.Tensor | None:
+        """`[N]` bool: the rows an engine EOS ends (None when all do)."""
+
+    def emit(self, b: Any, pieces: list[tuple[list[int], int, int]],
+             logprobs: list[list[TokenLogprob | None] | None] | None = None) -> list[Event]:
+        """Row `r` of batch `b` takes `pieces[r]` (its tokens, steps, forwards); finished rows leave `b`."""
+
+
 class DecodingLoop:
     """The interface of a loop (module docstring); `engine` gives it the runner call, emission and settings."""
 
     name: ClassVar[str] = ""
     prompt_grid: int = 1
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: LoopEngine) -> None:
         self.engine = engine
 
     def check(self, options: list[RequestOptions]) -> None:

@@ -1,6 +1,6 @@
 """Decision decoding: fill every slot of a form at once, most confident first (docs/decision.md).
 
-The form (`clover.engine.form`) is rendered as the JSON answer with masked slots, after the prompt:
+The form (`clover.engine.constraints.form`) is rendered as the JSON answer with masked slots, after the prompt:
 
     prompt | {"category": [s s s] , "urgency": [s s] , "needs_human": [s] , "summary": "[t t t t t t] } EOS [MASK]...
 
@@ -49,9 +49,8 @@ import torch
 
 from clover.chat_template import render_chat
 from clover.config import check_threshold
-from clover.engine.form import Field, Form, parse_form, value_text
+from clover.engine.constraints.form import Field, Form, parse_form, value_text
 from clover.engine.prefill import DEFAULT_PREFILL_CHUNK, prefill
-from clover.model.quant import reading_prompt
 from clover.runners.base import ModelRunner, release_cache
 from clover.runners.torch_runner import as_runner
 
@@ -304,14 +303,13 @@ class DecisionRun:
                            self.grid)
             clean, kwargs = last.ids, last.kwargs  # chunks before it are prefill, not steps (as in generation)
             if self.grid > 1:  # the answer block is longer than the grid's blocks: the last chunk goes alone
-                with reading_prompt():
-                    self.runner.forward(clean, self.grid, cache=self.cache, logits_to_keep=0, **kwargs)
+                self.runner.forward(clean, self.grid, cache=self.cache, logits_to_keep=0, prompt=True, **kwargs)
                 clean, kwargs = None, {}
         t = 0 if clean is None else clean.shape[1]
         at = torch.zeros(n, t + a, dtype=torch.bool, device=self.device)
         at[:, t + self.read_at.to(self.device)] = True
-        with reading_prompt(t > 0):  # the first step carries the prompt's last chunk
-            out = self.runner.forward(clean, a, cache=self.cache, query_ids=query, logits_at=at, **kwargs)
+        # the first step carries the prompt's last chunk
+        out = self.runner.forward(clean, a, cache=self.cache, query_ids=query, logits_at=at, prompt=t > 0, **kwargs)
         return out.view(n, len(self.read_at), -1)
 
     def _step(self, logits: torch.Tensor, block: torch.Tensor, decided: torch.Tensor, logp: torch.Tensor,
@@ -402,8 +400,8 @@ def decide_autoregressive(model: torch.nn.Module | ModelRunner, tokenizer: Any, 
         ids = torch.tensor([pending], dtype=torch.long, device=runner.device)
         last = torch.zeros(1, len(pending), dtype=torch.bool, device=runner.device)
         last[0, -1] = True
-        with reading_prompt(forwards == 0):  # the first forward writes the prompt
-            logits = runner.forward(ids, 1, cache=cache, logits_at=last)[0].float().cpu()
+        # the first forward writes the prompt
+        logits = runner.forward(ids, 1, cache=cache, logits_at=last, prompt=forwards == 0)[0].float().cpu()
         forwards += 1
         pending = []
         return torch.log_softmax(logits, dim=-1)

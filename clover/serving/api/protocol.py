@@ -177,7 +177,7 @@ class DecodingFields(_Model):
     # vLLM's extension: always generate max_tokens (benchmarks); under a grammar, up to where it can only end
     ignore_eos: StrictBool = False
     # vLLM's extension: at most this many reasoning tokens, then the template's closing text is forced
-    # (clover.engine.thinking); absent: reasoning unbounded
+    # (clover.engine.constraints.thinking); absent: reasoning unbounded
     thinking_token_budget: Count | None = None
 
     def repetition(self) -> dict[str, Any]:
@@ -390,7 +390,8 @@ SCHEMA_PARAM = "response_format.json_schema.schema"  # where a request's JSON sc
 
 
 class JSONSchemaFormat(_Model):
-    """OpenAI structured outputs: `response_format.json_schema` (`schema` is checked by `clover.engine.form`)."""
+    """OpenAI structured outputs: `response_format.json_schema` (`schema` is checked by
+    `clover.engine.constraints.form`)."""
 
     name: Annotated[StrictStr, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
     description: StrictStr | None = None

@@ -26,8 +26,8 @@ Tags are matched as token sequences (`<think>` and `</think>` are single special
 tokenizer that splits them must split them the same way in context).
 
 **How it fits the engine.** The budget is a token-level constraint with a grammar's verbs
-(`clover.engine.grammar.Matcher`): `masks_for(drafts)` (the allowed tokens at the decision and after each draft:
-one token where the closing sequence is due, no mask elsewhere), `consume`, `rollback`, `forced()` (the closing
+(`clover.engine.constraints.grammar.Matcher`): `masks_for(drafts)` (the allowed tokens at the decision and after each
+draft: one token where the closing sequence is due, no mask elsewhere), `consume`, `rollback`, `forced()` (the closing
 sequence, decided with no forward of its own) and `draft`. Exact mode treats a request's constraint the same way
 whichever it is, so its output is block-size-1 decoding with the same budget, token for token: a draft running
 past the budget is checked against the forced token, and the forced tokens are committed as block size 1 commits
@@ -55,7 +55,7 @@ import torch
 
 from clover.assistant_output import END_THINK, THINK
 from clover.chat_template import render_chat
-from clover.engine.grammar import draft_through
+from clover.engine.constraints.grammar import draft_through
 
 IDLE, REASONING, CLOSING, DONE = "idle", "reasoning", "closing", "done"
 _REASONING_MARK, _ANSWER_MARK = "CLOVER-REASONING-MARK", "CLOVER-ANSWER-MARK"

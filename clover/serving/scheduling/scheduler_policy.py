@@ -29,12 +29,12 @@ from typing import Any, Callable, Hashable, Sequence as Seq
 
 from clover.engine import Engine
 from clover.engine.engine import DecodeBatch, Prefill
-from clover.engine.loop import Run
+from clover.engine.loops.loop import Run
 from clover.engine.request import Sequence
-from clover.serving.handles import RequestHandle
+from clover.serving.scheduling.handles import RequestHandle
 from clover.serving.metrics import ServerMetrics
 from clover.serving.request_log import RequestLog
-from clover.serving.prefix_cache import PrefixCache, SnapshotBudget
+from clover.serving.scheduling.prefix_cache import PrefixCache, SnapshotBudget
 
 logger = logging.getLogger(__name__)
 

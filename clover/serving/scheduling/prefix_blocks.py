@@ -3,8 +3,8 @@ runner's `CloverCache`).
 
 An entry that ends at grid point `n * grid` is the chain `b_0 .. b_{n-1}`: block `b_k` holds every attention
 layer's keys and values at positions `[k * grid, (k + 1) * grid)`, and is found by the chain hash of the entry's
-scope and *all* its tokens up to the block's end (`clover.serving.prefix_cache.chain_hashes`). A position's KV
-depends on every token before it, so two entries share a block exactly when they share that whole prefix, in the
+scope and *all* its tokens up to the block's end (`clover.serving.scheduling.prefix_cache.chain_hashes`). A position's
+KV depends on every token before it, so two entries share a block exactly when they share that whole prefix, in the
 same scope: an agent's next turn stores only the blocks of its new messages, and a second conversation with the
 same system prompt and tools (same API key) stores them once. Another key's prompts never share a block (the
 hash starts from the scope), so a block says nothing across keys.

@@ -25,9 +25,9 @@ exactly what it gets alone. A sampled position draws with noise keyed by the req
 the row's own step in the block (clover.engine.noise), so that holds for seeded sampling too; at block size 1 (one
 step per block) the draw is exact mode's. A finished request leaves the batch at the next commit.
 
-A request's thinking budget (clover.engine.thinking) bounds which positions a step may fill (`_within_budget`) and
-writes the closing sequence where the budget is spent (`_force_closing`): those positions are decided without a
-step, as a block's `head` is, but they are output.
+A request's thinking budget (clover.engine.constraints.thinking) bounds which positions a step may fill
+(`_within_budget`) and writes the closing sequence where the budget is spent (`_force_closing`): those positions are
+decided without a step, as a block's `head` is, but they are output.
 
 Where things happen: `step` (one denoising step), `_finish_block` (EOS / stop / length, emit), `_commit` (the
 block joins the cache).
@@ -43,7 +43,7 @@ import torch
 
 from clover.engine.decoding import UnmaskingRule
 from clover.engine.logprobs import TokenLogprob, token_logprobs
-from clover.engine.loop import DecodingLoop, Event, StepSnapshot
+from clover.engine.loops.loop import DecodingLoop, Event, LoopEngine, StepSnapshot
 from clover.engine.request import RequestOptions, Sequence, before_eos, through_eos
 from clover.runners.base import RunnerCache
 from clover.engine.sampling import BatchSampler
@@ -76,7 +76,7 @@ class BlockLoop(DecodingLoop):
 
     name = "block"
 
-    def __init__(self, engine: Any, rule: UnmaskingRule) -> None:
+    def __init__(self, engine: LoopEngine, rule: UnmaskingRule) -> None:
         super().__init__(engine)
         self.rule = rule
         self._positions = torch.arange(engine.block_size, device=engine.device)
@@ -209,9 +209,9 @@ class BlockLoop(DecodingLoop):
         return masked & (self._positions[None] < need[:, None])
 
     def _within_budget(self, b: BlockBatch, need: torch.Tensor) -> torch.Tensor:
-        """`need` `[N]` lowered, in rows with a thinking budget (clover.engine.thinking), to the positions that are
-        certainly the model's own: from the block's decided prefix, as many as the budget leaves before its closing
-        sequence may be due. No position past the budget is decided before the prefix reaches it, and then the
+        """`need` `[N]` lowered, in rows with a thinking budget (clover.engine.constraints.thinking), to the positions
+        that are certainly the model's own: from the block's decided prefix, as many as the budget leaves before its
+        closing sequence may be due. No position past the budget is decided before the prefix reaches it, and then the
         closing sequence is written there (`_force_closing`)."""
         rows = [r for r, s in enumerate(b.seqs) if s.budget is not None and not s.budget.done]
         if not rows:

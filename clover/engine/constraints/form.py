@@ -1,4 +1,4 @@
-"""Forms for decision decoding: the JSON Schema subset `clover.engine.decision` fills, parsed and checked.
+"""Forms for decision decoding: the JSON Schema subset `clover.engine.loops.decision` fills, parsed and checked.
 
 A form is a flat object of named fields, each with a finite set of allowed values or a bounded free-text span:
 

@@ -9,8 +9,8 @@ from typing import AsyncIterator, Awaitable, Callable, Sequence as Seq, TypeVar
 
 from fastapi import Request
 
-from clover.engine.loop import StreamPiece
-from clover.serving.protocol import APIError
+from clover.engine.loops.loop import StreamPiece
+from clover.serving.api.protocol import APIError
 
 T = TypeVar("T")
 

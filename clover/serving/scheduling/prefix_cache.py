@@ -22,9 +22,9 @@ request reuses only its own scope's prefixes, so neither its `cached_tokens` nor
 client anything about another key's prompts. Without API keys every request has the one scope.
 
 **Stored as shared blocks.** Where the runner's cache can be cut into blocks of KV (`kv_block`: the torch
-runner), an entry is a chain of `grid`-token blocks that entries share (`clover.serving.prefix_blocks`): an agent's
-next turn stores only its new blocks, and conversations of one API key that start with the same system prompt and
-tools hold that start once. A `find` assembles the request's own contiguous KV from the blocks (one copy: the
+runner), an entry is a chain of `grid`-token blocks that entries share (`clover.serving.scheduling.prefix_blocks`): an
+agent's next turn stores only its new blocks, and conversations of one API key that start with the same system prompt
+and tools hold that start once. A `find` assembles the request's own contiguous KV from the blocks (one copy: the
 request's buffers are allocated once at about their final size, `CloverCache.expect`, and grow only past it).
 Elsewhere (the llama.cpp runner: an entry is its prefix's cells saved to host memory, written back into a new row
 on a `find`) an entry is the runner's own copy (`prefix(length, snapshot, copy=True)`). At least one prompt token
@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 from typing import Any, Hashable
 
 from clover.runners.base import RunnerCache, StoredPrefix
-from clover.serving.prefix_blocks import BlockTable
+from clover.serving.scheduling.prefix_blocks import BlockTable
 
 logger = logging.getLogger(__name__)
 

@@ -67,17 +67,17 @@ from typing import Any
 
 import torch
 
-from clover.engine.cost import ForwardCost, cost_table, kept_table, shape_prior
+from clover.engine.drafts.cost import ForwardCost, cost_table, kept_table, shape_prior
 from clover.engine.decoding import ExactRule
-from clover.engine.draft_memory import MemoryDraft, copied_drafts
-from clover.engine.drafting import Acceptance, best_batch_verified, best_drafts, best_verified, expected_tokens
+from clover.engine.drafts.draft_memory import MemoryDraft, copied_drafts
+from clover.engine.drafts.drafting import Acceptance, best_batch_verified, best_drafts, best_verified, expected_tokens
 from clover.engine.logprobs import TokenLogprob, token_logprobs
-from clover.engine.lookup import ContextLookup
-from clover.engine.loop import DecodingLoop, Event
+from clover.engine.drafts.lookup import ContextLookup
+from clover.engine.loops.loop import DecodingLoop, Event
 from clover.engine.request import Sequence, through_eos
 from clover.runners.base import RunnerCache
 from clover.engine.sampling import BatchSampler
-from clover.engine.speculative import verify
+from clover.engine.loops.speculative import verify
 
 STEP_EMA = 0.2  # weight of the newest step in the running estimate of the engine's own time per step
 STEP_WINDOW = 9  # a step's time by forward size: the median of the last this many (a shared machine's slow

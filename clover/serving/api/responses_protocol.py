@@ -32,7 +32,7 @@ from pydantic import (BeforeValidator, Discriminator, Field, StrictBool, StrictI
                       ValidationInfo, field_validator, model_validator)
 from pydantic_core import PydanticCustomError
 
-from clover.serving.protocol import (APIError, ChatCompletionRequest, ChatTemplateKwargs, DecodingFields,
+from clover.serving.api.protocol import (APIError, ChatCompletionRequest, ChatTemplateKwargs, DecodingFields,
                                      FunctionCall, JSONObject, PositiveInt, Schema, Text, ToolName, WellFormed, _Model,
                                      parameters_schema)
 

@@ -10,7 +10,7 @@ running while requests come and go:
         join:    at a block boundary, prefilled requests join the running batch (`Engine.join`)
         step:    one denoising step of every running batch (`Engine.step`); committed blocks go to their
                  requests, finished sequences leave the batch
-        decide:  one forward of every running decision run (`response_format`, `clover.engine.decision`)
+        decide:  one forward of every running decision run (`response_format`, `clover.engine.loops.decision`)
         cancel:  a client that went away leaves the batch at once (`Engine.drop`), freeing its slot
 
 Prefill runs one chunk per iteration, between decode steps, so a long prompt never stalls the streams that
@@ -49,17 +49,17 @@ from typing import Any, Callable, Hashable, Sequence as Seq
 import torch
 
 from clover.engine import Engine
-from clover.engine.loop import Run
+from clover.engine.loops.loop import Run
 from clover.engine.request import Options
-from clover.engine.exact import ExactLoop
+from clover.engine.loops.exact import ExactLoop
 from clover.runners.base import ModelRunner
 from clover.runners.torch_runner import as_runner
-from clover.serving.handles import Outbox, RequestHandle
-from clover.serving.heap import release_free_heap
+from clover.serving.scheduling.handles import Outbox, RequestHandle
+from clover.serving.scheduling.heap import release_free_heap
 from clover.serving.metrics import ServerMetrics
-from clover.serving.prefix_cache import PrefixCache
+from clover.serving.scheduling.prefix_cache import PrefixCache
 from clover.serving.request_log import RequestLog
-from clover.serving.scheduler_policy import DecisionJob, EngineKey, Job, SchedulePolicy
+from clover.serving.scheduling.scheduler_policy import DecisionJob, EngineKey, Job, SchedulePolicy
 
 logger = logging.getLogger(__name__)
 
@@ -143,9 +143,9 @@ class Scheduler:
                      block_size: int | None = None, rule: str | None = None, scope: Hashable = None) -> RequestHandle:
         """Queue one prompt with one `RequestOptions` per choice (its drafting memory, its threshold, ...: the
         request's own, which never split a batch); `scope`: whose prefix-cache entries it reuses
-        (clover.serving.prefix_cache: an API key's own). Raises `ValueError` for a request the engine refuses (it
-        names the parameter), `QueueFull` when the server is at capacity and `RuntimeError` when no loop will take
-        it (not started, stopped or died: it would wait forever)."""
+        (clover.serving.scheduling.prefix_cache: an API key's own). Raises `ValueError` for a request the engine
+        refuses (it names the parameter), `QueueFull` when the server is at capacity and `RuntimeError` when no loop
+        will take it (not started, stopped or died: it would wait forever)."""
         key, engine = await self.engine(block_size, rule)
         seqs = engine.make_sequences([prompt] * len(options), max_new_tokens, list(options),
                                      ids=[next(self._ids) for _ in options])
@@ -249,7 +249,8 @@ class Scheduler:
                     self.policy.step_batches()
                     self.policy.step_decisions()
                 self.outbox.flush()
-                self.metrics.record_load(self.load, self.prefix_cache)
+                cached = None if self.prefix_cache is None else self.prefix_cache.memory_bytes
+                self.metrics.record_load(self.load, cached)
                 if not self.policy.busy():  # idle now: what the finished requests freed goes back to the system
                     release_free_heap()
         except BaseException as exc:  # a bug: fail every request rather than hang them
