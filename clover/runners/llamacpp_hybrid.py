@@ -7,7 +7,7 @@ that `clover export --to gguf` wrote as llama.cpp's `qwen35moe` / `qwen35` (clov
 **Causal only.** llama.cpp's DeltaNet is the AR recurrence; Clover's block-bidirectional read of a block being
 decoded has no llama.cpp form. So every forward is causal clean tokens (no query block): block rules with blocks of
 more than one token are refused by the engine (`causal_only`), and exact mode verifies drafts copied from the
-request's context (clover.engine.lookup) and never asks for a query block of drafts. The runner's config says
+request's context (clover.engine.drafts.lookup) and never asks for a query block of drafts. The runner's config says
 `rule: exact` (its default rule), so a plain `clover generate --runner llamacpp --model OUT.gguf` gives the model's
 block-size-1 answers.
 
@@ -57,7 +57,7 @@ from clover.runners.llamacpp import DEFAULT_MAX_CELLS, LlamaCppCache, LlamaCppRu
 
 HYBRID_ARCHITECTURES = ("qwen35moe", "qwen35")
 # recurrent-state snapshots asked for: exact mode's widest verification feeds 1 + 15 copied drafts and keeps at
-# least one; the cost calibration's widest forward is 16 tokens, rewound to none (clover.engine.cost)
+# least one; the cost calibration's widest forward is 16 tokens, rewound to none (clover.engine.drafts.cost)
 ROLLBACK = 16
 CAUSAL_ONLY = ("a hybrid (Gated DeltaNet) model on the llama.cpp runner runs its causal path only: block size 1 or "
                "--rule exact (drafts from the context); block rules read a block in both directions, which "

@@ -1,6 +1,6 @@
 """The cost model of a runner: how long one forward of `R` rows takes at a context length, on this machine.
 
-Exact mode decides from it how many drafts a forward verifies and how many it drafts (clover.engine.drafting):
+Exact mode decides from it how many drafts a forward verifies and how many it drafts (clover.engine.drafts.drafting):
 on a GPU rows are nearly free, so the whole block pays; on two CPU cores a row costs most of what the first one
 does (clover-smol's int4 build: 11.4 ms at 1 row, 52.3 at 16 in docs/cpu.md's table), so only well-accepted
 drafts pay. The table is
@@ -30,7 +30,7 @@ once: the weights' bytes and parameters from the model's shape (a GGUF's header,
 every row multiplies the active parameters), with a two-core machine's bandwidth and arithmetic guessed
 (`PRIOR_BANDWIDTH`, `PRIOR_FLOPS`). Exact mode times its steps and corrects the guess's scale as it decodes; only
 how rows compare is the prior's until the real table is measured at the engine's first idle moment
-(clover.engine.exact: `ExactLoop.idle`) and kept.
+(clover.engine.loops.exact: `ExactLoop.idle`) and kept.
 """
 
 from __future__ import annotations

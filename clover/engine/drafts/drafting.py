@@ -2,7 +2,7 @@
 
 A forward of exact mode reads the last decided token and `k` drafts causally, then `m + 1` masks (when `m > 0`)
 that draft the `m` tokens after the one this forward decides: `1 + k + (m + 1)` rows, which cost `t(rows)`
-(clover.engine.cost). Drafts are accepted left to right; draft `i` with probability `p_i` given the drafts
+(clover.engine.drafts.cost). Drafts are accepted left to right; draft `i` with probability `p_i` given the drafts
 before it were, so with `a_i = p_1 ... p_i` a forward that verifies `M` drafts commits
 `E_M = 1 + a_1 + ... + a_M` tokens on average, and leaves usable drafts (made after its last draft) only when all
 `M` were accepted, probability `a_M`; otherwise the next forward has none to verify.

@@ -18,15 +18,15 @@ Every forward commits at least one token, each the model's causal choice given e
 read causally whatever the model's `prompt_reading` (block-size-1 decoding reads every token as its own block), and
 a model without the token shift is refused: the causal path's choice is the output at the last committed token. With
 sampling (temperature, top-k, top-p) the causal path's choice at each position is block size 1's draw there, its
-noise keyed by the request's seed and the token's answer position (clover.engine.speculative): a draft is
+noise keyed by the request's seed and the token's answer position (clover.engine.loops.speculative): a draft is
 accepted when it equals that draw, so the output is distributed as sampling one token at a time and, with a seed,
 is the same text whatever was drafted, whatever the batch.
 
 After a rejection the query block's drafts were made after a wrong token: the next forward would verify nothing.
 With `lookup` (the default) it verifies drafts copied from the request's own context instead
-(clover.engine.lookup: the tokens that followed the latest earlier occurrence of the context's last n-gram), when
+(clover.engine.drafts.lookup: the tokens that followed the latest earlier occurrence of the context's last n-gram), when
 the context has one. With `memory` (the default too) it may take them from the answers the engine gave before
-instead (clover.engine.draft_memory: the continuations earlier answers share with the context's longest matching
+instead (clover.engine.drafts.draft_memory: the continuations earlier answers share with the context's longest matching
 suffix, scored by how often they followed it), whichever source matches the deeper match; copied drafts may be
 longer than a block (up to `COPIED_MOST`, as long as the match is deep). Their acceptance is estimated across
 requests, per source and match depth: a copy that continues a twelve-token match is accepted nearly always, one
@@ -34,18 +34,18 @@ after a two-token match about half the time (`CONTEXT_PRIOR`). Where the model d
 accepted every draft) a copy still replaces its drafts when it promises more tokens (a long match being copied
 goes on being copied, not three tokens at a time). Any draft is verified the same way, so where drafts come from
 changes only the cost. `k` and `m`
-change nothing in the output, only in the cost: `clover.engine.drafting` picks them per step and row from the
-runner's measured cost (`clover.engine.cost`) and the request's acceptance so far (`adaptive`, the default), or
+change nothing in the output, only in the cost: `clover.engine.drafts.drafting` picks them per step and row from the
+runner's measured cost (`clover.engine.drafts.cost`) and the request's acceptance so far (`adaptive`, the default), or
 always the whole block (`adaptive=False`: `m = B - 1`, every draft verified). `m = 0` is a one-row forward with
 no query block: block size 1 itself.
 
-With a grammar (clover.engine.grammar, a request's `RequestOptions.grammar`) the causal logits are masked to the
+With a grammar (clover.engine.constraints.grammar, a request's `RequestOptions.grammar`) the causal logits are masked to the
 allowed tokens before the choice, each draft's position with the grammar advanced past the drafts before it, so a
 draft is checked against the masked choice; the query block drafts the allowed argmax. The tokens the grammar
 forces after a decision (and an EOS when it can only end) are decided at once: they are emitted with it and fed,
 with the last decided token, at the head of the next forward's clean tokens, so they cost no forward of their
 own. Block size 1 (`m = 0`) does the same, so the output is constrained block-size-1 decoding, token for token.
-A thinking budget (clover.engine.thinking) is consulted the same way: its closing sequence is the forced tokens,
+A thinking budget (clover.engine.constraints.thinking) is consulted the same way: its closing sequence is the forced tokens,
 and a draft past the budget is checked against them.
 
 In floating point, verifying `k + 1` tokens in one forward and feeding them one at a time may be different sums
@@ -83,7 +83,7 @@ STEP_EMA = 0.2  # weight of the newest step in the running estimate of the engin
 STEP_WINDOW = 9  # a step's time by forward size: the median of the last this many (a shared machine's slow
 # moments are outliers)
 COPIED_MOST = 15  # drafts copied (from the context or the memory) at most: 16 rows, the widest forward the cost
-# table measures; fewer where the match is shallower (clover.engine.lookup)
+# table measures; fewer where the match is shallower (clover.engine.drafts.lookup)
 MEMORY_PRIOR = 0.6  # acceptance assumed for memory drafts before any was verified (learned across requests)
 MEMORY_BUCKETS = (4, 8, 16)  # match lengths that start a new acceptance estimate: a deeper match, surer drafts
 CONTEXT_BUCKETS = (4, 8, 12)  # the same for drafts copied from the request's context, whose acceptance rises
@@ -178,7 +178,7 @@ class ExactLoop(DecodingLoop):
         of one row has none to spare). `defer` (an engine's own prefill: `clover generate`, `generate()`): where
         none is kept, the model's shape stands in (`shape_prior`) and the measurement waits for the engine's first
         idle moment (`idle`), so the first answer does not wait for it. The server calls it before its first
-        request of this engine (clover.serving.scheduler), and it measures then."""
+        request of this engine (clover.serving.scheduling.scheduler), and it measures then."""
         if self.cost is not None or not self.rule.adaptive:
             return
         self.cost = kept_table(self.engine.runner) if defer else cost_table(self.engine.runner)
@@ -497,7 +497,7 @@ class ExactLoop(DecodingLoop):
 
     def _plan_batch(self, acceptance: list[Acceptance], avail: list[int], remaining: list[int], context: int,
                     b: ExactBatch | None) -> tuple[list[int], list[int]]:
-        """`_plan` for a batch, whose forward is as wide as its widest row (clover.engine.drafting): one number
+        """`_plan` for a batch, whose forward is as wide as its widest row (clover.engine.drafts.drafting): one number
         of drafts to make for every row, from the rows' mean acceptance with each row paying its share of the
         batch's rows, and one number to verify, the best for the whole forward, each row's drafts judged by their
         own estimate (copied ones by the lookup's)."""
@@ -529,7 +529,7 @@ class ExactLoop(DecodingLoop):
         token after the last fed token and after each of its `k[r]` drafts `drafts_in[r]` (masked by the row's
         grammar, `masks[r]` `[1 + k[r], V]`, where it has one); the rows' sequences `seqs` give the answer position
         of the token decided after the last fed one (the tokens the row has decided so far), which keys a sampled
-        row's noise (clover.engine.speculative), and the logprobs each asks for. Returns the committed tokens
+        row's noise (clover.engine.loops.speculative), and the logprobs each asks for. Returns the committed tokens
         `[N, 1 + max k]` (-1 after each row's), the drafts accepted `[N]` and `[N, drafts]` new drafts: query output `j` predicts the
         token two positions after the last clean one plus `j` (the mask at query position 0 stands for the token
         this forward decides); their logits stay in `_query_logits` for a grammar's drafts. Last, per row that asks
