@@ -28,8 +28,12 @@ own), after an untimed warm-up, on the same random prompts, greedy:
 * the llama.cpp runner (when in `--exact`): exact mode with the same oracle drafts, sized by its cost table and at
   fixed counts, each answer timed beside block size 1's on the same prompt (`llamacpp_exact`);
 * accuracy: the int4 twin's logits against the fp32 twin's on the fp32 twin's greedy answers (teacher-forced):
-  top-1 agreement and KL(fp32 || int4); and where int4's own greedy answer parts from fp32's, fp32's margin there
-  (its top logit minus its logit of int4's token).
+  top-1 agreement and KL(fp32 || int4), and at the positions where their argmaxes part fp32's margin (top-1 minus
+  top-2 logit) against its median over all positions (`parting_margins`: partings at near ties only, or not); and
+  where int4's own greedy answer parts from fp32's, fp32's margin there (its top logit minus its logit of int4's
+  token);
+* a packed twin's block-size-1 tok/s projected onto the 35B-A3B preset's shape (`projection`: the bytes a token
+  reads, measured on the twin's tensors, at the bytes/s the twin reached).
 
 Results: `benchmarks/results/bench_hybrid.json` (`--out`).
 """
