@@ -28,8 +28,12 @@ own), after an untimed warm-up, on the same random prompts, greedy:
 * the llama.cpp runner (when in `--exact`): exact mode with the same oracle drafts, sized by its cost table and at
   fixed counts, each answer timed beside block size 1's on the same prompt (`llamacpp_exact`);
 * accuracy: the int4 twin's logits against the fp32 twin's on the fp32 twin's greedy answers (teacher-forced):
-  top-1 agreement and KL(fp32 || int4); and where int4's own greedy answer parts from fp32's, fp32's margin there
-  (its top logit minus its logit of int4's token).
+  top-1 agreement and KL(fp32 || int4), and at the positions where their argmaxes part fp32's margin (top-1 minus
+  top-2 logit) against its median over all positions (`parting_margins`: partings at near ties only, or not); and
+  where int4's own greedy answer parts from fp32's, fp32's margin there (its top logit minus its logit of int4's
+  token);
+* a packed twin's block-size-1 tok/s projected onto the 35B-A3B preset's shape (`projection`: the bytes a token
+  reads, measured on the twin's tensors, at the bytes/s the twin reached).
 
 Results: `benchmarks/results/bench_hybrid.json` (`--out`).
 """
@@ -215,6 +219,8 @@ def worker(kind: str, path: str, job: dict) -> dict:
                               "sequences": sequences}
     if kind != "clover" and job["exact"]:
         result.update(llamacpp_exact(model, prompts, sequences, job))
+    if kind == "clover" and getattr(model.model, "quantization", None):
+        result["projection_35b"] = projection(model.model, result["tok_s"])
     if kind == "clover" and job["exact"]:
         result["rows_cost"] = rows_cost(model)
         result.update(exact_mode(model, prompts, sequences, job))
@@ -244,18 +250,21 @@ def exact_mode(runner: Any, prompts: list[list[int]], sequences: list[list[int]]
             tokens, forwards, equal = 0, 0, True
             seconds = {"exact": 0.0, "block1": 0.0}  # whole requests
             decode = {"exact": 0.0, "block1": 0.0}  # after the first token (the same prefill in both)
-            for prompt, reference in zip(prompts, sequences):
-                # block size 1 timed again beside each exact run: a shared machine's slow moments fall on both
-                for name, rule in (("block1", "threshold"), ("exact", "exact")):
+            for i, (prompt, reference) in enumerate(zip(prompts, sequences)):
+                # block size 1 timed again beside each exact run: a shared machine's slow moments fall on both; which
+                # runs first alternates by prompt, so an effect of the order falls on both too
+                order = (("block1", "threshold"), ("exact", "exact"))
+                for name, rule in order if i % 2 == 0 else order[::-1]:
                     start = time.perf_counter()
                     res = generate(runner, [prompt], max_new_tokens=job["max_new_tokens"],
                                    block_size=1 if rule == "threshold" else EXACT_BLOCK, rule=rule)
                     took = time.perf_counter() - start
                     seconds[name] += took
                     decode[name] += took - res.stats[0]["time_to_first_token_s"]
-                tokens += len(res.sequences[0])
-                forwards += res.stats[0]["forward_passes"]
-                equal &= res.sequences[0] == reference
+                    if name == "exact":
+                        tokens += len(res.sequences[0])
+                        forwards += res.stats[0]["forward_passes"]
+                        equal &= res.sequences[0] == reference
             out["exact"][str(p)] = {"tok_s": tokens / seconds["exact"], "tokens": tokens, "forwards": forwards,
                                     "tokens_per_forward": tokens / max(forwards, 1), "equal_to_block_size_1": equal,
                                     "block_size_1_tok_s_beside": tokens / seconds["block1"],
@@ -339,6 +348,75 @@ def rows_cost(runner: Any, most: int = 6, repeats: int = 9, context: int = 64) -
             "dense_mb": round(dense / 1e6, 1), "experts_mb": round(expert_bytes / 1e6, 1), "ceiling": ceiling}
 
 
+PROJECTED = "clover-35b-a3b"  # the shape whose decode speed `projection` projects (the seeds' flagship)
+
+
+def module_sizes(model: Any) -> dict[str, float]:
+    """The model's tensors (parameters and buffers) by part, summed over layers: bytes as stored when `model` holds
+    real tensors, else (the meta device) parameter counts. A part is a layer's mixer (`linear_attn`, `self_attn`),
+    norm, router (`mlp.gate`), routed experts, shared expert or its gate, or a top-level module (embedding, final
+    norm, head): what quantising keeps apart, whichever projections it fuses inside a part (q|k|v, gate|up)."""
+    sizes: dict[str, float] = {}
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        parts = name.split(".")[:-1]  # the module's path
+        if "layers" in parts:
+            at = parts.index("layers")
+            parts = [*parts[:at], "layers", "*", *parts[at + 2 : at + (4 if parts[at + 2] == "mlp" else 3)]]
+        key = ".".join(parts)
+        sizes[key] = sizes.get(key, 0.0) + tensor.numel() * (1 if tensor.is_meta else tensor.element_size())
+    return sizes
+
+
+def bytes_per_token(stored: dict[str, float], config: Any) -> float:
+    """What one decoded token reads (`stored`: bytes by module, `module_sizes`): every weight once, except the
+    embedding table (one row of it) and the routed experts (`top_k` of `E`), plus each DeltaNet layer's fp32
+    recurrent state `[Hv, dk, dv]` read and written once."""
+    per = dict(stored)
+    per["model.embed_tokens"] = stored["model.embed_tokens"] / config.vocab_size
+    experts = "model.layers.*.mlp.experts"
+    per[experts] = stored[experts] * config.num_experts_per_tok / config.num_experts
+    deltanet = sum(t == "linear_attention" for t in config.layer_types)
+    state = deltanet * config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim * 4
+    return sum(per.values()) + 2 * state
+
+
+def projection(model: Any, tok_s: float, preset: str = PROJECTED) -> dict[str, Any]:
+    """`preset`'s decode tok/s on this machine at block size 1, projected from the twin's: the twin's measured
+    tok/s times the bytes it reads a token (`bytes_per_token`) is the bytes/s this machine's run reached; the
+    preset's bytes a token are its parameters module by module (a model on the meta device) times the bytes per
+    parameter the twin's packed weights store in the same module (int4 projections and experts, fp32 norms and
+    router, the head as the twin's), and it reads them at that rate. A forward that cost only its bytes would
+    scale so; the twin's rate also carries its fixed costs per forward (kernel calls, the recurrence), which
+    weigh less beside a larger model's bytes."""
+    import torch
+
+    from clover import CloverConfig, CloverForBlockDiffusion
+
+    config = model.config
+    with torch.device("meta"):
+        twin_params = module_sizes(CloverForBlockDiffusion(CloverConfig.from_dict(config.to_dict())))
+        target_config = CloverConfig.from_preset(preset)
+        target_params = module_sizes(CloverForBlockDiffusion(target_config))
+    twin_bytes = module_sizes(model)
+    missing = sorted(set(target_params) - set(twin_bytes))
+    if missing:
+        raise ValueError(f"the twin has no module {missing[0]} that {preset} has: no bytes per parameter to take")
+    per_param = {key: twin_bytes[key] / twin_params[key] for key in twin_params}
+    target = {key: n * per_param[key] for key, n in target_params.items()}
+    twin_read, target_read = bytes_per_token(twin_bytes, config), bytes_per_token(target, target_config)
+    rate = twin_read * tok_s
+    return {"preset": preset, "twin_mb_per_token": twin_read / 1e6, "twin_tok_s": tok_s, "gb_per_s": rate / 1e9,
+            "mb_per_token": target_read / 1e6, "tok_s": rate / target_read, "resident_gb": sum(target.values()) / 1e9,
+            "memory_gb": _memory_bytes() / 1e9}
+
+
+def _memory_bytes() -> float:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemTotal:"):
+            return int(line.split()[1]) * 1024
+    return float("nan")
+
+
 def llamacpp_exact(runner: Any, prompts: list[list[int]], sequences: list[list[int]], job: dict) -> dict:
     """The llama.cpp runner's exact mode (its part of this benchmark): its cost of `k` rows against one (the cost
     table, measured on this twin and kept), then at each acceptance `p` oracle drafts (`oracle_drafts`) verified
@@ -414,8 +492,8 @@ def teacher_forced(runner: Any, prompts: list[list[int]], answers: list[list[int
 
 
 def agreement(fp32_logits: str, int4_logits: str, fp32_seqs: list[list[int]], int4_seqs: list[list[int]]) -> dict:
-    """Top-1 agreement and KL(fp32 || int4) teacher-forced on fp32's answers; free-running, where int4's greedy answer
-    parts from fp32's and fp32's logit margin there."""
+    """Top-1 agreement and KL(fp32 || int4) teacher-forced on fp32's answers, with fp32's margins where the two part
+    (`parting_margins`); free-running, where int4's greedy answer parts from fp32's and fp32's logit margin there."""
     import torch
     from safetensors.torch import load_file
 
@@ -423,7 +501,8 @@ def agreement(fp32_logits: str, int4_logits: str, fp32_seqs: list[list[int]], in
     agree = total = 0
     kl = 0.0
     partings = []
-    for key in sorted(want, key=int):
+    keys = sorted(want, key=int)
+    for key in keys:
         a, b = want[key], got[key]
         agree += int((a.argmax(-1) == b.argmax(-1)).sum())
         total += a.shape[0]
@@ -437,7 +516,35 @@ def agreement(fp32_logits: str, int4_logits: str, fp32_seqs: list[list[int]], in
     same = sum(next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), min(len(x), len(y)))
                for x, y in zip(fp32_seqs, int4_seqs))
     return {"top1_agreement": agree / total, "kl_mean": kl / total, "positions": total,
+            "teacher_forced_partings": parting_margins(torch.cat([want[k] for k in keys]),
+                                                       torch.cat([got[k] for k in keys])),
             "free_running_equal_positions": same / sum(len(x) for x in fp32_seqs), "partings": partings}
+
+
+NEAR_TIE_RANK = 0.25  # partings "at near ties only": each where fp32's margin is in the lowest quarter of its margins
+
+
+def parting_margins(fp32: Any, int4: Any) -> dict[str, Any]:
+    """Whether int4 parts from fp32 only where fp32 nearly ties: over teacher-forced logits `[P, V]` (both read the
+    same tokens), fp32's margin (its top logit minus its second) at the positions where the two argmaxes differ,
+    against its median margin over all positions. `rank`: the share of all positions whose margin is below a
+    parting's (0: the nearest tie of all; a parting at random positions has ranks spread over 0..1, median ~0.5).
+    `near_ties_only`: every parting's rank below `NEAR_TIE_RANK`."""
+    import torch
+
+    top2 = fp32.float().topk(2, dim=-1).values
+    margin = top2[:, 0] - top2[:, 1]
+    parted = fp32.argmax(-1) != int4.argmax(-1)
+    at = margin[parted]
+    rank = (margin[None, :] < at[:, None]).float().mean(1)  # [partings]
+    out: dict[str, Any] = {"positions": int(margin.numel()), "partings": int(parted.sum()),
+                           "fp32_margin_median": round(float(margin.median()), 4)}
+    if at.numel():
+        out.update({"fp32_margin_median_at_partings": round(float(at.median()), 4),
+                    "fp32_margin_max_at_partings": round(float(at.max()), 4),
+                    "rank_median_at_partings": round(float(rank.median()), 3),
+                    "near_ties_only": bool((rank < NEAR_TIE_RANK).all())})
+    return out
 
 
 def main() -> None:
@@ -501,6 +608,11 @@ def main() -> None:
         systems[name] = json.loads(Path(job["result"]).read_text())
         s = systems[name]
         print(f"{name}: {s['tok_s']:.2f} tok/s at block size 1, peak RSS {s['peak_rss_mib']:.0f} MiB", flush=True)
+        if "projection_35b" in s:
+            j = s["projection_35b"]
+            print(f"  {j['preset']} projected: {j['tok_s']:.2f} tok/s ({j['mb_per_token']:.0f} MB a token at the "
+                  f"{j['gb_per_s']:.1f} GB/s the twin's {j['twin_mb_per_token']:.0f} MB a token reached; "
+                  f"{j['resident_gb']:.1f} GB resident, this machine has {j['memory_gb']:.1f} GB)", flush=True)
         if "rows_cost" in s:
             c = s["rows_cost"]
             print(f"  cost of k rows / 1: {c['cost_vs_one_row']}, experts routed {c['experts_routed']}, "
@@ -517,6 +629,14 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1) + "\n")
     print(json.dumps({k: v for k, v in report.items() if k in ("ratios", "accuracy")}, indent=1))
+    if "accuracy" in report:
+        a, t = report["accuracy"], report["accuracy"]["teacher_forced_partings"]
+        parted = (f"fp32's margin where they part {t['fp32_margin_median_at_partings']:.3g} (median; max "
+                  f"{t['fp32_margin_max_at_partings']:.3g}) against {t['fp32_margin_median']:.3g} over all positions, "
+                  f"the partings' median rank {t['rank_median_at_partings']:.2f}: near ties only: "
+                  f"{t['near_ties_only']}") if t["partings"] else "no parting"
+        print(f"int4 against fp32, teacher-forced: top-1 agreement {a['top1_agreement']:.3f} ({t['partings']} of "
+              f"{t['positions']} positions part); {parted}")
 
 
 def exact_speedup(result: dict[str, Any]) -> float:
