@@ -91,7 +91,7 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=96)
     args = parser.parse_args()
 
-    from clover.engine.cost import ForwardCost
+    from clover.engine.drafts.cost import ForwardCost
 
     measured = json.loads(args.results.read_text())
     ms = measured["systems"][args.system]["cost_ms"]
