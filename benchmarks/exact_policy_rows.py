@@ -52,7 +52,8 @@ def stand_in(vocab_size: int) -> Any:
 
 def count_rows(runner: Any, table: Any, prompts: list[list[int]], p: float, max_new: int) -> dict[str, Any]:
     """Exact mode with oracle drafts at `p`, a new engine per prompt, every forward's rows counted."""
-    from clover.engine import Engine, SamplingParams, exact, generate
+    from clover.engine import Engine, SamplingParams, generate
+    from clover.engine.loops import exact
 
     answers = [generate(runner, [prompt], max_new, block_size=1, rule="threshold", eos_token_ids=[]).sequences[0]
                for prompt in prompts]
