@@ -521,13 +521,17 @@ class LlamaCppRunner:
                     self._lib.llama_memory_seq_cp(self._memory, ids[last], s, starts[r], cache.lengths[r])
         return outputs
 
+    def _twin(self) -> bool:
+        """Whether a lone token is decoded beside a twin now: where llama.cpp would split its attention."""
+        return _split_kv(self._cells_high + 1)
+
     def _decode(self, items: list[tuple[int, int, int, int, list[int], bool]],
                 causal: bool) -> dict[tuple[int, int], torch.Tensor]:
         """One `llama_decode` of `(row, column, token, position, sequence ids, wants logits)` items. With flash
-        attention a lone token that llama.cpp would split between its threads is decoded beside a copy of itself on
-        the scratch id (module docstring)."""
+        attention a lone token that llama.cpp would split between its threads (`_twin`) is decoded beside a copy of
+        itself on the scratch id (module docstring)."""
         lib, batch = self._lib, self._batch
-        padded = len(items) == 1 and self._pad_id is not None and _split_kv(self._cells_high + 1)
+        padded = len(items) == 1 and self._pad_id is not None and self._twin()
         if padded:  # seen by no other token (its only id is one no other cell carries), removed after the decode
             _, _, token, position, _, _ = items[0]
             items = [*items, (-1, -1, token, position, [self._pad_id], False)]
