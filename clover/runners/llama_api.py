@@ -104,6 +104,7 @@ _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     # model's architecture has no partial rollback)
     "llama_n_rs_seq": (ctypes.c_uint32, [_ptr]),
     "llama_get_memory": (_ptr, [_ptr]),
+    "llama_memory_clear": (None, [_ptr, ctypes.c_bool]),  # (memory, data): every cell emptied, the head at 0
     "llama_memory_seq_rm": (ctypes.c_bool, [_ptr, llama_seq_id, llama_pos, llama_pos]),
     "llama_memory_seq_cp": (None, [_ptr, llama_seq_id, llama_seq_id, llama_pos, llama_pos]),
     "llama_memory_seq_pos_max": (llama_pos, [_ptr, llama_seq_id]),

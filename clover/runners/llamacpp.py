@@ -29,17 +29,27 @@ not fit one decode is split between rows. A query block costs no sequence ids, s
 `max_block_size` (decision mode's answer block); blocks of clean tokens may not.
 
 **Flash attention's shapes** (llama.cpp b11549's CPU kernel, f16 KV). A decode's attention takes one of three
-paths by its number of tokens `T`: `T >= 64` is tiled (sums in f32); `2 <= T < 64` sums each query row in one pass
-over the keys (the value sum in f16); `T == 1` over 512 or more KV cells splits the keys between the threads and
-merges their partial sums (`use_split_kv_path`). The three round differently: on clover-smol's q4_0 export, 2
-threads, a tool prompt of ~300 tokens, one token decoded alone and the same token inside a verification were up
-to ~1 apart per logit, so exact mode's answers parted from block size 1's at a near tie. So every token after the
-prompt's head takes the second path: a lone token is decoded beside a copy of itself on the scratch sequence id
-(seen by nothing, removed after; it changes no other row's bits, as a position's logits do not depend on the
-batch's other rows), and a decode with the sequence-id masks holds at most 63 tokens (whole rows go in separate
-decodes beyond). A prompt's head (the causal run decoded before, `_decode_rows`) keeps llama.cpp's tiling: block
-size 1 and exact mode read it alike, save where exact mode's first forward also verifies copied drafts, which move
-the cut between head and tail by their number (docs/gguf.md). With flash attention off (f32 KV) nothing is padded.
+paths by its number of tokens `T`: `T >= 64` is tiled (sums in f32); `2 <= T < 64`, and `T == 1` in a small cache,
+sum each query row in one pass over the keys (the value sum in f16); `T == 1` splits the keys between the threads
+and merges their partial sums (`use_split_kv_path`) where the decode's view of the cache, `n_kv`, is 512 cells or
+more. That view is not the row's length: it is the whole (unified) cache's highest used cell + 1, rounded up to a
+multiple of 256 (`llama_kv_cache::get_n_kv`), so a lone token is split from the moment any cell at index 256 or
+above is in use (a probe on clover-smol's q4_0 export, 2 threads, an empty cache: after a prompt of `L` tokens a
+lone token's logits equal its padded twin's bits for `L` <= 255 and differ by 0.3-0.6 from `L` = 256). The paths
+round differently: on that export, a tool prompt of ~300 tokens, one token decoded alone and the same token
+inside a verification were up to ~1 apart per logit, so exact mode's answers parted from block size 1's at a near
+tie. So every token after the prompt's head takes the one-pass path: a lone token that would be split is decoded
+beside a copy of itself on the scratch sequence id (seen by nothing, removed after; it changes no other row's
+bits, as a position's logits do not depend on the batch's other rows), and a decode with the sequence-id masks
+holds at most 63 tokens (whole rows go in separate decodes beyond). Which cells llama.cpp uses is not in its C
+API, so the runner keeps a bound, `_cells_high`: a decode of `n` tokens takes the first free cells from the
+cache's head (or from 0) and every cell from the bound on is free, so they lie below the bound + `n`; it grows by
+each decode's tokens (and a restored prefix's) and returns to 0, with `llama_memory_clear` putting the head at 0,
+when no row holds a cell. A lone token is padded when the bound + 1 gives a view of 512: never too late, sometimes
+early (after rejected drafts or a twin have left holes llama.cpp fills). A prompt's head (the causal run decoded
+before, `_decode_rows`) keeps llama.cpp's tiling: block size 1 and exact mode read it alike, save where exact
+mode's first forward also verifies copied drafts, which move the cut between head and tail by their number
+(docs/gguf.md). With flash attention off (f32 KV) nothing is padded.
 
 **Prefix reuse** (`clover.runners.base`). A stored prefix is kept out of the KV cache, in host memory: the
 first `n` cells of a row are copied to the runner's scratch sequence id (`llama_memory_seq_cp`: no KV is copied),
@@ -84,6 +94,8 @@ from clover.runners.base import RunnerOptions
 logger = logging.getLogger(__name__)
 
 FLASH_TILE_ROWS = 64  # llama.cpp's CPU flash attention tiles decodes of this many tokens or more (Q_TILE_SZ)
+KV_VIEW_PAD = 256  # a decode attends over the KV cache's used cells rounded up to this many (llama_kv_cache::get_n_kv)
+SPLIT_KV_CELLS = 512  # ... and splits a lone token's attention between the threads over this many or more
 MAX_SEQ_IDS = 256  # llama.cpp's LLAMA_MAX_SEQ: every row's slot of ids (and the scratch id) must fit in it
 DEFAULT_MAX_CELLS = 16384  # the default KV budget (SmolLM2-135M: 23 KB per cell in f16, so ~380 MB)
 TOKENIZER_MANIFEST = "clover-manifest.json"  # a cached tokenizer's files and their sha256, written last
@@ -203,6 +215,7 @@ class LlamaCppRunner:
     name = "llamacpp"
     cache_class = LlamaCppCache
     _pad_id: int | None = None  # the sequence id a lone token's twin is decoded on (module docstring); None: none
+    _cells_high = 0  # a bound on the KV cache's highest used cell + 1, which decides the twin (module docstring)
     causal_only = False  # block rules and query blocks run here (a hybrid GGUF's runner runs the causal path only)
 
     def __init__(self, path: str | Path, *, threads: int | None = None, max_rows: int | None = 8,
@@ -355,6 +368,9 @@ class LlamaCppRunner:
         for slot in slots:
             self._trim(slot, 0)
             self._free.append(slot)
+        if self._pad_id is not None and len(self._free) == self.max_rows:  # no cell in use: new cells from 0 on
+            self._lib.llama_memory_clear(self._memory, False)
+            self._cells_high = 0
 
     def _abandon(self, slots: list[int]) -> None:
         """A cache dropped without `release()` (its finalizer, on any thread): queue its slots, touch nothing."""
@@ -394,6 +410,7 @@ class LlamaCppRunner:
         """The first `length` tokens of a stored prefix: written back as a new row (or saved again, shorter)."""
         row = None if copy else self.new_cache(1)
         target = self._scratch if copy else self._ids(row.slots[0])[-1]
+        self._cells_high += stored.length  # the cells it is written to (the `_decode` bound's argument)
         if not self._lib.llama_state_seq_set_data(self._ctx, stored.data, len(stored.data), target):
             self._lib.llama_memory_seq_rm(self._memory, target, 0, -1)
             raise RuntimeError(f"llama.cpp's KV cache has no room for a stored prefix of {stored.length} tokens "
@@ -505,15 +522,23 @@ class LlamaCppRunner:
                     self._lib.llama_memory_seq_cp(self._memory, ids[last], s, starts[r], cache.lengths[r])
         return outputs
 
+    def _twin(self) -> bool:
+        """Whether a lone token is decoded beside a twin now: where llama.cpp would split its attention."""
+        return _split_kv(self._cells_high + 1)
+
     def _decode(self, items: list[tuple[int, int, int, int, list[int], bool]],
                 causal: bool) -> dict[tuple[int, int], torch.Tensor]:
         """One `llama_decode` of `(row, column, token, position, sequence ids, wants logits)` items. With flash
-        attention a lone token is decoded beside a copy of itself on the scratch id (module docstring)."""
+        attention a lone token that llama.cpp would split between its threads (`_twin`) is decoded beside a copy of
+        itself on the scratch id (module docstring)."""
         lib, batch = self._lib, self._batch
-        padded = len(items) == 1 and self._pad_id is not None
+        padded = len(items) == 1 and self._pad_id is not None and self._twin()
         if padded:  # seen by no other token (its only id is one no other cell carries), removed after the decode
             _, _, token, position, _, _ = items[0]
             items = [*items, (-1, -1, token, position, [self._pad_id], False)]
+        # llama.cpp takes a decode's cells from its search start (the cache's head, at most `_cells_high`, or 0):
+        # the first free ones, and every cell from `_cells_high` on is free, so they all lie below this
+        self._cells_high += len(items)
         batch.n_tokens = len(items)
         for i, (_, _, token, position, seq_ids, logits) in enumerate(items):
             batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = token, position, len(seq_ids), logits
@@ -536,6 +561,14 @@ class LlamaCppRunner:
         if self.config.vocab_size > self.n_vocab:  # a plain GGUF's mask id, past its vocabulary (llamacpp_plain)
             out = torch.nn.functional.pad(out, (0, self.config.vocab_size - self.n_vocab), value=float("-inf"))
         return {rc: out[i] for i, rc in enumerate(wanted)}
+
+
+def _split_kv(used_end: int) -> bool:
+    """Whether llama.cpp b11549's CPU flash attention splits a lone token's keys between its threads when the
+    cache's highest used cell + 1 is `used_end`: its view of the cache (`n_kv`, what it attends over) is that
+    rounded up to `KV_VIEW_PAD` cells (at least one pad), and the split path (`use_split_kv_path` in
+    `ggml_compute_forward_flash_attn_ext_f16`) takes one query token over an f16 view of `SPLIT_KV_CELLS` or more."""
+    return -(-used_end // KV_VIEW_PAD) * KV_VIEW_PAD >= SPLIT_KV_CELLS
 
 
 def flash_attention(kv_type: str, asked: bool | None) -> bool:

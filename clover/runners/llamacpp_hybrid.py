@@ -33,6 +33,21 @@ are only tagged), and `rewind(keep)` either drops the backup (every token kept) 
 the sequence and re-decodes the kept tokens (one causal decode of `keep` tokens per such row, batched): there a
 rejection costs a second, shorter forward (docs/gguf.md gives the measured costs of both).
 
+**A lone token's twin.** ggml multiplies one column by an f32 matrix (the MoE routers, `ffn_gate_inp`, stay f32 in
+every export, as llama.cpp's quantiser keeps them) otherwise than several columns, so a token decoded alone and the
+same token inside exact mode's verification differ in the router logits' last bits (~4e-7 at layer 0 of the 1.28 B
+q4_0 twin, 2 threads, found by comparing every node of the two graphs through `cb_eval`); the 8-bit rounding of
+activations before the quantised matmuls now and then turns that into a step (first at layer 19's experts, 3e-4),
+and the logits part by up to 5e-3, which on a random twin's flat logits changes the greedy answer (exact mode
+parted from block size 1 at tokens 22, 14 and 2). Attention, DeltaNet (llama.cpp's fused per-token recurrence) and
+the quantised matmuls gave the same bits alone and batched. So a lone token is decoded beside a twin on a spare
+sequence id (the context holds `max_rows + 1` sequences; the twin starts from an empty state, is seen by nothing
+and is removed after the decode): on that twin the five tokens' logits were then the same bits as in one
+verification. Its cost (a second row a step, and one more sequence's recurrent states and snapshots: ~255 MiB on
+the 1.28 B twin with `rollback` 16) is for an idle same-run measurement; `twin=False` decodes lone tokens alone.
+It does not make an all-f32 file's verification the same bits as block size 1 (there every matmul is f32, and 2
+columns and 5 differ too, by ~3e-6 on the tests' tiny twin; its tokens are equal).
+
 Prefix reuse (the server's prefix cache) is not offered (`prefix_reuse = False`: the server runs without one): a
 stored prefix would need the recurrent state at its cut, which llama.cpp keeps only at a sequence's end.
 """
@@ -142,7 +157,8 @@ class HybridLlamaCppRunner(LlamaCppRunner):
     """A hybrid GGUF's causal path on llama.cpp (module docstring). `max_rows`: sequences held at once; `n_ctx`:
     attention KV cells shared by all rows (default `max_rows * max_position_embeddings`, at most 16384);
     `rollback`: recurrent-state snapshots to ask llama.cpp for (0: rewind by backup and re-decode); `self.rollback`
-    is what the context took."""
+    is what the context took; `twin`: decode a lone token beside a twin, so that it rounds as a verification's rows
+    do (module docstring)."""
 
     cache_class = HybridCache
     causal_only = True
@@ -152,7 +168,8 @@ class HybridLlamaCppRunner(LlamaCppRunner):
 
     def __init__(self, path: str | Path, *, threads: int | None = None, max_rows: int | None = 8,
                  n_ctx: int | None = None, max_block_size: int | None = None, kv_type: str = "f16",
-                 flash_attn: bool | None = None, verbose: bool = False, rollback: int = ROLLBACK) -> None:
+                 flash_attn: bool | None = None, verbose: bool = False, rollback: int = ROLLBACK,
+                 twin: bool = True) -> None:
         lib = llama_api.load()
         self.path = Path(path)
         if not self.path.is_file():
@@ -173,20 +190,26 @@ class HybridLlamaCppRunner(LlamaCppRunner):
         self.rollback = 0
         if rollback and self.recurrent:  # one sequence a row, rolled back in place
             self.ids_per_slot = 1
-            self._open_context(max_rows, kv_type, flash_attn, n_rs_seq=rollback)
+            self._open_context(max_rows + 1, kv_type, flash_attn, n_rs_seq=rollback)
             self.rollback = int(lib.llama_n_rs_seq(self._ctx))
             if not self.rollback:  # this build has no partial rollback for the architecture: a backup id a row
                 lib.llama_batch_free(self._batch)
                 lib.llama_free(self._ctx)
         if not self.recurrent:  # attention only: cells are cut at any position
             self.ids_per_slot = 1
-            self._open_context(max_rows, kv_type, flash_attn)
+            self._open_context(max_rows + 1, kv_type, flash_attn)
         elif not self.rollback:
             self.ids_per_slot = 2
-            self._open_context(max_rows * self.ids_per_slot, kv_type, flash_attn)
+            self._open_context(max_rows * self.ids_per_slot + 1, kv_type, flash_attn)
+        # the last sequence id: a lone token's twin (module docstring); None: lone tokens decoded alone
+        self._pad_id = max_rows * self.ids_per_slot if twin else None
         self._free = list(range(max_rows))
         self._abandoned: collections.deque[list[int]] = collections.deque()
         self._finalizer = weakref.finalize(self, llama_api.free_all, lib, self._batch, self._ctx, self._model)
+
+    def _twin(self) -> bool:
+        """Always: a lone row's f32 matmuls (the MoE routers) round otherwise than a batch's (module docstring)."""
+        return True
 
     @property
     def in_place(self) -> bool:

@@ -295,3 +295,28 @@ def test_the_dense_hybrid_exports_as_qwen35(tmp_path, chat_tokenizer):
     assert float((got - want).abs().max()) <= 1e-3
     assert np.array_equal(got.argmax(-1).numpy(), want.argmax(-1).numpy())
     runner.close()
+
+
+
+@pytest.mark.parametrize("padded", [True, False], ids=["twin", "alone"])
+def test_a_lone_token_is_decoded_beside_a_twin(twin, padded):
+    """ggml multiplies one column by an f32 matrix (the MoE routers stay f32 in every export) otherwise than several,
+    so a lone token's logits part from the same token's inside a verification (on the 1.28 B q4_0 twin by up to
+    5e-3; docs/gguf.md). By default a lone token is decoded beside a twin on a spare sequence (a 2-token decode,
+    the spare sequence emptied after it), which rounds as a verification's rows do there; `twin=False` decodes it
+    alone. The twin changes no token: greedy block size 1 is the same either way on this f32 export."""
+    runner = twin[2] if padded else HybridLlamaCppRunner(twin[2].path, threads=1, kv_type="f32", max_rows=8,
+                                                           twin=False)
+    lib, sizes = runner._lib, []
+    runner._lib = type("Counting", (), {"__getattr__": lambda _, name: getattr(lib, name),
+                                        "llama_decode": lambda _, ctx, batch: sizes.append(batch.n_tokens)
+                                        or lib.llama_decode(ctx, batch)})()
+    try:
+        got = generate(runner, [PROMPTS[0]], max_new_tokens=6, block_size=1).sequences
+    finally:
+        runner._lib = lib
+    assert sizes == [len(PROMPTS[0])] + [2 if padded else 1] * 5
+    assert lib.llama_memory_seq_pos_max(runner._memory, runner._pad_id) == -1 if padded else runner._pad_id is None
+    assert got == generate(twin[2], [PROMPTS[0]], max_new_tokens=6, block_size=1).sequences
+    if not padded:
+        runner.close()

@@ -199,6 +199,50 @@ def test_logits_do_not_depend_on_the_batch_over_a_long_context(quantised_two_thr
     _assert_alone_equals_batched(quantised_two_threads, torch.tensor([LONG]), [7, 11, 13, 17, 19])
 
 
+@pytest.mark.parametrize("length", [13, 150])
+def test_logits_do_not_depend_on_the_batch_around_the_split(quantised_two_threads, length):
+    """On two threads: with two 13-token prompts every cell is below 256, so the lone tokens are decoded alone (next
+    test) and their one-pass sums are the same bits as inside a verification; with two 150-token prompts (the
+    second row's cells end near 300) they are decoded beside a twin, as llama.cpp would split them."""
+    assert sorted(quantised_two_threads._free) == list(range(quantised_two_threads.max_rows))  # an empty cache
+    _assert_alone_equals_batched(quantised_two_threads, torch.tensor([LONG[:length]]), [7, 11, 13, 17, 19])
+
+
+def _decode_sizes(runner: LlamaCppRunner, monkeypatch) -> list[int]:
+    """The number of tokens of every `llama_decode` the runner makes from now on."""
+    lib, sizes = runner._lib, []
+    monkeypatch.setattr(runner, "_lib", type("Counting", (), {"__getattr__": lambda _, name: getattr(lib, name),
+                                                              "llama_decode": lambda _, ctx, batch: sizes.append(
+                                                                  batch.n_tokens) or lib.llama_decode(ctx, batch)})())
+    return sizes
+
+
+def test_a_lone_token_is_padded_only_where_llama_cpp_would_split_it(quantised_two_threads, monkeypatch):
+    """llama.cpp splits a lone token's attention between its threads only where the decode's view of the KV cache
+    is 512 cells or more: the highest used cell + 1, rounded up to a multiple of 256. In an empty cache a 250-token
+    prompt takes cells 0-249 and each next token the next cell: the tokens in cells 250-255 are decoded alone, from
+    cell 256 on (a view of 512) beside a twin."""
+    runner = quantised_two_threads
+    assert sorted(runner._free) == list(range(runner.max_rows))  # no row holds cells: the cache starts empty
+    cache = runner.new_cache(1)
+    runner.forward(torch.tensor([LONG[:250]]), 1, cache=cache, prefix_len=250, logits_to_keep=0)
+    sizes = _decode_sizes(runner, monkeypatch)
+    for t in range(10):
+        runner.forward(torch.tensor([[t + 3]]), 1, cache=cache, prefix_len=1, logits_to_keep=0)
+    assert sizes == [1] * 6 + [2] * 4
+    cache.release()
+
+
+def test_quantised_exact_mode_is_block_size_1_across_the_split(quantised_two_threads):
+    """Exact mode's tokens are block size 1's on prompts whose decoding crosses the split-KV threshold (block size
+    1's lone tokens decoded alone, then beside a twin), on two threads."""
+    for prompt in (LONG[:245], LONG[:236] + PROMPTS[0]):
+        want = generate(quantised_two_threads, [prompt], MAX_NEW, block_size=1, rule="threshold")
+        got = generate(quantised_two_threads, [prompt], MAX_NEW, block_size=4, rule="exact",
+                       rule_options={"adaptive": False})
+        assert got.sequences == want.sequences
+
+
 def test_quantised_exact_mode_is_block_size_1_over_a_long_context(quantised_two_threads):
     """Exact mode's tokens are block size 1's past the split-KV threshold, on two threads, alone and batched."""
     prompts = [LONG, LONG[:300] + PROMPTS[0], PROMPTS[1]]
