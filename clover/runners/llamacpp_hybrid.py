@@ -45,6 +45,8 @@ sequence id (the context holds `max_rows + 1` sequences; the twin starts from an
 and is removed after the decode): on that twin the five tokens' logits were then the same bits as in one
 verification. Its cost (a second row a step, and one more sequence's recurrent states and snapshots: ~255 MiB on
 the 1.28 B twin with `rollback` 16) is for an idle same-run measurement; `twin=False` decodes lone tokens alone.
+A file without routed experts (`qwen35`, a plain dense GGUF) has no f32 router: its lone tokens get the twin only
+where flash attention would split their keys (clover.runners.llamacpp, "Flash attention's shapes").
 It does not make an all-f32 file's verification the same bits as block size 1 (there every matmul is f32, and 2
 columns and 5 differ too, by ~3e-6 on the tests' tiny twin; its tokens are equal).
 
@@ -208,8 +210,9 @@ class HybridLlamaCppRunner(LlamaCppRunner):
         self._finalizer = weakref.finalize(self, llama_api.free_all, lib, self._batch, self._ctx, self._model)
 
     def _twin(self) -> bool:
-        """Always: a lone row's f32 matmuls (the MoE routers) round otherwise than a batch's (module docstring)."""
-        return True
+        """With routed experts always: a lone row's f32 matmul (the MoE routers) rounds otherwise than a batch's
+        (module docstring); without them (a dense file) where flash attention would split, as the parent decides."""
+        return self.config.mlp_type == "moe" or (self.kernel_options["flash_attn"] and super()._twin())
 
     @property
     def in_place(self) -> bool:
