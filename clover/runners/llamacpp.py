@@ -34,9 +34,9 @@ sum each query row in one pass over the keys (the value sum in f16); `T == 1` sp
 and merges their partial sums (`use_split_kv_path`) where the decode's view of the cache, `n_kv`, is 512 cells or
 more. That view is not the row's length: it is the whole (unified) cache's highest used cell + 1, rounded up to a
 multiple of 256 (`llama_kv_cache::get_n_kv`), so a lone token is split from the moment any cell at index 256 or
-above is in use (a probe on clover-smol's q4_0 export, 2 threads, an empty cache: after a prompt of `L` tokens a
-lone token's logits equal its padded twin's bits for `L` <= 255 and differ by 0.3-0.6 from `L` = 256). The paths
-round differently: on that export, a tool prompt of ~300 tokens, one token decoded alone and the same token
+above is in use (a scratch probe, not kept: clover-smol's q4_0 export, 2 threads, an empty cache: after a prompt of
+`L` tokens a lone token's logits equal its padded twin's bits for `L` <= 255 and differ by 0.3-0.6 from `L` = 256).
+The paths round differently: on that export, a tool prompt of ~300 tokens, one token decoded alone and the same token
 inside a verification were up to ~1 apart per logit, so exact mode's answers parted from block size 1's at a near
 tie. So every token after the prompt's head takes the one-pass path: a lone token that would be split is decoded
 beside a copy of itself on the scratch sequence id (seen by nothing, removed after; it changes no other row's

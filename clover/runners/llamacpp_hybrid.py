@@ -36,8 +36,8 @@ rejection costs a second, shorter forward (docs/gguf.md gives the measured costs
 **A lone token's twin.** ggml multiplies one column by an f32 matrix (the MoE routers, `ffn_gate_inp`, stay f32 in
 every export, as llama.cpp's quantiser keeps them) otherwise than several columns, so a token decoded alone and the
 same token inside exact mode's verification differ in the router logits' last bits (~4e-7 at layer 0 of the 1.28 B
-q4_0 twin, 2 threads, found by comparing every node of the two graphs through `cb_eval`); the 8-bit rounding of
-activations before the quantised matmuls now and then turns that into a step (first at layer 19's experts, 3e-4),
+q4_0 twin, 2 threads, found by comparing every node of the two graphs through `cb_eval` in a scratch probe, not
+kept); the 8-bit rounding of activations before the quantised matmuls now and then turns that into a step (first at layer 19's experts, 3e-4),
 and the logits part by up to 5e-3, which on a random twin's flat logits changes the greedy answer (exact mode
 parted from block size 1 at tokens 22, 14 and 2). Attention, DeltaNet (llama.cpp's fused per-token recurrence) and
 the quantised matmuls gave the same bits alone and batched. So a lone token is decoded beside a twin on a spare
