@@ -12,9 +12,14 @@ measured, not assumed:
 measured counts, extended linearly past the last), and `a`, `b` from a second context length: reading the keys
 and values grows with `L` once per forward, their arithmetic once per row.
 
-`cost_table(runner)` measures once per combination of model shape, runner, weight format (and the build of the
-kernels that run packed weights), threads, torch and processor (`fingerprint`), in about two seconds, and keeps the
-table in `$CLOVER_CACHE/costs/` (written atomically: two processes measuring the same combination each publish a
+Each count is timed as a shared machine allows (`time_forwards`): the counts take turns, on fresh tokens each
+forward, in two passes whose medians a count keeps the lower of, and a count still off the curve's shape
+(`off_the_curve`) is timed once more. `cost_table(runner)` measures once per combination of model shape, runner,
+weight format (and the build of the kernels that run packed weights), threads, torch and processor
+(`fingerprint`), in seven rounds over the counts (a warm-up, two passes of three: one round more than the fastest
+of five it replaces; a round is the sum of the table, ~1.4 s on the 1.28 B int4 hybrid twin on two AVX2 cores,
+plus at most three rounds of the counts off the curve), and keeps the table in `$CLOVER_CACHE/costs/` (written
+atomically: two processes measuring the same combination each publish a
 whole table); a later process with the same combination reads it back. A kept table is trusted only while it is
 plausible and fresh: one whose rows contradict each other (`implausibility`: a load spike during one count of a
 calibration on a shared machine) or older than `MAX_AGE_S` (what the fingerprint cannot see: the machine's power
@@ -40,7 +45,9 @@ import json
 import logging
 import math
 import platform
+import statistics
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -55,6 +62,9 @@ logger = logging.getLogger(__name__)
 
 SHORT_CONTEXT, LONG_CONTEXT = 32, 288  # L0 and the second length (prefilling it is part of the calibration)
 CALIBRATION_ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16)
+CALIBRATION_PASSES, CALIBRATION_REPEATS = 2, 3  # `time_forwards`: passes over the counts, rounds a pass
+CURVE_SLACK = 0.15  # how far a count's time may stray above the curve's shape before it is timed again
+# (`off_the_curve`; the twin's measured curves stray up to ~10 %: a MoE's rows share experts)
 MAX_AGE_S = 7 * 24 * 3600.0  # a kept table is measured again after a week
 # how far timings may stray from the shape every forward cost has (`implausibility`): more rows at most 25 %
 # cheaper than fewer (timing noise), at most twice dearer than proportionally (a kernel switching from its one-row
@@ -182,21 +192,21 @@ def processor_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def calibrate(runner: Any, rows: tuple[int, ...] = CALIBRATION_ROWS, repeats: int = 5) -> ForwardCost:
-    """Measure `t(R, L)` through `runner.forward` on one row of random tokens: `R` causal clean tokens after a
-    cached context, logits at each (as exact mode asks), the cache rewound after each forward. Each count is
-    timed `repeats` times, the counts taking turns (a slow moment of a shared machine then falls on every count
-    alike, not on one), and its fastest time kept: another process's work only ever adds time."""
+def calibrate(runner: Any, rows: tuple[int, ...] = CALIBRATION_ROWS, repeats: int = CALIBRATION_REPEATS,
+              clock: Callable[[], float] = time.perf_counter) -> ForwardCost:
+    """Measure `t(R, L)` through `runner.forward` on one row of random tokens (`time_forwards`: `R` causal clean
+    tokens after a cached context, logits at each, as exact mode asks), at `L0` for every count of `rows` and at
+    the second length for the first and the last."""
     vocab = min(runner.config.vocab_size, 1000)
     gen = torch.Generator().manual_seed(0)
     cache = runner.new_cache(1)
     long = min(LONG_CONTEXT, runner.config.max_position_embeddings - max(rows) - 1)
     try:
         with torch.inference_mode():
-            _extend(runner, cache, SHORT_CONTEXT, vocab, gen)
-            short = _fastest_forwards(runner, cache, rows, vocab, gen, repeats)
-            _extend(runner, cache, long - SHORT_CONTEXT, vocab, gen)
-            one, most = _fastest_forwards(runner, cache, (rows[0], rows[-1]), vocab, gen, repeats)
+            extend(runner, cache, SHORT_CONTEXT, vocab, gen)
+            short = time_forwards(runner, cache, rows, repeats, vocab=vocab, gen=gen, clock=clock)
+            extend(runner, cache, long - cache.length, vocab, gen)
+            one, most = time_forwards(runner, cache, (rows[0], rows[-1]), repeats, vocab=vocab, gen=gen, clock=clock)
     finally:
         cache.select([])  # frees a runner's rows (llama.cpp's sequence slots)
     span = long - SHORT_CONTEXT
@@ -205,31 +215,73 @@ def calibrate(runner: Any, rows: tuple[int, ...] = CALIBRATION_ROWS, repeats: in
     return ForwardCost(list(rows), short, SHORT_CONTEXT, per_token, per_row_token, fingerprint(runner), time.time())
 
 
-def _extend(runner: Any, cache: Any, n: int, vocab: int, gen: torch.Generator) -> None:
-    ids = torch.randint(0, vocab, (1, n), generator=gen).to(runner.device)
-    runner.forward(ids, 1, cache=cache, prefix_len=n, logits_to_keep=0)
+def extend(runner: Any, cache: Any, n: int, vocab: int, gen: torch.Generator, chunk: int = 256) -> None:
+    """Append `n` random tokens (below `vocab`) to `cache`, `chunk` a forward, keeping no logits."""
+    for done in range(0, n, chunk):
+        ids = torch.randint(0, vocab, (1, min(chunk, n - done)), generator=gen).to(runner.device)
+        runner.forward(ids, 1, cache=cache, prefix_len=ids.shape[1], logits_to_keep=0)
 
 
-def _fastest_forwards(runner: Any, cache: Any, rows: tuple[int, ...], vocab: int, gen: torch.Generator,
-                      repeats: int) -> list[float]:
-    """The fastest of `repeats` forwards of each count of `rows`, the counts taking turns; a first round warms
-    allocators and caches up for each shape and is not counted."""
-    ids = {r: torch.randint(0, vocab, (1, r), generator=gen).to(runner.device) for r in rows}
-    at = {r: torch.ones(1, r, dtype=torch.bool, device=runner.device) for r in rows}
-    best = dict.fromkeys(rows, float("inf"))
-    # each forward undone; one token kept where the cache can roll back only to after a forward's first token
-    # (llama.cpp's recurrent snapshots: clover.runners.llamacpp_hybrid)
+def time_forwards(runner: Any, cache: Any, rows: Sequence[int], repeats: int = CALIBRATION_REPEATS,
+                  passes: int = CALIBRATION_PASSES, vocab: int = 1000, gen: torch.Generator | None = None,
+                  clock: Callable[[], float] = time.perf_counter) -> list[float]:
+    """Seconds of a forward of each count of `rows` causal tokens after `cache`'s context (logits at each, as exact
+    mode's verification asks), the forward undone after each (`mark` / `rewind`), so every one starts from the
+    same context (one token later where the cache keeps a forward's first: llama.cpp's recurrent snapshots,
+    clover.runners.llamacpp_hybrid).
+
+    A first round warms allocators and caches up for each shape, uncounted. Then `passes` passes of `repeats`
+    rounds, the counts taking turns within a round (a slow moment of a shared machine falls on every count alike),
+    each forward on fresh random tokens (a MoE's cost depends on the experts its rows route to: one draw per count
+    would price that draw's routing, not a typical one). Each pass gives a count the median of its rounds (one slow
+    or lucky forward moves it not at all), and a count keeps the lower of its passes' (a stretch during which a
+    pass ran slow is dropped whole). A count still off the shape every cost curve has (`off_the_curve`: dearer
+    than a larger count, or above the line through its neighbours by more than `CURVE_SLACK`) was slow in both
+    passes: it alone is timed one more pass, in turns, and keeps the lowest. So the extra cost over one pass is
+    one pass and a warm-up round, and at most one pass more of the counts found off the curve."""
+    gen = gen if gen is not None else torch.Generator().manual_seed(0)
     first = torch.full((1,), int(getattr(cache, "keeps_first", False)), dtype=torch.long)
-    for round_ in range(repeats + 1):
-        for r in rows:
-            cache.mark()
-            start = time.perf_counter()
-            runner.forward(ids[r], 1, cache=cache, prefix_len=r, logits_at=at[r])
-            took = time.perf_counter() - start
-            cache.rewind(first)
-            if round_:
-                best[r] = min(best[r], took)
+
+    def timed_pass(counts: Sequence[int], rounds: int) -> dict[int, float]:
+        took: dict[int, list[float]] = {r: [] for r in counts}
+        for _ in range(rounds):
+            for r in counts:
+                ids = torch.randint(0, vocab, (1, r), generator=gen).to(runner.device)
+                at = torch.ones(1, r, dtype=torch.bool, device=runner.device)
+                cache.mark()
+                start = clock()
+                runner.forward(ids, 1, cache=cache, prefix_len=r, logits_at=at)
+                took[r].append(clock() - start)
+                cache.rewind(first)
+        return {r: statistics.median(t) for r, t in took.items()}
+
+    rows = list(rows)
+    timed_pass(rows, 1)  # the warm-up
+    best = timed_pass(rows, repeats)
+    for _ in range(passes - 1):
+        best = {r: min(best[r], t) for r, t in timed_pass(rows, repeats).items()}
+    suspects = off_the_curve(rows, [best[r] for r in rows])
+    if suspects:
+        logger.debug("timing %s rows again: off the cost curve (%s)", suspects, [best[r] for r in rows])
+        best.update({r: min(best[r], t) for r, t in timed_pass(suspects, repeats).items()})
     return [best[r] for r in rows]
+
+
+def off_the_curve(rows: Sequence[int], seconds: Sequence[float], slack: float = CURVE_SLACK) -> list[int]:
+    """The counts whose time strays from the shape of a forward's cost by more than `slack`: dearer than a larger
+    count (more rows never make a forward cheaper), or above the straight line through the times of the counts
+    either side (past one row a forward's cost is close to linear in its rows, a MoE's a little below: its rows
+    share experts; a one-row path shows only at the first count, which has no left neighbour). Timing noise only
+    adds time, so the count above is the suspect, not the one below it."""
+    out = []
+    for i, (r, t) in enumerate(zip(rows, seconds)):
+        dearer = any(later < t * (1 - slack) for later in seconds[i + 1:])
+        if 0 < i < len(rows) - 1:
+            (r0, t0), (r1, t1) = (rows[i - 1], seconds[i - 1]), (rows[i + 1], seconds[i + 1])
+            dearer |= t > (t0 + (t1 - t0) * (r - r0) / (r1 - r0)) * (1 + slack)
+        if dearer:
+            out.append(r)
+    return out
 
 
 def kept_table(runner: Any) -> ForwardCost | None:
