@@ -47,6 +47,8 @@ import random
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -191,6 +193,21 @@ def oracle_drafts(references: dict[tuple[int, ...], list[int]], p: float) -> Any
     return drafts
 
 
+@contextmanager
+def oracle_drafting(references: dict[tuple[int, ...], list[int]], p: float, most: int | None = None) -> Iterator[None]:
+    """Exact mode's copied drafts are `oracle_drafts(references, p)` (at most `most` a forward, when given) inside
+    the `with` block, exact mode's own again after it."""
+    from clover.engine.loops import exact
+
+    oracle = oracle_drafts(references, p)
+    original = exact.copied_drafts
+    exact.copied_drafts = oracle if most is None else lambda index, memory, n: oracle(index, memory, min(n, most))
+    try:
+        yield
+    finally:
+        exact.copied_drafts = original
+
+
 def worker(kind: str, path: str, job: dict) -> dict:
     import torch
 
@@ -234,18 +251,15 @@ def worker(kind: str, path: str, job: dict) -> dict:
 def exact_mode(runner: Any, prompts: list[list[int]], sequences: list[list[int]], job: dict) -> dict:
     """Exact mode with oracle drafts at each acceptance `p` (module docstring), and the runner's cost table."""
     from clover.engine import generate
-    from clover.engine.loops import exact
     from clover.engine.drafts.cost import cost_table
 
     runner.causal_only = True  # drafts come from `oracle_drafts` alone
     table = cost_table(runner, recalibrate=True)  # measured in this run (a kept table may be a busy moment's)
     out: dict[str, Any] = {"cost_ms": {r: round(1000 * s, 2) for r, s in zip(table.rows, table.seconds)},
                            "exact": {}}
-    original = exact.copied_drafts
     references = {tuple(p): s for p, s in zip(prompts, sequences)}
-    try:
-        for p in job["acceptance"]:
-            exact.copied_drafts = oracle_drafts(references, p)
+    for p in job["acceptance"]:
+        with oracle_drafting(references, p):
             generate(runner, prompts[:1], max_new_tokens=4, block_size=EXACT_BLOCK, rule="exact")  # warm-up
             tokens, forwards, equal = 0, 0, True
             seconds = {"exact": 0.0, "block1": 0.0}  # whole requests
@@ -270,8 +284,6 @@ def exact_mode(runner: Any, prompts: list[list[int]], sequences: list[list[int]]
                                     "block_size_1_tok_s_beside": tokens / seconds["block1"],
                                     "speedup": seconds["block1"] / seconds["exact"],
                                     "decode_speedup": decode["block1"] / decode["exact"]}
-    finally:
-        exact.copied_drafts = original
     return out
 
 
@@ -428,7 +440,6 @@ def llamacpp_exact(runner: Any, prompts: list[list[int]], sequences: list[list[i
     one row does, and a random twin's logits are full of near ties). `ceiling`: the most exact mode can gain at `p`
     by the table alone, max over `k` of `E(k) / (t(k + 1) / t(1))`, `E(k) = (1 - p^(k + 1)) / (1 - p)`."""
     from clover.engine import generate
-    from clover.engine.loops import exact
     from clover.engine.drafts.cost import cost_table
 
     table = cost_table(runner)
@@ -436,15 +447,11 @@ def llamacpp_exact(runner: Any, prompts: list[list[int]], sequences: list[list[i
     out: dict[str, Any] = {"cost_ms": {r: round(1000 * s, 2) for r, s in zip(table.rows, table.seconds)},
                            "exact": {}}
     references = {tuple(p): s for p, s in zip(prompts, sequences)}
-    original = exact.copied_drafts
-    try:
-        for p in job["acceptance"]:
-            expected = {k: (k + 1 if p == 1 else (1 - p ** (k + 1)) / (1 - p)) for k in range(EXACT_BLOCK)}
-            runs: dict[str, Any] = {}
-            for fixed in [None, *job.get("fixed_k", (1, 2))]:
-                oracle = oracle_drafts(references, p)
-                most = EXACT_BLOCK - 1 if fixed is None else fixed
-                exact.copied_drafts = lambda index, memory, n, context=True: oracle(index, memory, min(n, most))
+    for p in job["acceptance"]:
+        expected = {k: (k + 1 if p == 1 else (1 - p ** (k + 1)) / (1 - p)) for k in range(EXACT_BLOCK)}
+        runs: dict[str, Any] = {}
+        for fixed in [None, *job.get("fixed_k", (1, 2))]:
+            with oracle_drafting(references, p, EXACT_BLOCK - 1 if fixed is None else fixed):
                 options = {"adaptive": fixed is None}
                 generate(runner, prompts[:1], max_new_tokens=4, block_size=EXACT_BLOCK, rule="exact",
                          rule_options=options)  # warm-up
@@ -466,10 +473,8 @@ def llamacpp_exact(runner: Any, prompts: list[list[int]], sequences: list[list[i
                     "tok_s": tokens / seconds, "vs_block_size_1": base / seconds, "tokens": tokens,
                     "forwards": forwards, "tokens_per_forward": tokens / max(forwards, 1),
                     "first_divergence": divergence, "equal_to_block_size_1": all(d is None for d in divergence)}
-            out["exact"][str(p)] = {**runs["adaptive"], "runs": runs,
-                                    "ceiling": round(max(expected[k] / rel[k + 1] for k in expected), 3)}
-    finally:
-        exact.copied_drafts = original
+        out["exact"][str(p)] = {**runs["adaptive"], "runs": runs,
+                                "ceiling": round(max(expected[k] / rel[k + 1] for k in expected), 3)}
     return out
 
 

@@ -1,21 +1,24 @@
 """The cost of verifying k rows on the llama.cpp runner as the context grows: what an agent's long prompts do to drafts.
 
     python benchmarks/bench_runner_rows.py [--quant q4_0] [--contexts 512,2048,4500] [--rows 1,2,4,8]
-        [--kv f16,f32] [--threads 2] [--repeats 8] [--out F]
+        [--kv f16,f32] [--threads 2] [--repeats 3] [--out F]
 
 clover-smol's GGUF export (`clover.smol.clover_smol_gguf`), one row. For each KV type (`f16`: llama.cpp's flash
 attention, the runner's default; `f32`: flash attention off) and context length: the context is prefilled in
-256-token chunks (random token ids: attention's cost does not depend on them), then a forward of `k` causal tokens
-(exact mode's verification shape: block size 1, logits at every row) is timed and rewound, `--repeats` times, the
-median kept. Prints ms per forward, its ratio to one row and the ms each row beyond the first adds: where that
-increment nears a whole row's cost, verifying drafts saves only the weights' reading, not attention's.
+256-token chunks of random token ids (attention's cost does not depend on them: `clover.engine.drafts.cost.extend`),
+then forwards of `k` causal tokens (exact mode's verification shape: block size 1, logits at every row) are timed
+and rewound as the cost table times them (`clover.engine.drafts.cost.time_forwards`): the counts taking turns, fresh
+tokens each forward, two passes of `--repeats` rounds, each count the lower of its passes' medians, a count off
+the curve's shape timed once more. (Before this script shared the cost table's timing, a figure was the median of
+`--repeats` forwards of one count in a row, on the context's last tokens.) Prints ms per forward, its ratio to one
+row and the ms each row beyond the first adds: where that increment nears a whole row's cost, verifying drafts
+saves only the weights' reading, not attention's.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -25,6 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_server import machine  # noqa: E402  (benchmarks/, next to this script)
 
+from clover.engine.drafts.cost import CALIBRATION_REPEATS, extend, time_forwards  # noqa: E402
 from clover.runners.llamacpp import LlamaCppRunner  # noqa: E402
 from clover.smol import clover_smol_gguf  # noqa: E402
 
@@ -40,21 +44,12 @@ def measure(path: Path, kv: str, contexts: list[int], rows: list[int], threads: 
     try:
         for n in contexts:
             cache = runner.new_cache(1)
-            ids = torch.randint(0, runner.config.vocab_size, (1, n), generator=gen)
             start = time.perf_counter()
-            for s in range(0, n, 256):
-                runner.forward(ids[:, s:s + 256], 1, cache=cache, logits_to_keep=0)
+            extend(runner, cache, n, runner.config.vocab_size, gen)
             prefill = time.perf_counter() - start
-            row = {"kv": kv, "context": n, "prefill_tok_s": round(n / prefill, 1), "ms": {}}
-            for k in rows:
-                times = []
-                for _ in range(repeats):
-                    cache.mark()
-                    start = time.perf_counter()
-                    runner.forward(ids[:, -k:], 1, cache=cache, logits_at=torch.ones(1, k, dtype=torch.bool))
-                    times.append(time.perf_counter() - start)
-                    cache.rewind(torch.tensor([0]))
-                row["ms"][k] = round(1000 * statistics.median(times), 2)
+            seconds = time_forwards(runner, cache, rows, repeats, vocab=runner.config.vocab_size, gen=gen)
+            row = {"kv": kv, "context": n, "prefill_tok_s": round(n / prefill, 1),
+                   "ms": {k: round(1000 * t, 2) for k, t in zip(rows, seconds)}}
             one = row["ms"][rows[0]]
             row["ratio"] = {k: round(ms / one, 2) for k, ms in row["ms"].items()}
             print(f"kv {kv:4} context {n:5}: prefill {row['prefill_tok_s']:7.1f} tok/s; "
@@ -74,7 +69,7 @@ def main() -> None:
     p.add_argument("--rows", type=ints, default=[1, 2, 4, 8])
     p.add_argument("--kv", default="f16,f32", help="comma-separated KV types: f16 (flash attention), f32")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=8)
+    p.add_argument("--repeats", type=int, default=CALIBRATION_REPEATS, help="rounds a pass (two passes)")
     p.add_argument("--out", type=Path, default=None, help="write the figures as JSON here")
     args = p.parse_args()
     path = clover_smol_gguf(args.quant)

@@ -5,7 +5,7 @@ speedup over block size 1, at each acceptance rate of `bench_hybrid.py`'s oracle
         [--system clover/int4] [--acceptance 0.9,0.7,0.5,0] [--prompts 3] [--max-new-tokens 96]
 
 What `bench_hybrid.py` times, counted instead: the same prompts (`--prompts` random ones of 64 tokens, drawn as it
-draws them) and the same drafts (`oracle_drafts`: the block-size-1 answer, each token replaced at rate `1 - p`, the
+draws them) and the same drafts (`oracle_drafting`: the block-size-1 answer, each token replaced at rate `1 - p`, the
 replacements keyed by the prompt and the position), verified by the real exact loop (`rule="exact"`, block size
 16, `causal_only`, a new engine per request as `generate` makes one) whose policy reads the cost table that
 `bench_hybrid.py` measured on the twin (`cost_ms` of `--system` in `--results`), given as its whole cost model (no
@@ -29,7 +29,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from bench_hybrid import EXACT_BLOCK, RESULTS, oracle_drafts  # noqa: E402
+from bench_hybrid import EXACT_BLOCK, RESULTS, oracle_drafting  # noqa: E402
 
 TWIN_VOCAB = 49152  # the twin's vocabulary: clover-smol's tokenizer
 
@@ -53,15 +53,12 @@ def stand_in(vocab_size: int) -> Any:
 def count_rows(runner: Any, table: Any, prompts: list[list[int]], p: float, max_new: int) -> dict[str, Any]:
     """Exact mode with oracle drafts at `p`, a new engine per prompt, every forward's rows counted."""
     from clover.engine import Engine, SamplingParams, generate
-    from clover.engine.loops import exact
 
     answers = [generate(runner, [prompt], max_new, block_size=1, rule="threshold", eos_token_ids=[]).sequences[0]
                for prompt in prompts]
-    original = exact.copied_drafts
-    exact.copied_drafts = oracle_drafts({tuple(q): a for q, a in zip(prompts, answers)}, p)
     tokens = forwards = draft_rows = 0
     cost = 0.0
-    try:
+    with oracle_drafting({tuple(q): a for q, a in zip(prompts, answers)}, p):
         for prompt, answer in zip(prompts, answers):
             engine = Engine(runner, EXACT_BLOCK, rule="exact", cost=table, eos_token_ids=[])
             engine.loop._timed = lambda rows, start, forward: None  # nothing timed: the table is the whole cost
@@ -76,8 +73,6 @@ def count_rows(runner: Any, table: Any, prompts: list[list[int]], p: float, max_
             forwards += len(rows)
             draft_rows += sum(r - 1 for r in decode)
             cost += 1 + sum(table(r) / table(1) for r in decode)
-    finally:
-        exact.copied_drafts = original
     return {"tokens": tokens, "forwards": forwards, "draft_rows_per_token": round(draft_rows / tokens, 4),
             "predicted_speedup": round(tokens / cost, 4)}
 

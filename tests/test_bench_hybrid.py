@@ -48,3 +48,24 @@ def test_a_twin_projected_onto_its_own_shape_runs_at_its_own_speed_and_the_35b_r
     # the head and the router as it keeps them): between 1 and 3 GB a token; 35 B parameters resident
     assert 1000 < big["mb_per_token"] < 3000 and 15 < big["resident_gb"] < 40
     assert big["tok_s"] == pytest.approx(40.0 * big["twin_mb_per_token"] / big["mb_per_token"])
+
+
+def test_oracle_drafting_swaps_exact_modes_copied_drafts_inside_the_block_only():
+    """Inside `oracle_drafting` exact mode copies the reference's next tokens (at most `most`, when given) after a
+    context that starts with a known prompt; after the block, or an error in it, its own copied drafts are back."""
+    from types import SimpleNamespace
+
+    from clover.engine.loops import exact
+
+    own = exact.copied_drafts
+    prompt, answer = (5, 6, 7, 8), [9, 10, 11, 12, 13]
+    context = SimpleNamespace(tokens=[*prompt, 9, 10])  # two answer tokens committed
+    with bench.oracle_drafting({prompt: answer}, 1.0, most=2):
+        assert exact.copied_drafts(context, None, 15) == ([11, 12], None, 0)
+        assert exact.copied_drafts(SimpleNamespace(tokens=[1, 2, 3, 4]), None, 15) == ([], None, 0)
+    assert exact.copied_drafts is own
+    with pytest.raises(RuntimeError), bench.oracle_drafting({prompt: answer}, 0.0):
+        drafted, _, _ = exact.copied_drafts(context, None, 15)
+        assert len(drafted) == 3 and all(d != a for d, a in zip(drafted, answer[2:]))  # p = 0: every one replaced
+        raise RuntimeError
+    assert exact.copied_drafts is own
