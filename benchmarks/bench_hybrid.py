@@ -176,18 +176,24 @@ def draw_int4(config: Any, init: str) -> Any:
 def oracle_drafts(references: dict[tuple[int, ...], list[int]], p: float) -> Any:
     """A stand-in for exact mode's copied drafts (`clover.engine.loops.exact.copied_drafts`): the reference answer's
     next tokens after the request's context, each replaced by another token with probability `1 - p` (drawn from a
-    generator keyed by the position, so every run drafts the same)."""
+    generator keyed by the position, so every run drafts the same). The drafted answers are drawn once, here: a
+    call only slices one, so the stand-in adds next to nothing to the step it times (drawing 15 tokens a call cost
+    ~0.2 ms a step, ~0.5 % of the twin's block-size-1 token, in exact mode's time and not in block size 1's)."""
+    drafted = {}
+    for prompt, answer in references.items():
+        row = []
+        for i, token in enumerate(answer):
+            rng = random.Random(hash((prompt[:4], i, p)))
+            row.append(token if rng.random() < p else (token + 1 + rng.randrange(1000)) % 49152)
+        drafted[prompt] = row
 
     def drafts(index: Any, memory: Any, most: int) -> tuple[list[int], None, int]:
-        context = list(index.tokens)
-        for prompt, answer in references.items():
-            if tuple(context[: len(prompt)]) == prompt:
+        context = index.tokens
+        for prompt, answer in drafted.items():
+            if len(context) >= len(prompt) and tuple(context[: len(prompt)]) == prompt:
                 done = len(context) - len(prompt)
-                out = []
-                for i, token in enumerate(answer[done : done + most]):
-                    rng = random.Random(hash((prompt[:4], done + i, p)))
-                    out.append(token if rng.random() < p else (token + 1 + rng.randrange(1000)) % 49152)
-                return out, None, 0  # no memory draft; no context match (the shallowest depth's estimate)
+                return answer[done : done + most], None, 0  # no memory draft; no context match (the shallowest
+                # depth's estimate)
         return [], None, 0
 
     return drafts

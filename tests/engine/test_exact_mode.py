@@ -616,3 +616,26 @@ def test_copied_drafts_that_are_accepted_grow_to_many_a_forward(models):
         steps = _copied_drafts_policy(models["clover-tiny-dense"], TWIN_COST_AVX2, 0.9, 30, rng)
         assert max(k for k, _ in steps[:8]) >= 5
         assert sum(1 + a for _, a in steps) / len(steps) > 3
+
+
+def test_a_causal_only_step_that_verifies_no_draft_is_block_size_1s_forward(monkeypatch):
+    """p = 0 once the probes stop (no copied draft pays, or none is offered): on the int4 hybrid whose runner runs
+    the causal path only (as `bench_hybrid.py` runs the twin), every forward after the prompt's is one row and the
+    cache is never marked, so no DeltaNet state slot is recorded, copied or rewound; the tokens are block size 1's."""
+    from clover.engine.loops import exact
+    from clover.model.cache import CloverCache
+    from clover.runners.torch_runner import as_runner
+
+    model = quantize(tiny_model("clover-tiny"), "int4")
+    ref = _greedy_b1(model, PROMPTS[:1], 24)
+    runner = as_runner(model)
+    runner.causal_only = True
+    marks: list[int] = []
+    monkeypatch.setattr(CloverCache, "mark", lambda self: marks.append(self.length))
+    monkeypatch.setattr(exact, "copied_drafts", lambda index, memory, most: ([], None, 0))
+    engine = Engine(runner, 16, rule="exact", cost=TWIN_COST_AVX2, eos_token_ids=[])
+    rows: list[int] = []
+    forward = engine.forward
+    engine.forward = lambda ids, cache, **kw: (rows.append(ids.shape[1]), forward(ids, cache, **kw))[1]
+    got = [t for e in engine.run([PROMPTS[0]], 24, SamplingParams()) for t in e.token_ids]
+    assert got == ref[0] and rows[1:] == [1] * (len(rows) - 1) and len(rows) == 24 and not marks

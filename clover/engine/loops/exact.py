@@ -57,6 +57,7 @@ included (docs/decoding.md).
 
 from __future__ import annotations
 
+import functools
 import math
 import statistics
 import time
@@ -466,10 +467,12 @@ class ExactLoop(DecodingLoop):
         most = e.block_size - 1
         remaining = [s.remaining for s in seqs]
         avail = available.tolist()
+        # this step's price of each forward size, asked again by every row and estimate (at p = 0 the 16 sizes,
+        # twice: by the estimate's mean and by its optimistic bound)
+        cost = functools.cache(lambda rows: self._step_cost(rows, context))
         if self.causal_only:  # no query block to draft with: only drafts copied from the context are verified
             ks = [min(a, max(left - 1, 0)) for a, left in zip(avail, remaining)]
             if self.rule.adaptive:
-                cost = lambda rows: self._step_cost(rows, context)  # noqa: E731
                 ks = [self._copies_to_verify(b, r, cost, k, 0) if b is not None and bool(b.looked_up[r]) else k
                       for r, k in enumerate(ks)]
                 if len(seqs) > 1:  # one forward as wide as its widest row
@@ -482,7 +485,6 @@ class ExactLoop(DecodingLoop):
             ks, ms = [], []
             for r, acc in enumerate(acceptance):
                 if self.rule.adaptive:
-                    cost = lambda rows: self._step_cost(rows, context)  # noqa: E731
                     want = best_drafts(acc.optimistic(), cost, most)
                     verify = want
                     if b is not None and bool(b.looked_up[r]):
@@ -541,11 +543,15 @@ class ExactLoop(DecodingLoop):
         kk = int(k.max()) if k.numel() else 0
         query = drafts + 1 if drafts else 0
         # logits at each row's deciding positions and the query outputs that draft
-        cols = torch.arange(kk + 1, device=e.device)
         at = torch.zeros(n, t + query, dtype=torch.bool, device=e.device)
-        rows = torch.arange(n, device=e.device)[:, None].expand(n, kk + 1)
-        wanted = cols[None] <= k[:, None]
-        at[rows[wanted], (start[:, None] + cols[None])[wanted]] = True
+        if n == 1:  # one slice (the indexed write below costs ~0.1 ms, a step's worth of the loop's own work)
+            first = int(start[0])
+            at[0, first:first + kk + 1] = True
+        else:
+            cols = torch.arange(kk + 1, device=e.device)
+            rows = torch.arange(n, device=e.device)[:, None].expand(n, kk + 1)
+            wanted = cols[None] <= k[:, None]
+            at[rows[wanted], (start[:, None] + cols[None])[wanted]] = True
         at[:, t:t + drafts] = True
         out = e.forward(ids, cache, block_size=max(query, 1), query_ids=e.masks(n, query) if query else None,
                         logits_at=at, **kwargs)
@@ -564,8 +570,10 @@ class ExactLoop(DecodingLoop):
         if drafts_in is None:
             drafts_in = torch.zeros(n, kk, dtype=torch.long, device=e.device)
         accepted, tokens = verify(sampler, logits[:, :kk + 1], drafts_in, k, positions, check=False)
-        if self.rule.adaptive:  # the causal path's probability of each token it committed, over the positions
-            # some row committed (a policy signal: on fp32 logits `verify` has set banned ids to -inf in place)
+        if self.rule.adaptive and not self.causal_only:  # the causal path's probability of each token it
+            # committed, over the positions some row committed (a policy signal: on fp32 logits `verify` has set
+            # banned ids to -inf in place; it caps the estimate of the model's own drafts, which a causal-only
+            # runner never makes: a softmax over the vocabulary a step saved there)
             took = accepted.tolist()
             confidence = logits[:, :max(took) + 1].float().softmax(-1).amax(-1).tolist()
             for acc, row, a in zip(acceptance, confidence, took):
