@@ -17,7 +17,7 @@ forward, in two passes whose medians a count keeps the lower of, and a count sti
 (`off_the_curve`) is timed once more. `cost_table(runner)` measures once per combination of model shape, runner,
 weight format (and the build of the kernels that run packed weights), threads, torch and processor
 (`fingerprint`), in seven rounds over the counts (a warm-up, two passes of three: one round more than the fastest
-of five it replaces; a round is the sum of the table, ~1.4 s on the 1.28 B int4 hybrid twin on two AVX2 cores,
+of five it replaces; a round is the sum of the table, ~1.3 s on the 1.28 B int4 hybrid twin on two AVX2 cores,
 plus at most three rounds of the counts off the curve), and keeps the table in `$CLOVER_CACHE/costs/` (written
 atomically: two processes measuring the same combination each publish a
 whole table); a later process with the same combination reads it back. A kept table is trusted only while it is
