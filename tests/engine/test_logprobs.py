@@ -9,7 +9,7 @@ import torch
 
 from clover.engine import Engine, RequestOptions, SamplingParams
 from clover.engine.logprobs import PromptScoring, banned_ids, log_probs
-from clover.runners.torch_runner import as_runner
+from clover.engine.runner import as_runner
 from model_helpers import PROMPTS, tiny_model
 from test_exact_mode import OracleDrafts, _greedy_b1
 

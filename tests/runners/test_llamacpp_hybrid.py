@@ -23,7 +23,7 @@ from clover.conversion.gguf_export import export_gguf
 from clover.engine import Engine, SamplingParams, generate
 from clover.engine.loops.loop import StreamPiece
 from clover.runners import llama_api
-from clover.runners.base import RunnerOptions
+from clover.runners.registry import RunnerOptions
 from clover.runners.llamacpp_open import LlamaCppFile
 from clover.runners.llamacpp_hybrid import ROLLBACK, HybridCache, HybridLlamaCppRunner
 from model_helpers import PROMPTS

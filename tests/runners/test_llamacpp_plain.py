@@ -19,7 +19,7 @@ import torch
 
 from clover.engine import Engine, SamplingParams, generate
 from clover.engine.loops.loop import StreamPiece
-from clover.runners.base import RunnerOptions
+from clover.runners.registry import RunnerOptions
 from clover.runners.llamacpp_open import LlamaCppFile
 from clover.runners.llamacpp_plain import PlainLlamaCppRunner
 from conftest import llama_cpp_sdist

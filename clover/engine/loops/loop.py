@@ -28,7 +28,7 @@ from clover.engine.constraints.repetition import BreakerCache
 from clover.engine.drafts.draft_memory import DraftMemory
 from clover.engine.logprobs import TokenLogprob
 from clover.engine.request import Detokenize, RequestOptions, Sequence
-from clover.runners.base import ModelRunner, RunnerCache
+from clover.engine.runner import ModelRunner, RunnerCache
 
 
 @dataclass
