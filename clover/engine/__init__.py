@@ -102,9 +102,9 @@ def generate(model: torch.nn.Module | ModelRunner, prompts: Any, max_new_tokens:
     stats: list[dict[str, Any]] = [{} for _ in rows]
     for event in engine.run(rows, max_new_tokens, _options(options, keywords)):
         if isinstance(event, StreamPiece):
-            sequences[event.index].extend(event.token_ids)
+            sequences[event.seq_id].extend(event.token_ids)
             if event.stats is not None:
-                stats[event.index] = event.stats
+                stats[event.seq_id] = event.stats
     return GenerationResult(sequences, stats)
 
 

@@ -108,7 +108,7 @@ def _run(engine: Engine, prompts: list[list[int]]) -> list[list[int]]:
     sequences: list[list[int]] = [[] for _ in prompts]
     for event in engine.run(prompts, MAX_NEW, SamplingParams()):
         if isinstance(event, StreamPiece):
-            sequences[event.index].extend(event.token_ids)
+            sequences[event.seq_id].extend(event.token_ids)
     return sequences
 
 

@@ -54,7 +54,7 @@ def _continuous(engine: Engine, arrivals: list[int], sampling: list[SamplingPara
         if batch is not None:
             events, batch = engine.step(batch)
             for e in events:
-                out[e.index] += e.token_ids
+                out[e.seq_id] += e.token_ids
         step += 1
     assert joined_mid_run >= 2  # the test really exercises joins into a running batch
     return out
