@@ -73,7 +73,7 @@ from server_process import ServerProcess  # noqa: E402
 
 from clover.engine import Engine, SamplingParams  # noqa: E402
 from clover.engine.drafts.cost import cost_table  # noqa: E402
-from clover.runners.torch_runner import as_runner  # noqa: E402
+from clover.engine.runner import as_runner  # noqa: E402
 from clover.model import CloverForBlockDiffusion  # noqa: E402
 from clover.smol import build_quantized, clover_smol_dir, clover_smol_gguf  # noqa: E402
 from clover.tokenizer import eos_token_ids, load_tokenizer  # noqa: E402
@@ -144,7 +144,7 @@ def runner_system(system: str, threads: int, recalibrate: bool) -> tuple[Decode,
     """Clover's engine on its llama.cpp runner over clover-smol's GGUF export, as `clover generate --runner
     llamacpp` opens it (one row, the default model's own tokenizer): exact mode as configured
     (`clover-llamacpp-<quant>`, its forward cost measured or read first) or block size 1 (`llamacpp-b1-<quant>`)."""
-    from clover.runners.base import RunnerOptions
+    from clover.runners.registry import RunnerOptions
     from clover.runners.registry import RUNNERS
 
     quant = system.rsplit("-", 1)[1]

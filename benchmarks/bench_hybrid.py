@@ -222,7 +222,7 @@ def worker(kind: str, path: str, job: dict) -> dict:
     torch.set_num_threads(job["threads"])
     if kind == "clover":
         from clover import CloverForBlockDiffusion
-        from clover.runners.torch_runner import as_runner
+        from clover.engine.runner import as_runner
 
         model: Any = as_runner(CloverForBlockDiffusion.from_pretrained(path).eval())
     else:

@@ -27,7 +27,7 @@ import torch
 
 from clover.model import CloverForBlockDiffusion
 from clover.ops import woq
-from clover.runners.torch_runner import as_runner
+from clover.engine.runner import as_runner
 from clover.smol import clover_smol_dir
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -35,7 +35,7 @@ from bench_exact import Decode, engine_system, llama_system  # noqa: E402
 from bench_smol import prompt_ids  # noqa: E402
 
 from clover.model import CloverForBlockDiffusion  # noqa: E402
-from clover.runners.base import RunnerOptions  # noqa: E402
+from clover.runners.registry import RunnerOptions  # noqa: E402
 from clover.runners.registry import runner_entry  # noqa: E402
 from clover.smol import clover_smol_dir, clover_smol_gguf  # noqa: E402
 from clover.tokenizer import eos_token_ids, load_tokenizer  # noqa: E402

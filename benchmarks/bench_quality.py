@@ -3,6 +3,7 @@
     python benchmarks/bench_quality.py [--sets humaneval,bfcl,repetition] [--limit N] [--systems ...]
         [--rules api|generate] [--threads 2] [--out benchmarks/results/bench_quality.json]
     python benchmarks/bench_quality.py --summary [--out F]      # the figures of a (partial) run, no decoding
+    python benchmarks/bench_quality.py ... --lock /tmp/cpu.lock  # a shared machine: yield between problems
 
 Systems, each through the path its users take, greedy:
 
@@ -37,16 +38,20 @@ Sets (the problem ids are recorded):
                   (its text tokenized by the model's tokenizer) and the share that ends by itself; 128 new tokens
 
 Interleaved: the sets' problems merged in proportion (each set advances at the same pace) and every problem answered
-by every system in turn, the order rotated problem by problem, so load on a shared machine hits all systems alike
-and a stopped run is still a paired comparison. Each answer is written at once to `--out` (JSON, atomically); a
-second run with the same `--out` continues where the first stopped. Figures (per set and system, over the problems
-every chosen system answered): accuracy, answers' tokens, total seconds (end to end, over HTTP for the servers),
-tokens/s, tokens per forward. The servers are stopped when the run ends, fails or gets SIGTERM / SIGINT / SIGHUP.
+by every system in turn, the order rotated problem by problem, so load on a shared machine hits all systems alike and
+a stopped run is still a paired comparison. With `--lock FILE` each problem is answered under a shared `flock` of
+FILE, so that a timed job elsewhere can take FILE exclusively and have the machine between two problems (a run of
+hours need not be stopped for it, nor timed across the pause). Each answer is written at once to `--out` (JSON,
+atomically); a second run with the same `--out` continues where the first stopped. Figures (per set and system, over
+the problems every chosen system answered): accuracy, answers' tokens, total seconds (end to end, over HTTP for the
+servers), tokens/s, tokens per forward. The servers are stopped when the run ends, fails or gets SIGTERM / SIGINT /
+SIGHUP.
 """
 
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import os
 import platform
@@ -55,10 +60,10 @@ import statistics
 import sys
 import tempfile
 import time
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import httpx
 import torch
@@ -242,6 +247,21 @@ def table(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+@contextmanager
+def shared_lock(path: Path | None) -> Iterator[None]:
+    """A shared `flock` of `path` held for the block (nothing when `path` is None): a writer taking it exclusively
+    waits for the problem under way and then holds the next one back."""
+    if path is None:
+        yield
+        return
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_SH)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sets", default=",".join(SETS), help=f"comma-separated, of {','.join(SETS)}")
@@ -251,6 +271,8 @@ def main() -> None:
                         help="the Clover systems' repetition rules (module docstring)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--lock", type=Path, default=None,
+                        help="answer each problem under a shared flock of this file (module docstring)")
     parser.add_argument("--summary", action="store_true", help="print the figures of --out and stop")
     args = parser.parse_args()
     systems, sets = args.systems.split(","), args.sets.split(",")
@@ -291,13 +313,14 @@ def main() -> None:
             system.answer(warm, 4)
         for k, problem in enumerate(order):
             rows = results.setdefault(problem.set, {}).setdefault(problem.id, {})
-            for s in systems[k % len(systems):] + systems[:k % len(systems)]:
-                if s in rows:
-                    continue
-                answer = loaded[s].answer(problem, MAX_NEW[problem.set])
-                rows[s] = {**score(problem, answer, tokenizer), "tokens": answer.tokens, "seconds": answer.seconds,
-                           "forwards": answer.forwards, "prefill_s": answer.prefill_s, "finish": answer.finish,
-                           "text": answer.text, "calls": answer.calls}
+            with shared_lock(args.lock):
+                for s in systems[k % len(systems):] + systems[:k % len(systems)]:
+                    if s in rows:
+                        continue
+                    answer = loaded[s].answer(problem, MAX_NEW[problem.set])
+                    rows[s] = {**score(problem, answer, tokenizer), "tokens": answer.tokens, "seconds": answer.seconds,
+                               "forwards": answer.forwards, "prefill_s": answer.prefill_s,
+                               "finish": answer.finish, "text": answer.text, "calls": answer.calls}
             write_atomic(args.out, json.dumps(record, indent=1))
             print(f"[{k + 1}/{len(order)}] {problem.set} {problem.id}: " + ", ".join(
                 f"{s} {rows[s].get('correct', rows[s].get('repeated_4grams'))} {rows[s]['seconds']:.1f}s"

@@ -47,7 +47,7 @@ from clover.cli.loading import default_repetition  # noqa: E402
 from clover.engine import Engine, RequestOptions  # noqa: E402
 from clover.engine.drafts.cost import cost_table  # noqa: E402
 from clover.model import CloverForBlockDiffusion  # noqa: E402
-from clover.runners.torch_runner import as_runner  # noqa: E402
+from clover.engine.runner import as_runner  # noqa: E402
 from clover.smol import clover_smol_dir  # noqa: E402
 from clover.tokenizer import eos_token_ids, load_tokenizer  # noqa: E402
 

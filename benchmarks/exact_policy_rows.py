@@ -40,7 +40,7 @@ def stand_in(vocab_size: int) -> Any:
     import torch
 
     from clover import CloverConfig, CloverForBlockDiffusion
-    from clover.runners.torch_runner import as_runner
+    from clover.engine.runner import as_runner
 
     torch.manual_seed(0)
     config = CloverConfig.from_preset("clover-tiny", vocab_size=vocab_size, mask_token_id=vocab_size - 1,

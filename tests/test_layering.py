@@ -9,20 +9,22 @@ a lower layer, never one of its own layer or above):
     checkpoint, tokenizer, assistant_output
     chat_template
     ops                             the math on tensors
-    model                           the network and its cache
+    engine                          decoding, on any module with Clover's forward signature or any runner: it owns
+                                    the runner interface (`engine.runner`) and imports no model
+    model                           the network and its cache (`model.generate` hands itself to the engine)
     conversion                      other checkpoint formats -> Clover checkpoints (and GGUF export)
     runners                         what runs the network: torch, llama.cpp (a GGUF: conversion reads it)
-    engine, training, smol          decoding; training; the default model (built from conversion and model)
+    training, smol                  training; the default model (built from conversion and model)
     serving
     cli
     __init__                        the package's facade (`clover.CloverForBlockDiffusion`, `clover.decide`)
 
 Inside the engine and the server, their parts (a module or subpackage) keep an order of their own by the same rule,
-`INNER_LAYERS`: the engine's constraints, drafts and sampling below the request, the request below the loops, the loops
-below the engine; the server's wire formats (`api`) below the scheduling, the scheduling below the served model, the
-served model below the routes' flows.
+`INNER_LAYERS`: the engine's runner interface below all its other parts, its constraints, drafts and sampling below
+the request, the request below the loops, the loops below the engine; the server's wire formats (`api`) below the
+scheduling, the scheduling below the served model, the served model below the routes' flows.
 
-Inference never imports training (checked on its own below, as training sits beside the engine).
+Inference never imports training (checked on its own below, as the server and the CLI sit above training).
 """
 
 from __future__ import annotations
@@ -38,19 +40,16 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "clover"
 LAYERS: list[tuple[str, ...]] = [
     ("paths", "choices", "atomic_files", "tool_formats"), ("config",), ("checkpoint", "tokenizer", "assistant_output"),
-    ("chat_template",), ("ops",),
-    ("model",), ("conversion",), ("runners",), ("engine", "training", "smol"), ("serving",), ("cli",), ("__init__",),
+    ("chat_template",), ("ops",), ("engine",),
+    ("model",), ("conversion",), ("runners",), ("training", "smol"), ("serving",), ("cli",), ("__init__",),
 ]
-# the one import up, inside the function: `model.generate(...)`, the documented entry point (docs/design.md §5),
-# hands over to the engine
-ALLOWED_UP = {("clover.model.modeling", "clover.engine")}
 # circles through function-level imports still to be cut (remove an entry once its circle is gone); none is left:
 # the runner takes `forward(..., prompt=True)` where the engine set the model's ContextVar, the loops type their engine
 # as `LoopEngine` (clover.engine.loops.loop), and `quant` marks fused layers without importing `fused` or `modeling`
 PENDING_CIRCLES: list[set[str]] = []
 # the parts of a unit, in the same form as LAYERS (a part is a module or subpackage of the unit's folder)
 INNER_LAYERS: dict[str, list[tuple[str, ...]]] = {
-    "engine": [("constraints", "drafts", "noise", "logprobs", "decoding", "detokenizer", "prefill"),
+    "engine": [("runner",), ("constraints", "drafts", "noise", "logprobs", "decoding", "detokenizer", "prefill"),
                ("sampling", "reference"), ("request",), ("loops",), ("engine",), ("__init__",)],
     "serving": [("api", "metrics", "request_log", "locked_tokenizer", "response_store", "vllm"),
                 ("request_context", "scheduling"), ("draft_memories", "grammar_route", "structured"),
@@ -96,8 +95,7 @@ def imports(path: Path, import_time_only: bool = False) -> set[str]:
     return {n for n in names if n == "clover" or n.startswith("clover.")}
 
 
-def upward_imports(root: Path = PACKAGE, layers: list[tuple[str, ...]] = LAYERS,
-                   allowed: set[tuple[str, str]] = ALLOWED_UP) -> list[str]:
+def upward_imports(root: Path = PACKAGE, layers: list[tuple[str, ...]] = LAYERS) -> list[str]:
     """Every import of a unit of the same or a higher layer (but the unit itself), as 'module -> module'."""
     rank = {u: i for i, layer in enumerate(layers) for u in layer}
     bad = []
@@ -107,8 +105,7 @@ def upward_imports(root: Path = PACKAGE, layers: list[tuple[str, ...]] = LAYERS,
             bad.append(f"{src}: its unit {unit(src)!r} has no place in the order")
             continue
         for dst in sorted(imports(path)):
-            up = unit(dst) != unit(src) and rank.get(unit(dst), len(layers)) >= rank[unit(src)]
-            if up and not any(src == a and (dst == b or dst.startswith(b + ".")) for a, b in allowed):
+            if unit(dst) != unit(src) and rank.get(unit(dst), len(layers)) >= rank[unit(src)]:
                 bad.append(f"{src} -> {dst}")
     return bad
 
@@ -135,14 +132,12 @@ def inner_upward_imports(package: str, layers: list[tuple[str, ...]], root: Path
     return bad
 
 
-def import_cycles(root: Path = PACKAGE, import_time_only: bool = True,
-                  allowed: set[tuple[str, str]] = ALLOWED_UP) -> list[list[str]]:
+def import_cycles(root: Path = PACKAGE, import_time_only: bool = True) -> list[list[str]]:
     """Cycles among the modules' import-time imports (a cycle there fails or half-initialises a module); with
     `import_time_only` False, among all their imports, in functions and for type checking too (such a cycle ties
-    the modules into one unit all the same), but for the `allowed` imports up the order."""
+    the modules into one unit all the same)."""
     paths = {module_name(p, root): p for p in root.rglob("*.py")}
-    graph = {m: {d for d in imports(p, import_time_only=import_time_only) if d in paths and d != m
-                 and not any(m == a and (d == b or d.startswith(b + ".")) for a, b in allowed)}
+    graph = {m: {d for d in imports(p, import_time_only=import_time_only) if d in paths and d != m}
              for m, p in paths.items()}
     for m in paths:  # importing a.b.c runs a.b's __init__ first (but a module's own packages are already running)
         ancestors = {".".join(m.split(".")[:i]) for i in range(1, m.count(".") + 1)}
@@ -216,7 +211,8 @@ def _plant(tmp_path: Path, relative: str, line: str) -> Path:
 
 @pytest.mark.parametrize("relative, line, found", [
     ("ops/delta_rule.py", "from clover.engine import generate", "clover.ops.delta_rule -> clover.engine"),
-    ("runners/base.py", "    from clover.serving import create_app", "clover.runners.base -> clover.serving"),
+    ("runners/registry.py", "    from clover.serving import create_app", "clover.runners.registry -> clover.serving"),
+    ("engine/runner.py", "    from clover.model import CloverCache", "clover.engine.runner -> clover.model"),
     ("engine/sampling.py", "import clover.training.data", "clover.engine.sampling -> clover.training.data"),
     ("paths.py", "from clover.config import CloverConfig", "clover.paths -> clover.config"),
 ])
@@ -259,7 +255,7 @@ def undeferred_imports(root: Path = PACKAGE) -> list[str]:
     """Imports inside functions that do not say what deferring them saves, as 'file:line: statement'.
 
     An import runs at a function's call, not the module's import, only where that cuts a real cost (torch for
-    `clover --help`, an optional runtime, a heavy library a rare path needs, the one import up the order): such an
+    `clover --help`, an optional runtime, a heavy library a rare path needs): such an
     import carries a comment starting `deferred` on its line, or just above the run of imports it belongs to."""
     bad = []
     for path in sorted(root.rglob("*.py")):

@@ -15,7 +15,7 @@ from typing import Any
 
 from clover.choices import QUANTIZATIONS, RULE_NAMES
 from clover.cli.model_source import ModelSource, checkpoint_for, locate
-from clover.runners.registry import RUNNERS, RunnerEntry, runner_entry
+from clover.runners.registry import RUNNERS, RunnerEntry, RunnerOptions, runner_entry
 
 DTYPES = ("float32", "bfloat16")  # torch dtypes, by name, the weights can be cast to at load
 
@@ -70,8 +70,6 @@ def load_model(args: argparse.Namespace, device: str | None = None, max_rows: in
     """The runner `--runner` names, opened on `--model` (or the default model) with `--dtype` / `--quant` /
     `--threads` / `--ctx`: (the runner, its tokenizer, the checkpoint directory or GGUF file it read).
     `max_rows`: sequences it holds at once (None: as many as it allows)."""
-    from clover.runners.base import RunnerOptions  # deferred: torch, only when a command runs
-
     entry = choose_runner(args)
     quant = resolve_quant(args, entry, device)
     source = model_path(args.model_source, entry.takes, quant)

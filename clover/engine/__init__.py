@@ -17,8 +17,9 @@ uncached recompute decoder the tests compare against); `loops` (what a step does
 decision mode), `drafts` (exact mode's drafts: `lookup` + `draft_memory` copy them from the request's context and
 from earlier answers, `drafting` + `cost` say how many pay), `constraints` (what bounds the output: `grammar` a JSON
 Schema or a tool call, `thinking` a thinking budget, `repetition` DRY and the loop guard, `form` decision mode's
-forms). The network runs behind `clover.runners` (the torch model, or llama.cpp for an exported GGUF): every entry
-point taking a `model` takes a runner too.
+forms), `runner` (the interface the network runs behind: `ModelRunner`, its cache, and `ModuleRunner`, any module
+with Clover's forward signature). The engine imports no model: every entry point takes a module (the torch model, run
+as it is) or a runner of `clover.runners` (the torch runner opened from a checkpoint, llama.cpp for a GGUF).
 Semantics and measured figures: docs/decoding.md.
 """
 
@@ -34,14 +35,13 @@ from clover.engine.decoding import RULES, ExactRule, UnmaskingRule, make_rule, r
 from clover.engine.detokenizer import IncrementalDetokenizer, StopAwareDetokenizer
 from clover.engine.engine import DEFAULT_PREFILL_CHUNK, Engine
 from clover.engine.loops.loop import Event, StepSnapshot, StreamPiece
-from clover.engine.sampling import SamplingParams
 from clover.engine.request import Detokenize, Options, RequestOptions
-from clover.runners.base import ModelRunner
-from clover.runners.torch_runner import TorchRunner
+from clover.engine.runner import ModelRunner, ModuleRunner
+from clover.engine.sampling import SamplingParams
 
 __all__ = [
-    "DEFAULT_PREFILL_CHUNK", "Engine", "GenerationResult", "IncrementalDetokenizer", "ModelRunner", "RULES",
-    "RequestOptions", "SamplingParams", "StepSnapshot", "StopAwareDetokenizer", "StreamPiece", "TorchRunner",
+    "DEFAULT_PREFILL_CHUNK", "Engine", "GenerationResult", "IncrementalDetokenizer", "ModelRunner", "ModuleRunner",
+    "RULES", "RequestOptions", "SamplingParams", "StepSnapshot", "StopAwareDetokenizer", "StreamPiece",
     "UnmaskingRule", "generate", "make_rule", "register_rule", "stream",
 ]
 
@@ -102,9 +102,9 @@ def generate(model: torch.nn.Module | ModelRunner, prompts: Any, max_new_tokens:
     stats: list[dict[str, Any]] = [{} for _ in rows]
     for event in engine.run(rows, max_new_tokens, _options(options, keywords)):
         if isinstance(event, StreamPiece):
-            sequences[event.index].extend(event.token_ids)
+            sequences[event.seq_id].extend(event.token_ids)
             if event.stats is not None:
-                stats[event.index] = event.stats
+                stats[event.seq_id] = event.stats
     return GenerationResult(sequences, stats)
 
 

@@ -17,7 +17,7 @@ cache that already holds a prefix of its prompt: prefix reuse), or `prefill_toge
 forward; `join` adds them to a running batch at a boundary of the loop, `step` advances the batch by one step, and
 `drop` removes cancelled requests at any step.
 
-The network runs behind `clover.runners.base` (the torch model, or llama.cpp for a GGUF): `forward` is the one
+The network runs behind `clover.engine.runner` (the torch model, or llama.cpp for a GGUF): `forward` is the one
 call into it.
 """
 
@@ -41,8 +41,7 @@ from clover.engine.loops.loop import EngineCounters, Event, StreamPiece
 from clover.engine.prefill import DEFAULT_PREFILL_CHUNK, EXPECTED_ANSWER, grid_chunk, prefill
 from clover.engine.constraints.repetition import BreakerCache
 from clover.engine.request import Detokenize, Options, RequestOptions, Sequence, as_options
-from clover.runners.base import ModelRunner, RunnerCache, release_cache
-from clover.runners.torch_runner import as_runner
+from clover.engine.runner import ModelRunner, RunnerCache, as_runner, release_cache
 from clover.engine.sampling import SamplingParams
 
 
@@ -225,7 +224,7 @@ class Engine:
     # -- what the loops share -----------------------------------------------------------------------------
     def forward(self, ids: torch.Tensor | None, cache: RunnerCache, block_size: int | None = None,
                 **kwargs: Any) -> torch.Tensor:
-        """The runner's logits for one forward (`clover.runners.base`), timed and counted."""
+        """The runner's logits for one forward (`clover.engine.runner`), timed and counted."""
         start = time.perf_counter()
         out = self.runner.forward(ids, block_size or self.block_size, cache=cache, **kwargs)
         self.counters.forward_time_s += time.perf_counter() - start

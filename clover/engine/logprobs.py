@@ -20,7 +20,7 @@ from typing import Any, Sequence
 
 import torch
 
-from clover.runners.base import release_cache
+from clover.engine.runner import release_cache
 
 MAX_TOP_LOGPROBS = 20  # the most alternatives a token's logprobs may list (OpenAI's and vLLM's limit)
 

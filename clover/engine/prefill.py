@@ -7,7 +7,7 @@ row computes what it computes alone (docs/architecture.md).
 
 The padded prompts are read causally in chunks of `chunk` tokens (bounding the activation memory of long
 prompts); every chunk but the last is written to the cache without logits. Every forward that reads prompt tokens,
-the caller's first one too, is asked of the runner with `prompt=True` (clover.runners.base: one path through a
+the caller's first one too, is asked of the runner with `prompt=True` (clover.engine.runner: one path through a
 quantised layer for prompt rows, whatever shares their forward). With a block `grid` (a model whose `prompt_reading`
 is "blocks") the prompts are read on that grid instead: left-padded further to whole blocks, so the grid ends where
 every prompt ends (padding is invalid, so each row still reads what it reads alone: its first block holds its first

@@ -10,7 +10,7 @@ Rows are sequences; `select` keeps a subset (finished requests leave a batch), `
 different lengths into one batch (a request joins a running batch: the shorter attention KV is left-padded
 and the padding marked invalid), `prefix` cuts a cache back to its first positions, `snapshot` copies the
 DeltaNet states and `storages` names the memory held (prefix reuse: the runner cache interface of
-`clover.runners.base`), `clone` copies a cache, `memory_bytes` reports what it holds.
+`clover.engine.runner`), `clone` copies a cache, `memory_bytes` reports what it holds.
 `mark` + `rewind` undo part of one forward's clean tokens (exact mode's rejected drafts), `compact` squeezes out
 the holes rewinding leaves in a batch.
 

@@ -22,6 +22,7 @@ from torch.utils.checkpoint import checkpoint
 
 from clover.checkpoint import load_state_dict_strict, save_checkpoint
 from clover.config import CONTEXT_READINGS, LINEAR_ATTENTION, CloverConfig
+from clover.engine import generate as engine_generate
 from clover.model.attention import ROWS_ALONE, Attention, CleanRows
 from clover.model.cache import CloverCache
 from clover.model.deltanet import GatedDeltaNet
@@ -155,6 +156,7 @@ class CloverForBlockDiffusion(nn.Module):
         logits_at: torch.Tensor | None = None,
         output_hidden_states: bool = False,
         context_reading: str | None = None,
+        prompt: bool = False,
     ) -> CloverOutput:
         """Run clean tokens `input_ids` `[N, T]` (and optional query blocks `query_ids` `[N, nq * block_size]`).
 
@@ -169,6 +171,8 @@ class CloverForBlockDiffusion(nn.Module):
         * `logits_at` `[N, T + query tokens]` bool: compute logits only where True (clean then query positions);
           `logits` is then `[selected, V]` in row-major order and `query_logits` is None. Training selects the
           few positions it supervises: the LM head is ~20 % of a small model's FLOPs per position.
+        * `prompt`: the clean tokens are prompt tokens (a prefill chunk, or the last one with the first query block):
+          the layers compute their rows one way however many rows share the forward (clover.model.prompt_rows).
         """
         device = self.model.embed_tokens.weight.device
         ids = self._as_ids(input_ids, device)
@@ -223,15 +227,16 @@ class CloverForBlockDiffusion(nn.Module):
         mask, is_causal = layout.attention_mask(past_valid, clean_valid, n, device)
         ctx = _ForwardContext(layout, clean_valid, self.model.rotary(positions_t, h.dtype), mask, is_causal, gate)
         ctx.clean_rows = self._clean_rows(layout, past_valid, clean_valid, mask, is_causal, n, device)
-        ctx.fused = any(layer.fused for layer in self.model.layers) and runs_fused(h, ctx)
-        if self._runs_frozen_clean(ctx, cache):
-            h = self._frozen_clean_layers(h, ctx)
-        elif ctx.fused and self._all_fused():
-            h = fused_layers(self.model.layers, h, ctx, cache.layers if cache is not None else None)
-        else:
-            for i, layer in enumerate(self.model.layers):
-                cache_layer = cache.layers[i] if cache is not None else None
-                h = self._layer(layer, h, ctx, cache_layer)
+        with reading_prompt(prompt):  # the layers read it (the LM head below does not)
+            ctx.fused = any(layer.fused for layer in self.model.layers) and runs_fused(h, ctx)
+            if self._runs_frozen_clean(ctx, cache):
+                h = self._frozen_clean_layers(h, ctx)
+            elif ctx.fused and self._all_fused():
+                h = fused_layers(self.model.layers, h, ctx, cache.layers if cache is not None else None)
+            else:
+                for i, layer in enumerate(self.model.layers):
+                    cache_layer = cache.layers[i] if cache is not None else None
+                    h = self._layer(layer, h, ctx, cache_layer)
         if cache is not None and lc:
             cache.commit(clean_valid if clean_valid is not None else torch.ones_like(ids, dtype=torch.bool))
 
@@ -352,9 +357,7 @@ class CloverForBlockDiffusion(nn.Module):
         """Block-diffusion decoding (docs/design.md §6): token-id lists or a 2-D tensor in; a `GenerationResult`
         with `.sequences` (new ids, EOS excluded) and `.stats` out. `block_size` / `threshold` default to the
         config's; other keywords go to `clover.engine.generate` (temperature, top_p, top_k, seed, rule, ...)."""
-        from clover.engine import generate  # deferred: the one import up the layers (the engine imports the model)
-
-        return generate(self, input_ids, max_new_tokens, block_size=block_size, threshold=threshold, **sampling)
+        return engine_generate(self, input_ids, max_new_tokens, block_size=block_size, threshold=threshold, **sampling)
 
     # -- counting -----------------------------------------------------------------------------------------
     def num_parameters(self) -> int:

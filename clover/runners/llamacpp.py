@@ -11,7 +11,7 @@ both write; the C API (llama_api.py) and the hybrid and plain-GGUF runners alrea
 **Attention masks from sequence ids.** llama.cpp has one causal switch per decode (`llama_set_causal_attn`) and
 otherwise decides who sees whom by sequence ids: a token attends to every cached cell that carries *its own* id
 (the last id given for it; with causal attention off, whatever the position), and its own cell is written with
-all the ids given. A forward of Clover's layout (`clover.runners.base`) then takes one non-causal decode: each
+all the ids given. A forward of Clover's layout (`clover.engine.runner`) then takes one non-causal decode: each
 row of the batch owns a slot of `K = max_block_size + 1` ids `s_0 … s_{K-2}, q`; its history cells carry them all;
 
 * clean token in group `g` (a causal token is a group of its own, a committed block one group) is written with
@@ -51,7 +51,7 @@ before, `_decode_rows`) keeps llama.cpp's tiling: block size 1 and exact mode re
 mode's first forward also verifies copied drafts, which move the cut between head and tail by their number
 (docs/gguf.md). With flash attention off (f32 KV) nothing is padded.
 
-**Prefix reuse** (`clover.runners.base`). A stored prefix is kept out of the KV cache, in host memory: the
+**Prefix reuse** (`clover.engine.runner`). A stored prefix is kept out of the KV cache, in host memory: the
 first `n` cells of a row are copied to the runner's scratch sequence id (`llama_memory_seq_cp`: no KV is copied),
 saved with `llama_state_seq_get_data` (their positions, keys and values, ~23 KB a token for SmolLM2-135M in f16)
 and the scratch id cleared (`LlamaCppCache.prefix(n, copy=True)`); `LlamaCppPrefix.prefix(n)` writes them back into
@@ -89,7 +89,7 @@ from clover.config import CloverConfig
 from clover.conversion.gguf import GGUFSource
 from clover.paths import cache_root
 from clover.runners import llama_api
-from clover.runners.base import RunnerOptions
+from clover.runners.registry import RunnerOptions
 
 logger = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from clover.conversion.gguf import gguf_architecture, written_by_clover
 from clover.conversion.gguf_header import read_header
-from clover.runners.base import RunnerOptions
+from clover.runners.registry import RunnerOptions
 from clover.runners.llamacpp import LlamaCppRunner
 from clover.runners.llamacpp_hybrid import HYBRID_ARCHITECTURES, HybridLlamaCppRunner
 from clover.runners.llamacpp_plain import PlainLlamaCppRunner

@@ -5,7 +5,7 @@ names imports nothing: the CLI builds its parsers without torch or llama.cpp (te
 is imported when a command opens the runner.
 
     register_runner("mine", "my_package.runner:MyRunner", takes="checkpoint", summary="...")
-    runner_class("mine").open(path, options)   # clover.runners.base.RunnerOptions
+    runner_class("mine").open(path, RunnerOptions(...))   # a runner of the engine's interface (clover.engine.runner)
 
 `takes` says what `--model` names for it: "checkpoint" (a Clover checkpoint directory) or "gguf" (a GGUF file);
 the CLI resolves the default model in that form (clover.cli.loading).
@@ -18,6 +18,18 @@ from dataclasses import dataclass
 from typing import Any
 
 SOURCES = ("checkpoint", "gguf")
+
+
+@dataclass(frozen=True)
+class RunnerOptions:
+    """How a runner is opened (`Runner.open(path, options)`); each runner refuses what it cannot honour, by name."""
+
+    device: str | None = None  # None: the CPU
+    dtype: str | None = None  # a torch dtype name to cast the weights to; None: as stored
+    quant: str = "none"  # weight-only quantisation at load (clover.choices.QUANTIZATIONS)
+    threads: int | None = None  # CPU threads of the runner's own kernels (llama.cpp's)
+    max_rows: int | None = 1  # sequences held at once (None: as many as the runner allows)
+    ctx: int | None = None  # KV cells shared by all rows (llama.cpp); None: the runner's default
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.concurrency import run_in_threadpool
 
-from clover.runners.base import ModelRunner
+from clover.engine.runner import ModelRunner
 from clover.serving.chat import create_chat_completion
 from clover.serving.completions import create_completion
 from clover.serving.middleware import add_error_handling

@@ -23,8 +23,7 @@ from clover.engine import RequestOptions, SamplingParams
 from clover.engine.loops.loop import StreamPiece
 from clover.engine.constraints.thinking import ThinkingBudget
 from clover.model import CloverForBlockDiffusion
-from clover.runners.base import ModelRunner
-from clover.runners.torch_runner import as_runner
+from clover.engine.runner import ModelRunner, as_runner
 from clover.serving.draft_memories import DraftMemories
 from clover.serving.scheduling.handles import RequestHandle, merge, until_disconnect
 from clover.serving.locked_tokenizer import LockedTokenizer

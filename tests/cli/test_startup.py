@@ -13,7 +13,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 HEAVY = ("torch", "transformers", "clover.runners.llama_api", "clover.model", "clover.engine", "clover.serving", "clover.training",
-         "clover.conversion", "clover.runners.base", "clover.runners.torch_runner", "clover.runners.llamacpp")
+         "clover.conversion", "clover.engine.runner", "clover.runners.torch_runner", "clover.runners.llamacpp")
 
 
 def imported_modules(*argv: str) -> tuple[int, str, set[str]]:

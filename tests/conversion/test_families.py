@@ -287,7 +287,7 @@ def test_a_batch_on_the_block_grid_gives_each_prompt_what_it_gets_alone(twin) ->
     while batch is not None:
         events, batch = engine.step(batch)
         for e in events:
-            joined.setdefault(e.index, []).extend(e.token_ids)
+            joined.setdefault(e.seq_id, []).extend(e.token_ids)
     assert [joined[i] for i in range(len(prompts))] == alone
 
 

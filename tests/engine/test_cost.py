@@ -14,7 +14,7 @@ import torch
 from clover.engine.drafts import cost
 from clover.model import quantize
 from clover.ops import woq
-from clover.runners.torch_runner import as_runner
+from clover.engine.runner import as_runner
 from model_helpers import tiny_model
 
 

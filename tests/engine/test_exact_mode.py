@@ -127,7 +127,7 @@ def test_accepted_drafts_commit_several_tokens_per_forward(models, preset, block
     out = [[] for _ in PROMPTS]
     forwards_before = engine.counters.forwards
     for e in engine.run(PROMPTS, 40, SamplingParams()):
-        out[e.index] += e.token_ids
+        out[e.seq_id] += e.token_ids
         if e.finished:
             assert e.stats["forward_passes"] == 1 + -(-39 // block_size)
     assert out == ref
@@ -138,8 +138,8 @@ def test_accepted_drafts_commit_several_tokens_per_forward(models, preset, block
         got = [[] for _ in PROMPTS]
         stats = {}
         for e in engine.run(PROMPTS, 40, SamplingParams()):
-            got[e.index] += e.token_ids
-            stats[e.index] = e.stats or stats.get(e.index)
+            got[e.seq_id] += e.token_ids
+            stats[e.seq_id] = e.stats or stats.get(e.seq_id)
         assert got == ref
         tpf = [stats[i]["tokens_per_forward"] for i in range(len(PROMPTS))]
         assert all(1 < t < block_size for t in tpf), tpf
@@ -304,7 +304,7 @@ def test_exact_mode_sampling_draws_from_the_block1_distribution(models):
     got: dict[tuple[int, int], int] = {}
     out = [[] for _ in range(trials)]
     for e in engine.run([prompt] * trials, 2, params):
-        out[e.index] += e.token_ids
+        out[e.seq_id] += e.token_ids
     for tokens in out:
         got[tuple(tokens)] = got.get(tuple(tokens), 0) + 1
     assert set(got) <= set(want), "a pair block-size-1 sampling never draws"
@@ -346,7 +346,7 @@ def test_drafts_follow_the_cost_of_rows_and_the_output_does_not(models, preset):
         engine = Engine(model, 4, rule="exact", cost=cost, eos_token_ids=[])
         out = [[] for _ in PROMPTS]
         for e in engine.run(PROMPTS, 24, SamplingParams()):
-            out[e.index] += e.token_ids
+            out[e.seq_id] += e.token_ids
         assert out == ref
         figures[name] = engine.settings()["forwards_by_drafts"]
     flat, proportional = figures["flat"], figures["proportional"]
@@ -366,8 +366,8 @@ def test_drafts_copied_from_the_context_fill_the_forwards_after_a_rejection(mode
                         eos_token_ids=[])
         got, stats = [[] for _ in PROMPTS], {}
         for e in engine.run(PROMPTS, 48, SamplingParams()):
-            got[e.index] += e.token_ids
-            stats[e.index] = e.stats or stats.get(e.index)
+            got[e.seq_id] += e.token_ids
+            stats[e.seq_id] = e.stats or stats.get(e.seq_id)
         assert got == ref
         runs[lookup] = engine.settings()["lookup"], [stats[i]["forward_passes"] for i in range(len(PROMPTS))]
     (off, forwards_off), (on, forwards_on) = runs[False], runs[True]
@@ -499,7 +499,7 @@ def test_exact_mode_departs_from_block1_only_at_near_ties(models):
     engine = Engine(model, 4, rule="exact", cost=ForwardCost.flat(), eos_token_ids=[])
     got = [[] for _ in PROMPTS]
     for e in engine.run(PROMPTS, 16, SamplingParams()):
-        got[e.index] += e.token_ids
+        got[e.seq_id] += e.token_ids
     for prompt, a, b in zip(PROMPTS, got, ref):
         i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
         if i is None:
@@ -536,7 +536,7 @@ def test_exact_mode_on_the_int4_hybrid_is_block1_near_ties_included(wrong):
         engine.loop = ScriptedOracleLoop(engine, {i: ref[PROMPTS.index(p)] for i, p in enumerate(prompts)}, wrong)
         got = [[] for _ in prompts]
         for e in engine.run(prompts, 24, SamplingParams()):
-            got[e.index] += e.token_ids
+            got[e.seq_id] += e.token_ids
         assert got == [ref[PROMPTS.index(p)] for p in prompts]
 
 

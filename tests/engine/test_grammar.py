@@ -67,7 +67,7 @@ def test_drafts_checked_against_the_masked_choice(model, chat_tokenizer, grammar
     out = [[] for _ in prompts]
     for ev in engine.run(prompts, MAX_NEW, RequestOptions.of(grammar=grammar)):
         if hasattr(ev, "token_ids"):
-            out[ev.index] += ev.token_ids
+            out[ev.seq_id] += ev.token_ids
     assert out == want
 
 

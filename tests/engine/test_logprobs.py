@@ -9,7 +9,7 @@ import torch
 
 from clover.engine import Engine, RequestOptions, SamplingParams
 from clover.engine.logprobs import PromptScoring, banned_ids, log_probs
-from clover.runners.torch_runner import as_runner
+from clover.engine.runner import as_runner
 from model_helpers import PROMPTS, tiny_model
 from test_exact_mode import OracleDrafts, _greedy_b1
 
@@ -25,9 +25,9 @@ def model():
 def _run(engine: Engine, prompts, max_new, params):
     tokens, values = [[] for _ in prompts], [[] for _ in prompts]
     for e in engine.run(prompts, max_new, params):
-        tokens[e.index] += e.token_ids
+        tokens[e.seq_id] += e.token_ids
         if e.logprobs is not None:
-            values[e.index] += e.logprobs
+            values[e.seq_id] += e.logprobs
     return tokens, values
 
 

@@ -226,8 +226,8 @@ def test_exact_mode_under_dry_with_drafts_that_are_right(models, wrong):
     engine = OracleDrafts(model, 8, dict(enumerate(ref)), wrong=wrong, eos_token_ids=[])
     got, stats = [[] for _ in PROMPTS], {}
     for e in engine.run(PROMPTS, MAX_NEW, params):
-        got[e.index] += e.token_ids
-        stats[e.index] = e.stats or stats.get(e.index)
+        got[e.seq_id] += e.token_ids
+        stats[e.seq_id] = e.stats or stats.get(e.seq_id)
     assert got == ref
     if wrong == 0.0:  # every draft accepted: whole blocks per forward, each position with its own penalty
         assert all(stats[i]["tokens_per_forward"] > 4 for i in range(len(PROMPTS)))

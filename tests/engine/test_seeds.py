@@ -44,7 +44,7 @@ def block1(models):
 def _run(engine: Engine, prompts=PROMPTS, sampling=SAMPLING, max_new=MAX_NEW) -> list[list[int]]:
     out = [[] for _ in prompts]
     for e in engine.run(prompts, max_new, sampling):
-        out[e.index] += e.token_ids
+        out[e.seq_id] += e.token_ids
     return out
 
 
@@ -98,8 +98,8 @@ def test_a_seed_gives_block_size_1s_text_whatever_exact_mode_drafts(models, bloc
         stats = {}
         out = [[] for _ in PROMPTS]
         for e in engine.run(PROMPTS, MAX_NEW, SAMPLING):
-            out[e.index] += e.token_ids
-            stats[e.index] = e.stats or stats.get(e.index)
+            out[e.seq_id] += e.token_ids
+            stats[e.seq_id] = e.stats or stats.get(e.seq_id)
         assert out == ref, wrong
         assert all(stats[i]["tokens_per_forward"] > 1.5 for i in range(len(PROMPTS)))
 
@@ -136,7 +136,7 @@ def _joining(engine: Engine, prompts, sampling, arrivals: list[int]) -> list[lis
         if batch is not None:
             events, batch = engine.step(batch)
             for e in events:
-                out[e.index] += e.token_ids
+                out[e.seq_id] += e.token_ids
         step += 1
     assert joined >= 2  # requests really joined a running batch
     return out

@@ -103,7 +103,7 @@ def test_drafts_across_the_budget_are_checked_against_the_forced_close(model, ch
     out = [[] for _ in prompts]
     for ev in engine.run(prompts, MAX_NEW, sampling):
         if hasattr(ev, "token_ids"):
-            out[ev.index] += ev.token_ids
+            out[ev.seq_id] += ev.token_ids
     assert out == want
 
 
@@ -129,8 +129,8 @@ def test_a_spent_budget_leaves_the_constrained_path(model, chat_tokenizer, monke
     out, stats = [[] for _ in prompts], [None] * len(prompts)
     for ev in engine.run(prompts, MAX_NEW, sampling):
         if hasattr(ev, "token_ids"):
-            out[ev.index] += ev.token_ids
-            stats[ev.index] = ev.stats or stats[ev.index]
+            out[ev.seq_id] += ev.token_ids
+            stats[ev.seq_id] = ev.stats or stats[ev.seq_id]
     assert out == want
     assert phases and DONE not in phases  # consulted while reasoning and closing, never after
     closing = len(sampling[0].thinking_budget.closing_ids)  # forced, or drafted and checked against the forced

@@ -23,7 +23,7 @@ from clover.conversion.gguf_export import export_gguf
 from clover.engine import Engine, SamplingParams, generate
 from clover.engine.loops.loop import StreamPiece
 from clover.runners import llama_api
-from clover.runners.base import RunnerOptions
+from clover.runners.registry import RunnerOptions
 from clover.runners.llamacpp_open import LlamaCppFile
 from clover.runners.llamacpp_hybrid import ROLLBACK, HybridCache, HybridLlamaCppRunner
 from model_helpers import PROMPTS
@@ -93,7 +93,7 @@ def _run(engine: Engine, prompts: list[list[int]]) -> list[list[int]]:
     sequences: list[list[int]] = [[] for _ in prompts]
     for event in engine.run(prompts, MAX_NEW, SamplingParams()):
         if isinstance(event, StreamPiece):
-            sequences[event.index].extend(event.token_ids)
+            sequences[event.seq_id].extend(event.token_ids)
     return sequences
 
 

@@ -19,7 +19,7 @@ import torch
 
 from clover.engine import Engine, SamplingParams, generate
 from clover.engine.loops.loop import StreamPiece
-from clover.runners.base import RunnerOptions
+from clover.runners.registry import RunnerOptions
 from clover.runners.llamacpp_open import LlamaCppFile
 from clover.runners.llamacpp_plain import PlainLlamaCppRunner
 from conftest import llama_cpp_sdist
@@ -108,7 +108,7 @@ def _run(engine: Engine, prompts: list[list[int]]) -> list[list[int]]:
     sequences: list[list[int]] = [[] for _ in prompts]
     for event in engine.run(prompts, MAX_NEW, SamplingParams()):
         if isinstance(event, StreamPiece):
-            sequences[event.index].extend(event.token_ids)
+            sequences[event.seq_id].extend(event.token_ids)
     return sequences
 
 

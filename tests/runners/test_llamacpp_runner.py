@@ -284,7 +284,7 @@ def test_continuous_batching_joins_and_drops(pair):
         if batch is not None:
             events, batch = engine.step(batch)
             for e in events:
-                out[e.index] += e.token_ids
+                out[e.seq_id] += e.token_ids
         step += 1
     for i in (0, 2):
         assert out[i] == generate(model, [PROMPTS[i]], MAX_NEW, block_size=4, threshold=0.9).sequences[0], i

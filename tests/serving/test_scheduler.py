@@ -13,7 +13,7 @@ from clover.engine import Engine, RequestOptions, SamplingParams, generate
 from clover.serving.metrics import ServerMetrics
 from clover.serving.scheduling.prefix_cache import PrefixCache
 from clover.serving.scheduling.scheduler import QueueFull, Scheduler
-from clover.serving.scheduling.scheduler_policy import Job, SchedulePolicy
+from clover.serving.scheduling.scheduler_policy import DecisionJob, Job, SchedulePolicy
 from model_helpers import PROMPTS, tiny_model
 
 PROMPTS = PROMPTS + [list(range(30, 57))]
@@ -54,7 +54,7 @@ def _continuous(engine: Engine, arrivals: list[int], sampling: list[SamplingPara
         if batch is not None:
             events, batch = engine.step(batch)
             for e in events:
-                out[e.index] += e.token_ids
+                out[e.seq_id] += e.token_ids
         step += 1
     assert joined_mid_run >= 2  # the test really exercises joins into a running batch
     return out
@@ -418,3 +418,53 @@ def test_a_failing_group_prefill_fails_only_the_bad_request(models, monkeypatch)
         assert [t for o in job.handle.items for t in o.token_ids] == _alone(model, prompt, max_new,
                                                                             SamplingParams(), [])
     assert sorted(j.seq.seq_id for j in released) == [0, 1, 2, 3] and not policy.jobs
+
+
+class _Run:
+    """A decision run's shape without a model: `rows` prompts, done after `steps` steps."""
+
+    def __init__(self, rows: int, steps: int) -> None:
+        self.prompts, self.steps = [[0]] * rows, steps
+
+    def step(self) -> bool:
+        self.steps -= 1
+        return self.steps == 0
+
+    def results(self) -> list[str]:
+        return ["decided"] * len(self.prompts)
+
+
+def _admissions(policy: SchedulePolicy, work: list[Job | DecisionJob]) -> list[tuple[int, str]]:
+    """(iteration, job) in the order the policy admits `work`, run as the scheduler runs it (prefill, join, step,
+    decide once per iteration): a request when it leaves `waiting`, a decision run when it leaves its queue."""
+    name = {id(w): f"G{w.handle.id}" if isinstance(w, Job) else f"D{w.id}" for w in work}
+    seen, order = set(), []
+    policy.add(work)
+    with torch.inference_mode():
+        for iteration in range(1000):
+            if not policy.busy():
+                return order
+            for phase in (policy.prefill_once, policy.join_ready, policy.step_batches, policy.step_decisions):
+                phase()
+                queued = {id(w) for w in [*policy.waiting, *policy.decisions_waiting]}
+                order += [(iteration, name[id(w)]) for w in work if id(w) not in queued | seen]
+                seen |= {id(w) for w in work} - queued
+    raise AssertionError("the policy never went idle")
+
+
+@pytest.mark.parametrize("max_running, want", [
+    (1, [(0, "G0"), (8, "D10"), (11, "G1"), (18, "D11"), (20, "G2"), (29, "G3")]),
+    (2, [(0, "G0"), (0, "G1"), (7, "D10"), (10, "G2"), (14, "G3"), (22, "D11")]),
+    (3, [(0, "G0"), (0, "G1"), (0, "D10"), (3, "G2"), (8, "G3"), (12, "D11")]),
+])
+def test_the_policy_admits_requests_and_decision_runs_in_this_order(models, max_running, want):
+    """Pins the admission order (and iteration) of mixed work under `max_running`: requests (G: handle id) and
+    decision runs (D: job id), submitted together in the order D10 (1 row), G0, G1 (short prompts, prefilled
+    together), D11 (2 rows), G2, G3. Not arrival order: requests are admitted at an iteration's start, before the
+    batches step, decision runs after it (the rows it freed counted), each kind oldest first and neither holding
+    the other back; so G0 (and G1) overtake D10, which came first, and G2, G3 overtake D11."""
+    policy, _, jobs, released = _policy(models["clover-tiny"], max_running=max_running)
+    runs = [DecisionJob(10, _Run(1, 3), [].append), DecisionJob(11, _Run(2, 2), [].append)]
+    work = [runs[0], jobs[0], jobs[1], runs[1], jobs[2], jobs[3]]
+    assert _admissions(policy, work) == want
+    assert len(released) == 6 and not policy.jobs

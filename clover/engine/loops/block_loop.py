@@ -45,7 +45,7 @@ from clover.engine.decoding import UnmaskingRule
 from clover.engine.logprobs import TokenLogprob, token_logprobs
 from clover.engine.loops.loop import DecodingLoop, Event, LoopEngine, StepSnapshot
 from clover.engine.request import RequestOptions, Sequence, before_eos, through_eos
-from clover.runners.base import RunnerCache
+from clover.engine.runner import RunnerCache
 from clover.engine.sampling import BatchSampler
 
 

@@ -32,7 +32,7 @@ Batches (`decide_batch`): contexts of one form are left-padded into one prefill 
 generation) and stepped in lockstep by a `DecisionRun`, one forward per `step`; a row whose form is complete
 leaves the batch (`cache.select`), and each row gets what it gets alone. Greedy only.
 
-Every forward goes through the model-runner interface (`clover.runners.base`), so decisions run on any runner:
+Every forward goes through the model-runner interface (`clover.engine.runner`), so decisions run on any runner:
 the torch model, or a GGUF on llama.cpp (`clover.runners.llamacpp`), where the answer block is one query block.
 """
 
@@ -51,8 +51,7 @@ from clover.chat_template import render_chat
 from clover.config import check_threshold
 from clover.engine.constraints.form import Field, Form, parse_form, value_text
 from clover.engine.prefill import DEFAULT_PREFILL_CHUNK, prefill
-from clover.runners.base import ModelRunner, release_cache
-from clover.runners.torch_runner import as_runner
+from clover.engine.runner import ModelRunner, as_runner, release_cache
 
 Context = str | Sequence[dict[str, Any]]
 Decode = Callable[[list[int]], str]  # token ids -> text, special tokens skipped
@@ -196,7 +195,7 @@ def _text_value(decode: Decode, f: Field, tokens: list[int], quote: torch.Tensor
 def decide(model: torch.nn.Module | ModelRunner, tokenizer: Any, context: Context, schema: dict[str, Any] | Form, *,
            threshold: float = 0.9) -> Decision:
     """Fill `schema`'s form for one `context` (text, or chat messages) by decision decoding, on a Clover model or
-    any model runner (`clover.runners.base`)."""
+    any model runner (`clover.engine.runner`)."""
     return decide_batch(model, tokenizer, [context], schema, threshold=threshold)[0]
 
 

@@ -76,7 +76,7 @@ from clover.engine.logprobs import TokenLogprob, token_logprobs
 from clover.engine.drafts.lookup import ContextLookup
 from clover.engine.loops.loop import DecodingLoop, Event
 from clover.engine.request import Sequence, through_eos
-from clover.runners.base import RunnerCache
+from clover.engine.runner import RunnerCache
 from clover.engine.sampling import BatchSampler
 from clover.engine.loops.speculative import verify
 

@@ -28,14 +28,14 @@ from clover.engine.constraints.repetition import BreakerCache
 from clover.engine.drafts.draft_memory import DraftMemory
 from clover.engine.logprobs import TokenLogprob
 from clover.engine.request import Detokenize, RequestOptions, Sequence
-from clover.runners.base import ModelRunner, RunnerCache
+from clover.engine.runner import ModelRunner, RunnerCache
 
 
 @dataclass
 class StreamPiece:
     """The committed tokens of one block of one request (what a streaming client appends)."""
 
-    index: int  # its sequence's `seq_id`: the request's position in the prompts given to the engine (or its id)
+    seq_id: int  # its sequence's: the request's position in the prompts given to the engine (or its id)
     token_ids: list[int]
     block: int
     finished: bool = False
@@ -48,7 +48,7 @@ class StreamPiece:
 class StepSnapshot:
     """The state of a block after one denoising step (for visualisation)."""
 
-    index: int
+    seq_id: int  # as `StreamPiece.seq_id`
     block: int
     step: int  # 1-based within the block
     tokens: list[int | None]  # None: still masked

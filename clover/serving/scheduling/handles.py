@@ -36,7 +36,7 @@ class RequestHandle:
         self.done = False
 
     def choice(self, piece: StreamPiece) -> int:
-        return self._choices[piece.index]
+        return self._choices[piece.seq_id]
 
     def choice_of(self, seq_id: int) -> int:
         """Which choice the sequence `seq_id` is."""

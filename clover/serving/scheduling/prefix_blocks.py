@@ -76,7 +76,7 @@ class BlockTable:
 
 
 class BlockChain:
-    """A stored prefix (`clover.runners.base.StoredPrefix`) over shared blocks."""
+    """A stored prefix (`clover.engine.runner.StoredPrefix`) over shared blocks."""
 
     def __init__(self, blocks: list[KVBlock], grid: int, key_dim: int, like: Any) -> None:
         self.blocks, self.grid, self.key_dim = blocks, grid, key_dim

@@ -48,7 +48,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Hashable
 
-from clover.runners.base import RunnerCache, StoredPrefix
+from clover.engine.runner import RunnerCache, StoredPrefix
 from clover.serving.scheduling.prefix_blocks import BlockTable
 
 logger = logging.getLogger(__name__)

@@ -52,8 +52,7 @@ from clover.engine import Engine
 from clover.engine.loops.loop import Run
 from clover.engine.request import Options
 from clover.engine.loops.exact import ExactLoop
-from clover.runners.base import ModelRunner
-from clover.runners.torch_runner import as_runner
+from clover.engine.runner import ModelRunner, as_runner
 from clover.serving.scheduling.handles import Outbox, RequestHandle
 from clover.serving.scheduling.heap import release_free_heap
 from clover.serving.metrics import ServerMetrics

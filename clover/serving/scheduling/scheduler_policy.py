@@ -236,7 +236,7 @@ class SchedulePolicy:
             else:
                 self.batches[key] = batch
             for piece in events:
-                job = self.jobs.get(piece.index)
+                job = self.jobs.get(piece.seq_id)
                 if job is None:
                     continue
                 job.handle.deliver(piece)

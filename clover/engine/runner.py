@@ -1,4 +1,7 @@
-"""The runner interface: what the engine (and the server) may ask of whatever runs the network.
+"""The runner interface: what the engine (and the server) may ask of whatever runs the network, and the adaptor
+that makes any module with Clover's forward signature one (`ModuleRunner`). The engine owns this interface and never
+imports a model (as transformers' generation sits below its models): `clover.model`'s `generate` hands its module
+over, and the runners of `clover.runners` implement it.
 
 One call, `forward`, covers every pass the engine makes (its layout is `clover.model.layout.BlockLayout`'s):
 
@@ -13,7 +16,8 @@ One call, `forward`, covers every pass the engine makes (its layout is `clover.m
 * `prompt`: the forward reads prompt tokens (a prefill chunk, or the last one with the first query block). A runner
   whose arithmetic depends on how many rows share a forward computes prompt rows one way whatever shares them, so a
   prompt's cache has the same bits alone, batched or resumed from a stored prefix (the torch runner: an int8 / int4
-  layer that rounds its input twice, `clover.model.prompt_rows`); a runner without such a path ignores it.
+  layer that rounds its input twice, `clover.model.prompt_rows`; `ModuleRunner` passes it to the module's forward
+  as its `prompt` keyword); a runner without such a path ignores it.
 
 The cache is the runner's own (`new_cache`). The engine keeps it per batch and calls `select(rows)` (rows leave),
 `type(cache).concat(caches)` (batches join), `mark()` / `rewind(keep)` (exact mode undoes rejected drafts: each
@@ -28,31 +32,19 @@ from it: a `StoredPrefix` that outlives the request and is never written) and, o
 `prefix(length, snapshot)` (a fresh one-row cache holding the first `length` tokens, to prefill the rest of a
 prompt into) and `storages(snapshots)` (the memory it holds, for the store's byte budget).
 
-Runners: `clover.runners.torch_runner.TorchRunner` and `clover.runners.llamacpp.LlamaCppRunner`; each has
-`open(path, RunnerOptions)`, and `clover.runners.registry` names them.
+Runners: `ModuleRunner` (a module in memory: `as_runner`), `clover.runners.torch_runner.TorchRunner` (the same,
+opened from a checkpoint) and `clover.runners.llamacpp.LlamaCppRunner`. The engine never opens one: the runners of
+`clover.runners` each have `open(path, RunnerOptions)`, and `clover.runners.registry` names them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 from clover.config import CloverConfig
-
-
-@dataclass(frozen=True)
-class RunnerOptions:
-    """How a runner is opened (`Runner.open(path, options)`); each runner refuses what it cannot honour, by name."""
-
-    device: str | None = None  # None: the CPU
-    dtype: str | None = None  # a torch dtype name to cast the weights to; None: as stored
-    quant: str = "none"  # weight-only quantisation at load (clover.choices.QUANTIZATIONS)
-    threads: int | None = None  # CPU threads of the runner's own kernels (llama.cpp's)
-    max_rows: int | None = 1  # sequences held at once (None: as many as the runner allows)
-    ctx: int | None = None  # KV cells shared by all rows (llama.cpp); None: the runner's default
 
 
 @runtime_checkable
@@ -103,9 +95,6 @@ class ModelRunner(Protocol):
     max_block_size: int | None  # the largest block an engine may decode with (None: any); a query block alone
     # (decision mode's answer block) may be longer
 
-    @classmethod
-    def open(cls, path: str | Path, options: RunnerOptions) -> ModelRunner: ...
-
     def tokenizer(self) -> Any: ...
 
     def new_cache(self, batch_size: int) -> Any: ...
@@ -114,3 +103,46 @@ class ModelRunner(Protocol):
                 attention_mask: torch.Tensor | None = None, query_ids: torch.Tensor | None = None,
                 logits_at: torch.Tensor | None = None, logits_to_keep: int | None = None,
                 prompt: bool = False) -> torch.Tensor: ...
+
+
+class ModuleRunner:
+    """A module with Clover's forward signature (`forward(ids, block_size, *, cache, prompt, ...)` returning an
+    output with `.logits`, `new_cache(n)`, `config`), in memory: the torch model run as it is."""
+
+    name = "torch"  # the torch runner's (`clover.runners.registry`): cost tables are kept per runner name
+    max_rows = None
+    max_block_size = None
+
+    def __init__(self, model: torch.nn.Module, directory: Path | None = None) -> None:
+        self.model = model
+        self.config: CloverConfig = model.config
+        self.max_context = self.config.max_position_embeddings
+        self.device = next(model.parameters()).device
+        self.directory = directory  # the checkpoint it was opened from (its tokenizer), when known
+
+    @property
+    def quantization(self) -> dict[str, Any] | None:
+        return getattr(self.model, "quantization", None)
+
+    def tokenizer(self) -> Any:
+        from clover.tokenizer import load_tokenizer  # deferred: tokenizers, only when one is read
+
+        if self.directory is None:
+            raise ValueError("this torch runner wraps a model in memory: it has no checkpoint to read a tokenizer from")
+        return load_tokenizer(self.directory)
+
+    def new_cache(self, batch_size: int) -> Any:
+        return self.model.new_cache(batch_size)
+
+    def forward(self, ids: torch.Tensor | None, block_size: int, *, cache: Any, prompt: bool = False,
+                **kwargs: Any) -> torch.Tensor:
+        return self.model(ids, block_size, cache=cache, prompt=prompt, **kwargs).logits
+
+
+def as_runner(model: torch.nn.Module | ModelRunner) -> ModelRunner:
+    """A runner for `model`: a module gets `ModuleRunner`; a runner is returned as it is."""
+    if isinstance(model, torch.nn.Module):
+        return ModuleRunner(model)
+    if isinstance(model, ModelRunner):
+        return model
+    raise TypeError(f"expected a Clover model (torch.nn.Module) or a model runner, got {type(model).__name__}")
