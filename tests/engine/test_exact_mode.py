@@ -623,8 +623,8 @@ def test_a_causal_only_step_that_verifies_no_draft_is_block_size_1s_forward(monk
     the causal path only (as `bench_hybrid.py` runs the twin), every forward after the prompt's is one row and the
     cache is never marked, so no DeltaNet state slot is recorded, copied or rewound; the tokens are block size 1's."""
     from clover.engine.loops import exact
+    from clover.engine.runner import as_runner
     from clover.model.cache import CloverCache
-    from clover.runners.torch_runner import as_runner
 
     model = quantize(tiny_model("clover-tiny"), "int4")
     ref = _greedy_b1(model, PROMPTS[:1], 24)
