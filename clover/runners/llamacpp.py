@@ -47,10 +47,11 @@ cache's head (or from 0) and every cell from the bound on is free, so they lie b
 each decode's tokens (and a restored prefix's) and returns to 0, with `llama_memory_clear` putting the head at 0,
 when no row holds a cell. A lone token is padded when the bound + 1 gives a view of 512: never too late, sometimes
 early (after rejected drafts or a twin have left holes llama.cpp fills). A prompt's head, every token before the
-first whose logits are wanted (all but its last: `_head`), is decoded first with causal attention in llama.cpp's
-own batches, as llama.cpp decodes a prompt (tiled from 64 tokens); only the last token goes with the first step's
-drafts and query block, so block size 1 and exact mode cut a prompt at the same place (docs/gguf.md). With flash
-attention off (f32 KV) nothing is padded.
+first whose logits are wanted and that one too (the whole prompt: `_head`), is decoded with causal attention in
+llama.cpp's own batches, as llama.cpp decodes a prompt (tiled from 64 tokens), its last token's logits from that
+decode; only what follows (exact mode's first query block) takes a decode with the sequence-id masks, so block
+size 1 and exact mode cut a prompt at the same place (docs/gguf.md). With flash attention off (f32 KV) nothing is
+padded.
 
 **Prefix reuse** (`clover.engine.runner`). A stored prefix is kept out of the KV cache, in host memory: the
 first `n` cells of a row are copied to the runner's scratch sequence id (`llama_memory_seq_cp`: no KV is copied),
@@ -461,7 +462,7 @@ class LlamaCppRunner:
                 tokens.append((t, c, group))
             wanted = {c for c, w in enumerate(want[r]) if w} if want is not None else set()
             rows.append(_Row(tokens, [(t, lc + j) for j, t in enumerate(query[r])], wanted))
-        outputs = self._decode_rows(cache, rows)
+        outputs = self._decode_rows(cache, rows, prompt)
         if want is None:
             return torch.empty(0, self.config.vocab_size)
         return self._in_order(outputs, [(r, c) for r in range(n) for c in sorted(rows[r].want)])
@@ -481,12 +482,14 @@ class LlamaCppRunner:
             return torch.empty(0, self.config.vocab_size)
         return torch.cat([logits for _, logits in outputs])[[at[rc] for rc in order]]
 
-    def _decode_rows(self, cache: LlamaCppCache, rows: list[_Row]) -> list[tuple[list[tuple[int, int]], torch.Tensor]]:
-        """Decode every row's tokens: a leading causal run with causal attention on (`_head`), the rest in one
-        non-causal decode with the sequence-id masks. Returns each decode's (row, column)s and their logits."""
+    def _decode_rows(self, cache: LlamaCppCache, rows: list[_Row],
+                     prompt: bool = False) -> list[tuple[list[tuple[int, int]], torch.Tensor]]:
+        """Decode every row's tokens: a leading causal run with causal attention on (`_head`; `prompt`: the forward
+        reads the prompt), the rest in one non-causal decode with the sequence-id masks. Returns each decode's
+        (row, column)s and their logits."""
         early: list[list[tuple[int, int, int]]] = []
         for row in rows:
-            cut, first = _head(row, self.ids_per_slot - 1)
+            cut, first = _head(row, self.ids_per_slot - 1, prompt)
             early.append(row.clean[:cut])
             row.clean = [(t, c, g - first) for t, c, g in row.clean[cut:]]
         outputs: list[tuple[list[tuple[int, int]], torch.Tensor]] = []
@@ -555,8 +558,9 @@ class LlamaCppRunner:
         batch.n_tokens = len(items)
         for i, (_, _, token, position, seq_ids, logits) in enumerate(items):
             batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = token, position, len(seq_ids), logits
+            row = batch.seq_id[i]  # (indexed once: ctypes builds a pointer object per index)
             for j, s in enumerate(seq_ids):
-                batch.seq_id[i][j] = s
+                row[j] = s
         lib.llama_set_causal_attn(self._ctx, causal)
         rc = lib.llama_decode(self._ctx, batch)
         if padded:
@@ -576,18 +580,19 @@ class LlamaCppRunner:
         return wanted, out
 
 
-def _head(row: _Row, groups: int) -> tuple[int, int]:
+def _head(row: _Row, groups: int, prompt: bool) -> tuple[int, int]:
     """How many of `row`'s clean tokens are decoded first, causally (their cells written with causal attention on),
     and the group the rest start at. The head is the leading run of one-token groups (causal tokens) before the
-    first whose logits are wanted: a prompt's last token (with the first step's drafts and query block) is then the
-    only one decoded with the sequence-id masks, as llama.cpp itself would decode the prompt but for that token,
-    and block size 1 and exact mode cut a prompt at the same place whatever exact mode's first forward carries. The
-    head grows further where the rest would hold more groups than the slot has ids (`groups`)."""
+    first whose logits are wanted, and in a forward that reads the prompt (`prompt`) that token too: a prompt is
+    then decoded as llama.cpp decodes it, its last token's logits from the same decode, and only what follows it
+    (exact mode's query block) with the sequence-id masks; block size 1 and exact mode cut a prompt alike. The head
+    grows further where the rest would hold more groups than the slot has ids (`groups`)."""
     total = row.clean[-1][2] + 1 if row.clean else 0
     sizes = collections.Counter(g for _, _, g in row.clean)
-    first = next((g for _, c, g in row.clean if c in row.want or sizes[g] > 1), total)
-    first = max(first, total - groups)
-    return sum(1 for _, _, g in row.clean if g < first), max(first, 0)
+    wanted = next((g + prompt for _, c, g in row.clean if c in row.want), total)
+    first = min(wanted, next((g for _, _, g in row.clean if sizes[g] > 1), total))
+    first = max(first, total - groups, 0)
+    return sum(1 for _, _, g in row.clean if g < first), first
 
 
 def _split_kv(used_end: int) -> bool:

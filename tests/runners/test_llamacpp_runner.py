@@ -237,19 +237,19 @@ def test_a_lone_token_is_padded_only_where_llama_cpp_would_split_it(quantised_tw
     cache.release()
 
 
-def test_a_prompt_is_decoded_causally_but_for_its_last_token(quantised_two_threads, monkeypatch):
-    """A prompt's first forward decodes every token but the last in one causal decode, as llama.cpp itself would
-    decode a prompt, and only the last one (with exact mode's query block) with the sequence-id masks: block size
-    1 and exact mode cut a prompt at the same place (the prompt's cells are the same bits), and the second decode
-    is one step's size, not a slot's 16 prompt tokens more."""
+def test_a_prompt_is_decoded_whole_and_causally(quantised_two_threads, monkeypatch):
+    """A prompt's first forward decodes the whole prompt in one causal decode, its last token's logits from it, as
+    llama.cpp itself decodes a prompt; exact mode's first query block follows in a decode of its own. So block size
+    1 and exact mode cut a prompt at the same place (the prompt's cells and its last logits are the same bits), and
+    no prompt token waits for a second decode (it used to hold the prompt's last 16 tokens)."""
     runner = quantised_two_threads
     prompt = LONG[:100]
     sizes = _decode_sizes(runner, monkeypatch)
     generate(runner, [prompt], 2, block_size=1, rule="threshold")
-    assert sizes == [99, 1, 1]
+    assert sizes == [100, 1]
     sizes.clear()
     generate(runner, [prompt], 8, block_size=4, rule="exact", rule_options={"adaptive": False})
-    assert sizes[:2] == [99, 1 + 4]
+    assert sizes[:2] == [100, 4]
 
 
 def test_quantised_exact_mode_is_block_size_1_across_the_split(quantised_two_threads):
