@@ -22,8 +22,8 @@ each at most `--most` tokens, and no more than the match is deep; and, for compa
     pool shared by every request maps each n-gram of `n_match` tokens (the build's 24) to the token that followed
     it last, filled from each prompt and, in chunks of 32 tokens, from the answer so far; a draft chains the
     pool's successors from the context's last `n_match` tokens, up to `n_max` (64), and is used only when at
-    least `n_min` (48) long; the pool is emptied after three drafts in a row with under half accepted. (The pool is
-    a hashed table of 4M entries there; here a dict, so without its rare collisions.)
+    least `n_min` (48) long; the pool is emptied after five drafts in a row with under a quarter accepted. (The
+    pool is a hashed table of 4M entries there; here a dict, so without its rare collisions.)
 
 The context's drafts are also tallied by the depth of the match they continue (`context_by_depth`, the buckets of
 exact mode's `CONTEXT_BUCKETS`): what exact mode's `CONTEXT_PRIOR` starts from.
@@ -135,8 +135,8 @@ def replay_ngram_mod(records: list[dict[str, Any]], n_match: int = 24, n_min: in
             while accepted < len(draft) and draft[accepted] == answer[at + accepted]:
                 accepted += 1
             if draft:
-                low = low + 1 if accepted < len(draft) / 2 else 0
-                if low >= 3:
+                low = low + 1 if accepted < len(draft) / 4 else 0
+                if low >= 5:
                     pool.clear()
                     low, added = 0, 0
                 if counted:
