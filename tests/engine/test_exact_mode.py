@@ -17,6 +17,7 @@ from clover.engine.drafts.cost import ForwardCost
 from clover.engine.decoding import ExactRule
 from clover.engine.drafts.drafting import Acceptance, best_batch_verified, best_drafts, best_verified, expected_tokens
 from clover.engine.loops.exact import STEP_MEMORY, CopiedDrafts, ExactBatch, ExactLoop
+from clover.engine.runner import as_runner
 from clover.engine.drafts.lookup import ContextLookup
 from clover.model import quantize
 from clover.ops import woq
@@ -99,8 +100,6 @@ def test_a_step_takes_the_runners_torch_threads_and_gives_them_back(models):
     """A runner whose forwards run on their own threads (llama.cpp's) asks for `torch_threads`: exact mode's steps
     run torch's ops on that many (so torch's pool does not spin beside the runner's threads), the caller's setting
     comes back after each, and the tokens are the same."""
-    from clover.runners.torch_runner import as_runner
-
     model = models["clover-tiny-dense"]
     runner = as_runner(model)
     before = torch.get_num_threads()
