@@ -1,5 +1,5 @@
-"""The scheduling policy of continuous batching, without threads: which request prefills next, when prefilled
-requests join their batch, what a step commits, what a cancellation drops.
+"""The scheduling policy of continuous batching, without threads: which waiting work is admitted next, when
+prefilled requests join their batch, what a step commits, what a cancellation drops.
 
     admit:   one queue of waiting work, requests' sequences and runs (a decision run, `response_format`
              filled by decision mode, or echo's prompt scoring) alike, admitted in arrival order (first come,
@@ -8,15 +8,16 @@ requests join their batch, what a step commits, what a cancellation drops.
              always fits), else nothing behind it is. A sequence is admitted by starting its prefill: one prefill
              at a time, one chunk per call; a short prompt (one chunk: no cached prefix to reuse, nothing to cache)
              is prefilled together with the waiting short prompts right behind it of the same engine, in one
-             forward (up to `GROUP_ROWS` padded rows). A run starts whole (its own prefill is its first step).
+             forward (up to `GROUP_ROWS` padded rows). A run is admitted whole (all its rows) and reads its
+             prompts in its own steps.
     join:    a prefilled request joins its batch only at a block boundary (every row then starts a fresh block)
     step:    one step of all running work, batches and runs alike (`Running.step`): a batch's denoising step
              sends committed blocks to their requests' handles, a finished run its results to its caller
     drop:    cancelled work leaves the queue, the prefill, the ready list, its batch or the running runs at once
 
-`Scheduler` (`scheduler.py`) calls these from its thread, in that order, once per iteration, so every runner
-(llama.cpp's too) is only ever called from it; the capacity bound
-(`max_running` + `max_waiting`) is checked there, where requests arrive. A failure of one request (its prefill, or
+`Scheduler` (`scheduler.py`) calls these from its thread once per iteration (drop, then admit with one prefill
+chunk: `prefill_once`, join, step: `step_running`), so every runner (llama.cpp's too) is only ever called from it;
+the capacity bound (`max_running` + `max_waiting`) is checked there, where requests arrive. A failure of one request (its prefill, or
 its batch's step) fails that request or batch only; a group prefill that fails is retried one request at a time,
 so only the request that fails alone fails.
 """
@@ -202,23 +203,20 @@ class SchedulePolicy:
         running = self.running_count()
         return not running or running + rows <= self.max_running
 
-    def admit(self) -> bool:
+    def admit(self) -> None:
         """The one admission point: admit the queue's head while it fits, oldest first; a run starts running, a
         sequence starts its prefill (one prefill at a time: a sequence at the head waits for the one prefilling,
-        and so does all behind it). Whether a sequence was admitted (its prefill is to run now)."""
+        and so does all behind it; one prefill started per call)."""
         while self.waiting:
             head = self.waiting[0]
             if not self._fits(head.rows):
-                return False
+                return
             if isinstance(head, DecisionJob):
                 self.running.append(self.waiting.popleft())
                 continue
-            if self.prefilling is not None:
-                return False
-            if not self._prefill_group():
+            if self.prefilling is None and not self._prefill_group():
                 self.prefilling = self.waiting.popleft()
-            return True
-        return False
+            return
 
     def _short(self, job: Job) -> bool:
         """Whether `job`'s prompt fits one prefill chunk: it needs exactly one forward, which it can share, and has
