@@ -126,6 +126,7 @@ class RunningBatch:
             events, batch = self.engine.step(self.batch)
         except Exception as exc:  # noqa: BLE001 - fail this batch's requests, keep serving the rest
             logger.exception("decode step failed")
+            policy.leave(self)  # before the failures: a failed request's engine may then be evicted
             for seq in seqs:
                 if seq.seq_id in policy.jobs:
                     policy.fail(policy.jobs[seq.seq_id], exc)
@@ -315,7 +316,7 @@ class SchedulePolicy:
         for work in list(self.running):
             events, over = work.step(self)
             if over:  # before the deliveries: a finished request's engine may then be evicted
-                self._leave(work)
+                self.leave(work)
             for piece in events:
                 self.deliver(piece)
 
@@ -328,7 +329,9 @@ class SchedulePolicy:
         if piece.finished:
             self._finished(job, piece.stats or {})
 
-    def _leave(self, work: Running) -> None:
+    def leave(self, work: Running) -> None:
+        """`work` stops running (a batch left twice: the second finds it gone); a run's rows are released (a run
+        leaves once, running or waiting)."""
         if work in self.running:
             self.running.remove(work)
         if isinstance(work, DecisionJob):
@@ -357,7 +360,7 @@ class SchedulePolicy:
         for work in [w for w in self.running if isinstance(w, RunningBatch)]:
             batch = work.engine.drop(work.batch, gone)
             if batch is None:
-                self._leave(work)
+                self.leave(work)
             else:
                 work.batch = batch
         for i in gone:
@@ -380,7 +383,7 @@ class SchedulePolicy:
             if job in self.waiting:
                 self.waiting.remove(job)
             job.deliver(exc)
-            self._leave(job)
+            self.leave(job)
             return
         job.handle.deliver(exc)
         self._forget(job)
