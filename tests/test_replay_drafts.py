@@ -53,3 +53,23 @@ def test_measured_figures_are_read_from_the_log(tmp_path):
     assert m["tokens_per_forward"] == 2.0 and m["acceptance"] == {"memory": 2 / 3}
     assert replay_drafts.main([str(path), "--out", str(tmp_path / "out.json")]) == 0
     assert json.loads((tmp_path / "out.json").read_text())["requests"] == 1
+
+
+def test_ngram_mod_drafts_only_a_long_chain_after_a_long_match():
+    """llama-server's ngram-mod: a draft chains the pool's successors of the context's last `n_match` tokens and is
+    used only when at least `n_min` long; the pool is shared by the requests."""
+    text = list(range(100, 140))
+    first = replay_drafts.replay_ngram_mod([_record(text, [1, 2, 3])], n_match=4, n_min=8, n_max=16)
+    assert first["drafting_forwards"] == 0 and first["forwards"] == 3
+    # the second prompt ends with the first's first 4 tokens: the pool continues them; the answer copies 20 of the
+    # first prompt's tokens, then departs
+    answer = text[4:24] + [7, 8]
+    records = [_record(text, [1, 2, 3]), _record([5] + text[:4], answer)]
+    second = replay_drafts.replay_ngram_mod(records, n_match=4, n_min=8, n_max=16, skip=1)
+    # the prefill decides 104; a 16-token draft 105-120, all accepted, +121; a 16-token chain cut at the answer's
+    # end, 122-125: 122 and 123 accepted, +7; then "121 122 123 7" continues nothing: 8 alone
+    assert (second["forwards"], second["drafting_forwards"]) == (4, 2)
+    assert (second["drafted"], second["accepted"]) == (20, 18)
+    # with n_min above what the pool can chain, nothing is drafted
+    short = replay_drafts.replay_ngram_mod(records, n_match=4, n_min=64, n_max=64, skip=1)
+    assert short["drafting_forwards"] == 0 and short["forwards"] == len(answer)

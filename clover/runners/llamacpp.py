@@ -46,10 +46,12 @@ API, so the runner keeps a bound, `_cells_high`: a decode of `n` tokens takes th
 cache's head (or from 0) and every cell from the bound on is free, so they lie below the bound + `n`; it grows by
 each decode's tokens (and a restored prefix's) and returns to 0, with `llama_memory_clear` putting the head at 0,
 when no row holds a cell. A lone token is padded when the bound + 1 gives a view of 512: never too late, sometimes
-early (after rejected drafts or a twin have left holes llama.cpp fills). A prompt's head (the causal run decoded
-before, `_decode_rows`) keeps llama.cpp's tiling: block size 1 and exact mode read it alike, save where exact
-mode's first forward also verifies copied drafts, which move the cut between head and tail by their number
-(docs/gguf.md). With flash attention off (f32 KV) nothing is padded.
+early (after rejected drafts or a twin have left holes llama.cpp fills). A prompt's head, every token before the
+first whose logits are wanted and that one too (the whole prompt: `_head`), is decoded with causal attention in
+llama.cpp's own batches, as llama.cpp decodes a prompt (tiled from 64 tokens), its last token's logits from that
+decode; only what follows (exact mode's first query block) takes a decode with the sequence-id masks, so block
+size 1 and exact mode cut a prompt at the same place (docs/gguf.md). With flash attention off (f32 KV) nothing is
+padded.
 
 **Prefix reuse** (`clover.engine.runner`). A stored prefix is kept out of the KV cache, in host memory: the
 first `n` cells of a row are copied to the runner's scratch sequence id (`llama_memory_seq_cp`: no KV is copied),
@@ -217,6 +219,9 @@ class LlamaCppRunner:
     _pad_id: int | None = None  # the sequence id a lone token's twin is decoded on (module docstring); None: none
     _cells_high = 0  # a bound on the KV cache's highest used cell + 1, which decides the twin (module docstring)
     causal_only = False  # block rules and query blocks run here (a hybrid GGUF's runner runs the causal path only)
+    # torch's threads during a step of exact mode (clover.engine.loops.exact): the forward is llama.cpp's, on its own
+    # threads; torch only reads a few rows of logits, and its pool, once woken, would spin on the same cores
+    torch_threads = 1
 
     def __init__(self, path: str | Path, *, threads: int | None = None, max_rows: int | None = 8,
                  n_ctx: int | None = None, max_block_size: int | None = None, kv_type: str = "f16",
@@ -457,26 +462,37 @@ class LlamaCppRunner:
                 tokens.append((t, c, group))
             wanted = {c for c, w in enumerate(want[r]) if w} if want is not None else set()
             rows.append(_Row(tokens, [(t, lc + j) for j, t in enumerate(query[r])], wanted))
-        outputs = self._decode_rows(cache, rows)
+        outputs = self._decode_rows(cache, rows, prompt)
         if want is None:
             return torch.empty(0, self.config.vocab_size)
-        order = [(r, c) for r in range(n) for c in sorted(rows[r].want)]
-        missing = [rc for rc in order if rc not in outputs]
+        return self._in_order(outputs, [(r, c) for r in range(n) for c in sorted(rows[r].want)])
+
+    def _in_order(self, outputs: list[tuple[list[tuple[int, int]], torch.Tensor]],
+                  order: list[tuple[int, int]]) -> torch.Tensor:
+        """The logits of `order`'s (row, column)s, `[len(order), V]`, from the decodes' `(keys, logits)`. A forward
+        of one decode whose outputs come in the order asked (a step of one row) returns its copy as it is."""
+        outputs = [(keys, logits) for keys, logits in outputs if keys]
+        if len(outputs) == 1 and outputs[0][0] == order:
+            return outputs[0][1]
+        at = {rc: i for i, rc in enumerate(rc for keys, _ in outputs for rc in keys)}
+        missing = [rc for rc in order if rc not in at]
         if missing:
             raise ValueError(f"logits_at selects padding positions (row, column) {missing[:5]}: they have no logits")
-        return torch.stack([outputs[rc] for rc in order]) if order else torch.empty(0, self.config.vocab_size)
+        if not order:
+            return torch.empty(0, self.config.vocab_size)
+        return torch.cat([logits for _, logits in outputs])[[at[rc] for rc in order]]
 
-    def _decode_rows(self, cache: LlamaCppCache, rows: list[_Row]) -> dict[tuple[int, int], torch.Tensor]:
-        """Decode every row's tokens: a leading causal run beyond the slot's groups with causal attention on, the
-        rest in one non-causal decode with the sequence-id masks. Returns logits by (row, column)."""
-        groups = self.ids_per_slot - 1
+    def _decode_rows(self, cache: LlamaCppCache, rows: list[_Row],
+                     prompt: bool = False) -> list[tuple[list[tuple[int, int]], torch.Tensor]]:
+        """Decode every row's tokens: a leading causal run with causal attention on (`_head`; `prompt`: the forward
+        reads the prompt), the rest in one non-causal decode with the sequence-id masks. Returns each decode's
+        (row, column)s and their logits."""
         early: list[list[tuple[int, int, int]]] = []
         for row in rows:
-            total = row.clean[-1][2] + 1 if row.clean else 0
-            cut = sum(1 for _, _, g in row.clean if g < total - groups)
+            cut, first = _head(row, self.ids_per_slot - 1, prompt)
             early.append(row.clean[:cut])
-            row.clean = [(t, c, g - (total - groups) if total > groups else g) for t, c, g in row.clean[cut:]]
-        outputs: dict[tuple[int, int], torch.Tensor] = {}
+            row.clean = [(t, c, g - first) for t, c, g in row.clean[cut:]]
+        outputs: list[tuple[list[tuple[int, int]], torch.Tensor]] = []
         if any(early):  # causal, so it may be cut into batches of any size
             entries = [(r, t, c) for r, part in enumerate(early) for t, c, _ in part]
             for start in range(0, len(entries), self.n_batch):
@@ -485,7 +501,7 @@ class LlamaCppRunner:
                     slot = cache.slots[r]
                     items.append((r, c, t, cache.lengths[r], list(self._ids(slot)), c in rows[r].want))
                     cache.lengths[r] += 1
-                outputs |= self._decode(items, causal=True)
+                outputs.append(self._decode(items, causal=True))
         starts = list(cache.lengths)
         slot_ids = [list(self._ids(slot)) for slot in cache.slots]
         items: list[tuple[int, int, int, int, list[int], bool]] = []
@@ -506,11 +522,11 @@ class LlamaCppRunner:
                                  f"{self.n_batch}: a smaller block (or a shorter form)")
             if items and len(items) + len(own) > self._decode_rows_most:  # rows are independent: whole rows may
                 # go in separate decodes (and do past flash attention's tiled size: module docstring)
-                outputs |= self._decode(items, causal=False)
+                outputs.append(self._decode(items, causal=False))
                 items = []
             items += own
         if items:
-            outputs |= self._decode(items, causal=False)
+            outputs.append(self._decode(items, causal=False))
         for r, row in enumerate(rows):
             ids = slot_ids[r]
             if row.query:
@@ -527,7 +543,7 @@ class LlamaCppRunner:
         return _split_kv(self._cells_high + 1)
 
     def _decode(self, items: list[tuple[int, int, int, int, list[int], bool]],
-                causal: bool) -> dict[tuple[int, int], torch.Tensor]:
+                causal: bool) -> tuple[list[tuple[int, int]], torch.Tensor]:
         """One `llama_decode` of `(row, column, token, position, sequence ids, wants logits)` items. With flash
         attention a lone token that llama.cpp would split between its threads (`_twin`) is decoded beside a copy of
         itself on the scratch id (module docstring)."""
@@ -542,8 +558,9 @@ class LlamaCppRunner:
         batch.n_tokens = len(items)
         for i, (_, _, token, position, seq_ids, logits) in enumerate(items):
             batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = token, position, len(seq_ids), logits
+            row = batch.seq_id[i]  # (indexed once: ctypes builds a pointer object per index)
             for j, s in enumerate(seq_ids):
-                batch.seq_id[i][j] = s
+                row[j] = s
         lib.llama_set_causal_attn(self._ctx, causal)
         rc = lib.llama_decode(self._ctx, batch)
         if padded:
@@ -555,12 +572,27 @@ class LlamaCppRunner:
             raise RuntimeError(f"llama_decode failed with code {rc}")
         wanted = [(r, c) for r, c, _, _, _, w in items if w]
         if not wanted:
-            return {}
+            return wanted, torch.empty(0, self.config.vocab_size)
         logits = np.ctypeslib.as_array(lib.llama_get_logits(self._ctx), shape=(len(wanted), self.n_vocab))
-        out = torch.from_numpy(logits.copy())
+        out = torch.from_numpy(logits.copy())  # one copy out of llama.cpp's buffer, which the next decode reuses
         if self.config.vocab_size > self.n_vocab:  # a plain GGUF's mask id, past its vocabulary (llamacpp_plain)
             out = torch.nn.functional.pad(out, (0, self.config.vocab_size - self.n_vocab), value=float("-inf"))
-        return {rc: out[i] for i, rc in enumerate(wanted)}
+        return wanted, out
+
+
+def _head(row: _Row, groups: int, prompt: bool) -> tuple[int, int]:
+    """How many of `row`'s clean tokens are decoded first, causally (their cells written with causal attention on),
+    and the group the rest start at. The head is the leading run of one-token groups (causal tokens) before the
+    first whose logits are wanted, and in a forward that reads the prompt (`prompt`) that token too: a prompt is
+    then decoded as llama.cpp decodes it, its last token's logits from the same decode, and only what follows it
+    (exact mode's query block) with the sequence-id masks; block size 1 and exact mode cut a prompt alike. The head
+    grows further where the rest would hold more groups than the slot has ids (`groups`)."""
+    total = row.clean[-1][2] + 1 if row.clean else 0
+    sizes = collections.Counter(g for _, _, g in row.clean)
+    wanted = next((g + prompt for _, c, g in row.clean if c in row.want), total)
+    first = min(wanted, next((g for _, _, g in row.clean if sizes[g] > 1), total))
+    first = max(first, total - groups, 0)
+    return sum(1 for _, _, g in row.clean if g < first), first
 
 
 def _split_kv(used_end: int) -> bool:

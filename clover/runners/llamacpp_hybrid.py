@@ -272,18 +272,17 @@ class HybridLlamaCppRunner(LlamaCppRunner):
                 (order if c in index else missing).append((r, index.get(c, c)))
         if missing:
             raise ValueError(f"logits_at selects padding positions (row, column) {missing[:5]}: they have no logits")
-        return torch.stack([outputs[rc] for rc in order]) if order else torch.empty(0, self.config.vocab_size)
+        return self._in_order(outputs, order)
 
     def _decode_causal(self, rows: list[tuple[int, list[int], int, set[int]]],
-                       cache: HybridCache) -> dict[tuple[int, int], torch.Tensor]:
+                       cache: HybridCache) -> list[tuple[list[tuple[int, int]], torch.Tensor]]:
         """Decode each row's `tokens` on its sequence from position `start`, causally, in batches of `n_batch`;
-        logits of the tokens whose index is in the row's set, by (row, index). Advances the rows' lengths."""
+        each decode's (row, index)s of the tokens whose index is in the row's set, and their logits. Advances the
+        rows' lengths."""
         entries = []
         for r, tokens, start, wanted in rows:
             main = self._ids(cache.slots[r])[0]
             entries += [(r, i, t, start + i, [main], i in wanted) for i, t in enumerate(tokens)]
             cache.lengths[r] = start + len(tokens)
-        outputs: dict[tuple[int, int], torch.Tensor] = {}
-        for at in range(0, len(entries), self.n_batch):
-            outputs |= self._decode(entries[at:at + self.n_batch], causal=True)
-        return outputs
+        return [self._decode(entries[at:at + self.n_batch], causal=True)
+                for at in range(0, len(entries), self.n_batch)]

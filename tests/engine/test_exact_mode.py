@@ -17,6 +17,7 @@ from clover.engine.drafts.cost import ForwardCost
 from clover.engine.decoding import ExactRule
 from clover.engine.drafts.drafting import Acceptance, best_batch_verified, best_drafts, best_verified, expected_tokens
 from clover.engine.loops.exact import STEP_MEMORY, CopiedDrafts, ExactBatch, ExactLoop
+from clover.engine.runner import as_runner
 from clover.engine.drafts.lookup import ContextLookup
 from clover.model import quantize
 from clover.ops import woq
@@ -93,6 +94,23 @@ def test_exact_equals_block1_greedy_alone_and_in_a_batch(models, preset, block_s
         assert alone.stats[0]["forward_passes"] == batch.stats[i]["forward_passes"]
     for s in batch.stats:  # every forward commits at least one token
         assert s["tokens"] == MAX_NEW and 1 <= s["forward_passes"] <= MAX_NEW and s["tokens_per_forward"] >= 1
+
+
+def test_a_step_takes_the_runners_torch_threads_and_gives_them_back(models):
+    """A runner whose forwards run on their own threads (llama.cpp's) asks for `torch_threads`: exact mode's steps
+    run torch's ops on that many (so torch's pool does not spin beside the runner's threads), the caller's setting
+    comes back after each, and the tokens are the same."""
+    model = models["clover-tiny-dense"]
+    runner = as_runner(model)
+    before = torch.get_num_threads()
+    seen, forward = [], runner.forward
+    runner.torch_threads = 1 if before > 1 else 2
+    runner.forward = lambda *a, **k: seen.append(torch.get_num_threads()) or forward(*a, **k)
+    got = generate(runner, PROMPTS[:2], MAX_NEW, block_size=4, rule="exact", rule_options={"adaptive": False},
+                   eos_token_ids=[]).sequences  # (not adaptive: no cost table measured, its forwards outside steps)
+    assert got == _greedy_b1(model, PROMPTS[:2])
+    assert seen and set(seen) == {runner.torch_threads}
+    assert torch.get_num_threads() == before
 
 
 @pytest.mark.parametrize("matmul", ["kernel", "fp32"])

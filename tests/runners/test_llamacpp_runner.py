@@ -121,7 +121,8 @@ def test_rewound_drafts_leave_no_trace(pair):
 def test_new_cells_carry_every_id_of_the_slot_with_few_copies(pair, monkeypatch):
     """A forward's clean cells end up carrying every sequence id of the row's slot (history for any later group),
     the ids no token of the decode attends with written at once: one causal token needs no `llama_memory_seq_cp`
-    (it took one a slot id, 16, per generated token), a verification of 3 causal tokens two."""
+    (it took one a slot id, 16, per generated token), a verification of 3 causal tokens two, and 3 causal tokens
+    whose logits nobody wants (a prompt's head: decoded causally with every id of the slot) none."""
     _, runner = pair
     cache = runner.new_cache(1)
     prompt = torch.tensor([PROMPTS[2]])
@@ -132,7 +133,10 @@ def test_new_cells_carry_every_id_of_the_slot_with_few_copies(pair, monkeypatch)
                                                               or lib.llama_memory_seq_cp(*a)})())
     runner.forward(torch.tensor([[5]]), 1, cache=cache, prefix_len=1, logits_to_keep=0)
     assert copies == []
-    runner.forward(torch.tensor([[6, 7, 8]]), 1, cache=cache, prefix_len=3, logits_to_keep=0)
+    verify = torch.ones(1, 3, dtype=torch.bool)
+    runner.forward(torch.tensor([[6, 7, 8]]), 1, cache=cache, prefix_len=3, logits_at=verify)
+    assert len(copies) == 2
+    runner.forward(torch.tensor([[9, 10, 11]]), 1, cache=cache, prefix_len=3, logits_to_keep=0)
     assert len(copies) == 2
     end = cache.lengths[0]
     for s in runner._ids(cache.slots[0]):
@@ -231,6 +235,21 @@ def test_a_lone_token_is_padded_only_where_llama_cpp_would_split_it(quantised_tw
         runner.forward(torch.tensor([[t + 3]]), 1, cache=cache, prefix_len=1, logits_to_keep=0)
     assert sizes == [1] * 6 + [2] * 4
     cache.release()
+
+
+def test_a_prompt_is_decoded_whole_and_causally(quantised_two_threads, monkeypatch):
+    """A prompt's first forward decodes the whole prompt in one causal decode, its last token's logits from it, as
+    llama.cpp itself decodes a prompt; exact mode's first query block follows in a decode of its own. So block size
+    1 and exact mode cut a prompt at the same place (the prompt's cells and its last logits are the same bits), and
+    no prompt token waits for a second decode (it used to hold the prompt's last 16 tokens)."""
+    runner = quantised_two_threads
+    prompt = LONG[:100]
+    sizes = _decode_sizes(runner, monkeypatch)
+    generate(runner, [prompt], 2, block_size=1, rule="threshold")
+    assert sizes == [100, 1]
+    sizes.clear()
+    generate(runner, [prompt], 8, block_size=4, rule="exact", rule_options={"adaptive": False})
+    assert sizes[:2] == [100, 4]
 
 
 def test_quantised_exact_mode_is_block_size_1_across_the_split(quantised_two_threads):

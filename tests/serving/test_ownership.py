@@ -106,13 +106,13 @@ def test_thresholds_and_ignore_eos_are_per_row_of_one_batch(hybrid):
     options = [dict(threshold=0.3), dict(threshold=0.9), dict(ignore_eos=True), dict(threshold=0.7, ignore_eos=True),
                {}]
     batch_sizes = []
-    step = sched.policy.step_batches
+    step = sched.policy.step_running
 
     def observed_step():
         batch_sizes.extend(len(b.seqs) for b in sched.policy.batches.values())
         step()
 
-    sched.policy.step_batches = observed_step
+    sched.policy.step_running = observed_step
 
     async def run():
         handles = [await sched.submit(prompt, 16, [RequestOptions(**o)]) for o in options]

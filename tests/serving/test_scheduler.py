@@ -255,14 +255,14 @@ def test_stop_fails_requests_still_in_the_inbox_and_submit_refuses_after(models)
     with pytest.raises(RuntimeError):  # not started: nothing would ever take it
         asyncio.run(_submit_now(sched))
     busy, release = threading.Event(), threading.Event()
-    step = sched.policy.step_batches
+    step = sched.policy.step_running
 
     def held_step():  # holds the loop inside an iteration, so a new request stays in the inbox
         busy.set()
         release.wait(30)
         step()
 
-    sched.policy.step_batches = held_step
+    sched.policy.step_running = held_step
     sched.start()
 
     async def run():
@@ -332,7 +332,7 @@ def test_policy_admits_up_to_max_running_and_joins_only_at_block_boundaries(mode
             for group, _ in policy.ready:  # what stays ready waits for its batch's block boundary
                 assert not engine.at_block_boundary(policy.batches[group[0].key])
             joined_mid_run += had_batch and len(before) > sum(len(group) for group, _ in policy.ready)
-            policy.step_batches()
+            policy.step_running()
             iterations += 1
             assert iterations < 1000
     assert joined_mid_run >= 1  # requests 2 and 3 joined a running batch once a slot was free
@@ -359,7 +359,7 @@ def test_short_prompts_are_prefilled_together_in_one_forward(models):
             while policy.busy():
                 policy.prefill_once()
                 policy.join_ready()
-                policy.step_batches()
+                policy.step_running()
         for job, prompt, max_new in zip(jobs, PROMPTS, MAX_NEW):
             assert [t for o in job.handle.items for t in o.token_ids] == _alone(model, prompt, max_new,
                                                                                 SamplingParams(), [])
@@ -372,7 +372,7 @@ def test_short_prompts_are_prefilled_together_in_one_forward(models):
         while policy.busy():
             policy.prefill_once()
             policy.join_ready()
-            policy.step_batches()
+            policy.step_running()
     assert jobs[0].handle.items == [] and sorted(j.seq.seq_id for j in released) == [0, 1, 2, 3]
     assert [t for o in jobs[1].handle.items for t in o.token_ids] == _alone(model, PROMPTS[1], MAX_NEW[1],
                                                                            SamplingParams(), [])
@@ -385,12 +385,12 @@ def test_policy_cancellation_drops_waiting_and_running_requests(models):
         while not policy.batches:
             policy.prefill_once()
             policy.join_ready()
-        policy.step_batches()
+        policy.step_running()
         assert [j.seq.seq_id for j in policy.waiting] == [1]  # max_running=1: request 1 still waits
         delivered = len(jobs[0].handle.items)
         policy.cancel({0, 1})
         assert not policy.busy() and not policy.jobs and sorted(j.seq.seq_id for j in released) == [0, 1]
-        policy.step_batches()  # nothing left to step: no more outputs
+        policy.step_running()  # nothing left to step: no more outputs
     assert len(jobs[0].handle.items) == delivered and jobs[1].handle.items == []
 
 
@@ -412,7 +412,7 @@ def test_a_failing_group_prefill_fails_only_the_bad_request(models, monkeypatch)
         while policy.busy():
             policy.prefill_once()
             policy.join_ready()
-            policy.step_batches()
+            policy.step_running()
     assert len(jobs[0].handle.items) == 1 and isinstance(jobs[0].handle.items[0], RuntimeError)
     for job, prompt, max_new in list(zip(jobs, PROMPTS, MAX_NEW))[1:]:
         assert [t for o in job.handle.items for t in o.token_ids] == _alone(model, prompt, max_new,
@@ -435,8 +435,8 @@ class _Run:
 
 
 def _admissions(policy: SchedulePolicy, work: list[Job | DecisionJob]) -> list[tuple[int, str]]:
-    """(iteration, job) in the order the policy admits `work`, run as the scheduler runs it (prefill, join, step,
-    decide once per iteration): a request when it leaves `waiting`, a decision run when it leaves its queue."""
+    """(iteration, job) in the order the policy admits `work`, run as the scheduler runs it (prefill, join, step
+    once per iteration): work is admitted when it leaves the waiting queue."""
     name = {id(w): f"G{w.handle.id}" if isinstance(w, Job) else f"D{w.id}" for w in work}
     seen, order = set(), []
     policy.add(work)
@@ -444,27 +444,50 @@ def _admissions(policy: SchedulePolicy, work: list[Job | DecisionJob]) -> list[t
         for iteration in range(1000):
             if not policy.busy():
                 return order
-            for phase in (policy.prefill_once, policy.join_ready, policy.step_batches, policy.step_decisions):
+            for phase in (policy.prefill_once, policy.join_ready, policy.step_running):
                 phase()
-                queued = {id(w) for w in [*policy.waiting, *policy.decisions_waiting]}
+                queued = {id(w) for w in policy.waiting}
                 order += [(iteration, name[id(w)]) for w in work if id(w) not in queued | seen]
                 seen |= {id(w) for w in work} - queued
     raise AssertionError("the policy never went idle")
 
 
 @pytest.mark.parametrize("max_running, want", [
-    (1, [(0, "G0"), (8, "D10"), (11, "G1"), (18, "D11"), (20, "G2"), (29, "G3")]),
-    (2, [(0, "G0"), (0, "G1"), (7, "D10"), (10, "G2"), (14, "G3"), (22, "D11")]),
-    (3, [(0, "G0"), (0, "G1"), (0, "D10"), (3, "G2"), (8, "G3"), (12, "D11")]),
+    (1, [(0, "D10"), (3, "G0"), (12, "G1"), (20, "D11"), (22, "G2"), (31, "G3")]),
+    (2, [(0, "D10"), (0, "G0"), (3, "G1"), (14, "D11"), (16, "G2"), (18, "G3")]),
+    (3, [(0, "D10"), (0, "G0"), (0, "G1"), (8, "D11"), (10, "G2"), (12, "G3")]),
 ])
 def test_the_policy_admits_requests_and_decision_runs_in_this_order(models, max_running, want):
     """Pins the admission order (and iteration) of mixed work under `max_running`: requests (G: handle id) and
     decision runs (D: job id), submitted together in the order D10 (1 row), G0, G1 (short prompts, prefilled
-    together), D11 (2 rows), G2, G3. Not arrival order: requests are admitted at an iteration's start, before the
-    batches step, decision runs after it (the rows it freed counted), each kind oldest first and neither holding
-    the other back; so G0 (and G1) overtake D10, which came first, and G2, G3 overtake D11."""
+    together), D11 (2 rows), G2, G3. Arrival order (first come, first served): one queue, admitted at one point
+    (an iteration's start), the oldest first while it fits; work that does not fit holds back all behind it."""
     policy, _, jobs, released = _policy(models["clover-tiny"], max_running=max_running)
     runs = [DecisionJob(10, _Run(1, 3), [].append), DecisionJob(11, _Run(2, 2), [].append)]
     work = [runs[0], jobs[0], jobs[1], runs[1], jobs[2], jobs[3]]
-    assert _admissions(policy, work) == want
+    got = _admissions(policy, work)
+    assert [name for _, name in got] == ["D10", "G0", "G1", "D11", "G2", "G3"]
+    assert got == want
     assert len(released) == 6 and not policy.jobs
+
+
+def test_a_decision_run_submitted_first_is_admitted_first(models):
+    """One slot, a decision run queued before a request: the run is admitted first and the request only once the
+    run has freed its row (3 steps: iterations 0-2), however short the request's prompt; the request still gets
+    what it gets alone. A queued run whose client leaves is dropped from the same queue, its rows freed."""
+    model = models["clover-tiny"]
+    policy, _, jobs, released = _policy(model, max_running=1)
+    decided = []
+    run = DecisionJob(10, _Run(1, 3), decided.append)
+    assert _admissions(policy, [run, jobs[0]]) == [(0, "D10"), (3, "G0")]
+    assert decided == [["decided"]] and released == [run, jobs[0]]
+    assert [t for o in jobs[0].handle.items for t in o.token_ids] == _alone(model, PROMPTS[0], MAX_NEW[0],
+                                                                           SamplingParams(), [])
+    policy, _, jobs, released = _policy(model, max_running=1)
+    gone, behind = [], DecisionJob(11, _Run(1, 1), [].append)
+    policy.add([jobs[0], DecisionJob(10, _Run(1, 3), gone.append), behind])
+    with torch.inference_mode():
+        policy.prefill_once()
+        policy.cancel({10})
+    assert isinstance(gone[0], RuntimeError) and [w.id for w in policy.waiting] == [11]
+    assert policy.load["waiting"] == 1 and released[-1].id == 10

@@ -212,7 +212,9 @@ def decide_batch(model: torch.nn.Module | ModelRunner, tokenizer: Any, contexts:
 
 class DecisionRun:
     """Contexts filling one form in lockstep, one forward per `step`: `decide_batch` steps it to the end; the
-    server's scheduler steps it between its generation batches' steps, on the thread that owns the runner."""
+    server's scheduler queues it with its generation requests (first come, first served) and steps it beside their
+    batches, one step an iteration (the `Run` interface: `step` until done, then `results`), on the thread that
+    owns the runner."""
 
     def __init__(self, runner: ModelRunner, tokenizer: Any, layout: Layout, prompts: list[list[int]],
                  threshold: float, prefill_chunk: int = DEFAULT_PREFILL_CHUNK, decode: Decode | None = None) -> None:

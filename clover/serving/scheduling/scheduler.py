@@ -4,14 +4,16 @@ The engine decodes a batch in lockstep, block by block (`clover.engine.engine`).
 running while requests come and go:
 
     every iteration (one thread; the model is never touched from elsewhere):
-        take new requests and cancellations from the inbox
+        take new work (requests' sequences, decision runs, prompt scorings) and cancellations from the inbox
+        cancel:  a client that went away leaves the queue or its batch at once (`Engine.drop`), freeing its slot
+        admit:   from the one waiting queue, in arrival order (first come, first served), while the oldest fits
+                 under `max_running`: a run starts, a sequence starts its prefill
         prefill: one chunk of the request being prefilled (alone: its own cache; it starts from the longest
                  prefix in the prefix cache, and snapshots grid points for it on the way)
         join:    at a block boundary, prefilled requests join the running batch (`Engine.join`)
-        step:    one denoising step of every running batch (`Engine.step`); committed blocks go to their
-                 requests, finished sequences leave the batch
-        decide:  one forward of every running decision run (`response_format`, `clover.engine.loops.decision`)
-        cancel:  a client that went away leaves the batch at once (`Engine.drop`), freeing its slot
+        step:    one step of all running work: a batch's denoising step (`Engine.step`; committed blocks go to
+                 their requests, finished sequences leave the batch), a run's forward (`response_format`'s
+                 decision run, `clover.engine.loops.decision`; echo's prompt scoring)
 
 Prefill runs one chunk per iteration, between decode steps, so a long prompt never stalls the streams that
 are already running (chunked prefill, as in vLLM / SGLang).
@@ -72,8 +74,8 @@ class QueueFull(Exception):
 
 
 class Scheduler:
-    """The model's one thread: requests arrive through `submit` (any thread) into an inbox; each iteration hands
-    them to the `SchedulePolicy` and runs its admit / join / step once."""
+    """The model's one thread: requests arrive through `submit` and runs through `decide` (any thread) into one
+    inbox; each iteration hands them to the `SchedulePolicy` and runs its admit / prefill / join / step once."""
 
     def __init__(self, model: torch.nn.Module | ModelRunner, *, block_size: int | None = None,
                  threshold: float | None = None, rule: str | None = None,
@@ -245,8 +247,7 @@ class Scheduler:
                 with torch.inference_mode():
                     self.policy.prefill_once()
                     self.policy.join_ready()
-                    self.policy.step_batches()
-                    self.policy.step_decisions()
+                    self.policy.step_running()
                 self.outbox.flush()
                 cached = None if self.prefix_cache is None else self.prefix_cache.memory_bytes
                 self.metrics.record_load(self.load, cached)
@@ -262,8 +263,7 @@ class Scheduler:
                 pending, self._inbox = self._inbox, []
             failure = self.error or RuntimeError("the server is shutting down")
             self.policy.add(pending)  # those that never reached it, failed with the rest
-            for job in [*self.policy.jobs.values(), *self.policy.deciding, *self.policy.decisions_waiting]:
-                self.policy.fail(job, failure)
+            self.policy.fail_all(failure)
             self.outbox.flush()
 
     def _release(self, job: Job | DecisionJob) -> None:  # it left the policy (finished, failed or cancelled)

@@ -1,20 +1,23 @@
-"""The scheduling policy of continuous batching, without threads: which request prefills next, when prefilled
-requests join their batch, what a step commits, what a cancellation drops.
+"""The scheduling policy of continuous batching, without threads: which waiting work is admitted next, when
+prefilled requests join their batch, what a step commits, what a cancellation drops.
 
-    admit:   the oldest waiting request starts prefilling once fewer than `max_running` sequences run
-             (prefilling and prefilled-but-not-joined ones count); one prefill at a time, one chunk per call;
-             a short prompt (one chunk: no cached prefix to reuse, nothing to cache) is prefilled together with
-             the waiting short prompts right behind it of the same engine, in one forward (up to `GROUP_ROWS`
-             padded rows)
+    admit:   one queue of waiting work, requests' sequences and runs (a decision run, `response_format`
+             filled by decision mode, or echo's prompt scoring) alike, admitted in arrival order (first come,
+             first served, as vLLM's scheduler) at one point, the iteration's start: the head is admitted when its
+             rows fit under `max_running` (prefilling and prefilled-but-not-joined sequences count; a run alone
+             always fits), else nothing behind it is. A sequence is admitted by starting its prefill: one prefill
+             at a time, one chunk per call; a short prompt (one chunk: no cached prefix to reuse, nothing to cache)
+             is prefilled together with the waiting short prompts right behind it of the same engine, in one
+             forward (up to `GROUP_ROWS` padded rows). A run is admitted whole (all its rows) and reads its
+             prompts in its own steps.
     join:    a prefilled request joins its batch only at a block boundary (every row then starts a fresh block)
-    step:    one denoising step of every batch; committed blocks go to their requests' handles
-    drop:    cancelled requests leave the queue, the prefill, the ready list and their batch at once
-    decide:  decision runs (`response_format`: a form filled by decision mode) start once their rows fit under
-             `max_running` and take one forward each per iteration, between the batches' steps, on the same
-             thread: every runner (llama.cpp's too) is only ever called from it; a run whose client left stops
+    step:    one step of all running work, batches and runs alike (`Running.step`): a batch's denoising step
+             sends committed blocks to their requests' handles, a finished run its results to its caller
+    drop:    cancelled work leaves the queue, the prefill, the ready list, its batch or the running runs at once
 
-`Scheduler` (`scheduler.py`) calls these from its thread, in that order, once per iteration; the capacity bound
-(`max_running` + `max_waiting`) is checked there, where requests arrive. A failure of one request (its prefill, or
+`Scheduler` (`scheduler.py`) calls these from its thread once per iteration (drop, then admit with one prefill
+chunk: `prefill_once`, join, step: `step_running`), so every runner (llama.cpp's too) is only ever called from it;
+the capacity bound (`max_running` + `max_waiting`) is checked there, where requests arrive. A failure of one request (its prefill, or
 its batch's step) fails that request or batch only; a group prefill that fails is retried one request at a time,
 so only the request that fails alone fails.
 """
@@ -25,11 +28,11 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable, Sequence as Seq
+from typing import Any, Callable, Hashable, Protocol, Sequence as Seq
 
 from clover.engine import Engine
 from clover.engine.engine import DecodeBatch, Prefill
-from clover.engine.loops.loop import Run
+from clover.engine.loops.loop import Event, Run
 from clover.engine.request import Sequence
 from clover.serving.scheduling.handles import RequestHandle
 from clover.serving.metrics import ServerMetrics
@@ -66,65 +69,155 @@ class Job:
     prefill: AlonePrefill | None = None
     rows = 1  # cache rows (and sequences) it holds
 
+    @property
+    def request_id(self) -> int:
+        return self.handle.id
 
-@dataclass
+
+@dataclass(eq=False)
 class DecisionJob:
     """A decision run (or a prompt scoring, which runs the same way: `step` until done, then `results`), its id
-    (from the counter of request ids: one cancel set holds both) and where its result goes (`deliver`: the
-    results, or the exception that ended it)."""
+    (from the counter of request ids: one cancel set holds both kinds of work) and where its result goes
+    (`deliver`: the results, or the exception that ended it)."""
 
     id: int
     run: Run
     deliver: Callable[[list[Any] | BaseException], None]
 
     @property
+    def request_id(self) -> int:
+        return self.id
+
+    @property
     def rows(self) -> int:
         return len(self.run.prompts)
 
+    def step(self, policy: SchedulePolicy) -> tuple[list[Event], bool]:
+        """One step of the run; a finished run delivers its results, a failed one its exception."""
+        try:
+            done = self.run.step()
+        except Exception as exc:  # noqa: BLE001 - this run's failure, not the server's
+            logger.exception("decision step failed")
+            self.deliver(exc)
+            return [], True
+        if done:
+            self.deliver(self.run.results())
+        return [], done
+
+
+@dataclass(eq=False)
+class RunningBatch:
+    """The decoding batch of one engine (`key`), as running work: a step is one `Engine.step`."""
+
+    key: EngineKey
+    engine: Engine
+    batch: DecodeBatch
+
+    @property
+    def rows(self) -> int:
+        return len(self.batch.seqs)
+
+    def step(self, policy: SchedulePolicy) -> tuple[list[Event], bool]:
+        """One denoising step: its committed blocks (a failed step fails every row's request)."""
+        forwards = self.engine.counters.forwards
+        policy.metrics.batch_size.observe(len(self.batch.seqs))
+        seqs = list(self.batch.seqs)  # the step drops finished rows before its commit forward, which may raise
+        try:
+            events, batch = self.engine.step(self.batch)
+        except Exception as exc:  # noqa: BLE001 - fail this batch's requests, keep serving the rest
+            logger.exception("decode step failed")
+            policy.leave(self)  # before the failures: a failed request's engine may then be evicted
+            for seq in seqs:
+                if seq.seq_id in policy.jobs:
+                    policy.fail(policy.jobs[seq.seq_id], exc)
+            return [], True
+        policy.metrics.engine_forwards.inc(self.engine.counters.forwards - forwards)
+        if batch is not None:
+            self.batch = batch
+        return events, batch is None
+
+
+class Running(Protocol):
+    """Work that holds runner rows and is stepped once an iteration until it is over: a `RunningBatch` or a
+    `DecisionJob`."""
+
+    @property
+    def rows(self) -> int: ...
+
+    def step(self, policy: SchedulePolicy) -> tuple[list[Event], bool]:
+        """One step: the sequences' outputs it made, and whether it is over (finished or failed; a run delivers
+        its own results)."""
+
 
 class SchedulePolicy:
-    """The queues and batches of one scheduler. `engines`: the engine of each key (shared with the scheduler,
-    which creates them); `released(job)`: called once per sequence that leaves (finished, failed, cancelled)."""
+    """The queue and running work of one scheduler. `engines`: the engine of each key (shared with the scheduler,
+    which creates them); `released(job)`: called once per sequence or run that leaves (finished, failed,
+    cancelled)."""
 
     def __init__(self, engines: dict[EngineKey, Engine], prefix_cache: PrefixCache | None, max_running: int,
-                 metrics: ServerMetrics, released: Callable[[Job], None],
+                 metrics: ServerMetrics, released: Callable[[Job | DecisionJob], None],
                  request_log: RequestLog | None = None) -> None:
         self.engines, self.prefix_cache, self.max_running = engines, prefix_cache, max_running
         self.metrics, self.released, self.request_log = metrics, released, request_log
-        self.batches: dict[EngineKey, DecodeBatch] = {}
+        self.waiting: deque[Job | DecisionJob] = deque()  # one queue, in arrival order
+        self.prefilling: Job | None = None
         # prefilled (alone, or short prompts together), waiting for their batch's next block boundary
         self.ready: list[tuple[list[Job], DecodeBatch]] = []
-        self.waiting: deque[Job] = deque()
-        self.prefilling: Job | None = None
+        self.running: list[Running] = []  # stepped once an iteration, in the order it started; a batch per key
         self.jobs: dict[int, Job] = {}  # by Sequence.seq_id, every job not finished
-        self.decisions_waiting: deque[DecisionJob] = deque()
-        self.deciding: list[DecisionJob] = []
 
-    def add(self, jobs: Seq[Job | DecisionJob]) -> None:
-        """New work, in arrival order: sequences wait for a prefill, decision runs for their rows to fit."""
-        for job in jobs:
-            if isinstance(job, DecisionJob):
-                self.decisions_waiting.append(job)
-            else:
+    def add(self, work: Seq[Job | DecisionJob]) -> None:
+        """New work, in arrival order, at the back of the one queue."""
+        for job in work:
+            if isinstance(job, Job):
                 self.jobs[job.seq.seq_id] = job
-                self.waiting.append(job)
+            self.waiting.append(job)
+
+    @property
+    def batches(self) -> dict[EngineKey, DecodeBatch]:
+        """The running batch of each engine key."""
+        return {w.key: w.batch for w in list(self.running) if isinstance(w, RunningBatch)}
+
+    @property
+    def deciding(self) -> list[DecisionJob]:
+        """The running decision runs and prompt scorings."""
+        return [w for w in list(self.running) if isinstance(w, DecisionJob)]
 
     @property
     def load(self) -> dict[str, int]:
-        """Sequences per stage, a decision's rows among them (read from any thread: containers are copied by C
-        calls, never iterated in Python while the scheduler thread may change them)."""
-        running = sum(len(b.seqs) for b in list(self.batches.values())) + sum(d.rows for d in list(self.deciding))
-        waiting = len(self.waiting) + sum(d.rows for d in list(self.decisions_waiting))
-        return {"running": running, "waiting": waiting, "prefilling": int(self.prefilling is not None),
+        """Rows per stage, a run's among them (read from any thread: containers are copied by C calls, never
+        iterated in Python while the scheduler thread may change them)."""
+        return {"running": sum(w.rows for w in list(self.running)),
+                "waiting": sum(w.rows for w in list(self.waiting)),
+                "prefilling": int(self.prefilling is not None),
                 "ready": sum(len(jobs) for jobs, _ in list(self.ready))}
 
     def busy(self) -> bool:
-        return bool(self.waiting or self.prefilling or self.ready or self.batches or self.decisions_waiting
-                    or self.deciding)
+        return bool(self.waiting or self.prefilling or self.ready or self.running)
 
     def running_count(self) -> int:
-        return (sum(len(b.seqs) for b in self.batches.values()) + sum(len(jobs) for jobs, _ in self.ready)
-                + (self.prefilling is not None) + sum(d.rows for d in self.deciding))
+        return (sum(w.rows for w in self.running) + sum(len(jobs) for jobs, _ in self.ready)
+                + (self.prefilling is not None))
+
+    def _fits(self, rows: int) -> bool:
+        """Whether `rows` more fit under `max_running` (work alone always fits: a run larger than it still runs)."""
+        running = self.running_count()
+        return not running or running + rows <= self.max_running
+
+    def admit(self) -> None:
+        """The one admission point: admit the queue's head while it fits, oldest first; a run starts running, a
+        sequence starts its prefill (one prefill at a time: a sequence at the head waits for the one prefilling,
+        and so does all behind it; one prefill started per call)."""
+        while self.waiting:
+            head = self.waiting[0]
+            if not self._fits(head.rows):
+                return
+            if isinstance(head, DecisionJob):
+                self.running.append(self.waiting.popleft())
+                continue
+            if self.prefilling is None and not self._prefill_group():
+                self.prefilling = self.waiting.popleft()
+            return
 
     def _short(self, job: Job) -> bool:
         """Whether `job`'s prompt fits one prefill chunk: it needs exactly one forward, which it can share, and has
@@ -133,14 +226,16 @@ class SchedulePolicy:
 
     def _prefill_group(self) -> bool:
         """If the oldest waiting request is short, prefill it with the short ones right behind it (same engine,
-        within the free capacity and `GROUP_ROWS`) in one forward; whether it did."""
+        within the free capacity and `GROUP_ROWS`; a run behind it ends the group) in one forward; whether it
+        did."""
         first = self.waiting[0]
         if not self._short(first):
             return False
         group, longest = [first], len(first.seq.prompt)
         for job in list(self.waiting)[1:self.max_running - self.running_count()]:
             longest_with = max(longest, len(job.seq.prompt))
-            if job.key != first.key or not self._short(job) or longest_with * (len(group) + 1) > GROUP_ROWS:
+            if (not isinstance(job, Job) or job.key != first.key or not self._short(job)
+                    or longest_with * (len(group) + 1) > GROUP_ROWS):
                 break
             group.append(job)
             longest = longest_with
@@ -163,12 +258,10 @@ class SchedulePolicy:
         return True
 
     def prefill_once(self) -> None:
+        """Admit (`admit`), then one chunk of the sequence prefilled alone (a group was prefilled by `admit`)."""
+        self.admit()
         if self.prefilling is None:
-            if not self.waiting or self.running_count() >= self.max_running:
-                return
-            if self._prefill_group():
-                return
-            self.prefilling = self.waiting.popleft()
+            return
         job = self.prefilling
         engine = self.engines[job.key]
         try:  # find and begin_prefill too: what one request makes them raise must not kill the loop
@@ -208,77 +301,52 @@ class SchedulePolicy:
         for jobs, new in self.ready:
             key = jobs[0].key
             engine = self.engines[key]
-            current = self.batches.get(key)
-            if current is None or engine.at_block_boundary(current):
-                self.batches[key] = engine.join(current, new)
+            current = next((w for w in self.running if isinstance(w, RunningBatch) and w.key == key), None)
+            if current is None:
+                self.running.append(RunningBatch(key, engine, engine.join(None, new)))
+            elif engine.at_block_boundary(current.batch):
+                current.batch = engine.join(current.batch, new)
             else:
                 keep.append((jobs, new))
         self.ready = keep
 
-    def step_batches(self) -> None:
-        for key in list(self.batches):
-            engine, batch = self.engines[key], self.batches[key]
-            forwards = engine.counters.forwards
-            self.metrics.batch_size.observe(len(batch.seqs))
-            seqs = list(batch.seqs)  # the step drops finished rows before its commit forward, which may raise
-            try:
-                events, batch = engine.step(batch)
-            except Exception as exc:  # noqa: BLE001 - fail this batch's requests, keep serving the rest
-                logger.exception("decode step failed")
-                del self.batches[key]
-                for seq in seqs:
-                    if seq.seq_id in self.jobs:
-                        self.fail(self.jobs[seq.seq_id], exc)
-                continue
-            self.metrics.engine_forwards.inc(engine.counters.forwards - forwards)
-            if batch is None:
-                del self.batches[key]
-            else:
-                self.batches[key] = batch
+    def step_running(self) -> None:
+        """One step of every running batch and run, in the order they started; work that is over leaves (a run
+        frees its rows; a batch's sequences left as they finished)."""
+        for work in list(self.running):
+            events, over = work.step(self)
+            if over:  # before the deliveries: a finished request's engine may then be evicted
+                self.leave(work)
             for piece in events:
-                job = self.jobs.get(piece.seq_id)
-                if job is None:
-                    continue
-                job.handle.deliver(piece)
-                if piece.finished:
-                    self._finished(job, piece.stats or {})
+                self.deliver(piece)
 
-    def step_decisions(self) -> None:
-        """Start the waiting decision runs that fit (the oldest first; one alone always fits), then one forward of
-        each running one; a finished run delivers its decisions, a failed one its exception."""
-        while self.decisions_waiting:
-            rows = self.decisions_waiting[0].rows
-            if self.running_count() and self.running_count() + rows > self.max_running:
-                break
-            self.deciding.append(self.decisions_waiting.popleft())
-        for job in list(self.deciding):
-            try:
-                done = job.run.step()
-            except Exception as exc:  # noqa: BLE001 - this decision's failure, not the server's
-                logger.exception("decision step failed")
-                self._end_decision(job, exc)
-                continue
-            if done:
-                self._end_decision(job, job.run.results())
+    def deliver(self, piece: Event) -> None:
+        """A batch's output to its request (a finished sequence leaves)."""
+        job = self.jobs.get(piece.seq_id)
+        if job is None:
+            return
+        job.handle.deliver(piece)
+        if piece.finished:
+            self._finished(job, piece.stats or {})
 
-    def _end_decision(self, job: DecisionJob, outcome: list[Any] | BaseException) -> None:
-        """The run leaves (waiting or running), its rows freed; `outcome` goes to its caller."""
-        if job in self.deciding:
-            self.deciding.remove(job)
-        if job in self.decisions_waiting:
-            self.decisions_waiting.remove(job)
-        job.deliver(outcome)
-        self.released(job)
+    def leave(self, work: Running) -> None:
+        """`work` stops running (a batch left twice: the second finds it gone); a run's rows are released (a run
+        leaves once, running or waiting)."""
+        if work in self.running:
+            self.running.remove(work)
+        if isinstance(work, DecisionJob):
+            self.released(work)
 
     def cancel(self, request_ids: set[int]) -> None:
-        """Drop the requests (handle ids) and decision runs (job ids) in `request_ids`, wherever they are: their
-        rows are freed at once; one already finished is not there any more."""
-        for job in [j for j in [*self.decisions_waiting, *self.deciding] if j.id in request_ids]:
-            self._end_decision(job, RuntimeError("the client went away"))
-        gone = {i for i, job in self.jobs.items() if job.handle.id in request_ids}
+        """Drop the work of the requests in `request_ids` (a handle's id, a run's id) wherever it is: its rows are
+        freed at once; work already finished is not there any more."""
+        for run in [w for w in [*self.waiting, *self.running] if isinstance(w, DecisionJob)
+                    and w.request_id in request_ids]:
+            self.fail(run, RuntimeError("the client went away"))
+        gone = {i for i, job in self.jobs.items() if job.request_id in request_ids}
         if not gone:
             return
-        self.waiting = deque(j for j in self.waiting if j.seq.seq_id not in gone)
+        self.waiting = deque(w for w in self.waiting if not (isinstance(w, Job) and w.seq.seq_id in gone))
         if self.prefilling is not None and self.prefilling.seq.seq_id in gone:
             self.prefilling = None
         ready = []
@@ -289,12 +357,12 @@ class SchedulePolicy:
             if kept:
                 ready.append((kept, batch))
         self.ready = ready
-        for key in list(self.batches):
-            batch = self.engines[key].drop(self.batches[key], gone)
+        for work in [w for w in self.running if isinstance(w, RunningBatch)]:
+            batch = work.engine.drop(work.batch, gone)
             if batch is None:
-                del self.batches[key]
+                self.leave(work)
             else:
-                self.batches[key] = batch
+                work.batch = batch
         for i in gone:
             self._forget(self.jobs[i])
 
@@ -310,11 +378,20 @@ class SchedulePolicy:
             job.prefill.snapshots = None
 
     def fail(self, job: Job | DecisionJob, exc: BaseException) -> None:
+        """`exc` ends `job` wherever it is (waiting or running), delivered to its caller."""
         if isinstance(job, DecisionJob):
-            self._end_decision(job, exc)
+            if job in self.waiting:
+                self.waiting.remove(job)
+            job.deliver(exc)
+            self.leave(job)
             return
         job.handle.deliver(exc)
         self._forget(job)
+
+    def fail_all(self, exc: BaseException) -> None:
+        """Every request and run still held fails with `exc` (the loop is stopping)."""
+        for job in [*self.jobs.values(), *self.deciding, *(w for w in self.waiting if isinstance(w, DecisionJob))]:
+            self.fail(job, exc)
 
     def _finished(self, job: Job, stats: dict[str, Any]) -> None:
         self._forget(job)
