@@ -1,8 +1,8 @@
 """Whether a forward reads prompt tokens, for the layers whose arithmetic would otherwise depend on how many rows
 share it: a prompt's cache must have the same bits alone, batched, or resumed from a stored prefix.
 
-The runner sets it around a forward (`ModelRunner.forward(..., prompt=True)`, `clover.runners.torch_runner`); the
-layers read it: an int8 / int4 layer that rounds its input twice (clover.model.quant) multiplies prompt rows as
+The model's forward sets it around its layers (`forward(..., prompt=True)`, passed on by the runner:
+`clover.engine.runner.ModuleRunner`); the layers read it: an int8 / int4 layer that rounds its input twice (clover.model.quant) multiplies prompt rows as
 `prompt_matmul()` says, the fused C++ layers (clover.model.fused) take one path for prompt rows however many, and a
 DeltaNet layer (clover.model.deltanet) reads prompt chunks with the chunked rule however short.
 """
