@@ -2,9 +2,10 @@
 share it: a prompt's cache must have the same bits alone, batched, or resumed from a stored prefix.
 
 The model's forward sets it around its layers (`forward(..., prompt=True)`, passed on by the runner:
-`clover.engine.runner.ModuleRunner`); the layers read it: an int8 / int4 layer that rounds its input twice (clover.model.quant) multiplies prompt rows as
-`prompt_matmul()` says, the fused C++ layers (clover.model.fused) take one path for prompt rows however many, and a
-DeltaNet layer (clover.model.deltanet) reads prompt chunks with the chunked rule however short.
+`clover.engine.runner.ModuleRunner`); the layers read it: an int8 / int4 layer that rounds its input twice
+(clover.model.quant) multiplies prompt rows as `prompt_matmul()` says, the fused C++ layers (clover.model.fused) take
+one path for prompt rows however many, and a DeltaNet layer (clover.model.deltanet) reads prompt chunks with the
+chunked rule however short.
 """
 
 from __future__ import annotations
