@@ -23,6 +23,7 @@ call into it.
 
 from __future__ import annotations
 
+import contextlib
 import numbers
 import time
 from dataclasses import dataclass, replace
@@ -138,10 +139,10 @@ class Engine:
         return self._run(self.make_sequences(prompts, max_new_tokens, own), snapshots)
 
     def _run(self, seqs: list[Sequence], snapshots: bool) -> Iterator[Event]:
-        with torch.inference_mode():
+        with self._decoding():
             batch = self._prefill(seqs)
         while batch is not None:
-            with torch.inference_mode():  # not around the yield: the caller's code must not run in this mode
+            with self._decoding():  # not around the yield: the caller's code must not run in this mode
                 events, batch = self.loop.step(batch, snapshots)
             yield from events
         self.loop.idle()  # after the last answer's tokens went out
@@ -281,7 +282,7 @@ class Engine:
         join a running one. For prompts of at most `prefill_chunk` tokens this is one forward for all of them,
         where `prefill_step` takes one each: a forward of a few dozen rows leaves most of a CPU's arithmetic
         unused."""
-        with torch.inference_mode():
+        with self._decoding():
             return self._prefill(seqs)
 
     def begin_prefill(self, seq: Sequence, cache: RunnerCache | None = None) -> Prefill:
@@ -315,7 +316,7 @@ class Engine:
         if p.done < p.pad:
             kwargs["attention_mask"] = torch.arange(p.done, end, device=self.device)[None] >= p.pad
         p.seq.prefill_forwards += 1
-        with torch.inference_mode():
+        with self._decoding():
             if end < len(prompt):
                 self.forward(ids, p.cache, logits_to_keep=0, prompt=True, **kwargs)
                 opened = None
@@ -340,8 +341,24 @@ class Engine:
     def step(self, b: DecodeBatch, snapshots: bool = False) -> tuple[list[Event], DecodeBatch | None]:
         """One step of the whole batch: the events of what was committed, and the batch (None when every
         request finished)."""
-        with torch.inference_mode():
+        with self._decoding():
             return self.loop.step(b, snapshots)
+
+    @contextlib.contextmanager
+    def _decoding(self) -> Iterator[None]:
+        """What the engine's prefills and steps run under: inference mode, and torch's intra-op threads set to the
+        runner's `torch_threads` where it names them (a runner whose forwards run on threads of their own, llama.cpp's:
+        torch's ops between its forwards read a few rows of logits, and torch's pool, once woken, would spin on the
+        cores those threads decode on); the caller's setting back after."""
+        want, before = getattr(self.runner, "torch_threads", None), torch.get_num_threads()
+        if want is not None and want != before:
+            torch.set_num_threads(want)
+        try:
+            with torch.inference_mode():
+                yield
+        finally:
+            if torch.get_num_threads() != before:
+                torch.set_num_threads(before)
 
     def drop(self, b: DecodeBatch, indices: set[int]) -> DecodeBatch | None:
         """Remove the requests whose `Sequence.seq_id` is in `indices` (cancelled), at any step."""

@@ -219,8 +219,8 @@ class LlamaCppRunner:
     _pad_id: int | None = None  # the sequence id a lone token's twin is decoded on (module docstring); None: none
     _cells_high = 0  # a bound on the KV cache's highest used cell + 1, which decides the twin (module docstring)
     causal_only = False  # block rules and query blocks run here (a hybrid GGUF's runner runs the causal path only)
-    # torch's threads during a step of exact mode (clover.engine.loops.exact): the forward is llama.cpp's, on its own
-    # threads; torch only reads a few rows of logits, and its pool, once woken, would spin on the same cores
+    # torch's threads during the engine's prefills and steps (clover.engine.engine, every rule): the forward is
+    # llama.cpp's, on its own threads; torch only reads a few rows of logits, and its pool would spin on those cores
     torch_threads = 1
 
     def __init__(self, path: str | Path, *, threads: int | None = None, max_rows: int | None = 8,

@@ -96,18 +96,20 @@ def test_exact_equals_block1_greedy_alone_and_in_a_batch(models, preset, block_s
         assert s["tokens"] == MAX_NEW and 1 <= s["forward_passes"] <= MAX_NEW and s["tokens_per_forward"] >= 1
 
 
-def test_a_step_takes_the_runners_torch_threads_and_gives_them_back(models):
-    """A runner whose forwards run on their own threads (llama.cpp's) asks for `torch_threads`: exact mode's steps
-    run torch's ops on that many (so torch's pool does not spin beside the runner's threads), the caller's setting
-    comes back after each, and the tokens are the same."""
+@pytest.mark.parametrize("decoding", [dict(block_size=4, rule="exact", rule_options={"adaptive": False}),
+                                      dict(block_size=1, rule="threshold")])
+def test_a_step_takes_the_runners_torch_threads_and_gives_them_back(models, decoding):
+    """A runner whose forwards run on their own threads (llama.cpp's) asks for `torch_threads`: the engine's
+    prefills and steps, exact mode's and block size 1's alike, run torch's ops on that many (so torch's pool does not
+    spin beside the runner's threads), the caller's setting comes back after each, and the tokens are the same."""
     model = models["clover-tiny-dense"]
     runner = as_runner(model)
     before = torch.get_num_threads()
     seen, forward = [], runner.forward
     runner.torch_threads = 1 if before > 1 else 2
     runner.forward = lambda *a, **k: seen.append(torch.get_num_threads()) or forward(*a, **k)
-    got = generate(runner, PROMPTS[:2], MAX_NEW, block_size=4, rule="exact", rule_options={"adaptive": False},
-                   eos_token_ids=[]).sequences  # (not adaptive: no cost table measured, its forwards outside steps)
+    got = generate(runner, PROMPTS[:2], MAX_NEW, eos_token_ids=[], **decoding).sequences
+    # (exact mode not adaptive: no cost table measured, its forwards outside steps)
     assert got == _greedy_b1(model, PROMPTS[:2])
     assert seen and set(seen) == {runner.torch_threads}
     assert torch.get_num_threads() == before

@@ -57,13 +57,12 @@ included (docs/decoding.md).
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 import statistics
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -173,10 +172,6 @@ class ExactLoop(DecodingLoop):
         # acceptance of drafts copied from the context by match depth (`CONTEXT_BUCKETS`), likewise
         self.context_acceptance = [_shared_estimate(p) for p in CONTEXT_PRIOR]
         self._positions = torch.arange(engine.block_size, device=engine.device)
-        # the threads torch's own ops take during a step beside this runner (None: as set): one beside a runner
-        # whose forwards run on their own threads (llama.cpp's), so that torch's pool, woken by an op on a few rows
-        # of logits, does not spin on the cores llama.cpp's threads decode on
-        self.torch_threads: int | None = getattr(engine.runner, "torch_threads", None)
 
     def calibrate(self, defer: bool = False) -> None:
         """Read the runner's forward cost table, or measure it now (seconds, once for this model, runner and
@@ -242,15 +237,6 @@ class ExactLoop(DecodingLoop):
     # -- the loop --------------------------------------------------------------------------------------
     def open(self, seqs: list[Sequence], ids: torch.Tensor, cache: RunnerCache, **kwargs: Any) -> ExactBatch:
         """The prefill's last chunk: it decides the first token (from the last prompt token) and drafts after it."""
-        with _torch_threads(self.torch_threads):
-            return self._open(seqs, ids, cache, **kwargs)
-
-    def step(self, b: ExactBatch, snapshots: bool = False) -> tuple[list[Event], ExactBatch | None]:
-        """Emit what the last forward decided; then one forward verifies drafts and drafts anew."""
-        with _torch_threads(self.torch_threads):
-            return self._step(b)
-
-    def _open(self, seqs: list[Sequence], ids: torch.Tensor, cache: RunnerCache, **kwargs: Any) -> ExactBatch:
         n, t = ids.shape
         e = self.engine
         sampler = BatchSampler([s.options.sampling for s in seqs], e.vocab_size, e.banned_ids, e.device, e.breakers)
@@ -270,7 +256,8 @@ class ExactLoop(DecodingLoop):
         self._observe(b)
         return b
 
-    def _step(self, b: ExactBatch) -> tuple[list[Event], ExactBatch | None]:
+    def step(self, b: ExactBatch, snapshots: bool = False) -> tuple[list[Event], ExactBatch | None]:
+        """Emit what the last forward decided; then one forward verifies drafts and drafts anew."""
         e = self.engine
         start, forward_time = time.perf_counter(), e.counters.forward_time_s
         decided, counts = b.decided.tolist(), b.n_decided.tolist()
@@ -600,20 +587,6 @@ class ExactLoop(DecodingLoop):
             for i, r in enumerate(asked):
                 logprobs[r] = token_logprobs(raw[i], committed[r][: took[r] + 1], tops[r], e.banned_ids)
         return tokens, accepted, self._query_logits.max(dim=-1).indices, logprobs
-
-
-@contextlib.contextmanager
-def _torch_threads(n: int | None) -> Iterator[None]:
-    """torch's intra-op threads set to `n` for the block (None: left as they are)."""
-    before = torch.get_num_threads()
-    if n is None or n == before:
-        yield
-        return
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def _shared_estimate(prior: float) -> Acceptance:
