@@ -39,7 +39,10 @@ Sets (the problem ids are recorded):
 
 Interleaved: the sets' problems merged in proportion (each set advances at the same pace) and every problem answered
 by every system in turn, the order rotated problem by problem, so load on a shared machine hits all systems alike and
-a stopped run is still a paired comparison. With `--lock FILE` each problem is answered under a shared `flock` of
+a stopped run is still a paired comparison. `--answer` lets one invocation answer only some of the run's systems
+and a later one (same `--out`) the rest: an untimed reference such as the fp32 base can then run beside other work
+while the timed systems had the machine alone; every answer records the invocation that gave it (`run`, an index
+into the record's `runs`), so whose seconds were timed together stays in the file. With `--lock FILE` each problem is answered under a shared `flock` of
 FILE, so that a timed job elsewhere can take FILE exclusively and have the machine between two problems (a run of
 hours need not be stopped for it, nor timed across the pause). Each answer is written at once to `--out` (JSON,
 atomically); a second run with the same `--out` continues where the first stopped. Figures (per set and system, over
@@ -266,6 +269,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sets", default=",".join(SETS), help=f"comma-separated, of {','.join(SETS)}")
     parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, of {','.join(SYSTEMS)}")
+    parser.add_argument("--answer", default=None,
+                        help="comma-separated: the systems this invocation answers (default: all of --systems); "
+                             "with --summary, the systems to pair (default: every system with an answer)")
     parser.add_argument("--limit", type=int, default=None, help="problems per set (default: all)")
     parser.add_argument("--rules", choices=("api", "generate"), default="api",
                         help="the Clover systems' repetition rules (module docstring)")
@@ -276,12 +282,21 @@ def main() -> None:
     parser.add_argument("--summary", action="store_true", help="print the figures of --out and stop")
     args = parser.parse_args()
     systems, sets = args.systems.split(","), args.sets.split(",")
+    answering = args.answer.split(",") if args.answer and not args.summary else systems
     if set(systems) - set(SYSTEMS) or set(sets) - set(SETS):
         parser.error(f"--systems takes {','.join(SYSTEMS)}, --sets {','.join(SETS)}")
+    if set(answering) - set(systems):
+        parser.error(f"--answer takes systems of --systems ({','.join(systems)})")
     record: dict[str, Any] = json.loads(args.out.read_text()) if args.out.is_file() else {}
     if args.summary:
-        summary = summarize(record.get("results", {}), record["systems"])
-        print(f"{record['command']}\n{record['machine']}\n\n{table(summary)}")
+        if not record:
+            raise SystemExit(f"{args.out}: no run recorded there")
+        results = record.get("results", {})
+        answered = {s for by_id in results.values() for rows in by_id.values() for s in rows}
+        paired = args.answer.split(",") if args.answer else [s for s in record["systems"] if s in answered]
+        runs = "\n".join(f"run {i}: {r['command']} ({r['started']}; answers {','.join(r['answer'])})"
+                         for i, r in enumerate(record.get("runs", [])))
+        print(f"{record['command']}\n{record['machine']}\n{runs}\n\n{table(summarize(results, paired))}")
         return
     command = "python benchmarks/bench_quality.py " + " ".join(sys.argv[1:])
     settings = {"systems": systems, "rules": args.rules, "threads": args.threads, "max_new_tokens": MAX_NEW}
@@ -291,17 +306,20 @@ def main() -> None:
     record = record or {**settings, "command": command, "results": {},
                         "machine": f"{processor_name()}, {args.threads} threads, torch {torch.__version__}, "
                                    f"{platform.platform()}"}
+    run = len(record.setdefault("runs", []))
+    record["runs"].append({"command": command, "answer": answering, "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+                           "machine": f"{processor_name()}, {platform.platform()}"})
     results: dict[str, dict[str, dict[str, Any]]] = record["results"]
     problems = load_problems(sets)
     if args.limit is not None:
         problems = {k: v[:args.limit] for k, v in problems.items()}
-    order = [p for p in interleave(problems) if set(systems) - set(results.get(p.set, {}).get(p.id, {}))]
+    order = [p for p in interleave(problems) if set(answering) - set(results.get(p.set, {}).get(p.id, {}))]
     print(f"{record['machine']}; {len(order)} problems to answer of {sum(map(len, problems.values()))}", flush=True)
     for sig in (signal.SIGTERM, signal.SIGHUP):  # as an exception: the servers are stopped
         signal.signal(sig, lambda *_: sys.exit(143))
     torch.set_num_threads(args.threads)
     with ExitStack() as stack:
-        loaded = {s: open_system(s, args.threads, args.rules, stack) for s in systems}
+        loaded = {s: open_system(s, args.threads, args.rules, stack) for s in answering}
         tokenizer = next((x.tokenizer for x in loaded.values() if isinstance(x, CloverSystem)), None)
         if tokenizer is None:
             from clover.smol import clover_smol_dir
@@ -314,18 +332,19 @@ def main() -> None:
         for k, problem in enumerate(order):
             rows = results.setdefault(problem.set, {}).setdefault(problem.id, {})
             with shared_lock(args.lock):
-                for s in systems[k % len(systems):] + systems[:k % len(systems)]:
+                for s in answering[k % len(answering):] + answering[:k % len(answering)]:
                     if s in rows:
                         continue
                     answer = loaded[s].answer(problem, MAX_NEW[problem.set])
                     rows[s] = {**score(problem, answer, tokenizer), "tokens": answer.tokens, "seconds": answer.seconds,
                                "forwards": answer.forwards, "prefill_s": answer.prefill_s,
-                               "finish": answer.finish, "text": answer.text, "calls": answer.calls}
+                               "finish": answer.finish, "text": answer.text, "calls": answer.calls, "run": run}
             write_atomic(args.out, json.dumps(record, indent=1))
             print(f"[{k + 1}/{len(order)}] {problem.set} {problem.id}: " + ", ".join(
                 f"{s} {rows[s].get('correct', rows[s].get('repeated_4grams'))} {rows[s]['seconds']:.1f}s"
-                for s in systems), flush=True)
-    summary = summarize(results, systems)
+                for s in answering), flush=True)
+    summary = summarize(results, [s for s in systems if all(s in rows for by_id in results.values()
+                                                            for rows in by_id.values())] or answering)
     record["summary"] = summary
     write_atomic(args.out, json.dumps(record, indent=1))
     print(table(summary))
