@@ -46,14 +46,14 @@ by every system in turn, the order rotated problem by problem, so load on a shar
 a stopped run is still a paired comparison. `--answer` lets one invocation answer only some of the run's systems
 and a later one (same `--out`) the rest: an untimed reference such as the fp32 base can then run beside other work
 while the timed systems had the machine alone; every answer records the invocation that gave it (`run`, an index
-into the record's `runs`), so whose seconds were timed together stays in the file. With `--lock FILE` each problem is answered under a shared `flock` of
-FILE, so that a timed job elsewhere can take FILE exclusively and have the machine between two problems (a run of
-hours need not be stopped for it, nor timed across the pause). Each answer is written at once to `--out` (JSON,
+into the record's `runs`), so whose seconds were timed together stays in the file. With `--lock FILE` each problem
+is answered under a shared `flock` of FILE, so that a timed job elsewhere can take FILE exclusively and have the
+machine between two problems (a run of hours need not be stopped for it, nor timed across the pause). Each answer is written at once to `--out` (JSON,
 atomically); a second run with the same `--out` continues where the first stopped. Figures (per set and system, over
 the problems every chosen system answered): accuracy, prompt and answers' tokens, total seconds (end to end, over
 HTTP for the servers), tokens/s, tokens per forward; a set whose systems' prompt tokens differ by more than 2 % is
-flagged (they did not answer the same prompts). The servers are stopped when the run ends, fails or gets SIGTERM / SIGINT /
-SIGHUP.
+flagged (they did not answer the same prompts). The servers are stopped when the run ends, fails or gets SIGTERM /
+SIGINT / SIGHUP.
 """
 
 from __future__ import annotations
@@ -243,7 +243,8 @@ def summarize(results: dict[str, dict[str, dict[str, Any]]], systems: list[str])
         for s in systems:
             rows = [r[s] for r in paired]
             tokens, seconds = sum(r["tokens"] for r in rows), sum(r["seconds"] for r in rows)
-            row = {"prompt_tokens": prompts[s], "tokens": tokens, "seconds": seconds, "tokens_per_second": tokens / max(seconds, 1e-9),
+            row = {"prompt_tokens": prompts[s], "tokens": tokens, "seconds": seconds,
+                   "tokens_per_second": tokens / max(seconds, 1e-9),
                    "tokens_per_forward": tokens / max(sum(r["forwards"] for r in rows), 1)}
             if "correct" in rows[0]:
                 row["accuracy"] = statistics.mean(r["correct"] for r in rows)
@@ -255,7 +256,8 @@ def summarize(results: dict[str, dict[str, dict[str, Any]]], systems: list[str])
 
 
 def table(summary: dict[str, Any]) -> str:
-    lines = ["| set (problems) | system | accuracy / repeated 4-grams | prompt tokens | tokens | total s | tok/s | TPF |",
+    lines = ["| set (problems) | system | accuracy / repeated 4-grams | prompt tokens | tokens | total s | tok/s "
+             "| TPF |",
              "|---|---|---|---|---|---|---|---|"]
     for name, rows in summary.items():
         if not rows["same_prompts"]:
@@ -266,8 +268,7 @@ def table(summary: dict[str, Any]) -> str:
             quality = (f"{100 * r['accuracy']:.1f} %" if "accuracy" in r else
                        f"{r['repeated_4grams']:.3f} (ends by itself {100 * r['ended_by_itself']:.0f} %)")
             lines.append(f"| {name} ({rows['problems']}) | {s} | {quality} | {r['prompt_tokens']} | {r['tokens']} | "
-                         f"{r['seconds']:.1f} | "
-                         f"{r['tokens_per_second']:.1f} | {r['tokens_per_forward']:.2f} |")
+                         f"{r['seconds']:.1f} | {r['tokens_per_second']:.1f} | {r['tokens_per_forward']:.2f} |")
     return "\n".join(lines)
 
 
