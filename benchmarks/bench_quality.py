@@ -48,8 +48,9 @@ and a later one (same `--out`) the rest: an untimed reference such as the fp32 b
 while the timed systems had the machine alone; every answer records the invocation that gave it (`run`, an index
 into the record's `runs`), so whose seconds were timed together stays in the file. With `--lock FILE` each problem
 is answered under a shared `flock` of FILE, so that a timed job elsewhere can take FILE exclusively and have the
-machine between two problems (a run of hours need not be stopped for it, nor timed across the pause). Each answer is written at once to `--out` (JSON,
-atomically); a second run with the same `--out` continues where the first stopped. Figures (per set and system, over
+machine between two problems (a run of hours need not be stopped for it, nor timed across the pause). Each answer
+is written at once to `--out` (JSON, atomically); a second run with the same `--out` continues where the first
+stopped. Figures (per set and system, over
 the problems every chosen system answered): accuracy, prompt and answers' tokens, total seconds (end to end, over
 HTTP for the servers), tokens/s, tokens per forward; a set whose systems' prompt tokens differ by more than 2 % is
 flagged (they did not answer the same prompts). The servers are stopped when the run ends, fails or gets SIGTERM /
