@@ -51,8 +51,9 @@ is answered under a shared `flock` of FILE, so that a timed job elsewhere can ta
 machine between two problems (a run of hours need not be stopped for it, nor timed across the pause). Each answer
 is written at once to `--out` (JSON, atomically); a second run with the same `--out` continues where the first
 stopped. Figures (per set and system, over
-the problems every chosen system answered): accuracy, prompt and answers' tokens, total seconds (end to end, over
-HTTP for the servers), tokens/s, tokens per forward; a set whose systems' prompt tokens differ by more than 2 % is
+the problems every chosen system answered): accuracy, prompt and answers' tokens, answers that ended by themselves,
+answers whose text is the first system's, seconds to first tokens and total seconds (end to end, over HTTP for
+the servers), tokens/s, tokens per forward; a set whose systems' prompt tokens differ by more than 2 % is
 flagged (they did not answer the same prompts). The servers are stopped when the run ends, fails or gets SIGTERM /
 SIGINT / SIGHUP.
 """
@@ -246,29 +247,33 @@ def summarize(results: dict[str, dict[str, dict[str, Any]]], systems: list[str])
             tokens, seconds = sum(r["tokens"] for r in rows), sum(r["seconds"] for r in rows)
             row = {"prompt_tokens": prompts[s], "tokens": tokens, "seconds": seconds,
                    "tokens_per_second": tokens / max(seconds, 1e-9),
-                   "tokens_per_forward": tokens / max(sum(r["forwards"] for r in rows), 1)}
+                   "tokens_per_forward": tokens / max(sum(r["forwards"] for r in rows), 1),
+                   "first_token_s": sum(r["prefill_s"] or 0.0 for r in rows),
+                   "ended_by_itself": sum(r["finish"] in ("eos", "stop") for r in rows),
+                   # answers written character for character as the first system wrote them
+                   "same_text_as_first": sum(r[s]["text"] == r[systems[0]]["text"] for r in paired)}
             if "correct" in rows[0]:
                 row["accuracy"] = statistics.mean(r["correct"] for r in rows)
             else:
                 row["repeated_4grams"] = statistics.mean(r["repeated_4grams"] for r in rows)
-                row["ended_by_itself"] = statistics.mean(r["ended"] for r in rows)
             summary[name][s] = row
     return summary
 
 
 def table(summary: dict[str, Any]) -> str:
-    lines = ["| set (problems) | system | accuracy / repeated 4-grams | prompt tokens | tokens | total s | tok/s "
-             "| TPF |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| set (problems) | system | accuracy / repeated 4-grams | prompt tokens | tokens | ended by itself | "
+             "text as the first system's | first tokens s | total s | tok/s | TPF |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, rows in summary.items():
         if not rows["same_prompts"]:
-            lines.append(f"| {name} | prompt tokens differ by more than 2 %: not the same work, no ratio | | | | | | |")
+            lines.append(f"| {name} | prompt tokens differ by more than 2 %: not the same work, no ratio |"
+                         + " |" * 9)
         for s, r in rows.items():
             if s in ("problems", "same_prompts"):
                 continue
-            quality = (f"{100 * r['accuracy']:.1f} %" if "accuracy" in r else
-                       f"{r['repeated_4grams']:.3f} (ends by itself {100 * r['ended_by_itself']:.0f} %)")
+            quality = f"{100 * r['accuracy']:.1f} %" if "accuracy" in r else f"{r['repeated_4grams']:.3f}"
             lines.append(f"| {name} ({rows['problems']}) | {s} | {quality} | {r['prompt_tokens']} | {r['tokens']} | "
+                         f"{r['ended_by_itself']} | {r['same_text_as_first']} | {r['first_token_s']:.1f} | "
                          f"{r['seconds']:.1f} | {r['tokens_per_second']:.1f} | {r['tokens_per_forward']:.2f} |")
     return "\n".join(lines)
 
