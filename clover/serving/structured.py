@@ -11,7 +11,8 @@ not apply (`n > 1`, tools) are a 400 naming the parameter — for a schema, the 
 The prompt is rendered on a worker thread (holding the tokenizer's lock); the decision then runs in the scheduler
 (`Scheduler.decide`): it waits in the one queue with generation requests (first come, first served), its rows
 count against `max_running`, and it takes one forward per scheduler iteration beside the generation batches'
-steps, on the thread that owns the runner — so it works on every runner, the llama.cpp runner included. Greedy: sampling fields are ignored; `threshold` (extra body field) applies.
+steps, on the thread that owns the runner — so it works on every runner, the llama.cpp runner included. Greedy:
+sampling fields are ignored; `threshold` (extra body field) applies.
 """
 
 from __future__ import annotations
