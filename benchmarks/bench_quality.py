@@ -5,6 +5,7 @@
     python benchmarks/bench_quality.py --summary [--out F]      # the figures of a (partial) run, no decoding
     python benchmarks/bench_quality.py ... --lock /tmp/cpu.lock  # a shared machine: yield between problems
     python benchmarks/bench_quality.py --answer base-fp32-b1 --rows 16  # an untimed reference, 16 problems a batch
+    python benchmarks/bench_quality.py --answer base-fp32-b1 --check-rows  # its answers that part, again alone
 
 Systems, each through the path its users take, greedy:
 
@@ -52,7 +53,9 @@ while the timed systems had the machine alone; every answer records the invocati
 into the record's `runs`), so whose seconds were timed together stays in the file. `--rows N` has such a reference
 answer N problems of a set at a time, of like prompt lengths, as the rows of one batch (`Engine.run` decodes each
 row as it would alone; one fp32 row is bound by reading the weights, which a batch reads once a step for all its
-rows): the answers record `rows`, and the summary gives no times for a system that answered so. With `--lock FILE`
+rows): the answers record `rows`, and the summary gives no times for a system that answered so; `--check-rows`
+answers again, one at a time, those batched answers whose text is not the run's first system's, and counts how many
+come out as in their batch. With `--lock FILE`
 each problem is answered under a shared `flock` of FILE, so that a timed job elsewhere can take FILE exclusively and
 have the machine between two problems (a run of hours need not be stopped for it, nor timed across the pause). Each
 answer is written at once to `--out` (JSON, atomically); a second run with the same `--out` continues where the
@@ -146,11 +149,11 @@ def load_problems(sets: list[str]) -> dict[str, list[Problem]]:
     return out
 
 
-def interleave(problems: dict[str, list[Problem]]) -> list[Problem]:
-    """The sets merged in proportion: problem j of a set of n sits at (j + 0.5) / n, so every set is about as far
-    along at any point of the run."""
-    keyed = [((j + 0.5) / len(ps), k, p) for k, ps in enumerate(problems.values()) for j, p in enumerate(ps)]
-    return [p for *_, p in sorted(keyed, key=lambda x: x[:2])]
+def interleave(items: dict[str, list[Any]]) -> list[Any]:
+    """The sets' items (problems, or batches of them) merged in proportion: item j of a set of n sits at
+    (j + 0.5) / n, so every set is about as far along at any point of the run."""
+    keyed = [((j + 0.5) / len(xs), k, x) for k, xs in enumerate(items.values()) for j, x in enumerate(xs)]
+    return [x for *_, x in sorted(keyed, key=lambda x: x[:2])]
 
 
 def rounds(order: list[Problem], rows: int) -> Iterator[list[Problem]]:
@@ -162,12 +165,9 @@ def rounds(order: list[Problem], rows: int) -> Iterator[list[Problem]]:
     by_set: dict[str, list[Problem]] = {}
     for problem in order:
         by_set.setdefault(problem.set, []).append(problem)
-    groups = []
-    for k, problems in enumerate(by_set.values()):  # the sets advance at the same pace, as in `interleave`
+    for problems in by_set.values():
         problems.sort(key=lambda p: len(json.dumps([p.messages, p.tools])))
-        chunks = [problems[i:i + rows] for i in range(0, len(problems), rows)]
-        groups += [((j + 0.5) / len(chunks), k, chunk) for j, chunk in enumerate(chunks)]
-    yield from (chunk for *_, chunk in sorted(groups, key=lambda x: x[:2]))
+    yield from interleave({name: [ps[i:i + rows] for i in range(0, len(ps), rows)] for name, ps in by_set.items()})
 
 
 # -- systems ----------------------------------------------------------------------------------------------------------
@@ -247,6 +247,23 @@ class ServerSystem:
                       tokens - timings.get("draft_n_accepted", 0),
                       timings["prompt_ms"] / 1000 if "prompt_ms" in timings else None,
                       data["choices"][0].get("finish_reason"))
+
+
+def check_rows(results: dict[str, dict[str, dict[str, Any]]], system: str, first: str, threads: int,
+               rules: str) -> None:
+    """`--check-rows`: `system`'s batched answers whose text is not `first`'s, answered again alone."""
+    problems = {p.id: p for ps in load_problems(list(results)).values() for p in ps}
+    parting = [(name, i) for name, by_id in results.items() for i, rows in by_id.items()
+               if rows.get(system, {}).get("rows", 1) > 1 and first in rows
+               and rows[system]["text"] != rows[first]["text"]]
+    torch.set_num_threads(threads)
+    clover = open_system(system, threads, rules, False, ExitStack())
+    same = 0
+    for name, i in parting:
+        alone = clover.answer([problems[i]], MAX_NEW[name])[0].text
+        same += alone == results[name][i][system]["text"]
+        print(f"{name} {i}: alone {'=' if alone == results[name][i][system]['text'] else '!='} batched", flush=True)
+    print(f"{system}: {same} of {len(parting)} batched answers that part from {first}'s come out the same alone")
 
 
 def open_system(name: str, threads: int, rules: str, tools_as_text: bool, stack: ExitStack) -> Any:
@@ -355,6 +372,9 @@ def main() -> None:
     parser.add_argument("--lock", type=Path, default=None,
                         help="answer each problem under a shared flock of this file (module docstring)")
     parser.add_argument("--summary", action="store_true", help="print the figures of --out and stop")
+    parser.add_argument("--check-rows", action="store_true",
+                        help="answer again alone the batched answers of the one --answer system that part from the "
+                             "first system's, and stop (module docstring)")
     args = parser.parse_args()
     systems, sets = args.systems.split(","), args.sets.split(",")
     answering = args.answer.split(",") if args.answer and not args.summary else systems
@@ -366,6 +386,11 @@ def main() -> None:
         parser.error("--rows takes an integer >= 1, and > 1 only for the Clover systems (--answer): llama-server "
                      "answers one request at a time")
     record: dict[str, Any] = json.loads(args.out.read_text()) if args.out.is_file() else {}
+    if args.check_rows:
+        if len(answering) != 1 or answering[0] in SERVERS or not record:
+            parser.error("--check-rows takes one Clover system (--answer) and an --out that holds its answers")
+        check_rows(record["results"], answering[0], record["systems"][0], args.threads, args.rules)
+        return
     if args.summary:
         if not record:
             raise SystemExit(f"{args.out}: no run recorded there")
