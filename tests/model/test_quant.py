@@ -231,6 +231,28 @@ def test_integer_kernel_equals_integer_reference(kind, activations, vectorised, 
 
 @pytest.mark.parametrize("kind", ["int8", "int4"])
 @pytest.mark.parametrize("activations", ["int8", "int8x2"])
+@pytest.mark.parametrize("shape,group_size", [((37, 96), 8), ((64, 96), 24), ((37, 96), 32), ((50, 128), 64),
+                                              ((200, 576), 32)])
+def test_the_vector_tiles_give_the_portable_paths_bits(kind, activations, shape, group_size):
+    """The AVX2 (or AVX-512 VNNI) tiles compute the portable path's integers and its fp32 epilogue in the same order,
+    so the same bits, at every row count: int4's groups of 32 summed in 16 bits, int8 with two passes through one
+    joined 16-bit code (`int_tile_wide_avx2`), odd rows and partial column blocks included. A tile that puts a
+    column or a row of codes in the wrong place, or overflows, changes the bits."""
+    if not woq.has_avx2():
+        pytest.skip("this CPU has no AVX2: only the portable path runs here")
+    torch.manual_seed(0)
+    out_features, in_features = shape
+    packed = woq.pack(torch.randn(out_features, in_features) * torch.linspace(0.1, 2, in_features), kind, group_size)
+    for rows in (1, 2, 3, 4, 5, 8, 13, 17):
+        x = torch.randn(rows, in_features) * torch.linspace(2, 0.05, in_features)
+        x[-1, -group_size:] = 127  # the largest codes: Q = 254 x 127
+        got, want = (woq.woq_linear(x, **packed, kind=kind, out_features=out_features, group_size=group_size,
+                                    vectorised=vectorised, activations=activations) for vectorised in (True, False))
+        assert torch.equal(got, want), (rows, (got - want).abs().max().item())
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+@pytest.mark.parametrize("activations", ["int8", "int8x2"])
 def test_integer_kernel_stays_within_the_activation_rounding_bound(kind, activations):
     """Against the dequantised weights times the unrounded x (float64): the last pass's rounding moves each element
     by at most s / 2 (one pass: s = sx = max|x| / 127; two: s = s2 = sx / 254, the residual being at most sx / 2),

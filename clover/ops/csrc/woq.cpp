@@ -19,7 +19,9 @@
 // [o % 16][k % 4], so one 256-bit load is 8 columns x 4 consecutive k, multiplied by x's 4 codes broadcast as one
 // int32; int4 as [o / 16][k / 8][o % 16][k % 4] bytes holding k % 8 < 4 in the low nibble and k + 4 in the high.
 // The s16 pair sums cannot saturate: int4 2 x 15 x 127 = 3810, int8 (by sign: |w| x sign(x, w)) 2 x 127 x 127 =
-// 32258 < 32767. A block's codes are decoded in registers once per step of k for a tile of up to 4 rows.
+// 32258 < 32767. A block's codes are decoded in registers once per step of k for a tile of up to 4 rows. int8
+// weights with two passes take the joined 16-bit code instead, against the weights widened to 16 bits
+// (int_tile_wide_avx2: half the multiplies, the same integers).
 //
 // One source compiles to an AVX2+FMA path (function target attributes, chosen at run time), AVX-512 tiles with
 // VNNI's dot product for int8 / int4 where the CPU has them (the same bits: int_tile_vnni), and a portable scalar
@@ -264,11 +266,15 @@ __attribute__((target("avx2,fma,f16c"))) inline __m256i bcast4(const int8_t* p) 
 
 // R rows of codes (from r0) of one block, the whole of K: per group, int32 accumulators of 8 columns x 2 halves x
 // R rows; each step of k loads the block's codes once (64 bytes) and runs every row over them. P: passes, the
-// rows of codes of one row of x, which add into its output row acc[i / P] in turn.
-template <int R, bool I4, int P>
+// rows of codes of one row of x, which add into its output row acc[i / P] in turn. G: int4's group size fixed at
+// compile time where it is 32, else 0 (`a.group`): a group of 32 is 4 steps whose s16 pair sums (each <= 2 x 3810)
+// add up to at most 30480 < 32767, so they accumulate in 16 bits and widen to int32 (vpmaddwd) once per group
+// instead of once per step: a quarter of the widening multiplies, which share the multiply ports with maddubs
+// (clover-smol's int4 forwards 3-15 % faster from 2 rows on, AVX2, the same bits: docs/cpu.md).
+template <int R, bool I4, int P, int G>
 __attribute__((target("avx2,fma,f16c"))) void int_tile_avx2(const Args& a, const Acts& x, int64_t b, int64_t r0,
                                                             float* acc) {
-  const int64_t groups = a.K / a.group;
+  const int64_t group = G ? G : a.group, groups = a.K / group;
   const uint8_t* w = static_cast<const uint8_t*>(a.w) + b * a.K * NB / (I4 ? 2 : 1);
   const __m256i ones = _mm256_set1_epi16(1), nibble = _mm256_set1_epi8(15);
   const int8_t* xq = x.q + r0 * a.K;
@@ -276,7 +282,8 @@ __attribute__((target("avx2,fma,f16c"))) void int_tile_avx2(const Args& a, const
     __m256i c0[R], c1[R];
 #pragma GCC unroll 4
     for (int i = 0; i < R; ++i) c0[i] = c1[i] = _mm256_setzero_si256();
-    for (int64_t k = g * a.group; k < (g + 1) * a.group; k += I4 ? 8 : 4, w += 64) {
+#pragma GCC unroll 4
+    for (int64_t k = g * group; k < (g + 1) * group; k += I4 ? 8 : 4, w += 64) {
       _mm_prefetch(reinterpret_cast<const char*>(w) + 1024, _MM_HINT_T0);  // streaming from DRAM: 10-20 % at 1 row
       const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
       const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32));
@@ -286,10 +293,14 @@ __attribute__((target("avx2,fma,f16c"))) void int_tile_avx2(const Args& a, const
 #pragma GCC unroll 4
         for (int i = 0; i < R; ++i) {
           const __m256i xl = bcast4(xq + i * a.K + k), xh = bcast4(xq + i * a.K + k + 4);
-          c0[i] = _mm256_add_epi32(c0[i], _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(l0, xl),
-                                                                              _mm256_maddubs_epi16(h0, xh)), ones));
-          c1[i] = _mm256_add_epi32(c1[i], _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(l1, xl),
-                                                                              _mm256_maddubs_epi16(h1, xh)), ones));
+          const __m256i p0 = _mm256_add_epi16(_mm256_maddubs_epi16(l0, xl), _mm256_maddubs_epi16(h0, xh));
+          const __m256i p1 = _mm256_add_epi16(_mm256_maddubs_epi16(l1, xl), _mm256_maddubs_epi16(h1, xh));
+          if constexpr (G == 32) {  // 4 steps of <= 7620 stay below 32767: widened once, after the group
+            c0[i] = _mm256_add_epi16(c0[i], p0), c1[i] = _mm256_add_epi16(c1[i], p1);
+          } else {
+            c0[i] = _mm256_add_epi32(c0[i], _mm256_madd_epi16(p0, ones));
+            c1[i] = _mm256_add_epi32(c1[i], _mm256_madd_epi16(p1, ones));
+          }
         }
       } else {  // signed x signed: |w| x (x with w's sign), so the unsigned operand is |w| <= 127
         const __m256i a0 = _mm256_abs_epi8(v0), a1 = _mm256_abs_epi8(v1);
@@ -300,6 +311,10 @@ __attribute__((target("avx2,fma,f16c"))) void int_tile_avx2(const Args& a, const
           c1[i] = _mm256_add_epi32(c1[i], _mm256_madd_epi16(_mm256_maddubs_epi16(a1, _mm256_sign_epi8(xv, v1)), ones));
         }
       }
+    }
+    if constexpr (I4 && G == 32) {
+#pragma GCC unroll 4
+      for (int i = 0; i < R; ++i) c0[i] = _mm256_madd_epi16(c0[i], ones), c1[i] = _mm256_madd_epi16(c1[i], ones);
     }
     // y += dot * (sw * s) [+ mw * s * sum(Q)], the order int_rows_scalar uses
     const __m128i* hs = reinterpret_cast<const __m128i*>(a.hscale + (b * groups + g) * NB);
@@ -397,18 +412,84 @@ __attribute__((target(WOQ_AVX512))) void int_tile_vnni(const Args& a, const Acts
   for (int i = 0; i < R / P; ++i) _mm512_store_ps(acc + i * NB, y[i]);
 }
 
+// int8 weights against two passes' joined codes Q = 254 q1 + q2 (|Q| <= 32385, one int16: Acts::wide): vpmaddwd
+// multiplies a block's weights widened to 16 bits by Q directly, half the multiplies of two rows of int8 codes
+// through maddubs (and no sign or abs per row). The int32 dot product is the same integer, sum w Q = 254 dot1 +
+// dot2 (pairs <= 2 x 128 x 32385, a group of 32 <= 1.4e8, far from overflow), and the fp32 epilogue is
+// int_tile_avx2's, so the bits are the same. Per step of 4 k a register holds 4 columns x 4 k of weights; vpmaddwd
+// leaves each column's sum in two int32 lanes, joined once per group (hadd, then the 64-bit lanes put in order).
+// R (<= 2) rows of x from row r0; their outputs into acc [R, 16].
+template <int R>
+__attribute__((target("avx2,fma,f16c"))) void int_tile_wide_avx2(const Args& a, const Acts& x, int64_t b,
+                                                                 int64_t r0, float* acc) {
+  const int64_t groups = a.K / a.group;
+  const int8_t* w = static_cast<const int8_t*>(a.w) + b * a.K * NB;
+  const int16_t* xw = x.wide + r0 * a.K;
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256i c[R][4];
+#pragma GCC unroll 2
+    for (int i = 0; i < R; ++i) c[i][0] = c[i][1] = c[i][2] = c[i][3] = _mm256_setzero_si256();
+    for (int64_t k = g * a.group; k < (g + 1) * a.group; k += 4, w += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(w) + 1024, _MM_HINT_T0);
+      const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+      const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32));
+      const __m256i w0 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(v0));  // columns 0-3, 4 k each
+      const __m256i w1 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(v0, 1));  // 4-7
+      const __m256i w2 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(v1));  // 8-11
+      const __m256i w3 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(v1, 1));  // 12-15
+#pragma GCC unroll 2
+      for (int i = 0; i < R; ++i) {
+        int64_t q4;
+        std::memcpy(&q4, xw + i * a.K + k, 8);
+        const __m256i xv = _mm256_set1_epi64x(q4);  // Q at k .. k + 3, in every 64 bits
+        c[i][0] = _mm256_add_epi32(c[i][0], _mm256_madd_epi16(w0, xv));
+        c[i][1] = _mm256_add_epi32(c[i][1], _mm256_madd_epi16(w1, xv));
+        c[i][2] = _mm256_add_epi32(c[i][2], _mm256_madd_epi16(w2, xv));
+        c[i][3] = _mm256_add_epi32(c[i][3], _mm256_madd_epi16(w3, xv));
+      }
+    }
+    const __m128i* hs = reinterpret_cast<const __m128i*>(a.hscale + (b * groups + g) * NB);
+    const __m256 s0 = _mm256_cvtph_ps(_mm_loadu_si128(hs)), s1 = _mm256_cvtph_ps(_mm_loadu_si128(hs + 1));
+#pragma GCC unroll 2
+    for (int i = 0; i < R; ++i) {  // hadd gives columns 0 1 4 5 | 2 3 6 7; the 64-bit lanes 0 2 1 3 put them in order
+      const __m256i d0 = _mm256_permute4x64_epi64(_mm256_hadd_epi32(c[i][0], c[i][1]), 0xD8);
+      const __m256i d1 = _mm256_permute4x64_epi64(_mm256_hadd_epi32(c[i][2], c[i][3]), 0xD8);
+      const __m256 sx = _mm256_broadcast_ss(x.s + (r0 + i) * groups + g);
+      float* yr = acc + i * NB;
+      _mm256_store_ps(yr, _mm256_fmadd_ps(_mm256_cvtepi32_ps(d0), _mm256_mul_ps(s0, sx), _mm256_load_ps(yr)));
+      _mm256_store_ps(yr + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(d1), _mm256_mul_ps(s1, sx), _mm256_load_ps(yr + 8)));
+    }
+  }
+}
+
+// int_tile_avx2 with int4's group of 32 compiled in where the layer has it (its pair sums then add in 16 bits).
+template <int R, bool I4, int P>
+__attribute__((target("avx2,fma,f16c"))) void avx2_tile(const Args& a, const Acts& x, int64_t b, int64_t r0,
+                                                        float* acc) {
+  I4 && a.group == 32 ? int_tile_avx2<R, I4, P, 32>(a, x, b, r0, acc) : int_tile_avx2<R, I4, P, 0>(a, x, b, r0, acc);
+}
+
 // Tiles of up to MR_INT rows of codes (a multiple of P: whole rows of x), then their output rows into y.
 template <bool I4, int P>
 __attribute__((target("avx2,fma,f16c"))) void int_rows_avx2(const Args& a, const Acts& x, int64_t b) {
   const int64_t cols = std::min<int64_t>(NB, a.O - b * NB), codes = a.rows * P;
+  if (!I4 && P == 2 && x.wide) {  // rows of x two at a time, Q joined (int_tile_wide_avx2)
+    for (int64_t r = 0; r < a.rows; r += 2) {
+      alignas(32) float acc[2 * NB] = {0};
+      const int64_t n = std::min<int64_t>(2, a.rows - r);
+      n == 2 ? int_tile_wide_avx2<2>(a, x, b, r, acc) : int_tile_wide_avx2<1>(a, x, b, r, acc);
+      for (int64_t i = 0; i < n; ++i) std::memcpy(a.y + (r + i) * a.O + b * NB, acc + i * NB, cols * sizeof(float));
+    }
+    return;
+  }
   for (int64_t v = 0; v < codes; v += MR_INT) {
     const int64_t n = std::min<int64_t>(MR_INT, codes - v);
     alignas(32) float acc[MR_INT * NB] = {0};
     switch (n) {
-      case 1: if constexpr (P == 1) int_tile_avx2<1, I4, P>(a, x, b, v, acc); break;
-      case 2: int_tile_avx2<2, I4, P>(a, x, b, v, acc); break;
-      case 3: if constexpr (P == 1) int_tile_avx2<3, I4, P>(a, x, b, v, acc); break;
-      default: int_tile_avx2<4, I4, P>(a, x, b, v, acc); break;
+      case 1: if constexpr (P == 1) avx2_tile<1, I4, P>(a, x, b, v, acc); break;
+      case 2: avx2_tile<2, I4, P>(a, x, b, v, acc); break;
+      case 3: if constexpr (P == 1) avx2_tile<3, I4, P>(a, x, b, v, acc); break;
+      default: avx2_tile<4, I4, P>(a, x, b, v, acc); break;
     }
     for (int64_t i = 0; i < n / P; ++i)
       std::memcpy(a.y + (v / P + i) * a.O + b * NB, acc + i * NB, cols * sizeof(float));
@@ -438,9 +519,9 @@ __attribute__((target(WOQ_AVX512))) void int_rows_vnni(const Args& a, const Acts
       n = 4, vnni_tile<4, I4, P>(a, x, b, v, acc);
     } else {
       switch (n = left) {  // odd only for P = 1
-        case 1: if constexpr (P == 1) int_tile_avx2<1, I4, P>(a, x, b, v, acc); break;
-        case 2: int_tile_avx2<2, I4, P>(a, x, b, v, acc); break;
-        default: if constexpr (P == 1) int_tile_avx2<3, I4, P>(a, x, b, v, acc); break;
+        case 1: if constexpr (P == 1) avx2_tile<1, I4, P>(a, x, b, v, acc); break;
+        case 2: avx2_tile<2, I4, P>(a, x, b, v, acc); break;
+        default: if constexpr (P == 1) avx2_tile<3, I4, P>(a, x, b, v, acc); break;
       }
     }
     for (int64_t i = 0; i < n / P; ++i)
@@ -670,7 +751,9 @@ void run(const Args& a, int64_t passes, const Corr* corr, bool vector) {
   const int64_t codes = ints ? a.rows * passes : 0, groups = ints ? a.K / a.group : 0;
   std::vector<int8_t> q(codes * a.K);
   std::vector<float> s(ints ? 2 * a.rows * groups : 0);  // the step, and step * sum(Q), per row of x and group
-  const Acts acts{q.data(), s.data(), s.data() + a.rows * groups, passes};
+  // int_tile_wide_avx2's joined codes, where it runs (int8 weights, two passes, AVX2 without VNNI)
+  std::vector<int16_t> wide(ints && a.kind == INT8 && passes == 2 && vector && !has_vnni() ? a.rows * a.K : 0);
+  const Acts acts{q.data(), s.data(), s.data() + a.rows * groups, passes, wide.empty() ? nullptr : wide.data()};
   const int64_t quantised = ints ? a.rows : 0, dots = corr ? a.rows * corr->rank : 0;
   two_loops(
       quantised + dots,
@@ -679,6 +762,9 @@ void run(const Args& a, int64_t passes, const Corr* corr, bool vector) {
         for (int64_t i = begin; i < end; ++i) {
           if (i < quantised) {
             quantise_row(a, acts, i, vector, res.data());
+            const int8_t *q1 = acts.q + 2 * i * a.K, *q2 = q1 + a.K;
+            if (acts.wide)
+              for (int64_t k = 0; k < a.K; ++k) acts.wide[i * a.K + k] = static_cast<int16_t>(DIGIT * q1[k] + q2[k]);
           } else if (const int64_t j = i - quantised; corr->corrects(j / corr->rank)) {
             corr->t[j] = dot_half(a.x + (j / corr->rank) * a.K, corr->A + (j % corr->rank) * a.K, a.K, vector);
           }

@@ -43,6 +43,9 @@ struct Acts {
   float* s;
   float* sum;
   int64_t passes;
+  // int8 weights, two passes, AVX2 without VNNI: each row's two digits joined into one 16-bit code, Q = 254 q1 + q2
+  // [R, K] (woq.cpp's int_tile_wide_avx2), or none
+  int16_t* wide = nullptr;
 };
 
 // Row r of a.x into its rows of codes (`res`: a group's scratch for the second pass).
