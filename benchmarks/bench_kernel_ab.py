@@ -1,7 +1,8 @@
-"""The C++ kernels of this tree against those of a git revision: forwards of clover-smol's int4 build, same process.
+"""The C++ kernels of this tree against those of a git revision: forwards of clover-smol's int4 build (or another
+packed checkpoint, `--model`), same process.
 
     python benchmarks/bench_kernel_ab.py --baseline REV [--contexts 32,300,1500,4600] [--rows 1,2,4,8]
-        [--repeats 15] [--threads 2] [--out F]
+        [--repeats 15] [--threads 2] [--model DIR] [--out F]
 
 `clover/ops/csrc` at `REV` is compiled beside this tree's (`$CLOVER_CACHE/extensions/`), and the two take turns
 forward by forward on the same model and cache, so a slow moment of a shared machine hits both alike. Per context
@@ -62,15 +63,19 @@ def main() -> None:
     parser.add_argument("--rows", default="1,2,4,8")
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--model", type=Path, default=None,
+                        help="a quantised checkpoint to run instead of clover-smol's int4 build (e.g. the hybrid twin "
+                             "bench_hybrid.py packs: WORK/twin-int4)")
     parser.add_argument("--out", type=Path, help="write the figures here as JSON")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    runner = as_runner(CloverForBlockDiffusion.from_pretrained(clover_smol_dir("int4")))
+    model = args.model or clover_smol_dir("int4")
+    runner = as_runner(CloverForBlockDiffusion.from_pretrained(model))
     baseline, commit = baseline_extension(args.baseline)
     kernels = {"baseline": baseline, "this tree": woq.extension()}
     machine = (f"{platform.processor() or platform.machine()}, {args.threads} threads, torch {torch.__version__}, "
                f"AVX512-VNNI tiles: {woq.has_vnni()}")
-    print(f"machine: {machine}; clover-smol int4, baseline {args.baseline} ({commit})")
+    print(f"machine: {machine}; {args.model or 'clover-smol int4'}, baseline {args.baseline} ({commit})")
     rows_out = []
     gen = torch.Generator().manual_seed(0)
     with torch.inference_mode():
@@ -102,7 +107,8 @@ def main() -> None:
     woq._extension = kernels["this tree"]
     if args.out:
         args.out.write_text(json.dumps({"machine": machine, "command": " ".join(["benchmarks/bench_kernel_ab.py",
-                                        *sys.argv[1:]]), "baseline": commit, "forwards": rows_out}, indent=1))
+                                        *sys.argv[1:]]), "model": str(model), "baseline": commit,
+                                        "forwards": rows_out}, indent=1))
 
 
 if __name__ == "__main__":

@@ -158,6 +158,8 @@ class BlockLoop(DecodingLoop):
         else:
             at[:, t:] = wanted
         out = e.forward(ids, cache, query_ids=block if query else None, logits_at=at, **kwargs)
+        if bool(wanted.all()):  # every position counts (block size 1's every step): `out` is already [N * B, V]
+            return out.view(n, b, out.shape[-1])
         logits = out.new_zeros(n, b, out.shape[-1])
         logits[wanted] = out
         return logits
