@@ -415,8 +415,8 @@ __attribute__((target(WOQ_AVX512))) void int_tile_vnni(const Args& a, const Acts
 // int8 weights against two passes' joined codes Q = 254 q1 + q2 (|Q| <= 32385, one int16: Acts::wide): vpmaddwd
 // multiplies a block's weights widened to 16 bits by Q directly, half the multiplies of two rows of int8 codes
 // through maddubs (and no sign or abs per row). The int32 dot product is the same integer, sum w Q = 254 dot1 +
-// dot2 (pairs <= 2 x 128 x 32385, a group of 32 <= 1.4e8, far from overflow), and the fp32 epilogue is
-// int_tile_avx2's, so the bits are the same. Per step of 4 k a register holds 4 columns x 4 k of weights; vpmaddwd
+// dot2 (so within the bound woq_linear checks for two passes; a group of 32 reaches 1.3e8 at most), and the fp32
+// epilogue is int_tile_avx2's, so the bits are the same. Per step of 4 k a register holds 4 columns x 4 k of weights; vpmaddwd
 // leaves each column's sum in two int32 lanes, joined once per group (hadd, then the 64-bit lanes put in order).
 // R (<= 2) rows of x from row r0; their outputs into acc [R, 16].
 template <int R>
