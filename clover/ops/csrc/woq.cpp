@@ -416,8 +416,9 @@ __attribute__((target(WOQ_AVX512))) void int_tile_vnni(const Args& a, const Acts
 // multiplies a block's weights widened to 16 bits by Q directly, half the multiplies of two rows of int8 codes
 // through maddubs (and no sign or abs per row). The int32 dot product is the same integer, sum w Q = 254 dot1 +
 // dot2 (so within the bound woq_linear checks for two passes; a group of 32 reaches 1.3e8 at most), and the fp32
-// epilogue is int_tile_avx2's, so the bits are the same. Per step of 4 k a register holds 4 columns x 4 k of weights; vpmaddwd
-// leaves each column's sum in two int32 lanes, joined once per group (hadd, then the 64-bit lanes put in order).
+// epilogue is int_tile_avx2's, so the bits are the same. Per step of 4 k a register holds 4 columns x 4 k of
+// weights; vpmaddwd leaves each column's sum in two int32 lanes, joined once per group (hadd, then the 64-bit lanes
+// put in order).
 // R (<= 2) rows of x from row r0; their outputs into acc [R, 16].
 template <int R>
 __attribute__((target("avx2,fma,f16c"))) void int_tile_wide_avx2(const Args& a, const Acts& x, int64_t b,
@@ -451,7 +452,7 @@ __attribute__((target("avx2,fma,f16c"))) void int_tile_wide_avx2(const Args& a, 
     const __m128i* hs = reinterpret_cast<const __m128i*>(a.hscale + (b * groups + g) * NB);
     const __m256 s0 = _mm256_cvtph_ps(_mm_loadu_si128(hs)), s1 = _mm256_cvtph_ps(_mm_loadu_si128(hs + 1));
 #pragma GCC unroll 2
-    for (int i = 0; i < R; ++i) {  // hadd gives columns 0 1 4 5 | 2 3 6 7; the 64-bit lanes 0 2 1 3 put them in order
+    for (int i = 0; i < R; ++i) {  // hadd: columns 0 1 4 5 | 2 3 6 7; the 64-bit lanes 0 2 1 3 put them in order
       const __m256i d0 = _mm256_permute4x64_epi64(_mm256_hadd_epi32(c[i][0], c[i][1]), 0xD8);
       const __m256i d1 = _mm256_permute4x64_epi64(_mm256_hadd_epi32(c[i][2], c[i][3]), 0xD8);
       const __m256 sx = _mm256_broadcast_ss(x.s + (r0 + i) * groups + g);
