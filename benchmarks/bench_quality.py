@@ -257,12 +257,13 @@ def check_rows(results: dict[str, dict[str, dict[str, Any]]], system: str, first
                if rows.get(system, {}).get("rows", 1) > 1 and first in rows
                and rows[system]["text"] != rows[first]["text"]]
     torch.set_num_threads(threads)
-    clover = open_system(system, threads, rules, False, ExitStack())
     same = 0
-    for name, i in parting:
-        alone = clover.answer([problems[i]], MAX_NEW[name])[0].text
-        same += alone == results[name][i][system]["text"]
-        print(f"{name} {i}: alone {'=' if alone == results[name][i][system]['text'] else '!='} batched", flush=True)
+    with ExitStack() as stack:
+        clover = open_system(system, threads, rules, False, stack)
+        for name, i in parting:
+            equal = clover.answer([problems[i]], MAX_NEW[name])[0].text == results[name][i][system]["text"]
+            same += equal
+            print(f"{name} {i}: alone {'=' if equal else '!='} batched", flush=True)
     print(f"{system}: {same} of {len(parting)} batched answers that part from {first}'s come out the same alone")
 
 
