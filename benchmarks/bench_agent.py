@@ -2,7 +2,7 @@
 
     python benchmarks/bench_agent.py [--systems clover llamacpp-server] [--tasks 2] [--category multi_turn_base]
         [--max-steps 20] [--max-tokens 256] [--threads 1] [--request-timeout 300] [--budget-s 1800]
-        [--model DIR] [--out benchmarks/results/bench_agent]
+        [--model DIR] [--replay OUT/SYSTEM.conversations.jsonl.gz] [--out benchmarks/results/bench_agent]
 
 Each system is a server the script starts itself on a free 127.0.0.1 port, waits for, and stops after its tasks
 (also on Ctrl-C, SIGTERM or an error):
@@ -41,6 +41,14 @@ dialect converted to JSON Schema), executed by bfcl-eval's own back-end classes 
 ...), and each task scored by bfcl-eval's `multi_turn_checker` (state of every back-end instance and the
 execution results against the ground truth's, turn by turn), exactly as BFCL scores a model.
 
+Live, each system feeds its own answers back, so two systems whose answers differ serve different prompts from the
+first difference on (their task times then measure different work). `--replay FILE` makes it the same work: every
+live run writes the conversation each task sent (`OUT/<system>.conversations.jsonl.gz`: the messages after its last
+request and, per request, its turn and how many of them it sent), and a replay sends those requests again, in
+order, to every system: the same prompts whatever each answers; each answer is streamed, timed and its calls
+counted, none executed or fed back, and no task scored. A server's KV of its own answer is then never in the next
+prompt (the recorded answer is): every system re-reads it, as a server does whose answer another system wrote.
+
 Figures per system: task accuracy, tool calls that parse and name a real tool, total task time, time to first
 token (streamed) of each task's first request and of the later ones, decode tokens/s (completion tokens over
 the time after the first token), prompt tokens served from the server's prefix cache
@@ -55,6 +63,7 @@ the same answers (the memory on and off) are compared token for token. Written a
 from __future__ import annotations
 
 import argparse
+import gzip
 import hashlib
 import json
 import re
@@ -232,6 +241,10 @@ class AgentRun:
     executed: list[list[list[tuple[str, dict[str, Any]]]]] = field(default_factory=list)  # turn, step, calls
     forced_quit: bool = False  # a user turn reached the step limit
     error: str | None = None  # what stopped the run early (timeout, context full, the time budget)
+    # the conversation as it stood after the last request (it only grows: each request sent a prefix of it), and
+    # per request (turn, messages sent): what `--replay` sends again
+    conversation: list[dict[str, Any]] = field(default_factory=list)
+    requests: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -336,10 +349,8 @@ def run_agent(client: Any, model: str, turns: list[Turn], backend: ToolBackend, 
     the tools, calls and results sent written into the messages in the Hermes form, no `tools` (module docstring)."""
     import openai
 
-    from clover.chat_template import hermes_messages, normalize_messages
-
     run = AgentRun()
-    messages: list[dict[str, Any]] = []
+    messages = run.conversation
     for t, turn in enumerate(turns):
         messages += turn.messages
         names = {tool["function"]["name"] for tool in turn.tools}
@@ -351,10 +362,9 @@ def run_agent(client: Any, model: str, turns: list[Turn], backend: ToolBackend, 
             if time.monotonic() > deadline:
                 run.error = "time budget"
                 return run
+            run.requests.append((t, len(messages)))
             try:
-                sent, tools = ((hermes_messages(normalize_messages(messages), turn.tools), [])
-                               if tools_as_text else (messages, turn.tools))
-                answer = stream_answer(client, model, sent, tools, max_tokens, extra_body or {})
+                answer = send(client, model, messages, turn.tools, max_tokens, extra_body or {}, tools_as_text)
             except openai.APIError as exc:
                 run.error = f"{type(exc).__name__}: {str(exc)[:200]}"
                 return run
@@ -376,6 +386,48 @@ def run_agent(client: Any, model: str, turns: list[Turn], backend: ToolBackend, 
             results = dict(zip((c.id for c in valid), backend.execute([(c.name, c.args) for c in valid])))
             messages += [{"role": "tool", "tool_call_id": c.id, "content": problems[c.id] or results[c.id]}
                          for c in calls]
+    return run
+
+
+def send(client: Any, model: str, messages: list[dict[str, Any]], tools: list[dict[str, Any]], max_tokens: int,
+         extra_body: dict[str, Any], tools_as_text: bool) -> Answer:
+    """One request of the conversation `messages` with `tools` offered, as `stream_answer`; `tools_as_text`: the
+    tools, calls and results written into the messages in the Hermes form instead (module docstring)."""
+    if tools_as_text:
+        from clover.chat_template import hermes_messages, normalize_messages
+
+        return stream_answer(client, model, hermes_messages(normalize_messages(messages), tools), [], max_tokens,
+                             extra_body)
+    return stream_answer(client, model, messages, tools, max_tokens, extra_body)
+
+
+def replay_agent(client: Any, model: str, turns: list[Turn], conversation: list[dict[str, Any]],
+                 requests: list[tuple[int, int]], count_tokens: Callable[[str], int], *, max_tokens: int = 256,
+                 deadline: float = float("inf"), extra_body: dict[str, Any] | None = None,
+                 tools_as_text: bool = False) -> AgentRun:
+    """A recorded run's requests sent again (`--replay`): request `(t, n)` is the first `n` messages of the
+    recorded `conversation` with turn `t`'s tools, whatever this server answered before, so every system replaying
+    the same recording prefills the same prompts. Each answer is timed and its calls counted as `run_agent` counts
+    them; none is executed or fed back, and the run is not scored. Errors and the `deadline` stop it as they stop
+    `run_agent`."""
+    import openai
+
+    run = AgentRun(conversation=conversation, requests=requests)
+    for i, (t, n) in enumerate(requests):
+        if time.monotonic() > deadline:
+            run.error = "time budget"
+            break
+        tools = turns[t].tools
+        try:
+            answer = send(client, model, conversation[:n], tools, max_tokens, extra_body or {}, tools_as_text)
+        except openai.APIError as exc:
+            run.error = f"{type(exc).__name__}: {str(exc)[:200]}"
+            break
+        calls, malformed, _ = read_calls(answer, f"{t}_{i}")
+        names = {tool["function"]["name"] for tool in tools}
+        problems = [call_problem(c, names) for c in calls]
+        rejected = [p for p in problems if p] + [MALFORMED] * malformed
+        run.steps.append(_step(t, answer, len(calls) + malformed, problems.count(None), rejected, count_tokens))
     return run
 
 
@@ -476,31 +528,43 @@ def tools_as_text(system: System, args: argparse.Namespace) -> bool:
 
 
 def run_task(client: Any, system: System, task: Task, args: argparse.Namespace, deadline: float,
-             count: Callable[[str], int], as_text: bool) -> dict[str, Any]:
-    """One task: the agent against its own bfcl-eval back-end, then the checker; its record."""
+             count: Callable[[str], int], as_text: bool, recorded: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One task: the agent against its own bfcl-eval back-end, then the checker; its record. With `recorded` (a
+    line of a conversations file: `--replay`) its requests sent again instead, not scored."""
     run_name = f"bench_agent_{system.name}_{uuid.uuid4().hex[:8]}"
-    backend = BFCLBackend(task, run_name)
     start = time.perf_counter()
-    try:
-        run = run_agent(client, MODEL_ID, task.turns, backend, count, max_steps=args.max_steps,
-                        max_tokens=args.max_tokens, deadline=deadline, extra_body=system.extra_body,
-                        tools_as_text=as_text)
-    finally:
-        backend.close()
+    if recorded is not None:
+        run = replay_agent(client, MODEL_ID, task.turns, recorded["conversation"],
+                           [(t, n) for t, n in recorded["requests"]], count, max_tokens=args.max_tokens,
+                           deadline=deadline, extra_body=system.extra_body, tools_as_text=as_text)
+    else:
+        backend = BFCLBackend(task, run_name)
+        try:
+            run = run_agent(client, MODEL_ID, task.turns, backend, count, max_steps=args.max_steps,
+                            max_tokens=args.max_tokens, deadline=deadline, extra_body=system.extra_body,
+                            tools_as_text=as_text)
+        finally:
+            backend.close()
     wall = time.perf_counter() - start
     if run.error or run.forced_quit:
         passed, why = False, run.error or "forced quit"
+    elif recorded is not None:
+        passed, why = False, "replayed: not scored"
     else:
         passed, why = check_task(task, run.executed, run_name)
     print(f"  {system.name} {task.id}: {'pass' if passed else 'fail'} ({why or 'ok'}), {len(run.steps)} requests, "
           f"{wall:.1f} s", flush=True)
     return {"id": task.id, "passed": passed, "why": why, "wall_s": wall, "forced_quit": run.forced_quit,
             "error": run.error, "steps": [asdict(s) for s in run.steps],
-            "calls": [[[call_string(n, a) for n, a in step] for step in turn] for turn in run.executed]}
+            "calls": [[[call_string(n, a) for n, a in step] for step in turn] for turn in run.executed],
+            "conversation": {"id": task.id, "conversation": run.conversation, "requests": run.requests}}
 
 
-def run_system(system: System, tasks: list[Task], args: argparse.Namespace, budget_s: float) -> dict[str, Any]:
-    """Start the system's server, run the tasks (none started after `budget_s`), stop it."""
+def run_system(system: System, tasks: list[Task], args: argparse.Namespace, budget_s: float,
+               replay: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Start the system's server, run the tasks (none started after `budget_s`; with `replay`, task id -> its
+    recorded conversation, those sent again), stop it. Live, the conversations each task sent are written to
+    `--out`/<system>.conversations.jsonl.gz (what `--replay` reads)."""
     import openai
 
     count, as_text = token_counter(args), tools_as_text(system, args)
@@ -519,17 +583,42 @@ def run_system(system: System, tasks: list[Task], args: argparse.Namespace, budg
         for task in tasks:
             if time.monotonic() > deadline:
                 break
-            records.append(run_task(client, system, task, args, deadline, count, as_text))
+            records.append(run_task(client, system, task, args, deadline, count, as_text,
+                                    replay[task.id] if replay is not None else None))
         peak = server.peak_rss_mib()
         if system.clover:
             metrics = httpx.get(f"{server.url}/metrics", timeout=30).text
             memory, prefix_cache = draft_memory_tokens(metrics), prefix_cache_mib(metrics)
+    conversations = [record.pop("conversation") for record in records]
+    if replay is None:  # a replay's are the recording's
+        write_conversations(Path(args.out) / f"{system.name}.conversations.jsonl.gz", conversations)
     build = {"llama_cpp_build": llama_server.llama_cpp_build()} if system.llama_cpp else {}
     engine = engine_figures(records, log) if system.clover else {}
     return {"system": system.name, "describe": system.describe, **build, "tools_as_text": as_text, "tasks": records,
             "peak_rss_mib": peak,
             "summary": {**summarize(records, peak), **engine, "draft_memory_tokens": memory,
                         "prefix_cache_mib": prefix_cache}}
+
+
+def write_conversations(path: Path, conversations: list[dict[str, Any]]) -> None:
+    """One JSON line per task (`id`, `conversation`, `requests`), gzipped: the messages alone, not the tools
+    (the task's turns give them again)."""
+    with gzip.open(path, "wt", encoding="utf-8") as f:
+        f.writelines(json.dumps(c) + "\n" for c in conversations)
+
+
+def read_conversations(path: Path) -> dict[str, dict[str, Any]]:
+    """A conversations file (`write_conversations`, gzipped or not) as task id -> its line."""
+    opener: Any = gzip.open if path.suffix == ".gz" else open
+    try:
+        with opener(path, "rt", encoding="utf-8") as f:
+            lines = [json.loads(line) for line in f if line.strip()]
+    except (OSError, json.JSONDecodeError) as exc:
+        raise SystemExit(f"--replay {path}: not a conversations file bench_agent.py wrote ({exc})") from exc
+    if not lines or not all(isinstance(line, dict) and {"id", "conversation", "requests"} <= set(line)
+                            for line in lines):
+        raise SystemExit(f"--replay {path}: no task conversations in it (each line needs id, conversation, requests)")
+    return {line["id"]: line for line in lines}
 
 
 def draft_memory_tokens(metrics: str) -> int | None:
@@ -659,7 +748,8 @@ def markdown(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     for r in results:
         s = r["summary"]
         cached = "n/a" if s["cached_tokens"] is None else f"{s['cached_tokens']} / {s['prompt_tokens']}"
-        lines.append(f"| {r['describe']} | {s['passed']} / {s['tasks']} | {s['valid_tool_calls']} / {s['tool_calls']} "
+        passed = "not scored" if meta.get("replay") else f"{s['passed']} / {s['tasks']}"
+        lines.append(f"| {r['describe']} | {passed} | {s['valid_tool_calls']} / {s['tool_calls']} "
                      f"| {s['requests']} | {s['task_time_s']:.1f} | {_fmt(s['ttft_first_s'])} | "
                      f"{_fmt(s['ttft_later_s'])} | {_fmt(s['decode_tokens_per_s'], '.1f')} | "
                      f"{_fmt(s.get('tokens_per_forward_later'))} | {cached} | {_fmt(s.get('draft_memory_tokens'), 'd')} "
@@ -668,6 +758,9 @@ def markdown(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
                      for r in results if "llama_cpp_build" in r})
     lines += ["", "TTFT: medians, streamed (first: each task's first request, its whole prompt cold; later: every "
               "other request). Per-task results: the JSON beside this file."]
+    if meta.get("replay"):
+        lines += [f"Replayed: every system sent the requests recorded in `{meta['replay']}`, the same prompts; its "
+                  "answers were timed, not fed back, and not scored."]
     lines += [f"llama.cpp: {build} (xllamacpp {version})." for build, version in builds]
     lines += against_llama_server(results)
     lines += same_answers(results)
@@ -712,6 +805,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gguf-quant", choices=("q4_0", "q8_0"), default="q8_0",
                    help="which export of clover-smol the llama.cpp systems read (llama-server's and clover-llamacpp's)")
     p.add_argument("--ctx", type=int, default=8192, help="llama-server's context (clover-smol's: 8192)")
+    p.add_argument("--replay", type=Path, default=None,
+                   help="a conversations file an earlier run wrote (OUT/<system>.conversations.jsonl.gz): send its "
+                        "requests again, the same prompts to every system (answers timed, not fed back, not scored)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "bench_agent"))
     return p.parse_args(argv)
 
@@ -723,12 +819,20 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     tasks = load_tasks(args.category, args.tasks)
+    replay = None
+    if args.replay:
+        replay = read_conversations(args.replay)
+        missing = [t.id for t in tasks if t.id not in replay]
+        if missing:
+            raise SystemExit(f"--replay {args.replay} has no conversation for {len(missing)} of the {len(tasks)} "
+                             f"tasks asked for (first: {missing[0]}): ask for fewer --tasks")
     meta = {"category": args.category, "tasks": len(tasks), "machine": machine(),
-            "command": "python benchmarks/bench_agent.py " + " ".join(sys.argv[1:] if argv is None else argv)}
+            "command": "python benchmarks/bench_agent.py " + " ".join(sys.argv[1:] if argv is None else argv),
+            "replay": str(args.replay) if args.replay else None}
     results = []
     for name in args.systems:
         print(f"{name}: {SYSTEMS[name].describe}", flush=True)
-        results.append(run_system(SYSTEMS[name], tasks, args, args.budget_s / len(args.systems)))
+        results.append(run_system(SYSTEMS[name], tasks, args, args.budget_s / len(args.systems), replay))
         (out / "bench_agent.json").write_text(json.dumps({**meta, "results": results}, indent=1))
     (out / "bench_agent.md").write_text(markdown(results, meta))
     plot(results, out / "bench_agent.png")

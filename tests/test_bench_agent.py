@@ -244,3 +244,37 @@ def test_llama_server_reads_the_tools_clover_writes_into_a_template_without_them
     sent = hermes_messages(normalize_messages(chat), tools)
     assert render_chat(tokenizer, sent, None, add_generation_prompt=True) == \
         render_chat(tokenizer, chat, tools, add_generation_prompt=True)
+
+
+def test_a_replay_sends_the_recorded_requests_whatever_the_server_answers(client, count, monkeypatch, tmp_path):
+    """`--replay`: the conversation a run recorded is sent again request by request (each a prefix of it, with its
+    turn's tools); this server's answers are timed and counted, never executed or fed back."""
+    live = bench.run_agent(client, NAME, turns("add please", "again"), FakeBackend(), count, max_steps=4,
+                           max_tokens=64)
+    # user; + call, result; + answer, user; + call, result
+    assert live.requests == [(0, 1), (0, 3), (1, 5), (1, 7)]
+    path = tmp_path / "x.conversations.jsonl.gz"
+    bench.write_conversations(path, [{"id": "t0", "conversation": live.conversation, "requests": live.requests}])
+    recorded = bench.read_conversations(path)["t0"]
+    assert recorded["conversation"] == json.loads(json.dumps(live.conversation))
+    # the recorded tool result is what the replay sends, not a result of its own
+    recorded["conversation"][2]["content"] = "result 1: 42"
+    sent = []
+    stream = bench.stream_answer
+    monkeypatch.setattr(bench, "stream_answer", lambda c, m, messages, tools, *a: sent.append((list(messages), tools))
+                        or stream(c, m, messages, tools, *a))
+    replay = bench.replay_agent(client, NAME, turns("add please", "again"), recorded["conversation"],
+                                [tuple(r) for r in recorded["requests"]], count, max_tokens=64)
+    assert [len(m) for m, _ in sent] == [1, 3, 5, 7] and all(tools == [ADD] for _, tools in sent)
+    assert sent[1][0][2]["content"] == "result 1: 42" and sent[3][0] == recorded["conversation"][:7]
+    assert [(s.turn, s.calls, s.valid_calls) for s in replay.steps] == [(0, 1, 1), (0, 0, 0), (1, 1, 1), (1, 0, 0)]
+    assert replay.executed == [] and replay.error is None
+
+
+def test_a_replay_file_that_is_not_one_is_refused(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"id": "t0"}\n')
+    with pytest.raises(SystemExit, match="no task conversations"):
+        bench.read_conversations(bad)
+    with pytest.raises(SystemExit, match="not a conversations file"):
+        bench.read_conversations(tmp_path / "missing.jsonl.gz")
