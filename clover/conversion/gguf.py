@@ -27,6 +27,7 @@ import dataclasses
 import functools
 import json
 import re
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -214,8 +215,8 @@ class GGUFSource(Source):
 
 
 def gguf_tokenizer(path: Path, mask_token_id: int | None) -> Any:
-    """The tokenizer (and chat template) a GGUF's `tokenizer.ggml.*` metadata describes, rebuilt by transformers;
-    Clover's mask token (`clover.mask_token_id`) is marked as the mask token, with its trained row.
+    """The tokenizer (and chat template) a GGUF's `tokenizer.*` metadata describes, rebuilt by transformers from
+    the file alone; Clover's mask token (`clover.mask_token_id`) is marked as the mask token, with its trained row.
 
     Built by transformers' tokenizers backend straight from the file's tokenizer metadata. `AutoTokenizer` builds
     the same one but first reads a model config out of the file to pick a class, and for an architecture its fast
@@ -223,7 +224,12 @@ def gguf_tokenizer(path: Path, mask_token_id: int | None) -> Any:
     vocabulary field by field: seconds of a first use (tests/runners/test_llamacpp_plain.py compares the two)."""
     from transformers.tokenization_utils_tokenizers import TokenizersBackend  # deferred: only when one is read
 
-    tokenizer = TokenizersBackend.from_pretrained(str(path.parent), gguf_file=path.name)
+    # read from a directory that holds the file alone: given the file's own directory, transformers reads a
+    # `tokenizer.json` beside it instead of the file's tokenizer (clover-smol's export sits in its checkpoint's
+    # directory), and no chat template, so a server rendered the model's chats with Clover's template
+    with tempfile.TemporaryDirectory(prefix="clover-gguf-tokenizer-") as alone:
+        (Path(alone) / path.name).symlink_to(path.resolve())
+        tokenizer = TokenizersBackend.from_pretrained(alone, gguf_file=path.name)
     if mask_token_id is not None:
         tokenizer.mask_token = tokenizer.convert_ids_to_tokens(int(mask_token_id))
     return tokenizer

@@ -101,6 +101,8 @@ SPLIT_KV_CELLS = 512  # ... and splits a lone token's attention between the thre
 MAX_SEQ_IDS = 256  # llama.cpp's LLAMA_MAX_SEQ: every row's slot of ids (and the scratch id) must fit in it
 DEFAULT_MAX_CELLS = 16384  # the default KV budget (SmolLM2-135M: 23 KB per cell in f16, so ~380 MB)
 TOKENIZER_MANIFEST = "clover-manifest.json"  # a cached tokenizer's files and their sha256, written last
+TOKENIZER_CONVERSION = 2  # the conversion's version, in the cache's name: 2 reads the file alone, where 1 read a
+# `tokenizer.json` beside it instead, without a chat template (one converted by an older Clover is converted again)
 
 
 @dataclasses.dataclass
@@ -327,10 +329,10 @@ class LlamaCppRunner:
         Clover's mask token), so that every file of one tokenizer (another quantisation, a re-export, a copy) shares
         one conversion."""
         digest = self._header.metadata_digest(("tokenizer.", "clover.mask_token_id"))
-        return cache_root() / "gguf-tokenizers" / digest[:32]
+        return cache_root() / "gguf-tokenizers" / f"{digest[:32]}-v{TOKENIZER_CONVERSION}"
 
     def tokenizer(self) -> Any:
-        """The GGUF's tokenizer (with Clover's mask token and chat template), converted by `transformers`.
+        """The GGUF's tokenizer (with Clover's mask token and the file's chat template), converted by `transformers`.
         Converting it takes `transformers` tens of seconds, so the result is kept in Clover's cache directory,
         keyed by a hash of the file's tokenizer metadata (`tokenizer_cache_dir`): published whole (written apart, then renamed into
         place) with a manifest of its files' hashes, and rebuilt where the manifest is missing or disagrees (a

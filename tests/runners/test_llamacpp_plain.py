@@ -152,6 +152,7 @@ def test_the_gguf_tokenizer_equals_autotokenizers(which, twin, tmp_path):
 
     from clover.cli.main import main as clover_main
     from clover.conversion.gguf import gguf_tokenizer
+    from clover.conversion.gguf_header import read_header
 
     path = twin[0]
     if which == "clover":
@@ -167,3 +168,24 @@ def test_the_gguf_tokenizer_equals_autotokenizers(which, twin, tmp_path):
             assert fast.decode(ids) == auto.decode(ids)
     assert fast.chat_template == auto.chat_template and fast.special_tokens_map == auto.special_tokens_map
     assert len(fast) == len(auto) and fast.all_special_ids == auto.all_special_ids
+    template = read_header(path).get("tokenizer.chat_template")
+    assert "<|im_start|>" in template and fast.chat_template == template
+
+
+def test_the_gguf_tokenizer_is_the_files_whatever_lies_beside_it(tmp_path):
+    """A GGUF in a checkpoint's directory (clover-smol's export sits in its own): given the directory, transformers
+    reads a `tokenizer.json` beside the file instead of the file's tokenizer, and no chat template (so a server would
+    render the model's chats with Clover's template); `gguf_tokenizer` reads the file alone."""
+    import shutil
+
+    from clover.cli.main import main as clover_main
+    from clover.conversion.gguf import gguf_tokenizer
+    from clover.conversion.gguf_header import read_header
+    from clover.smol import clover_smol_dir
+
+    path = tmp_path / "smol.f16.gguf"
+    assert clover_main(["export", "clover-smol", str(path)]) == 0
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # no chat template in either
+        shutil.copy(clover_smol_dir() / name, tmp_path)
+    template = read_header(path).get("tokenizer.chat_template")
+    assert "<|im_start|>" in template and gguf_tokenizer(path, None).chat_template == template
