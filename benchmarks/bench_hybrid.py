@@ -3,7 +3,7 @@
 
     python benchmarks/bench_hybrid.py --threads 2 [--work DIR] [--experts-scale 1] [--prompts 3]
         [--max-new-tokens 96] [--init scaled] [--systems clover/fp32,clover/int4,llama.cpp/q4_0]
-        [--exact clover/fp32,clover/int4,llama.cpp/q4_0] [--acceptance 0.9,0.7,0.5,0]
+        [--exact clover/fp32,clover/int4,llama.cpp/q4_0] [--acceptance 0.9,0.7,0.5,0] [--threshold 16:0.9,4:1e-9,16:1e-9]
 
 The twin (`TWIN`: Qwen3.5-MoE's block pattern, 20 layers, 32 experts of which 4 routed plus a shared one, clover-smol's
 tokenizer; `--experts-scale 4`: 128 experts, the rest alike, drawn straight into int4 (`draw_int4`: its fp32 form,
@@ -25,6 +25,12 @@ own), after an untimed warm-up, on the same random prompts, greedy:
   block size 1's at every `p`. tok/s, tokens per forward, and the speedup over block size 1
   timed again beside it, prompt by prompt (a shared machine's slow moments then fall on both), whole requests and
   after the first token (the prefill, the same in both, left out);
+* Clover's runner only (the systems in `--exact`): the threshold rule, Clover's own block decoding (the llama.cpp
+  runner's DeltaNet is causal: block rules run on Clover's runner alone), at each `BLOCK:THRESHOLD` of
+  `--threshold`, timed beside block size 1 prompt by prompt as exact mode is: tok/s and tokens per forward. A random
+  twin's confidences are near-flat, so at the default threshold (0.9) a block forward commits one token, what a
+  block forward costs where the model is unsure; at a threshold below every confidence (1e-9) it commits the whole
+  block, the most a block forward of that size can give on this shape (its tokens are then not block size 1's);
 * the llama.cpp runner (when in `--exact`): exact mode with the same oracle drafts, sized by its cost table and at
   fixed counts, each answer timed beside block size 1's on the same prompt (`llamacpp_exact`);
 * accuracy: the int4 twin's logits against the fp32 twin's on the fp32 twin's greedy answers (teacher-forced):
@@ -246,6 +252,7 @@ def worker(kind: str, path: str, job: dict) -> dict:
         result["projection_35b"] = projection(model.model, result["tok_s"])
     if kind == "clover" and job["exact"]:
         result["rows_cost"] = rows_cost(model)
+        result["threshold"] = threshold_rule(model, prompts, job)  # before exact mode, which runs the causal path only
         result.update(exact_mode(model, prompts, sequences, job))
         # fp32 reads its own answers; int4 reads fp32's
         result["teacher_forced"] = teacher_forced(model, prompts, job.get("reference_sequences") or sequences,
@@ -290,6 +297,32 @@ def exact_mode(runner: Any, prompts: list[list[int]], sequences: list[list[int]]
                                     "block_size_1_tok_s_beside": tokens / seconds["block1"],
                                     "speedup": seconds["block1"] / seconds["exact"],
                                     "decode_speedup": decode["block1"] / decode["exact"]}
+    return out
+
+
+def threshold_rule(runner: Any, prompts: list[list[int]], job: dict) -> dict[str, Any]:
+    """The threshold rule at each `(block size, threshold)` of `job["threshold"]` (module docstring), each request
+    timed beside block size 1's on the same prompt, which runs first alternating by prompt."""
+    from clover.engine import generate
+
+    out: dict[str, Any] = {}
+    for block_size, threshold in job["threshold"]:
+        generate(runner, prompts[:1], max_new_tokens=4, block_size=block_size, threshold=threshold)  # warm-up
+        tokens, forwards, seconds = 0, 0, {"block": 0.0, "block1": 0.0}
+        for i, prompt in enumerate(prompts):
+            order = (("block1", 1), ("block", block_size))
+            for name, size in order if i % 2 == 0 else order[::-1]:
+                start = time.perf_counter()
+                res = generate(runner, [prompt], max_new_tokens=job["max_new_tokens"], block_size=size,
+                               threshold=threshold, rule="threshold")
+                seconds[name] += time.perf_counter() - start
+                if name == "block":
+                    tokens += len(res.sequences[0])
+                    forwards += res.stats[0]["forward_passes"]
+        out[f"{block_size}:{threshold:g}"] = {
+            "block_size": block_size, "threshold": threshold, "tok_s": tokens / seconds["block"], "tokens": tokens,
+            "forwards": forwards, "tokens_per_forward": tokens / max(forwards, 1),
+            "block_size_1_tok_s_beside": tokens / seconds["block1"], "speedup": seconds["block1"] / seconds["block"]}
     return out
 
 
@@ -571,6 +604,9 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--acceptance", default="0.9,0.7,0.5,0")
+    parser.add_argument("--threshold", default="16:0.9,4:1e-9,16:1e-9",
+                        help="BLOCK:THRESHOLD pairs of the threshold rule measured on the systems in --exact "
+                        "(Clover's runner only; none: empty)")
     parser.add_argument("--systems", default="clover/fp32,clover/int4,llama.cpp/q4_0")
     parser.add_argument("--exact", default="clover/fp32,clover/int4,llama.cpp/q4_0",
                         help="the systems whose exact mode is measured, and for Clover's the cost of k rows (the "
@@ -604,6 +640,7 @@ def main() -> None:
         kind = "clover" if runner == "clover" else "llamacpp"
         job = {"threads": args.threads, "prompts": prompts, "max_new_tokens": args.max_new_tokens,
                "acceptance": [float(p) for p in args.acceptance.split(",")], "exact": name in args.exact.split(","),
+               "threshold": threshold_pairs(args.threshold),
                "result": str(work / f"{name.replace('/', '_')}.json"),
                "logits_out": str(work / f"{name.replace('/', '_')}.logits.safetensors")}
         job["reference_sequences"] = systems.get("clover/fp32", {}).get("sequences")
@@ -633,6 +670,9 @@ def main() -> None:
             print(f"  exact p={p}: {e['tok_s']:.2f} tok/s ({exact_speedup(e):.2f}x block size 1 timed beside it"
                   f"{after}), {e['tokens_per_forward']:.2f} tokens/forward, equal to block size 1: "
                   f"{e['equal_to_block_size_1']}", flush=True)
+        for key, e in s.get("threshold", {}).items():
+            print(f"  threshold rule, block:threshold {key}: {e['tok_s']:.2f} tok/s ({e['speedup']:.2f}x block size 1 "
+                  f"timed beside it), {e['tokens_per_forward']:.2f} tokens/forward", flush=True)
     report = summarise(systems, work, args)
     report.update({"command": " ".join(sys.argv), "machine": machine(args.threads), "twin": {
         **TWIN, "num_experts": config.num_experts, "init": args.init}, "twin_parameters": _parameters(config),
@@ -648,6 +688,20 @@ def main() -> None:
                   f"{t['near_ties_only']}") if t["partings"] else "no parting"
         print(f"int4 against fp32, teacher-forced: top-1 agreement {a['top1_agreement']:.3f} ({t['partings']} of "
               f"{t['positions']} positions part); {parted}")
+
+
+def threshold_pairs(text: str) -> list[tuple[int, float]]:
+    """`--threshold`'s `BLOCK:THRESHOLD` pairs, e.g. "16:0.9,4:1e-9"."""
+    pairs = []
+    for item in filter(None, text.split(",")):
+        try:
+            block, threshold = item.split(":")
+            pairs.append((int(block), float(threshold)))
+        except ValueError:
+            raise SystemExit(f"--threshold takes BLOCK:THRESHOLD pairs (e.g. 16:0.9,4:1e-9), got {item!r}") from None
+        if pairs[-1][0] < 2 or not 0 < pairs[-1][1] <= 1:
+            raise SystemExit(f"--threshold {item!r}: a block of at least 2 tokens and a threshold in (0, 1]")
+    return pairs
 
 
 def exact_speedup(result: dict[str, Any]) -> float:
@@ -669,6 +723,9 @@ def summarise(systems: dict[str, dict[str, Any]], work: Path, args: argparse.Nam
             ratios[f"{name} exact p={p} / block size 1"] = exact_speedup(e)
             if "decode_speedup" in e:
                 ratios[f"{name} exact p={p} / block size 1, after the first token"] = e["decode_speedup"]
+        for key, e in s.get("threshold", {}).items():
+            ratios[f"{name} threshold rule {key} / block size 1"] = e["speedup"]
+            ratios[f"{name} threshold rule {key} tokens per forward"] = e["tokens_per_forward"]
         if "cost_ms" in s:
             one = s["cost_ms"]["1"]
             ratios[f"{name} cost of k rows / 1 row (cost table)"] = {k: round(v / one, 2)

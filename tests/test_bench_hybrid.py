@@ -69,3 +69,27 @@ def test_oracle_drafting_swaps_exact_modes_copied_drafts_inside_the_block_only()
         assert len(drafted) == 3 and all(d != a for d, a in zip(drafted, answer[2:]))  # p = 0: every one replaced
         raise RuntimeError
     assert exact.copied_drafts is own
+
+
+def test_the_threshold_rule_below_every_confidence_commits_whole_blocks_and_is_timed_beside_block_size_1():
+    """`threshold_rule` on a tiny hybrid: at a threshold of 1e-9 each block forward commits the block (tokens per forward is
+    the block size, but for the prompt's forward), at 1 only positions the tiny model is certain of; every figure the report prints is there."""
+    from clover.engine.runner import as_runner
+
+    runner = as_runner(tiny_model("clover-tiny"))
+    prompts = [[3, 4, 5, 6], [7, 8, 9]]
+    job = {"threshold": bench.threshold_pairs("4:1e-9,4:1"), "max_new_tokens": 16}
+    out = bench.threshold_rule(runner, prompts, job)
+    assert set(out) == {"4:1e-09", "4:1"}
+    whole, one = out["4:1e-09"], out["4:1"]
+    assert whole["tokens"] == one["tokens"] == 32
+    assert whole["forwards"] <= 2 * (16 // 4 + 1) and whole["tokens_per_forward"] >= 3.2
+    assert one["tokens_per_forward"] < 2 < whole["tokens_per_forward"]  # at 1 only certain positions are committed
+    for e in out.values():
+        assert e["tok_s"] > 0 and e["block_size_1_tok_s_beside"] > 0 and e["speedup"] > 0
+    with pytest.raises(SystemExit, match="BLOCK:THRESHOLD"):
+        bench.threshold_pairs("16")
+    with pytest.raises(SystemExit, match="at least 2"):
+        bench.threshold_pairs("1:0.5")
+    with pytest.raises(SystemExit, match="threshold in"):
+        bench.threshold_pairs("4:0")
