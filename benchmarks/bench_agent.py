@@ -313,12 +313,15 @@ def read_calls(answer: Answer, step_id: str) -> tuple[list[Call], int, str]:
     """(calls with ids, malformed calls left in the content, the content without the calls read from it).
 
     The server's calls first, then the well-formed `<tool_call>` blocks of the content (servers that do not parse
-    them); a `<tool_call>` that does not parse stays in the content and is counted as malformed."""
+    them); a `<tool_call>` that does not parse stays in the content and is counted as malformed. A block the length
+    limit cut is dropped, as Clover's server drops it from the content it streams (`parse_assistant_output`'s
+    `cut`): so every server's answer is counted alike (a looping answer's `<tool_call>`s, cut at the limit, are
+    no calls written in either)."""
     from clover.assistant_output import parse_assistant_output
 
     calls = [Call(c["id"] or f"call_{step_id}_{i}", c["name"], c["arguments"], _parse_args(c["arguments"]))
              for i, c in enumerate(answer.tool_calls)]
-    content, _, found = parse_assistant_output(answer.content)
+    content, _, found = parse_assistant_output(answer.content, cut=answer.finish_reason == "length")
     for c in found:
         fn = c["function"]
         calls.append(Call(f"call_{step_id}_{len(calls)}", fn["name"], fn["arguments"], json.loads(fn["arguments"])))

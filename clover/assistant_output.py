@@ -186,15 +186,16 @@ class OutputParser:
 
 def parse_assistant_output(text: str, thinking: bool | None = None, tools: bool = True,
                            tool_format: ToolFormat = HERMES, schemas: dict[str, Any] | None = None,
-                           ) -> tuple[str, str | None, list[dict[str, Any]]]:
+                           cut: bool = False) -> tuple[str, str | None, list[dict[str, Any]]]:
     """The whole text at once: `(content, reasoning or None, tool calls)`, each call in OpenAI's form
     `{"id": "call_<i>", "type": "function", "function": {"name", "arguments": "<json>"}}`. `thinking` None: the
-    text starts inside reasoning when it closes a `</think>` it did not open."""
+    text starts inside reasoning when it closes a `</think>` it did not open. `cut`: the length limit ended the
+    text, so a call block it ends inside is dropped, not content (`OutputParser.finish`, as the server streams)."""
     if thinking is None:
         end = text.find(END_THINK)
         thinking = end >= 0 and THINK not in text[:end]
     parser = OutputParser(thinking, tools, tool_format, schemas)
-    delta = parser.feed(text) + parser.finish()
+    delta = parser.feed(text) + parser.finish(cut)
     calls = [{"id": f"call_{i}", "type": "function", "function": c} for i, c in enumerate(whole_calls(delta.tool_calls))]
     return delta.content, delta.reasoning or None, calls
 

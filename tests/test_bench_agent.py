@@ -94,6 +94,21 @@ def test_malformed_and_unknown_calls_are_counted_not_executed(client, count):
     assert run.steps[0].rejected == [bench.MALFORMED] and "subtract" in run.steps[1].rejected[0]
 
 
+def test_a_call_block_cut_by_the_length_limit_is_counted_alike_for_every_server():
+    """A looping answer cut at the limit inside a `<tool_call>` block: Clover's server drops the cut block from the
+    content it streams, so reading a text-parsing server's answer drops it too (no call written by either); the
+    same text ended by the model itself keeps its malformed call counted."""
+    text = "Here is the report:\n\n<tool_call>\n\n<tool_call>\n\n<tool_call>\n"
+
+    def answer(finish: str) -> bench.Answer:
+        return bench.Answer(text, "", [], "", 0.1, 0.2, None, finish)
+
+    calls, malformed, content = bench.read_calls(answer("length"), "s0")
+    assert (calls, malformed, content) == ([], 0, "Here is the report:")
+    calls, malformed, _ = bench.read_calls(answer("stop"), "s0")
+    assert calls == [] and malformed == 3  # the unclosed block stays in the content, each opening counted
+
+
 def test_step_limit_ends_the_run(client, count):
     backend = FakeBackend()
     run = bench.run_agent(client, NAME, turns("loop forever", "never reached"), backend, count,

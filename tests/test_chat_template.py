@@ -165,6 +165,9 @@ def test_parse_assistant_output_is_whitespace_tolerant_and_keeps_malformed_calls
     assert parse_assistant_output("just text") == ("just text", None, [])
     assert parse_assistant_output("<think>cut short") == ("", "cut short", [])
     assert parse_assistant_output('<tool_call>{"name": "f", "arguments": [1]}</tool_call>')[2] == []
+    # the length limit cut the text inside a call block: dropped (as the server streams it), not content
+    assert parse_assistant_output('Hi <tool_call>{"name": "f", "argu', cut=True) == ("Hi", None, [])
+    assert parse_assistant_output('Hi <tool_call>{"name": "f", "argu')[0] == 'Hi <tool_call>{"name": "f", "argu'
 
 
 @pytest.mark.slow
