@@ -3,7 +3,8 @@
 
     python benchmarks/bench_hybrid.py --threads 2 [--work DIR] [--experts-scale 1] [--prompts 3]
         [--max-new-tokens 96] [--init scaled] [--systems clover/fp32,clover/int4,llama.cpp/q4_0]
-        [--exact clover/fp32,clover/int4,llama.cpp/q4_0] [--acceptance 0.9,0.7,0.5,0] [--threshold 16:0.9,4:1e-9,16:1e-9]
+        [--exact clover/fp32,clover/int4,llama.cpp/q4_0] [--acceptance 0.9,0.7,0.5,0]
+        [--threshold 16:0.9,4:1e-9,16:1e-9]
 
 The twin (`TWIN`: Qwen3.5-MoE's block pattern, 20 layers, 32 experts of which 4 routed plus a shared one, clover-smol's
 tokenizer; `--experts-scale 4`: 128 experts, the rest alike, drawn straight into int4 (`draw_int4`: its fp32 form,
@@ -307,7 +308,8 @@ def threshold_rule(runner: Any, prompts: list[list[int]], job: dict) -> dict[str
 
     out: dict[str, Any] = {}
     for block_size, threshold in job["threshold"]:
-        generate(runner, prompts[:1], max_new_tokens=4, block_size=block_size, threshold=threshold)  # warm-up
+        generate(runner, prompts[:1], max_new_tokens=4, block_size=block_size, threshold=threshold,
+                 rule="threshold")  # warm-up
         tokens, forwards, seconds = 0, 0, {"block": 0.0, "block1": 0.0}
         for i, prompt in enumerate(prompts):
             order = (("block1", 1), ("block", block_size))

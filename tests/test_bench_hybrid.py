@@ -72,8 +72,9 @@ def test_oracle_drafting_swaps_exact_modes_copied_drafts_inside_the_block_only()
 
 
 def test_the_threshold_rule_below_every_confidence_commits_whole_blocks_and_is_timed_beside_block_size_1():
-    """`threshold_rule` on a tiny hybrid: at a threshold of 1e-9 each block forward commits the block (tokens per forward is
-    the block size, but for the prompt's forward), at 1 only positions the tiny model is certain of; every figure the report prints is there."""
+    """`threshold_rule` on a tiny hybrid: at a threshold of 1e-9 each block forward commits the block (tokens per
+    forward is the block size, but for the prompt's forward), at 1 only positions the tiny model is certain of;
+    every figure the report prints is there."""
     from clover.engine.runner import as_runner
 
     runner = as_runner(tiny_model("clover-tiny"))
