@@ -371,11 +371,9 @@ def run_agent(client: Any, model: str, turns: list[Turn], backend: ToolBackend, 
             except openai.APIError as exc:
                 run.error = f"{type(exc).__name__}: {str(exc)[:200]}"
                 return run
-            calls, malformed, content = read_calls(answer, f"{t}_{s}")
-            problems = {c.id: call_problem(c, names) for c in calls}
+            step, calls, problems, content = judge(t, answer, f"{t}_{s}", names, count_tokens)
             valid = [c for c in calls if problems[c.id] is None]
-            rejected = [p for p in problems.values() if p] + [MALFORMED] * malformed
-            run.steps.append(_step(t, answer, len(calls) + malformed, len(valid), rejected, count_tokens))
+            run.steps.append(step)
             run.executed[-1].append([(c.name, c.args) for c in valid])
             message: dict[str, Any] = {"role": "assistant", "content": content}
             if answer.reasoning:
@@ -426,12 +424,21 @@ def replay_agent(client: Any, model: str, turns: list[Turn], conversation: list[
         except openai.APIError as exc:
             run.error = f"{type(exc).__name__}: {str(exc)[:200]}"
             break
-        calls, malformed, _ = read_calls(answer, f"{t}_{i}")
         names = {tool["function"]["name"] for tool in tools}
-        problems = [call_problem(c, names) for c in calls]
-        rejected = [p for p in problems if p] + [MALFORMED] * malformed
-        run.steps.append(_step(t, answer, len(calls) + malformed, problems.count(None), rejected, count_tokens))
+        run.steps.append(judge(t, answer, f"{t}_{i}", names, count_tokens)[0])
     return run
+
+
+def judge(turn: int, answer: Answer, step_id: str, names: set[str],
+          count_tokens: Callable[[str], int]) -> tuple[Step, list[Call], dict[str, str | None], str]:
+    """An answer's calls read (`read_calls`) and judged (`call_problem`), and its request's record (`_step`): what
+    `run_agent` and `replay_agent` count alike. Returns the record, the calls, each call's problem by its id (None:
+    it can run) and the content without the calls."""
+    calls, malformed, content = read_calls(answer, step_id)
+    problems = {c.id: call_problem(c, names) for c in calls}
+    rejected = [p for p in problems.values() if p] + [MALFORMED] * malformed
+    valid = sum(p is None for p in problems.values())
+    return _step(turn, answer, len(calls) + malformed, valid, rejected, count_tokens), calls, problems, content
 
 
 def _step(turn: int, answer: Answer, calls: int, valid: int, rejected: list[str],

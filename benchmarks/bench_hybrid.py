@@ -276,28 +276,22 @@ def exact_mode(runner: Any, prompts: list[list[int]], sequences: list[list[int]]
         with oracle_drafting(references, p):
             generate(runner, prompts[:1], max_new_tokens=4, block_size=EXACT_BLOCK, rule="exact")  # warm-up
             tokens, forwards, equal = 0, 0, True
-            seconds = {"exact": 0.0, "block1": 0.0}  # whole requests
-            decode = {"exact": 0.0, "block1": 0.0}  # after the first token (the same prefill in both)
+            seconds = {"other": 0.0, "block1": 0.0}  # whole requests: exact mode's, block size 1's
+            decode = {"other": 0.0, "block1": 0.0}  # after the first token (the same prefill in both)
             for i, (prompt, reference) in enumerate(zip(prompts, sequences)):
-                # block size 1 timed again beside each exact run: a shared machine's slow moments fall on both; which
-                # runs first alternates by prompt, so an effect of the order falls on both too
-                order = (("block1", "threshold"), ("exact", "exact"))
-                for name, rule in order if i % 2 == 0 else order[::-1]:
-                    start = time.perf_counter()
-                    res = generate(runner, [prompt], max_new_tokens=job["max_new_tokens"],
-                                   block_size=1 if rule == "threshold" else EXACT_BLOCK, rule=rule)
-                    took = time.perf_counter() - start
+                for name, (res, took) in timed_beside(runner, prompt, i, job["max_new_tokens"], block_size=EXACT_BLOCK,
+                                                      rule="exact").items():
                     seconds[name] += took
                     decode[name] += took - res.stats[0]["time_to_first_token_s"]
-                    if name == "exact":
+                    if name == "other":
                         tokens += len(res.sequences[0])
                         forwards += res.stats[0]["forward_passes"]
                         equal &= res.sequences[0] == reference
-            out["exact"][str(p)] = {"tok_s": tokens / seconds["exact"], "tokens": tokens, "forwards": forwards,
+            out["exact"][str(p)] = {"tok_s": tokens / seconds["other"], "tokens": tokens, "forwards": forwards,
                                     "tokens_per_forward": tokens / max(forwards, 1), "equal_to_block_size_1": equal,
                                     "block_size_1_tok_s_beside": tokens / seconds["block1"],
-                                    "speedup": seconds["block1"] / seconds["exact"],
-                                    "decode_speedup": decode["block1"] / decode["exact"]}
+                                    "speedup": seconds["block1"] / seconds["other"],
+                                    "decode_speedup": decode["block1"] / decode["other"]}
     return out
 
 
@@ -310,21 +304,34 @@ def threshold_rule(runner: Any, prompts: list[list[int]], job: dict) -> dict[str
     for block_size, threshold in job["threshold"]:
         generate(runner, prompts[:1], max_new_tokens=4, block_size=block_size, threshold=threshold,
                  rule="threshold")  # warm-up
-        tokens, forwards, seconds = 0, 0, {"block": 0.0, "block1": 0.0}
+        tokens, forwards, seconds = 0, 0, {"other": 0.0, "block1": 0.0}
         for i, prompt in enumerate(prompts):
-            order = (("block1", 1), ("block", block_size))
-            for name, size in order if i % 2 == 0 else order[::-1]:
-                start = time.perf_counter()
-                res = generate(runner, [prompt], max_new_tokens=job["max_new_tokens"], block_size=size,
-                               threshold=threshold, rule="threshold")
-                seconds[name] += time.perf_counter() - start
-                if name == "block":
+            for name, (res, took) in timed_beside(runner, prompt, i, job["max_new_tokens"], block_size=block_size,
+                                                  threshold=threshold, rule="threshold").items():
+                seconds[name] += took
+                if name == "other":
                     tokens += len(res.sequences[0])
                     forwards += res.stats[0]["forward_passes"]
         out[f"{block_size}:{threshold:g}"] = {
-            "block_size": block_size, "threshold": threshold, "tok_s": tokens / seconds["block"], "tokens": tokens,
+            "block_size": block_size, "threshold": threshold, "tok_s": tokens / seconds["other"], "tokens": tokens,
             "forwards": forwards, "tokens_per_forward": tokens / max(forwards, 1),
-            "block_size_1_tok_s_beside": tokens / seconds["block1"], "speedup": seconds["block1"] / seconds["block"]}
+            "block_size_1_tok_s_beside": tokens / seconds["block1"], "speedup": seconds["block1"] / seconds["other"]}
+    return out
+
+
+def timed_beside(runner: Any, prompt: list[int], i: int, max_new_tokens: int,
+                 **options: Any) -> dict[str, tuple[Any, float]]:
+    """`prompt` decoded at block size 1 (`"block1"`) and with `options` (`"other"`), each with its seconds: block
+    size 1 timed again beside every run it is compared with, so a shared machine's slow moments fall on both, and
+    which runs first alternating with the prompt's index `i`, so an effect of the order falls on both too."""
+    from clover.engine import generate
+
+    order = [("block1", {"block_size": 1, "rule": "threshold"}), ("other", options)]
+    out = {}
+    for name, kwargs in order if i % 2 == 0 else order[::-1]:
+        start = time.perf_counter()
+        res = generate(runner, [prompt], max_new_tokens=max_new_tokens, **kwargs)
+        out[name] = (res, time.perf_counter() - start)
     return out
 
 
