@@ -54,7 +54,7 @@ import random
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -320,18 +320,24 @@ def threshold_rule(runner: Any, prompts: list[list[int]], job: dict) -> dict[str
 
 
 def timed_beside(runner: Any, prompt: list[int], i: int, max_new_tokens: int,
+                 announce: Callable[[str | None], None] | None = None,
                  **options: Any) -> dict[str, tuple[Any, float]]:
     """`prompt` decoded at block size 1 (`"block1"`) and with `options` (`"other"`), each with its seconds: block
     size 1 timed again beside every run it is compared with, so a shared machine's slow moments fall on both, and
-    which runs first alternating with the prompt's index `i`, so an effect of the order falls on both too."""
+    which runs first alternating with the prompt's index `i`, so an effect of the order falls on both too.
+    `announce`: told each request's name as it starts, and None after the last (to count work by system)."""
     from clover.engine import generate
 
     order = [("block1", {"block_size": 1, "rule": "threshold"}), ("other", options)]
     out = {}
     for name, kwargs in order if i % 2 == 0 else order[::-1]:
+        if announce is not None:
+            announce(name)
         start = time.perf_counter()
         res = generate(runner, [prompt], max_new_tokens=max_new_tokens, **kwargs)
         out[name] = (res, time.perf_counter() - start)
+    if announce is not None:
+        announce(None)
     return out
 
 
@@ -641,8 +647,7 @@ def main() -> None:
     if missing:
         raise SystemExit(f"--experts-scale {args.experts_scale} builds the int4 twin only (its fp32 form does not fit "
                          f"in memory beside other work): drop {','.join(missing)} from --systems")
-    rng = random.Random(0)
-    prompts = [[rng.randrange(config.vocab_size - 1) for _ in range(args.prompt_len)] for _ in range(args.prompts)]
+    prompts = twin_prompts(config.vocab_size, args.prompts, args.prompt_len)
     systems: dict[str, dict[str, Any]] = {}
     for name in args.systems.split(","):
         runner, form = name.split("/")
@@ -697,6 +702,13 @@ def main() -> None:
                   f"{t['near_ties_only']}") if t["partings"] else "no parting"
         print(f"int4 against fp32, teacher-forced: top-1 agreement {a['top1_agreement']:.3f} ({t['partings']} of "
               f"{t['positions']} positions part); {parted}")
+
+
+def twin_prompts(vocab_size: int, n: int, length: int) -> list[list[int]]:
+    """The benchmark's `n` random prompts of `length` token ids (seeded: every script that times the twin reads the
+    same ones)."""
+    rng = random.Random(0)
+    return [[rng.randrange(vocab_size - 1) for _ in range(length)] for _ in range(n)]
 
 
 def threshold_pairs(text: str) -> list[tuple[int, float]]:

@@ -22,14 +22,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import sys
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from bench_hybrid import EXACT_BLOCK, RESULTS, oracle_drafting  # noqa: E402
+from bench_hybrid import EXACT_BLOCK, RESULTS, oracle_drafting, twin_prompts  # noqa: E402
 
 TWIN_VOCAB = 49152  # the twin's vocabulary: clover-smol's tokenizer
 
@@ -93,8 +92,7 @@ def main() -> None:
     ms = measured["systems"][args.system]["cost_ms"]
     table = ForwardCost([int(r) for r in ms], [v / 1e3 for v in ms.values()], key={"kind": "measured"})
     runner = stand_in(TWIN_VOCAB)
-    rng = random.Random(0)  # bench_hybrid's prompts
-    prompts = [[rng.randrange(TWIN_VOCAB - 1) for _ in range(args.prompt_len)] for _ in range(args.prompts)]
+    prompts = twin_prompts(TWIN_VOCAB, args.prompts, args.prompt_len)
     print(f"cost table of {args.system} in {args.results} (k rows / 1): "
           f"{ {r: round(table(r) / table(1), 3) for r in table.rows} }")
     for p in (float(x) for x in args.acceptance.split(",")):
